@@ -1,0 +1,114 @@
+// Store path per preset at head_dim 128: normalize, rotate, search, pack, for
+// the key and the value of each token, next to a memcpy of the same token's
+// bf16 bytes (the cost of storing it uncompressed).
+//
+//   build/bin/store_bench --benchmark_counter_table=true
+//
+// bytes_per_second counts bf16-equivalent input bytes (4 * head_dim per
+// token-head) for every row, so the rows compare directly.
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "kernels/codec.h"
+#include "kernels/cpu_features.h"
+#include "kernels/float_formats.h"
+#include "kernels/preset.h"
+#include "kernels/random.h"
+
+namespace tqkv {
+namespace {
+
+constexpr int kHeadDim = 128;
+constexpr int kTokens = 4096;  // token-heads per iteration
+
+std::vector<float> Inputs() {
+  Random rng(1);
+  std::vector<float> x(static_cast<size_t>(kTokens) * kHeadDim);
+  for (float& v : x) v = static_cast<float>(rng.NextGaussian());
+  return x;
+}
+
+void BM_StorePreset(benchmark::State& state, const Preset* preset) {
+  CodecOptions options;
+  options.head_dim = kHeadDim;
+  options.seed = 7;
+  const std::vector<float> keys = Inputs();
+  const std::vector<float> values = Inputs();
+  if (preset->key.NeedsCalibration()) {
+    options.hot_channels = ChooseHotChannels(keys.data(), kTokens, kHeadDim,
+                                             preset->key.HotChannels(kHeadDim));
+  }
+  auto key_codec = MakeCodec(preset->key, options);
+  auto value_codec = MakeCodec(preset->value, options);
+  if (!key_codec.ok() || !value_codec.ok()) {
+    state.SkipWithError("codec creation failed");
+    return;
+  }
+  const VectorCodec& k = **key_codec;
+  const VectorCodec& v = **value_codec;
+  std::vector<uint8_t> key_codes(static_cast<size_t>(kTokens) * k.code_bytes());
+  std::vector<uint16_t> key_scalars(static_cast<size_t>(kTokens) * k.num_scalars() + 1);
+  std::vector<uint8_t> value_codes(static_cast<size_t>(kTokens) * v.code_bytes());
+  std::vector<uint16_t> value_scalars(static_cast<size_t>(kTokens) * v.num_scalars() + 1);
+  for (auto _ : state) {
+    for (int t = 0; t < kTokens; ++t) {
+      benchmark::DoNotOptimize(k.Encode(&keys[t * kHeadDim], &key_codes[t * k.code_bytes()],
+                                        &key_scalars[t * k.num_scalars()]));
+      benchmark::DoNotOptimize(v.Encode(&values[t * kHeadDim], &value_codes[t * v.code_bytes()],
+                                        &value_scalars[t * v.num_scalars()]));
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * kTokens);
+  state.SetBytesProcessed(state.iterations() * kTokens * 4 * kHeadDim);
+  state.counters["bytes_per_token_head"] = preset->BytesPerTokenHead(kHeadDim);
+}
+
+// The uncompressed baseline: the same token-heads as bf16, copied into place.
+void BM_MemcpyBf16(benchmark::State& state) {
+  std::vector<uint16_t> source(static_cast<size_t>(kTokens) * 2 * kHeadDim);
+  std::vector<uint16_t> destination(source.size());
+  for (size_t i = 0; i < source.size(); ++i) source[i] = FloatToBf16(static_cast<float>(i % 97));
+  for (auto _ : state) {
+    memcpy(destination.data(), source.data(), source.size() * sizeof(uint16_t));
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * kTokens);
+  state.SetBytesProcessed(state.iterations() * kTokens * 4 * kHeadDim);
+  state.counters["bytes_per_token_head"] = 4 * kHeadDim;
+}
+
+// Also converting fp32 activations to bf16, which an uncompressed store must do.
+void BM_ConvertAndCopyBf16(benchmark::State& state) {
+  const std::vector<float> keys = Inputs();
+  const std::vector<float> values = Inputs();
+  std::vector<uint16_t> destination(static_cast<size_t>(kTokens) * 2 * kHeadDim);
+  for (auto _ : state) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      destination[2 * i] = FloatToBf16(keys[i]);
+      destination[2 * i + 1] = FloatToBf16(values[i]);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * kTokens);
+  state.SetBytesProcessed(state.iterations() * kTokens * 4 * kHeadDim);
+}
+
+int RegisterAll() {
+  benchmark::RegisterBenchmark("memcpy_bf16", BM_MemcpyBf16);
+  benchmark::RegisterBenchmark("convert_copy_bf16", BM_ConvertAndCopyBf16);
+  for (const Preset& preset : AllPresets()) {
+    benchmark::RegisterBenchmark(("store/" + std::string(preset.name)).c_str(), BM_StorePreset,
+                                 &preset);
+  }
+  return 0;
+}
+
+const int kRegistered = RegisterAll();
+
+}  // namespace
+}  // namespace tqkv
+
+BENCHMARK_MAIN();

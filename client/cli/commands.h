@@ -1,0 +1,33 @@
+// The tqkv CLI's subcommands. Each takes the arguments after its name and
+// returns the process exit code: 0 on success, 1 when the work failed (bad
+// input data, I/O), 2 for a usage error (unknown or malformed flags).
+#ifndef TQKV_CLIENT_CLI_COMMANDS_H_
+#define TQKV_CLIENT_CLI_COMMANDS_H_
+
+#include <string_view>
+#include <vector>
+
+namespace tqkv {
+namespace cli {
+
+struct Command {
+  std::string_view name;
+  std::string_view summary;
+  int (*run)(int argc, const char* const* argv);
+};
+
+// Offline subcommands (no server): codebooks, codecs and presets on .npy data.
+int RunDistortion(int argc, const char* const* argv);
+int RunCodebook(int argc, const char* const* argv);
+int RunRoundtrip(int argc, const char* const* argv);
+int RunEval(int argc, const char* const* argv);
+int RunSynth(int argc, const char* const* argv);
+int RunPresets(int argc, const char* const* argv);
+
+// Every subcommand, in the order `tqkv --help` lists them.
+const std::vector<Command>& AllCommands();
+
+}  // namespace cli
+}  // namespace tqkv
+
+#endif  // TQKV_CLIENT_CLI_COMMANDS_H_

@@ -1,0 +1,39 @@
+// tqkv: the command-line client. `tqkv <subcommand> --help` documents each.
+#include <cstdio>
+#include <string_view>
+
+#include "client/cli/commands.h"
+
+namespace {
+
+void PrintUsage(FILE* out) {
+  fprintf(out,
+          "usage: tqkv <subcommand> [flags]\n\n"
+          "TurboQuant KV-cache compression: codecs, presets and quality on the command line.\n\n"
+          "subcommands:\n");
+  for (const tqkv::cli::Command& command : tqkv::cli::AllCommands()) {
+    fprintf(out, "  %-12.*s %.*s\n", static_cast<int>(command.name.size()), command.name.data(),
+            static_cast<int>(command.summary.size()), command.summary.data());
+  }
+  fprintf(out, "\n`tqkv <subcommand> --help` lists a subcommand's flags.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    PrintUsage(stderr);
+    return 2;
+  }
+  const std::string_view name = argv[1];
+  if (name == "--help" || name == "-h" || name == "help") {
+    PrintUsage(stdout);
+    return 0;
+  }
+  for (const tqkv::cli::Command& command : tqkv::cli::AllCommands()) {
+    if (command.name == name) return command.run(argc - 2, argv + 2);
+  }
+  fprintf(stderr, "tqkv: unknown subcommand '%s'\n\n", argv[1]);
+  PrintUsage(stderr);
+  return 2;
+}

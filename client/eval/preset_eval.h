@@ -1,0 +1,54 @@
+// Per-preset attention quality on given keys, queries and (optionally) values:
+// the engine of `tqkv eval`. Scores go through the codec's rotated-domain path
+// and values through its accumulate path, exactly what the attention kernels
+// compute, and are compared with exact float64 attention over the originals.
+#ifndef TQKV_CLIENT_EVAL_PRESET_EVAL_H_
+#define TQKV_CLIENT_EVAL_PRESET_EVAL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/eval/quality.h"
+#include "kernels/preset.h"
+
+namespace tqkv {
+namespace eval {
+
+// Row-major float32 inputs for one head: keys and values [num_keys, head_dim],
+// queries [num_queries, head_dim]. values may be empty.
+struct EvalInputs {
+  int head_dim = 0;
+  int64_t num_keys = 0;
+  int64_t num_queries = 0;
+  const float* keys = nullptr;
+  const float* queries = nullptr;
+  const float* values = nullptr;  // optional
+  // Seeds the codecs' rotations.
+  uint64_t seed = 0;
+  // Calibration keys for presets that need hot channels ([n, head_dim]); the
+  // evaluated keys themselves when null.
+  const float* calibration_keys = nullptr;
+  int64_t num_calibration_keys = 0;
+};
+
+struct PresetEvaluation {
+  std::string preset;
+  int bytes_per_token_head = 0;
+  double compression_vs_bf16 = 0.0;
+  // sum ||k - k_hat||^2 / sum ||k||^2 over the keys (and the same for values;
+  // NaN without values).
+  double key_rel_mse = 0.0;
+  double value_rel_mse = 0.0;
+  AttentionQuality quality;
+};
+
+// Fails with INVALID_ARGUMENT for empty or inconsistent inputs and whatever
+// the codecs reject (non-finite values, ranges beyond fp16).
+absl::StatusOr<PresetEvaluation> EvaluatePreset(const Preset& preset, const EvalInputs& inputs);
+
+}  // namespace eval
+}  // namespace tqkv
+
+#endif  // TQKV_CLIENT_EVAL_PRESET_EVAL_H_

@@ -1,0 +1,49 @@
+#include "kernels/bitpack.h"
+
+#include <cstring>
+
+namespace tqkv {
+
+void PackBits(const uint8_t* codes, int n, int bits, uint8_t* out) {
+  const uint32_t mask = (1u << bits) - 1u;
+  if (bits == 8) {
+    memcpy(out, codes, n);
+    return;
+  }
+  // A 64-bit accumulator drains whole bytes as they fill; handles every width.
+  uint64_t acc = 0;
+  int acc_bits = 0;
+  int written = 0;
+  for (int j = 0; j < n; ++j) {
+    acc |= static_cast<uint64_t>(codes[j] & mask) << acc_bits;
+    acc_bits += bits;
+    while (acc_bits >= 8) {
+      out[written++] = static_cast<uint8_t>(acc);
+      acc >>= 8;
+      acc_bits -= 8;
+    }
+  }
+  if (acc_bits > 0) out[written] = static_cast<uint8_t>(acc);
+}
+
+void UnpackBits(const uint8_t* packed, int n, int bits, uint8_t* codes) {
+  if (bits == 8) {
+    memcpy(codes, packed, n);
+    return;
+  }
+  const uint32_t mask = (1u << bits) - 1u;
+  uint64_t acc = 0;
+  int acc_bits = 0;
+  int read = 0;
+  for (int j = 0; j < n; ++j) {
+    if (acc_bits < bits) {
+      acc |= static_cast<uint64_t>(packed[read++]) << acc_bits;
+      acc_bits += 8;
+    }
+    codes[j] = static_cast<uint8_t>(acc & mask);
+    acc >>= bits;
+    acc_bits -= bits;
+  }
+}
+
+}  // namespace tqkv

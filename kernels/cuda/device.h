@@ -1,0 +1,39 @@
+// Host-side helpers of the CUDA backend: device discovery and CUDA errors as
+// absl::Status (UNAVAILABLE when there is no usable device, INTERNAL for a
+// failed call). Never aborts.
+#ifndef TQKV_KERNELS_CUDA_DEVICE_H_
+#define TQKV_KERNELS_CUDA_DEVICE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace tqkv {
+namespace cuda {
+
+struct DeviceInfo {
+  int ordinal = 0;
+  std::string name;
+  int compute_capability_major = 0;
+  int compute_capability_minor = 0;
+  size_t total_memory_bytes = 0;
+};
+
+// The CUDA devices this process can use. UNAVAILABLE (not an error to log
+// loudly) when the driver or a device is missing, as on build machines.
+absl::StatusOr<std::vector<DeviceInfo>> ListDevices();
+
+// Decodes TurboQuant codes on device 0 into the rotated basis
+// (out[v][j] = scale_v * centroids[code_vj]) from host arrays: copies in,
+// launches, copies back. The kernel reads the stored format through the same
+// headers as the CPU codecs; tests compare the two.
+absl::Status RotatedDecodeOnDevice(const uint8_t* codes, int code_bytes, const uint16_t* scales,
+                                   const std::vector<float>& centroids, int bits, int dim,
+                                   int64_t num_vectors, float* out);
+
+}  // namespace cuda
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_CUDA_DEVICE_H_

@@ -1,0 +1,313 @@
+// AVX2 kernels behind rotation.h: the fast Walsh-Hadamard transform (with the
+// sign diagonal fused into its loads and stores) and the dense matrix-vector
+// products. Compiled with -mavx2 -mfma; called only when ActiveSimdLevel() >=
+// kAvx2.
+//
+// The transform is bit-identical to FastWalshHadamardScalar: every element sees
+// the same (a + b) / (a - b) operations, stage h = 1, 2, 4, ... in order, and
+// one final multiply by the same rounded 1/sqrt(n). Within a register a stage
+// is a permute and an FMA against a +-1 vector: fma(v, -1, s) rounds the exact
+// s - v once, so it equals the scalar subtraction. Strides of 8 and more add
+// and subtract whole registers.
+//
+// Keep this file free of inline functions with external linkage (std::vector,
+// std::min, ...): the linker could pick this file's AVX copy for baseline code.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstddef>
+
+#include "kernels/rotation.h"
+
+namespace tqkv {
+namespace rotation_internal {
+void SignedFwhtAvx2(const float* x, float* y, int n, const float* pre_signs,
+                    const float* post_signs);
+void DenseForwardAvx2(const float* m, const float* x, float* y, int dim);
+void DenseInverseAvx2(const float* m, const float* y, float* x, int dim);
+}  // namespace rotation_internal
+
+namespace {
+
+constexpr int kLanes = 8;
+// Floats transformed entirely in registers before strides cross memory.
+constexpr int kBlockRegs = 8;
+constexpr int kBlock = kLanes * kBlockRegs;
+
+// One butterfly stage within a register: lanes whose bit is set in kUpper get
+// s - v (s holds the partner lane), the others v + s.
+template <int kUpper>
+inline __m256 Stage(__m256 v, __m256 s) {
+  const __m256 sign = _mm256_blend_ps(_mm256_set1_ps(1.0f), _mm256_set1_ps(-1.0f), kUpper);
+  return _mm256_fmadd_ps(v, sign, s);
+}
+
+// Stages h = 1, 2, 4 within one register.
+inline __m256 InRegisterStages(__m256 v) {
+  v = Stage<0xAA>(v, _mm256_permute_ps(v, 0xB1));          // swap neighbours
+  v = Stage<0xCC>(v, _mm256_permute_ps(v, 0x4E));          // swap pairs
+  v = Stage<0xF0>(v, _mm256_permute2f128_ps(v, v, 0x01));  // swap 128-bit halves
+  return v;
+}
+
+// Output scaling: v * scale, or v * (scale * post) with the sign diagonal
+// folded in (exact, since post is +-1).
+inline __m256 Finish(__m256 v, __m256 scale, const float* post, ptrdiff_t offset) {
+  if (post == nullptr) return _mm256_mul_ps(v, scale);
+  return _mm256_mul_ps(v, _mm256_mul_ps(scale, _mm256_loadu_ps(post + offset)));
+}
+
+// Stages of stride kHr, 2 kHr, ... < kRegs registers: whole-register butterflies.
+// Compile-time strides keep v[] in registers after unrolling.
+template <int kRegs, int kHr = 1>
+inline void CrossRegisterStages(__m256* v) {
+  if constexpr (kHr < kRegs) {
+    #pragma GCC unroll 16
+    for (int j = 0; j < kRegs / 2; ++j) {
+      const int lo = (j / kHr) * 2 * kHr + j % kHr;
+      const __m256 a = v[lo];
+      const __m256 b = v[lo + kHr];
+      v[lo] = _mm256_add_ps(a, b);
+      v[lo + kHr] = _mm256_sub_ps(a, b);
+    }
+    CrossRegisterStages<kRegs, 2 * kHr>(v);
+  }
+}
+
+// All stages of a kRegs * 8 float block, held in registers: reads in (times
+// pre when given), writes out; scales (and applies post) when finish is set.
+template <int kRegs>
+inline void TransformBlock(const float* in, float* out, const float* pre, const float* post,
+                           bool finish, __m256 scale) {
+  __m256 v[kRegs];
+  #pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) v[r] = _mm256_loadu_ps(in + r * kLanes);
+  if (pre != nullptr) {
+      #pragma GCC unroll 16
+      for (int r = 0; r < kRegs; ++r) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(pre + r * kLanes));
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) v[r] = InRegisterStages(v[r]);
+  CrossRegisterStages<kRegs>(v);
+  if (finish) {
+      #pragma GCC unroll 16
+      for (int r = 0; r < kRegs; ++r) v[r] = Finish(v[r], scale, post, r * kLanes);
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(out + r * kLanes, v[r]);
+}
+
+// One stage of stride h >= 8 over all of x; the last stage finishes.
+void StridePass(float* x, int n, int h, const float* post, bool finish, __m256 scale) {
+  for (int i = 0; i < n; i += 2 * h) {
+    for (int j = i; j < i + h; j += kLanes) {
+      const __m256 a = _mm256_loadu_ps(x + j);
+      const __m256 b = _mm256_loadu_ps(x + j + h);
+      __m256 sum = _mm256_add_ps(a, b);
+      __m256 diff = _mm256_sub_ps(a, b);
+      if (finish) {
+        sum = Finish(sum, scale, post, j);
+        diff = Finish(diff, scale, post, j + h);
+      }
+      _mm256_storeu_ps(x + j, sum);
+      _mm256_storeu_ps(x + j + h, diff);
+    }
+  }
+}
+
+// Stages h and 2h (h >= 8) in one sweep: the same butterflies as two passes.
+void StridePass2(float* x, int n, int h, const float* post, bool finish, __m256 scale) {
+  for (int i = 0; i < n; i += 4 * h) {
+    for (int j = i; j < i + h; j += kLanes) {
+      const __m256 x0 = _mm256_loadu_ps(x + j);
+      const __m256 x1 = _mm256_loadu_ps(x + j + h);
+      const __m256 x2 = _mm256_loadu_ps(x + j + 2 * h);
+      const __m256 x3 = _mm256_loadu_ps(x + j + 3 * h);
+      const __m256 s01 = _mm256_add_ps(x0, x1);
+      const __m256 d01 = _mm256_sub_ps(x0, x1);
+      const __m256 s23 = _mm256_add_ps(x2, x3);
+      const __m256 d23 = _mm256_sub_ps(x2, x3);
+      __m256 y0 = _mm256_add_ps(s01, s23);
+      __m256 y1 = _mm256_add_ps(d01, d23);
+      __m256 y2 = _mm256_sub_ps(s01, s23);
+      __m256 y3 = _mm256_sub_ps(d01, d23);
+      if (finish) {
+        y0 = Finish(y0, scale, post, j);
+        y1 = Finish(y1, scale, post, j + h);
+        y2 = Finish(y2, scale, post, j + 2 * h);
+        y3 = Finish(y3, scale, post, j + 3 * h);
+      }
+      _mm256_storeu_ps(x + j, y0);
+      _mm256_storeu_ps(x + j + h, y1);
+      _mm256_storeu_ps(x + j + 2 * h, y2);
+      _mm256_storeu_ps(x + j + 3 * h, y3);
+    }
+  }
+}
+
+// Lanes [0, count) set, for masked loads and stores of a row's tail.
+inline __m256i TailMask(int count) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), lane);
+}
+
+inline float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[0..3] = the horizontal sums of a0..a3, reduced together.
+inline void StoreSums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* y) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  // h = [s0 s1 s2 s3 | s0' s1' s2' s3']: the two 128-bit halves' partial sums.
+  _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+}  // namespace
+
+namespace rotation_internal {
+
+// y = diag(post) H diag(pre) x / sqrt(n); pre and post may be null (identity).
+// x == y allowed.
+void SignedFwhtAvx2(const float* x, float* y, int n, const float* pre_signs,
+                    const float* post_signs) {
+  if (n < kLanes) {
+    for (int i = 0; i < n; ++i) y[i] = pre_signs != nullptr ? x[i] * pre_signs[i] : x[i];
+    FastWalshHadamardScalar(y, n);
+    if (post_signs != nullptr) {
+      for (int i = 0; i < n; ++i) y[i] *= post_signs[i];
+    }
+    return;
+  }
+  const __m256 scale =
+      _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+  switch (n) {
+    case 8:
+      TransformBlock<1>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    case 16:
+      TransformBlock<2>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    case 32:
+      TransformBlock<4>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    case 64:
+      TransformBlock<8>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    default:
+      break;
+  }
+  for (int i = 0; i < n; i += kBlock) {
+    TransformBlock<kBlockRegs>(x + i, y + i, pre_signs == nullptr ? nullptr : pre_signs + i,
+                               nullptr, false, scale);
+  }
+  int h = kBlock;
+  while (h < n) {
+    if (4 * h <= n) {
+      StridePass2(y, n, h, post_signs, 4 * h == n, scale);
+      h *= 4;
+    } else {
+      StridePass(y, n, h, post_signs, 2 * h == n, scale);
+      h *= 2;
+    }
+  }
+}
+
+// y = M x, M row-major dim x dim: four rows at a time share each load of x.
+// REQUIRES: y does not alias x.
+void DenseForwardAvx2(const float* m, const float* x, float* y, int dim) {
+  const int body = dim / kLanes * kLanes;
+  const __m256i tail_mask = TailMask(dim - body);
+  int i = 0;
+  for (; i + 4 <= dim; i += 4) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    const float* r1 = r0 + dim;
+    const float* r2 = r1 + dim;
+    const float* r3 = r2 + dim;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int j = 0; j < body; j += kLanes) {
+      const __m256 xv = _mm256_loadu_ps(x + j);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + j), xv, a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + j), xv, a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + j), xv, a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + j), xv, a3);
+    }
+    if (body < dim) {
+      const __m256 xv = _mm256_maskload_ps(x + body, tail_mask);
+      a0 = _mm256_fmadd_ps(_mm256_maskload_ps(r0 + body, tail_mask), xv, a0);
+      a1 = _mm256_fmadd_ps(_mm256_maskload_ps(r1 + body, tail_mask), xv, a1);
+      a2 = _mm256_fmadd_ps(_mm256_maskload_ps(r2 + body, tail_mask), xv, a2);
+      a3 = _mm256_fmadd_ps(_mm256_maskload_ps(r3 + body, tail_mask), xv, a3);
+    }
+    StoreSums4(a0, a1, a2, a3, y + i);
+  }
+  for (; i < dim; ++i) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    __m256 a0 = _mm256_setzero_ps();
+    for (int j = 0; j < body; j += kLanes) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + j), _mm256_loadu_ps(x + j), a0);
+    }
+    if (body < dim) {
+      a0 = _mm256_fmadd_ps(_mm256_maskload_ps(r0 + body, tail_mask),
+                           _mm256_maskload_ps(x + body, tail_mask), a0);
+    }
+    y[i] = HorizontalSum(a0);
+  }
+}
+
+// x = M^T y as x += sum_i y_i * row_i, four rows per sweep over x.
+// REQUIRES: x does not alias y.
+void DenseInverseAvx2(const float* m, const float* y, float* x, int dim) {
+  const int body = dim / kLanes * kLanes;
+  const __m256i tail_mask = TailMask(dim - body);
+  for (int j = 0; j < dim; ++j) x[j] = 0.0f;
+  int i = 0;
+  for (; i + 4 <= dim; i += 4) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    const float* r1 = r0 + dim;
+    const float* r2 = r1 + dim;
+    const float* r3 = r2 + dim;
+    const __m256 y0 = _mm256_set1_ps(y[i]), y1 = _mm256_set1_ps(y[i + 1]);
+    const __m256 y2 = _mm256_set1_ps(y[i + 2]), y3 = _mm256_set1_ps(y[i + 3]);
+    for (int j = 0; j < body; j += kLanes) {
+      __m256 acc = _mm256_loadu_ps(x + j);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + j), y0, acc);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + j), y1, acc);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + j), y2, acc);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + j), y3, acc);
+      _mm256_storeu_ps(x + j, acc);
+    }
+    if (body < dim) {
+      __m256 acc = _mm256_maskload_ps(x + body, tail_mask);
+      acc = _mm256_fmadd_ps(_mm256_maskload_ps(r0 + body, tail_mask), y0, acc);
+      acc = _mm256_fmadd_ps(_mm256_maskload_ps(r1 + body, tail_mask), y1, acc);
+      acc = _mm256_fmadd_ps(_mm256_maskload_ps(r2 + body, tail_mask), y2, acc);
+      acc = _mm256_fmadd_ps(_mm256_maskload_ps(r3 + body, tail_mask), y3, acc);
+      _mm256_maskstore_ps(x + body, tail_mask, acc);
+    }
+  }
+  for (; i < dim; ++i) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    const __m256 y0 = _mm256_set1_ps(y[i]);
+    for (int j = 0; j < body; j += kLanes) {
+      _mm256_storeu_ps(x + j,
+                       _mm256_fmadd_ps(_mm256_loadu_ps(r0 + j), y0, _mm256_loadu_ps(x + j)));
+    }
+    if (body < dim) {
+      const __m256 acc = _mm256_fmadd_ps(_mm256_maskload_ps(r0 + body, tail_mask), y0,
+                                         _mm256_maskload_ps(x + body, tail_mask));
+      _mm256_maskstore_ps(x + body, tail_mask, acc);
+    }
+  }
+}
+
+}  // namespace rotation_internal
+
+void FastWalshHadamardAvx2(float* x, int n) {
+  rotation_internal::SignedFwhtAvx2(x, x, n, nullptr, nullptr);
+}
+
+}  // namespace tqkv

@@ -1,0 +1,328 @@
+// AVX-512 kernels behind rotation.h: the fast Walsh-Hadamard transform (with
+// the sign diagonal fused into its loads and stores) and the dense
+// matrix-vector products. Compiled with -mavx512f -mavx512bw -mavx512vl -mfma;
+// called only when ActiveSimdLevel() == kAvx512.
+//
+// The transform is bit-identical to FastWalshHadamardScalar: every element sees
+// the same (a + b) / (a - b) operations, stage h = 1, 2, 4, ... in order, and
+// one final multiply by the same rounded 1/sqrt(n). Within a register a stage
+// is a permute and an FMA against a +-1 vector: fma(v, -1, s) rounds the exact
+// s - v once, so it equals the scalar subtraction. Strides of 16 and more add
+// and subtract whole registers.
+//
+// Keep this file free of inline functions with external linkage (std::vector,
+// std::min, ...): the linker could pick this file's AVX copy for baseline code.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstddef>
+
+#include "kernels/rotation.h"
+
+namespace tqkv {
+namespace rotation_internal {
+void SignedFwhtAvx512(const float* x, float* y, int n, const float* pre_signs,
+                    const float* post_signs);
+void DenseForwardAvx512(const float* m, const float* x, float* y, int dim);
+void DenseInverseAvx512(const float* m, const float* y, float* x, int dim);
+}  // namespace rotation_internal
+
+namespace {
+
+constexpr int kLanes = 16;
+// Floats transformed entirely in registers before strides cross memory.
+constexpr int kBlockRegs = 8;
+constexpr int kBlock = kLanes * kBlockRegs;
+
+// One butterfly stage within a register: lanes whose bit is set in kUpper get
+// s - v (s holds the partner lane), the others v + s.
+template <__mmask16 kUpper>
+inline __m512 Stage(__m512 v, __m512 s) {
+  const __m512 sign = _mm512_mask_blend_ps(kUpper, _mm512_set1_ps(1.0f), _mm512_set1_ps(-1.0f));
+  return _mm512_fmadd_ps(v, sign, s);
+}
+
+// The masked forms with an all-ones mask are the plain permutes; GCC 12 warns
+// about the uninitialised pass-through operand of the unmasked intrinsics.
+constexpr __mmask16 kAll = 0xFFFF;
+
+// Stages h = 1, 2, 4, 8 within one register.
+inline __m512 InRegisterStages(__m512 v) {
+  v = Stage<0xAAAA>(v, _mm512_mask_permute_ps(v, kAll, v, 0xB1));        // swap neighbours
+  v = Stage<0xCCCC>(v, _mm512_mask_permute_ps(v, kAll, v, 0x4E));        // swap pairs
+  v = Stage<0xF0F0>(v, _mm512_mask_shuffle_f32x4(v, kAll, v, v, 0xB1));  // swap 128-bit lanes
+  v = Stage<0xFF00>(v, _mm512_mask_shuffle_f32x4(v, kAll, v, v, 0x4E));  // swap 256-bit halves
+  return v;
+}
+
+// Output scaling: v * scale, or v * (scale * post) with the sign diagonal
+// folded in (exact, since post is +-1).
+inline __m512 Finish(__m512 v, __m512 scale, const float* post, ptrdiff_t offset) {
+  if (post == nullptr) return _mm512_mul_ps(v, scale);
+  return _mm512_mul_ps(v, _mm512_mul_ps(scale, _mm512_loadu_ps(post + offset)));
+}
+
+// Stages of stride kHr, 2 kHr, ... < kRegs registers: whole-register butterflies.
+// Compile-time strides keep v[] in registers after unrolling.
+template <int kRegs, int kHr = 1>
+inline void CrossRegisterStages(__m512* v) {
+  if constexpr (kHr < kRegs) {
+    #pragma GCC unroll 16
+    for (int j = 0; j < kRegs / 2; ++j) {
+      const int lo = (j / kHr) * 2 * kHr + j % kHr;
+      const __m512 a = v[lo];
+      const __m512 b = v[lo + kHr];
+      v[lo] = _mm512_add_ps(a, b);
+      v[lo + kHr] = _mm512_sub_ps(a, b);
+    }
+    CrossRegisterStages<kRegs, 2 * kHr>(v);
+  }
+}
+
+// All stages of a kRegs * 16 float block, held in registers: reads in (times
+// pre when given), writes out; scales (and applies post) when finish is set.
+template <int kRegs>
+inline void TransformBlock(const float* in, float* out, const float* pre, const float* post,
+                           bool finish, __m512 scale) {
+  __m512 v[kRegs];
+  #pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) v[r] = _mm512_loadu_ps(in + r * kLanes);
+  if (pre != nullptr) {
+      #pragma GCC unroll 16
+      for (int r = 0; r < kRegs; ++r) v[r] = _mm512_mul_ps(v[r], _mm512_loadu_ps(pre + r * kLanes));
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) v[r] = InRegisterStages(v[r]);
+  CrossRegisterStages<kRegs>(v);
+  if (finish) {
+      #pragma GCC unroll 16
+      for (int r = 0; r < kRegs; ++r) v[r] = Finish(v[r], scale, post, r * kLanes);
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) _mm512_storeu_ps(out + r * kLanes, v[r]);
+}
+
+// One stage of stride h >= 16 over all of x; the last stage finishes.
+void StridePass(float* x, int n, int h, const float* post, bool finish, __m512 scale) {
+  for (int i = 0; i < n; i += 2 * h) {
+    for (int j = i; j < i + h; j += kLanes) {
+      const __m512 a = _mm512_loadu_ps(x + j);
+      const __m512 b = _mm512_loadu_ps(x + j + h);
+      __m512 sum = _mm512_add_ps(a, b);
+      __m512 diff = _mm512_sub_ps(a, b);
+      if (finish) {
+        sum = Finish(sum, scale, post, j);
+        diff = Finish(diff, scale, post, j + h);
+      }
+      _mm512_storeu_ps(x + j, sum);
+      _mm512_storeu_ps(x + j + h, diff);
+    }
+  }
+}
+
+// Stages h and 2h (h >= 16) in one sweep: the same butterflies as two passes.
+void StridePass2(float* x, int n, int h, const float* post, bool finish, __m512 scale) {
+  for (int i = 0; i < n; i += 4 * h) {
+    for (int j = i; j < i + h; j += kLanes) {
+      const __m512 x0 = _mm512_loadu_ps(x + j);
+      const __m512 x1 = _mm512_loadu_ps(x + j + h);
+      const __m512 x2 = _mm512_loadu_ps(x + j + 2 * h);
+      const __m512 x3 = _mm512_loadu_ps(x + j + 3 * h);
+      const __m512 s01 = _mm512_add_ps(x0, x1);
+      const __m512 d01 = _mm512_sub_ps(x0, x1);
+      const __m512 s23 = _mm512_add_ps(x2, x3);
+      const __m512 d23 = _mm512_sub_ps(x2, x3);
+      __m512 y0 = _mm512_add_ps(s01, s23);
+      __m512 y1 = _mm512_add_ps(d01, d23);
+      __m512 y2 = _mm512_sub_ps(s01, s23);
+      __m512 y3 = _mm512_sub_ps(d01, d23);
+      if (finish) {
+        y0 = Finish(y0, scale, post, j);
+        y1 = Finish(y1, scale, post, j + h);
+        y2 = Finish(y2, scale, post, j + 2 * h);
+        y3 = Finish(y3, scale, post, j + 3 * h);
+      }
+      _mm512_storeu_ps(x + j, y0);
+      _mm512_storeu_ps(x + j + h, y1);
+      _mm512_storeu_ps(x + j + 2 * h, y2);
+      _mm512_storeu_ps(x + j + 3 * h, y3);
+    }
+  }
+}
+
+// Lanes [0, count) set, for masked loads and stores of a row's tail.
+inline __mmask16 TailMask(int count) { return static_cast<__mmask16>((1u << count) - 1u); }
+
+// All in 512-bit registers: _mm512_reduce_add_ps and _mm512_castps512_ps256
+// trip the same GCC 12 warning as the unmasked permutes.
+inline float HorizontalSum(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_mask_shuffle_f32x4(v, kAll, v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_mask_shuffle_f32x4(v, kAll, v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_mask_permute_ps(v, kAll, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_mask_permute_ps(v, kAll, v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
+
+// y[0..3] = the horizontal sums of a0..a3, reduced together.
+inline void StoreSums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* y) {
+  // 128-bit lanes of p01: halves of a0 and a1 folded (a0, a0, a1, a1); same for p23.
+  const __m512 p01 = _mm512_add_ps(_mm512_mask_shuffle_f32x4(a0, kAll, a0, a1, 0x44),
+                                   _mm512_mask_shuffle_f32x4(a0, kAll, a0, a1, 0xEE));
+  const __m512 p23 = _mm512_add_ps(_mm512_mask_shuffle_f32x4(a2, kAll, a2, a3, 0x44),
+                                   _mm512_mask_shuffle_f32x4(a2, kAll, a2, a3, 0xEE));
+  // 128-bit lane k of q: four partial sums of row k.
+  __m512 q = _mm512_add_ps(_mm512_mask_shuffle_f32x4(p01, kAll, p01, p23, 0x88),
+                           _mm512_mask_shuffle_f32x4(p01, kAll, p01, p23, 0xDD));
+  q = _mm512_add_ps(q, _mm512_mask_permute_ps(q, kAll, q, 0x4E));
+  q = _mm512_add_ps(q, _mm512_mask_permute_ps(q, kAll, q, 0xB1));
+  // Element 4k holds row k's sum; gather elements 0, 4, 8, 12 to the front.
+  const __m512i front = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm512_mask_storeu_ps(y, 0x000F, _mm512_mask_permutexvar_ps(q, kAll, front, q));
+}
+
+}  // namespace
+
+namespace rotation_internal {
+
+// y = diag(post) H diag(pre) x / sqrt(n); pre and post may be null (identity).
+// x == y allowed.
+void SignedFwhtAvx512(const float* x, float* y, int n, const float* pre_signs,
+                    const float* post_signs) {
+  if (n < kLanes) {
+    for (int i = 0; i < n; ++i) y[i] = pre_signs != nullptr ? x[i] * pre_signs[i] : x[i];
+    FastWalshHadamardScalar(y, n);
+    if (post_signs != nullptr) {
+      for (int i = 0; i < n; ++i) y[i] *= post_signs[i];
+    }
+    return;
+  }
+  const __m512 scale =
+      _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+  switch (n) {
+    case 16:
+      TransformBlock<1>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    case 32:
+      TransformBlock<2>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    case 64:
+      TransformBlock<4>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    case 128:
+      TransformBlock<8>(x, y, pre_signs, post_signs, true, scale);
+      return;
+    default:
+      break;
+  }
+  for (int i = 0; i < n; i += kBlock) {
+    TransformBlock<kBlockRegs>(x + i, y + i, pre_signs == nullptr ? nullptr : pre_signs + i,
+                               nullptr, false, scale);
+  }
+  int h = kBlock;
+  while (h < n) {
+    if (4 * h <= n) {
+      StridePass2(y, n, h, post_signs, 4 * h == n, scale);
+      h *= 4;
+    } else {
+      StridePass(y, n, h, post_signs, 2 * h == n, scale);
+      h *= 2;
+    }
+  }
+}
+
+// y = M x, M row-major dim x dim: four rows at a time share each load of x.
+// REQUIRES: y does not alias x.
+void DenseForwardAvx512(const float* m, const float* x, float* y, int dim) {
+  const int body = dim / kLanes * kLanes;
+  const __mmask16 tail_mask = TailMask(dim - body);
+  int i = 0;
+  for (; i + 4 <= dim; i += 4) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    const float* r1 = r0 + dim;
+    const float* r2 = r1 + dim;
+    const float* r3 = r2 + dim;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int j = 0; j < body; j += kLanes) {
+      const __m512 xv = _mm512_loadu_ps(x + j);
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), xv, a0);
+      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + j), xv, a1);
+      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + j), xv, a2);
+      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r3 + j), xv, a3);
+    }
+    if (body < dim) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail_mask, x + body);
+      a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r0 + body), xv, a0);
+      a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r1 + body), xv, a1);
+      a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r2 + body), xv, a2);
+      a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r3 + body), xv, a3);
+    }
+    StoreSums4(a0, a1, a2, a3, y + i);
+  }
+  for (; i < dim; ++i) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    __m512 a0 = _mm512_setzero_ps();
+    for (int j = 0; j < body; j += kLanes) {
+      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), _mm512_loadu_ps(x + j), a0);
+    }
+    if (body < dim) {
+      a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r0 + body),
+                           _mm512_maskz_loadu_ps(tail_mask, x + body), a0);
+    }
+    y[i] = HorizontalSum(a0);
+  }
+}
+
+// x = M^T y as x += sum_i y_i * row_i, four rows per sweep over x.
+// REQUIRES: x does not alias y.
+void DenseInverseAvx512(const float* m, const float* y, float* x, int dim) {
+  const int body = dim / kLanes * kLanes;
+  const __mmask16 tail_mask = TailMask(dim - body);
+  for (int j = 0; j < dim; ++j) x[j] = 0.0f;
+  int i = 0;
+  for (; i + 4 <= dim; i += 4) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    const float* r1 = r0 + dim;
+    const float* r2 = r1 + dim;
+    const float* r3 = r2 + dim;
+    const __m512 y0 = _mm512_set1_ps(y[i]), y1 = _mm512_set1_ps(y[i + 1]);
+    const __m512 y2 = _mm512_set1_ps(y[i + 2]), y3 = _mm512_set1_ps(y[i + 3]);
+    for (int j = 0; j < body; j += kLanes) {
+      __m512 acc = _mm512_loadu_ps(x + j);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), y0, acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(r1 + j), y1, acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(r2 + j), y2, acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(r3 + j), y3, acc);
+      _mm512_storeu_ps(x + j, acc);
+    }
+    if (body < dim) {
+      __m512 acc = _mm512_maskz_loadu_ps(tail_mask, x + body);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r0 + body), y0, acc);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r1 + body), y1, acc);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r2 + body), y2, acc);
+      acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r3 + body), y3, acc);
+      _mm512_mask_storeu_ps(x + body, tail_mask, acc);
+    }
+  }
+  for (; i < dim; ++i) {
+    const float* r0 = m + static_cast<size_t>(i) * dim;
+    const __m512 y0 = _mm512_set1_ps(y[i]);
+    for (int j = 0; j < body; j += kLanes) {
+      _mm512_storeu_ps(x + j,
+                       _mm512_fmadd_ps(_mm512_loadu_ps(r0 + j), y0, _mm512_loadu_ps(x + j)));
+    }
+    if (body < dim) {
+      const __m512 acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail_mask, r0 + body), y0,
+                                         _mm512_maskz_loadu_ps(tail_mask, x + body));
+      _mm512_mask_storeu_ps(x + body, tail_mask, acc);
+    }
+  }
+}
+
+}  // namespace rotation_internal
+
+void FastWalshHadamardAvx512(float* x, int n) {
+  rotation_internal::SignedFwhtAvx512(x, x, n, nullptr, nullptr);
+}
+
+}  // namespace tqkv
