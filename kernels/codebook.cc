@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <utility>
@@ -410,6 +411,42 @@ absl::StatusOr<const Codebook*> GetCodebook(int dim, int bits) {
   });
   if (!entry->status.ok()) return entry->status;
   return &entry->codebook;
+}
+
+void QuantizeToLevels(const Codebook& codebook, const float* y, int n, uint8_t* levels) {
+  const float* boundaries = codebook.boundaries.data();
+  const int num_boundaries = static_cast<int>(codebook.boundaries.size());
+  if (codebook.bits > 4) {
+    for (int i = 0; i < n; ++i) levels[i] = static_cast<uint8_t>(QuantizeToLevel(boundaries, num_boundaries, y[i]));
+    return;
+  }
+  // GCC/Clang vector extensions: portable, and lowered to SSE / AVX compares.
+  // A true comparison is -1 in each lane, so subtracting it counts.
+  typedef float Float4 __attribute__((vector_size(16)));
+  typedef int32_t Int4 __attribute__((vector_size(16)));
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    Float4 v0, v1, v2, v3;
+    memcpy(&v0, y + i, 16);
+    memcpy(&v1, y + i + 4, 16);
+    memcpy(&v2, y + i + 8, 16);
+    memcpy(&v3, y + i + 12, 16);
+    Int4 c0 = {}, c1 = {}, c2 = {}, c3 = {};
+    for (int k = 0; k < num_boundaries; ++k) {
+      const Float4 boundary = Float4{} + boundaries[k];
+      c0 -= v0 > boundary;
+      c1 -= v1 > boundary;
+      c2 -= v2 > boundary;
+      c3 -= v3 > boundary;
+    }
+    for (int j = 0; j < 4; ++j) {
+      levels[i + j] = static_cast<uint8_t>(c0[j]);
+      levels[i + 4 + j] = static_cast<uint8_t>(c1[j]);
+      levels[i + 8 + j] = static_cast<uint8_t>(c2[j]);
+      levels[i + 12 + j] = static_cast<uint8_t>(c3[j]);
+    }
+  }
+  for (; i < n; ++i) levels[i] = static_cast<uint8_t>(QuantizeToLevel(boundaries, num_boundaries, y[i]));
 }
 
 }  // namespace tqkv

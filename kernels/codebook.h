@@ -10,8 +10,12 @@
 // found by Lloyd-Max iteration in float64 to a tight fixed point. It depends only
 // on (head_dim, bits): no calibration data, no per-block scale or zero point.
 //
-// Codebooks are part of the stored format: the same (head_dim, bits) always
-// yields bit-identical float centroids and boundaries on every machine.
+// Codebooks are part of the stored format. They are computed, not shipped, so
+// a build yields bit-identical float centroids for the same (head_dim, bits);
+// the float64 solution agrees across math libraries to ~1e-12/sqrt(d), far
+// below float resolution, so a differing rounding is possible but rare.
+// Within one process every backend reads the same tables (the CUDA backend
+// copies them from the host), so store and score always agree.
 #ifndef TQKV_KERNELS_CODEBOOK_H_
 #define TQKV_KERNELS_CODEBOOK_H_
 
@@ -43,14 +47,15 @@ struct Codebook {
   // D_mse = E ||u - Q(u)||^2 for a uniform unit vector u in R^dim, i.e. dim
   // times the per-coordinate mean squared error under f_d. Dimensionless.
   double distortion = 0.0;
-  // Lloyd-Max iterations used to converge.
+  // Solver steps used to converge (Newton steps on the Lloyd-Max fixed-point
+  // equations, with plain Lloyd steps as a fallback).
   int iterations = 0;
 
   int levels() const { return 1 << bits; }
 };
 
 // Returns the process-wide codebook for (dim, bits), computing it on first use
-// (milliseconds) and caching it for the life of the process. Thread-safe; the
+// (under a millisecond) and caching it for the life of the process. Thread-safe; the
 // returned pointer stays valid forever.
 // Fails with INVALID_ARGUMENT unless kMinCodebookDim <= dim <= kMaxCodebookDim
 // and 1 <= bits <= 8.
@@ -64,16 +69,23 @@ absl::StatusOr<Codebook> ComputeCodebook(int dim, int bits);
 double SphereCoordinateDensity(int dim, double t);
 
 // Index of the codebook level for coordinate value y: the number of boundaries
-// strictly below y. A value exactly on a boundary maps to the lower level; the
+// strictly below y. REQUIRES: num_boundaries + 1 is a power of two (a
+// codebook's boundaries). NaN maps to level 0 (codecs reject NaN earlier). A value exactly on a boundary maps to the lower level; the
 // CUDA store kernel follows the same rule so that both produce the same bytes.
 inline uint32_t QuantizeToLevel(const float* boundaries, int num_boundaries, float y) {
-  // Branch-light binary search: num_boundaries + 1 is a power of two.
+  // Branch-free binary search (the comparison feeds an add, not a jump):
+  // quantization decisions are data-dependent and would mispredict.
   uint32_t lo = 0;
   for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
-    if (y > boundaries[lo + step - 1]) lo += step;
+    lo += (y > boundaries[lo + step - 1]) ? static_cast<uint32_t>(step) : 0u;
   }
   return lo;
 }
+
+// QuantizeToLevel for n coordinates at once: levels[i] = #{boundaries < y[i]}.
+// For up to 4 bits this counts comparisons against every boundary, a loop the
+// compiler vectorizes; wider codebooks use the binary search per coordinate.
+void QuantizeToLevels(const Codebook& codebook, const float* y, int n, uint8_t* levels);
 
 }  // namespace tqkv
 

@@ -20,16 +20,14 @@ constexpr uint64_t kHotPartStream = 1;
 constexpr uint64_t kColdPartStream = 2;
 constexpr uint64_t kSketchStream = 3;
 
-// sum x^2 in double, and whether every coordinate is finite.
+// sum x^2 in double, and whether every coordinate is finite: squares of
+// floats cannot overflow a double, so the sum is finite exactly when every
+// coordinate is (NaN and infinities propagate into it).
 bool SumOfSquares(const float* x, int n, double* sum) {
   double acc = 0.0;
-  bool finite = true;
-  for (int i = 0; i < n; ++i) {
-    finite &= std::isfinite(x[i]);
-    acc += static_cast<double>(x[i]) * x[i];
-  }
+  for (int i = 0; i < n; ++i) acc += static_cast<double>(x[i]) * x[i];
   *sum = acc;
-  return finite;
+  return std::isfinite(acc);
 }
 
 absl::Status NonFiniteError(const float* x, int n) {
@@ -56,19 +54,28 @@ absl::Status CheckFiniteAndInRange(const float* x, int n, float limit, const cha
 // ---------------------------------------------------------------------------
 // fp16 and fp8: the codes are the numbers themselves.
 
-class Fp16Codec final : public VectorCodec {
+// 16-bit floats: fp16 (IEEE half) or bf16, little-endian, coordinate order.
+template <bool kBrain>
+class Float16Codec final : public VectorCodec {
  public:
-  explicit Fp16Codec(const CodecSpec& spec, int head_dim) : VectorCodec(spec, head_dim) {
+  explicit Float16Codec(const CodecSpec& spec, int head_dim) : VectorCodec(spec, head_dim) {
     code_bytes_ = 2 * head_dim;
     query_state_floats_ = head_dim;
     accumulator_floats_ = head_dim;
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
-    // Values in [65504, 65520) still round to the largest half; beyond is inf.
-    RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, 65519.0f, "fp16"));
+    // fp16: values in [65504, 65520) still round to the largest half; beyond
+    // is infinity, which the cache must never hold. bf16 has float's range.
+    if (kBrain) {
+      for (int i = 0; i < head_dim_; ++i) {
+        if (!std::isfinite(x[i])) return NonFiniteError(x, head_dim_);
+      }
+    } else {
+      RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, 65519.0f, "fp16"));
+    }
     for (int i = 0; i < head_dim_; ++i) {
-      const uint16_t h = FloatToHalf(x[i]);
+      const uint16_t h = kBrain ? FloatToBf16(x[i]) : FloatToHalf(x[i]);
       codes[2 * i] = static_cast<uint8_t>(h);
       codes[2 * i + 1] = static_cast<uint8_t>(h >> 8);
     }
@@ -76,7 +83,7 @@ class Fp16Codec final : public VectorCodec {
   }
 
   void Decode(const uint8_t* codes, const uint16_t*, float* x) const override {
-    for (int i = 0; i < head_dim_; ++i) x[i] = HalfAt(codes, i);
+    for (int i = 0; i < head_dim_; ++i) x[i] = ValueAt(codes, i);
   }
 
   void PrepareQuery(const float* q, float* state) const override {
@@ -85,12 +92,12 @@ class Fp16Codec final : public VectorCodec {
 
   float Score(const float* state, const uint8_t* codes, const uint16_t*) const override {
     float dot = 0.0f;
-    for (int i = 0; i < head_dim_; ++i) dot += state[i] * HalfAt(codes, i);
+    for (int i = 0; i < head_dim_; ++i) dot += state[i] * ValueAt(codes, i);
     return dot;
   }
 
   void Accumulate(float weight, const uint8_t* codes, const uint16_t*, float* acc) const override {
-    for (int i = 0; i < head_dim_; ++i) acc[i] += weight * HalfAt(codes, i);
+    for (int i = 0; i < head_dim_; ++i) acc[i] += weight * ValueAt(codes, i);
   }
 
   void FinishAccumulation(const float* acc, float* out) const override {
@@ -98,8 +105,9 @@ class Fp16Codec final : public VectorCodec {
   }
 
  private:
-  static float HalfAt(const uint8_t* codes, int i) {
-    return HalfToFloat(static_cast<uint16_t>(codes[2 * i] | (codes[2 * i + 1] << 8)));
+  static float ValueAt(const uint8_t* codes, int i) {
+    const uint16_t bits = static_cast<uint16_t>(codes[2 * i] | (codes[2 * i + 1] << 8));
+    return kBrain ? Bf16ToFloat(bits) : HalfToFloat(bits);
   }
 };
 
@@ -253,16 +261,14 @@ class TurboQuantQuantizer {
     for (int i = 0; i < dim_; ++i) y[i] = x[i] * inv_norm;
     rotation_->Forward(y, y);
     uint8_t levels[kMaxHeadDim];
-    const float* boundaries = codebook_->boundaries.data();
-    const int num_boundaries = static_cast<int>(codebook_->boundaries.size());
-    double codeword_sq = 0.0;
-    for (int i = 0; i < dim_; ++i) {
-      levels[i] = static_cast<uint8_t>(QuantizeToLevel(boundaries, num_boundaries, y[i]));
-      const double c = codebook_->centroids[levels[i]];
-      codeword_sq += c * c;
-    }
+    QuantizeToLevels(*codebook_, y, dim_, levels);
     double scale = norm;
-    if (norm_correction_) scale /= std::sqrt(codeword_sq);
+    if (norm_correction_) {
+      float codeword_sq = 0.0f;
+      const float* centroids = codebook_->centroids.data();
+      for (int i = 0; i < dim_; ++i) codeword_sq += centroids[levels[i]] * centroids[levels[i]];
+      scale /= std::sqrt(static_cast<double>(codeword_sq));
+    }
     if (!(scale <= kHalfMax)) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm, kHalfMax));
@@ -610,6 +616,8 @@ std::string CodecSpec::Name() const {
   switch (kind) {
     case CodecKind::kFp16:
       return "fp16";
+    case CodecKind::kBf16:
+      return "bf16";
     case CodecKind::kFp8:
       return "fp8";
     case CodecKind::kTurboQuant:
@@ -628,7 +636,8 @@ std::string CodecSpec::Name() const {
 absl::Status CodecSpec::Validate() const {
   switch (kind) {
     case CodecKind::kFp16:
-      if (bits != 16) return absl::InvalidArgumentError("fp16 codec has 16 bits");
+    case CodecKind::kBf16:
+      if (bits != 16) return absl::InvalidArgumentError("16-bit float codecs have 16 bits");
       return absl::OkStatus();
     case CodecKind::kFp8:
       if (bits != 8) return absl::InvalidArgumentError("fp8 codec has 8 bits");
@@ -673,6 +682,7 @@ int CodecSpec::HotChannels(int head_dim) const {
 int CodecBytesPerVector(const CodecSpec& spec, int head_dim) {
   switch (spec.kind) {
     case CodecKind::kFp16:
+    case CodecKind::kBf16:
       return 2 * head_dim;
     case CodecKind::kFp8:
       return head_dim;
@@ -700,7 +710,9 @@ absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec,
   }
   switch (spec.kind) {
     case CodecKind::kFp16:
-      return std::make_unique<Fp16Codec>(spec, d);
+      return std::make_unique<Float16Codec<false>>(spec, d);
+    case CodecKind::kBf16:
+      return std::make_unique<Float16Codec<true>>(spec, d);
     case CodecKind::kFp8:
       return std::make_unique<Fp8Codec>(spec, d);
     case CodecKind::kUniform:

@@ -41,6 +41,8 @@ inline constexpr int kMaxHeadDim = 512;
 
 enum class CodecKind {
   kFp16,          // IEEE half per coordinate; no side scalars.
+  kBf16,          // bfloat16 per coordinate; no side scalars. The uncompressed
+                  // baseline that speed is measured against.
   kFp8,           // fp8 E4M3 per coordinate, saturating at +-448; no scale.
   kTurboQuant,    // TurboQuant-MSE: rotation + Lloyd-Max codebook, fp16 norm.
   kUniform,       // per-vector min-max uniform, fp16 scale and zero point.
@@ -69,6 +71,7 @@ struct CodecSpec {
   int hot_divisor = 0;
 
   static CodecSpec Fp16() { return {CodecKind::kFp16, 16, false, 0, 0}; }
+  static CodecSpec Bf16() { return {CodecKind::kBf16, 16, false, 0, 0}; }
   static CodecSpec Fp8() { return {CodecKind::kFp8, 8, false, 0, 0}; }
   static CodecSpec TurboQuant(int bits, bool norm_correction) {
     return {CodecKind::kTurboQuant, bits, norm_correction, 0, 0};

@@ -1,7 +1,7 @@
 // AVX2 kernels behind rotation.h: the fast Walsh-Hadamard transform (with the
-// sign diagonal fused into its loads and stores) and the dense matrix-vector
-// products. Compiled with -mavx2 -mfma; called only when ActiveSimdLevel() >=
-// kAvx2.
+// sign diagonal fused into its loads and stores), the Kronecker transform for
+// dims 2^k * {12, 20, 28} and the dense matrix-vector products. Compiled with
+// -mavx2 -mfma; called only when ActiveSimdLevel() >= kAvx2.
 //
 // The transform is bit-identical to FastWalshHadamardScalar: every element sees
 // the same (a + b) / (a - b) operations, stage h = 1, 2, 4, ... in order, and
@@ -17,16 +17,10 @@
 #include <cmath>
 #include <cstddef>
 
+#include "kernels/cpu/rotation_kernels.h"
 #include "kernels/rotation.h"
 
 namespace tqkv {
-namespace rotation_internal {
-void SignedFwhtAvx2(const float* x, float* y, int n, const float* pre_signs,
-                    const float* post_signs);
-void DenseForwardAvx2(const float* m, const float* x, float* y, int dim);
-void DenseInverseAvx2(const float* m, const float* y, float* x, int dim);
-}  // namespace rotation_internal
-
 namespace {
 
 constexpr int kLanes = 8;
@@ -62,7 +56,7 @@ inline __m256 Finish(__m256 v, __m256 scale, const float* post, ptrdiff_t offset
 template <int kRegs, int kHr = 1>
 inline void CrossRegisterStages(__m256* v) {
   if constexpr (kHr < kRegs) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int j = 0; j < kRegs / 2; ++j) {
       const int lo = (j / kHr) * 2 * kHr + j % kHr;
       const __m256 a = v[lo];
@@ -80,20 +74,20 @@ template <int kRegs>
 inline void TransformBlock(const float* in, float* out, const float* pre, const float* post,
                            bool finish, __m256 scale) {
   __m256 v[kRegs];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < kRegs; ++r) v[r] = _mm256_loadu_ps(in + r * kLanes);
   if (pre != nullptr) {
-      #pragma GCC unroll 16
-      for (int r = 0; r < kRegs; ++r) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(pre + r * kLanes));
+#pragma GCC unroll 16
+    for (int r = 0; r < kRegs; ++r) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(pre + r * kLanes));
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < kRegs; ++r) v[r] = InRegisterStages(v[r]);
   CrossRegisterStages<kRegs>(v);
   if (finish) {
-      #pragma GCC unroll 16
-      for (int r = 0; r < kRegs; ++r) v[r] = Finish(v[r], scale, post, r * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < kRegs; ++r) v[r] = Finish(v[r], scale, post, r * kLanes);
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < kRegs; ++r) _mm256_storeu_ps(out + r * kLanes, v[r]);
 }
 
@@ -165,6 +159,127 @@ inline void StoreSums4(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* y) {
   _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 }
 
+// The Kronecker transform (H_rows kron F) diag(pre) for m = 12, 20, 28, in the
+// operation order of KronHadamardScalar (rotation.cc). A row of m floats
+// takes ceil(m / 8) registers, the last one masked; kRows rows at a time stay
+// in registers through the product with F and the first log2(kRows)
+// butterfly stages.
+
+// Part v of a kM-float row: a full or, for the last part, masked load.
+template <int kM>
+inline __m256 LoadRowPart(const float* row, int v) {
+  constexpr int kParts = (kM + kLanes - 1) / kLanes;
+  if (v + 1 < kParts) return _mm256_loadu_ps(row + v * kLanes);
+  return _mm256_maskload_ps(row + v * kLanes, TailMask(kM - (kParts - 1) * kLanes));
+}
+
+template <int kM>
+inline void StoreRowPart(float* row, int v, __m256 value) {
+  constexpr int kParts = (kM + kLanes - 1) / kLanes;
+  if (v + 1 < kParts) {
+    _mm256_storeu_ps(row + v * kLanes, value);
+  } else {
+    _mm256_maskstore_ps(row + v * kLanes, TailMask(kM - (kParts - 1) * kLanes), value);
+  }
+}
+
+// kRows rows (kRows * kM floats at x and y): y = (H_kRows kron F) diag(pre) x,
+// times (scale * post) when finish is set. x == y allowed. No vector
+// arguments: GCC then ends the function with vzeroupper even where it is
+// reached by a tail call from baseline code, which otherwise pays the
+// SSE/AVX transition penalty on every later SSE instruction.
+template <int kM, int kRows>
+void KronRowGroup(const float* x, float* y, const float* columns, const float* pre,
+                  const float* post, bool finish, float scale_value) {
+  constexpr int kParts = (kM + kLanes - 1) / kLanes;
+  const __m256 scale = _mm256_set1_ps(scale_value);
+  // The whole input is read before any output is written (x == y).
+  float t[kRows * kM];
+  if (pre != nullptr) {
+    for (int i = 0; i < kRows * kM; ++i) t[i] = x[i] * pre[i];
+  } else {
+    for (int i = 0; i < kRows * kM; ++i) t[i] = x[i];
+  }
+  __m256 acc[kRows][kParts];
+#pragma GCC unroll 4
+  for (int v = 0; v < kParts; ++v) {
+    const __m256 column = LoadRowPart<kM>(columns, v);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) acc[r][v] = _mm256_mul_ps(_mm256_set1_ps(t[r * kM]), column);
+  }
+  for (int k = 1; k < kM; ++k) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kParts; ++v) {
+      const __m256 column = LoadRowPart<kM>(columns + k * kM, v);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        acc[r][v] = _mm256_fmadd_ps(_mm256_set1_ps(t[r * kM + k]), column, acc[r][v]);
+      }
+    }
+  }
+  // Butterfly stages h = 1, 2, ... < kRows between whole rows.
+#pragma GCC unroll 4
+  for (int h = 1; h < kRows; h *= 2) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kRows / 2; ++j) {
+      const int lo = (j / h) * 2 * h + j % h;
+#pragma GCC unroll 4
+      for (int v = 0; v < kParts; ++v) {
+        const __m256 a = acc[lo][v];
+        const __m256 b = acc[lo + h][v];
+        acc[lo][v] = _mm256_add_ps(a, b);
+        acc[lo + h][v] = _mm256_sub_ps(a, b);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kParts; ++v) {
+      __m256 out = acc[r][v];
+      if (finish) {
+        out = post == nullptr
+                  ? _mm256_mul_ps(out, scale)
+                  : _mm256_mul_ps(out, _mm256_mul_ps(scale, LoadRowPart<kM>(post + r * kM, v)));
+      }
+      StoreRowPart<kM>(y + r * kM, v, out);
+    }
+  }
+}
+
+// All rows: groups of kMaxRows in registers, then the remaining butterfly
+// stages as whole-register passes (a group is a multiple of kLanes floats).
+template <int kM, int kMaxRows>
+void KronHadamardImpl(const float* x, float* y, int rows, const float* columns, const float* pre,
+                      const float* post, float scale_value) {
+  static_assert(kMaxRows * kM % kLanes == 0, "stride passes need whole registers");
+  if (rows == 1) return KronRowGroup<kM, 1>(x, y, columns, pre, post, true, scale_value);
+  if (rows == 2) return KronRowGroup<kM, 2>(x, y, columns, pre, post, true, scale_value);
+  if constexpr (kMaxRows >= 4) {
+    if (rows == 4) return KronRowGroup<kM, 4>(x, y, columns, pre, post, true, scale_value);
+  }
+  if constexpr (kMaxRows >= 8) {
+    if (rows == 8) return KronRowGroup<kM, 8>(x, y, columns, pre, post, true, scale_value);
+  }
+  const int n = rows * kM;
+  constexpr int kGroup = kMaxRows * kM;
+  for (int i = 0; i < n; i += kGroup) {
+    KronRowGroup<kM, kMaxRows>(x + i, y + i, columns, pre == nullptr ? nullptr : pre + i, nullptr,
+                               false, scale_value);
+  }
+  const __m256 scale = _mm256_set1_ps(scale_value);
+  int h = kGroup;
+  while (h < n) {
+    if (4 * h <= n) {
+      StridePass2(y, n, h, post, 4 * h == n, scale);
+      h *= 4;
+    } else {
+      StridePass(y, n, h, post, 2 * h == n, scale);
+      h *= 2;
+    }
+  }
+}
+
 }  // namespace
 
 namespace rotation_internal {
@@ -181,8 +296,7 @@ void SignedFwhtAvx2(const float* x, float* y, int n, const float* pre_signs,
     }
     return;
   }
-  const __m256 scale =
-      _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+  const __m256 scale = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
   switch (n) {
     case 8:
       TransformBlock<1>(x, y, pre_signs, post_signs, true, scale);
@@ -293,14 +407,29 @@ void DenseInverseAvx2(const float* m, const float* y, float* x, int dim) {
     const float* r0 = m + static_cast<size_t>(i) * dim;
     const __m256 y0 = _mm256_set1_ps(y[i]);
     for (int j = 0; j < body; j += kLanes) {
-      _mm256_storeu_ps(x + j,
-                       _mm256_fmadd_ps(_mm256_loadu_ps(r0 + j), y0, _mm256_loadu_ps(x + j)));
+      _mm256_storeu_ps(x + j, _mm256_fmadd_ps(_mm256_loadu_ps(r0 + j), y0, _mm256_loadu_ps(x + j)));
     }
     if (body < dim) {
       const __m256 acc = _mm256_fmadd_ps(_mm256_maskload_ps(r0 + body, tail_mask), y0,
                                          _mm256_maskload_ps(x + body, tail_mask));
       _mm256_maskstore_ps(x + body, tail_mask, acc);
     }
+  }
+}
+
+// The Kronecker transform for m = 12, 20, 28. Rows in registers: at most 12
+// accumulators of the 16 registers (4 x 2, 4 x 3, 2 x 4).
+void KronHadamardAvx2(const float* x, float* y, int rows, int m, const float* columns,
+                      const float* pre_signs, const float* post_signs, float scale) {
+  switch (m) {
+    case 12:
+      return KronHadamardImpl<12, 4>(x, y, rows, columns, pre_signs, post_signs, scale);
+    case 20:
+      return KronHadamardImpl<20, 4>(x, y, rows, columns, pre_signs, post_signs, scale);
+    case 28:
+      return KronHadamardImpl<28, 2>(x, y, rows, columns, pre_signs, post_signs, scale);
+    default:
+      return;  // unreachable: Rotation::Create admits no other m
   }
 }
 

@@ -10,6 +10,8 @@ namespace {
 const std::vector<Preset>& PresetTable() {
   static const std::vector<Preset> table = {
       {"fp16", CodecSpec::Fp16(), CodecSpec::Fp16(), "uncompressed fp16 keys and values"},
+      {"bf16", CodecSpec::Bf16(), CodecSpec::Bf16(),
+       "uncompressed bf16 keys and values: the speed baseline"},
       {"fp8", CodecSpec::Fp8(), CodecSpec::Fp8(), "fp8 e4m3 keys and values, no scale"},
       {"turboquant_k8v4", CodecSpec::Fp8(), CodecSpec::Uniform(4),
        "vLLM preset: fp8 keys, 4-bit uniform values"},

@@ -24,6 +24,10 @@ int RunEval(int argc, const char* const* argv);
 int RunSynth(int argc, const char* const* argv);
 int RunPresets(int argc, const char* const* argv);
 
+// Benchmarks (CPU backend): `bench attend`, `bench store`; and `capacity`.
+int RunBench(int argc, const char* const* argv);
+int RunCapacity(int argc, const char* const* argv);
+
 // Every subcommand, in the order `tqkv --help` lists them.
 const std::vector<Command>& AllCommands();
 

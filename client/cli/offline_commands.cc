@@ -427,6 +427,8 @@ const std::vector<Command>& AllCommands() {
       {"roundtrip", "encode then decode an .npy array with one part of a preset", RunRoundtrip},
       {"eval", "attention quality of presets on keys / queries / values .npy files", RunEval},
       {"synth", "write synthetic gaussian or outlier-channel vectors as .npy", RunSynth},
+      {"bench", "attend / store speed per preset next to a bf16 cache (CPU backend)", RunBench},
+      {"capacity", "tokens that fit in a memory budget per preset, vs bf16", RunCapacity},
   };
   return commands;
 }

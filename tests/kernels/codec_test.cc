@@ -18,6 +18,7 @@ const int kHeadDims[] = {64, 80, 96, 112, 128, 160, 192, 256};
 
 std::vector<CodecSpec> AllSpecs() {
   return {CodecSpec::Fp16(),
+          CodecSpec::Bf16(),
           CodecSpec::Fp8(),
           CodecSpec::Uniform(2),
           CodecSpec::Uniform(3),

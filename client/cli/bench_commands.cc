@@ -1,0 +1,428 @@
+// Benchmarks and capacity planning: `tqkv bench attend`, `tqkv bench store`,
+// `tqkv capacity`. Figures are printed side by side with the uncompressed
+// bf16 baseline measured in the same run, never asserted.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "client/cli/commands.h"
+#include "client/cli/flags.h"
+#include "client/cli/json_writer.h"
+#include "client/cli/model_layouts.h"
+#include "client/eval/synthetic.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/kv_layout.h"
+#include "kernels/preset.h"
+#include "kernels/random.h"
+
+namespace tqkv {
+namespace cli {
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+int ParseOrExit(FlagSet& flags, int argc, const char* const* argv) {
+  absl::Status status = flags.Parse(argc, argv);
+  if (status.ok()) return -1;
+  if (IsHelpRequest(status)) {
+    printf("%s", flags.Usage().c_str());
+    return 0;
+  }
+  fprintf(stderr, "tqkv: %s\n\n%s", std::string(status.message()).c_str(), flags.Usage().c_str());
+  return kExitUsage;
+}
+
+int Fail(const absl::Status& status) {
+  fprintf(stderr, "tqkv: %s\n", status.ToString().c_str());
+  return kExitFailure;
+}
+
+double Seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Median seconds per call of `body`, after one warm-up call, over at least
+// three calls and at least `min_seconds` in total.
+template <typename Body>
+double MedianSeconds(double min_seconds, Body body) {
+  body();
+  std::vector<double> times;
+  const double start = Seconds();
+  while (times.size() < 3 || (Seconds() - start < min_seconds && times.size() < 10000)) {
+    const double t0 = Seconds();
+    body();
+    times.push_back(Seconds() - t0);
+  }
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return times[times.size() / 2];
+}
+
+// Hot channels for split presets: from the synthetic keys' own statistics,
+// the way a deployment calibrates from a prefill.
+std::vector<std::vector<int>> CalibrateFromSample(const Preset& preset, const ModelShape& shape,
+                                                  uint64_t seed) {
+  std::vector<std::vector<int>> hot;
+  if (!preset.NeedsCalibration()) return hot;
+  for (int layer = 0; layer < shape.num_layers; ++layer) {
+    for (int head = 0; head < shape.num_kv_heads; ++head) {
+      std::vector<float> sample = eval::OutlierKeys(512, shape.head_dim, DeriveSeed(seed, head));
+      hot.push_back(ChooseHotChannels(sample.data(), 512, shape.head_dim,
+                                      preset.key.HotChannels(shape.head_dim)));
+    }
+  }
+  return hot;
+}
+
+// One layer of a model, stored with a preset, `tokens` long, in a CPU pool.
+struct StoredLayer {
+  std::shared_ptr<const KvLayout> layout;
+  std::unique_ptr<Backend> backend;
+  PagePool pool;
+  std::vector<int32_t> block_table;
+  double store_seconds = 0.0;
+
+  ~StoredLayer() {
+    if (backend && pool.base) backend->FreePool(pool);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& preset,
+                                                                 const ModelShape& shape,
+                                                                 int page_tokens, int64_t tokens,
+                                                                 uint64_t seed) {
+  auto stored = std::make_unique<StoredLayer>();
+  KvLayoutOptions options;
+  options.num_layers = 1;
+  options.num_kv_heads = shape.num_kv_heads;
+  options.num_query_heads = shape.num_query_heads;
+  options.head_dim = shape.head_dim;
+  options.page_tokens = page_tokens;
+  options.preset = std::string(preset.name);
+  options.boundary_layers = 0;
+  options.hot_channels = CalibrateFromSample(preset, {shape.name, 1, shape.num_kv_heads,
+                                                      shape.num_query_heads, shape.head_dim}, seed);
+  absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(options);
+  if (!layout.ok()) return layout.status();
+  stored->layout = *layout;
+  stored->backend = MakeCpuBackend(1);
+  const int32_t pages = static_cast<int32_t>((tokens + page_tokens - 1) / page_tokens);
+  absl::StatusOr<PagePool> pool = stored->backend->AllocatePool(**layout, pages);
+  if (!pool.ok()) return pool.status();
+  stored->pool = *pool;
+  stored->block_table.resize(pages);
+  std::iota(stored->block_table.begin(), stored->block_table.end(), 0);
+  // Store in chunks so that the float inputs stay small.
+  const int64_t chunk = 2048;
+  const int row = shape.num_kv_heads * shape.head_dim;
+  std::vector<int32_t> slots;
+  for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const int64_t n = std::min(chunk, tokens - t0);
+    // Keys with outlier channels per head, Gaussian values; [n, heads, d].
+    std::vector<float> keys(n * row), values = eval::GaussianVectors(n * shape.num_kv_heads, shape.head_dim,
+                                                                    DeriveSeed(seed, 1000 + t0));
+    for (int head = 0; head < shape.num_kv_heads; ++head) {
+      std::vector<float> head_keys = eval::OutlierKeys(n, shape.head_dim, DeriveSeed(seed, head), {});
+      // Distinct tokens per chunk: add chunk-seeded noise to the shared pattern.
+      Random rng(DeriveSeed(seed, 2000 + t0, head));
+      for (int64_t t = 0; t < n; ++t) {
+        for (int j = 0; j < shape.head_dim; ++j) {
+          keys[(t * shape.num_kv_heads + head) * shape.head_dim + j] =
+              head_keys[t * shape.head_dim + j] + 0.1f * static_cast<float>(rng.NextGaussian());
+        }
+      }
+    }
+    slots.resize(n);
+    for (int64_t t = 0; t < n; ++t) slots[t] = static_cast<int32_t>(t0 + t);
+    StoreParams params{stored->layout.get(), stored->pool, 0, 1, n, slots.data(), keys.data(), values.data()};
+    const double start = Seconds();
+    absl::Status status = stored->backend->Store(params);
+    stored->store_seconds += Seconds() - start;
+    if (!status.ok()) return status;
+  }
+  return stored;
+}
+
+// Seconds per Attend call over `context` tokens for `batch` items (all items
+// read the same stored sequence), one query token each.
+double TimeAttend(StoredLayer& stored, int64_t context, int batch, double min_seconds) {
+  const KvLayout& layout = *stored.layout;
+  const size_t q_size = static_cast<size_t>(layout.num_query_heads()) * layout.head_dim();
+  std::vector<float> queries = eval::GaussianVectors(batch * layout.num_query_heads(), layout.head_dim(), 77);
+  std::vector<float> outputs(queries.size()), lse(static_cast<size_t>(batch) * layout.num_query_heads());
+  std::vector<AttendItem> items(batch);
+  for (int b = 0; b < batch; ++b) {
+    items[b] = AttendItem{stored.block_table.data(), context, 0, 1, queries.data() + b * q_size,
+                          outputs.data() + b * q_size, lse.data() + b * layout.num_query_heads()};
+  }
+  AttendParams params{&layout, stored.pool, items, 1.0f / std::sqrt(static_cast<float>(layout.head_dim()))};
+  return MedianSeconds(min_seconds, [&] { (void)stored.backend->Attend(params); });
+}
+
+int RunBenchAttend(int argc, const char* const* argv) {
+  FlagSet flags("bench attend",
+                "Decode attention time for one layer of a model (default Llama-3.1-8B: 8 KV heads,\n"
+                "32 query heads, d=128), per preset and context, next to an uncompressed bf16\n"
+                "cache attended by tqkv's own SIMD kernel in the same run (speedup_vs_bf16).\n"
+                "CPU backend, one thread; the items of a batch read one stored sequence.");
+  std::string preset_names = "all", layout_name = "llama3-8b";
+  std::vector<int64_t> contexts = {1024, 8192, 32768};
+  int64_t batch = 1, page_tokens = 16, seed = 1;
+  double min_seconds = 0.5;
+  bool json = false;
+  flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
+  flags.AddIntList("context", &contexts, "context lengths in tokens, comma-separated");
+  flags.AddInt("batch", &batch, "items per Attend call");
+  flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
+  flags.AddInt("page-tokens", &page_tokens, "tokens per page");
+  flags.AddDouble("min-seconds", &min_seconds, "measuring time per figure");
+  flags.AddInt("seed", &seed, "synthetic data seed");
+  flags.AddBool("json", &json, "print JSON instead of a table");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(preset_names);
+  if (!presets.ok()) return Fail(presets.status());
+  absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
+  if (!shape.ok()) return Fail(shape.status());
+  if (batch < 1 || batch > 1024) return Fail(absl::InvalidArgumentError("--batch must be in [1, 1024]"));
+  if (page_tokens < 1 || page_tokens > 1024) {
+    return Fail(absl::InvalidArgumentError("--page-tokens must be in [1, 1024]"));
+  }
+  for (int64_t c : contexts) {
+    if (c < 1 || c > (int64_t{1} << 22)) return Fail(absl::InvalidArgumentError("--context values must be in [1, 4194304]"));
+  }
+  const int64_t max_context = *std::max_element(contexts.begin(), contexts.end());
+
+  // The baseline first, kept for every context.
+  absl::StatusOr<const Preset*> bf16 = FindPreset("bf16");
+  auto baseline = StoreSyntheticLayer(**bf16, *shape, static_cast<int>(page_tokens), max_context, seed);
+  if (!baseline.ok()) return Fail(baseline.status());
+  std::vector<double> baseline_seconds;
+  for (int64_t context : contexts) {
+    baseline_seconds.push_back(TimeAttend(**baseline, context, static_cast<int>(batch), min_seconds));
+  }
+  const std::string device = (*baseline)->backend->device();
+  baseline->reset();
+
+  JsonValue rows = JsonValue::Array();
+  if (!json) {
+    printf("layout %s, one layer (%d KV heads, %d query heads, d=%d), batch %lld, page %lld tokens, %s\n",
+           std::string(shape->name).c_str(), shape->num_kv_heads, shape->num_query_heads, shape->head_dim,
+           static_cast<long long>(batch), static_cast<long long>(page_tokens), device.c_str());
+    printf("%-20s %8s %7s %10s %10s %8s %10s %9s\n", "preset", "context", "bytes", "attend_ms", "bf16_ms",
+           "speedup", "Mtok/s", "GB/s");
+  }
+  for (const Preset* preset : *presets) {
+    auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed);
+    if (!stored.ok()) return Fail(stored.status());
+    for (size_t i = 0; i < contexts.size(); ++i) {
+      const int64_t context = contexts[i];
+      const double seconds = TimeAttend(**stored, context, static_cast<int>(batch), min_seconds);
+      const double read_bytes = static_cast<double>((*stored)->layout->token_bytes(0)) * context * batch;
+      const double speedup = baseline_seconds[i] / seconds;
+      if (json) {
+        rows.Append(JsonValue::Object()
+                        .Set("preset", std::string(preset->name))
+                        .Set("context", context)
+                        .Set("batch", batch)
+                        .Set("bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim))
+                        .Set("attend_ms", seconds * 1e3)
+                        .Set("bf16_ms", baseline_seconds[i] * 1e3)
+                        .Set("speedup_vs_bf16", speedup)
+                        .Set("tokens_per_second", context * batch / seconds)
+                        .Set("cache_gb_per_second", read_bytes / seconds / 1e9));
+      } else {
+        printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f\n", std::string(preset->name).c_str(),
+               static_cast<long long>(context), preset->BytesPerTokenHead(shape->head_dim), seconds * 1e3,
+               baseline_seconds[i] * 1e3, speedup, context * batch / seconds / 1e6,
+               read_bytes / seconds / 1e9);
+        fflush(stdout);
+      }
+    }
+  }
+  if (json) {
+    printf("%s\n", JsonValue::Object()
+                       .Set("layout", std::string(shape->name))
+                       .Set("device", device)
+                       .Set("batch", batch)
+                       .Set("page_tokens", page_tokens)
+                       .Set("results", rows)
+                       .Serialize()
+                       .c_str());
+  }
+  return 0;
+}
+
+int RunBenchStore(int argc, const char* const* argv) {
+  FlagSet flags("bench store",
+                "Tokens per second stored (quantize + pack, every KV head of one layer) per preset,\n"
+                "next to copying the same tokens' bf16 bytes. CPU backend, one thread.");
+  std::string preset_names = "all", layout_name = "llama3-8b";
+  int64_t tokens = 16384, page_tokens = 16, seed = 1;
+  bool json = false;
+  flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
+  flags.AddInt("tokens", &tokens, "tokens to store");
+  flags.AddString("layout", &layout_name, "model shape");
+  flags.AddInt("page-tokens", &page_tokens, "tokens per page");
+  flags.AddInt("seed", &seed, "synthetic data seed");
+  flags.AddBool("json", &json, "print JSON instead of a table");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(preset_names);
+  if (!presets.ok()) return Fail(presets.status());
+  absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
+  if (!shape.ok()) return Fail(shape.status());
+  if (tokens < 1 || tokens > (1 << 22)) return Fail(absl::InvalidArgumentError("--tokens must be in [1, 4194304]"));
+  if (page_tokens < 1 || page_tokens > 1024) {
+    return Fail(absl::InvalidArgumentError("--page-tokens must be in [1, 1024]"));
+  }
+
+  // Baseline: the bf16 bytes of the same tokens, copied into place.
+  const size_t bf16_bytes = static_cast<size_t>(tokens) * shape->num_kv_heads * shape->head_dim * 4;
+  std::vector<uint8_t> source(bf16_bytes, 1), destination(bf16_bytes);
+  const double copy_seconds =
+      MedianSeconds(0.3, [&] { memcpy(destination.data(), source.data(), bf16_bytes); });
+  const double copy_rate = tokens / copy_seconds;
+
+  JsonValue rows = JsonValue::Array();
+  if (!json) {
+    printf("layout %s, one layer, %lld tokens; bf16 memcpy: %.2f Mtok/s (%.1f GB/s)\n",
+           std::string(shape->name).c_str(), static_cast<long long>(tokens), copy_rate / 1e6,
+           bf16_bytes / copy_seconds / 1e9);
+    printf("%-20s %7s %12s %14s\n", "preset", "bytes", "Mtok/s", "vs_bf16_copy");
+  }
+  for (const Preset* preset : *presets) {
+    auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), tokens, seed);
+    if (!stored.ok()) return Fail(stored.status());
+    const double rate = tokens / (*stored)->store_seconds;
+    if (json) {
+      rows.Append(JsonValue::Object()
+                      .Set("preset", std::string(preset->name))
+                      .Set("bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim))
+                      .Set("tokens_per_second", rate)
+                      .Set("bf16_copy_tokens_per_second", copy_rate)
+                      .Set("ratio_to_bf16_copy", rate / copy_rate));
+    } else {
+      printf("%-20s %7d %12.3f %14.4f\n", std::string(preset->name).c_str(),
+             preset->BytesPerTokenHead(shape->head_dim), rate / 1e6, rate / copy_rate);
+      fflush(stdout);
+    }
+  }
+  if (json) {
+    printf("%s\n", JsonValue::Object()
+                       .Set("layout", std::string(shape->name))
+                       .Set("tokens", tokens)
+                       .Set("results", rows)
+                       .Serialize()
+                       .c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int RunBench(int argc, const char* const* argv) {
+  const std::string what = argc > 0 ? argv[0] : "";
+  if (what == "attend") return RunBenchAttend(argc - 1, argv + 1);
+  if (what == "store") return RunBenchStore(argc - 1, argv + 1);
+  fprintf(stderr, "usage: tqkv bench attend|store [flags]  (--help for each)\n");
+  return what == "--help" || what == "-h" ? 0 : kExitUsage;
+}
+
+int RunCapacity(int argc, const char* const* argv) {
+  FlagSet flags("capacity",
+                "Tokens of a model's KV cache that fit in a memory budget, per preset, counting\n"
+                "whole pages (page padding included) and the protected boundary layers,\n"
+                "next to a bf16 cache of the same budget.");
+  std::string preset_names = "all", layout_name = "llama3-8b", boundary_preset = "fp16";
+  double memory_gib = 40.0;
+  int64_t page_tokens = 16, boundary_layers = 2;
+  bool json = false;
+  flags.AddDouble("memory-gib", &memory_gib, "memory budget in GiB (2^30 bytes)");
+  flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
+  std::string layouts;
+  for (const ModelShape& shape : ModelShapes()) layouts += (layouts.empty() ? "" : " | ") + std::string(shape.name);
+  flags.AddString("layout", &layout_name, layouts);
+  flags.AddInt("page-tokens", &page_tokens, "tokens per page");
+  flags.AddInt("boundary-layers", &boundary_layers, "first and last layers kept at --boundary-preset");
+  flags.AddString("boundary-preset", &boundary_preset, "preset of the boundary layers");
+  flags.AddBool("json", &json, "print JSON instead of a table");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(preset_names);
+  if (!presets.ok()) return Fail(presets.status());
+  absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
+  if (!shape.ok()) return Fail(shape.status());
+  if (!(memory_gib > 0)) return Fail(absl::InvalidArgumentError("--memory-gib must be positive"));
+  const double budget = memory_gib * 1073741824.0;
+
+  auto page_bytes_for = [&](const Preset& preset, int boundary) -> absl::StatusOr<size_t> {
+    KvLayoutOptions options;
+    options.num_layers = shape->num_layers;
+    options.num_kv_heads = shape->num_kv_heads;
+    options.num_query_heads = shape->num_query_heads;
+    options.head_dim = shape->head_dim;
+    options.page_tokens = static_cast<int>(page_tokens);
+    options.preset = std::string(preset.name);
+    options.boundary_layers = boundary;
+    options.boundary_preset = boundary_preset;
+    if (preset.NeedsCalibration()) {
+      // Sizes do not depend on which channels are hot.
+      std::vector<int> hot(preset.key.HotChannels(shape->head_dim));
+      std::iota(hot.begin(), hot.end(), 0);
+      options.hot_channels.assign(static_cast<size_t>(shape->num_layers) * shape->num_kv_heads, hot);
+    }
+    absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(options);
+    if (!layout.ok()) return layout.status();
+    return (*layout)->page_bytes();
+  };
+  absl::StatusOr<size_t> bf16_page = page_bytes_for(**FindPreset("bf16"), 0);
+  if (!bf16_page.ok()) return Fail(bf16_page.status());
+  const double bf16_tokens = std::floor(budget / *bf16_page) * page_tokens;
+
+  JsonValue rows = JsonValue::Array();
+  if (!json) {
+    printf("layout %s (%d layers, %d KV heads, d=%d), %.1f GiB, page %lld tokens, %lld boundary layers at %s\n",
+           std::string(shape->name).c_str(), shape->num_layers, shape->num_kv_heads, shape->head_dim, memory_gib,
+           static_cast<long long>(page_tokens), static_cast<long long>(boundary_layers), boundary_preset.c_str());
+    printf("%-20s %12s %14s %10s\n", "preset", "KiB/token", "tokens", "x_bf16");
+    printf("%-20s %12.2f %14.0f %10.2f\n", "bf16 (no boundary)", *bf16_page / 1024.0 / page_tokens, bf16_tokens, 1.0);
+  }
+  for (const Preset* preset : *presets) {
+    const int boundary = preset->name == "bf16" || preset->name == "fp16" ? 0 : static_cast<int>(boundary_layers);
+    absl::StatusOr<size_t> page = page_bytes_for(*preset, boundary);
+    if (!page.ok()) return Fail(page.status());
+    const double tokens = std::floor(budget / *page) * page_tokens;
+    if (json) {
+      rows.Append(JsonValue::Object()
+                      .Set("preset", std::string(preset->name))
+                      .Set("bytes_per_token", static_cast<double>(*page) / page_tokens)
+                      .Set("tokens", tokens)
+                      .Set("ratio_to_bf16", tokens / bf16_tokens)
+                      .Set("boundary_layers", boundary));
+    } else {
+      printf("%-20s %12.2f %14.0f %10.2f\n", std::string(preset->name).c_str(), *page / 1024.0 / page_tokens,
+             tokens, tokens / bf16_tokens);
+    }
+  }
+  if (json) {
+    printf("%s\n", JsonValue::Object()
+                       .Set("layout", std::string(shape->name))
+                       .Set("memory_gib", memory_gib)
+                       .Set("page_tokens", page_tokens)
+                       .Set("boundary_preset", boundary_preset)
+                       .Set("bf16_tokens", bf16_tokens)
+                       .Set("presets", rows)
+                       .Serialize()
+                       .c_str());
+  }
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace tqkv

@@ -1,0 +1,113 @@
+// The compute backend interface: store, score and attend over a page pool laid
+// out by a KvLayout. One implementation per device (kernels/cpu/, kernels/cuda/),
+// chosen at start-up; the cache and the service see only this interface.
+//
+// Kernels take plain Params structs: pointers, counts, block tables. Host
+// pointers (keys, values, queries, outputs, block tables) are always host
+// memory; the pool is the backend's own memory (host for the CPU backend,
+// device for CUDA), which the backend allocates and frees.
+//
+// Concurrency: a backend is thread-safe. Callers guarantee that no two calls
+// write the same page slots at once and that no call reads slots another call
+// is writing; the cache's bookkeeping provides that (appends write only slots
+// beyond every reader's visible prefix).
+#ifndef TQKV_KERNELS_BACKEND_H_
+#define TQKV_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/kv_layout.h"
+
+namespace tqkv {
+
+// A pool of `num_pages` pages of `layout.page_bytes()` bytes in backend memory.
+struct PagePool {
+  uint8_t* base = nullptr;
+  size_t page_bytes = 0;
+  int32_t num_pages = 0;
+};
+
+// Quantize and pack tokens into their page slots, for a range of layers and
+// all KV heads.
+struct StoreParams {
+  const KvLayout* layout = nullptr;
+  PagePool pool;
+  int layer_begin = 0;  // [layer_begin, layer_end)
+  int layer_end = 0;
+  int64_t num_tokens = 0;
+  // Destination of token i: slots[i] = page * page_tokens + slot_in_page.
+  const int32_t* slots = nullptr;
+  // [layer_end - layer_begin, num_tokens, num_kv_heads, head_dim] row-major.
+  const float* keys = nullptr;
+  const float* values = nullptr;
+};
+
+// Attention logits of one layer: logits[h][t] = scale * <q_h, k_{kv(h), t}>
+// for tokens t in [token_begin, token_end) of one sequence.
+struct ScoreParams {
+  const KvLayout* layout = nullptr;
+  PagePool pool;
+  int layer = 0;
+  const int32_t* block_table = nullptr;  // pages of the sequence, in order
+  int64_t token_begin = 0;
+  int64_t token_end = 0;
+  const float* queries = nullptr;  // [num_query_heads, head_dim]
+  float scale = 0.0f;              // usually 1 / sqrt(head_dim)
+  float* logits = nullptr;         // [num_query_heads, token_end - token_begin]
+};
+
+// One (sequence, layer, query tokens) item of a decode batch.
+struct AttendItem {
+  const int32_t* block_table = nullptr;
+  // Tokens of this layer in the cache, including the item's own query tokens
+  // when they were appended first (decode appends, then attends). Query token
+  // i of n sees tokens [0, context_tokens - n + 1 + i): causal among the
+  // query tokens, everything before them.
+  int64_t context_tokens = 0;
+  int layer = 0;
+  int num_query_tokens = 1;
+  const float* queries = nullptr;  // [num_query_tokens, num_query_heads, head_dim]
+  float* output = nullptr;         // same shape as queries
+  float* lse = nullptr;            // optional [num_query_tokens, num_query_heads], natural log
+};
+
+struct AttendParams {
+  const KvLayout* layout = nullptr;
+  PagePool pool;
+  absl::Span<const AttendItem> items;
+  float scale = 0.0f;  // logit scale, usually 1 / sqrt(head_dim)
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu" or "cuda".
+  virtual std::string name() const = 0;
+  // Human-readable device ("2 x86-64 threads, AVX-512", "NVIDIA H200").
+  virtual std::string device() const = 0;
+
+  // Allocates a pool once, at start-up. RESOURCE_EXHAUSTED when the memory is
+  // not there. The pool lives until FreePool.
+  virtual absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) = 0;
+  virtual void FreePool(PagePool pool) = 0;
+
+  // Copies one whole page (copy-on-write of a shared partial page).
+  virtual absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) = 0;
+
+  // Fails with INVALID_ARGUMENT on non-finite input (nothing is guaranteed
+  // about the destination slots then; the cache never publishes them).
+  virtual absl::Status Store(const StoreParams& params) = 0;
+  virtual absl::Status Score(const ScoreParams& params) = 0;
+  virtual absl::Status Attend(const AttendParams& params) = 0;
+};
+
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_BACKEND_H_

@@ -1,0 +1,70 @@
+// Internal to the CPU backend: the fused attention kernel for one (item, KV
+// head), specialised per key and value format and compiled per ISA. The
+// backend prepares the queries (rotated into the key codec's basis, logit
+// scale folded in), calls the kernel, and maps the value accumulator back.
+#ifndef TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
+#define TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/codec.h"
+
+namespace tqkv {
+namespace cpu_internal {
+
+// How the kernel reads one field of a vector.
+enum class FieldFormat {
+  kUnsupported,  // take the reference path
+  kCentroids,    // TurboQuant: packed b-bit codebook indices, 1 fp16 scale
+  kUniform,      // packed b-bit uniform codes, fp16 [scale, zero]
+  kFp16,         // raw fp16
+  kBf16,         // raw bf16
+};
+
+struct FieldReader {
+  FieldFormat format = FieldFormat::kUnsupported;
+  int bits = 0;
+  const float* centroids = nullptr;  // kCentroids: 2^bits
+  size_t codes_offset = 0;           // plane offsets inside a page
+  size_t scalars_offset = 0;
+  int code_bytes = 0;                // per token
+  int num_scalars = 0;               // per token
+};
+
+// The format a codec's field has for the fast kernels (kUnsupported for
+// split, QJL and fp8, which use the reference path).
+FieldReader DescribeField(const VectorCodec& codec);
+
+// Rows are the query vectors that share this KV head: (query token, query
+// head) pairs. Row r sees tokens [0, visible[r]).
+inline constexpr int kMaxRows = 64;
+
+struct HeadAttendParams {
+  int head_dim = 0;
+  int page_tokens = 0;
+  const uint8_t* pool_base = nullptr;
+  size_t page_bytes = 0;
+  const int32_t* block_table = nullptr;
+  FieldReader key;
+  FieldReader value;
+  int rows = 0;                      // 1..kMaxRows
+  const float* queries = nullptr;    // [rows][head_dim], in the key basis, logit scale folded in
+  const int64_t* visible = nullptr;  // [rows]
+  // Outputs: the value accumulator (in the value codec's basis) normalised by
+  // the softmax denominator, and the log-sum-exp of each row.
+  float* out = nullptr;  // [rows][head_dim]
+  float* lse = nullptr;  // [rows]
+};
+
+// Whether AttendHeadAvx512 handles this pair of formats at this head dim.
+bool AttendHeadAvx512Supported(const FieldReader& key, const FieldReader& value, int head_dim);
+
+// REQUIRES: AttendHeadAvx512Supported(...), a CPU with AVX-512 (F, BW, VL,
+// DQ) and BMI2, page_tokens... any; rows in [1, kMaxRows].
+void AttendHeadAvx512(const HeadAttendParams& params);
+
+}  // namespace cpu_internal
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
