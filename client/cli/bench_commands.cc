@@ -98,7 +98,7 @@ struct StoredLayer {
 absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& preset,
                                                                  const ModelShape& shape,
                                                                  int page_tokens, int64_t tokens,
-                                                                 uint64_t seed) {
+                                                                 uint64_t seed, int threads) {
   auto stored = std::make_unique<StoredLayer>();
   KvLayoutOptions options;
   options.num_layers = 1;
@@ -113,7 +113,7 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
   absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(options);
   if (!layout.ok()) return layout.status();
   stored->layout = *layout;
-  stored->backend = MakeCpuBackend(1);
+  stored->backend = MakeCpuBackend(threads);
   const int32_t pages = static_cast<int32_t>((tokens + page_tokens - 1) / page_tokens);
   absl::StatusOr<PagePool> pool = stored->backend->AllocatePool(**layout, pages);
   if (!pool.ok()) return pool.status();
@@ -172,10 +172,10 @@ int RunBenchAttend(int argc, const char* const* argv) {
                 "Decode attention time for one layer of a model (default Llama-3.1-8B: 8 KV heads,\n"
                 "32 query heads, d=128), per preset and context, next to an uncompressed bf16\n"
                 "cache attended by tqkv's own SIMD kernel in the same run (speedup_vs_bf16).\n"
-                "CPU backend, one thread; the items of a batch read one stored sequence.");
+                "CPU backend; the items of a batch read one stored sequence.");
   std::string preset_names = "all", layout_name = "llama3-8b";
   std::vector<int64_t> contexts = {1024, 8192, 32768};
-  int64_t batch = 1, page_tokens = 16, seed = 1;
+  int64_t batch = 1, page_tokens = 16, seed = 1, threads = 1;
   double min_seconds = 0.5;
   bool json = false;
   flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
@@ -185,12 +185,14 @@ int RunBenchAttend(int argc, const char* const* argv) {
   flags.AddInt("page-tokens", &page_tokens, "tokens per page");
   flags.AddDouble("min-seconds", &min_seconds, "measuring time per figure");
   flags.AddInt("seed", &seed, "synthetic data seed");
+  flags.AddInt("threads", &threads, "CPU backend threads (KV heads and items run in parallel)");
   flags.AddBool("json", &json, "print JSON instead of a table");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(preset_names);
   if (!presets.ok()) return Fail(presets.status());
   absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
   if (!shape.ok()) return Fail(shape.status());
+  if (threads < 1 || threads > 256) return Fail(absl::InvalidArgumentError("--threads must be in [1, 256]"));
   if (batch < 1 || batch > 1024) return Fail(absl::InvalidArgumentError("--batch must be in [1, 1024]"));
   if (page_tokens < 1 || page_tokens > 1024) {
     return Fail(absl::InvalidArgumentError("--page-tokens must be in [1, 1024]"));
@@ -202,7 +204,8 @@ int RunBenchAttend(int argc, const char* const* argv) {
 
   // The baseline first, kept for every context.
   absl::StatusOr<const Preset*> bf16 = FindPreset("bf16");
-  auto baseline = StoreSyntheticLayer(**bf16, *shape, static_cast<int>(page_tokens), max_context, seed);
+  auto baseline = StoreSyntheticLayer(**bf16, *shape, static_cast<int>(page_tokens), max_context, seed,
+                                      static_cast<int>(threads));
   if (!baseline.ok()) return Fail(baseline.status());
   std::vector<double> baseline_seconds;
   for (int64_t context : contexts) {
@@ -220,7 +223,8 @@ int RunBenchAttend(int argc, const char* const* argv) {
            "speedup", "Mtok/s", "GB/s");
   }
   for (const Preset* preset : *presets) {
-    auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed);
+    auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
+                                      static_cast<int>(threads));
     if (!stored.ok()) return Fail(stored.status());
     for (size_t i = 0; i < contexts.size(); ++i) {
       const int64_t context = contexts[i];
@@ -298,7 +302,7 @@ int RunBenchStore(int argc, const char* const* argv) {
     printf("%-20s %7s %12s %14s\n", "preset", "bytes", "Mtok/s", "vs_bf16_copy");
   }
   for (const Preset* preset : *presets) {
-    auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), tokens, seed);
+    auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), tokens, seed, 1);
     if (!stored.ok()) return Fail(stored.status());
     const double rate = tokens / (*stored)->store_seconds;
     if (json) {

@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "kernels/cpu/attend_kernels.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cpu_features.h"
 #include "kernels/status_macros.h"
 
@@ -60,7 +62,8 @@ class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int num_threads)
       : num_threads_(num_threads > 0 ? num_threads
-                                     : std::max(1u, std::thread::hardware_concurrency())) {}
+                                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
+        pool_(num_threads_ - 1) {}
 
   std::string name() const override { return "cpu"; }
 
@@ -97,31 +100,36 @@ class CpuBackend final : public Backend {
     const int heads = layout.num_kv_heads();
     const int d = layout.head_dim();
     const int page_tokens = layout.page_tokens();
-    for (int layer = p.layer_begin; layer < p.layer_end; ++layer) {
+    // One task per (layer, head): they write disjoint planes.
+    absl::Mutex error_mu;
+    absl::Status first_error;
+    pool_.ParallelFor((p.layer_end - p.layer_begin) * heads, [&](int task) {
+      const int layer = p.layer_begin + task / heads;
+      const int head = task % heads;
       const int64_t layer_offset = static_cast<int64_t>(layer - p.layer_begin) * p.num_tokens;
-      for (int head = 0; head < heads; ++head) {
-        const HeadView view = View(layout, layer, head);
-        for (int64_t i = 0; i < p.num_tokens; ++i) {
-          const int32_t slot_index = p.slots[i];
-          uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
-          const int slot = slot_index % page_tokens;
-          const size_t row = static_cast<size_t>((layer_offset + i) * heads + head) * d;
-          absl::Status status = view.key->Encode(
-              p.keys + row, const_cast<uint8_t*>(view.key_codes(page, slot)),
-              const_cast<uint16_t*>(view.key_scalars(page, slot)));
-          if (status.ok()) {
-            status = view.value->Encode(p.values + row,
-                                        const_cast<uint8_t*>(view.value_codes(page, slot)),
-                                        const_cast<uint16_t*>(view.value_scalars(page, slot)));
-          }
-          if (!status.ok()) {
-            return absl::InvalidArgumentError(absl::StrFormat(
+      const HeadView view = View(layout, layer, head);
+      for (int64_t i = 0; i < p.num_tokens; ++i) {
+        const int32_t slot_index = p.slots[i];
+        uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
+        const int slot = slot_index % page_tokens;
+        const size_t row = static_cast<size_t>((layer_offset + i) * heads + head) * d;
+        absl::Status status = view.key->Encode(p.keys + row, const_cast<uint8_t*>(view.key_codes(page, slot)),
+                                               const_cast<uint16_t*>(view.key_scalars(page, slot)));
+        if (status.ok()) {
+          status = view.value->Encode(p.values + row, const_cast<uint8_t*>(view.value_codes(page, slot)),
+                                      const_cast<uint16_t*>(view.value_scalars(page, slot)));
+        }
+        if (!status.ok()) {
+          absl::MutexLock lock(&error_mu);
+          if (first_error.ok()) {
+            first_error = absl::InvalidArgumentError(absl::StrFormat(
                 "layer %d, token %d, KV head %d: %s", layer, i, head, status.message()));
           }
+          return;
         }
       }
-    }
-    return absl::OkStatus();
+    });
+    return first_error;
   }
 
   absl::Status Score(const ScoreParams& p) override {
@@ -146,8 +154,12 @@ class CpuBackend final : public Backend {
   absl::Status Attend(const AttendParams& p) override {
     const KvLayout& layout = *p.layout;
     const bool fast = ActiveSimdLevel() >= SimdLevel::kAvx512 && __builtin_cpu_supports("bmi2");
-    for (const AttendItem& item : p.items) {
-      for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
+    const int heads = layout.num_kv_heads();
+    // One task per (item, KV head); each writes its own rows of the output.
+    pool_.ParallelFor(static_cast<int>(p.items.size()) * heads, [&](int task) {
+      const AttendItem& item = p.items[task / heads];
+      const int kv = task % heads;
+      {
         const HeadView view = View(layout, item.layer, kv);
         cpu_internal::FieldReader key = cpu_internal::DescribeField(*view.key);
         cpu_internal::FieldReader value = cpu_internal::DescribeField(*view.value);
@@ -161,7 +173,7 @@ class CpuBackend final : public Backend {
           AttendHeadReference(p, item, kv, view);
         }
       }
-    }
+    });
     return absl::OkStatus();
   }
 
@@ -260,6 +272,7 @@ class CpuBackend final : public Backend {
   }
 
   int num_threads_;
+  ThreadPool pool_;
 };
 
 }  // namespace

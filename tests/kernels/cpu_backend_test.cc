@@ -68,7 +68,8 @@ void CheckStoreThenAttend(const Case& c, int tokens, int num_query) {
   auto layout_or = KvLayout::Create(options);
   ASSERT_TRUE(layout_or.ok()) << layout_or.status();
   const KvLayout& layout = **layout_or;
-  auto backend = MakeCpuBackend(1);
+  // Three threads: the (layer, head) and (item, head) tasks run on the pool.
+  auto backend = MakeCpuBackend(3);
   const int pages = (tokens + c.page_tokens - 1) / c.page_tokens + 3;
   auto pool = backend->AllocatePool(layout, pages);
   ASSERT_TRUE(pool.ok());
