@@ -129,7 +129,6 @@ TEST(TurboQuantCodec, OutlierKeysLandAtOrBelowTheModelForEveryHeadDim) {
     const double model = (*GetCodebook(dim, 3))->distortion;
     const double measured = RelativeError(*codec, OutlierKeys(2000, dim, 200 + dim));
     EXPECT_LT(measured / model, 1.02) << "dim " << dim << " ratio " << measured / model;
-    printf("dim %d outlier/model %.4f\n", dim, measured / model);
     EXPECT_GT(measured / model, 0.85) << "dim " << dim;
   }
 }
