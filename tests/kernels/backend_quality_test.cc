@@ -1,0 +1,85 @@
+// Quality through the backend (store, then Score and Attend over the page
+// pool) against exact attention over the original vectors matches what
+// `tqkv eval` reports for the same data: the paged kernels add no error of
+// their own that matters.
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "client/eval/preset_eval.h"
+#include "client/eval/quality.h"
+#include "client/eval/synthetic.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/kv_layout.h"
+
+namespace tqkv {
+namespace {
+
+TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
+  const int d = 128, n = 1024, nq = 48;
+  const std::vector<float> keys = eval::OutlierKeys(n, d, 1);
+  const std::vector<float> values = eval::GaussianVectors(n, d, 2);
+  const std::vector<float> queries = eval::Queries(nq, d, 3);
+  auto backend = MakeCpuBackend(2);
+  for (const Preset& preset : AllPresets()) {
+    SCOPED_TRACE(std::string(preset.name));
+    KvLayoutOptions options;
+    options.num_layers = 1;
+    options.num_kv_heads = 1;
+    options.num_query_heads = 1;
+    options.head_dim = d;
+    options.page_tokens = 16;
+    options.preset = std::string(preset.name);
+    options.boundary_layers = 0;
+    if (preset.NeedsCalibration()) {
+      options.hot_channels = {ChooseHotChannels(keys.data(), n, d, preset.key.HotChannels(d))};
+    }
+    auto layout = *KvLayout::Create(options);
+    auto pool = *backend->AllocatePool(*layout, n / 16);
+    std::vector<int32_t> slots(n), block_table(n / 16);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::iota(block_table.begin(), block_table.end(), 0);
+    ASSERT_TRUE(backend->Store({layout.get(), pool, 0, 1, n, slots.data(), keys.data(), values.data()}).ok());
+
+    // Logits through Score, outputs through Attend, one query at a time.
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::vector<double> approx_logits(static_cast<size_t>(nq) * n), approx_outputs(static_cast<size_t>(nq) * d);
+    std::vector<float> logits(n), output(d);
+    float lse;
+    for (int q = 0; q < nq; ++q) {
+      ASSERT_TRUE(backend->Score({layout.get(), pool, 0, block_table.data(), 0, n, &queries[q * d], scale,
+                                  logits.data()}).ok());
+      std::copy(logits.begin(), logits.end(), approx_logits.begin() + static_cast<size_t>(q) * n);
+      AttendItem item{block_table.data(), n, 0, 1, &queries[q * d], output.data(), &lse};
+      ASSERT_TRUE(backend->Attend({layout.get(), pool, {&item, 1}, scale}).ok());
+      std::copy(output.begin(), output.end(), approx_outputs.begin() + static_cast<size_t>(q) * d);
+    }
+    auto exact_logits = *eval::ScaledLogits(nq, n, d, queries, keys);
+    std::vector<double> exact_values(values.begin(), values.end());
+    auto exact_outputs = *eval::SoftmaxWeightedOutputs(nq, n, d, exact_logits, exact_values);
+    auto through_backend =
+        *eval::MeasureAttentionQuality(nq, n, exact_logits, approx_logits, exact_outputs, approx_outputs);
+
+    eval::EvalInputs inputs;
+    inputs.head_dim = d;
+    inputs.num_keys = n;
+    inputs.num_queries = nq;
+    inputs.keys = keys.data();
+    inputs.queries = queries.data();
+    inputs.values = values.data();
+    inputs.seed = 99;  // a different rotation: the figures must agree within noise
+    auto offline = *eval::EvaluatePreset(preset, inputs);
+    const eval::AttentionQuality& expected = offline.quality;
+    // Within noise (different rotations): 15% relative for logits and TV, 20%
+    // for the noisier output error, with floors for the near-lossless presets.
+    EXPECT_NEAR(through_backend.logit_rmse, expected.logit_rmse, 0.15 * expected.logit_rmse + 0.01);
+    EXPECT_NEAR(through_backend.tv_distance, expected.tv_distance, 0.15 * expected.tv_distance + 0.005);
+    EXPECT_NEAR(through_backend.output_rel_error, expected.output_rel_error,
+                0.2 * expected.output_rel_error + 0.01);
+    backend->FreePool(pool);
+  }
+}
+
+}  // namespace
+}  // namespace tqkv
