@@ -1,0 +1,691 @@
+#include "cache/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "cache/page_allocator.h"
+#include "kernels/status_macros.h"
+
+namespace tqkv {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Every field is guarded by the cache's State::mu.
+struct Sequence {
+  std::string id;
+  // Tells a re-created id apart from a dropped one when an in-flight read
+  // comes back to release its hold.
+  uint64_t serial = 0;
+  std::vector<int64_t> layer_tokens;
+  int64_t max_tokens = 0;
+  std::vector<int32_t> block_table;
+  absl::Time last_access;
+  // Breaks last_access ties (a coarse or frozen clock) in touch order.
+  uint64_t access_order = 0;
+  uint64_t stored_bytes = 0;
+  uint64_t stored_bytes_bf16 = 0;
+  // An append is between its two critical sections. Only that append changes
+  // the block table then; Drop and Fork wait, eviction skips the sequence.
+  bool writer_active = false;
+  // Made by an append that has not published yet: invisible to everything
+  // but other appends to the id, and removed again if that append fails.
+  bool pending = false;
+  // Attend / Score calls in flight; a sequence with readers is not idle.
+  int readers = 0;
+};
+
+// Scans a [layers, tokens, kv_heads, head_dim] tensor for NaN and infinity so
+// that the common bad input fails before any page is touched.
+absl::Status CheckFinite(const char* name, const float* data, int layer_begin, int layers,
+                         int64_t tokens, int heads, int dim) {
+  const int64_t count = static_cast<int64_t>(layers) * tokens * heads * dim;
+  for (int64_t i = 0; i < count; ++i) {
+    if (std::isfinite(data[i])) continue;
+    const int64_t row = i / dim;
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s[layer %d, token %d, kv head %d, dim %d] is %f; want finite values",
+                        name, layer_begin + row / (tokens * heads), (row / heads) % tokens,
+                        row % heads, i % dim, data[i]));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct KvCache::State {
+  State(const CacheOptions& options, const KvLayout* layout, int32_t num_pages)
+      : name(options.name),
+        layout(layout),
+        clock(options.clock ? options.clock : std::function<absl::Time()>(&absl::Now)),
+        idle_ttl(options.idle_ttl),
+        evict_lru(options.evict_lru),
+        pages(num_pages) {}
+
+  // Everything below `mu` is bookkeeping; kernels never run under it.
+  const std::string name;
+  const KvLayout* const layout;
+  const std::function<absl::Time()> clock;
+  const absl::Duration idle_ttl;
+  const bool evict_lru;
+
+  absl::Mutex mu;
+  PageAllocator pages ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, std::unique_ptr<Sequence>> sequences ABSL_GUARDED_BY(mu);
+  uint64_t next_serial ABSL_GUARDED_BY(mu) = 1;
+  uint64_t next_access ABSL_GUARDED_BY(mu) = 1;
+  // Running totals over published sequences (pending ones excluded).
+  int64_t num_sequences ABSL_GUARDED_BY(mu) = 0;
+  int64_t tokens ABSL_GUARDED_BY(mu) = 0;
+  uint64_t stored_bytes ABSL_GUARDED_BY(mu) = 0;
+  uint64_t stored_bytes_bf16 ABSL_GUARDED_BY(mu) = 0;
+  uint64_t evictions ABSL_GUARDED_BY(mu) = 0;
+  uint64_t copy_on_writes ABSL_GUARDED_BY(mu) = 0;
+
+  void Touch(Sequence* seq, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    seq->last_access = now;
+    seq->access_order = next_access++;
+  }
+
+  // A published sequence, or null.
+  Sequence* FindVisible(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = sequences.find(id);
+    if (it == sequences.end() || it->second->pending) return nullptr;
+    return it->second.get();
+  }
+
+  Sequence* AddSequence(const std::string& id, bool pending, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto seq = std::make_unique<Sequence>();
+    seq->id = id;
+    seq->serial = next_serial++;
+    seq->layer_tokens.assign(layout->num_layers(), 0);
+    seq->pending = pending;
+    Touch(seq.get(), now);
+    if (!pending) ++num_sequences;
+    Sequence* raw = seq.get();
+    sequences[id] = std::move(seq);
+    return raw;
+  }
+
+  // Removes a published sequence and releases its pages (pinned ones go back
+  // to the free list when their last reader unpins them).
+  // REQUIRES: !seq->writer_active.
+  void DropLocked(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (int32_t page : seq->block_table) pages.Release(page);
+    --num_sequences;
+    tokens -= seq->max_tokens;
+    stored_bytes -= seq->stored_bytes;
+    stored_bytes_bf16 -= seq->stored_bytes_bf16;
+    sequences.erase(sequences.find(seq->id));
+  }
+
+  struct NoWriterArgs {
+    State* state;
+    const std::string* a;
+    const std::string* b;
+  };
+  // Evaluated by absl::Mutex with `mu` held, possibly on another thread.
+  static bool NoWriterOn(NoWriterArgs* args) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (const std::string* id : {args->a, args->b}) {
+      if (id == nullptr) continue;
+      auto it = args->state->sequences.find(*id);
+      if (it != args->state->sequences.end() && it->second->writer_active) return false;
+    }
+    return true;
+  }
+  // Waits until no append is in flight on `a` (nor on `b`, when given).
+  void AwaitNoWriter(const std::string& a, const std::string* b = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    NoWriterArgs args{this, &a, b};
+    mu.Await(absl::Condition(&NoWriterOn, &args));
+  }
+
+  // Drops published sequences idle for longer than the TTL, except `keep`.
+  int EvictExpiredLocked(absl::Time now, const std::string* keep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (idle_ttl == absl::InfiniteDuration()) return 0;
+    std::vector<Sequence*> expired;
+    for (const auto& [id, seq] : sequences) {
+      if (seq->pending || seq->writer_active) continue;
+      if (keep != nullptr && id == *keep) continue;
+      if (now - seq->last_access > idle_ttl) expired.push_back(seq.get());
+    }
+    for (Sequence* seq : expired) DropLocked(seq);
+    evictions += expired.size();
+    return static_cast<int>(expired.size());
+  }
+
+  // Picks idle sequences, least recently used first, whose dropping brings
+  // the free pages to `need`. Simulates the releases first so that eviction
+  // is all-or-nothing: returns false, choosing none, when even dropping every
+  // idle sequence is not enough (shared or pinned pages free nothing).
+  bool PlanLruEviction(int32_t need, const std::string& keep, std::vector<Sequence*>* victims,
+                       int32_t* reachable) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::vector<Sequence*> idle;
+    for (const auto& [id, seq] : sequences) {
+      if (seq->pending || seq->writer_active || seq->readers > 0 || id == keep) continue;
+      idle.push_back(seq.get());
+    }
+    std::sort(idle.begin(), idle.end(), [](const Sequence* x, const Sequence* y) {
+      if (x->last_access != y->last_access) return x->last_access < y->last_access;
+      return x->access_order < y->access_order;
+    });
+    absl::flat_hash_map<int32_t, int32_t> refs_left;
+    int32_t free_pages = pages.num_free();
+    for (Sequence* seq : idle) {
+      if (free_pages >= need) break;
+      victims->push_back(seq);
+      for (int32_t page : seq->block_table) {
+        int32_t& left = refs_left.try_emplace(page, pages.refs(page)).first->second;
+        if (--left == 0 && pages.pins(page) == 0) ++free_pages;
+      }
+    }
+    *reachable = free_pages;
+    if (free_pages >= need) return true;
+    victims->clear();
+    return false;
+  }
+
+  // Releases what an in-flight read took: its pins and its reader count.
+  void EndRead(const std::string& id, uint64_t serial, const std::vector<int32_t>& pinned)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (int32_t page : pinned) pages.Unpin(page);
+    auto it = sequences.find(id);
+    if (it != sequences.end() && it->second->serial == serial) --it->second->readers;
+  }
+};
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const CacheOptions& options,
+                                                         Backend* backend) {
+  if (backend == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cache '%s': backend is null; want a backend", options.name));
+  }
+  if (options.idle_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cache '%s': idle_ttl is %s; want a positive duration or InfiniteDuration() to disable",
+        options.name, absl::FormatDuration(options.idle_ttl)));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> layout, KvLayout::Create(options.layout));
+  const size_t page_bytes = layout->page_bytes();
+  // Slots (page * page_tokens + slot) are int32 in the kernels' params.
+  const int64_t max_pages = std::numeric_limits<int32_t>::max() / layout->page_tokens();
+  const int64_t num_pages =
+      static_cast<int64_t>(std::min<uint64_t>(options.memory_budget_bytes / page_bytes, max_pages));
+  if (num_pages == 0) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "cache '%s': a memory budget of %d bytes holds no page of %d bytes; want at least %d",
+        options.name, options.memory_budget_bytes, page_bytes, page_bytes));
+  }
+  ASSIGN_OR_RETURN(PagePool pool, backend->AllocatePool(*layout, static_cast<int32_t>(num_pages)));
+  return std::unique_ptr<KvCache>(new KvCache(options, std::move(layout), backend, pool));
+}
+
+KvCache::KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout,
+                 Backend* backend, PagePool pool)
+    : options_(options),
+      layout_(std::move(layout)),
+      backend_(backend),
+      pool_(pool),
+      state_(std::make_unique<State>(options, layout_.get(), pool.num_pages)) {}
+
+KvCache::~KvCache() { backend_->FreePool(pool_); }
+
+absl::Status KvCache::CreateSequence(const std::string& id) {
+  if (id.empty()) return absl::InvalidArgumentError("sequence id is empty; want a non-empty id");
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  // A first append in flight on the id decides whether it exists.
+  s.AwaitNoWriter(id);
+  if (s.sequences.contains(id)) {
+    return absl::AlreadyExistsError(
+        absl::StrFormat("sequence '%s' already exists in cache '%s'", id, s.name));
+  }
+  s.AddSequence(id, /*pending=*/false, s.clock());
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::Append(const AppendRequest& request) {
+  const KvLayout& layout = *layout_;
+  const std::string& id = request.sequence_id;
+  const int64_t start = request.start_position;
+  const int64_t n = request.num_tokens;
+  const int page_tokens = layout.page_tokens();
+
+  // Checks that need no state come first, outside the lock.
+  if (id.empty()) return absl::InvalidArgumentError("sequence_id is empty; want a non-empty id");
+  if (request.layer_begin < 0 || request.layer_end > layout.num_layers() ||
+      request.layer_begin >= request.layer_end) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer range [%d, %d) is empty or outside the cache's %d layers; want "
+        "0 <= layer_begin < layer_end <= %d",
+        request.layer_begin, request.layer_end, layout.num_layers(), layout.num_layers()));
+  }
+  if (n < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat("num_tokens is %d; want at least 1", n));
+  }
+  if (request.keys == nullptr || request.values == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s is null; want [layers, tokens, kv_heads, head_dim] floats",
+                        request.keys == nullptr ? "keys" : "values"));
+  }
+  if (start < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("start_position is %d; want a non-negative position", start));
+  }
+  const int64_t capacity_tokens = static_cast<int64_t>(pool_.num_pages) * page_tokens;
+  // A start beyond the pool is a gap, reported below with the expected position.
+  if (start <= capacity_tokens && n > capacity_tokens - start) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "cache '%s' cannot hold tokens [%d, %d): its %d pages hold %d tokens per sequence",
+        options_.name, start, start + n, pool_.num_pages, capacity_tokens));
+  }
+  const int layers = request.layer_end - request.layer_begin;
+  RETURN_IF_ERROR(CheckFinite("keys", request.keys, request.layer_begin, layers, n,
+                              layout.num_kv_heads(), layout.head_dim()));
+  RETURN_IF_ERROR(CheckFinite("values", request.values, request.layer_begin, layers, n,
+                              layout.num_kv_heads(), layout.head_dim()));
+
+  State& s = *state_;
+  Sequence* seq = nullptr;
+  std::vector<int32_t> allocated;  // owned by this call until publish
+  std::vector<int32_t> new_table;
+  struct PageCopy {
+    int32_t from;  // the shared page
+    int32_t to;    // its fresh copy
+  };
+  std::vector<PageCopy> copies;
+  std::vector<int32_t> slots(n);
+  {
+    absl::MutexLock lock(&s.mu);
+    // Appends to one sequence are serialized; the winner's result decides
+    // what this one must start at, so every check below runs after the wait.
+    s.AwaitNoWriter(id);
+    auto it = s.sequences.find(id);
+    seq = it == s.sequences.end() ? nullptr : it->second.get();
+    if (seq == nullptr && !request.create_if_missing) {
+      return absl::NotFoundError(absl::StrFormat(
+          "sequence '%s' not found in cache '%s'; create it first or set create_if_missing", id,
+          s.name));
+    }
+    for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
+      const int64_t have = seq == nullptr ? 0 : seq->layer_tokens[layer];
+      if (have != start) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "sequence '%s' layer %d holds %d tokens; an append must start at %d, got %d", id, layer,
+            have, have, start));
+      }
+    }
+
+    const absl::Time now = s.clock();
+    s.EvictExpiredLocked(now, &id);
+
+    static const std::vector<int32_t> kNoPages;
+    const std::vector<int32_t>& old_table = seq == nullptr ? kNoPages : seq->block_table;
+    const int64_t old_max = seq == nullptr ? 0 : seq->max_tokens;
+    const int64_t table_pages = CeilDiv(std::max(old_max, start + n), page_tokens);
+    const int32_t grow = static_cast<int32_t>(table_pages - static_cast<int64_t>(old_table.size()));
+    // With per-layer lengths any existing page from the first written
+    // position on may be written (for these layers), not just the last one.
+    const int64_t first_written = start / page_tokens;
+    const int64_t end_written =
+        std::min<int64_t>(CeilDiv(start + n, page_tokens), static_cast<int64_t>(old_table.size()));
+    std::vector<int64_t> shared_blocks;
+    for (int64_t block = first_written; block < end_written; ++block) {
+      if (s.pages.refs(old_table[block]) > 1) shared_blocks.push_back(block);
+    }
+    const int32_t need = grow + static_cast<int32_t>(shared_blocks.size());
+
+    if (need > s.pages.num_free()) {
+      const int32_t free_before = s.pages.num_free();
+      std::vector<Sequence*> victims;
+      int32_t reachable = free_before;
+      if (!s.evict_lru || !s.PlanLruEviction(need, id, &victims, &reachable)) {
+        return absl::ResourceExhaustedError(absl::StrFormat(
+            "cache '%s' is full: need %d pages, %d free of %d%s", s.name, need, free_before,
+            s.pages.num_pages(),
+            s.evict_lru ? absl::StrFormat("; evicting every idle sequence would free only %d",
+                                          reachable - free_before)
+                        : std::string()));
+      }
+      for (Sequence* victim : victims) s.DropLocked(victim);
+      s.evictions += victims.size();
+    }
+    const bool allocated_ok = s.pages.Allocate(need, &allocated);
+    (void)allocated_ok;  // `need` free pages were ensured above.
+
+    new_table = old_table;
+    for (size_t i = 0; i < shared_blocks.size(); ++i) {
+      copies.push_back({old_table[shared_blocks[i]], allocated[i]});
+      new_table[shared_blocks[i]] = allocated[i];
+    }
+    new_table.insert(new_table.end(), allocated.begin() + shared_blocks.size(), allocated.end());
+
+    if (seq == nullptr) seq = s.AddSequence(id, /*pending=*/true, now);
+    seq->writer_active = true;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t position = start + i;
+      slots[i] = new_table[position / page_tokens] * page_tokens +
+                 static_cast<int32_t>(position % page_tokens);
+    }
+  }
+
+  // Kernels run outside the lock. The pages written are either fresh ones
+  // owned by this call or unshared ones whose published slots lie below
+  // `start` for these layers, so concurrent readers are unaffected.
+  absl::Status status;
+  for (const PageCopy& copy : copies) {
+    status = backend_->CopyPage(pool_, copy.from, copy.to);
+    if (!status.ok()) break;
+  }
+  if (status.ok()) {
+    StoreParams params;
+    params.layout = layout_.get();
+    params.pool = pool_;
+    params.layer_begin = request.layer_begin;
+    params.layer_end = request.layer_end;
+    params.num_tokens = n;
+    params.slots = slots.data();
+    params.keys = request.keys;
+    params.values = request.values;
+    status = backend_->Store(params);
+  }
+
+  absl::MutexLock lock(&s.mu);
+  if (!status.ok()) {
+    for (int32_t page : allocated) s.pages.Release(page);
+    if (seq->pending) {
+      s.sequences.erase(id);
+    } else {
+      seq->writer_active = false;
+    }
+    return absl::Status(status.code(), absl::StrFormat("append to sequence '%s' in cache '%s': %s",
+                                                       id, s.name, status.message()));
+  }
+  // Publish: the block table, then the lengths readers go by.
+  for (const PageCopy& copy : copies) s.pages.Release(copy.from);
+  s.copy_on_writes += copies.size();
+  seq->block_table = std::move(new_table);
+  const int64_t old_max = seq->max_tokens;
+  for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
+    seq->layer_tokens[layer] = start + n;
+    seq->stored_bytes += static_cast<uint64_t>(n) * layout.token_bytes(layer);
+    seq->stored_bytes_bf16 += static_cast<uint64_t>(n) * layout.token_bytes_bf16();
+    s.stored_bytes += static_cast<uint64_t>(n) * layout.token_bytes(layer);
+    s.stored_bytes_bf16 += static_cast<uint64_t>(n) * layout.token_bytes_bf16();
+  }
+  seq->max_tokens = std::max(old_max, start + n);
+  s.tokens += seq->max_tokens - old_max;
+  if (seq->pending) {
+    seq->pending = false;
+    ++s.num_sequences;
+  }
+  s.Touch(seq, s.clock());
+  seq->writer_active = false;
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::Fork(const std::string& parent_id, const std::string& child_id) {
+  if (child_id.empty()) {
+    return absl::InvalidArgumentError("child sequence id is empty; want a non-empty id");
+  }
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  // An append in flight on the parent may be writing its unshared last page;
+  // sharing it now would let the child copy half-written bytes.
+  s.AwaitNoWriter(parent_id, &child_id);
+  Sequence* parent = s.FindVisible(parent_id);
+  if (parent == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("parent sequence '%s' not found in cache '%s'", parent_id, s.name));
+  }
+  if (s.sequences.contains(child_id)) {
+    return absl::AlreadyExistsError(
+        absl::StrFormat("child sequence '%s' already exists in cache '%s'", child_id, s.name));
+  }
+  const absl::Time now = s.clock();
+  Sequence* child = s.AddSequence(child_id, /*pending=*/false, now);
+  child->layer_tokens = parent->layer_tokens;
+  child->max_tokens = parent->max_tokens;
+  child->block_table = parent->block_table;
+  child->stored_bytes = parent->stored_bytes;
+  child->stored_bytes_bf16 = parent->stored_bytes_bf16;
+  for (int32_t page : child->block_table) s.pages.AddRef(page);
+  s.tokens += child->max_tokens;
+  s.stored_bytes += child->stored_bytes;
+  s.stored_bytes_bf16 += child->stored_bytes_bf16;
+  s.Touch(parent, now);
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::Drop(const std::string& id) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  // The pages an append in flight writes are not pinned; let it finish.
+  s.AwaitNoWriter(id);
+  Sequence* seq = s.FindVisible(id);
+  if (seq == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+  }
+  s.DropLocked(seq);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceInfo> KvCache::GetSequence(const std::string& id) {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  const Sequence* seq = s.FindVisible(id);
+  if (seq == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+  }
+  SequenceInfo info;
+  info.id = seq->id;
+  info.layer_tokens = seq->layer_tokens;
+  info.max_tokens = seq->max_tokens;
+  info.pages = static_cast<int32_t>(seq->block_table.size());
+  info.last_access = seq->last_access;
+  return info;
+}
+
+std::vector<std::string> KvCache::ListSequences() {
+  State& s = *state_;
+  std::vector<std::string> ids;
+  {
+    absl::MutexLock lock(&s.mu);
+    ids.reserve(s.sequences.size());
+    for (const auto& [id, seq] : s.sequences) {
+      if (!seq->pending) ids.push_back(id);
+    }
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+
+absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items) {
+  const KvLayout& layout = *layout_;
+  const int page_tokens = layout.page_tokens();
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttendRequestItem& item = items[i];
+    if (item.layer < 0 || item.layer >= layout.num_layers()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("item %d: layer %d is outside the cache's %d layers; want [0, %d)", i,
+                          item.layer, layout.num_layers(), layout.num_layers()));
+    }
+    if (item.queries == nullptr || item.output == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "item %d: %s is null; want [num_query_tokens, num_query_heads, head_dim] floats", i,
+          item.queries == nullptr ? "queries" : "output"));
+    }
+    if (item.num_query_tokens < 1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "item %d: num_query_tokens is %d; want at least 1", i, item.num_query_tokens));
+    }
+  }
+  if (items.empty()) return absl::OkStatus();
+
+  State& s = *state_;
+  // Snapshots owned by this call: the kernel reads them outside the lock.
+  std::vector<std::vector<int32_t>> tables(items.size());
+  std::vector<uint64_t> serials(items.size());
+  std::vector<AttendItem> kernel_items(items.size());
+  {
+    absl::MutexLock lock(&s.mu);
+    // Validate every item before taking anything.
+    for (size_t i = 0; i < items.size(); ++i) {
+      const AttendRequestItem& item = items[i];
+      const Sequence* seq = s.FindVisible(item.sequence_id);
+      if (seq == nullptr) {
+        return absl::NotFoundError(absl::StrFormat("item %d: sequence '%s' not found in cache '%s'",
+                                                   i, item.sequence_id, s.name));
+      }
+      const int64_t length = seq->layer_tokens[item.layer];
+      if (item.num_query_tokens > length) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "item %d: %d query tokens but sequence '%s' layer %d holds %d tokens; the query "
+            "tokens must be appended first (want 1 <= num_query_tokens <= %d)",
+            i, item.num_query_tokens, item.sequence_id, item.layer, length, length));
+      }
+    }
+    const absl::Time now = s.clock();
+    for (size_t i = 0; i < items.size(); ++i) {
+      const AttendRequestItem& item = items[i];
+      Sequence* seq = s.FindVisible(item.sequence_id);
+      const int64_t length = seq->layer_tokens[item.layer];
+      tables[i].assign(seq->block_table.begin(),
+                       seq->block_table.begin() + CeilDiv(length, page_tokens));
+      for (int32_t page : tables[i]) s.pages.Pin(page);
+      ++seq->readers;
+      serials[i] = seq->serial;
+      s.Touch(seq, now);
+
+      AttendItem& k = kernel_items[i];
+      k.block_table = tables[i].data();
+      k.context_tokens = length;
+      k.layer = item.layer;
+      k.num_query_tokens = item.num_query_tokens;
+      k.queries = item.queries;
+      k.output = item.output;
+      k.lse = item.lse;
+    }
+  }
+
+  AttendParams params;
+  params.layout = layout_.get();
+  params.pool = pool_;
+  params.items = kernel_items;
+  params.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim()));
+  const absl::Status status = backend_->Attend(params);
+
+  absl::MutexLock lock(&s.mu);
+  for (size_t i = 0; i < items.size(); ++i) s.EndRead(items[i].sequence_id, serials[i], tables[i]);
+  return status;
+}
+
+absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begin,
+                            int64_t token_end, const float* queries, float* logits) {
+  const KvLayout& layout = *layout_;
+  if (layer < 0 || layer >= layout.num_layers()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d is outside the cache's %d layers; want [0, %d)", layer,
+                        layout.num_layers(), layout.num_layers()));
+  }
+  if (queries == nullptr || logits == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s is null; want %s", queries == nullptr ? "queries" : "logits",
+                        queries == nullptr ? "[num_query_heads, head_dim] floats"
+                                           : "[num_query_heads, token_end - token_begin] floats"));
+  }
+  if (token_begin < 0 || token_end < -1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "token range [%d, %d) is negative; want 0 <= token_begin <= token_end, or token_end = -1 "
+        "for the layer's length",
+        token_begin, token_end));
+  }
+
+  State& s = *state_;
+  std::vector<int32_t> table;
+  uint64_t serial = 0;
+  int64_t end = 0;
+  {
+    absl::MutexLock lock(&s.mu);
+    Sequence* seq = s.FindVisible(id);
+    if (seq == nullptr) {
+      return absl::NotFoundError(
+          absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+    }
+    const int64_t length = seq->layer_tokens[layer];
+    end = token_end == -1 ? length : token_end;
+    if (token_begin > length || end > length) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "token range [%d, %d) is beyond sequence '%s' layer %d, which holds %d tokens",
+          token_begin, end, id, layer, length));
+    }
+    if (token_begin > end) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "token range [%d, %d) ends before it begins; want token_begin <= token_end", token_begin,
+          end));
+    }
+    s.Touch(seq, s.clock());
+    if (token_begin == end) return absl::OkStatus();
+    table.assign(seq->block_table.begin(),
+                 seq->block_table.begin() + CeilDiv(end, layout.page_tokens()));
+    for (int32_t page : table) s.pages.Pin(page);
+    ++seq->readers;
+    serial = seq->serial;
+  }
+
+  ScoreParams params;
+  params.layout = layout_.get();
+  params.pool = pool_;
+  params.layer = layer;
+  params.block_table = table.data();
+  params.token_begin = token_begin;
+  params.token_end = end;
+  params.queries = queries;
+  params.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim()));
+  params.logits = logits;
+  const absl::Status status = backend_->Score(params);
+
+  absl::MutexLock lock(&s.mu);
+  s.EndRead(id, serial, table);
+  return status;
+}
+
+int KvCache::EvictExpired() {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  return s.EvictExpiredLocked(s.clock(), /*keep=*/nullptr);
+}
+
+CacheStats KvCache::Stats() {
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  CacheStats stats;
+  stats.pages_total = s.pages.num_pages();
+  stats.pages_used = s.pages.num_used();
+  stats.sequences = s.num_sequences;
+  stats.tokens = s.tokens;
+  stats.stored_bytes = s.stored_bytes;
+  stats.stored_bytes_bf16 = s.stored_bytes_bf16;
+  stats.evictions = s.evictions;
+  stats.copy_on_writes = s.copy_on_writes;
+  return stats;
+}
+
+}  // namespace tqkv

@@ -1,0 +1,188 @@
+// The KV cache's bookkeeping, the same for every backend: sequences, block
+// tables, the page pool with reference counts, capacity, eviction and idle TTL.
+// Compute (store, score, attend) goes to a Backend; this class decides which
+// page slots each call touches and guarantees readers a consistent prefix.
+//
+// Sequences. A client-chosen id names each sequence in a cache. Its length is
+// kept per layer, so a prefill can stream layer by layer; its block table (one
+// for all layers) lists the pages holding tokens [0, max layer length).
+//
+// Appends carry the position they start at. An append of n tokens to layers
+// [b, e) must start exactly at the current length of each of those layers
+// (FAILED_PRECONDITION otherwise, naming the expected position), so a retried
+// append is detected instead of stored twice. Appends are all-or-nothing: on
+// any error the sequence, the pool and every counter are exactly as before.
+//
+// Fork shares every page of the parent with the child (reference counts).
+// The first append into a shared, partially filled last page copies it first
+// (copy-on-write); full pages are never written again, so they stay shared.
+//
+// Capacity. The pool has a fixed number of pages (from a byte budget). When an
+// append needs more pages than are free it fails with RESOURCE_EXHAUSTED and
+// changes nothing, unless LRU eviction is on: then idle sequences (no call in
+// flight on them) are dropped, least recently used first, until the pages fit
+// or none is left to evict. With an idle TTL, sequences not touched for longer
+// are dropped by EvictExpired() (the service calls it periodically) and before
+// any allocation.
+//
+// Details the tests pin down: copy-on-write copies every shared page an append
+// writes into (with per-layer lengths a page can be full in one layer and open
+// in another); Drop, Fork and CreateSequence on an id wait for an append in
+// flight on it; a sequence created by its first append is invisible until that
+// append succeeds and gone if it fails; LRU eviction is all-or-nothing and
+// skips sequences with any call in flight; GetSequence / ListSequences do not
+// count as a use for LRU and TTL, every other call does.
+//
+// Thread safety: every method is thread-safe. Appends to different sequences
+// run their store kernels concurrently; appends to one sequence are serialized.
+// Attend and Score snapshot a sequence's block table and lengths under the
+// lock, pin its pages, and run the kernel outside the lock: they see a
+// consistent prefix while the sequence grows, and a concurrent Drop frees the
+// pages only when the last pin is released.
+#ifndef TQKV_CACHE_KV_CACHE_H_
+#define TQKV_CACHE_KV_CACHE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kernels/backend.h"
+#include "kernels/kv_layout.h"
+
+namespace tqkv {
+
+struct CacheOptions {
+  std::string name = "default";
+  KvLayoutOptions layout;
+  // Bytes of backend memory for the page pool; the pool gets
+  // floor(memory_budget_bytes / page_bytes) pages. Must fit at least one page.
+  size_t memory_budget_bytes = size_t{1} << 30;
+  // Drop idle sequences, least recently used first, when an append needs pages.
+  bool evict_lru = false;
+  // Drop sequences idle for longer than this. InfiniteDuration() disables.
+  absl::Duration idle_ttl = absl::InfiniteDuration();
+  // Clock for LRU order and TTL; absl::Now when empty. Tests inject their own.
+  std::function<absl::Time()> clock;
+};
+
+struct SequenceInfo {
+  std::string id;
+  std::vector<int64_t> layer_tokens;  // per layer
+  int64_t max_tokens = 0;             // max over layers
+  int32_t pages = 0;                  // block table length
+  absl::Time last_access;
+};
+
+struct CacheStats {
+  int32_t pages_total = 0;
+  int32_t pages_used = 0;
+  int64_t sequences = 0;
+  // Tokens summed over sequences, counted in the layer with most tokens.
+  int64_t tokens = 0;
+  // Compressed bytes of the (token, layer) entries the sequences hold
+  // (KvLayout::token_bytes), excluding page padding and unfilled slots, and
+  // the bf16 bytes of the same entries. Logical: a forked prefix counts once
+  // per sequence, like `tokens`.
+  uint64_t stored_bytes = 0;
+  uint64_t stored_bytes_bf16 = 0;
+  uint64_t evictions = 0;      // sequences dropped by LRU or TTL, ever
+  uint64_t copy_on_writes = 0; // pages copied for copy-on-write, ever
+};
+
+struct AppendRequest {
+  std::string sequence_id;
+  int64_t start_position = 0;
+  int layer_begin = 0;  // [layer_begin, layer_end)
+  int layer_end = 0;
+  int64_t num_tokens = 0;
+  // [layer_end - layer_begin, num_tokens, num_kv_heads, head_dim] row-major.
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  // Create the sequence if it does not exist (NOT_FOUND otherwise).
+  bool create_if_missing = true;
+};
+
+struct AttendRequestItem {
+  std::string sequence_id;
+  int layer = 0;
+  int num_query_tokens = 1;
+  const float* queries = nullptr;  // [num_query_tokens, num_query_heads, head_dim]
+  float* output = nullptr;         // same shape
+  float* lse = nullptr;            // optional [num_query_tokens, num_query_heads]
+};
+
+class KvCache {
+ public:
+  // Allocates the pool from `backend` (which must outlive the cache).
+  // INVALID_ARGUMENT / NOT_FOUND from the layout; RESOURCE_EXHAUSTED when the
+  // budget holds no page or the backend cannot allocate it.
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const CacheOptions& options,
+                                                         Backend* backend);
+  // REQUIRES: no call on this cache is in flight.
+  ~KvCache();
+
+  const KvLayout& layout() const { return *layout_; }
+  const CacheOptions& options() const { return options_; }
+
+  // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id.
+  absl::Status CreateSequence(const std::string& id);
+
+  // Errors: NOT_FOUND (unknown sequence and !create_if_missing),
+  // INVALID_ARGUMENT (empty layer range or one beyond the layout, no tokens,
+  // null tensors, non-finite values), FAILED_PRECONDITION (start_position is
+  // not the current length of every layer in the range; the message names the
+  // expected position), RESOURCE_EXHAUSTED (pool full, nothing evictable).
+  absl::Status Append(const AppendRequest& request);
+
+  // The child gets the parent's tokens, sharing its pages. NOT_FOUND for the
+  // parent, ALREADY_EXISTS for the child.
+  absl::Status Fork(const std::string& parent_id, const std::string& child_id);
+
+  // NOT_FOUND if unknown.
+  absl::Status Drop(const std::string& id);
+
+  absl::StatusOr<SequenceInfo> GetSequence(const std::string& id);
+  std::vector<std::string> ListSequences();
+
+  // Fused attention for a batch of items over each sequence's tokens in the
+  // item's layer (causal among an item's query tokens; see AttendItem).
+  // NOT_FOUND for an unknown sequence, INVALID_ARGUMENT for a bad layer, null
+  // pointers, or more query tokens than the layer holds. All items are
+  // validated before any kernel runs.
+  absl::Status Attend(absl::Span<const AttendRequestItem> items);
+
+  // logits[h][t - token_begin] = scale * <q_h, k_t> for t in
+  // [token_begin, token_end) of one layer; token_end = -1 means the layer's
+  // length. queries [num_query_heads, head_dim]; logits sized by the caller
+  // as num_query_heads * (token_end - token_begin).
+  absl::Status Score(const std::string& id, int layer, int64_t token_begin, int64_t token_end,
+                     const float* queries, float* logits);
+
+  // Drops sequences idle for longer than the TTL. Returns how many.
+  int EvictExpired();
+
+  CacheStats Stats();
+
+ private:
+  // Implementation-defined; see kv_cache.cc.
+  struct State;
+  KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout, Backend* backend,
+          PagePool pool);
+
+  CacheOptions options_;
+  std::shared_ptr<const KvLayout> layout_;
+  Backend* backend_;
+  PagePool pool_;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace tqkv
+
+#endif  // TQKV_CACHE_KV_CACHE_H_
