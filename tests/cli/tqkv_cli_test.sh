@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# End-to-end checks of the tqkv CLI binary: every offline subcommand, its JSON
+# output, and its exit codes for usage and data errors.
+# Usage: tqkv_cli_test.sh /path/to/tqkv
+set -euo pipefail
+tqkv=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+check() {  # check <description> <command...>: the command must succeed
+  local what=$1; shift
+  if ! "$@" >"$work/out" 2>&1; then
+    echo "FAIL: $what"; sed 's/^/    /' "$work/out"; failures=$((failures + 1))
+  fi
+}
+expect_code() {  # expect_code <code> <description> <command...>
+  local code=$1 what=$2; shift 2
+  set +e; "$@" >"$work/out" 2>&1; local got=$?; set -e
+  if [ "$got" != "$code" ]; then
+    echo "FAIL: $what: exit $got, want $code"; sed 's/^/    /' "$work/out"; failures=$((failures + 1))
+  fi
+}
+contains() {  # contains <text> <file>
+  grep -q -- "$1" "$2" || { echo "FAIL: '$1' not in output"; sed 's/^/    /' "$2"; failures=$((failures + 1)); }
+}
+
+check "synth keys" "$tqkv" synth --kind outlier-keys --rows 512 --head-dim 96 --seed 1 --out "$work/k.npy"
+check "synth values" "$tqkv" synth --kind gaussian --rows 512 --head-dim 96 --seed 2 --out "$work/v.npy"
+check "synth queries" "$tqkv" synth --rows 8 --head-dim 96 --seed 3 --out "$work/q.npy"
+
+check "roundtrip" "$tqkv" roundtrip --preset tqkv_k3v3 --part keys --in "$work/k.npy" --out "$work/k_hat.npy"
+contains "relative MSE 0.0" "$work/out"
+contains "bytes per vector 38" "$work/out"  # 96 coordinates x 3 bits = 36 bytes + fp16 norm
+[ -s "$work/k_hat.npy" ] || { echo "FAIL: roundtrip wrote no output"; failures=$((failures + 1)); }
+check "roundtrip of its own output" "$tqkv" roundtrip --preset fp16 --part values --in "$work/k_hat.npy" --out "$work/k_hat2.npy"
+
+check "eval json" "$tqkv" eval --preset all --keys "$work/k.npy" --queries "$work/q.npy" --values "$work/v.npy" --json
+contains '"preset": "turboquant_3bit_nc"' "$work/out"
+contains '"logit_rmse"' "$work/out"
+contains '"tv_distance"' "$work/out"
+check "eval table" "$tqkv" eval --preset fp8,tqkv_k2p5v3 --keys "$work/k.npy" --queries "$work/q.npy"
+contains "tqkv_k2p5v3" "$work/out"
+
+check "distortion" "$tqkv" distortion --head-dim 128 --json
+contains '"d_mse": 0.3608' "$work/out"
+check "codebook" "$tqkv" codebook --head-dim 128 --bits 2
+contains "1.5051" "$work/out"  # outer 2-bit centroid x sqrt(128)
+check "presets" "$tqkv" presets --head-dim 80
+check "capacity" "$tqkv" capacity --memory-gib 1 --layout llama3-70b --json
+contains '"ratio_to_bf16"' "$work/out"
+check "bench attend" "$tqkv" bench attend --preset tqkv_k3v3,turboquant_3bit_nc --context 64,200 --min-seconds 0.01 --json
+contains '"speedup_vs_bf16"' "$work/out"
+check "bench store" "$tqkv" bench store --preset turboquant_k3v4_nc --tokens 256 --json
+contains '"tokens_per_second"' "$work/out"
+
+expect_code 2 "unknown subcommand" "$tqkv" frobnicate
+expect_code 2 "unknown flag" "$tqkv" distortion --head-dmi 128
+expect_code 2 "missing required flag" "$tqkv" codebook --head-dim 128
+expect_code 2 "unknown preset" "$tqkv" eval --preset nope --keys "$work/k.npy" --queries "$work/q.npy"
+expect_code 1 "missing file" "$tqkv" eval --keys "$work/missing.npy" --queries "$work/q.npy"
+expect_code 1 "mismatched head dims" "$tqkv" eval --keys "$work/k.npy" --queries "$work/k.npy" --values "$work/q.npy"
+expect_code 0 "help" "$tqkv" --help
+
+if [ "$failures" -ne 0 ]; then echo "$failures CLI check(s) failed"; exit 1; fi
+echo "CLI checks passed"
