@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 #include "client/cli/json_writer.h"
@@ -26,25 +27,6 @@
 namespace tqkv {
 namespace cli {
 namespace {
-
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
-
-int ParseOrExit(FlagSet& flags, int argc, const char* const* argv) {
-  absl::Status status = flags.Parse(argc, argv);
-  if (status.ok()) return -1;
-  if (IsHelpRequest(status)) {
-    printf("%s", flags.Usage().c_str());
-    return 0;
-  }
-  fprintf(stderr, "tqkv: %s\n\n%s", std::string(status.message()).c_str(), flags.Usage().c_str());
-  return kExitUsage;
-}
-
-int Fail(const absl::Status& status) {
-  fprintf(stderr, "tqkv: %s\n", status.ToString().c_str());
-  return kExitFailure;
-}
 
 double Seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

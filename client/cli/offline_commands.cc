@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 #include "client/cli/json_writer.h"
@@ -19,31 +20,6 @@
 namespace tqkv {
 namespace cli {
 namespace {
-
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
-
-// Parses flags; returns -1 to continue, or the exit code to return now.
-int ParseOrExit(FlagSet& flags, int argc, const char* const* argv) {
-  absl::Status status = flags.Parse(argc, argv);
-  if (status.ok()) return -1;
-  if (IsHelpRequest(status)) {
-    printf("%s", flags.Usage().c_str());
-    return 0;
-  }
-  fprintf(stderr, "tqkv: %s\n\n%s", std::string(status.message()).c_str(), flags.Usage().c_str());
-  return kExitUsage;
-}
-
-int Fail(const absl::Status& status) {
-  fprintf(stderr, "tqkv: %s\n", status.ToString().c_str());
-  return kExitFailure;
-}
-
-int UsageError(const std::string& message) {
-  fprintf(stderr, "tqkv: %s\n", message.c_str());
-  return kExitUsage;
-}
 
 // A 2-D [rows, head_dim] view of an array whose last axis is the head dim.
 struct Matrix {
