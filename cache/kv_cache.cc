@@ -64,6 +64,19 @@ absl::Status CheckFinite(const char* name, const float* data, int layer_begin, i
   return absl::OkStatus();
 }
 
+// Logit scale: 0 selects the usual 1 / sqrt(head_dim).
+absl::Status CheckScale(float scale) {
+  if (!std::isfinite(scale) || scale < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "scale is %g; want a finite value >= 0 (0 means 1 / sqrt(head_dim))", scale));
+  }
+  return absl::OkStatus();
+}
+
+float EffectiveScale(float scale, const KvLayout& layout) {
+  return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(layout.head_dim()));
+}
+
 }  // namespace
 
 struct KvCache::State {
@@ -517,9 +530,10 @@ std::vector<std::string> KvCache::ListSequences() {
   return ids;
 }
 
-absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items) {
+absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float scale) {
   const KvLayout& layout = *layout_;
   const int page_tokens = layout.page_tokens();
+  RETURN_IF_ERROR(CheckScale(scale));
   for (size_t i = 0; i < items.size(); ++i) {
     const AttendRequestItem& item = items[i];
     if (item.layer < 0 || item.layer >= layout.num_layers()) {
@@ -589,7 +603,7 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items) {
   params.layout = layout_.get();
   params.pool = pool_;
   params.items = kernel_items;
-  params.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim()));
+  params.scale = EffectiveScale(scale, layout);
   const absl::Status status = backend_->Attend(params);
 
   absl::MutexLock lock(&s.mu);
@@ -598,8 +612,10 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items) {
 }
 
 absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begin,
-                            int64_t token_end, const float* queries, float* logits) {
+                            int64_t token_end, const float* queries, float* logits,
+                            float scale) {
   const KvLayout& layout = *layout_;
+  RETURN_IF_ERROR(CheckScale(scale));
   if (layer < 0 || layer >= layout.num_layers()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("layer %d is outside the cache's %d layers; want [0, %d)", layer,
@@ -658,7 +674,7 @@ absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begi
   params.token_begin = token_begin;
   params.token_end = end;
   params.queries = queries;
-  params.scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim()));
+  params.scale = EffectiveScale(scale, layout);
   params.logits = logits;
   const absl::Status status = backend_->Score(params);
 

@@ -155,15 +155,17 @@ class KvCache {
   // item's layer (causal among an item's query tokens; see AttendItem).
   // NOT_FOUND for an unknown sequence, INVALID_ARGUMENT for a bad layer, null
   // pointers, or more query tokens than the layer holds. All items are
-  // validated before any kernel runs.
-  absl::Status Attend(absl::Span<const AttendRequestItem> items);
+  // validated before any kernel runs. `scale` is the logit scale; 0 means
+  // 1 / sqrt(head_dim). INVALID_ARGUMENT when negative or not finite.
+  absl::Status Attend(absl::Span<const AttendRequestItem> items, float scale = 0.0f);
 
   // logits[h][t - token_begin] = scale * <q_h, k_t> for t in
   // [token_begin, token_end) of one layer; token_end = -1 means the layer's
   // length. queries [num_query_heads, head_dim]; logits sized by the caller
-  // as num_query_heads * (token_end - token_begin).
+  // as num_query_heads * (token_end - token_begin). `scale` as in Attend
+  // (0 means 1 / sqrt(head_dim)).
   absl::Status Score(const std::string& id, int layer, int64_t token_begin, int64_t token_end,
-                     const float* queries, float* logits);
+                     const float* queries, float* logits, float scale = 0.0f);
 
   // Drops sequences idle for longer than the TTL. Returns how many.
   int EvictExpired();

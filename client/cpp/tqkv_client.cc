@@ -1,0 +1,348 @@
+#include "client/cpp/tqkv_client.h"
+
+#include <cstring>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "kernels/float_formats.h"
+
+namespace tqkv {
+namespace {
+
+int64_t Product(absl::Span<const int64_t> shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+absl::Status CheckSize(const char* name, absl::Span<const float> data,
+                       absl::Span<const int64_t> shape) {
+  if (static_cast<int64_t>(data.size()) != Product(shape)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s has %d floats but its shape holds %d", name, data.size(), Product(shape)));
+  }
+  return absl::OkStatus();
+}
+
+void Encode(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::DType dtype,
+            v1::Tensor* out) {
+  if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_F32;
+  out->set_dtype(dtype);
+  for (int64_t d : shape) out->add_shape(d);
+  std::string* bytes = out->mutable_data();
+  if (dtype == v1::DTYPE_F32) {
+    bytes->assign(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
+    return;
+  }
+  bytes->resize(data.size() * 2);
+  for (size_t i = 0; i < data.size(); ++i) {
+    const uint16_t v = dtype == v1::DTYPE_F16 ? FloatToHalf(data[i]) : FloatToBf16(data[i]);
+    std::memcpy(bytes->data() + 2 * i, &v, 2);
+  }
+}
+
+// Server responses are trusted to be consistent, but a short buffer must not
+// read past the end.
+absl::StatusOr<std::vector<float>> Decode(const v1::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || (d > 0 && n > (int64_t{1} << 40) / d)) return absl::InternalError("server sent a tensor with a bad shape");
+    n *= d;
+  }
+  const size_t elem = t.dtype() == v1::DTYPE_F32 ? 4 : 2;
+  if (n < 0 || t.data().size() != static_cast<size_t>(n) * elem) {
+    return absl::InternalError("server sent a tensor whose bytes do not match its shape");
+  }
+  std::vector<float> out(static_cast<size_t>(n));
+  const char* src = t.data().data();
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.dtype() == v1::DTYPE_F32) {
+      std::memcpy(&out[i], src + 4 * i, 4);
+    } else {
+      uint16_t v;
+      std::memcpy(&v, src + 2 * i, 2);
+      out[i] = t.dtype() == v1::DTYPE_F16 ? HalfToFloat(v) : Bf16ToFloat(v);
+    }
+  }
+  return out;
+}
+
+SequenceState FromProto(const v1::SequenceInfo& info) {
+  SequenceState s;
+  s.cache = info.cache();
+  s.sequence_id = info.sequence_id();
+  s.layer_tokens.assign(info.layer_tokens().begin(), info.layer_tokens().end());
+  s.pages = info.pages();
+  return s;
+}
+
+absl::Status FillAppendRequest(const AppendArgs& args, v1::AppendRequest* request) {
+  if (absl::Status s = CheckSize("keys", args.keys, args.shape); !s.ok()) return s;
+  if (absl::Status s = CheckSize("values", args.values, args.shape); !s.ok()) return s;
+  request->set_cache(args.cache);
+  request->set_sequence_id(args.sequence_id);
+  request->set_start_position(args.start_position);
+  request->set_layer_begin(args.layer_begin);
+  request->set_layer_end(args.layer_end);
+  request->set_do_not_create(!args.create_if_missing);
+  Encode(args.keys, args.shape, args.wire_dtype, request->mutable_keys());
+  Encode(args.values, args.shape, args.wire_dtype, request->mutable_values());
+  return absl::OkStatus();
+}
+
+AppendResult FromProto(const v1::AppendResponse& response) {
+  AppendResult r;
+  r.sequence = FromProto(response.sequence());
+  r.stored_bytes = response.stored_bytes();
+  r.stored_bytes_bf16 = response.stored_bytes_bf16();
+  return r;
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  const int code = static_cast<int>(status.error_code());
+  const absl::StatusCode absl_code = (code >= 0 && code <= 16)
+                                         ? static_cast<absl::StatusCode>(code)
+                                         : absl::StatusCode::kUnknown;
+  return absl::Status(absl_code, status.error_message());
+}
+
+Client::Client(ClientOptions options) : options_(std::move(options)) {
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  arguments.SetMaxSendMessageSize(options_.max_message_bytes);
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials();
+  channel_ = grpc::CreateCustomChannel(options_.target, credentials, arguments);
+  stub_ = v1::KvCache::NewStub(channel_);
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : options_(std::move(options)), channel_(std::move(channel)),
+      stub_(v1::KvCache::NewStub(channel_)) {}
+
+template <typename Rpc>
+grpc::Status Client::WithRetries(Rpc rpc, int* attempts) {
+  thread_local std::minstd_rand jitter(std::random_device{}());
+  absl::Duration backoff = options_.initial_backoff;
+  grpc::Status status;
+  for (int attempt = 1;; ++attempt) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+    status = rpc(&context);
+    *attempts = attempt;
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
+        attempt >= options_.max_attempts) {
+      return status;
+    }
+    const double factor = std::uniform_real_distribution<double>(0.8, 1.2)(jitter);
+    absl::SleepFor(backoff * factor);
+    backoff = std::min(backoff * 2, options_.max_backoff);
+  }
+}
+
+absl::StatusOr<AppendResult> Client::Append(const AppendArgs& args) {
+  v1::AppendRequest request;
+  if (absl::Status s = FillAppendRequest(args, &request); !s.ok()) return s;
+  v1::AppendResponse response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->Append(c, request, &response); }, &attempts);
+  if (status.ok()) return FromProto(response);
+  if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION && attempts > 1) {
+    // An earlier attempt may have landed before its answer was lost.
+    absl::StatusOr<SequenceState> state = GetSequence(args.cache, args.sequence_id);
+    if (state.ok()) {
+      const int layer_end =
+          args.layer_end == 0 ? static_cast<int>(state->layer_tokens.size()) : args.layer_end;
+      bool landed = layer_end <= static_cast<int>(state->layer_tokens.size());
+      for (int l = args.layer_begin; landed && l < layer_end; ++l) {
+        landed = state->layer_tokens[l] >= args.start_position + args.shape[1];
+      }
+      if (landed) {
+        AppendResult r;
+        r.sequence = *std::move(state);
+        return r;
+      }
+    }
+  }
+  return FromGrpcStatus(status);
+}
+
+absl::StatusOr<AppendResult> Client::AppendStream(absl::Span<const AppendArgs> chunks) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  v1::AppendResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer =
+      stub_->AppendStream(&context, &response);
+  for (const AppendArgs& chunk : chunks) {
+    v1::AppendRequest request;
+    if (absl::Status s = FillAppendRequest(chunk, &request); !s.ok()) {
+      context.TryCancel();
+      writer->Finish();
+      return s;
+    }
+    // A failed write means the server ended the stream: Finish has its status.
+    if (!writer->Write(request)) break;
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return FromProto(response);
+}
+
+absl::StatusOr<ScoreResult> Client::Score(const ScoreArgs& args) {
+  if (absl::Status s = CheckSize("queries", args.queries, args.shape); !s.ok()) return s;
+  v1::ScoreQueryRequest request;
+  request.set_cache(args.cache);
+  request.set_sequence_id(args.sequence_id);
+  request.set_layer(args.layer);
+  Encode(args.queries, args.shape, v1::DTYPE_F32, request.mutable_queries());
+  request.set_token_begin(args.token_begin);
+  request.set_token_end(args.token_end);
+  request.set_scale(args.scale);
+  request.set_top_k(args.top_k);
+  v1::ScoreQueryResponse response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->ScoreQuery(c, request, &response); }, &attempts);
+  if (!status.ok()) return FromGrpcStatus(status);
+  ScoreResult result;
+  absl::StatusOr<std::vector<float>> logits = Decode(response.logits());
+  if (!logits.ok()) return logits.status();
+  result.logits = *std::move(logits);
+  if (response.logits().shape_size() == 2) {
+    result.query_heads = response.logits().shape(0);
+    result.columns = response.logits().shape(1);
+  }
+  result.positions.assign(response.positions().begin(), response.positions().end());
+  return result;
+}
+
+absl::StatusOr<std::vector<AttendOutput>> Client::Attend(const AttendArgs& args) {
+  v1::AttendRequest request;
+  request.set_cache(args.cache);
+  request.set_scale(args.scale);
+  request.set_return_lse(args.return_lse);
+  request.set_output_dtype(args.output_dtype);
+  for (size_t i = 0; i < args.items.size(); ++i) {
+    const AttendItemArgs& item = args.items[i];
+    if (absl::Status s = CheckSize("queries", item.queries, item.shape); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
+    }
+    v1::AttendItem* out = request.add_items();
+    out->set_sequence_id(item.sequence_id);
+    out->set_layer(item.layer);
+    Encode(item.queries, item.shape, v1::DTYPE_F32, out->mutable_queries());
+  }
+  v1::AttendResponse response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->Attend(c, request, &response); }, &attempts);
+  if (!status.ok()) return FromGrpcStatus(status);
+  std::vector<AttendOutput> outputs(response.results_size());
+  for (int i = 0; i < response.results_size(); ++i) {
+    const v1::AttendResult& r = response.results(i);
+    absl::StatusOr<std::vector<float>> output = Decode(r.output());
+    if (!output.ok()) return output.status();
+    outputs[i].output = *std::move(output);
+    for (int d = 0; d < 3 && d < r.output().shape_size(); ++d) {
+      outputs[i].shape[d] = r.output().shape(d);
+    }
+    if (args.return_lse) {
+      absl::StatusOr<std::vector<float>> lse = Decode(r.lse());
+      if (!lse.ok()) return lse.status();
+      outputs[i].lse = *std::move(lse);
+    }
+  }
+  return outputs;
+}
+
+absl::StatusOr<SequenceState> Client::CreateSequence(const std::string& cache,
+                                                     const std::string& id) {
+  v1::CreateSequenceRequest request;
+  request.set_cache(cache);
+  request.set_sequence_id(id);
+  v1::SequenceInfo response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->CreateSequence(c, request, &response); },
+      &attempts);
+  if (status.ok()) return FromProto(response);
+  if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS && attempts > 1) {
+    return GetSequence(cache, id);
+  }
+  return FromGrpcStatus(status);
+}
+
+absl::StatusOr<SequenceState> Client::ForkSequence(const std::string& cache,
+                                                   const std::string& parent,
+                                                   const std::string& child) {
+  v1::ForkSequenceRequest request;
+  request.set_cache(cache);
+  request.set_parent_id(parent);
+  request.set_child_id(child);
+  v1::SequenceInfo response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->ForkSequence(c, request, &response); },
+      &attempts);
+  if (status.ok()) return FromProto(response);
+  if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS && attempts > 1) {
+    return GetSequence(cache, child);
+  }
+  return FromGrpcStatus(status);
+}
+
+absl::Status Client::DropSequence(const std::string& cache, const std::string& id) {
+  v1::DropSequenceRequest request;
+  request.set_cache(cache);
+  request.set_sequence_id(id);
+  v1::DropSequenceResponse response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->DropSequence(c, request, &response); },
+      &attempts);
+  if (status.error_code() == grpc::StatusCode::NOT_FOUND && attempts > 1) {
+    return absl::OkStatus();
+  }
+  return FromGrpcStatus(status);
+}
+
+absl::StatusOr<SequenceState> Client::GetSequence(const std::string& cache,
+                                                  const std::string& id) {
+  v1::GetSequenceRequest request;
+  request.set_cache(cache);
+  request.set_sequence_id(id);
+  v1::SequenceInfo response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->GetSequence(c, request, &response); },
+      &attempts);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return FromProto(response);
+}
+
+absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
+  v1::GetServerInfoRequest request;
+  v1::ServerInfo response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      [&](grpc::ClientContext* c) { return stub_->GetServerInfo(c, request, &response); },
+      &attempts);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+}  // namespace tqkv

@@ -1,0 +1,170 @@
+#include "service/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+#include "kernels/kv_layout.h"
+#include "kernels/preset.h"
+
+namespace tqkv {
+namespace service {
+namespace {
+
+constexpr char kDefaultConfig[] = R"pb(
+  # Llama-3.1-8B: 32 layers, GQA 32 query / 8 KV heads, head_dim 128.
+  caches {
+    name: "default"
+    num_layers: 32
+    num_kv_heads: 8
+    num_query_heads: 32
+    head_dim: 128
+    page_tokens: 16
+    preset: "turboquant_k3v4_nc"
+    boundary_layers: 2
+    boundary_preset: "fp16"
+  }
+)pb";
+
+// Collects the parser's errors ("line 3:7: ...") instead of logging them.
+class ErrorCollector : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    if (!errors_.empty()) errors_ += "; ";
+    absl::StrAppend(&errors_, "line ", line + 1, ":", column + 1, ": ", message);
+  }
+  const std::string& errors() const { return errors_; }
+
+ private:
+  std::string errors_;
+};
+
+}  // namespace
+
+const char* DefaultServerConfigText() { return kDefaultConfig; }
+
+absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text) {
+  v1::ServerConfig config;
+  ErrorCollector errors;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(text, &config)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config is not a text-format tqkv.v1.ServerConfig: ", errors.errors()));
+  }
+  return config;
+}
+
+absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
+  if (path.empty()) return ParseServerConfig(kDefaultConfig);
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(text.str());
+  if (!config.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
+  }
+  return config;
+}
+
+absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig& config,
+                                                         uint64_t process_budget_bytes) {
+  if (config.caches_size() == 0) {
+    return absl::InvalidArgumentError("config has no caches; want at least one `caches { ... }`");
+  }
+  int shares = 0;
+  for (const v1::CacheConfig& c : config.caches()) shares += c.memory_budget_bytes() == 0;
+  const uint64_t share = shares > 0 ? process_budget_bytes / shares : 0;
+
+  std::vector<CacheOptions> out;
+  absl::flat_hash_set<std::string> names;
+  for (int i = 0; i < config.caches_size(); ++i) {
+    const v1::CacheConfig& c = config.caches(i);
+    CacheOptions options;
+    options.name = c.name();
+    if (options.name.empty()) {
+      if (i != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("cache %d has no name; only the first cache may omit it (\"default\")", i));
+      }
+      options.name = "default";
+    }
+    if (!names.insert(options.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("cache name '%s' appears twice; want unique names", options.name));
+    }
+    const std::string where = absl::StrCat("cache '", options.name, "': ");
+    if (c.num_layers() < 1 || c.num_kv_heads() < 1 || c.num_query_heads() < 1 ||
+        c.head_dim() < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "num_layers, num_kv_heads, num_query_heads and head_dim must all be >= 1; got ",
+          c.num_layers(), ", ", c.num_kv_heads(), ", ", c.num_query_heads(), ", ", c.head_dim()));
+    }
+    if (c.page_tokens() < 0 || c.boundary_layers() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "page_tokens and boundary_layers must be >= 0; got ", c.page_tokens(), ", ",
+          c.boundary_layers()));
+    }
+    KvLayoutOptions& layout = options.layout;
+    layout.num_layers = c.num_layers();
+    layout.num_kv_heads = c.num_kv_heads();
+    layout.num_query_heads = c.num_query_heads();
+    layout.head_dim = c.head_dim();
+    if (c.page_tokens() != 0) layout.page_tokens = c.page_tokens();
+    if (!c.preset().empty()) layout.preset = c.preset();
+    layout.boundary_layers = c.boundary_layers();
+    if (!c.boundary_preset().empty()) layout.boundary_preset = c.boundary_preset();
+    if (c.rotation_seed() != 0) layout.rotation_seed = c.rotation_seed();
+    absl::StatusOr<std::shared_ptr<const KvLayout>> made = KvLayout::Create(layout);
+    if (!made.ok()) {
+      return absl::Status(made.status().code(), absl::StrCat(where, made.status().message()));
+    }
+    options.memory_budget_bytes = c.memory_budget_bytes() != 0 ? c.memory_budget_bytes() : share;
+    if (options.memory_budget_bytes < (*made)->page_bytes()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%smemory budget %d bytes holds no page of %d bytes; raise memory_budget_bytes or "
+          "--memory_budget_gib",
+          where, options.memory_budget_bytes, (*made)->page_bytes()));
+    }
+    options.evict_lru = c.evict_lru();
+    if (!(c.idle_ttl_seconds() >= 0) || std::isinf(c.idle_ttl_seconds())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "idle_ttl_seconds is ", c.idle_ttl_seconds(), "; want a finite value >= 0 (0: never)"));
+    }
+    if (c.idle_ttl_seconds() > 0) options.idle_ttl = absl::Seconds(c.idle_ttl_seconds());
+    out.push_back(std::move(options));
+  }
+  return out;
+}
+
+v1::CacheConfig ToCacheConfig(const CacheOptions& options) {
+  v1::CacheConfig c;
+  const KvLayoutOptions& l = options.layout;
+  c.set_name(options.name);
+  c.set_num_layers(l.num_layers);
+  c.set_num_kv_heads(l.num_kv_heads);
+  c.set_num_query_heads(l.num_query_heads);
+  c.set_head_dim(l.head_dim);
+  c.set_page_tokens(l.page_tokens);
+  c.set_preset(l.preset);
+  c.set_boundary_layers(l.boundary_layers);
+  c.set_boundary_preset(l.boundary_preset);
+  c.set_rotation_seed(l.rotation_seed);
+  c.set_memory_budget_bytes(options.memory_budget_bytes);
+  c.set_evict_lru(options.evict_lru);
+  if (options.idle_ttl != absl::InfiniteDuration()) {
+    c.set_idle_ttl_seconds(absl::ToDoubleSeconds(options.idle_ttl));
+  }
+  return c;
+}
+
+}  // namespace service
+}  // namespace tqkv

@@ -1,0 +1,112 @@
+// tqkv.v1.KvCache over a set of named KvCache instances and one Backend, on
+// gRPC's callback API.
+//
+// Every handler validates its request completely (tensor dtype, rank, shape,
+// byte length, finite values; ids; layer and token ranges) before the cache
+// sees it, and finishes through ToGrpcStatus, so a malformed request gets its
+// canonical code and changes nothing. An empty cache name means "default";
+// an unknown one is NOT_FOUND.
+//
+// Handlers run the cache's methods inline on the gRPC callback thread. Those
+// never hold the cache lock while a kernel runs (see cache/kv_cache.h), so no
+// handler waits on another call's kernel except appends to the same sequence,
+// which the cache serializes by design.
+//
+// Thread safety: all methods are thread-safe. The caches and the backend must
+// outlive the service; the service must outlive the grpc::Server it is
+// registered with (Shutdown + Wait first).
+#ifndef TQKV_SERVICE_KV_CACHE_SERVICE_H_
+#define TQKV_SERVICE_KV_CACHE_SERVICE_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cache/kv_cache.h"
+#include "kernels/backend.h"
+#include "service/metrics.h"
+#include "tqkv/v1/kvcache.grpc.pb.h"
+
+namespace tqkv {
+namespace service {
+
+// Longest accepted sequence id, in bytes.
+inline constexpr size_t kMaxSequenceIdBytes = 256;
+
+class KvCacheService final : public v1::KvCache::CallbackService {
+ public:
+  // `caches` by name (the first one's name, or "default", answers the empty
+  // name: see Find). REQUIRES: `backend` is the backend the caches were
+  // created on and outlives the service; so does `metrics` (null: none).
+  KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
+                 Metrics* metrics = nullptr);
+
+  // The caches, in config order.
+  const std::vector<KvCache*>& caches() const { return order_; }
+  Metrics* metrics() const { return metrics_; }
+  ~KvCacheService() override;
+
+  // The cache named `name` ("" means "default"); NOT_FOUND listing the names.
+  absl::StatusOr<KvCache*> Find(const std::string& name) const;
+
+  // Drops sequences idle past their cache's TTL; the server calls it
+  // periodically. Returns how many were dropped.
+  int EvictExpired();
+
+  // The handlers' logic, without gRPC: what each rpc does, for the reactors
+  // and for tests.
+  absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
+  absl::Status DoScoreQuery(const v1::ScoreQueryRequest& request,
+                            v1::ScoreQueryResponse* response);
+  absl::Status DoAttend(const v1::AttendRequest& request, v1::AttendResponse* response);
+  absl::Status DoCreateSequence(const v1::CreateSequenceRequest& request, v1::SequenceInfo* info);
+  absl::Status DoForkSequence(const v1::ForkSequenceRequest& request, v1::SequenceInfo* info);
+  absl::Status DoDropSequence(const v1::DropSequenceRequest& request);
+  absl::Status DoGetSequence(const v1::GetSequenceRequest& request, v1::SequenceInfo* info);
+  void DoGetServerInfo(v1::ServerInfo* info);
+
+  // v1::KvCache::CallbackService.
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
+                                   const v1::AppendRequest* request,
+                                   v1::AppendResponse* response) override;
+  grpc::ServerReadReactor<v1::AppendRequest>* AppendStream(
+      grpc::CallbackServerContext* context, v1::AppendResponse* response) override;
+  grpc::ServerUnaryReactor* ScoreQuery(grpc::CallbackServerContext* context,
+                                       const v1::ScoreQueryRequest* request,
+                                       v1::ScoreQueryResponse* response) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
+                                   const v1::AttendRequest* request,
+                                   v1::AttendResponse* response) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
+                                           const v1::CreateSequenceRequest* request,
+                                           v1::SequenceInfo* response) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* context,
+                                         const v1::ForkSequenceRequest* request,
+                                         v1::SequenceInfo* response) override;
+  grpc::ServerUnaryReactor* DropSequence(grpc::CallbackServerContext* context,
+                                         const v1::DropSequenceRequest* request,
+                                         v1::DropSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* context,
+                                        const v1::GetSequenceRequest* request,
+                                        v1::SequenceInfo* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* response) override;
+
+ private:
+  absl::Status FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info);
+
+  // Immutable after construction: read without a lock.
+  std::map<std::string, std::unique_ptr<KvCache>> caches_;
+  std::vector<KvCache*> order_;  // config order, for GetServerInfo
+  Backend* backend_;
+  Metrics* metrics_;
+};
+
+}  // namespace service
+}  // namespace tqkv
+
+#endif  // TQKV_SERVICE_KV_CACHE_SERVICE_H_

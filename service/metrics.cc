@@ -1,0 +1,221 @@
+#include "service/metrics.h"
+
+#include <chrono>
+#include <utility>
+
+#include <prometheus/metric_family.h>
+#include <prometheus/text_serializer.h>
+
+namespace tqkv {
+namespace service {
+namespace {
+
+constexpr const char* kRpcNames[kNumRpcs] = {
+    "Append",         "AppendStream", "ScoreQuery",  "Attend",       "CreateSequence",
+    "ForkSequence",   "DropSequence", "GetSequence", "GetServerInfo"};
+constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page"};
+constexpr const char* kCodeNames[17] = {
+    "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED", "NOT_FOUND",   "ALREADY_EXISTS",   "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL",        "UNAVAILABLE",      "DATA_LOSS",
+    "UNAUTHENTICATED"};
+
+// 10 us .. ~42 s, x2.
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 1e-5; v < 50; v *= 2) b.push_back(v);
+  return b;
+}
+
+class CacheCollector : public prometheus::Collectable {
+ public:
+  explicit CacheCollector(std::vector<KvCache*> caches) : caches_(std::move(caches)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    struct Def {
+      const char* name;
+      const char* help;
+      MetricType type;
+    };
+    static constexpr Def kDefs[] = {
+        {"tqkv_cache_stored_bytes", "Compressed bytes of the tokens the cache holds.",
+         MetricType::Gauge},
+        {"tqkv_cache_stored_bytes_bf16", "The same tokens stored as bf16, in bytes.",
+         MetricType::Gauge},
+        {"tqkv_cache_bytes_saved", "bf16-equivalent bytes minus compressed bytes.",
+         MetricType::Gauge},
+        {"tqkv_cache_compression_ratio", "bf16-equivalent bytes / compressed bytes (0: empty).",
+         MetricType::Gauge},
+        {"tqkv_cache_pages_total", "Pages in the cache's pool.", MetricType::Gauge},
+        {"tqkv_cache_pages_used", "Pages in use by sequences.", MetricType::Gauge},
+        {"tqkv_cache_sequences", "Sequences held.", MetricType::Gauge},
+        {"tqkv_cache_tokens", "Tokens held, summed over sequences.", MetricType::Gauge},
+        {"tqkv_cache_evictions_total", "Sequences dropped by LRU eviction or idle TTL.",
+         MetricType::Counter},
+        {"tqkv_cache_copy_on_writes_total", "Shared pages copied before a write.",
+         MetricType::Counter},
+    };
+    constexpr int kDefsCount = sizeof(kDefs) / sizeof(kDefs[0]);
+    std::vector<prometheus::MetricFamily> families(kDefsCount);
+    for (int i = 0; i < kDefsCount; ++i) {
+      families[i].name = kDefs[i].name;
+      families[i].help = kDefs[i].help;
+      families[i].type = kDefs[i].type;
+    }
+    for (KvCache* cache : caches_) {
+      const CacheStats s = cache->Stats();
+      const double stored = static_cast<double>(s.stored_bytes);
+      const double bf16 = static_cast<double>(s.stored_bytes_bf16);
+      const double values[kDefsCount] = {stored,
+                                         bf16,
+                                         bf16 - stored,
+                                         stored > 0 ? bf16 / stored : 0.0,
+                                         static_cast<double>(s.pages_total),
+                                         static_cast<double>(s.pages_used),
+                                         static_cast<double>(s.sequences),
+                                         static_cast<double>(s.tokens),
+                                         static_cast<double>(s.evictions),
+                                         static_cast<double>(s.copy_on_writes)};
+      for (int i = 0; i < kDefsCount; ++i) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"cache", cache->options().name});
+        if (kDefs[i].type == MetricType::Counter) {
+          m.counter.value = values[i];
+        } else {
+          m.gauge.value = values[i];
+        }
+        families[i].metric.push_back(std::move(m));
+      }
+    }
+    return families;
+  }
+
+ private:
+  const std::vector<KvCache*> caches_;
+};
+
+class TimedBackend : public Backend {
+ public:
+  TimedBackend(std::unique_ptr<Backend> inner, Metrics* metrics)
+      : inner_(std::move(inner)), metrics_(metrics) {}
+
+  std::string name() const override { return inner_->name(); }
+  std::string device() const override { return inner_->device(); }
+  absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
+    return inner_->AllocatePool(layout, num_pages);
+  }
+  void FreePool(PagePool pool) override { inner_->FreePool(pool); }
+  absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
+    return Timed(Kernel::kCopyPage, [&] { return inner_->CopyPage(pool, from, to); });
+  }
+  absl::Status Store(const StoreParams& params) override {
+    return Timed(Kernel::kStore, [&] { return inner_->Store(params); });
+  }
+  absl::Status Score(const ScoreParams& params) override {
+    return Timed(Kernel::kScore, [&] { return inner_->Score(params); });
+  }
+  absl::Status Attend(const AttendParams& params) override {
+    return Timed(Kernel::kAttend, [&] { return inner_->Attend(params); });
+  }
+
+ private:
+  template <typename F>
+  absl::Status Timed(Kernel kernel, F f) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status = f();
+    metrics_->ObserveKernel(
+        kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    return status;
+  }
+
+  std::unique_ptr<Backend> inner_;
+  Metrics* metrics_;
+};
+
+}  // namespace
+
+Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<prometheus::Registry>()) {
+  auto& rpc_duration = prometheus::BuildHistogram()
+                           .Name("tqkv_rpc_duration_seconds")
+                           .Help("Wall time of each rpc, from handler start to finish.")
+                           .Register(*registry_);
+  for (int i = 0; i < kNumRpcs; ++i) {
+    rpc_duration_[i] = &rpc_duration.Add({{"method", kRpcNames[i]}}, LatencyBuckets());
+  }
+  requests_ = &prometheus::BuildCounter()
+                   .Name("tqkv_rpc_requests_total")
+                   .Help("Finished rpcs by method and status code.")
+                   .Register(*registry_);
+  errors_ = &prometheus::BuildCounter()
+                 .Name("tqkv_rpc_errors_total")
+                 .Help("Failed rpcs (status not OK) by method and status code.")
+                 .Register(*registry_);
+  auto& kernel_duration = prometheus::BuildHistogram()
+                              .Name("tqkv_kernel_duration_seconds")
+                              .Help("Wall time of each backend kernel call.")
+                              .Register(*registry_);
+  for (int i = 0; i < kNumKernels; ++i) {
+    kernel_duration_[i] =
+        &kernel_duration.Add({{"kernel", kKernelNames[i]}, {"backend", backend}}, LatencyBuckets());
+  }
+  // Successful calls of every method show from the start.
+  for (int i = 0; i < kNumRpcs; ++i) {
+    CodeCounter(*requests_, &request_counters_[i][0], static_cast<Rpc>(i), grpc::StatusCode::OK);
+  }
+}
+
+prometheus::Counter& Metrics::CodeCounter(prometheus::Family<prometheus::Counter>& family,
+                                          std::atomic<prometheus::Counter*>* slot, Rpc rpc,
+                                          grpc::StatusCode code) {
+  prometheus::Counter* counter = slot->load(std::memory_order_acquire);
+  if (counter != nullptr) return *counter;
+  absl::MutexLock lock(&create_mu_);
+  counter = slot->load(std::memory_order_relaxed);
+  if (counter == nullptr) {
+    counter = &family.Add(
+        {{"method", kRpcNames[static_cast<int>(rpc)]}, {"code", kCodeNames[static_cast<int>(code)]}});
+    slot->store(counter, std::memory_order_release);
+  }
+  return *counter;
+}
+
+void Metrics::ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds) {
+  const int r = static_cast<int>(rpc);
+  int c = static_cast<int>(code);
+  if (c < 0 || c > 16) c = grpc::StatusCode::UNKNOWN;
+  rpc_duration_[r]->Observe(seconds);
+  CodeCounter(*requests_, &request_counters_[r][c], rpc, static_cast<grpc::StatusCode>(c))
+      .Increment();
+  if (c != grpc::StatusCode::OK) {
+    CodeCounter(*errors_, &error_counters_[r][c], rpc, static_cast<grpc::StatusCode>(c))
+        .Increment();
+  }
+}
+
+void Metrics::ObserveKernel(Kernel kernel, double seconds) {
+  kernel_duration_[static_cast<int>(kernel)]->Observe(seconds);
+}
+
+std::shared_ptr<prometheus::Collectable> MakeCacheCollector(std::vector<KvCache*> caches) {
+  return std::make_shared<CacheCollector>(std::move(caches));
+}
+
+std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics) {
+  return std::make_unique<TimedBackend>(std::move(inner), metrics);
+}
+
+std::string SerializeMetrics(
+    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables) {
+  std::vector<prometheus::MetricFamily> families;
+  for (const auto& c : collectables) {
+    std::vector<prometheus::MetricFamily> f = c->Collect();
+    families.insert(families.end(), std::make_move_iterator(f.begin()),
+                    std::make_move_iterator(f.end()));
+  }
+  return prometheus::TextSerializer().Serialize(families);
+}
+
+}  // namespace service
+}  // namespace tqkv

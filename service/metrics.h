@@ -1,0 +1,104 @@
+// Every Prometheus metric tqkv exports, defined once here (prefix tqkv_,
+// served at /metrics on --metrics_port). The hot path touches only cached
+// handles: histogram and counter pointers created at start-up (or once per
+// (method, code) pair, on first use), never a family lookup.
+//
+//   tqkv_rpc_duration_seconds{method}           histogram, every call
+//   tqkv_rpc_requests_total{method,code}        counter, every call by code
+//   tqkv_rpc_errors_total{method,code}          counter, non-OK calls
+//   tqkv_kernel_duration_seconds{kernel,backend} histogram: store, score,
+//                                                attend, copy_page
+//   tqkv_cache_stored_bytes{cache}              compressed bytes held
+//   tqkv_cache_stored_bytes_bf16{cache}         the same tokens in bf16
+//   tqkv_cache_bytes_saved{cache}               bf16 minus compressed
+//   tqkv_cache_compression_ratio{cache}         bf16 / compressed (0: empty)
+//   tqkv_cache_pages_total{cache}, tqkv_cache_pages_used{cache}
+//   tqkv_cache_sequences{cache}, tqkv_cache_tokens{cache}
+//   tqkv_cache_evictions_total{cache}           LRU + TTL drops
+//   tqkv_cache_copy_on_writes_total{cache}      pages copied on write
+// The tqkv_cache_* families are read from KvCache::Stats() at scrape time, so
+// they cost nothing between scrapes.
+//
+// Thread safety: all methods are thread-safe.
+#ifndef TQKV_SERVICE_METRICS_H_
+#define TQKV_SERVICE_METRICS_H_
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/support/status.h>
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "absl/synchronization/mutex.h"
+#include "cache/kv_cache.h"
+#include "kernels/backend.h"
+
+namespace tqkv {
+namespace service {
+
+enum class Rpc {
+  kAppend,
+  kAppendStream,
+  kScoreQuery,
+  kAttend,
+  kCreateSequence,
+  kForkSequence,
+  kDropSequence,
+  kGetSequence,
+  kGetServerInfo,
+};
+inline constexpr int kNumRpcs = 9;
+
+enum class Kernel { kStore, kScore, kAttend, kCopyPage };
+inline constexpr int kNumKernels = 4;
+
+class Metrics {
+ public:
+  // `backend`: the label of the kernel histograms ("cpu", "cuda").
+  explicit Metrics(const std::string& backend);
+
+  void ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds);
+  void ObserveKernel(Kernel kernel, double seconds);
+
+  // The counters and histograms above (not the per-cache families).
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+ private:
+  prometheus::Counter& CodeCounter(prometheus::Family<prometheus::Counter>& family,
+                                   std::atomic<prometheus::Counter*>* slot, Rpc rpc,
+                                   grpc::StatusCode code);
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Counter>* errors_;
+  std::array<prometheus::Histogram*, kNumRpcs> rpc_duration_{};
+  std::array<prometheus::Histogram*, kNumKernels> kernel_duration_{};
+  // [rpc][code], created on first use.
+  absl::Mutex create_mu_;
+  std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> request_counters_{};
+  std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> error_counters_{};
+};
+
+// The tqkv_cache_* families, read from each cache's Stats() when collected.
+// REQUIRES: the caches outlive the collector's last Collect().
+std::shared_ptr<prometheus::Collectable> MakeCacheCollector(std::vector<KvCache*> caches);
+
+// A Backend that forwards to `inner` and records each kernel's wall time in
+// `metrics` (which must outlive it).
+std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics);
+
+// The text exposition of `collectables`, as /metrics serves it.
+std::string SerializeMetrics(
+    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables);
+
+}  // namespace service
+}  // namespace tqkv
+
+#endif  // TQKV_SERVICE_METRICS_H_

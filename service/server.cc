@@ -1,0 +1,121 @@
+#include "service/server.h"
+
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/status_macros.h"
+#include "service/config.h"
+
+namespace tqkv {
+namespace service {
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name, int threads) {
+  if (name == "auto" || name == "cpu") return MakeCpuBackend(threads);
+  if (name == "cuda") return absl::UnavailableError("CUDA backend not built yet");
+  return absl::InvalidArgumentError(
+      absl::StrCat("backend '", name, "' is unknown; want auto, cpu or cuda"));
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  if (options.port < 0 || options.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("port ", options.port, " is not in [0, 65535]"));
+  }
+  if (options.max_message_bytes < 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes is ", options.max_message_bytes, "; want >= 1024"));
+  }
+  ASSIGN_OR_RETURN(std::vector<CacheOptions> cache_options,
+                   ToCacheOptions(options.config, options.memory_budget_bytes));
+  if (options.metrics_port < -1 || options.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_port ", options.metrics_port, " is not in [-1, 65535]"));
+  }
+  std::unique_ptr<Server> server(new Server());
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(options.backend, options.threads));
+  server->metrics_ = std::make_unique<Metrics>(backend->name());
+  server->backend_ = WithKernelTimings(std::move(backend), server->metrics_.get());
+  std::vector<std::unique_ptr<KvCache>> caches;
+  for (const CacheOptions& c : cache_options) {
+    absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(c, server->backend_.get());
+    if (!cache.ok()) {
+      return absl::Status(cache.status().code(),
+                          absl::StrCat("cache '", c.name, "': ", cache.status().message()));
+    }
+    caches.push_back(*std::move(cache));
+  }
+  server->service_ = std::make_unique<KvCacheService>(std::move(caches), server->backend_.get(),
+                                                      server->metrics_.get());
+  server->cache_collector_ = MakeCacheCollector(server->service_->caches());
+
+  // Process-wide switches; both must be set before the builder is created.
+  static std::once_flag process_setup;
+  std::call_once(process_setup, [] {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  });
+
+  grpc::ServerBuilder builder;
+  const std::string host = options.host.find(':') != std::string::npos
+                               ? absl::StrCat("[", options.host, "]")
+                               : options.host;
+  const std::string address = absl::StrCat(host, ":", options.port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  if (options.metrics_port >= 0) {
+    const std::string metrics_address = absl::StrCat(host, ":", options.metrics_port);
+    try {
+      server->exposer_ = std::make_unique<prometheus::Exposer>(metrics_address);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve /metrics on ", metrics_address, ": ", e.what()));
+    }
+    server->exposer_->RegisterCollectable(server->metrics_->registry());
+    server->exposer_->RegisterCollectable(server->cache_collector_);
+    const std::vector<int> ports = server->exposer_->GetListeningPorts();
+    server->metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
+  }
+  // Health: "" (the whole server) and the service by name are SERVING until
+  // Shutdown.
+  if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
+    health->SetServingStatus(v1::KvCache::service_full_name(), true);
+  }
+  return server;
+}
+
+Server::~Server() {
+  if (server_ == nullptr) return;  // Start failed before listening
+  Shutdown(absl::Now() + absl::Seconds(5));
+  server_->Wait();
+}
+
+void Server::Shutdown(absl::Time deadline) {
+  if (shut_down_ || server_ == nullptr) return;
+  shut_down_ = true;
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus(false);
+  }
+  server_->Shutdown(absl::ToChronoTime(deadline));
+}
+
+void Server::Wait() { server_->Wait(); }
+
+std::string Server::MetricsText() const {
+  return SerializeMetrics({metrics_->registry(), cache_collector_});
+}
+
+}  // namespace service
+}  // namespace tqkv

@@ -1,0 +1,96 @@
+// The tqkv-server process minus its flags: builds the backend and the caches
+// from a ServerConfig, registers the KvCache service, the standard health
+// service (grpc.health.v1.Health) and server reflection, and listens. Both
+// server_main.cc and the integration tests start the server through this.
+#ifndef TQKV_SERVICE_SERVER_H_
+#define TQKV_SERVICE_SERVER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/server.h>
+#include <prometheus/collectable.h>
+#include <prometheus/exposer.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "service/kv_cache_service.h"
+#include "service/metrics.h"
+#include "tqkv/v1/kvcache.pb.h"
+
+namespace tqkv {
+namespace service {
+
+struct ServerOptions {
+  // Address to listen on; port 0 picks a free port (see Server::port()).
+  std::string host = "0.0.0.0";
+  int port = 50051;
+  // The caches; ParseServerConfig(DefaultServerConfigText()) for the default.
+  v1::ServerConfig config;
+  // "auto" (the CPU backend until a CUDA backend exists), "cpu", or "cuda"
+  // (UNAVAILABLE in this build).
+  std::string backend = "auto";
+  // CPU backend worker threads; 0 means the hardware concurrency.
+  int threads = 0;
+  // Largest request or response, in bytes. A larger request fails with
+  // RESOURCE_EXHAUSTED before it reaches a handler.
+  int max_message_bytes = 64 << 20;
+  // Split equally among caches whose config gives memory_budget_bytes 0.
+  uint64_t memory_budget_bytes = uint64_t{4} << 30;
+  // Prometheus /metrics on host:metrics_port; 0 picks a free port, -1 serves
+  // none (the metrics are still kept: Server::MetricsText()).
+  int metrics_port = 9464;
+};
+
+// The backend named by ServerOptions::backend. INVALID_ARGUMENT for an unknown
+// name, UNAVAILABLE for "cuda" (not built yet).
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name, int threads);
+
+class Server {
+ public:
+  // Builds everything and starts listening. Errors: the config's
+  // (INVALID_ARGUMENT, NOT_FOUND), the backend's, the pool allocation's
+  // (RESOURCE_EXHAUSTED), and UNAVAILABLE when the port cannot be bound.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerOptions& options);
+  // Shuts down (5 s grace) if still running.
+  ~Server();
+
+  // The port actually bound.
+  int port() const { return port_; }
+  // The /metrics port actually bound; -1 when not served.
+  int metrics_port() const { return metrics_port_; }
+  // What /metrics serves.
+  std::string MetricsText() const;
+  KvCacheService& service() { return *service_; }
+  Backend& backend() { return *backend_; }
+
+  // Stops accepting calls, lets calls in flight finish until `deadline`, then
+  // cancels the rest; marks health NOT_SERVING first. Idempotent.
+  // REQUIRES: called from one thread (the process's main thread).
+  void Shutdown(absl::Time deadline);
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  Server() = default;
+
+  int port_ = 0;
+  int metrics_port_ = -1;
+  bool shut_down_ = false;
+  // Destroyed in reverse: the exposer first (it reads the caches), the
+  // grpc::Server before the service, the service (and its caches) before the
+  // backend, the backend (which times kernels into metrics_) before metrics_.
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<KvCacheService> service_;
+  std::shared_ptr<prometheus::Collectable> cache_collector_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+};
+
+}  // namespace service
+}  // namespace tqkv
+
+#endif  // TQKV_SERVICE_SERVER_H_

@@ -1,0 +1,110 @@
+// tqkv-server: the KvCache gRPC service over a CPU (or, later, CUDA) backend.
+// Runs with no arguments: the embedded default config, port 50051.
+// SIGTERM / SIGINT shut it down gracefully: no new calls, calls in flight
+// finish (up to --shutdown_grace_seconds), then exit 0.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/clock.h"
+#include "service/config.h"
+#include "service/server.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
+ABSL_FLAG(int, port, 50051, "gRPC port (0: any free port, printed at start-up).");
+ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port (0: any free port; -1: none).");
+ABSL_FLAG(std::string, config, "",
+          "Text-format tqkv.v1.ServerConfig file; the embedded default (one Llama-3.1-8B "
+          "cache) when empty.");
+ABSL_FLAG(std::string, backend, "auto", "Compute backend: auto | cpu | cuda.");
+ABSL_FLAG(int, threads, 0, "CPU backend worker threads (0: hardware concurrency).");
+ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest request or response, in bytes.");
+ABSL_FLAG(double, memory_budget_gib, 4.0,
+          "Page-pool memory, GiB, split equally among caches whose config gives no budget.");
+ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
+          "On SIGTERM/SIGINT, how long calls in flight may take to finish.");
+ABSL_FLAG(bool, print_default_config, false, "Print the embedded default config and exit.");
+
+namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+
+// Async-signal-safe: only write(2).
+void OnSignal(int) {
+  const char byte = 1;
+  [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &byte, 1);
+}
+
+int Fail(const std::string& what) {
+  std::fprintf(stderr, "tqkv-server: %s\n", what.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("tqkv-server [--port=50051] [--config=FILE] [--backend=auto]");
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_print_default_config)) {
+    std::fputs(tqkv::service::DefaultServerConfigText(), stdout);
+    return 0;
+  }
+  const double budget_gib = absl::GetFlag(FLAGS_memory_budget_gib);
+  if (!(budget_gib > 0) || budget_gib > (1 << 20)) {
+    return Fail("--memory_budget_gib must be in (0, 2^20]");
+  }
+
+  absl::StatusOr<tqkv::v1::ServerConfig> config =
+      tqkv::service::LoadServerConfig(absl::GetFlag(FLAGS_config));
+  if (!config.ok()) return Fail(config.status().ToString());
+
+  tqkv::service::ServerOptions options;
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.config = *std::move(config);
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.memory_budget_bytes = static_cast<uint64_t>(budget_gib * (uint64_t{1} << 30));
+
+  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) return Fail("cannot create the signal pipe");
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+
+  absl::StatusOr<std::unique_ptr<tqkv::service::Server>> server =
+      tqkv::service::Server::Start(options);
+  if (!server.ok()) return Fail(server.status().ToString());
+  tqkv::service::Server& s = **server;
+  std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)\n",
+              options.host.c_str(), s.port(), s.metrics_port(), s.backend().name().c_str(),
+              s.backend().device().c_str());
+  std::fflush(stdout);
+
+  // Wait for a signal; meanwhile drop sequences past their idle TTL.
+  for (;;) {
+    pollfd fd = {g_signal_pipe[0], POLLIN, 0};
+    const int ready = poll(&fd, 1, /*timeout_ms=*/1000);
+    if (ready > 0) break;
+    if (ready < 0 && errno != EINTR) break;
+    s.service().EvictExpired();
+  }
+  std::printf("tqkv-server: shutting down\n");
+  std::fflush(stdout);
+  s.Shutdown(absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  s.Wait();
+  server->reset();
+  return 0;
+}

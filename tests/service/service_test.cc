@@ -1,0 +1,885 @@
+// Integration tests: the real server (service::Server) on an ephemeral
+// loopback port, spoken to by the real tqkv::Client (and, where a test must
+// send bytes the client would refuse to build, the raw generated stub).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <sstream>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
+#include <grpcpp/impl/codegen/rpc_method.h>
+#include <grpcpp/impl/codegen/sync_stream.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/client_interceptor.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "cache/kv_cache.h"
+#include "client/cpp/tqkv_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "grpc_std.pb.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/float_formats.h"
+#include "service/config.h"
+#include "service/server.h"
+
+namespace tqkv {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int kLayers = 4;
+constexpr int kKvHeads = 2;
+constexpr int kQueryHeads = 4;
+constexpr int kHeadDim = 64;
+constexpr int kThreads = 2;
+constexpr int kMaxMessageBytes = 1 << 20;
+
+// "default": the layout the tests use; "tiny": the same layout with room for
+// three pages, to fill the pool.
+constexpr char kConfig[] = R"pb(
+  caches {
+    name: "default" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+    page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 1
+    memory_budget_bytes: 4194304
+  }
+  caches {
+    name: "tiny" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+    page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 1
+  }
+)pb";
+
+std::vector<float> RandomFloats(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+// K/V for `tokens` tokens of `layers` layers.
+struct Kv {
+  int layers = kLayers;
+  int64_t tokens = 0;
+  std::vector<float> keys, values;
+};
+
+Kv MakeKv(int64_t tokens, uint32_t seed, int layers = kLayers) {
+  const size_t n = static_cast<size_t>(layers) * tokens * kKvHeads * kHeadDim;
+  return Kv{layers, tokens, RandomFloats(n, seed), RandomFloats(n, seed + 1000)};
+}
+
+AppendArgs MakeAppend(const std::string& id, int64_t start, const Kv& kv, int layer_begin = 0) {
+  AppendArgs a;
+  a.sequence_id = id;
+  a.start_position = start;
+  a.layer_begin = layer_begin;
+  a.layer_end = layer_begin + kv.layers;
+  a.shape = {kv.layers, kv.tokens, kKvHeads, kHeadDim};
+  a.keys = kv.keys;
+  a.values = kv.values;
+  return a;
+}
+
+// AppendArgs only points at the data: keep the Kv alive.
+AppendArgs MakeAppend(const std::string& id, int64_t start, Kv&& kv, int layer_begin = 0) = delete;
+
+// GET http://127.0.0.1:port/path over a plain socket; the body, or "" on error.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = absl::StrCat("GET ", path, " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[4096];
+      for (ssize_t n; (n = read(fd, buffer, sizeof(buffer))) > 0;) response.append(buffer, n);
+    }
+  }
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+// The value of the first sample line of `text` that starts with `name` and
+// contains every one of `labels` (e.g. "cache=\"default\""); -1 if none.
+double Sample(const std::string& text, const std::string& name,
+              std::initializer_list<std::string> labels = {}) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(name, 0) != 0) continue;
+    if (line.size() <= name.size() || (line[name.size()] != '{' && line[name.size()] != ' ')) {
+      continue;
+    }
+    bool all = true;
+    for (const std::string& l : labels) all = all && line.find(l) != std::string::npos;
+    if (all) return std::stod(line.substr(line.rfind(' ') + 1));
+  }
+  return -1;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override { StartServer(); }
+
+  void StartServer() {
+    service::ServerOptions options;
+    options.host = "127.0.0.1";
+    options.port = 0;
+    absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
+    ASSERT_TRUE(config.ok()) << config.status();
+    options.config = *config;
+    options.threads = kThreads;
+    options.max_message_bytes = kMaxMessageBytes;
+    // civetweb needs ~2 s to stop its listener: only the metrics test pays.
+    options.metrics_port = with_metrics_ ? 0 : -1;
+    options.memory_budget_bytes = 1;  // "tiny" gets 0 -> fixed below
+    // Give "tiny" exactly three pages.
+    absl::StatusOr<std::vector<CacheOptions>> probe =
+        service::ToCacheOptions(options.config, uint64_t{1} << 30);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create((*probe)[0].layout);
+    ASSERT_TRUE(layout.ok());
+    page_bytes_ = (*layout)->page_bytes();
+    options.config.mutable_caches(1)->set_memory_budget_bytes(3 * page_bytes_);
+    absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    ClientOptions client_options;
+    client_options.target = absl::StrCat("127.0.0.1:", server_->port());
+    client_options.max_attempts = 2;
+    client_options.initial_backoff = absl::Milliseconds(5);
+    client_options.timeout = absl::Seconds(20);
+    client_ = std::make_unique<Client>(client_options);
+    channel_ = grpc::CreateChannel(client_options.target, grpc::InsecureChannelCredentials());
+    stub_ = v1::KvCache::NewStub(channel_);
+  }
+
+  // A cache library instance with the server's "default" options, on its own
+  // CPU backend: the reference for exact comparisons.
+  std::unique_ptr<KvCache> Reference() {
+    absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
+    absl::StatusOr<std::vector<CacheOptions>> options =
+        service::ToCacheOptions(*config, uint64_t{1} << 30);
+    if (!options.ok()) return nullptr;
+    if (reference_backend_ == nullptr) reference_backend_ = MakeCpuBackend(kThreads);
+    absl::StatusOr<std::unique_ptr<KvCache>> cache =
+        KvCache::Create((*options)[0], reference_backend_.get());
+    return cache.ok() ? *std::move(cache) : nullptr;
+  }
+
+  static void ReferenceAppend(KvCache& cache, const std::string& id, int64_t start, const Kv& kv,
+                              int layer_begin = 0) {
+    AppendRequest r;
+    r.sequence_id = id;
+    r.start_position = start;
+    r.layer_begin = layer_begin;
+    r.layer_end = layer_begin + kv.layers;
+    r.num_tokens = kv.tokens;
+    r.keys = kv.keys.data();
+    r.values = kv.values.data();
+    ASSERT_TRUE(cache.Append(r).ok());
+  }
+
+  SequenceState MustGet(const std::string& id, const std::string& cache = "") {
+    absl::StatusOr<SequenceState> s = client_->GetSequence(cache, id);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : SequenceState{};
+  }
+
+  v1::CacheInfo CacheStats(const std::string& name) {
+    absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    for (const v1::CacheInfo& c : info->caches()) {
+      if (c.config().name() == name) return c;
+    }
+    ADD_FAILURE() << "no cache " << name;
+    return {};
+  }
+
+  bool with_metrics_ = false;
+  size_t page_bytes_ = 0;
+  std::unique_ptr<Backend> reference_backend_;
+  std::unique_ptr<service::Server> server_;
+  std::unique_ptr<Client> client_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+};
+
+TEST_F(ServiceTest, GetServerInfoDescribesBackendCachesAndPresets) {
+  absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cpu");
+  EXPECT_FALSE(info->device().empty());
+  ASSERT_EQ(info->caches_size(), 2);
+  const v1::CacheInfo& c = info->caches(0);
+  EXPECT_EQ(c.config().name(), "default");
+  EXPECT_EQ(c.config().num_layers(), kLayers);
+  EXPECT_EQ(c.config().preset(), "turboquant_k3v4_nc");
+  EXPECT_EQ(c.config().boundary_preset(), "fp16");
+  EXPECT_EQ(c.page_bytes(), static_cast<int64_t>(page_bytes_));
+  EXPECT_EQ(c.pages_total(), static_cast<int>((4u << 20) / page_bytes_));
+  EXPECT_EQ(info->caches(1).pages_total(), 3);
+  bool found = false;
+  for (const v1::PresetInfo& p : info->presets()) {
+    if (p.name() == "turboquant_k3v4_nc") {
+      found = true;
+      EXPECT_LE(p.bytes_per_token_head(), 118);
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+TEST_F(ServiceTest, AppendCreatesTheSequenceAndReportsItsBytes) {
+  const Kv kv = MakeKv(5, 1);
+  absl::StatusOr<AppendResult> r = client_->Append(MakeAppend("s", 0, kv));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sequence.sequence_id, "s");
+  EXPECT_EQ(r->sequence.cache, "default");
+  EXPECT_EQ(r->sequence.layer_tokens, std::vector<int64_t>(kLayers, 5));
+  EXPECT_EQ(r->sequence.pages, 2);
+  EXPECT_EQ(r->stored_bytes_bf16, 5 * kLayers * 2 * 2 * kKvHeads * kHeadDim);
+  EXPECT_GT(r->stored_bytes, 0);
+  EXPECT_LT(r->stored_bytes, r->stored_bytes_bf16);
+  const v1::CacheInfo stats = CacheStats("default");
+  EXPECT_EQ(stats.sequences(), 1);
+  EXPECT_EQ(stats.tokens(), 5);
+  EXPECT_EQ(stats.stored_bytes(), r->stored_bytes);
+
+  // Layer-by-layer append, then the next token.
+  const Kv layer0 = MakeKv(1, 2, /*layers=*/1);
+  r = client_->Append(MakeAppend("s", 5, layer0, /*layer_begin=*/0));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sequence.layer_tokens, (std::vector<int64_t>{6, 5, 5, 5}));
+}
+
+TEST_F(ServiceTest, AppendAcceptsF16AndBf16OnTheWire) {
+  for (v1::DType dtype : {v1::DTYPE_F16, v1::DTYPE_BF16}) {
+    const std::string id = absl::StrCat("w", static_cast<int>(dtype));
+    const Kv kv = MakeKv(3, 3);
+    AppendArgs a = MakeAppend(id, 0, kv);
+    a.wire_dtype = dtype;
+    absl::StatusOr<AppendResult> r = client_->Append(a);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->sequence.layer_tokens, std::vector<int64_t>(kLayers, 3));
+  }
+}
+
+TEST_F(ServiceTest, AttendEqualsTheLibraryExactly) {
+  std::unique_ptr<KvCache> reference = Reference();
+  ASSERT_NE(reference, nullptr);
+  // Two sequences, appended in two calls each.
+  const Kv a1 = MakeKv(7, 10), a2 = MakeKv(3, 11), b1 = MakeKv(9, 12);
+  ASSERT_TRUE(client_->Append(MakeAppend("a", 0, a1)).ok());
+  ASSERT_TRUE(client_->Append(MakeAppend("a", 7, a2)).ok());
+  ASSERT_TRUE(client_->Append(MakeAppend("b", 0, b1)).ok());
+  ReferenceAppend(*reference, "a", 0, a1);
+  ReferenceAppend(*reference, "a", 7, a2);
+  ReferenceAppend(*reference, "b", 0, b1);
+
+  // Item 0: one query token in layer 0 (fp16 boundary); item 1: three query
+  // tokens (causal) in layer 2 (compressed).
+  const std::vector<float> q0 = RandomFloats(1 * kQueryHeads * kHeadDim, 20);
+  const std::vector<float> q1 = RandomFloats(3 * kQueryHeads * kHeadDim, 21);
+  std::vector<float> default_scale_output;
+  for (const float scale : {0.0f, 0.05f}) {
+    AttendArgs args;
+    args.items = {{"a", 0, {1, kQueryHeads, kHeadDim}, q0}, {"b", 2, {3, kQueryHeads, kHeadDim}, q1}};
+    args.return_lse = true;
+    args.scale = scale;
+    absl::StatusOr<std::vector<AttendOutput>> out = client_->Attend(args);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_EQ(out->size(), 2u);
+
+    std::vector<float> want0(q0.size()), want1(q1.size()), lse0(kQueryHeads), lse1(3 * kQueryHeads);
+    AttendRequestItem items[2];
+    items[0] = {"a", 0, 1, q0.data(), want0.data(), lse0.data()};
+    items[1] = {"b", 2, 3, q1.data(), want1.data(), lse1.data()};
+    ASSERT_TRUE(reference->Attend(items, scale).ok());
+    EXPECT_EQ((*out)[0].output, want0);
+    EXPECT_EQ((*out)[1].output, want1);
+    EXPECT_EQ((*out)[0].lse, lse0);
+    EXPECT_EQ((*out)[1].lse, lse1);
+    EXPECT_EQ((*out)[1].shape, (std::array<int64_t, 3>{3, kQueryHeads, kHeadDim}));
+    // The scale reaches the kernel: 0.05 is not 1/sqrt(64).
+    if (scale == 0.0f) {
+      default_scale_output = want1;
+    } else {
+      EXPECT_NE(want1, default_scale_output);
+    }
+
+    // Half-precision outputs are the f32 outputs rounded.
+    args.output_dtype = v1::DTYPE_BF16;
+    args.return_lse = false;
+    out = client_->Attend(args);
+    ASSERT_TRUE(out.ok()) << out.status();
+    for (size_t i = 0; i < want1.size(); ++i) {
+      ASSERT_EQ((*out)[1].output[i], Bf16ToFloat(FloatToBf16(want1[i])));
+    }
+    EXPECT_TRUE((*out)[1].lse.empty());
+  }
+}
+
+TEST_F(ServiceTest, ScoreQueryEqualsTheLibraryAndRanksTopK) {
+  std::unique_ptr<KvCache> reference = Reference();
+  ASSERT_NE(reference, nullptr);
+  const Kv kv = MakeKv(11, 30);
+  ASSERT_TRUE(client_->Append(MakeAppend("s", 0, kv)).ok());
+  ReferenceAppend(*reference, "s", 0, kv);
+  const std::vector<float> q = RandomFloats(kQueryHeads * kHeadDim, 31);
+
+  ScoreArgs args;
+  args.sequence_id = "s";
+  args.layer = 1;
+  args.shape = {kQueryHeads, kHeadDim};
+  args.queries = q;
+  absl::StatusOr<ScoreResult> all = client_->Score(args);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->query_heads, kQueryHeads);
+  EXPECT_EQ(all->columns, 11);
+  std::vector<float> want(kQueryHeads * 11);
+  ASSERT_TRUE(reference->Score("s", 1, 0, -1, q.data(), want.data()).ok());
+  EXPECT_EQ(all->logits, want);
+
+  // A range, and the top 3 of it.
+  args.token_begin = 2;
+  args.token_end = 9;
+  args.top_k = 3;
+  absl::StatusOr<ScoreResult> top = client_->Score(args);
+  ASSERT_TRUE(top.ok()) << top.status();
+  ASSERT_EQ(top->columns, 3);
+  ASSERT_EQ(top->positions.size(), static_cast<size_t>(kQueryHeads * 3));
+  for (int h = 0; h < kQueryHeads; ++h) {
+    std::vector<float> row(want.begin() + h * 11 + 2, want.begin() + h * 11 + 9);
+    std::vector<float> sorted = row;
+    std::sort(sorted.rbegin(), sorted.rend());
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(top->logits[h * 3 + i], sorted[i]);
+      EXPECT_EQ(want[h * 11 + top->positions[h * 3 + i]], sorted[i]);
+    }
+  }
+  // top_k larger than the range returns the whole range, sorted.
+  args.top_k = 100;
+  top = client_->Score(args);
+  ASSERT_TRUE(top.ok());
+  EXPECT_EQ(top->columns, 7);
+}
+
+TEST_F(ServiceTest, SequenceLifecycleCreateForkGetDrop) {
+  absl::StatusOr<SequenceState> created = client_->CreateSequence("", "p");
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->layer_tokens, std::vector<int64_t>(kLayers, 0));
+  EXPECT_EQ(client_->CreateSequence("", "p").status().code(), absl::StatusCode::kAlreadyExists);
+  const Kv p = MakeKv(6, 40), c = MakeKv(1, 41);
+  ASSERT_TRUE(client_->Append(MakeAppend("p", 0, p)).ok());
+
+  absl::StatusOr<SequenceState> child = client_->ForkSequence("default", "p", "c");
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(child->layer_tokens, std::vector<int64_t>(kLayers, 6));
+  EXPECT_EQ(child->pages, 2);
+  EXPECT_EQ(client_->ForkSequence("", "p", "c").status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client_->ForkSequence("", "nope", "d").status().code(), absl::StatusCode::kNotFound);
+  // The child grows on its own.
+  ASSERT_TRUE(client_->Append(MakeAppend("c", 6, c)).ok());
+  EXPECT_EQ(MustGet("c").layer_tokens, std::vector<int64_t>(kLayers, 7));
+  EXPECT_EQ(MustGet("p").layer_tokens, std::vector<int64_t>(kLayers, 6));
+
+  ASSERT_TRUE(client_->DropSequence("", "p").ok());
+  EXPECT_EQ(client_->GetSequence("", "p").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->DropSequence("", "p").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(MustGet("c").layer_tokens, std::vector<int64_t>(kLayers, 7));
+}
+
+TEST_F(ServiceTest, AppendStreamStoresALongPrefillInChunks) {
+  std::unique_ptr<KvCache> reference = Reference();
+  ASSERT_NE(reference, nullptr);
+  std::vector<Kv> chunks;
+  std::vector<AppendArgs> args;
+  for (int i = 0; i < 12; ++i) chunks.push_back(MakeKv(8, 100 + i));
+  for (int i = 0; i < 12; ++i) {
+    args.push_back(MakeAppend("long", 8 * i, chunks[i]));
+    ReferenceAppend(*reference, "long", 8 * i, chunks[i]);
+  }
+  absl::StatusOr<AppendResult> r = client_->AppendStream(args);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sequence.layer_tokens, std::vector<int64_t>(kLayers, 96));
+  EXPECT_EQ(r->sequence.pages, 24);
+  EXPECT_EQ(r->stored_bytes_bf16, 96 * kLayers * 4 * kKvHeads * kHeadDim);
+
+  const std::vector<float> q = RandomFloats(kQueryHeads * kHeadDim, 5);
+  AttendArgs attend;
+  attend.items = {{"long", 3, {1, kQueryHeads, kHeadDim}, q}};
+  absl::StatusOr<std::vector<AttendOutput>> out = client_->Attend(attend);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<float> want(q.size());
+  AttendRequestItem item{"long", 3, 1, q.data(), want.data(), nullptr};
+  ASSERT_TRUE(reference->Attend({&item, 1}).ok());
+  EXPECT_EQ((*out)[0].output, want);
+}
+
+TEST_F(ServiceTest, AppendStreamStopsAtTheFirstBadChunkAndKeepsTheOnesBefore) {
+  const Kv kv = MakeKv(4, 50);
+  std::vector<AppendArgs> args = {MakeAppend("t", 0, kv), MakeAppend("t", 4, kv),
+                                  MakeAppend("t", 4, kv), MakeAppend("t", 8, kv)};
+  absl::StatusOr<AppendResult> r = client_->AppendStream(args);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(r.status().message(), HasSubstr("chunk 2"));
+  EXPECT_EQ(MustGet("t").layer_tokens, std::vector<int64_t>(kLayers, 8));
+
+  // A stream with no chunk, and one that switches sequence.
+  EXPECT_EQ(client_->AppendStream({}).status().code(), absl::StatusCode::kInvalidArgument);
+  args = {MakeAppend("t", 8, kv), MakeAppend("u", 0, kv)};
+  r = client_->AppendStream(args);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MustGet("t").layer_tokens, std::vector<int64_t>(kLayers, 12));
+  EXPECT_EQ(client_->GetSequence("", "u").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Every malformed request: the canonical code, a message saying what was
+// expected, and no change to the sequence or the cache.
+TEST_F(ServiceTest, MalformedRequestsGetCanonicalCodesAndChangeNothing) {
+  const Kv first = MakeKv(5, 60);
+  ASSERT_TRUE(client_->Append(MakeAppend("s", 0, first)).ok());
+  const SequenceState before = MustGet("s");
+  const v1::CacheInfo stats_before = CacheStats("default");
+
+  const auto expect_unchanged = [&](const char* what) {
+    const SequenceState after = MustGet("s");
+    EXPECT_EQ(after.layer_tokens, before.layer_tokens) << what;
+    EXPECT_EQ(after.pages, before.pages) << what;
+    const v1::CacheInfo stats = CacheStats("default");
+    EXPECT_EQ(stats.pages_used(), stats_before.pages_used()) << what;
+    EXPECT_EQ(stats.sequences(), stats_before.sequences()) << what;
+    EXPECT_EQ(stats.stored_bytes(), stats_before.stored_bytes()) << what;
+  };
+  const auto expect_append_error = [&](const char* what, v1::AppendRequest request,
+                                       grpc::StatusCode code, const char* substring) {
+    grpc::ClientContext context;
+    v1::AppendResponse response;
+    const grpc::Status status = stub_->Append(&context, request, &response);
+    EXPECT_EQ(status.error_code(), code) << what << ": " << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(substring)) << what;
+    expect_unchanged(what);
+  };
+
+  // A valid request for the next token, to break one field at a time.
+  const Kv next = MakeKv(1, 61);
+  v1::AppendRequest good;
+  good.set_sequence_id("s");
+  good.set_start_position(5);
+  for (v1::Tensor* t : {good.mutable_keys(), good.mutable_values()}) {
+    t->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : {kLayers, 1, kKvHeads, kHeadDim}) t->add_shape(d);
+    t->set_data(reinterpret_cast<const char*>(next.keys.data()), next.keys.size() * 4);
+  }
+  v1::AppendRequest bad = good;
+  bad.mutable_keys()->clear_shape();
+  for (int64_t d : {kLayers, kKvHeads, kHeadDim}) bad.mutable_keys()->add_shape(d);
+  expect_append_error("rank", bad, grpc::StatusCode::INVALID_ARGUMENT,
+                      "keys has 3 dims, want [layers, tokens, kv_heads, head_dim]");
+  bad = good;
+  bad.mutable_values()->set_shape(2, 1);
+  expect_append_error("shape", bad, grpc::StatusCode::INVALID_ARGUMENT, "axis kv_heads is 1, want 2");
+  bad = good;
+  bad.mutable_values()->set_shape(1, 2);
+  expect_append_error("tokens", bad, grpc::StatusCode::INVALID_ARGUMENT, "axis tokens is 2, want 1");
+  bad = good;
+  bad.mutable_keys()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  expect_append_error("dtype", bad, grpc::StatusCode::INVALID_ARGUMENT, "want DTYPE_F32");
+  bad = good;
+  bad.mutable_keys()->set_dtype(static_cast<v1::DType>(9));
+  expect_append_error("dtype 9", bad, grpc::StatusCode::INVALID_ARGUMENT, "want DTYPE_F32");
+  bad = good;
+  bad.mutable_keys()->mutable_data()->resize(100);
+  expect_append_error("bytes", bad, grpc::StatusCode::INVALID_ARGUMENT, "keys has 100 bytes, want 2048");
+  bad = good;
+  const float nan = std::nanf("");
+  std::memcpy(bad.mutable_values()->mutable_data()->data() + 4 * 77, &nan, 4);
+  expect_append_error("nan", bad, grpc::StatusCode::INVALID_ARGUMENT, "values[0, 0, 1, 13] is nan");
+  bad = good;
+  bad.set_cache("nope");
+  expect_append_error("cache", bad, grpc::StatusCode::NOT_FOUND, "cache 'nope' not found");
+  bad = good;
+  bad.set_layer_end(kLayers + 1);
+  expect_append_error("layers", bad, grpc::StatusCode::INVALID_ARGUMENT, "want 0 <= layer_begin");
+  bad = good;
+  bad.set_start_position(4);
+  expect_append_error("position", bad, grpc::StatusCode::FAILED_PRECONDITION, "5");
+  bad = good;
+  bad.set_start_position(-1);
+  expect_append_error("negative position", bad, grpc::StatusCode::INVALID_ARGUMENT, ">= 0");
+  bad = good;
+  bad.set_sequence_id("");
+  expect_append_error("empty id", bad, grpc::StatusCode::INVALID_ARGUMENT, "1..256 bytes");
+  bad = good;
+  bad.set_sequence_id("other");
+  bad.set_start_position(0);
+  bad.set_do_not_create(true);
+  expect_append_error("do_not_create", bad, grpc::StatusCode::NOT_FOUND, "other");
+  EXPECT_EQ(client_->GetSequence("", "other").status().code(), absl::StatusCode::kNotFound);
+
+  // Oversized: more than the server's 1 MiB limit.
+  const Kv big = MakeKv(300, 62);
+  EXPECT_EQ(client_->Append(MakeAppend("s", 5, big)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  expect_unchanged("oversized");
+
+  // Reads.
+  const std::vector<float> q = RandomFloats(2 * kQueryHeads * kHeadDim, 63);
+  const auto attend = [&](AttendItemArgs item, v1::DType dtype = v1::DTYPE_F32) {
+    AttendArgs args;
+    args.items = {item};
+    args.output_dtype = dtype;
+    return client_->Attend(args).status();
+  };
+  const std::array<int64_t, 3> one = {1, kQueryHeads, kHeadDim};
+  constexpr size_t kQ = kQueryHeads * kHeadDim;
+  EXPECT_EQ(attend({"s", 0, one, {q.data(), kQ}}).code(), absl::StatusCode::kOk);
+  EXPECT_EQ(attend({"x", 0, one, {q.data(), kQ}}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(attend({"s", kLayers, one, {q.data(), kQ}}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(attend({"s", 0, {1, kKvHeads, 2 * kHeadDim}, {q.data(), kQ}}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(attend({"s", 0, one, {q.data(), kQ}}, static_cast<v1::DType>(7)).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<float> q6 = RandomFloats(6 * kQueryHeads * kHeadDim, 64);
+  absl::Status too_many = attend({"s", 0, {6, kQueryHeads, kHeadDim}, q6});
+  EXPECT_EQ(too_many.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(too_many.message(), HasSubstr("holds 5 tokens"));
+  q6[17] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(attend({"s", 0, {2, kQueryHeads, kHeadDim}, {q6.data(), 2 * kQ}}).code(),
+            absl::StatusCode::kInvalidArgument);
+  AttendArgs bad_scale;
+  bad_scale.items = {{"s", 0, one, {q.data(), kQ}}};
+  bad_scale.scale = -1;
+  EXPECT_EQ(client_->Attend(bad_scale).status().code(), absl::StatusCode::kInvalidArgument);
+
+  ScoreArgs score;
+  score.sequence_id = "s";
+  score.shape = {kQueryHeads, kHeadDim};
+  score.queries = {q.data(), kQueryHeads * kHeadDim};
+  score.layer = -1;
+  EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kInvalidArgument);
+  score.layer = 0;
+  score.token_end = 6;
+  EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kOutOfRange);
+  score.token_begin = 7;
+  score.token_end = 0;
+  EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kOutOfRange);
+  score.token_begin = 3;
+  score.token_end = 2;
+  EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kInvalidArgument);
+  score.token_begin = 0;
+  score.token_end = 0;
+  score.top_k = -1;
+  EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kInvalidArgument);
+  score.top_k = 0;
+  score.sequence_id = "x";
+  EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kNotFound);
+  score.sequence_id = "s";
+  score.shape = {kKvHeads, kHeadDim};
+  score.queries = {q.data(), kKvHeads * kHeadDim};
+  EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kInvalidArgument);
+
+  EXPECT_EQ(client_->GetSequence("nope", "s").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->DropSequence("", "x").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client_->ForkSequence("", "s", "").status().code(), absl::StatusCode::kInvalidArgument);
+  expect_unchanged("reads");
+}
+
+TEST_F(ServiceTest, AFullPoolIsResourceExhaustedAndChangesNothing) {
+  // "tiny" holds three 4-token pages.
+  const Kv ten = MakeKv(10, 70), two = MakeKv(2, 72);
+  AppendArgs a = MakeAppend("f", 0, ten);
+  a.cache = "tiny";
+  ASSERT_TRUE(client_->Append(a).ok());
+  const v1::CacheInfo before = CacheStats("tiny");
+  EXPECT_EQ(before.pages_used(), 3);
+  const Kv more = MakeKv(3, 71);
+  a = MakeAppend("f", 10, more);
+  a.cache = "tiny";
+  absl::StatusOr<AppendResult> r = client_->Append(a);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  a.sequence_id = "g";
+  a.start_position = 0;
+  EXPECT_EQ(client_->Append(a).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(client_->GetSequence("tiny", "g").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(MustGet("f", "tiny").layer_tokens, std::vector<int64_t>(kLayers, 10));
+  const v1::CacheInfo after = CacheStats("tiny");
+  EXPECT_EQ(after.pages_used(), 3);
+  EXPECT_EQ(after.stored_bytes(), before.stored_bytes());
+  // Two tokens still fit in the last page.
+  a = MakeAppend("f", 10, two);
+  a.cache = "tiny";
+  EXPECT_TRUE(client_->Append(a).ok());
+}
+
+TEST_F(ServiceTest, HealthCheckReportsServing) {
+  const grpc::internal::RpcMethod check("/grpc.health.v1.Health/Check",
+                                        grpc::internal::RpcMethod::NORMAL_RPC);
+  for (const char* service : {"", "tqkv.v1.KvCache"}) {
+    grpc::ClientContext context;
+    testing::HealthCheckRequest request;
+    request.set_service(service);
+    testing::HealthCheckResponse response;
+    const grpc::Status status =
+        grpc::internal::BlockingUnaryCall<testing::HealthCheckRequest,
+                                          testing::HealthCheckResponse>(
+            channel_.get(), check, &context, request, &response);
+    ASSERT_TRUE(status.ok()) << service << ": " << status.error_message();
+    EXPECT_EQ(response.status(), testing::HealthCheckResponse::SERVING) << service;
+  }
+}
+
+TEST_F(ServiceTest, ReflectionListsTheService) {
+  const grpc::internal::RpcMethod info(
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+      grpc::internal::RpcMethod::BIDI_STREAMING);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<testing::ServerReflectionRequest,
+                                           testing::ServerReflectionResponse>>
+      stream(grpc::internal::ClientReaderWriterFactory<
+             testing::ServerReflectionRequest,
+             testing::ServerReflectionResponse>::Create(channel_.get(), info, &context));
+  testing::ServerReflectionRequest request;
+  request.set_list_services("");
+  ASSERT_TRUE(stream->Write(request));
+  stream->WritesDone();
+  testing::ServerReflectionResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  std::vector<std::string> names;
+  for (const auto& s : response.list_services_response().service()) names.push_back(s.name());
+  EXPECT_THAT(names, ::testing::Contains("tqkv.v1.KvCache"));
+  EXPECT_THAT(names, ::testing::Contains("grpc.health.v1.Health"));
+  while (stream->Read(&response)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ServiceTest, GracefulShutdownFinishesACallInFlight) {
+  // A stream is open and has delivered one chunk when shutdown starts; it
+  // may still send the rest and gets its answer.
+  grpc::ClientContext context;
+  v1::AppendResponse response;
+  auto writer = stub_->AppendStream(&context, &response);
+  const Kv kv = MakeKv(4, 80);
+  v1::AppendRequest chunk;
+  chunk.set_sequence_id("inflight");
+  for (v1::Tensor* t : {chunk.mutable_keys(), chunk.mutable_values()}) {
+    t->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : {kLayers, 4, kKvHeads, kHeadDim}) t->add_shape(d);
+    t->set_data(reinterpret_cast<const char*>(kv.keys.data()), kv.keys.size() * 4);
+  }
+  ASSERT_TRUE(writer->Write(chunk));
+  // Wait until the server has stored it, so the call is surely in flight.
+  for (int i = 0; i < 200; ++i) {
+    v1::GetSequenceRequest get;
+    get.set_sequence_id("inflight");
+    v1::SequenceInfo info;
+    if (server_->service().DoGetSequence(get, &info).ok()) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  std::thread shutdown([&] { server_->Shutdown(absl::Now() + absl::Seconds(10)); });
+  absl::SleepFor(absl::Milliseconds(100));
+  // New calls are refused while the old one finishes.
+  EXPECT_EQ(client_->GetServerInfo().status().code(), absl::StatusCode::kUnavailable);
+  chunk.set_start_position(4);
+  EXPECT_TRUE(writer->Write(chunk));
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  shutdown.join();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.sequence().layer_tokens(0), 8);
+}
+
+TEST_F(ServiceTest, ConcurrentClientsReadBackExactlyWhatTheLibraryComputes) {
+  constexpr int kClients = 8;
+  constexpr int kSteps = 12;
+  std::unique_ptr<KvCache> reference = Reference();
+  ASSERT_NE(reference, nullptr);
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  std::vector<std::vector<std::vector<float>>> outputs(kClients);
+  const std::vector<float> q = RandomFloats(kQueryHeads * kHeadDim, 90);
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      const std::string id = absl::StrCat("c", c);
+      for (int step = 0; step < kSteps; ++step) {
+        const Kv kv = MakeKv(1 + step % 3, 1000 * c + step);
+        const int64_t start = step == 0 ? 0 : MustGet(id).layer_tokens[0];
+        if (!client_->Append(MakeAppend(id, start, kv)).ok()) ++failures;
+        AttendArgs args;
+        args.items = {{id, step % kLayers, {1, kQueryHeads, kHeadDim}, q}};
+        absl::StatusOr<std::vector<AttendOutput>> out = client_->Attend(args);
+        if (!out.ok()) {
+          ++failures;
+        } else {
+          outputs[c].push_back((*out)[0].output);
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  ASSERT_EQ(failures.load(), 0);
+  // Replay each client's calls on the library, in order.
+  for (int c = 0; c < kClients; ++c) {
+    const std::string id = absl::StrCat("c", c);
+    int64_t start = 0;
+    for (int step = 0; step < kSteps; ++step) {
+      const Kv kv = MakeKv(1 + step % 3, 1000 * c + step);
+      ReferenceAppend(*reference, id, start, kv);
+      start += kv.tokens;
+      std::vector<float> want(q.size());
+      AttendRequestItem item{id, step % kLayers, 1, q.data(), want.data(), nullptr};
+      ASSERT_TRUE(reference->Attend({&item, 1}).ok());
+      ASSERT_EQ(outputs[c][step], want) << "client " << c << " step " << step;
+    }
+  }
+}
+
+class MetricsTest : public ServiceTest {
+ protected:
+  MetricsTest() { with_metrics_ = true; }
+};
+
+TEST_F(MetricsTest, MetricsMoveAsDataIsAppended) {
+  ASSERT_GT(server_->metrics_port(), 0);
+  std::string text = HttpGet(server_->metrics_port(), "/metrics");
+  ASSERT_FALSE(text.empty());
+  const std::string def = "cache=\"default\"";
+  EXPECT_EQ(Sample(text, "tqkv_cache_bytes_saved", {def}), 0);
+  EXPECT_EQ(Sample(text, "tqkv_cache_pages_total", {def}), static_cast<double>((4u << 20) / page_bytes_));
+  EXPECT_EQ(Sample(text, "tqkv_kernel_duration_seconds_count", {"kernel=\"store\"", "backend=\"cpu\""}), 0);
+
+  const Kv kv = MakeKv(9, 95);
+  absl::StatusOr<AppendResult> r = client_->Append(MakeAppend("m", 0, kv));
+  ASSERT_TRUE(r.ok());
+  const std::vector<float> q = RandomFloats(kQueryHeads * kHeadDim, 96);
+  AttendArgs attend;
+  attend.items = {{"m", 1, {1, kQueryHeads, kHeadDim}, q}};
+  ASSERT_TRUE(client_->Attend(attend).ok());
+  EXPECT_FALSE(client_->GetSequence("", "missing").ok());
+
+  text = HttpGet(server_->metrics_port(), "/metrics");
+  EXPECT_EQ(Sample(text, "tqkv_cache_stored_bytes", {def}), r->stored_bytes);
+  EXPECT_EQ(Sample(text, "tqkv_cache_stored_bytes_bf16", {def}), r->stored_bytes_bf16);
+  EXPECT_EQ(Sample(text, "tqkv_cache_bytes_saved", {def}), r->stored_bytes_bf16 - r->stored_bytes);
+  EXPECT_GT(Sample(text, "tqkv_cache_compression_ratio", {def}), 1.5);
+  EXPECT_EQ(Sample(text, "tqkv_cache_pages_used", {def}), 3);
+  EXPECT_EQ(Sample(text, "tqkv_cache_sequences", {def}), 1);
+  EXPECT_EQ(Sample(text, "tqkv_cache_tokens", {def}), 9);
+  EXPECT_EQ(Sample(text, "tqkv_cache_evictions_total", {def}), 0);
+  EXPECT_EQ(Sample(text, "tqkv_kernel_duration_seconds_count", {"kernel=\"store\""}), 1);
+  EXPECT_EQ(Sample(text, "tqkv_kernel_duration_seconds_count", {"kernel=\"attend\""}), 1);
+  EXPECT_EQ(Sample(text, "tqkv_rpc_requests_total", {"method=\"Append\"", "code=\"OK\""}), 1);
+  EXPECT_EQ(Sample(text, "tqkv_rpc_errors_total", {"method=\"GetSequence\"", "code=\"NOT_FOUND\""}), 1);
+  EXPECT_EQ(Sample(text, "tqkv_rpc_duration_seconds_count", {"method=\"Attend\""}), 1);
+  // The text served equals the in-process rendering's families.
+  EXPECT_NE(server_->MetricsText().find("tqkv_cache_bytes_saved"), std::string::npos);
+}
+
+// Replaces the status of the first `lost` calls of `method` with UNAVAILABLE
+// after the server has handled them: the answer is lost, the effect is not.
+class LoseAnswers : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  LoseAnswers(std::string method, int lost) : method_(std::move(method)), lost_(lost) {}
+
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo* info) override {
+    if (method_ != info->method()) return nullptr;
+    return new Interceptor(&lost_);
+  }
+
+ private:
+  class Interceptor : public grpc::experimental::Interceptor {
+   public:
+    explicit Interceptor(std::atomic<int>* lost) : lost_(lost) {}
+    void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+      if (methods->QueryInterceptionHookPoint(
+              grpc::experimental::InterceptionHookPoints::POST_RECV_STATUS) &&
+          lost_->fetch_sub(1) > 0) {
+        *methods->GetRecvStatus() = grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost (test)");
+      }
+      methods->Proceed();
+    }
+
+   private:
+    std::atomic<int>* lost_;
+  };
+
+  const std::string method_;
+  std::atomic<int> lost_;
+};
+
+TEST_F(ServiceTest, RetriedCallsWhoseFirstAnswerWasLostSucceedOnce) {
+  const auto client_losing = [&](const char* method) {
+    std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
+    factories.push_back(std::make_unique<LoseAnswers>(method, 1));
+    auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
+        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials(),
+        grpc::ChannelArguments(), std::move(factories));
+    ClientOptions options;
+    options.initial_backoff = absl::Milliseconds(1);
+    return std::make_unique<Client>(channel, options);
+  };
+  const Kv kv = MakeKv(6, 97);
+  absl::StatusOr<AppendResult> r =
+      client_losing("/tqkv.v1.KvCache/Append")->Append(MakeAppend("r", 0, kv));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sequence.layer_tokens, std::vector<int64_t>(kLayers, 6));
+  EXPECT_EQ(MustGet("r").layer_tokens, std::vector<int64_t>(kLayers, 6));  // stored once
+
+  // A retried append that did not land (wrong position) still fails.
+  EXPECT_EQ(client_losing("/tqkv.v1.KvCache/Append")->Append(MakeAppend("r", 3, kv)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  EXPECT_TRUE(client_losing("/tqkv.v1.KvCache/CreateSequence")->CreateSequence("", "n").ok());
+  EXPECT_TRUE(client_losing("/tqkv.v1.KvCache/ForkSequence")->ForkSequence("", "r", "f").ok());
+  EXPECT_TRUE(client_losing("/tqkv.v1.KvCache/DropSequence")->DropSequence("", "n").ok());
+  EXPECT_EQ(client_->GetSequence("", "n").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(MustGet("f").layer_tokens, std::vector<int64_t>(kLayers, 6));
+}
+
+TEST(ServerStart, RejectsTheCudaBackendInThisBuild) {
+  service::ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.config = *service::ParseServerConfig(kConfig);
+  options.metrics_port = -1;
+  options.backend = "cuda";
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
+  options.backend = "tpu";
+  EXPECT_EQ(service::Server::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ClientRetries, GiveUpWithUnavailableWhenNoServerListens) {
+  ClientOptions options;
+  options.target = "127.0.0.1:1";  // nothing listens on port 1
+  options.max_attempts = 3;
+  options.initial_backoff = absl::Milliseconds(1);
+  options.timeout = absl::Seconds(5);
+  Client client(options);
+  EXPECT_EQ(client.GetServerInfo().status().code(), absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace tqkv
