@@ -1,18 +1,12 @@
 #!/usr/bin/env bash
-# Sets up, builds and runs tqkv. Until the server lands this runs the offline
-# CLI on a demo: synthetic keys with outlier channels, every preset's quality.
+# Sets up, builds and runs tqkv-server with its embedded default configuration
+# (one Llama-3.1-8B-shaped cache, preset turboquant_k3v4_nc, boundary layers at
+# fp16): gRPC on :50051, Prometheus metrics on :9464/metrics. Extra arguments go
+# to tqkv-server (e.g. --config my.textproto --memory_budget_gib 16).
+# Stop it with Ctrl-C (SIGINT): calls in flight finish first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh
 scripts/build.sh
-tqkv=build/bin/tqkv
-demo=$(mktemp -d)
-trap 'rm -rf "$demo"' EXIT
-"$tqkv" synth --kind outlier-keys --rows 4096 --head-dim 128 --seed 1 --out "$demo/keys.npy"
-"$tqkv" synth --kind gaussian --rows 4096 --head-dim 128 --seed 2 --out "$demo/values.npy"
-"$tqkv" synth --kind gaussian --rows 64 --head-dim 128 --seed 3 --out "$demo/queries.npy"
-echo
-"$tqkv" distortion --head-dim 128
-echo
-"$tqkv" eval --preset all --keys "$demo/keys.npy" --queries "$demo/queries.npy" --values "$demo/values.npy"
+exec build/bin/tqkv-server "$@"
