@@ -77,8 +77,15 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, Metr
 // A long prefill in chunks: every chunk is one Append, stored as it arrives.
 class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
  public:
-  AppendStreamReactor(KvCacheService* service, v1::AppendResponse* response)
+  // `auth`: the call's authentication; when not OK the stream ends with it
+  // before any chunk is read.
+  AppendStreamReactor(KvCacheService* service, v1::AppendResponse* response,
+                      const absl::Status& auth)
       : service_(service), response_(response), start_(Clock::now()) {
+    if (!auth.ok()) {
+      Finish(ToGrpcStatus(auth));
+      return;
+    }
     StartRead(&request_);
   }
 
@@ -140,8 +147,8 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
 }  // namespace
 
 KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
-                               Metrics* metrics)
-    : backend_(backend), metrics_(metrics) {
+                               Metrics* metrics, Authenticator auth)
+    : backend_(backend), metrics_(metrics), auth_(std::move(auth)) {
   for (auto& cache : caches) {
     order_.push_back(cache.get());
     const std::string name = cache->options().name;
@@ -393,6 +400,20 @@ void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
     c->set_stored_bytes_bf16(static_cast<int64_t>(stats.stored_bytes_bf16));
     c->set_evictions(static_cast<int64_t>(stats.evictions));
   }
+  if (metrics_ != nullptr) {
+    for (const Metrics::Total& t : metrics_->KernelTotals()) {
+      v1::TimingTotal* k = info->add_kernel_timings();
+      k->set_name(t.name);
+      k->set_calls(t.calls);
+      k->set_seconds(t.seconds);
+    }
+    for (const Metrics::Total& t : metrics_->RpcTotals()) {
+      v1::TimingTotal* r = info->add_rpc_timings();
+      r->set_name(t.name);
+      r->set_calls(t.calls);
+      r->set_seconds(t.seconds);
+    }
+  }
   for (const Preset& preset : AllPresets()) {
     v1::PresetInfo* p = info->add_presets();
     p->set_name(std::string(preset.name));
@@ -407,62 +428,77 @@ grpc::ServerUnaryReactor* KvCacheService::Append(grpc::CallbackServerContext* co
                                                  const v1::AppendRequest* request,
                                                  v1::AppendResponse* response) {
   const auto start = Clock::now();
-  return FinishUnary(context, metrics_, Rpc::kAppend, start, DoAppend(*request, response));
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) status = DoAppend(*request, response);
+  return FinishUnary(context, metrics_, Rpc::kAppend, start, status);
 }
 
 grpc::ServerReadReactor<v1::AppendRequest>* KvCacheService::AppendStream(
     grpc::CallbackServerContext* context, v1::AppendResponse* response) {
-  return new AppendStreamReactor(this, response);
+  return new AppendStreamReactor(this, response, auth_.Check(*context));
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ScoreQuery(grpc::CallbackServerContext* context,
                                                      const v1::ScoreQueryRequest* request,
                                                      v1::ScoreQueryResponse* response) {
   const auto start = Clock::now();
-  return FinishUnary(context, metrics_, Rpc::kScoreQuery, start, DoScoreQuery(*request, response));
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) status = DoScoreQuery(*request, response);
+  return FinishUnary(context, metrics_, Rpc::kScoreQuery, start, status);
 }
 
 grpc::ServerUnaryReactor* KvCacheService::Attend(grpc::CallbackServerContext* context,
                                                  const v1::AttendRequest* request,
                                                  v1::AttendResponse* response) {
   const auto start = Clock::now();
-  return FinishUnary(context, metrics_, Rpc::kAttend, start, DoAttend(*request, response));
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) status = DoAttend(*request, response);
+  return FinishUnary(context, metrics_, Rpc::kAttend, start, status);
 }
 
 grpc::ServerUnaryReactor* KvCacheService::CreateSequence(
     grpc::CallbackServerContext* context, const v1::CreateSequenceRequest* request,
     v1::SequenceInfo* response) {
   const auto start = Clock::now();
-  return FinishUnary(context, metrics_, Rpc::kCreateSequence, start, DoCreateSequence(*request, response));
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) status = DoCreateSequence(*request, response);
+  return FinishUnary(context, metrics_, Rpc::kCreateSequence, start, status);
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerContext* context,
                                                        const v1::ForkSequenceRequest* request,
                                                        v1::SequenceInfo* response) {
   const auto start = Clock::now();
-  return FinishUnary(context, metrics_, Rpc::kForkSequence, start, DoForkSequence(*request, response));
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) status = DoForkSequence(*request, response);
+  return FinishUnary(context, metrics_, Rpc::kForkSequence, start, status);
 }
 
 grpc::ServerUnaryReactor* KvCacheService::DropSequence(grpc::CallbackServerContext* context,
                                                        const v1::DropSequenceRequest* request,
                                                        v1::DropSequenceResponse* response) {
   const auto start = Clock::now();
-  return FinishUnary(context, metrics_, Rpc::kDropSequence, start, DoDropSequence(*request));
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) status = DoDropSequence(*request);
+  return FinishUnary(context, metrics_, Rpc::kDropSequence, start, status);
 }
 
 grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* context,
                                                       const v1::GetSequenceRequest* request,
                                                       v1::SequenceInfo* response) {
   const auto start = Clock::now();
-  return FinishUnary(context, metrics_, Rpc::kGetSequence, start, DoGetSequence(*request, response));
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) status = DoGetSequence(*request, response);
+  return FinishUnary(context, metrics_, Rpc::kGetSequence, start, status);
 }
 
 grpc::ServerUnaryReactor* KvCacheService::GetServerInfo(grpc::CallbackServerContext* context,
                                                         const v1::GetServerInfoRequest* request,
                                                         v1::ServerInfo* response) {
   const auto start = Clock::now();
-  DoGetServerInfo(response);
-  return FinishUnary(context, metrics_, Rpc::kGetServerInfo, start, absl::OkStatus());
+  const absl::Status status = auth_.Check(*context);
+  if (status.ok()) DoGetServerInfo(response);
+  return FinishUnary(context, metrics_, Rpc::kGetServerInfo, start, status);
 }
 
 }  // namespace service

@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "cache/kv_cache.h"
 #include "kernels/backend.h"
+#include "service/auth.h"
 #include "service/metrics.h"
 #include "tqkv/v1/kvcache.grpc.pb.h"
 
@@ -41,8 +42,10 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   // `caches` by name (the first one's name, or "default", answers the empty
   // name: see Find). REQUIRES: `backend` is the backend the caches were
   // created on and outlives the service; so does `metrics` (null: none).
+  // `auth` (no tokens: open) is checked first in every handler: a call
+  // without a valid bearer token is UNAUTHENTICATED and its request unread.
   KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
-                 Metrics* metrics = nullptr);
+                 Metrics* metrics = nullptr, Authenticator auth = Authenticator());
 
   // The caches, in config order.
   const std::vector<KvCache*>& caches() const { return order_; }
@@ -104,6 +107,7 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   std::vector<KvCache*> order_;  // config order, for GetServerInfo
   Backend* backend_;
   Metrics* metrics_;
+  const Authenticator auth_;
 };
 
 }  // namespace service

@@ -198,6 +198,28 @@ void Metrics::ObserveKernel(Kernel kernel, double seconds) {
   kernel_duration_[static_cast<int>(kernel)]->Observe(seconds);
 }
 
+namespace {
+
+template <size_t N>
+std::vector<Metrics::Total> Totals(const std::array<prometheus::Histogram*, N>& histograms,
+                                   const char* const* names) {
+  std::vector<Metrics::Total> totals;
+  for (size_t i = 0; i < N; ++i) {
+    const prometheus::ClientMetric m = histograms[i]->Collect();
+    totals.push_back({names[i], static_cast<int64_t>(m.histogram.sample_count),
+                      m.histogram.sample_sum});
+  }
+  return totals;
+}
+
+}  // namespace
+
+std::vector<Metrics::Total> Metrics::KernelTotals() const {
+  return Totals(kernel_duration_, kKernelNames);
+}
+
+std::vector<Metrics::Total> Metrics::RpcTotals() const { return Totals(rpc_duration_, kRpcNames); }
+
 std::shared_ptr<prometheus::Collectable> MakeCacheCollector(std::vector<KvCache*> caches) {
   return std::make_shared<CacheCollector>(std::move(caches));
 }

@@ -25,6 +25,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +67,16 @@ class Metrics {
 
   void ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds);
   void ObserveKernel(Kernel kernel, double seconds);
+
+  // Calls and summed seconds so far, from the histograms: by kernel name
+  // (store, score, attend, copy_page) and by rpc method name.
+  struct Total {
+    std::string name;
+    int64_t calls = 0;
+    double seconds = 0;
+  };
+  std::vector<Total> KernelTotals() const;
+  std::vector<Total> RpcTotals() const;
 
   // The counters and histograms above (not the per-cache families).
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }

@@ -38,6 +38,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         absl::StrCat("metrics_port ", options.metrics_port, " is not in [-1, 65535]"));
   }
+  if (options.tls_cert_chain_pem.empty() != options.tls_private_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS needs both a certificate chain and a private key, or neither");
+  }
   std::unique_ptr<Server> server(new Server());
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(options.backend, options.threads));
   server->metrics_ = std::make_unique<Metrics>(backend->name());
@@ -52,7 +56,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     caches.push_back(*std::move(cache));
   }
   server->service_ = std::make_unique<KvCacheService>(std::move(caches), server->backend_.get(),
-                                                      server->metrics_.get());
+                                                      server->metrics_.get(),
+                                                      Authenticator(options.auth_tokens));
   server->cache_collector_ = MakeCacheCollector(server->service_->caches());
 
   // Process-wide switches; both must be set before the builder is created.
@@ -67,7 +72,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
                                ? absl::StrCat("[", options.host, "]")
                                : options.host;
   const std::string address = absl::StrCat(host, ":", options.port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &server->port_);
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (!options.tls_cert_chain_pem.empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({options.tls_private_key_pem, options.tls_cert_chain_pem});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(address, credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(server->service_.get());

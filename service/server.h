@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/server.h>
 #include <prometheus/collectable.h>
@@ -42,6 +43,13 @@ struct ServerOptions {
   // Prometheus /metrics on host:metrics_port; 0 picks a free port, -1 serves
   // none (the metrics are still kept: Server::MetricsText()).
   int metrics_port = 9464;
+  // Bearer tokens (see service/auth.h); empty: no authentication. Health and
+  // reflection stay open either way.
+  std::vector<std::string> auth_tokens;
+  // TLS: the server's PEM certificate chain and private key (contents, not
+  // paths). Both empty: plaintext; exactly one set is INVALID_ARGUMENT.
+  std::string tls_cert_chain_pem;
+  std::string tls_private_key_pem;
 };
 
 // The backend named by ServerOptions::backend. INVALID_ARGUMENT for an unknown

@@ -10,12 +10,16 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
+#include "service/auth.h"
 #include "service/config.h"
 #include "service/server.h"
 
@@ -32,6 +36,11 @@ ABSL_FLAG(double, memory_budget_gib, 4.0,
           "Page-pool memory, GiB, split equally among caches whose config gives no budget.");
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
           "On SIGTERM/SIGINT, how long calls in flight may take to finish.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File of bearer tokens, one per line ('#' comments and blank lines ignored); when "
+          "set, every KvCache rpc needs `authorization: Bearer <token>`.");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; with --tls_key_file, serve TLS.");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
 ABSL_FLAG(bool, print_default_config, false, "Print the embedded default config and exit.");
 
 namespace {
@@ -42,6 +51,15 @@ int g_signal_pipe[2] = {-1, -1};
 void OnSignal(int) {
   const char byte = 1;
   [[maybe_unused]] ssize_t n = write(g_signal_pipe[1], &byte, 1);
+}
+
+// The whole file; NOT_FOUND when it cannot be read.
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError("cannot read '" + path + "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 int Fail(const std::string& what) {
@@ -77,6 +95,25 @@ int main(int argc, char** argv) {
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.memory_budget_bytes = static_cast<uint64_t>(budget_gib * (uint64_t{1} << 30));
 
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    absl::StatusOr<std::vector<std::string>> tokens = tqkv::service::LoadAuthTokens(path);
+    if (!tokens.ok()) return Fail("--auth_token_file: " + tokens.status().ToString());
+    options.auth_tokens = *std::move(tokens);
+  }
+  const std::string cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  const std::string key_file = absl::GetFlag(FLAGS_tls_key_file);
+  if (cert_file.empty() != key_file.empty()) {
+    return Fail("--tls_cert_file and --tls_key_file go together: give both or neither");
+  }
+  if (!cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadFile(cert_file);
+    if (!cert.ok()) return Fail("--tls_cert_file: " + cert.status().ToString());
+    absl::StatusOr<std::string> key = ReadFile(key_file);
+    if (!key.ok()) return Fail("--tls_key_file: " + key.status().ToString());
+    options.tls_cert_chain_pem = *std::move(cert);
+    options.tls_private_key_pem = *std::move(key);
+  }
+
   if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) return Fail("cannot create the signal pipe");
   struct sigaction action = {};
   action.sa_handler = OnSignal;
@@ -88,9 +125,10 @@ int main(int argc, char** argv) {
       tqkv::service::Server::Start(options);
   if (!server.ok()) return Fail(server.status().ToString());
   tqkv::service::Server& s = **server;
-  std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)\n",
+  std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)%s%s\n",
               options.host.c_str(), s.port(), s.metrics_port(), s.backend().name().c_str(),
-              s.backend().device().c_str());
+              s.backend().device().c_str(), options.tls_cert_chain_pem.empty() ? "" : ", TLS",
+              options.auth_tokens.empty() ? "" : ", bearer-token auth");
   std::fflush(stdout);
 
   // Wait for a signal; meanwhile drop sequences past their idle TTL.

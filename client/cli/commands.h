@@ -28,6 +28,17 @@ int RunPresets(int argc, const char* const* argv);
 int RunBench(int argc, const char* const* argv);
 int RunCapacity(int argc, const char* const* argv);
 
+// Subcommands over a tqkv-server (client_commands.cc): --target, --cache,
+// --auth-token-file, --tls-ca-file; a failed rpc prints its code and message.
+int RunInfo(int argc, const char* const* argv);
+int RunSequence(int argc, const char* const* argv);
+int RunAppend(int argc, const char* const* argv);
+int RunAttend(int argc, const char* const* argv);
+int RunScore(int argc, const char* const* argv);
+int RunFork(int argc, const char* const* argv);
+int RunDrop(int argc, const char* const* argv);
+int RunLoad(int argc, const char* const* argv);
+
 // Every subcommand, in the order `tqkv --help` lists them.
 const std::vector<Command>& AllCommands();
 

@@ -333,8 +333,25 @@ int RunSynthImpl(int argc, const char* const* argv) {
   flags.AddInt("rows", &rows, "number of vectors");
   flags.AddInt("head-dim", &head_dim, "head dim");
   flags.AddInt("seed", &seed, "seed");
+  std::vector<int64_t> shape;
+  flags.AddIntList("shape", &shape,
+                   "write this shape instead, e.g. 4,8,2,64 (last axis: head dim; overrides "
+                   "--rows and --head-dim)");
   flags.AddRequiredString("out", &out_path, "output .npy");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (!shape.empty()) {
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      if (d < 1 || d > (int64_t{1} << 26) || n > (int64_t{1} << 26) / d) {
+        return UsageError("--shape must have dims >= 1 and at most 2^26 elements");
+      }
+      n *= d;
+    }
+    head_dim = shape.back();
+    rows = n / head_dim;
+  } else {
+    shape = {rows, head_dim};
+  }
   if (rows < 1 || rows > (int64_t{1} << 26)) return UsageError("--rows must be in [1, 2^26]");
   if (head_dim < 1 || head_dim > 4096) return UsageError("--head-dim must be in [1, 4096]");
   std::vector<float> data;
@@ -345,7 +362,7 @@ int RunSynthImpl(int argc, const char* const* argv) {
   } else {
     return UsageError("--kind must be gaussian or outlier-keys, got '" + kind + "'");
   }
-  absl::Status written = WriteNpy(out_path, {rows, head_dim}, data.data());
+  absl::Status written = WriteNpy(out_path, shape, data.data());
   if (!written.ok()) return Fail(written);
   return 0;
 }
@@ -405,6 +422,14 @@ const std::vector<Command>& AllCommands() {
       {"synth", "write synthetic gaussian or outlier-channel vectors as .npy", RunSynth},
       {"bench", "attend / store speed per preset next to a bf16 cache (CPU backend)", RunBench},
       {"capacity", "tokens that fit in a memory budget per preset, vs bf16", RunCapacity},
+      {"info", "server backend, caches (pages, tokens, bytes vs bf16) and presets", RunInfo},
+      {"append", "append K/V .npy [layers, tokens, kv_heads, head_dim] to a sequence", RunAppend},
+      {"attend", "fused decode attention of queries .npy over a sequence's layer", RunAttend},
+      {"score", "attention logits (or top-k) of queries .npy over a sequence's layer", RunScore},
+      {"sequence", "tokens per layer and pages of one sequence", RunSequence},
+      {"fork", "new sequence sharing a parent's tokens (copy-on-write)", RunFork},
+      {"drop", "drop a sequence and free its pages", RunDrop},
+      {"load", "load generator: N clients of prefill/decode traffic, latency per method", RunLoad},
   };
   return commands;
 }

@@ -122,8 +122,19 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options_.max_message_bytes);
   arguments.SetMaxSendMessageSize(options_.max_message_bytes);
-  std::shared_ptr<grpc::ChannelCredentials> credentials =
-      options_.credentials ? options_.credentials : grpc::InsecureChannelCredentials();
+  std::shared_ptr<grpc::ChannelCredentials> credentials = options_.credentials;
+  if (credentials == nullptr) {
+    if (options_.use_tls || !options_.tls_root_certs_pem.empty()) {
+      grpc::SslCredentialsOptions ssl;
+      ssl.pem_root_certs = options_.tls_root_certs_pem;
+      credentials = grpc::SslCredentials(ssl);
+    } else {
+      credentials = grpc::InsecureChannelCredentials();
+    }
+  }
+  if (!options_.tls_server_name_override.empty()) {
+    arguments.SetSslTargetNameOverride(options_.tls_server_name_override);
+  }
   channel_ = grpc::CreateCustomChannel(options_.target, credentials, arguments);
   stub_ = v1::KvCache::NewStub(channel_);
 }
@@ -132,6 +143,13 @@ Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : options_(std::move(options)), channel_(std::move(channel)),
       stub_(v1::KvCache::NewStub(channel_)) {}
 
+void Client::Prepare(grpc::ClientContext* context) const {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  if (!options_.auth_token.empty()) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
+  }
+}
+
 template <typename Rpc>
 grpc::Status Client::WithRetries(Rpc rpc, int* attempts) {
   thread_local std::minstd_rand jitter(std::random_device{}());
@@ -139,7 +157,7 @@ grpc::Status Client::WithRetries(Rpc rpc, int* attempts) {
   grpc::Status status;
   for (int attempt = 1;; ++attempt) {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+    Prepare(&context);
     status = rpc(&context);
     *attempts = attempt;
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
@@ -182,7 +200,7 @@ absl::StatusOr<AppendResult> Client::Append(const AppendArgs& args) {
 
 absl::StatusOr<AppendResult> Client::AppendStream(absl::Span<const AppendArgs> chunks) {
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  Prepare(&context);
   v1::AppendResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer =
       stub_->AppendStream(&context, &response);

@@ -46,8 +46,19 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 struct ClientOptions {
   // host:port of a tqkv-server.
   std::string target = "localhost:50051";
-  // Insecure when null.
+  // Channel credentials. When null: TLS if use_tls or tls_root_certs_pem is
+  // set, else plaintext.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // TLS with these PEM root certificates (contents, not a path); empty with
+  // use_tls: the system's roots.
+  bool use_tls = false;
+  std::string tls_root_certs_pem;
+  // The name the server's certificate must carry, when it differs from the
+  // target's host (tests with a self-signed "localhost" cert on 127.0.0.1).
+  std::string tls_server_name_override;
+  // Bearer token sent as `authorization: Bearer <token>` on every call;
+  // empty: none.
+  std::string auth_token;
   // Tries per call on UNAVAILABLE (1: no retry).
   int max_attempts = 4;
   // Backoff before retry n is min(initial * 2^(n-1), max), +-20% jitter.
@@ -151,6 +162,8 @@ class Client {
   v1::KvCache::Stub& stub() { return *stub_; }
 
  private:
+  // Deadline and auth metadata of every call.
+  void Prepare(grpc::ClientContext* context) const;
   // Runs `rpc(context)` up to max_attempts times while it returns
   // UNAVAILABLE; *attempts receives the number of tries.
   template <typename Rpc>

@@ -1,0 +1,540 @@
+// The CLI subcommands that talk to a tqkv-server through tqkv::Client: info,
+// sequence, append, attend, score, fork, drop, load. Every one takes
+// --target (default localhost:50051), --cache, --auth-token-file and
+// --tls-ca-file; a failed rpc prints "tqkv: CODE: message" and exits 1.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "client/cli/command_util.h"
+#include "client/cli/commands.h"
+#include "client/cli/flags.h"
+#include "client/cli/json_writer.h"
+#include "client/cli/load_generator.h"
+#include "client/cli/npy.h"
+#include "client/cpp/tqkv_client.h"
+
+namespace tqkv {
+namespace cli {
+namespace {
+
+struct Connection {
+  std::string target = "localhost:50051";
+  std::string cache;
+  std::string auth_token_file;
+  std::string tls_ca_file;
+  std::string tls_server_name;
+};
+
+void AddConnectionFlags(FlagSet& flags, Connection* c) {
+  flags.AddString("target", &c->target, "host:port of the tqkv-server");
+  flags.AddString("cache", &c->cache, "cache name (empty: the server's default)");
+  flags.AddString("auth-token-file", &c->auth_token_file,
+                  "file whose first token is sent as the bearer token");
+  flags.AddString("tls-ca-file", &c->tls_ca_file, "PEM CA certificate: connect with TLS");
+  flags.AddString("tls-server-name", &c->tls_server_name,
+                  "name the server certificate must carry, if not the target host");
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The first token of a token file in the server's format: one per line,
+// blank lines and '#' comments ignored.
+absl::StatusOr<std::string> ReadFirstToken(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+    line = absl::StripAsciiWhitespace(line);
+    if (!line.empty() && line[0] != '#') return std::string(line);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("auth token file '", path, "' holds no token"));
+}
+
+absl::StatusOr<ClientOptions> MakeClientOptions(const Connection& c) {
+  ClientOptions options;
+  options.target = c.target;
+  options.max_attempts = 2;
+  options.timeout = absl::Seconds(60);
+  if (!c.auth_token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadFirstToken(c.auth_token_file);
+    if (!token.ok()) return token.status();
+    options.auth_token = *std::move(token);
+  }
+  if (!c.tls_ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadFile(c.tls_ca_file);
+    if (!ca.ok()) return ca.status();
+    options.tls_root_certs_pem = *std::move(ca);
+  }
+  options.tls_server_name_override = c.tls_server_name;
+  return options;
+}
+
+// A 1-D int range check with a usage error.
+bool InIntRange(int64_t v, int64_t lo, int64_t hi) { return v >= lo && v <= hi; }
+
+int RunInfoImpl(int argc, const char* const* argv) {
+  FlagSet flags("info", "Backend, device, caches (layout, pages, tokens, bytes) and presets.");
+  Connection c;
+  bool json = false;
+  AddConnectionFlags(flags, &c);
+  flags.AddBool("json", &json, "print JSON instead of text");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
+  if (!options.ok()) return Fail(options.status());
+  absl::StatusOr<v1::ServerInfo> info = Client(*options).GetServerInfo();
+  if (!info.ok()) return Fail(info.status());
+  if (json) {
+    JsonValue caches = JsonValue::Array();
+    for (const v1::CacheInfo& ci : info->caches()) {
+      const v1::CacheConfig& k = ci.config();
+      caches.Append(JsonValue::Object()
+                        .Set("name", k.name())
+                        .Set("num_layers", k.num_layers())
+                        .Set("num_kv_heads", k.num_kv_heads())
+                        .Set("num_query_heads", k.num_query_heads())
+                        .Set("head_dim", k.head_dim())
+                        .Set("page_tokens", k.page_tokens())
+                        .Set("preset", k.preset())
+                        .Set("boundary_layers", k.boundary_layers())
+                        .Set("boundary_preset", k.boundary_preset())
+                        .Set("page_bytes", ci.page_bytes())
+                        .Set("pages_used", ci.pages_used())
+                        .Set("pages_total", ci.pages_total())
+                        .Set("sequences", ci.sequences())
+                        .Set("tokens", ci.tokens())
+                        .Set("stored_bytes", ci.stored_bytes())
+                        .Set("stored_bytes_bf16", ci.stored_bytes_bf16())
+                        .Set("evictions", ci.evictions()));
+    }
+    JsonValue presets = JsonValue::Array();
+    for (const v1::PresetInfo& p : info->presets()) {
+      presets.Append(JsonValue::Object()
+                         .Set("name", p.name())
+                         .Set("keys", p.keys())
+                         .Set("values", p.values())
+                         .Set("bytes_per_token_head", p.bytes_per_token_head()));
+    }
+    printf("%s\n", JsonValue::Object()
+                       .Set("version", info->version())
+                       .Set("backend", info->backend())
+                       .Set("device", info->device())
+                       .Set("caches", caches)
+                       .Set("presets", presets)
+                       .Serialize()
+                       .c_str());
+    return 0;
+  }
+  printf("tqkv-server %s at %s\nbackend: %s (%s)\n", info->version().c_str(), c.target.c_str(),
+         info->backend().c_str(), info->device().c_str());
+  for (const v1::CacheInfo& ci : info->caches()) {
+    const v1::CacheConfig& k = ci.config();
+    const double ratio = ci.stored_bytes() > 0
+                             ? static_cast<double>(ci.stored_bytes_bf16()) / ci.stored_bytes()
+                             : 0.0;
+    printf("cache '%s': %d layers, %d kv heads, %d query heads, head_dim %d, %d-token pages, "
+           "preset %s (%d boundary layers %s)\n",
+           k.name().c_str(), k.num_layers(), k.num_kv_heads(), k.num_query_heads(), k.head_dim(),
+           k.page_tokens(), k.preset().c_str(), k.boundary_layers(), k.boundary_preset().c_str());
+    printf("  pages %d / %d used (%lld bytes each), %lld sequences, %lld tokens\n",
+           ci.pages_used(), ci.pages_total(), static_cast<long long>(ci.page_bytes()),
+           static_cast<long long>(ci.sequences()), static_cast<long long>(ci.tokens()));
+    printf("  stored %lld bytes vs %lld as bf16 (x%.2f), %lld evictions\n",
+           static_cast<long long>(ci.stored_bytes()), static_cast<long long>(ci.stored_bytes_bf16()),
+           ratio, static_cast<long long>(ci.evictions()));
+  }
+  std::vector<std::string> names;
+  for (const v1::PresetInfo& p : info->presets()) names.push_back(p.name());
+  printf("presets: %s\n", absl::StrJoin(names, ", ").c_str());
+  return 0;
+}
+
+void PrintSequence(const SequenceState& s) {
+  printf("sequence '%s' (cache '%s'): %d pages, layer tokens [%s]\n", s.sequence_id.c_str(),
+         s.cache.c_str(), s.pages, absl::StrJoin(s.layer_tokens, ", ").c_str());
+}
+
+int RunSequenceImpl(int argc, const char* const* argv) {
+  FlagSet flags("sequence", "Shows one sequence: tokens per layer and pages (GetSequence).");
+  Connection c;
+  std::string id;
+  AddConnectionFlags(flags, &c);
+  flags.AddRequiredString("sequence", &id, "sequence id");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
+  if (!options.ok()) return Fail(options.status());
+  absl::StatusOr<SequenceState> s = Client(*options).GetSequence(c.cache, id);
+  if (!s.ok()) return Fail(s.status());
+  PrintSequence(*s);
+  return 0;
+}
+
+int RunAppendImpl(int argc, const char* const* argv) {
+  FlagSet flags("append",
+                "Appends K/V .npy arrays [layers, tokens, kv_heads, head_dim] to a sequence\n"
+                "(created if new) at --start (default: its current length, 0 when new).");
+  Connection c;
+  std::string id, keys_path, values_path;
+  int64_t start = -1, layer_begin = 0, layer_end = 0;
+  AddConnectionFlags(flags, &c);
+  flags.AddRequiredString("sequence", &id, "sequence id");
+  flags.AddRequiredString("keys", &keys_path, "keys .npy [layers, tokens, kv_heads, head_dim]");
+  flags.AddRequiredString("values", &values_path, "values .npy, same shape as keys");
+  flags.AddInt("start", &start, "position of the first token (-1: the current length)");
+  flags.AddInt("layer-begin", &layer_begin, "first layer of the range");
+  flags.AddInt("layer-end", &layer_end, "end of the layer range (0: all layers)");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (!InIntRange(layer_begin, 0, 1 << 20) || !InIntRange(layer_end, 0, 1 << 20)) {
+    return UsageError("--layer-begin and --layer-end must be in [0, 2^20]");
+  }
+  if (start < -1) return UsageError("--start must be >= 0 (or -1: the current length)");
+  absl::StatusOr<NpyArray> keys = ReadNpy(keys_path);
+  if (!keys.ok()) return Fail(keys.status());
+  absl::StatusOr<NpyArray> values = ReadNpy(values_path);
+  if (!values.ok()) return Fail(values.status());
+  if (keys->shape.size() != 4) {
+    return Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "%s has %d dims; want [layers, tokens, kv_heads, head_dim]", keys_path,
+        keys->shape.size())));
+  }
+  if (values->shape != keys->shape) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat(values_path, " has shape [", absl::StrJoin(values->shape, ", "),
+                     "]; want the keys' [", absl::StrJoin(keys->shape, ", "), "]")));
+  }
+  absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
+  if (!options.ok()) return Fail(options.status());
+  Client client(*options);
+  if (start < 0) {
+    absl::StatusOr<SequenceState> s = client.GetSequence(c.cache, id);
+    if (s.ok()) {
+      start = s->layer_tokens.empty() ? 0 : s->layer_tokens[layer_begin < static_cast<int64_t>(s->layer_tokens.size()) ? layer_begin : 0];
+    } else if (s.status().code() == absl::StatusCode::kNotFound &&
+               absl::StrContains(s.status().message(), "sequence")) {
+      start = 0;
+    } else {
+      return Fail(s.status());
+    }
+  }
+  AppendArgs args;
+  args.cache = c.cache;
+  args.sequence_id = id;
+  args.start_position = start;
+  args.layer_begin = static_cast<int>(layer_begin);
+  args.layer_end = static_cast<int>(layer_end);
+  args.shape = {keys->shape[0], keys->shape[1], keys->shape[2], keys->shape[3]};
+  args.keys = keys->data;
+  args.values = values->data;
+  absl::StatusOr<AppendResult> r = client.Append(args);
+  if (!r.ok()) return Fail(r.status());
+  printf("appended %lld tokens at %lld: stored %lld bytes (%lld as bf16)\n",
+         static_cast<long long>(keys->shape[1]), static_cast<long long>(start),
+         static_cast<long long>(r->stored_bytes), static_cast<long long>(r->stored_bytes_bf16));
+  PrintSequence(r->sequence);
+  return 0;
+}
+
+int RunAttendImpl(int argc, const char* const* argv) {
+  FlagSet flags("attend",
+                "Fused decode attention of queries .npy [query_tokens, query_heads, head_dim]\n"
+                "or [query_heads, head_dim] over one layer of a sequence; writes the output.");
+  Connection c;
+  std::string id, queries_path, out_path, lse_path;
+  int64_t layer = 0;
+  AddConnectionFlags(flags, &c);
+  flags.AddRequiredString("sequence", &id, "sequence id");
+  flags.AddRequiredInt("layer", &layer, "layer");
+  flags.AddRequiredString("queries", &queries_path, "queries .npy");
+  flags.AddRequiredString("out", &out_path, "output .npy, [query_tokens, query_heads, head_dim]");
+  flags.AddString("lse-out", &lse_path, "also write log-sum-exp .npy [query_tokens, query_heads]");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (!InIntRange(layer, 0, 1 << 20)) return UsageError("--layer must be in [0, 2^20]");
+  absl::StatusOr<NpyArray> q = ReadNpy(queries_path);
+  if (!q.ok()) return Fail(q.status());
+  if (q->shape.size() == 2) q->shape.insert(q->shape.begin(), 1);
+  if (q->shape.size() != 3) {
+    return Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "%s has %d dims; want [query_tokens, query_heads, head_dim] or [query_heads, head_dim]",
+        queries_path, q->shape.size())));
+  }
+  absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
+  if (!options.ok()) return Fail(options.status());
+  AttendArgs args;
+  args.cache = c.cache;
+  args.return_lse = !lse_path.empty();
+  AttendItemArgs item;
+  item.sequence_id = id;
+  item.layer = static_cast<int>(layer);
+  item.shape = {q->shape[0], q->shape[1], q->shape[2]};
+  item.queries = q->data;
+  args.items.push_back(item);
+  absl::StatusOr<std::vector<AttendOutput>> out = Client(*options).Attend(args);
+  if (!out.ok()) return Fail(out.status());
+  const AttendOutput& o = out->front();
+  const std::vector<int64_t> shape(o.shape.begin(), o.shape.end());
+  if (absl::Status s = WriteNpy(out_path, shape, o.output.data()); !s.ok()) return Fail(s);
+  if (!lse_path.empty()) {
+    if (absl::Status s = WriteNpy(lse_path, {shape[0], shape[1]}, o.lse.data()); !s.ok()) {
+      return Fail(s);
+    }
+  }
+  printf("wrote %s [%s]\n", out_path.c_str(), absl::StrJoin(shape, ", ").c_str());
+  return 0;
+}
+
+int RunScoreImpl(int argc, const char* const* argv) {
+  FlagSet flags("score",
+                "Attention logits of queries .npy [query_heads, head_dim] against one layer's\n"
+                "keys; all logits, or the top-k per head with their token positions.");
+  Connection c;
+  std::string id, queries_path, out_path;
+  int64_t layer = 0, top_k = 0, token_begin = 0, token_end = 0;
+  bool json = false;
+  AddConnectionFlags(flags, &c);
+  flags.AddRequiredString("sequence", &id, "sequence id");
+  flags.AddRequiredInt("layer", &layer, "layer");
+  flags.AddRequiredString("queries", &queries_path, "queries .npy [query_heads, head_dim]");
+  flags.AddInt("top-k", &top_k, "only the k largest logits per head (0: all)");
+  flags.AddInt("token-begin", &token_begin, "first token of the range");
+  flags.AddInt("token-end", &token_end, "end of the token range (0: the layer's length)");
+  flags.AddString("out", &out_path, "write the logits .npy [query_heads, columns]");
+  flags.AddBool("json", &json, "print JSON (logits and positions)");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (!InIntRange(layer, 0, 1 << 20)) return UsageError("--layer must be in [0, 2^20]");
+  if (!InIntRange(top_k, 0, 1 << 30)) return UsageError("--top-k must be in [0, 2^30]");
+  absl::StatusOr<NpyArray> q = ReadNpy(queries_path);
+  if (!q.ok()) return Fail(q.status());
+  if (q->shape.size() != 2) {
+    return Fail(absl::InvalidArgumentError(absl::StrFormat(
+        "%s has %d dims; want [query_heads, head_dim]", queries_path, q->shape.size())));
+  }
+  absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
+  if (!options.ok()) return Fail(options.status());
+  ScoreArgs args;
+  args.cache = c.cache;
+  args.sequence_id = id;
+  args.layer = static_cast<int>(layer);
+  args.shape = {q->shape[0], q->shape[1]};
+  args.queries = q->data;
+  args.top_k = static_cast<int>(top_k);
+  args.token_begin = token_begin;
+  args.token_end = token_end;
+  absl::StatusOr<ScoreResult> r = Client(*options).Score(args);
+  if (!r.ok()) return Fail(r.status());
+  if (!out_path.empty()) {
+    if (absl::Status s = WriteNpy(out_path, {r->query_heads, r->columns}, r->logits.data());
+        !s.ok()) {
+      return Fail(s);
+    }
+  }
+  if (json) {
+    JsonValue heads = JsonValue::Array();
+    for (int64_t h = 0; h < r->query_heads; ++h) {
+      JsonValue row = JsonValue::Object();
+      std::vector<double> logits(r->logits.begin() + h * r->columns,
+                                 r->logits.begin() + (h + 1) * r->columns);
+      row.Set("head", h).Set("logits", JsonValue::NumberArray(logits));
+      if (!r->positions.empty()) {
+        JsonValue positions = JsonValue::Array();
+        for (int64_t i = 0; i < r->columns; ++i) positions.Append(r->positions[h * r->columns + i]);
+        row.Set("positions", positions);
+      }
+      heads.Append(row);
+    }
+    printf("%s\n", JsonValue::Object()
+                       .Set("query_heads", r->query_heads)
+                       .Set("columns", r->columns)
+                       .Set("heads", heads)
+                       .Serialize()
+                       .c_str());
+    return 0;
+  }
+  printf("logits [%lld, %lld]\n", static_cast<long long>(r->query_heads),
+         static_cast<long long>(r->columns));
+  for (int64_t h = 0; h < r->query_heads; ++h) {
+    printf("head %lld:", static_cast<long long>(h));
+    const int64_t shown = std::min<int64_t>(r->columns, 8);
+    for (int64_t i = 0; i < shown; ++i) {
+      if (!r->positions.empty()) {
+        printf(" %lld:%.4f", static_cast<long long>(r->positions[h * r->columns + i]),
+               r->logits[h * r->columns + i]);
+      } else {
+        printf(" %.4f", r->logits[h * r->columns + i]);
+      }
+    }
+    printf("%s\n", r->columns > shown ? " ..." : "");
+  }
+  return 0;
+}
+
+int RunForkImpl(int argc, const char* const* argv) {
+  FlagSet flags("fork", "Creates --child sharing --parent's tokens (copy-on-write pages).");
+  Connection c;
+  std::string parent, child;
+  AddConnectionFlags(flags, &c);
+  flags.AddRequiredString("parent", &parent, "parent sequence id");
+  flags.AddRequiredString("child", &child, "new sequence id");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
+  if (!options.ok()) return Fail(options.status());
+  absl::StatusOr<SequenceState> s = Client(*options).ForkSequence(c.cache, parent, child);
+  if (!s.ok()) return Fail(s.status());
+  PrintSequence(*s);
+  return 0;
+}
+
+int RunDropImpl(int argc, const char* const* argv) {
+  FlagSet flags("drop", "Drops a sequence and frees its pages.");
+  Connection c;
+  std::string id;
+  AddConnectionFlags(flags, &c);
+  flags.AddRequiredString("sequence", &id, "sequence id");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
+  if (!options.ok()) return Fail(options.status());
+  if (absl::Status s = Client(*options).DropSequence(c.cache, id); !s.ok()) return Fail(s);
+  printf("dropped '%s'\n", id.c_str());
+  return 0;
+}
+
+int RunLoadImpl(int argc, const char* const* argv) {
+  FlagSet flags("load",
+                "Load generator: N clients each loop prefill (Append / AppendStream), decode\n"
+                "steps (Append 1 token + batched Attend over the layers, ScoreQuery now and\n"
+                "then), Drop; then calls/s and p50/p99 latency per method.");
+  Connection c;
+  int64_t clients = 8, requests = 0, prefill = 512, chunk = 64, steps = 64, per_client = 0,
+          layers = 0, score_every = 16, top_k = 8, seed = 1;
+  double duration = 10;
+  bool json = false, quiet = false;
+  AddConnectionFlags(flags, &c);
+  flags.AddInt("clients", &clients, "concurrent clients");
+  flags.AddDouble("duration-seconds", &duration, "stop after this long (0: no time bound)");
+  flags.AddInt("requests", &requests, "stop after this many calls (0: no count bound)");
+  flags.AddInt("prefill-tokens", &prefill, "prefill tokens per sequence");
+  flags.AddInt("prefill-chunk-tokens", &chunk, "longer prefills go as AppendStream chunks");
+  flags.AddInt("decode-steps", &steps, "decode steps per sequence");
+  flags.AddInt("sequences-per-client", &per_client, "sequences per client (0: until a bound)");
+  flags.AddInt("layers", &layers, "layers appended and attended (0: the cache's)");
+  flags.AddInt("score-every", &score_every, "a ScoreQuery every this many steps (0: never)");
+  flags.AddInt("top-k", &top_k, "top_k of the ScoreQuery calls");
+  flags.AddInt("seed", &seed, "data seed");
+  flags.AddBool("json", &json, "print JSON instead of a table");
+  flags.AddBool("quiet", &quiet, "no live progress line");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (!InIntRange(clients, 1, 1024)) return UsageError("--clients must be in [1, 1024]");
+  if (!(duration >= 0) || duration > 86400) {
+    return UsageError("--duration-seconds must be in [0, 86400]");
+  }
+  if (requests < 0) return UsageError("--requests must be >= 0");
+  if (duration == 0 && requests == 0) {
+    return UsageError("give --duration-seconds or --requests: the run must end");
+  }
+  if (!InIntRange(prefill, 0, 1 << 20) || !InIntRange(chunk, 1, 1 << 20) ||
+      !InIntRange(steps, 0, 1 << 20) || per_client < 0 || !InIntRange(layers, 0, 1 << 20) ||
+      !InIntRange(score_every, 0, 1 << 20) || !InIntRange(top_k, 1, 1 << 20)) {
+    return UsageError("token, step, layer and top-k counts must be in range (see --help)");
+  }
+  absl::StatusOr<ClientOptions> client = MakeClientOptions(c);
+  if (!client.ok()) return Fail(client.status());
+  LoadOptions options;
+  options.client = *client;
+  options.cache = c.cache;
+  options.clients = static_cast<int>(clients);
+  options.duration_seconds = duration;
+  options.requests = requests;
+  options.prefill_tokens = prefill;
+  options.prefill_chunk_tokens = chunk;
+  options.decode_steps = steps;
+  options.sequences_per_client = per_client;
+  options.layers = static_cast<int>(layers);
+  options.score_every = static_cast<int>(score_every);
+  options.top_k = static_cast<int>(top_k);
+  options.seed = static_cast<uint64_t>(seed);
+  if (!quiet) {
+    options.progress = [](double elapsed, int64_t calls, int64_t errors) {
+      fprintf(stderr, "\r%6.1f s  %9lld calls  %9.1f calls/s  %lld errors ", elapsed,
+              static_cast<long long>(calls), elapsed > 0 ? calls / elapsed : 0.0,
+              static_cast<long long>(errors));
+      fflush(stderr);
+    };
+  }
+  absl::StatusOr<LoadReport> report = RunLoad(options);
+  if (!quiet) fprintf(stderr, "\n");
+  if (!report.ok()) return Fail(report.status());
+  const LoadReport& r = *report;
+  if (json) {
+    JsonValue methods = JsonValue::Array();
+    for (const MethodStats& m : r.methods) {
+      methods.Append(JsonValue::Object()
+                         .Set("method", m.method)
+                         .Set("calls", m.calls)
+                         .Set("errors", m.errors)
+                         .Set("calls_per_second", m.calls_per_second)
+                         .Set("p50_ms", m.p50_ms)
+                         .Set("p99_ms", m.p99_ms));
+    }
+    JsonValue out = JsonValue::Object()
+                        .Set("clients", clients)
+                        .Set("elapsed_seconds", r.elapsed_seconds)
+                        .Set("calls", r.calls)
+                        .Set("errors", r.errors)
+                        .Set("tokens_appended", r.tokens_appended)
+                        .Set("methods", methods);
+    out.Set("server_attend_seconds",
+            r.server_attend_seconds >= 0 ? JsonValue(r.server_attend_seconds) : JsonValue());
+    out.Set("attend_kernel_share",
+            r.attend_kernel_share >= 0 ? JsonValue(r.attend_kernel_share) : JsonValue());
+    if (!r.first_error.empty()) out.Set("first_error", r.first_error);
+    printf("%s\n", out.Serialize().c_str());
+  } else {
+    printf("%lld clients, %.2f s, %lld calls, %lld errors, %lld tokens appended\n",
+           static_cast<long long>(clients), r.elapsed_seconds, static_cast<long long>(r.calls),
+           static_cast<long long>(r.errors), static_cast<long long>(r.tokens_appended));
+    printf("%-14s %9s %7s %10s %9s %9s\n", "method", "calls", "errors", "calls/s", "p50_ms",
+           "p99_ms");
+    for (const MethodStats& m : r.methods) {
+      printf("%-14s %9lld %7lld %10.1f %9.3f %9.3f\n", m.method.c_str(),
+             static_cast<long long>(m.calls), static_cast<long long>(m.errors),
+             m.calls_per_second, m.p50_ms, m.p99_ms);
+    }
+    if (r.attend_kernel_share >= 0) {
+      printf("attend kernel share: %.1f%% of server-side Attend time (%.3f s); %.1f%% outside "
+             "the kernel\n",
+             100 * r.attend_kernel_share, r.server_attend_seconds,
+             100 * (1 - r.attend_kernel_share));
+    }
+    if (!r.first_error.empty()) printf("first error: %s\n", r.first_error.c_str());
+  }
+  return r.errors > 0 ? kExitFailure : 0;
+}
+
+}  // namespace
+
+int RunInfo(int argc, const char* const* argv) { return RunInfoImpl(argc, argv); }
+int RunSequence(int argc, const char* const* argv) { return RunSequenceImpl(argc, argv); }
+int RunAppend(int argc, const char* const* argv) { return RunAppendImpl(argc, argv); }
+int RunAttend(int argc, const char* const* argv) { return RunAttendImpl(argc, argv); }
+int RunScore(int argc, const char* const* argv) { return RunScoreImpl(argc, argv); }
+int RunFork(int argc, const char* const* argv) { return RunForkImpl(argc, argv); }
+int RunDrop(int argc, const char* const* argv) { return RunDropImpl(argc, argv); }
+int RunLoad(int argc, const char* const* argv) { return RunLoadImpl(argc, argv); }
+
+}  // namespace cli
+}  // namespace tqkv

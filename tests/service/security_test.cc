@@ -1,0 +1,202 @@
+// Bearer-token auth and TLS, end to end: the real server on a loopback port,
+// the real client.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
+#include <grpcpp/impl/codegen/rpc_method.h>
+#include <grpcpp/security/credentials.h>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/tqkv_client.h"
+#include "gtest/gtest.h"
+#include "grpc_std.pb.h"
+#include "service/auth.h"
+#include "service/config.h"
+#include "service/server.h"
+
+namespace tqkv {
+namespace {
+
+constexpr char kConfig[] = R"pb(
+  caches {
+    name: "default" num_layers: 2 num_kv_heads: 1 num_query_heads: 2 head_dim: 64
+    page_tokens: 4 preset: "turboquant_k3v4_nc" memory_budget_bytes: 1048576
+  }
+)pb";
+
+std::unique_ptr<service::Server> StartServer(std::vector<std::string> tokens,
+                                             std::string cert = "", std::string key = "") {
+  service::ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.threads = 1;
+  absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
+  EXPECT_TRUE(config.ok()) << config.status();
+  options.config = *config;
+  options.auth_tokens = std::move(tokens);
+  options.tls_cert_chain_pem = std::move(cert);
+  options.tls_private_key_pem = std::move(key);
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+ClientOptions Options(const service::Server& server) {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", server.port());
+  options.max_attempts = 1;
+  options.timeout = absl::Seconds(10);
+  return options;
+}
+
+grpc::Status HealthCheck(grpc::Channel* channel) {
+  const grpc::internal::RpcMethod check("/grpc.health.v1.Health/Check",
+                                        grpc::internal::RpcMethod::NORMAL_RPC);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  testing::HealthCheckRequest request;
+  testing::HealthCheckResponse response;
+  return grpc::internal::BlockingUnaryCall<testing::HealthCheckRequest,
+                                           testing::HealthCheckResponse>(channel, check, &context,
+                                                                         request, &response);
+}
+
+TEST(AuthTokens, FileSyntaxIgnoresCommentsAndBlankLines) {
+  absl::StatusOr<std::vector<std::string>> tokens =
+      service::ParseAuthTokens("# ops team\n\n  alpha  \r\nbeta\n#gamma\n");
+  ASSERT_TRUE(tokens.ok()) << tokens.status();
+  EXPECT_EQ(*tokens, (std::vector<std::string>{"alpha", "beta"}));
+  EXPECT_EQ(service::ParseAuthTokens("# only a comment\n\n").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(service::ParseAuthTokens("two words\n").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(service::LoadAuthTokens("/nonexistent/tokens").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(AuthTokens, ConstantTimeEqualsComparesWholeStrings) {
+  EXPECT_TRUE(service::ConstantTimeEquals("secret", "secret"));
+  EXPECT_FALSE(service::ConstantTimeEquals("secret", "secreT"));
+  EXPECT_FALSE(service::ConstantTimeEquals("secret", "secret2"));
+  EXPECT_FALSE(service::ConstantTimeEquals("", "x"));
+}
+
+TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
+  std::unique_ptr<service::Server> server = StartServer({"first-token", "second-token"});
+  ASSERT_NE(server, nullptr);
+  for (const char* token : {"first-token", "second-token"}) {
+    ClientOptions options = Options(*server);
+    options.auth_token = token;
+    Client client(options);
+    EXPECT_TRUE(client.GetServerInfo().ok()) << token;
+    EXPECT_TRUE(client.CreateSequence("", absl::StrCat("s-", token)).ok()) << token;
+    // The client-streaming rpc is checked too.
+    std::vector<float> kv(2 * 1 * 1 * 64, 0.5f);
+    AppendArgs chunk;
+    chunk.sequence_id = absl::StrCat("stream-", token);
+    chunk.shape = {2, 1, 1, 64};
+    chunk.keys = kv;
+    chunk.values = kv;
+    EXPECT_TRUE(client.AppendStream({&chunk, 1}).ok()) << token;
+  }
+  for (const char* token : {"", "wrong-token", "first-toke", "first-token2"}) {
+    ClientOptions options = Options(*server);
+    options.auth_token = token;
+    Client client(options);
+    const absl::Status info = client.GetServerInfo().status();
+    EXPECT_EQ(info.code(), absl::StatusCode::kUnauthenticated) << token;
+    EXPECT_EQ(info.message(), "missing or invalid bearer token");
+    EXPECT_EQ(client.CreateSequence("", "intruder").status().code(),
+              absl::StatusCode::kUnauthenticated);
+    std::vector<float> kv(2 * 1 * 1 * 64, 0.5f);
+    AppendArgs chunk;
+    chunk.sequence_id = "intruder";
+    chunk.shape = {2, 1, 1, 64};
+    chunk.keys = kv;
+    chunk.values = kv;
+    EXPECT_EQ(client.AppendStream({&chunk, 1}).status().code(),
+              absl::StatusCode::kUnauthenticated);
+  }
+  // Nothing the rejected calls asked for happened.
+  ClientOptions options = Options(*server);
+  options.auth_token = "first-token";
+  EXPECT_EQ(Client(options).GetSequence("", "intruder").status().code(),
+            absl::StatusCode::kNotFound);
+  // A scheme other than Bearer is refused.
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Basic first-token");
+  v1::GetServerInfoRequest request;
+  v1::ServerInfo response;
+  std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
+      grpc::CreateChannel(options.target, grpc::InsecureChannelCredentials()));
+  EXPECT_EQ(stub->GetServerInfo(&context, request, &response).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+}
+
+TEST(Auth, HealthStaysOpenWithoutAToken) {
+  std::unique_ptr<service::Server> server = StartServer({"token"});
+  ASSERT_NE(server, nullptr);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials());
+  const grpc::Status status = HealthCheck(channel.get());
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+TEST(ServerStart, TlsNeedsBothCertificateAndKey) {
+  service::ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.config = *service::ParseServerConfig(kConfig);
+  options.tls_cert_chain_pem = "cert";
+  EXPECT_EQ(service::Server::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+TEST(Tls, ATlsClientTalksToATlsServerAndAPlaintextClientCannot) {
+  if (std::system("command -v openssl >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "openssl is not on PATH";
+  }
+  char dir_template[] = "/tmp/tqkv_tls_XXXXXX";
+  const char* dir = mkdtemp(dir_template);
+  ASSERT_NE(dir, nullptr);
+  const std::string cert = absl::StrCat(dir, "/cert.pem"), key = absl::StrCat(dir, "/key.pem");
+  const std::string command = absl::StrCat(
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+      "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout ",
+      key, " -out ", cert, " >/dev/null 2>&1");
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const std::string cert_pem = ReadFile(cert), key_pem = ReadFile(key);
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+  ASSERT_FALSE(cert_pem.empty());
+
+  std::unique_ptr<service::Server> server = StartServer({}, cert_pem, key_pem);
+  ASSERT_NE(server, nullptr);
+  ClientOptions options = Options(*server);
+  options.tls_root_certs_pem = cert_pem;
+  options.tls_server_name_override = "localhost";
+  absl::StatusOr<v1::ServerInfo> info = Client(options).GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->backend(), "cpu");
+
+  ClientOptions plaintext = Options(*server);
+  plaintext.timeout = absl::Seconds(3);
+  EXPECT_FALSE(Client(plaintext).GetServerInfo().ok());
+}
+
+}  // namespace
+}  // namespace tqkv
