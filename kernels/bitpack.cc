@@ -2,9 +2,15 @@
 
 #include <cstring>
 
+#include "kernels/cpu/encode_kernels.h"
+
 namespace tqkv {
 
 void PackBits(const uint8_t* codes, int n, int bits, uint8_t* out) {
+  if (encode_internal::EncodeAvx512Usable()) {
+    encode_internal::PackBitsAvx512(codes, n, bits, out);
+    return;
+  }
   const uint32_t mask = (1u << bits) - 1u;
   if (bits == 8) {
     memcpy(out, codes, n);

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cpu/encode_kernels.h"
 
 namespace tqkv {
 namespace {
@@ -416,6 +417,10 @@ absl::StatusOr<const Codebook*> GetCodebook(int dim, int bits) {
 void QuantizeToLevels(const Codebook& codebook, const float* y, int n, uint8_t* levels) {
   const float* boundaries = codebook.boundaries.data();
   const int num_boundaries = static_cast<int>(codebook.boundaries.size());
+  if (encode_internal::EncodeAvx512Usable()) {
+    encode_internal::QuantizeToLevelsAvx512(boundaries, codebook.bits, y, n, levels);
+    return;
+  }
   if (codebook.bits > 4) {
     for (int i = 0; i < n; ++i) levels[i] = static_cast<uint8_t>(QuantizeToLevel(boundaries, num_boundaries, y[i]));
     return;

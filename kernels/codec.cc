@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/bitpack.h"
+#include "kernels/cpu/encode_kernels.h"
 #include "kernels/float_formats.h"
 #include "kernels/random.h"
 #include "kernels/status_macros.h"
@@ -30,6 +31,20 @@ bool SumOfSquares(const float* x, int n, double* sum) {
   return std::isfinite(acc);
 }
 
+absl::Status NonFiniteError(const float* x, int n);
+
+// OK if every coordinate is finite, else NonFiniteError.
+absl::Status CheckAllFinite(const float* x, int n, bool simd) {
+  if (simd) {
+    if (encode_internal::AllFiniteWithinAvx512(x, n, __builtin_inff())) return absl::OkStatus();
+    return NonFiniteError(x, n);
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return NonFiniteError(x, n);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status NonFiniteError(const float* x, int n) {
   for (int i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) {
@@ -40,7 +55,10 @@ absl::Status NonFiniteError(const float* x, int n) {
   return absl::InvalidArgumentError("vector is not finite");
 }
 
-absl::Status CheckFiniteAndInRange(const float* x, int n, float limit, const char* format) {
+absl::Status CheckFiniteAndInRange(const float* x, int n, float limit, const char* format,
+                                   bool simd = false) {
+  // The vector check only answers "all fine"; the loop below finds the error.
+  if (simd && encode_internal::AllFiniteWithinAvx512(x, n, limit)) return absl::OkStatus();
   for (int i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NonFiniteError(x, n);
     if (std::fabs(x[i]) > limit) {
@@ -67,12 +85,19 @@ class Float16Codec final : public VectorCodec {
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
     // fp16: values in [65504, 65520) still round to the largest half; beyond
     // is infinity, which the cache must never hold. bf16 has float's range.
+    const bool simd = encode_internal::EncodeAvx512Usable();
     if (kBrain) {
-      for (int i = 0; i < head_dim_; ++i) {
-        if (!std::isfinite(x[i])) return NonFiniteError(x, head_dim_);
-      }
+      RETURN_IF_ERROR(CheckAllFinite(x, head_dim_, simd));
     } else {
-      RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, 65519.0f, "fp16"));
+      RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, 65519.0f, "fp16", simd));
+    }
+    if (simd) {
+      if (kBrain) {
+        encode_internal::FloatToBf16Avx512(x, head_dim_, codes);
+      } else {
+        encode_internal::FloatToHalfAvx512(x, head_dim_, codes);
+      }
+      return absl::OkStatus();
     }
     for (int i = 0; i < head_dim_; ++i) {
       const uint16_t h = kBrain ? FloatToBf16(x[i]) : FloatToHalf(x[i]);
@@ -121,8 +146,11 @@ class Fp8Codec final : public VectorCodec {
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t*) const override {
     // Saturating: finite values beyond +-448 become +-448.
-    for (int i = 0; i < head_dim_; ++i) {
-      if (!std::isfinite(x[i])) return NonFiniteError(x, head_dim_);
+    const bool simd = encode_internal::EncodeAvx512Usable();
+    RETURN_IF_ERROR(CheckAllFinite(x, head_dim_, simd));
+    if (simd) {
+      encode_internal::FloatToFp8E4m3Avx512(x, head_dim_, codes);
+      return absl::OkStatus();
     }
     for (int i = 0; i < head_dim_; ++i) codes[i] = FloatToFp8E4m3(x[i]);
     return absl::OkStatus();
@@ -167,11 +195,16 @@ class UniformCodec final : public VectorCodec {
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
-    RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, kHalfMax, "fp16 scale/zero"));
+    const bool simd = encode_internal::EncodeAvx512Usable();
+    RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, kHalfMax, "fp16 scale/zero", simd));
     float lo = x[0], hi = x[0];
-    for (int i = 1; i < head_dim_; ++i) {
-      lo = std::min(lo, x[i]);
-      hi = std::max(hi, x[i]);
+    if (simd) {
+      encode_internal::MinMaxAvx512(x, head_dim_, &lo, &hi);
+    } else {
+      for (int i = 1; i < head_dim_; ++i) {
+        lo = std::min(lo, x[i]);
+        hi = std::max(hi, x[i]);
+      }
     }
     const int max_code = (1 << spec_.bits) - 1;
     // Quantize against the fp16-rounded scale and zero that decode will use.
@@ -181,9 +214,13 @@ class UniformCodec final : public VectorCodec {
     const float scale = HalfToFloat(scale_h);
     uint8_t unpacked[kMaxHeadDim];
     const float inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
-    for (int i = 0; i < head_dim_; ++i) {
-      const float level = std::floor((x[i] - zero) * inv_scale + 0.5f);
-      unpacked[i] = static_cast<uint8_t>(std::clamp(level, 0.0f, static_cast<float>(max_code)));
+    if (simd) {
+      encode_internal::UniformLevelsAvx512(x, head_dim_, zero, inv_scale, max_code, unpacked);
+    } else {
+      for (int i = 0; i < head_dim_; ++i) {
+        const float level = std::floor((x[i] - zero) * inv_scale + 0.5f);
+        unpacked[i] = static_cast<uint8_t>(std::clamp(level, 0.0f, static_cast<float>(max_code)));
+      }
     }
     PackBits(unpacked, head_dim_, spec_.bits, codes);
     scalars[0] = scale_h;
@@ -250,6 +287,12 @@ class TurboQuantQuantizer {
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scale_out) const {
     double sum_sq;
     SumOfSquares(x, dim_, &sum_sq);
+    return EncodeWithSumOfSquares(x, sum_sq, codes, scale_out);
+  }
+
+  // Encode with sum_sq = SumOfSquares(x) already computed (finite).
+  absl::Status EncodeWithSumOfSquares(const float* x, double sum_sq, uint8_t* codes,
+                                      uint16_t* scale_out) const {
     const double norm = std::sqrt(sum_sq);
     if (norm == 0.0) {
       std::fill(codes, codes + code_bytes(), 0);
@@ -258,7 +301,11 @@ class TurboQuantQuantizer {
     }
     float y[kMaxHeadDim];
     const float inv_norm = static_cast<float>(1.0 / norm);
-    for (int i = 0; i < dim_; ++i) y[i] = x[i] * inv_norm;
+    if (encode_internal::EncodeAvx512Usable()) {
+      encode_internal::ScaleAvx512(x, dim_, inv_norm, y);
+    } else {
+      for (int i = 0; i < dim_; ++i) y[i] = x[i] * inv_norm;
+    }
     rotation_->Forward(y, y);
     uint8_t levels[kMaxHeadDim];
     QuantizeToLevels(*codebook_, y, dim_, levels);
@@ -337,8 +384,11 @@ class TurboQuantCodec final : public VectorCodec {
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
-    RETURN_IF_ERROR(CheckFinite(x));
-    return quantizer_.Encode(x, codes, &scalars[0]);
+    // The sum of squares is finite exactly when every coordinate is: one pass
+    // checks and measures.
+    double sum_sq;
+    if (!SumOfSquares(x, head_dim_, &sum_sq)) return NonFiniteError(x, head_dim_);
+    return quantizer_.EncodeWithSumOfSquares(x, sum_sq, codes, &scalars[0]);
   }
 
   void Decode(const uint8_t* codes, const uint16_t* scalars, float* x) const override {
@@ -364,13 +414,6 @@ class TurboQuantCodec final : public VectorCodec {
   }
 
  private:
-  absl::Status CheckFinite(const float* x) const {
-    for (int i = 0; i < head_dim_; ++i) {
-      if (!std::isfinite(x[i])) return NonFiniteError(x, head_dim_);
-    }
-    return absl::OkStatus();
-  }
-
   TurboQuantQuantizer quantizer_;
 };
 
@@ -397,9 +440,7 @@ class OutlierSplitCodec final : public VectorCodec {
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
-    for (int i = 0; i < head_dim_; ++i) {
-      if (!std::isfinite(x[i])) return NonFiniteError(x, head_dim_);
-    }
+    RETURN_IF_ERROR(CheckAllFinite(x, head_dim_, encode_internal::EncodeAvx512Usable()));
     float gathered[kMaxHeadDim];
     Gather(x, hot_, gathered);
     RETURN_IF_ERROR(hot_part_.Encode(gathered, codes, &scalars[0]));

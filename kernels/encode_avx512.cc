@@ -1,0 +1,224 @@
+// AVX-512 kernels of the store path; see kernels/cpu/encode_kernels.h.
+// Compiled with -mavx512f -mavx512bw -mavx512vl -mbmi2 -ffp-contract=off: the
+// float operations must be exactly those of the portable code (no FMA).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/cpu/encode_kernels.h"
+#include "kernels/cpu_features.h"
+
+namespace tqkv {
+namespace encode_internal {
+namespace {
+
+inline __mmask16 TailMask(int remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xffff)
+                         : static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+inline void StoreBytes16(uint8_t* out, __m512i v32, __mmask16 m) {
+  _mm_mask_storeu_epi8(out, m, _mm512_cvtepi32_epi8(v32));
+}
+
+}  // namespace
+
+bool EncodeAvx512Usable() {
+  static const bool bmi2 = __builtin_cpu_supports("bmi2");
+  return bmi2 && ActiveSimdLevel() == SimdLevel::kAvx512;
+}
+
+bool AllFiniteWithinAvx512(const float* x, int n, float limit) {
+  const __m512 vlimit = _mm512_set1_ps(limit);
+  const __m512 inf = _mm512_set1_ps(__builtin_inff());
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512 v = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_maskz_loadu_epi32(m, x + i), abs_mask));
+    // Ordered compares: NaN fails both.
+    const __mmask16 ok = _mm512_cmp_ps_mask(v, inf, _CMP_LT_OQ) &
+                         _mm512_cmp_ps_mask(v, vlimit, _CMP_LE_OQ);
+    if ((ok & m) != m) return false;
+  }
+  return true;
+}
+
+void ScaleAvx512(const float* x, int n, float s, float* y) {
+  const __m512 vs = _mm512_set1_ps(s);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), vs));
+  }
+}
+
+void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, int n,
+                            uint8_t* levels) {
+  const int num_boundaries = (1 << bits) - 1;
+  // Branch-free binary search, as QuantizeToLevel: for ascending boundaries
+  // it finds #{boundaries < y}, like the counting loop. NaN compares false.
+  if (bits <= 5) {
+    float table[32];
+    for (int k = 0; k < 32; ++k) table[k] = k < num_boundaries ? boundaries[k] : 0.0f;
+    const __m512 t0 = _mm512_loadu_ps(table);
+    const __m512 t1 = _mm512_loadu_ps(table + 16);
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = TailMask(n - i);
+      const __m512 v = _mm512_maskz_loadu_ps(m, y + i);
+      __m512i lo = _mm512_setzero_si512();
+      for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
+        const __m512i idx = _mm512_add_epi32(lo, _mm512_set1_epi32(step - 1));
+        const __m512 b = bits <= 4 ? _mm512_permutexvar_ps(idx, t0)
+                                   : _mm512_permutex2var_ps(t0, idx, t1);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
+        lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
+      }
+      StoreBytes16(levels + i, lo, m);
+    }
+    return;
+  }
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, y + i);
+    __m512i lo = _mm512_setzero_si512();
+    for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
+      const __m512i idx = _mm512_add_epi32(lo, _mm512_set1_epi32(step - 1));
+      const __m512 b = _mm512_i32gather_ps(idx, boundaries, 4);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
+      lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
+    }
+    StoreBytes16(levels + i, lo, m);
+  }
+}
+
+void PackBitsAvx512(const uint8_t* codes, int n, int bits, uint8_t* out) {
+  if (bits == 8) {
+    memcpy(out, codes, n);
+    return;
+  }
+  // Eight codes of b bits are b bytes: pext gathers the low b bits of each
+  // byte of a 64-bit word into one LSB-first stream (masking higher bits).
+  const uint64_t mask = 0x0101010101010101ull * ((1u << bits) - 1u);
+  const int total = (n * bits + 7) / 8;
+  int j = 0;
+  int written = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t word;
+    memcpy(&word, codes + j, 8);
+    const uint64_t packed = _pext_u64(word, mask);
+    if (written + 8 <= total) {
+      memcpy(out + written, &packed, 8);  // the excess is overwritten next
+    } else {
+      for (int k = 0; k < bits; ++k) out[written + k] = static_cast<uint8_t>(packed >> (8 * k));
+    }
+    written += bits;
+  }
+  if (j < n) {
+    uint64_t word = 0;
+    memcpy(&word, codes + j, n - j);
+    const uint64_t packed = _pext_u64(word, mask);
+    for (int k = 0; written < total; ++k) out[written++] = static_cast<uint8_t>(packed >> (8 * k));
+  }
+}
+
+void FloatToHalfAvx512(const float* x, int n, uint8_t* out) {
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_mask_storeu_epi16(out + 2 * i, m, h);
+  }
+}
+
+void FloatToBf16Avx512(const float* x, int n, uint8_t* out) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i round = _mm512_set1_epi32(0x7fff);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i quiet = _mm512_set1_epi32(0x40);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512i u = _mm512_maskz_loadu_epi32(m, x + i);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, round), _mm512_and_si512(hi, one)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, quiet));
+    _mm256_mask_storeu_epi16(out + 2 * i, m, _mm512_cvtepi32_epi16(r));
+  }
+}
+
+void FloatToFp8E4m3Avx512(const float* x, int n, uint8_t* out) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512i inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i sat = _mm512_set1_epi32(0x43e00000);
+  const __m512i sub = _mm512_set1_epi32(0x3c800000);
+  const __m512i bias = _mm512_set1_epi32(static_cast<int>(0xc407ffffu));
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i max_code = _mm512_set1_epi32(0x7e);
+  const __m512 shift = _mm512_set1_ps(16384.0f);
+  const __m512i shift_bits = _mm512_set1_epi32(0x46800000);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512i raw = _mm512_maskz_loadu_epi32(m, x + i);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(raw, 24), _mm512_set1_epi32(0x80));
+    const __m512i u = _mm512_and_si512(raw, abs_mask);
+    // Normal range: rebias and round, saturating at 0x7e.
+    const __m512i t = _mm512_add_epi32(
+        _mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 20), one));
+    __m512i code = _mm512_min_epu32(_mm512_srli_epi32(t, 20), max_code);
+    // Subnormal range: the FPU rounds when 2^14 is added.
+    const __mmask16 is_sub = _mm512_cmplt_epu32_mask(u, sub);
+    const __m512i shifted =
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), shift));
+    code = _mm512_mask_mov_epi32(code, is_sub, _mm512_sub_epi32(shifted, shift_bits));
+    code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(u, sat), max_code);
+    code = _mm512_or_si512(code, sign);
+    code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(u, inf), _mm512_set1_epi32(0x7f));
+    StoreBytes16(out + i, code, m);
+  }
+}
+
+void MinMaxAvx512(const float* x, int n, float* lo_out, float* hi_out) {
+  const __m512 first = _mm512_set1_ps(x[0]);
+  __m512 lo = first, hi = first;
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512 v = _mm512_mask_loadu_ps(first, m, x + i);
+    lo = _mm512_min_ps(lo, v);
+    hi = _mm512_max_ps(hi, v);
+  }
+  float lo_s = _mm512_reduce_min_ps(lo);
+  float hi_s = _mm512_reduce_max_ps(hi);
+  if (lo_s == 0.0f || hi_s == 0.0f) {
+    // -0 and +0 compare equal: which one the sequential loop keeps depends on
+    // the order, and the sign reaches the stored fp16 zero point / scale.
+    lo_s = hi_s = x[0];
+    for (int i = 1; i < n; ++i) {
+      lo_s = x[i] < lo_s ? x[i] : lo_s;  // std::min(lo, x)
+      hi_s = hi_s < x[i] ? x[i] : hi_s;  // std::max(hi, x)
+    }
+  }
+  *lo_out = lo_s;
+  *hi_out = hi_s;
+}
+
+void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code,
+                         uint8_t* levels) {
+  const __m512 vzero = _mm512_set1_ps(zero);
+  const __m512 vinv = _mm512_set1_ps(inv_scale);
+  const __m512 half = _mm512_set1_ps(0.5f);
+  const __m512 vmax = _mm512_set1_ps(static_cast<float>(max_code));
+  const __m512 fzero = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    __m512 level = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vzero), vinv), half);
+    level = _mm512_roundscale_ps(level, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    level = _mm512_min_ps(_mm512_max_ps(level, fzero), vmax);
+    StoreBytes16(levels + i, _mm512_cvttps_epi32(level), m);
+  }
+}
+
+}  // namespace encode_internal
+}  // namespace tqkv
