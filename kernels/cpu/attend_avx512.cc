@@ -1,22 +1,35 @@
 // AVX-512 fused attention for one (item, KV head): scores straight from the
 // packed codes (a codebook lookup with vpermps, then FMAs against the rotated
-// query), online softmax per page, values accumulated in their own basis.
-// No dequantized copy of the cache is made: each token's vector is expanded
-// into a d-float scratch line in L1 and consumed at once by every row.
+// query), online softmax per block of 64 tokens, values accumulated in their
+// own basis. No dequantized copy of the cache is made.
+//
+// Tokens go in groups of 16, expanded into a 16 x d scratch block in L1, and
+// the work per group is bounded by FMAs (rows x d / 16 each for scores and
+// values) plus about three shuffle/ALU uops per 16 expanded coordinates:
+// - Scores: a key vector holds 8 coordinates of two tokens, so one FMA chain
+//   serves two tokens and the 16 dot products of a row reduce with 21 shuffle
+//   and add uops. Two rows go together so each key vector is loaded once.
+// - Values: per 16-coordinate chunk, the group's 16 value chunks are loaded
+//   once and every row's accumulator takes 16 FMAs between a load and a store.
+// Each format expands in whatever lane order is cheapest; queries are
+// permuted into the key order and outputs back from the value order.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/float_formats.h"
 
 namespace tqkv {
 namespace cpu_internal {
 namespace {
 
 constexpr int kLanes = 16;
+constexpr int kGroup = 16;  // tokens scored and accumulated together
+constexpr int kBlock = 64;  // tokens per online-softmax step
 
 // exp(x) for x <= 0 (softmax arguments), relative error < 2e-7: Cody-Waite
 // range reduction to |r| <= ln2/2 and a degree-6 Taylor polynomial.
@@ -36,145 +49,344 @@ inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Sixteen b-bit codes (coordinates 16c .. 16c+15) as int32 lanes.
-template <int kBits>
-inline __m512i Codes16(const uint8_t* codes, int chunk) {
-  if constexpr (kBits == 8) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * chunk)));
-  } else {
-    // 16 codes are 2*kBits <= 8 bytes; pdep spreads each group of 8 codes
-    // (kBits bytes) into 8 bytes, one code per byte.
-    constexpr uint64_t kByteMask = 0x0101010101010101ull * ((1u << kBits) - 1u);
-    // One 8-byte load even when 2*kBits < 8: a narrower copy into a zeroed
-    // word stalls on store forwarding. The over-read stays inside the page
-    // (every codes plane is followed by its scalars plane).
-    uint64_t word;
-    memcpy(&word, codes + 2 * kBits * chunk, sizeof(word));
-    const __m128i bytes = _mm_set_epi64x(static_cast<long long>(_pdep_u64(word >> (8 * kBits), kByteMask)),
-                                         static_cast<long long>(_pdep_u64(word, kByteMask)));
-    return _mm512_cvtepu8_epi32(bytes);
+// Key vector p of a group holds tokens kPairFirst[p] (lanes 0-7) and
+// kPairFirst[p] + 4 (lanes 8-15); with this pairing SumPairs returns the 16
+// dot products in token order.
+constexpr int kPairFirst[8] = {0, 1, 2, 3, 8, 9, 10, 11};
+
+// Lane t of the result is the full dot product of token t, given acc[p] with
+// the partial products of pair p: a transpose-add in 21 uops.
+inline __m512 SumPairs(const __m512 acc[8]) {
+  __m512 a[4], b[2];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                         _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
   }
+  for (int i = 0; i < 2; ++i) {
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
 }
 
-// Expands one token's field into `line` (head_dim floats) and returns the
-// scalars the kernel folds in elsewhere: scale, and zero (uniform only).
+// Horizontal sum and max (GCC 12's _mm512_reduce_* trip -Wuninitialized).
+inline float Sum(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+inline float Max(__m512 v) {
+  const __m256 a = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
+}
+
+inline int Load32(const uint8_t* p) {
+  int v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline long long Load64(const uint8_t* p) {
+  long long v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Reads one field of a token, before the token's scale and zero (which the
+// kernel folds into scores and weights), in a lane order of its choosing.
 template <FieldFormat kFormat, int kBits>
-inline void ExpandField(const FieldReader& field, const uint8_t* page, int slot, int head_dim,
-                        __m512 table, float* line, float* scale, float* zero) {
-  const uint8_t* codes = page + field.codes_offset + static_cast<size_t>(slot) * field.code_bytes;
-  const uint16_t* scalars = reinterpret_cast<const uint16_t*>(page + field.scalars_offset) +
-                            static_cast<size_t>(slot) * field.num_scalars;
-  const int chunks = head_dim / kLanes;
-  if constexpr (kFormat == FieldFormat::kCentroids) {
-    *scale = HalfToFloat(scalars[0]);
-    *zero = 0.0f;
-    for (int c = 0; c < chunks; ++c) {
-      _mm512_store_ps(line + kLanes * c, _mm512_permutexvar_ps(Codes16<kBits>(codes, c), table));
-    }
-  } else if constexpr (kFormat == FieldFormat::kUniform) {
-    *scale = HalfToFloat(scalars[0]);
-    *zero = HalfToFloat(scalars[1]);
-    for (int c = 0; c < chunks; ++c) {
-      _mm512_store_ps(line + kLanes * c, _mm512_cvtepi32_ps(Codes16<kBits>(codes, c)));
-    }
-  } else if constexpr (kFormat == FieldFormat::kFp16) {
-    *scale = 1.0f;
-    *zero = 0.0f;
-    for (int c = 0; c < chunks; ++c) {
-      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
-      _mm512_store_ps(line + kLanes * c, _mm512_cvtph_ps(halves));
-    }
-  } else {  // kBf16
-    *scale = 1.0f;
-    *zero = 0.0f;
-    for (int c = 0; c < chunks; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
-      const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16);
-      _mm512_store_ps(line + kLanes * c, _mm512_castsi512_ps(widened));
+class Decoder {
+ public:
+  explicit Decoder(const FieldReader& field) {
+    if constexpr (kLookup) {
+      // vpermps reads index bits [3:0]: with the 2^b entries repeated over 16,
+      // the bits of the next code above a code do not matter, so codes need
+      // no mask. Uniform codes become floats through the same lookup.
+      alignas(64) float table[16];
+      for (int i = 0; i < 16; ++i) {
+        const int code = i % (1 << kBits);
+        table[i] = kFormat == FieldFormat::kCentroids ? field.centroids[code] : static_cast<float>(code);
+      }
+      table_ = _mm512_load_ps(table);
+      // Pairs(): code 8h + j of a 16-code block sits at bit pair_shift_[h][j]
+      // of the dword it reads (h = 0: first vector, 1: second).
+      // Chunk(): code j sits at bit chunk_shift_[lane] of the lane's dword of
+      // a broadcast qword, lanes 2j and 2j + 1 holding codes j and j + 8.
+      alignas(64) int pair_shift[2][16], chunk_shift[16];
+      for (int j = 0; j < 8; ++j) {
+        for (int half = 0; half < 2; ++half) {  // of the vector: token a, token b
+          pair_shift[0][8 * half + j] = kBits * j;
+          pair_shift[1][8 * half + j] = kBits * j + (kBits == 2 ? 16 : kBits == 3 ? 8 : 0);
+        }
+        chunk_shift[2 * j] = kBits * j + (kBits == 3 ? 8 : 0);
+        chunk_shift[2 * j + 1] = kBits * j + (kBits == 2 ? 16 : 0);
+      }
+      pair_shift_[0] = _mm512_load_si512(pair_shift[0]);
+      pair_shift_[1] = _mm512_load_si512(pair_shift[1]);
+      chunk_shift_ = _mm512_load_si512(chunk_shift);
     }
   }
+
+  // Where coordinate j of a 16-coordinate block lands in the output of
+  // Pairs(): positions 0-7 in the first vector, 8-15 in the second.
+  static int PairPosition(int j) {
+    return kFormat == FieldFormat::kBf16 ? (j % 2) * 8 + j / 2 : j;
+  }
+
+  // Keys: coordinates 16 * block ... + 15 of tokens a and b as two vectors,
+  // each holding 8 coordinates of a (lanes 0-7) and the same 8 of b.
+  void Pairs(const uint8_t* a, const uint8_t* b, int block, __m512* first, __m512* second) const {
+    if constexpr (kFormat == FieldFormat::kBf16) {
+      // A bf16 is the top half of a float: even coordinates shift up, odd
+      // ones need only their low half cleared.
+      const __m512i both = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * block))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * block)), 1);
+      *first = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+      *second = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    } else if constexpr (kFormat == FieldFormat::kFp16) {
+      const auto halves = [&](int at) {
+        return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + at), reinterpret_cast<const __m128i*>(a + at));
+      };
+      *first = _mm512_cvtph_ps(halves(32 * block));
+      *second = _mm512_cvtph_ps(halves(32 * block + 16));
+    } else {
+      static_assert(kLookup, "keys are centroids, fp16 or bf16");
+      // 8 codes take kBits bytes; the second dword is placed so that neither
+      // read leaves the block's 2 * kBits bytes.
+      const int at = 2 * kBits * block, second_at = at + (kBits == 2 ? 0 : kBits == 3 ? 2 : 4);
+      const __m512i w0 = _mm512_mask_set1_epi32(_mm512_set1_epi32(Load32(a + at)), 0xff00, Load32(b + at));
+      const __m512i w1 =
+          _mm512_mask_set1_epi32(_mm512_set1_epi32(Load32(a + second_at)), 0xff00, Load32(b + second_at));
+      *first = _mm512_permutexvar_ps(_mm512_srlv_epi32(w0, pair_shift_[0]), table_);
+      *second = _mm512_permutexvar_ps(_mm512_srlv_epi32(w1, pair_shift_[1]), table_);
+    }
+  }
+
+  // Where coordinate j of a head_dim vector lands in the output of Chunk().
+  static int ChunkPosition(int j, int head_dim) {
+    const int base = j / 32 * 32;
+    if constexpr (kFormat == FieldFormat::kBf16) {
+      if (base + 32 <= head_dim) return base + (j % 2) * 16 + (j - base) / 2;
+      return j;
+    } else if constexpr (kLookup) {
+      return j / 16 * 16 + (j % 16 < 8 ? 2 * (j % 8) : 2 * (j % 8) + 1);
+    } else {
+      return j;
+    }
+  }
+
+  // Values: 16 coordinates (chunk c, in ChunkPosition order).
+  __m512 Chunk(const uint8_t* codes, int c, int chunks) const {
+    if constexpr (kFormat == FieldFormat::kBf16) {
+      if (c / 2 * 2 + 1 < chunks) {  // 32 coordinates: even ones, then odd ones
+        const __m512i both = _mm512_loadu_si512(codes + 64 * (c / 2));
+        return _mm512_castsi512_ps(c % 2 == 0 ? _mm512_slli_epi32(both, 16)
+                                              : _mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+      }
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    } else if constexpr (kFormat == FieldFormat::kFp16) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
+    } else if constexpr (!kLookup) {  // 8-bit uniform
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c));
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
+    } else {
+      // One broadcast qword whose low dword holds codes 0-7 of the chunk and
+      // whose high dword holds codes 8-15. For 3 bits it starts a byte before
+      // the chunk and ends a byte after it: the value codes plane follows the
+      // key planes and precedes its scalars plane in the same page, so both
+      // bytes are inside the page.
+      const __m512i words = kBits == 2 ? _mm512_set1_epi32(Load32(codes + 4 * c))
+                                       : _mm512_set1_epi64(Load64(codes + 2 * kBits * c - (kBits == 3 ? 1 : 0)));
+      return _mm512_permutexvar_ps(_mm512_srlv_epi32(words, chunk_shift_), table_);
+    }
+  }
+
+  // The scales of n <= 64 tokens whose scalars follow each other, and for
+  // uniform codes their zeros (x = scale * decoded + zero).
+  static void Scalars(const uint8_t* scalars, int n, float* scale, float* zero) {
+    for (int k = 0; k < n; k += 16) {
+      const __mmask16 lanes = static_cast<__mmask16>(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
+      if constexpr (kFormat == FieldFormat::kCentroids) {
+        const __m256i halves = _mm256_maskz_loadu_epi16(lanes, scalars + 2 * k);
+        _mm512_mask_storeu_ps(scale + k, lanes, _mm512_cvtph_ps(halves));
+      } else if constexpr (kFormat == FieldFormat::kUniform) {  // [scale, zero] per token
+        const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes), scalars + 4 * k));
+        const __m512 hi = _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes >> 8), scalars + 4 * k + 32));
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        _mm512_mask_storeu_ps(scale + k, lanes, _mm512_permutex2var_ps(lo, even, hi));
+        _mm512_mask_storeu_ps(zero + k, lanes,
+                              _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
+      } else {
+        _mm512_mask_storeu_ps(scale + k, lanes, _mm512_set1_ps(1.0f));
+      }
+    }
+  }
+
+ private:
+  static constexpr bool kLookup =
+      kFormat == FieldFormat::kCentroids || (kFormat == FieldFormat::kUniform && kBits <= 4);
+  __m512 table_;
+  __m512i pair_shift_[2];
+  __m512i chunk_shift_;
+};
+
+// Room for n floats, per thread (rows x head_dim is up to 128 KiB: too much
+// for the stack of an arbitrary caller's thread).
+float* QueryScratch(size_t n) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < n) scratch.resize(n);
+  return scratch.data();
 }
+
+// Where each token of a block lives, and its scalars.
+struct BlockTokens {
+  const uint8_t* key_codes[kBlock];
+  const uint8_t* value_codes[kBlock];
+  alignas(64) float key_scale[kBlock];
+  alignas(64) float value_scale[kBlock];
+  alignas(64) float value_zero[kBlock];
+};
 
 template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
 void AttendHead(const HeadAttendParams& p) {
+  using KeyDecoder = Decoder<kKey, kKeyBits>;
+  using ValueDecoder = Decoder<kValue, kValueBits>;
   const int d = p.head_dim;
   const int chunks = d / kLanes;
   const int rows = p.rows;
-  const int page_tokens = p.page_tokens;
-  alignas(64) float key_line[kMaxHeadDim];
-  alignas(64) float value_line[kMaxHeadDim];
-  // Per page: scores then weights, [rows][page_tokens rounded up to 16].
-  const int stride = (page_tokens + kLanes - 1) / kLanes * kLanes;
-  alignas(64) float weights[kMaxRows * 64];
+  const KeyDecoder key(p.key);
+  const ValueDecoder value(p.value);
+  // The queries in the keys' lane order.
+  float* queries = QueryScratch(static_cast<size_t>(rows) * d);
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < d; ++j) {
+      queries[r * d + j / 16 * 16 + KeyDecoder::PairPosition(j % 16)] = p.queries[static_cast<size_t>(r) * d + j];
+    }
+  }
+  // The group's expanded keys, [d / 8][pair][16], then its values, [d / 16][token][16].
+  alignas(64) float lines[kGroup * kMaxHeadDim];
+  alignas(64) float weights[kMaxRows * kBlock];        // per block: scores, then weights
+  alignas(64) float group_weights[kMaxRows * kGroup];  // weight * value scale
+  BlockTokens tokens;
   float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
-  const int64_t max_visible = [&] {
-    int64_t m = 0;
-    for (int r = 0; r < rows; ++r) m = std::max(m, p.visible[r]);
-    return m;
-  }();
+  const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
   for (int r = 0; r < rows; ++r) {
     row_max[r] = -std::numeric_limits<float>::infinity();
     row_sum[r] = 0.0f;
     row_zero[r] = 0.0f;
     memset(p.out + static_cast<size_t>(r) * d, 0, sizeof(float) * d);
   }
-  __m512 key_table = _mm512_setzero_ps(), value_table = _mm512_setzero_ps();
-  if constexpr (kKey == FieldFormat::kCentroids) {
-    key_table = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (1 << kKeyBits)) - 1), p.key.centroids);
-  }
-  if constexpr (kValue == FieldFormat::kCentroids) {
-    value_table = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (1 << kValueBits)) - 1), p.value.centroids);
-  }
   const float kNegInf = -std::numeric_limits<float>::infinity();
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  // The lanes of a group that a row sees, given how many of its tokens it sees.
+  const auto seen_lanes = [](int64_t seen) {
+    return static_cast<__mmask16>(seen >= kGroup ? 0xffff : seen <= 0 ? 0 : (1u << seen) - 1);
+  };
 
-  // Tokens go in blocks of at most 64 (a page, or part of a large page).
-  const int block = std::min(page_tokens, 64);
-  const int block_stride = std::min(stride, 64);
-  int count = 0;
-  for (int64_t t0 = 0; t0 < max_visible; t0 += count) {
-    const int64_t page_index = t0 / page_tokens;
-    const int first_slot = static_cast<int>(t0 % page_tokens);
-    count = static_cast<int>(std::min<int64_t>({block, max_visible - t0, page_tokens - first_slot}));
-    const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
-
-    // Scores.
-    for (int i = 0; i < count; ++i) {
-      float key_scale, unused_zero;
-      ExpandField<kKey, kKeyBits>(p.key, page, first_slot + i, d, key_table, key_line, &key_scale,
-                                  &unused_zero);
-      for (int r = 0; r < rows; ++r) {
-        const float* q = p.queries + static_cast<size_t>(r) * d;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_load_ps(key_line));
-        for (int c = 1; c < chunks; ++c) {
-          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + kLanes * c), _mm512_load_ps(key_line + kLanes * c), acc);
-        }
-        const bool seen = t0 + i < p.visible[r];
-        weights[r * block_stride + i] = seen ? key_scale * _mm512_reduce_add_ps(acc) : kNegInf;
+  int64_t page_index = 0;
+  int slot = 0;
+  for (int64_t t0 = 0; t0 < max_visible; t0 += kBlock) {
+    const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
+    const int groups = (count + kGroup - 1) / kGroup;
+    for (int i = 0; i < count;) {  // per run of tokens in one page
+      const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
+      const int n = std::min(count - i, p.page_tokens - slot);
+      const uint8_t* key_codes = page + p.key.codes_offset + static_cast<size_t>(slot) * p.key.code_bytes;
+      const uint8_t* value_codes = page + p.value.codes_offset + static_cast<size_t>(slot) * p.value.code_bytes;
+      for (int k = 0; k < n; ++k) {
+        tokens.key_codes[i + k] = key_codes + k * p.key.code_bytes;
+        tokens.value_codes[i + k] = value_codes + k * p.value.code_bytes;
+      }
+      KeyDecoder::Scalars(page + p.key.scalars_offset + 2 * slot * p.key.num_scalars, n, tokens.key_scale + i,
+                          nullptr);
+      ValueDecoder::Scalars(page + p.value.scalars_offset + 2 * slot * p.value.num_scalars, n,
+                            tokens.value_scale + i, tokens.value_zero + i);
+      i += n;
+      slot += n;
+      if (slot == p.page_tokens) {
+        slot = 0;
+        ++page_index;
       }
     }
+    // Pad the last group with copies of a real token: the padding's scores
+    // are masked and its weights are zero.
+    for (int i = count; i < groups * kGroup; ++i) {
+      tokens.key_codes[i] = tokens.key_codes[0];
+      tokens.value_codes[i] = tokens.value_codes[0];
+      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+    }
+
+    // Scores.
+    for (int g = 0; g < groups; ++g) {
+      const int64_t group_start = t0 + kGroup * g;
+      const uint8_t* const* codes = tokens.key_codes + kGroup * g;
+      for (int pair = 0; pair < 8; ++pair) {
+        const uint8_t* a = codes[kPairFirst[pair]];
+        const uint8_t* b = codes[kPairFirst[pair] + 4];
+        for (int block = 0; block < chunks; ++block) {
+          key.Pairs(a, b, block, reinterpret_cast<__m512*>(lines + ((2 * block) * 8 + pair) * kLanes),
+                    reinterpret_cast<__m512*>(lines + ((2 * block + 1) * 8 + pair) * kLanes));
+        }
+      }
+      const __m512 scale = _mm512_load_ps(tokens.key_scale + kGroup * g);
+      for (int r = 0; r < rows; r += 2) {
+        // Two rows share each key load (the second is the first again when
+        // rows is odd).
+        const int r1 = std::min(r + 1, rows - 1);
+        const int64_t seen0 = p.visible[r] - group_start, seen1 = p.visible[r1] - group_start;
+        float* w0 = weights + r * kBlock + kGroup * g;
+        float* w1 = weights + r1 * kBlock + kGroup * g;
+        if (seen0 <= 0 && seen1 <= 0) {
+          _mm512_store_ps(w0, neg_inf);
+          _mm512_store_ps(w1, neg_inf);
+          continue;
+        }
+        const float* q0 = queries + r * d;
+        const float* q1 = queries + r1 * d;
+        __m512 acc0[8], acc1[8];
+        for (int i = 0; i < 8; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+        for (int m = 0; m < 2 * chunks; ++m) {
+          const __m512 qa = _mm512_broadcast_f32x8(_mm256_loadu_ps(q0 + 8 * m));
+          const __m512 qb = _mm512_broadcast_f32x8(_mm256_loadu_ps(q1 + 8 * m));
+          const float* k = lines + 8 * kLanes * m;
+          for (int i = 0; i < 8; ++i) {
+            const __m512 kv = _mm512_load_ps(k + kLanes * i);
+            acc0[i] = _mm512_fmadd_ps(qa, kv, acc0[i]);
+            acc1[i] = _mm512_fmadd_ps(qb, kv, acc1[i]);
+          }
+        }
+        _mm512_store_ps(w1, _mm512_mask_mul_ps(neg_inf, seen_lanes(seen1), SumPairs(acc1), scale));
+        _mm512_store_ps(w0, _mm512_mask_mul_ps(neg_inf, seen_lanes(seen0), SumPairs(acc0), scale));
+      }
+    }
+
     // Online softmax: rescale what came before, turn scores into weights.
     for (int r = 0; r < rows; ++r) {
-      float* w = weights + r * block_stride;
-      float block_max = kNegInf;
-      for (int i = 0; i < count; ++i) block_max = std::max(block_max, w[i]);
-      if (block_max == kNegInf) {
-        for (int i = 0; i < count; ++i) w[i] = 0.0f;
-        continue;
-      }
-      const float new_max = std::max(row_max[r], block_max);
+      if (p.visible[r] <= t0) continue;
+      float* w = weights + r * kBlock;
+      __m512 m = neg_inf;
+      for (int g = 0; g < groups; ++g) m = _mm512_max_ps(m, _mm512_load_ps(w + kGroup * g));
+      const float new_max = std::max(row_max[r], Max(m));
       const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
       row_max[r] = new_max;
-      float block_sum = 0.0f;
-      for (int i = 0; i < count; i += kLanes) {
-        const __mmask16 lanes = static_cast<__mmask16>(count - i >= kLanes ? 0xffff : (1u << (count - i)) - 1);
-        const __m512 s = _mm512_maskz_loadu_ps(lanes, w + i);
-        const __mmask16 live = _mm512_mask_cmp_ps_mask(lanes, s, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+      __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        const __m512 s = _mm512_load_ps(w + kGroup * g);
+        const __mmask16 live = _mm512_cmp_ps_mask(s, neg_inf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(live, Exp(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-        _mm512_mask_storeu_ps(w + i, lanes, e);
-        block_sum += _mm512_reduce_add_ps(e);
+        _mm512_store_ps(w + kGroup * g, e);
+        sum = _mm512_add_ps(sum, e);
+        if constexpr (kValue == FieldFormat::kUniform) {
+          zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
+        }
       }
-      row_sum[r] = row_sum[r] * correction + block_sum;
-      row_zero[r] *= correction;
+      row_sum[r] = row_sum[r] * correction + Sum(sum);
+      row_zero[r] = row_zero[r] * correction + Sum(zero_sum);
       if (correction != 1.0f) {
         float* out = p.out + static_cast<size_t>(r) * d;
         const __m512 factor = _mm512_set1_ps(correction);
@@ -183,32 +395,45 @@ void AttendHead(const HeadAttendParams& p) {
         }
       }
     }
+
     // Values.
-    for (int i = 0; i < count; ++i) {
-      float value_scale, value_zero;
-      ExpandField<kValue, kValueBits>(p.value, page, first_slot + i, d, value_table, value_line,
-                                      &value_scale, &value_zero);
+    for (int g = 0; g < groups; ++g) {
+      const int64_t group_start = t0 + kGroup * g;
+      const __m512 scale = _mm512_load_ps(tokens.value_scale + kGroup * g);
       for (int r = 0; r < rows; ++r) {
-        const float w = weights[r * block_stride + i];
-        if (w == 0.0f) continue;
-        row_zero[r] += w * value_zero;
-        const __m512 factor = _mm512_set1_ps(w * value_scale);
-        float* out = p.out + static_cast<size_t>(r) * d;
-        for (int c = 0; c < chunks; ++c) {
-          _mm512_storeu_ps(out + kLanes * c, _mm512_fmadd_ps(factor, _mm512_load_ps(value_line + kLanes * c),
-                                                             _mm512_loadu_ps(out + kLanes * c)));
+        const __m512 w = _mm512_load_ps(weights + r * kBlock + kGroup * g);
+        _mm512_store_ps(group_weights + r * kGroup, _mm512_mul_ps(w, scale));
+      }
+      const uint8_t* const* codes = tokens.value_codes + kGroup * g;
+      for (int i = 0; i < kGroup; ++i) {
+        for (int c = 0; c < chunks; ++c) _mm512_store_ps(lines + (kGroup * c + i) * kLanes, value.Chunk(codes[i], c, chunks));
+      }
+      for (int c = 0; c < chunks; ++c) {
+        __m512 v[kGroup];
+        for (int i = 0; i < kGroup; ++i) v[i] = _mm512_load_ps(lines + (kGroup * c + i) * kLanes);
+        for (int r = 0; r < rows; ++r) {
+          if (p.visible[r] <= group_start) continue;
+          float* out = p.out + static_cast<size_t>(r) * d + kLanes * c;
+          const float* gw = group_weights + r * kGroup;
+          // Two chains of 8 FMAs rather than one of 16: the latency of the
+          // chains, not the FMA ports, would bound this loop.
+          __m512 acc = _mm512_loadu_ps(out), acc2 = _mm512_mul_ps(_mm512_set1_ps(gw[8]), v[8]);
+          for (int i = 0; i < 8; ++i) {
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(gw[i]), v[i], acc);
+            if (i > 0) acc2 = _mm512_fmadd_ps(_mm512_set1_ps(gw[8 + i]), v[8 + i], acc2);
+          }
+          _mm512_storeu_ps(out, _mm512_add_ps(acc, acc2));
         }
       }
     }
   }
+  float line[kMaxHeadDim];
   for (int r = 0; r < rows; ++r) {
     float* out = p.out + static_cast<size_t>(r) * d;
     const float inv = 1.0f / row_sum[r];
-    const __m512 factor = _mm512_set1_ps(inv);
-    const __m512 shift = _mm512_set1_ps(row_zero[r] * inv);
-    for (int c = 0; c < chunks; ++c) {
-      _mm512_storeu_ps(out + kLanes * c, _mm512_fmadd_ps(_mm512_loadu_ps(out + kLanes * c), factor, shift));
-    }
+    const float shift = row_zero[r] * inv;
+    for (int j = 0; j < d; ++j) line[j] = out[ValueDecoder::ChunkPosition(j, d)] * inv + shift;
+    memcpy(out, line, sizeof(float) * d);
     p.lse[r] = row_max[r] + std::log(row_sum[r]);
   }
 }

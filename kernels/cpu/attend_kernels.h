@@ -57,12 +57,23 @@ struct HeadAttendParams {
   float* lse = nullptr;  // [rows]
 };
 
-// Whether AttendHeadAvx512 handles this pair of formats at this head dim.
-bool AttendHeadAvx512Supported(const FieldReader& key, const FieldReader& value, int head_dim);
+// A fused kernel: fills params.out and params.lse.
+using AttendKernel = void (*)(const HeadAttendParams& params);
 
-// REQUIRES: AttendHeadAvx512Supported(...), a CPU with AVX-512 (F, BW, VL,
-// DQ) and BMI2, page_tokens... any; rows in [1, kMaxRows].
+// Whether AttendHeadAvx512 / AttendHeadAvx2 handle this pair of formats at
+// this head dim (both: a multiple of 16).
+bool AttendHeadAvx512Supported(const FieldReader& key, const FieldReader& value, int head_dim);
+bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, int head_dim);
+
+// REQUIRES: the matching Supported(...); rows in [1, kMaxRows]; any
+// page_tokens; pages laid out as KvLayout lays them out: the AVX-512 kernel
+// reads 3-bit value codes with 8-byte loads that start a byte before a token's
+// codes and end a byte after them, in the key planes before the value codes
+// plane and the value scalars plane after it.
+// AttendHeadAvx512: a CPU with AVX-512 F, BW, VL and DQ.
+// AttendHeadAvx2: a CPU with AVX2, FMA and F16C.
 void AttendHeadAvx512(const HeadAttendParams& params);
+void AttendHeadAvx2(const HeadAttendParams& params);
 
 }  // namespace cpu_internal
 }  // namespace tqkv

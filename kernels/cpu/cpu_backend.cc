@@ -153,7 +153,10 @@ class CpuBackend final : public Backend {
 
   absl::Status Attend(const AttendParams& p) override {
     const KvLayout& layout = *p.layout;
-    const bool fast = ActiveSimdLevel() >= SimdLevel::kAvx512 && __builtin_cpu_supports("bmi2");
+    // The widest fused kernel the CPU and the active SIMD level allow.
+    const SimdLevel level = ActiveSimdLevel();
+    const bool avx512 = level >= SimdLevel::kAvx512 && __builtin_cpu_supports("avx512dq");
+    const bool avx2 = level >= SimdLevel::kAvx2;
     const int heads = layout.num_kv_heads();
     // One task per (item, KV head); each writes its own rows of the output.
     pool_.ParallelFor(static_cast<int>(p.items.size()) * heads, [&](int task) {
@@ -167,8 +170,14 @@ class CpuBackend final : public Backend {
         key.scalars_offset = view.planes->key_scalars;
         value.codes_offset = view.planes->value_codes;
         value.scalars_offset = view.planes->value_scalars;
-        if (fast && cpu_internal::AttendHeadAvx512Supported(key, value, layout.head_dim())) {
-          AttendHeadFast(p, item, kv, view, key, value);
+        cpu_internal::AttendKernel kernel = nullptr;
+        if (avx512 && cpu_internal::AttendHeadAvx512Supported(key, value, layout.head_dim())) {
+          kernel = cpu_internal::AttendHeadAvx512;
+        } else if (avx2 && cpu_internal::AttendHeadAvx2Supported(key, value, layout.head_dim())) {
+          kernel = cpu_internal::AttendHeadAvx2;
+        }
+        if (kernel != nullptr) {
+          AttendHeadFast(p, item, kv, view, key, value, kernel);
         } else {
           AttendHeadReference(p, item, kv, view);
         }
@@ -184,7 +193,8 @@ class CpuBackend final : public Backend {
   }
 
   void AttendHeadFast(const AttendParams& p, const AttendItem& item, int kv, const HeadView& view,
-                      const cpu_internal::FieldReader& key, const cpu_internal::FieldReader& value) {
+                      const cpu_internal::FieldReader& key, const cpu_internal::FieldReader& value,
+                      cpu_internal::AttendKernel kernel) {
     const KvLayout& layout = *p.layout;
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
@@ -219,7 +229,7 @@ class CpuBackend final : public Backend {
       params.visible = visible.data();
       params.out = out.data();
       params.lse = lse.data();
-      cpu_internal::AttendHeadAvx512(params);
+      kernel(params);
       for (int r = 0; r < rows; ++r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
         const size_t row = static_cast<size_t>(i) * qh + h;

@@ -2,14 +2,19 @@
 // kernels may not add error of their own beyond float rounding.
 #include "kernels/cpu/cpu_backend.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/bitpack.h"
 #include "kernels/codec.h"
+#include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu_features.h"
+#include "kernels/float_formats.h"
 #include "kernels/kv_layout.h"
 #include "kernels/random.h"
 
@@ -182,6 +187,220 @@ TEST(CpuBackend, SeveralQueryTokensAreCausalAmongThemselves) {
     CheckStoreThenAttend({"fp16", 64, 4, 1, 2}, 5, 5);
     CheckStoreThenAttend({"bf16", 64, 4, 1, 8}, 30, 9);  // 72 rows: more than one row block
   });
+}
+
+// The presets' formats take the fused kernels at both SIMD widths (so the
+// tests above exercise them), and split keys take the reference path.
+TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
+  for (const char* name : {"bf16", "fp16", "turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc",
+                           "tqkv_k3v3", "tqkv_k3v4", "tqkv_k4v4", "tqkv_k2p5v3"}) {
+    SCOPED_TRACE(name);
+    KvLayoutOptions options;
+    options.num_layers = 1;
+    options.num_kv_heads = 1;
+    options.num_query_heads = 4;
+    options.head_dim = 128;
+    options.preset = name;
+    options.boundary_layers = 0;
+    const Preset* preset = *FindPreset(name);
+    if (preset->NeedsCalibration()) {
+      std::vector<float> keys = Gaussian(64 * 128, 5);
+      options.hot_channels.push_back(ChooseHotChannels(keys.data(), 64, 128, preset->key.HotChannels(128)));
+    }
+    auto layout = KvLayout::Create(options);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const cpu_internal::FieldReader key = cpu_internal::DescribeField((*layout)->key_codec(0, 0));
+    const cpu_internal::FieldReader value = cpu_internal::DescribeField((*layout)->value_codec(0, 0));
+    const bool split = std::string(name) == "tqkv_k2p5v3";
+    EXPECT_EQ(cpu_internal::AttendHeadAvx512Supported(key, value, 128), !split);
+    EXPECT_EQ(cpu_internal::AttendHeadAvx2Supported(key, value, 128), !split);
+  }
+}
+
+// One field of the synthetic pages below: its format and what its bytes mean.
+struct SyntheticField {
+  cpu_internal::FieldFormat format;
+  int bits;
+  std::vector<float> centroids;  // kCentroids: 2^bits
+
+  int CodeBytes(int d) const { return bits == 16 ? 2 * d : PackedBytes(d, bits); }
+  int NumScalars() const {
+    return format == cpu_internal::FieldFormat::kUniform ? 2 : format == cpu_internal::FieldFormat::kCentroids ? 1 : 0;
+  }
+  // Random valid bytes for one token.
+  void Fill(Random& rng, int d, uint8_t* codes, uint16_t* scalars) const {
+    if (bits == 16) {
+      for (int j = 0; j < d; ++j) {
+        const float x = static_cast<float>(rng.NextGaussian());
+        const uint16_t h = format == cpu_internal::FieldFormat::kFp16 ? FloatToHalf(x) : FloatToBf16(x);
+        memcpy(codes + 2 * j, &h, 2);
+      }
+      return;
+    }
+    std::vector<uint8_t> raw(d);
+    for (int j = 0; j < d; ++j) raw[j] = static_cast<uint8_t>(rng.NextBelow(1u << bits));
+    PackBits(raw.data(), d, bits, codes);
+    if (format == cpu_internal::FieldFormat::kCentroids) {
+      scalars[0] = FloatToHalf(static_cast<float>(0.5 + rng.NextDouble()));
+    } else {
+      scalars[0] = FloatToHalf(static_cast<float>((0.5 + rng.NextDouble()) / (1 << bits)));
+      scalars[1] = FloatToHalf(static_cast<float>(rng.NextDouble() - 0.5));
+    }
+  }
+  // What the bytes stand for.
+  double Decode(const uint8_t* codes, const uint16_t* scalars, int j) const {
+    switch (format) {
+      case cpu_internal::FieldFormat::kFp16: {
+        uint16_t h;
+        memcpy(&h, codes + 2 * j, 2);
+        return HalfToFloat(h);
+      }
+      case cpu_internal::FieldFormat::kBf16: {
+        uint16_t h;
+        memcpy(&h, codes + 2 * j, 2);
+        return Bf16ToFloat(h);
+      }
+      case cpu_internal::FieldFormat::kCentroids:
+        return static_cast<double>(HalfToFloat(scalars[0])) * centroids[PackedCodeAt(codes, j, bits)];
+      default:
+        return static_cast<double>(HalfToFloat(scalars[0])) * PackedCodeAt(codes, j, bits) +
+               HalfToFloat(scalars[1]);
+    }
+  }
+};
+
+// Every format pair the fused kernels accept (including ones no preset uses:
+// 2-bit codes, 8-bit uniform values), at both SIMD widths, against float64
+// attention over what the bytes stand for: random bytes in scattered pages,
+// planes laid out as KvLayout lays them out, rows with different visible
+// lengths.
+TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
+  using cpu_internal::FieldFormat;
+  std::vector<std::pair<std::string, cpu_internal::AttendKernel>> kernels;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    kernels.push_back({"avx2", cpu_internal::AttendHeadAvx2});
+  }
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    kernels.push_back({"avx512", cpu_internal::AttendHeadAvx512});
+  }
+  if (kernels.empty()) GTEST_SKIP() << "no AVX2";
+  Random rng(11);
+  const auto field = [&](FieldFormat format, int bits) {
+    SyntheticField f{format, bits, {}};
+    if (format == FieldFormat::kCentroids) {
+      for (int i = 0; i < (1 << bits); ++i) f.centroids.push_back(static_cast<float>(rng.NextGaussian()));
+    }
+    return f;
+  };
+  std::vector<SyntheticField> keys, values;
+  for (int bits : {2, 3, 4}) keys.push_back(field(FieldFormat::kCentroids, bits));
+  keys.push_back(field(FieldFormat::kFp16, 16));
+  keys.push_back(field(FieldFormat::kBf16, 16));
+  for (int bits : {2, 3, 4}) values.push_back(field(FieldFormat::kCentroids, bits));
+  for (int bits : {2, 3, 4, 8}) values.push_back(field(FieldFormat::kUniform, bits));
+  values.push_back(field(FieldFormat::kFp16, 16));
+  values.push_back(field(FieldFormat::kBf16, 16));
+
+  const int tokens = 150, rows = 5;
+  for (int d : {64, 80, 128}) {
+    for (int page_tokens : {7, 16}) {
+      for (const SyntheticField& kf : keys) {
+        for (const SyntheticField& vf : values) {
+          SCOPED_TRACE("d=" + std::to_string(d) + " page=" + std::to_string(page_tokens) + " key " +
+                       std::to_string(static_cast<int>(kf.format)) + "/" + std::to_string(kf.bits) + " value " +
+                       std::to_string(static_cast<int>(vf.format)) + "/" + std::to_string(vf.bits));
+          // One (layer, head)'s four planes per page, each 32-byte aligned.
+          const auto align = [](size_t n) { return (n + 31) / 32 * 32; };
+          cpu_internal::FieldReader key, value;
+          key.format = kf.format;
+          key.bits = kf.bits;
+          key.centroids = kf.centroids.data();
+          key.code_bytes = kf.CodeBytes(d);
+          key.num_scalars = kf.NumScalars();
+          value.format = vf.format;
+          value.bits = vf.bits;
+          value.centroids = vf.centroids.data();
+          value.code_bytes = vf.CodeBytes(d);
+          value.num_scalars = vf.NumScalars();
+          key.codes_offset = 0;
+          key.scalars_offset = align(key.codes_offset + static_cast<size_t>(page_tokens) * key.code_bytes);
+          value.codes_offset = align(key.scalars_offset + static_cast<size_t>(page_tokens) * 2 * key.num_scalars);
+          value.scalars_offset = align(value.codes_offset + static_cast<size_t>(page_tokens) * value.code_bytes);
+          const size_t page_bytes = align(value.scalars_offset + static_cast<size_t>(page_tokens) * 2 * value.num_scalars);
+          const int pages = (tokens + page_tokens - 1) / page_tokens + 2;
+          std::vector<uint8_t> pool(page_bytes * pages);
+          std::vector<int32_t> block_table(pages);
+          std::iota(block_table.begin(), block_table.end(), 0);
+          for (int i = pages - 1; i > 0; --i) std::swap(block_table[i], block_table[rng.NextBelow(i + 1)]);
+          const auto at = [&](const cpu_internal::FieldReader& f, int t, bool scalars) {
+            uint8_t* page = pool.data() + static_cast<size_t>(block_table[t / page_tokens]) * page_bytes;
+            const int slot = t % page_tokens;
+            return scalars ? page + f.scalars_offset + static_cast<size_t>(slot) * 2 * f.num_scalars
+                           : page + f.codes_offset + static_cast<size_t>(slot) * f.code_bytes;
+          };
+          const auto scalars_at = [&](const cpu_internal::FieldReader& f, int t) {
+            return reinterpret_cast<uint16_t*>(at(f, t, true));
+          };
+          for (int t = 0; t < tokens; ++t) {
+            kf.Fill(rng, d, at(key, t, false), scalars_at(key, t));
+            vf.Fill(rng, d, at(value, t, false), scalars_at(value, t));
+          }
+          std::vector<float> queries = Gaussian(static_cast<size_t>(rows) * d, rng.NextU64());
+          for (float& q : queries) q *= 0.3f;
+          const std::vector<int64_t> visible = {tokens, tokens - 1, 1, 64, 17};
+
+          cpu_internal::HeadAttendParams params;
+          params.head_dim = d;
+          params.page_tokens = page_tokens;
+          params.pool_base = pool.data();
+          params.page_bytes = page_bytes;
+          params.block_table = block_table.data();
+          params.key = key;
+          params.value = value;
+          params.rows = rows;
+          params.queries = queries.data();
+          params.visible = visible.data();
+          for (const auto& [name, kernel] : kernels) {
+            SCOPED_TRACE(name);
+            ASSERT_TRUE(name == "avx2" ? cpu_internal::AttendHeadAvx2Supported(key, value, d)
+                                       : cpu_internal::AttendHeadAvx512Supported(key, value, d));
+            std::vector<float> out(static_cast<size_t>(rows) * d), lse(rows);
+            params.out = out.data();
+            params.lse = lse.data();
+            kernel(params);
+            for (int r = 0; r < rows; ++r) {
+              std::vector<double> logits(visible[r]);
+              double max_logit = -1e300;
+              for (int t = 0; t < visible[r]; ++t) {
+                double dot = 0;
+                for (int j = 0; j < d; ++j) {
+                  dot += queries[static_cast<size_t>(r) * d + j] * kf.Decode(at(key, t, false), scalars_at(key, t), j);
+                }
+                logits[t] = dot;
+                max_logit = std::max(max_logit, dot);
+              }
+              double denominator = 0;
+              for (double& l : logits) denominator += (l = std::exp(l - max_logit));
+              double error = 0, norm = 0;
+              for (int j = 0; j < d; ++j) {
+                double expected = 0;
+                for (int t = 0; t < visible[r]; ++t) {
+                  expected += logits[t] / denominator * vf.Decode(at(value, t, false), scalars_at(value, t), j);
+                }
+                const double got = out[static_cast<size_t>(r) * d + j];
+                error += (got - expected) * (got - expected);
+                norm += expected * expected;
+              }
+              EXPECT_LE(std::sqrt(error), 1e-5 * std::sqrt(norm) + 1e-7) << "row " << r;
+              EXPECT_NEAR(lse[r], max_logit + std::log(denominator), 1e-5 * std::max(1.0, std::fabs(max_logit)))
+                  << "row " << r;
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(CpuBackend, StoreRejectsNonFiniteInputWithItsPosition) {

@@ -1,0 +1,426 @@
+// AVX2 fused attention for one (item, KV head): the structure of the AVX-512
+// kernel (attend_avx512.cc) with 8-lane vectors and 16 registers.
+//
+// Tokens go in groups of 8, expanded into an 8 x d scratch block in L1.
+// Scores: each row keeps 8 dot-product vectors in registers and reduces them
+// with one transpose-add. Values: each row keeps its 8 weights in registers,
+// and each 8-coordinate chunk of its accumulator takes 8 FMAs between a load
+// and a store. Codes become floats with vpermps on an 8-entry table
+// (two tables and a blend for 4-bit centroids).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/attend_kernels.h"
+
+namespace tqkv {
+namespace cpu_internal {
+namespace {
+
+constexpr int kLanes = 8;
+constexpr int kGroup = 8;   // tokens scored and accumulated together
+constexpr int kBlock = 64;  // tokens per online-softmax step
+
+// exp(x) for x <= 0 (softmax arguments), relative error < 2e-7: Cody-Waite
+// range reduction to |r| <= ln2/2, a degree-6 Taylor polynomial, and 2^n
+// (n >= -126 after the clamp) written straight into the exponent field.
+inline __m256 Exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// Lane t of the result is the sum of v[t]'s lanes (a transpose-add: 14
+// shuffles and 7 adds instead of 8 full reductions).
+inline __m256 SumEach(const __m256 v[8]) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {
+    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+inline float Sum(__m256 v) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+
+inline float Max(__m256 v) {
+  const __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
+}
+
+inline int Load32(const uint8_t* p) {
+  int v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Reads one field of a token, 16 coordinates at a time as two vectors, before
+// the token's scale and zero (which the kernel folds into scores and weights).
+template <FieldFormat kFormat, int kBits>
+class Decoder {
+ public:
+  explicit Decoder(const FieldReader& field) {
+    if constexpr (kPacked) {
+      // vpermps reads index bits [2:0]: with the 2^b entries repeated over 8,
+      // the bits of the next code above a code do not matter, so codes need
+      // no mask. 4-bit centroids take a second table for codes 8-15.
+      alignas(32) float table[16];
+      for (int i = 0; i < 16; ++i) {
+        const int code = i % (1 << kBits);
+        table[i] = kFormat == FieldFormat::kCentroids ? field.centroids[code] : static_cast<float>(code);
+      }
+      low_ = _mm256_load_ps(table);
+      high_ = _mm256_load_ps(table + 8);
+      // Code 8h + j of a 16-code block sits at bit shift_[h][j] of the dword
+      // vector h reads.
+      alignas(32) int shift[2][8];
+      for (int j = 0; j < 8; ++j) {
+        shift[0][j] = kBits * j;
+        shift[1][j] = kBits * j + (kBits == 2 ? 16 : kBits == 3 ? 8 : 0);
+      }
+      shift_[0] = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift[0]));
+      shift_[1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift[1]));
+    }
+  }
+
+  // Where coordinate j of a 16-coordinate block lands in the output of
+  // Block(): positions 0-7 in the first vector, 8-15 in the second.
+  static int Position(int j) { return kFormat == FieldFormat::kBf16 ? (j % 2) * 8 + j / 2 : j; }
+
+  // Coordinates 16 * block ... + 15, in Position() order.
+  void Block(const uint8_t* codes, int block, __m256* first, __m256* second) const {
+    if constexpr (kFormat == FieldFormat::kBf16) {
+      // A bf16 is the top half of a float: even coordinates shift up, odd
+      // ones need only their low half cleared.
+      const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * block));
+      *first = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+      *second = _mm256_castsi256_ps(_mm256_and_si256(both, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    } else if constexpr (kFormat == FieldFormat::kFp16) {
+      *first = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * block)));
+      *second = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * block + 16)));
+    } else if constexpr (!kPacked) {  // 8-bit uniform
+      *first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block))));
+      *second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block + 8))));
+    } else {
+      // 8 codes take kBits bytes; the second dword is placed so that neither
+      // read leaves the block's 2 * kBits bytes.
+      const int at = 2 * kBits * block, second_at = at + (kBits == 2 ? 0 : kBits == 3 ? 2 : 4);
+      *first = Lookup(_mm256_srlv_epi32(_mm256_set1_epi32(Load32(codes + at)), shift_[0]));
+      *second = Lookup(_mm256_srlv_epi32(_mm256_set1_epi32(Load32(codes + second_at)), shift_[1]));
+    }
+  }
+
+  // The scales of n <= 64 tokens whose scalars follow each other, and for
+  // uniform codes their zeros (x = scale * decoded + zero).
+  static void Scalars(const uint8_t* scalars, int n, float* scale, float* zero) {
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+      if constexpr (kFormat == FieldFormat::kCentroids) {
+        _mm256_storeu_ps(scale + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 2 * k))));
+      } else if constexpr (kFormat == FieldFormat::kUniform) {  // [scale, zero] per token
+        const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 4 * k)));
+        const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 4 * k + 16)));
+        // shuffle_ps leaves tokens in the order 0 1 4 5 2 3 6 7.
+        _mm256_storeu_ps(scale + k, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                                        _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8)));
+        _mm256_storeu_ps(zero + k, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                                       _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8)));
+      } else {
+        _mm256_storeu_ps(scale + k, _mm256_set1_ps(1.0f));
+      }
+    }
+    for (; k < n; ++k) {
+      uint16_t s[2] = {0, 0};
+      memcpy(s, scalars + 2 * kScalars * k, 2 * kScalars);
+      scale[k] = kScalars > 0 ? _cvtsh_ss(s[0]) : 1.0f;
+      if constexpr (kScalars > 1) zero[k] = _cvtsh_ss(s[1]);
+    }
+  }
+
+ private:
+  static constexpr bool kPacked =
+      kFormat == FieldFormat::kCentroids || (kFormat == FieldFormat::kUniform && kBits <= 4);
+  static constexpr int kScalars =
+      kFormat == FieldFormat::kUniform ? 2 : kFormat == FieldFormat::kCentroids ? 1 : 0;
+
+  __m256 Lookup(__m256i index) const {
+    if constexpr (kBits == 4 && kFormat == FieldFormat::kCentroids) {
+      // Bit 3 of the code, moved to the sign bit, picks the table.
+      return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_, index), _mm256_permutevar8x32_ps(high_, index),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
+    } else if constexpr (kBits == 4) {
+      return _mm256_cvtepi32_ps(_mm256_and_si256(index, _mm256_set1_epi32(15)));
+    } else {
+      return _mm256_permutevar8x32_ps(low_, index);
+    }
+  }
+
+  __m256 low_, high_;
+  __m256i shift_[2];
+};
+
+// Room for n floats, per thread (rows x head_dim is up to 128 KiB: too much
+// for the stack of an arbitrary caller's thread).
+float* QueryScratch(size_t n) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < n) scratch.resize(n);
+  return scratch.data();
+}
+
+// Where each token of a block lives, and its scalars.
+struct BlockTokens {
+  const uint8_t* key_codes[kBlock];
+  const uint8_t* value_codes[kBlock];
+  alignas(32) float key_scale[kBlock];
+  alignas(32) float value_scale[kBlock];
+  alignas(32) float value_zero[kBlock];
+};
+
+template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+void AttendHead(const HeadAttendParams& p) {
+  using KeyDecoder = Decoder<kKey, kKeyBits>;
+  using ValueDecoder = Decoder<kValue, kValueBits>;
+  const int d = p.head_dim;
+  const int blocks = d / 16;
+  const int rows = p.rows;
+  const KeyDecoder key(p.key);
+  const ValueDecoder value(p.value);
+  // The queries in the keys' lane order.
+  float* queries = QueryScratch(static_cast<size_t>(rows) * d);
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < d; ++j) {
+      queries[r * d + j / 16 * 16 + KeyDecoder::Position(j % 16)] = p.queries[static_cast<size_t>(r) * d + j];
+    }
+  }
+  // The group's expanded keys, then its values: [d / 8][token][8].
+  alignas(32) float lines[kGroup * kMaxHeadDim];
+  alignas(32) float weights[kMaxRows * kBlock];        // per block: scores, then weights
+  alignas(32) float group_weights[kMaxRows * kGroup];  // weight * value scale
+  BlockTokens tokens;
+  float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
+  const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
+  for (int r = 0; r < rows; ++r) {
+    row_max[r] = -std::numeric_limits<float>::infinity();
+    row_sum[r] = 0.0f;
+    row_zero[r] = 0.0f;
+    memset(p.out + static_cast<size_t>(r) * d, 0, sizeof(float) * d);
+  }
+  const float kNegInf = -std::numeric_limits<float>::infinity();
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // Expands a group's 8 tokens of one field into lines.
+  const auto expand = [&](const auto& decoder, const uint8_t* const* codes) {
+    for (int i = 0; i < kGroup; ++i) {
+      for (int b = 0; b < blocks; ++b) {
+        decoder.Block(codes[i], b, reinterpret_cast<__m256*>(lines + (16 * b + i) * kLanes),
+                      reinterpret_cast<__m256*>(lines + (16 * b + 8 + i) * kLanes));
+      }
+    }
+  };
+
+  int64_t page_index = 0;
+  int slot = 0;
+  for (int64_t t0 = 0; t0 < max_visible; t0 += kBlock) {
+    const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
+    const int groups = (count + kGroup - 1) / kGroup;
+    for (int i = 0; i < count;) {  // per run of tokens in one page
+      const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
+      const int n = std::min(count - i, p.page_tokens - slot);
+      const uint8_t* key_codes = page + p.key.codes_offset + static_cast<size_t>(slot) * p.key.code_bytes;
+      const uint8_t* value_codes = page + p.value.codes_offset + static_cast<size_t>(slot) * p.value.code_bytes;
+      for (int k = 0; k < n; ++k) {
+        tokens.key_codes[i + k] = key_codes + k * p.key.code_bytes;
+        tokens.value_codes[i + k] = value_codes + k * p.value.code_bytes;
+      }
+      KeyDecoder::Scalars(page + p.key.scalars_offset + 2 * slot * p.key.num_scalars, n, tokens.key_scale + i,
+                          nullptr);
+      ValueDecoder::Scalars(page + p.value.scalars_offset + 2 * slot * p.value.num_scalars, n,
+                            tokens.value_scale + i, tokens.value_zero + i);
+      i += n;
+      slot += n;
+      if (slot == p.page_tokens) {
+        slot = 0;
+        ++page_index;
+      }
+    }
+    // Pad the last group with copies of a real token: the padding's scores
+    // are masked and its weights are zero.
+    for (int i = count; i < groups * kGroup; ++i) {
+      tokens.key_codes[i] = tokens.key_codes[0];
+      tokens.value_codes[i] = tokens.value_codes[0];
+      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+    }
+
+    // Scores.
+    for (int g = 0; g < groups; ++g) {
+      const int64_t group_start = t0 + kGroup * g;
+      expand(key, tokens.key_codes + kGroup * g);
+      const __m256 scale = _mm256_load_ps(tokens.key_scale + kGroup * g);
+      for (int r = 0; r < rows; ++r) {
+        float* w = weights + r * kBlock + kGroup * g;
+        const int64_t seen = p.visible[r] - group_start;
+        if (seen <= 0) {
+          _mm256_store_ps(w, neg_inf);
+          continue;
+        }
+        const float* q = queries + r * d;
+        __m256 acc[kGroup];
+        for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_setzero_ps();
+        for (int m = 0; m < 2 * blocks; ++m) {
+          const __m256 qm = _mm256_loadu_ps(q + kLanes * m);
+          const float* k = lines + kGroup * kLanes * m;
+          for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_fmadd_ps(qm, _mm256_load_ps(k + kLanes * i), acc[i]);
+        }
+        const __m256 live = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index));
+        _mm256_store_ps(w, _mm256_blendv_ps(neg_inf, _mm256_mul_ps(SumEach(acc), scale), live));
+      }
+    }
+
+    // Online softmax: rescale what came before, turn scores into weights.
+    for (int r = 0; r < rows; ++r) {
+      if (p.visible[r] <= t0) continue;
+      float* w = weights + r * kBlock;
+      __m256 m = neg_inf;
+      for (int g = 0; g < groups; ++g) m = _mm256_max_ps(m, _mm256_load_ps(w + kGroup * g));
+      const float new_max = std::max(row_max[r], Max(m));
+      const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+      row_max[r] = new_max;
+      __m256 sum = _mm256_setzero_ps(), zero_sum = _mm256_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        const __m256 s = _mm256_load_ps(w + kGroup * g);
+        const __m256 live = _mm256_cmp_ps(s, neg_inf, _CMP_NEQ_OQ);
+        const __m256 e = _mm256_and_ps(live, Exp(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
+        _mm256_store_ps(w + kGroup * g, e);
+        sum = _mm256_add_ps(sum, e);
+        if constexpr (kValue == FieldFormat::kUniform) {
+          zero_sum = _mm256_fmadd_ps(e, _mm256_load_ps(tokens.value_zero + kGroup * g), zero_sum);
+        }
+      }
+      row_sum[r] = row_sum[r] * correction + Sum(sum);
+      row_zero[r] = row_zero[r] * correction + Sum(zero_sum);
+      if (correction != 1.0f) {
+        float* out = p.out + static_cast<size_t>(r) * d;
+        const __m256 factor = _mm256_set1_ps(correction);
+        for (int c = 0; c < d; c += kLanes) _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(out + c), factor));
+      }
+    }
+
+    // Values.
+    for (int g = 0; g < groups; ++g) {
+      const int64_t group_start = t0 + kGroup * g;
+      const __m256 scale = _mm256_load_ps(tokens.value_scale + kGroup * g);
+      for (int r = 0; r < rows; ++r) {
+        const __m256 w = _mm256_load_ps(weights + r * kBlock + kGroup * g);
+        _mm256_store_ps(group_weights + r * kGroup, _mm256_mul_ps(w, scale));
+      }
+      expand(value, tokens.value_codes + kGroup * g);
+      for (int r = 0; r < rows; ++r) {
+        if (p.visible[r] <= group_start) continue;
+        // The weights stay in registers and the values come from L1 as FMA
+        // operands: one instruction per FMA (AVX2 has no broadcast operand).
+        __m256 w[kGroup];
+        for (int i = 0; i < kGroup; ++i) w[i] = _mm256_broadcast_ss(group_weights + r * kGroup + i);
+        float* out = p.out + static_cast<size_t>(r) * d;
+        for (int m = 0; m < 2 * blocks; ++m) {
+          const float* v = lines + kGroup * kLanes * m;
+          __m256 acc = _mm256_loadu_ps(out + kLanes * m);
+          for (int i = 0; i < kGroup; ++i) acc = _mm256_fmadd_ps(w[i], _mm256_load_ps(v + kLanes * i), acc);
+          _mm256_storeu_ps(out + kLanes * m, acc);
+        }
+      }
+    }
+  }
+  float line[kMaxHeadDim];
+  for (int r = 0; r < rows; ++r) {
+    float* out = p.out + static_cast<size_t>(r) * d;
+    const float inv = 1.0f / row_sum[r];
+    const float shift = row_zero[r] * inv;
+    for (int j = 0; j < d; ++j) line[j] = out[j / 16 * 16 + ValueDecoder::Position(j % 16)] * inv + shift;
+    memcpy(out, line, sizeof(float) * d);
+    p.lse[r] = row_max[r] + std::log(row_sum[r]);
+  }
+}
+
+using Kernel = void (*)(const HeadAttendParams&);
+
+template <FieldFormat kKey, int kKeyBits>
+Kernel PickValue(const FieldReader& value) {
+  switch (value.format) {
+    case FieldFormat::kCentroids:
+      switch (value.bits) {
+        case 2: return AttendHead<kKey, kKeyBits, FieldFormat::kCentroids, 2>;
+        case 3: return AttendHead<kKey, kKeyBits, FieldFormat::kCentroids, 3>;
+        case 4: return AttendHead<kKey, kKeyBits, FieldFormat::kCentroids, 4>;
+      }
+      return nullptr;
+    case FieldFormat::kUniform:
+      switch (value.bits) {
+        case 2: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 2>;
+        case 3: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 3>;
+        case 4: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 4>;
+        case 8: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 8>;
+      }
+      return nullptr;
+    case FieldFormat::kFp16:
+      return AttendHead<kKey, kKeyBits, FieldFormat::kFp16, 16>;
+    case FieldFormat::kBf16:
+      return AttendHead<kKey, kKeyBits, FieldFormat::kBf16, 16>;
+    default:
+      return nullptr;
+  }
+}
+
+// The one place runtime formats become compile-time constants.
+Kernel PickKernel(const FieldReader& key, const FieldReader& value) {
+  switch (key.format) {
+    case FieldFormat::kCentroids:
+      switch (key.bits) {
+        case 2: return PickValue<FieldFormat::kCentroids, 2>(value);
+        case 3: return PickValue<FieldFormat::kCentroids, 3>(value);
+        case 4: return PickValue<FieldFormat::kCentroids, 4>(value);
+      }
+      return nullptr;
+    case FieldFormat::kFp16:
+      return PickValue<FieldFormat::kFp16, 16>(value);
+    case FieldFormat::kBf16:
+      return PickValue<FieldFormat::kBf16, 16>(value);
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace
+
+bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, int head_dim) {
+  return head_dim % 16 == 0 && PickKernel(key, value) != nullptr;
+}
+
+void AttendHeadAvx2(const HeadAttendParams& params) {
+  PickKernel(params.key, params.value)(params);
+}
+
+}  // namespace cpu_internal
+}  // namespace tqkv
