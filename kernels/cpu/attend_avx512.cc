@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
 
 namespace tqkv {
@@ -438,62 +439,21 @@ void AttendHead(const HeadAttendParams& p) {
   }
 }
 
-using Kernel = void (*)(const HeadAttendParams&);
-
-template <FieldFormat kKey, int kKeyBits>
-Kernel PickValue(const FieldReader& value) {
-  switch (value.format) {
-    case FieldFormat::kCentroids:
-      switch (value.bits) {
-        case 2: return AttendHead<kKey, kKeyBits, FieldFormat::kCentroids, 2>;
-        case 3: return AttendHead<kKey, kKeyBits, FieldFormat::kCentroids, 3>;
-        case 4: return AttendHead<kKey, kKeyBits, FieldFormat::kCentroids, 4>;
-      }
-      return nullptr;
-    case FieldFormat::kUniform:
-      switch (value.bits) {
-        case 2: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 2>;
-        case 3: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 3>;
-        case 4: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 4>;
-        case 8: return AttendHead<kKey, kKeyBits, FieldFormat::kUniform, 8>;
-      }
-      return nullptr;
-    case FieldFormat::kFp16:
-      return AttendHead<kKey, kKeyBits, FieldFormat::kFp16, 16>;
-    case FieldFormat::kBf16:
-      return AttendHead<kKey, kKeyBits, FieldFormat::kBf16, 16>;
-    default:
-      return nullptr;
+struct Avx512Kernels {
+  template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+  static void Run(const HeadAttendParams& params) {
+    AttendHead<kKey, kKeyBits, kValue, kValueBits>(params);
   }
-}
-
-// The one place runtime formats become compile-time constants.
-Kernel PickKernel(const FieldReader& key, const FieldReader& value) {
-  switch (key.format) {
-    case FieldFormat::kCentroids:
-      switch (key.bits) {
-        case 2: return PickValue<FieldFormat::kCentroids, 2>(value);
-        case 3: return PickValue<FieldFormat::kCentroids, 3>(value);
-        case 4: return PickValue<FieldFormat::kCentroids, 4>(value);
-      }
-      return nullptr;
-    case FieldFormat::kFp16:
-      return PickValue<FieldFormat::kFp16, 16>(value);
-    case FieldFormat::kBf16:
-      return PickValue<FieldFormat::kBf16, 16>(value);
-    default:
-      return nullptr;
-  }
-}
+};
 
 }  // namespace
 
 bool AttendHeadAvx512Supported(const FieldReader& key, const FieldReader& value, int head_dim) {
-  return head_dim % kLanes == 0 && PickKernel(key, value) != nullptr;
+  return head_dim % kLanes == 0 && PickAttendKernel<Avx512Kernels>(key, value) != nullptr;
 }
 
 void AttendHeadAvx512(const HeadAttendParams& params) {
-  PickKernel(params.key, params.value)(params);
+  PickAttendKernel<Avx512Kernels>(params.key, params.value)(params);
 }
 
 }  // namespace cpu_internal
