@@ -149,36 +149,62 @@ double TimeAttend(StoredLayer& stored, int64_t context, int batch, double min_se
   return MedianSeconds(min_seconds, [&] { (void)stored.backend->Attend(params); });
 }
 
+// Flags every benchmark takes, and their resolved values.
+struct BenchCommon {
+  std::string preset_names = "all";
+  std::string layout_name = "llama3-8b";
+  int64_t page_tokens = 16;
+  int64_t seed = 1;
+  bool json = false;
+  std::vector<const Preset*> presets;
+  ModelShape shape{};
+
+  void AddFlags(FlagSet& flags) {
+    flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
+    flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
+    flags.AddInt("page-tokens", &page_tokens, "tokens per page");
+    flags.AddInt("seed", &seed, "synthetic data seed");
+    flags.AddBool("json", &json, "print JSON instead of a table");
+  }
+
+  // After parsing: resolves presets and shape, checks ranges.
+  absl::Status Resolve() {
+    absl::StatusOr<std::vector<const Preset*>> parsed = ParsePresetList(preset_names);
+    if (!parsed.ok()) return parsed.status();
+    presets = *parsed;
+    absl::StatusOr<ModelShape> found = FindModelShape(layout_name);
+    if (!found.ok()) return found.status();
+    shape = *found;
+    if (page_tokens < 1 || page_tokens > 1024) {
+      return absl::InvalidArgumentError("--page-tokens must be in [1, 1024]");
+    }
+    return absl::OkStatus();
+  }
+};
+
 int RunBenchAttend(int argc, const char* const* argv) {
   FlagSet flags("bench attend",
                 "Decode attention time for one layer of a model (default Llama-3.1-8B: 8 KV heads,\n"
                 "32 query heads, d=128), per preset and context, next to an uncompressed bf16\n"
                 "cache attended by tqkv's own SIMD kernel in the same run (speedup_vs_bf16).\n"
                 "CPU backend; the items of a batch read one stored sequence.");
-  std::string preset_names = "all", layout_name = "llama3-8b";
+  BenchCommon common;
   std::vector<int64_t> contexts = {1024, 8192, 32768};
-  int64_t batch = 1, page_tokens = 16, seed = 1, threads = 1;
+  int64_t batch = 1, threads = 1;
   double min_seconds = 0.5;
-  bool json = false;
-  flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
+  common.AddFlags(flags);
   flags.AddIntList("context", &contexts, "context lengths in tokens, comma-separated");
   flags.AddInt("batch", &batch, "items per Attend call");
-  flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
-  flags.AddInt("page-tokens", &page_tokens, "tokens per page");
   flags.AddDouble("min-seconds", &min_seconds, "measuring time per figure");
-  flags.AddInt("seed", &seed, "synthetic data seed");
   flags.AddInt("threads", &threads, "CPU backend threads (KV heads and items run in parallel)");
-  flags.AddBool("json", &json, "print JSON instead of a table");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
-  absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(preset_names);
-  if (!presets.ok()) return Fail(presets.status());
-  absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
-  if (!shape.ok()) return Fail(shape.status());
+  if (absl::Status status = common.Resolve(); !status.ok()) return Fail(status);
   if (threads < 1 || threads > 256) return Fail(absl::InvalidArgumentError("--threads must be in [1, 256]"));
   if (batch < 1 || batch > 1024) return Fail(absl::InvalidArgumentError("--batch must be in [1, 1024]"));
-  if (page_tokens < 1 || page_tokens > 1024) {
-    return Fail(absl::InvalidArgumentError("--page-tokens must be in [1, 1024]"));
-  }
+  const std::vector<const Preset*>* presets = &common.presets;
+  const ModelShape* shape = &common.shape;
+  const int64_t page_tokens = common.page_tokens, seed = common.seed;
+  const bool json = common.json;
   for (int64_t c : contexts) {
     if (c < 1 || c > (int64_t{1} << 22)) return Fail(absl::InvalidArgumentError("--context values must be in [1, 4194304]"));
   }
@@ -250,24 +276,17 @@ int RunBenchStore(int argc, const char* const* argv) {
   FlagSet flags("bench store",
                 "Tokens per second stored (quantize + pack, every KV head of one layer) per preset,\n"
                 "next to copying the same tokens' bf16 bytes. CPU backend, one thread.");
-  std::string preset_names = "all", layout_name = "llama3-8b";
-  int64_t tokens = 16384, page_tokens = 16, seed = 1;
-  bool json = false;
-  flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
+  BenchCommon common;
+  int64_t tokens = 16384;
+  common.AddFlags(flags);
   flags.AddInt("tokens", &tokens, "tokens to store");
-  flags.AddString("layout", &layout_name, "model shape");
-  flags.AddInt("page-tokens", &page_tokens, "tokens per page");
-  flags.AddInt("seed", &seed, "synthetic data seed");
-  flags.AddBool("json", &json, "print JSON instead of a table");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
-  absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(preset_names);
-  if (!presets.ok()) return Fail(presets.status());
-  absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
-  if (!shape.ok()) return Fail(shape.status());
+  if (absl::Status status = common.Resolve(); !status.ok()) return Fail(status);
   if (tokens < 1 || tokens > (1 << 22)) return Fail(absl::InvalidArgumentError("--tokens must be in [1, 4194304]"));
-  if (page_tokens < 1 || page_tokens > 1024) {
-    return Fail(absl::InvalidArgumentError("--page-tokens must be in [1, 1024]"));
-  }
+  const std::vector<const Preset*>* presets = &common.presets;
+  const ModelShape* shape = &common.shape;
+  const int64_t page_tokens = common.page_tokens, seed = common.seed;
+  const bool json = common.json;
 
   // Baseline: the bf16 bytes of the same tokens, copied into place.
   const size_t bf16_bytes = static_cast<size_t>(tokens) * shape->num_kv_heads * shape->head_dim * 4;
