@@ -7,18 +7,25 @@
 
 namespace tqkv {
 namespace cuda {
-namespace {
 
 absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return absl::OkStatus();
   const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
                                            cudaGetErrorString(error), ")");
-  if (error == cudaErrorNoDevice || error == cudaErrorInsufficientDriver ||
-      error == cudaErrorDevicesUnavailable) {
-    return absl::UnavailableError(message);
+  switch (error) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorInitializationError:
+      return absl::UnavailableError(message);
+    case cudaErrorMemoryAllocation:
+      return absl::ResourceExhaustedError(message);
+    default:
+      return absl::InternalError(message);
   }
-  return absl::InternalError(message);
 }
+
+namespace {
 
 // Device memory freed on scope exit.
 class DeviceBuffer {

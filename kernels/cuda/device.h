@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime_api.h>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
@@ -20,6 +22,11 @@ struct DeviceInfo {
   int compute_capability_minor = 0;
   size_t total_memory_bytes = 0;
 };
+
+// A CUDA result as a Status: OK for cudaSuccess; UNAVAILABLE when there is no
+// usable device or driver; RESOURCE_EXHAUSTED when device or pinned memory
+// runs out; INTERNAL otherwise. `what` names the failed call.
+absl::Status CudaStatus(cudaError_t error, const char* what);
 
 // The CUDA devices this process can use. UNAVAILABLE (not an error to log
 // loudly) when the driver or a device is missing, as on build machines.

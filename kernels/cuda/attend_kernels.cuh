@@ -1,0 +1,150 @@
+// The CUDA read-side kernels: query preparation, ScoreQuery logits, and fused
+// split-KV (flash-decoding) decode attention with a log-sum-exp merge.
+//
+// They never dequantize the cache. A query is rotated once into the key
+// codec's basis (PrepareQueries, logit scale folded in); a key's logit is then
+// the norm times a sum of rotated-query coordinates times codebook centroids
+// read straight from the packed codes. Values with a rotated codec are summed
+// in the rotated basis and mapped back once per output row (Merge).
+//
+// Decode work is planned on the host (cuda_backend.cc) into AttendBlocks: one
+// block of kAttendThreads threads per (item, KV head, row chunk, token split).
+// A block's rows are the (query token, query head) pairs of one KV head, up to
+// the kernel's kRows: every page is read once for all query heads of its KV
+// head (GQA), and causal masking gives each row its own visible length. Each
+// block writes an unnormalised partial (max logit, sum of exponentials,
+// accumulator per row); Merge combines a unit's splits, normalises, applies
+// the value rotation's inverse and writes the output and the log-sum-exp.
+//
+// The bf16 preset runs through the same kernel (raw bf16 keys and values): it
+// is the baseline that the GPU benchmark compares against.
+//
+// All pointers are device pointers.
+#ifndef TQKV_KERNELS_CUDA_ATTEND_KERNELS_CUH_
+#define TQKV_KERNELS_CUDA_ATTEND_KERNELS_CUH_
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/device_format.h"
+
+namespace tqkv {
+namespace cuda {
+
+inline constexpr int kAttendThreads = 128;
+// Tokens per tile of a block's loop.
+inline constexpr int kAttendTile = 128;
+// The most rows one block handles (template instances: 1, 2, 4, 8).
+inline constexpr int kMaxBlockRows = 8;
+
+// One (item, query token chunk) of a decode batch, as planned.
+struct AttendItemDesc {
+  int64_t block_table = 0;  // offset into AttendKernelParams::block_tables
+  int32_t context_tokens = 0;
+  int32_t num_query_tokens = 0;
+  int32_t layer = 0;
+  int32_t pad = 0;
+  int64_t query_row = 0;  // first row in queries / output: row = query_row + i * query_heads + h
+};
+
+// One thread block: rows [row0, row0 + rows) of (item, kv_head), where row
+// r = i * group + g is query token i, query head kv_head * group + g; tokens
+// [token_begin, token_end).
+struct AttendBlock {
+  int32_t item = 0;
+  int32_t kv_head = 0;
+  int32_t row0 = 0;
+  int32_t rows = 0;
+  int32_t token_begin = 0;
+  int32_t token_end = 0;
+  int32_t partial = 0;  // index of this block's partial result
+  int32_t pad = 0;
+};
+
+// The splits of one (item, kv_head, row chunk), merged by MergeKernel.
+struct MergeUnit {
+  int32_t item = 0;
+  int32_t kv_head = 0;
+  int32_t row0 = 0;
+  int32_t rows = 0;
+  int32_t first_partial = 0;
+  int32_t num_splits = 0;
+};
+
+struct PoolView {
+  const DeviceHead* heads = nullptr;  // [num_layers * num_kv_heads]
+  const uint8_t* pool = nullptr;
+  uint64_t page_bytes = 0;
+  int32_t page_tokens = 0;
+  int32_t page_shift = -1;  // log2(page_tokens) when a power of two, else -1
+  int32_t num_kv_heads = 0;
+  int32_t num_query_heads = 0;
+  int32_t head_dim = 0;
+};
+
+// Rotates raw queries into each row's key basis and multiplies by the logit
+// scale: prepared[r] = scale * KeyState(queries[r]). head_of_row[r] is
+// layer * num_kv_heads + kv_head.
+struct PrepareParams {
+  PoolView view;
+  int64_t num_rows = 0;
+  const int32_t* head_of_row = nullptr;
+  const float* queries = nullptr;  // [num_rows][head_dim]
+  float* prepared = nullptr;       // [num_rows][head_dim]
+  float scale = 0.0f;
+};
+
+struct AttendKernelParams {
+  PoolView view;
+  const int32_t* block_tables = nullptr;
+  const AttendItemDesc* items = nullptr;
+  const AttendBlock* blocks = nullptr;  // this launch's blocks
+  int32_t num_blocks = 0;
+  const float* prepared = nullptr;  // rows as in AttendItemDesc::query_row
+  // Per partial: kMaxBlockRows rows of head_dim floats, and (max, sum) pairs.
+  float* partial_acc = nullptr;
+  float* partial_stats = nullptr;
+};
+
+struct MergeParams {
+  PoolView view;
+  const AttendItemDesc* items = nullptr;
+  const MergeUnit* units = nullptr;
+  int32_t num_units = 0;
+  const float* partial_acc = nullptr;
+  const float* partial_stats = nullptr;
+  float* output = nullptr;  // rows as queries
+  float* lse = nullptr;     // [rows]; natural log
+};
+
+// logits[h][t - token_begin] for query heads h of one layer.
+struct ScoreKernelParams {
+  PoolView view;
+  const int32_t* block_table = nullptr;
+  int32_t layer = 0;
+  int32_t token_begin = 0;
+  int32_t token_end = 0;
+  const float* prepared = nullptr;  // [num_query_heads][head_dim]
+  float* logits = nullptr;          // [num_query_heads][token_end - token_begin]
+};
+
+// Which kernel instance reads a (key, value) format pair; -1 when none does.
+int AttendVariant(DeviceFieldFormat key, DeviceFieldFormat value);
+// Whether ScoreQuery can read keys of this format.
+bool ScoreSupported(DeviceFieldFormat key);
+
+// Block rows an instance uses for `rows` rows: 1, 2, 4 or 8.
+int BlockRowsFor(int rows);
+
+cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream);
+// One launch of variant `variant` with block_rows rows per block.
+cudaError_t LaunchAttend(int variant, int block_rows, const AttendKernelParams& params,
+                         cudaStream_t stream);
+cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
+cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_CUDA_ATTEND_KERNELS_CUH_

@@ -1,0 +1,62 @@
+// The CUDA backend: the Backend interface (backend.h) over a page pool in GPU
+// memory, with the same page byte layout as the CPU backend (kv_layout.h,
+// docs/format.md), so that pages written by one read the same through the
+// other.
+//
+// Memory. AllocatePool makes one cudaMalloc for the pages and one for the
+// layout's format tables (codebooks, rotation signs, Hadamard factors, dense
+// rotation matrices, hot channels), at start-up. Requests then run in
+// workspaces made at construction: each has a stream, a pinned host staging
+// buffer and a device buffer of CudaBackendOptions::workspace_bytes, so no
+// call allocates device or pinned memory. A call takes a free workspace
+// (waiting while all are busy), copies its inputs host -> pinned -> device,
+// launches, copies the results back and waits on its own stream only; calls
+// from several threads run concurrently up to the workspace count. Requests
+// bigger than a workspace are processed in pieces (tokens for Store and Score,
+// items and query tokens for Attend).
+//
+// Kernels: store (store_kernels.cuh), query preparation, ScoreQuery and fused
+// split-KV decode (attend_kernels.cuh). Attend plans its blocks on the host:
+// split sizes chosen so that a batch fills the device several times over.
+//
+// What it refuses, at AllocatePool with UNIMPLEMENTED: head dims above
+// kMaxDeviceHeadDim or not a multiple of 8, QJL keys (evaluation only), and
+// key / value format pairs that no preset uses. Use the CPU backend for those.
+//
+// Errors: CUDA failures become a Status (UNAVAILABLE without a usable device,
+// RESOURCE_EXHAUSTED when device memory is short, INTERNAL for a failed call);
+// nothing aborts. Store reports non-finite or out-of-range input as
+// INVALID_ARGUMENT like the CPU codecs.
+#ifndef TQKV_KERNELS_CUDA_CUDA_BACKEND_H_
+#define TQKV_KERNELS_CUDA_CUDA_BACKEND_H_
+
+#include <cstddef>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace tqkv {
+
+struct CudaBackendOptions {
+  // CUDA device ordinal.
+  int device = 0;
+  // Concurrent calls; each workspace holds `workspace_bytes` of pinned host
+  // memory and as much device memory.
+  int workspaces = 4;
+  // 64 MiB fits a default-sized (64 MiB) request in one piece in most cases.
+  size_t workspace_bytes = size_t{64} << 20;
+};
+
+// UNAVAILABLE when the driver or the device is missing (as on build
+// machines); INVALID_ARGUMENT for bad options.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options = {});
+
+// Seconds of device time (CUDA events around the kernels, transfers
+// excluded) of the calling thread's last Store, Score or Attend on a CUDA
+// backend; 0 before the first. For benchmarks.
+double LastCudaKernelSeconds();
+
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_CUDA_CUDA_BACKEND_H_
