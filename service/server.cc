@@ -10,19 +10,12 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/cpu_backend.h"
+#include "kernels/backend_factory.h"
 #include "kernels/status_macros.h"
 #include "service/config.h"
 
 namespace tqkv {
 namespace service {
-
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name, int threads) {
-  if (name == "auto" || name == "cpu") return MakeCpuBackend(threads);
-  if (name == "cuda") return absl::UnavailableError("CUDA backend not built yet");
-  return absl::InvalidArgumentError(
-      absl::StrCat("backend '", name, "' is unknown; want auto, cpu or cuda"));
-}
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (options.port < 0 || options.port > 65535) {
@@ -43,7 +36,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
         "TLS needs both a certificate chain and a private key, or neither");
   }
   std::unique_ptr<Server> server(new Server());
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(options.backend, options.threads));
+  BackendOptions backend_options;
+  backend_options.name = options.backend;
+  backend_options.cpu_threads = options.threads;
+  backend_options.cuda_device = options.cuda_device;
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                   MakeBackend(backend_options, &server->why_not_cuda_));
   server->metrics_ = std::make_unique<Metrics>(backend->name());
   server->backend_ = WithKernelTimings(std::move(backend), server->metrics_.get());
   std::vector<std::unique_ptr<KvCache>> caches;

@@ -30,11 +30,13 @@ struct ServerOptions {
   int port = 50051;
   // The caches; ParseServerConfig(DefaultServerConfigText()) for the default.
   v1::ServerConfig config;
-  // "auto" (the CPU backend until a CUDA backend exists), "cpu", or "cuda"
-  // (UNAVAILABLE in this build).
+  // "auto" (CUDA when built and a device is usable, else CPU), "cpu", or
+  // "cuda" (UNAVAILABLE without a device); see kernels/backend_factory.h.
   std::string backend = "auto";
   // CPU backend worker threads; 0 means the hardware concurrency.
   int threads = 0;
+  // CUDA device ordinal.
+  int cuda_device = 0;
   // Largest request or response, in bytes. A larger request fails with
   // RESOURCE_EXHAUSTED before it reaches a handler.
   int max_message_bytes = 64 << 20;
@@ -51,10 +53,6 @@ struct ServerOptions {
   std::string tls_cert_chain_pem;
   std::string tls_private_key_pem;
 };
-
-// The backend named by ServerOptions::backend. INVALID_ARGUMENT for an unknown
-// name, UNAVAILABLE for "cuda" (not built yet).
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name, int threads);
 
 class Server {
  public:
@@ -73,6 +71,8 @@ class Server {
   std::string MetricsText() const;
   KvCacheService& service() { return *service_; }
   Backend& backend() { return *backend_; }
+  // With backend "auto" on the CPU: why CUDA was not taken; "" otherwise.
+  const std::string& why_not_cuda() const { return why_not_cuda_; }
 
   // Stops accepting calls, lets calls in flight finish until `deadline`, then
   // cancels the rest; marks health NOT_SERVING first. Idempotent.
@@ -92,6 +92,7 @@ class Server {
   // backend, the backend (which times kernels into metrics_) before metrics_.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Backend> backend_;
+  std::string why_not_cuda_;
   std::unique_ptr<KvCacheService> service_;
   std::shared_ptr<prometheus::Collectable> cache_collector_;
   std::unique_ptr<grpc::Server> server_;

@@ -1,4 +1,4 @@
-// tqkv-server: the KvCache gRPC service over a CPU (or, later, CUDA) backend.
+// tqkv-server: the KvCache gRPC service over a CUDA or CPU backend.
 // Runs with no arguments: the embedded default config, port 50051.
 // SIGTERM / SIGINT shut it down gracefully: no new calls, calls in flight
 // finish (up to --shutdown_grace_seconds), then exit 0.
@@ -29,7 +29,9 @@ ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port (0: any free port; 
 ABSL_FLAG(std::string, config, "",
           "Text-format tqkv.v1.ServerConfig file; the embedded default (one Llama-3.1-8B "
           "cache) when empty.");
-ABSL_FLAG(std::string, backend, "auto", "Compute backend: auto | cpu | cuda.");
+ABSL_FLAG(std::string, backend, "auto",
+          "Compute backend: auto (CUDA when a device is usable, else CPU) | cpu | cuda.");
+ABSL_FLAG(int, cuda_device, 0, "CUDA device ordinal for the CUDA backend.");
 ABSL_FLAG(int, threads, 0, "CPU backend worker threads (0: hardware concurrency).");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest request or response, in bytes.");
 ABSL_FLAG(double, memory_budget_gib, 4.0,
@@ -90,6 +92,7 @@ int main(int argc, char** argv) {
   options.port = absl::GetFlag(FLAGS_port);
   options.config = *std::move(config);
   options.backend = absl::GetFlag(FLAGS_backend);
+  options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
@@ -125,6 +128,10 @@ int main(int argc, char** argv) {
       tqkv::service::Server::Start(options);
   if (!server.ok()) return Fail(server.status().ToString());
   tqkv::service::Server& s = **server;
+  if (!s.why_not_cuda().empty()) {
+    std::fprintf(stderr, "tqkv-server: using the CPU backend; CUDA not used: %s\n",
+                 s.why_not_cuda().c_str());
+  }
   std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)%s%s\n",
               options.host.c_str(), s.port(), s.metrics_port(), s.backend().name().c_str(),
               s.backend().device().c_str(), options.tls_cert_chain_pem.empty() ? "" : ", TLS",
