@@ -1,11 +1,69 @@
 #!/usr/bin/env bash
-# One-shot device check for a machine with an NVIDIA GPU: builds with CUDA
-# forced on, then runs the GPU tests (which compare every CUDA kernel with the
-# CPU backend). Finishes in a few minutes. Usage: tests/gpu/device_check.sh
+# One-shot device check of the CUDA backend: the GPU tests (every CUDA kernel
+# against the CPU backend), then the GPU benchmark (decode vs context and
+# batch per preset next to bf16, effective bandwidth, store throughput).
+# About 6 minutes on an H200 when it builds, 2 when it runs a bundle.
+#
+#   tests/gpu/device_check.sh             build with CUDA here, then run (a GPU
+#                                         machine with the Debian packages)
+#   tests/gpu/device_check.sh --bundle D  build here (no GPU needed) and pack
+#                                         the test and benchmark binaries with
+#                                         the shared libraries they need into D
+#   tests/gpu/device_check.sh --run D     run a bundle made by --bundle (a GPU
+#                                         machine without the build packages)
+#
+# Logs and the benchmark's JSON go to $OUT when it is set (else to
+# build-cuda/device-check/).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+
+mode=${1:-build}
 export TQKV_BUILD_DIR=${TQKV_BUILD_DIR:-build-cuda}
-scripts/setup.sh
-scripts/build.sh -DTQKV_CUDA=ON -DTQKV_BUILD_BENCHMARKS=OFF
-"$TQKV_BUILD_DIR/bin/gpu_test"
+out=${OUT:-$TQKV_BUILD_DIR/device-check}
+
+build() {
+  scripts/setup.sh
+  scripts/build.sh -DTQKV_CUDA=ON -DTQKV_BUILD_TESTS=ON -DTQKV_BUILD_BENCHMARKS=ON
+}
+
+run() {  # run BIN_DIR [LIB_DIR]
+  local bin=$1
+  if [ -n "${2:-}" ]; then export LD_LIBRARY_PATH="$2${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+  mkdir -p "$out"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
+  local status=0
+  "$bin/gpu_test" 2>&1 | tee "$out/gpu_test.log" || status=$?
+  # The benchmark runs even when a test failed: its figures help find why.
+  "$bin/tqkv_gpu_bench" 2>&1 | tee "$out/gpu_bench.txt" || status=$?
+  "$bin/tqkv_gpu_bench" --json --contexts=32768 --batches=8,64 > "$out/gpu_bench.json" || status=$?
+  return $status
+}
+
+case "$mode" in
+  build)
+    build
+    run "$TQKV_BUILD_DIR/bin"
+    ;;
+  --bundle)
+    dir=${2:?usage: device_check.sh --bundle DIR}
+    build
+    rm -rf "$dir" && mkdir -p "$dir/bin" "$dir/lib"
+    cp "$TQKV_BUILD_DIR/bin/gpu_test" "$TQKV_BUILD_DIR/bin/tqkv_gpu_bench" "$dir/bin/"
+    # Every shared library but the C library's own (the target's loader and
+    # libc stay) and the driver (libcuda comes with the GPU machine).
+    for binary in "$dir"/bin/*; do
+      ldd "$binary" | awk '/=> \// {print $3}'
+    done | sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
+      while read -r lib; do cp -L "$lib" "$dir/lib/"; done
+    cp tests/gpu/device_check.sh "$dir/"
+    du -sh "$dir"
+    ;;
+  --run)
+    dir=${2:?usage: device_check.sh --run DIR}
+    run "$dir/bin" "$dir/lib"
+    ;;
+  *)
+    echo "usage: device_check.sh [--bundle DIR | --run DIR]" >&2
+    exit 2
+    ;;
+esac

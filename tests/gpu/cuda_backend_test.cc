@@ -1,0 +1,458 @@
+// The CUDA backend against the CPU backend, the reference:
+//  * Store writes the bytes the CPU writes. Randomized Hadamard head dims must
+//    match exactly but for at most 1 vector in 10^3 (ties at an exact
+//    midpoint, or the sign of a zero); dense-rotation dims, where the CPU's
+//    AVX-512 path sums in another order with FMA, may differ in at most 2% of
+//    vectors. Each case prints its count.
+//  * Score and Attend on the same pages (CPU-written bytes copied to the
+//    device, so only the read kernels are compared) agree within 2e-4
+//    relative (fp32, other summation order), with no NaN.
+// across presets, head dims, page sizes, GQA ratios, query counts, several
+// items and layers per call, and workspaces small enough to split requests.
+// Every test skips where no CUDA device is present.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/codec.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/device.h"
+#include "kernels/kv_layout.h"
+#include "kernels/preset.h"
+#include "kernels/random.h"
+
+namespace tqkv {
+namespace {
+
+struct Case {
+  std::string preset;
+  int head_dim = 128;
+  int page_tokens = 16;
+  int kv_heads = 2;
+  int query_heads = 8;
+  int layers = 2;
+  int boundary_layers = 0;
+};
+
+std::string Describe(const Case& c) {
+  return c.preset + " d=" + std::to_string(c.head_dim) + " page=" + std::to_string(c.page_tokens) +
+         " kv=" + std::to_string(c.kv_heads) + " q=" + std::to_string(c.query_heads);
+}
+
+std::vector<float> Gaussian(size_t n, uint64_t seed) {
+  Random rng(seed);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = static_cast<float>(rng.NextGaussian());
+    if (i % 37 == 0) out[i] *= 8.0f;  // a few hot coordinates
+    if (i % 53 == 0) out[i] += 3.0f;  // and offsets
+  }
+  return out;
+}
+
+// Data, layout, a shuffled block table and a pool on each backend.
+class Fixture {
+ public:
+  Fixture(const Case& c, int tokens, Backend* cpu, Backend* gpu) : c_(c), tokens_(tokens), cpu_(cpu), gpu_(gpu) {}
+  ~Fixture() {
+    if (cpu_pool_.base != nullptr) cpu_->FreePool(cpu_pool_);
+    if (gpu_pool_.base != nullptr) gpu_->FreePool(gpu_pool_);
+  }
+
+  void Build() {
+    const int d = c_.head_dim, heads = c_.kv_heads;
+    keys_ = Gaussian(static_cast<size_t>(c_.layers) * tokens_ * heads * d, 1 + d);
+    values_ = Gaussian(keys_.size(), 2 + d);
+    KvLayoutOptions options;
+    options.num_layers = c_.layers;
+    options.num_kv_heads = heads;
+    options.num_query_heads = c_.query_heads;
+    options.head_dim = d;
+    options.page_tokens = c_.page_tokens;
+    options.preset = c_.preset;
+    options.boundary_layers = c_.boundary_layers;
+    const Preset* preset = *FindPreset(c_.preset);
+    if (preset->NeedsCalibration()) {
+      for (int l = 0; l < c_.layers; ++l) {
+        for (int h = 0; h < heads; ++h) {
+          std::vector<float> head_keys;
+          for (int t = 0; t < tokens_; ++t) {
+            const float* k = &keys_[((static_cast<size_t>(l) * tokens_ + t) * heads + h) * d];
+            head_keys.insert(head_keys.end(), k, k + d);
+          }
+          options.hot_channels.push_back(ChooseHotChannels(head_keys.data(), tokens_, d, preset->key.HotChannels(d)));
+        }
+      }
+    }
+    auto layout = KvLayout::Create(options);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    layout_ = *layout;
+    pages_ = (tokens_ + c_.page_tokens - 1) / c_.page_tokens + 3;
+    auto cpu_pool = cpu_->AllocatePool(*layout_, pages_);
+    ASSERT_TRUE(cpu_pool.ok()) << cpu_pool.status();
+    cpu_pool_ = *cpu_pool;
+    auto gpu_pool = gpu_->AllocatePool(*layout_, pages_);
+    ASSERT_TRUE(gpu_pool.ok()) << gpu_pool.status();
+    gpu_pool_ = *gpu_pool;
+    block_table_.resize(pages_);
+    std::iota(block_table_.begin(), block_table_.end(), 0);
+    Random rng(3);
+    for (int i = pages_ - 1; i > 0; --i) std::swap(block_table_[i], block_table_[rng.NextBelow(i + 1)]);
+    slots_.resize(tokens_);
+    for (int t = 0; t < tokens_; ++t) {
+      slots_[t] = block_table_[t / c_.page_tokens] * c_.page_tokens + t % c_.page_tokens;
+    }
+  }
+
+  StoreParams Store(const PagePool& pool) const {
+    return StoreParams{layout_.get(), pool, 0, c_.layers, tokens_, slots_.data(), keys_.data(), values_.data()};
+  }
+
+  std::vector<uint8_t> DevicePoolBytes() const {
+    std::vector<uint8_t> bytes(gpu_pool_.page_bytes * static_cast<size_t>(pages_));
+    EXPECT_EQ(cudaMemcpy(bytes.data(), gpu_pool_.base, bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    return bytes;
+  }
+
+  // The CPU's bytes onto the device: both backends then read the same pages.
+  void CopyCpuPagesToDevice() const {
+    ASSERT_EQ(cudaMemcpy(gpu_pool_.base, cpu_pool_.base, gpu_pool_.page_bytes * static_cast<size_t>(pages_),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+
+  const Case& c() const { return c_; }
+  int tokens() const { return tokens_; }
+  const KvLayout& layout() const { return *layout_; }
+  const PagePool& cpu_pool() const { return cpu_pool_; }
+  const PagePool& gpu_pool() const { return gpu_pool_; }
+  const std::vector<int32_t>& block_table() const { return block_table_; }
+
+ private:
+  Case c_;
+  int tokens_;
+  Backend* cpu_;
+  Backend* gpu_;
+  std::shared_ptr<const KvLayout> layout_;
+  int pages_ = 0;
+  PagePool cpu_pool_;
+  PagePool gpu_pool_;
+  std::vector<float> keys_, values_;
+  std::vector<int32_t> block_table_, slots_;
+};
+
+void ExpectClose(const std::vector<float>& gpu, const std::vector<float>& cpu, double relative,
+                 const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size());
+  double scale = 0.0;
+  for (float v : cpu) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+  size_t bad = 0;
+  double worst = 0.0;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    ASSERT_FALSE(std::isnan(gpu[i])) << what << " [" << i << "] is NaN";
+    const double error = std::fabs(static_cast<double>(gpu[i]) - cpu[i]);
+    worst = std::max(worst, error);
+    if (error > relative * (scale + 1e-3)) ++bad;
+  }
+  EXPECT_EQ(bad, 0u) << what << ": worst error " << worst << " against a scale of " << scale;
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    cpu_ = MakeCpuBackend(2).release();
+    auto gpu = MakeCudaBackend();
+    if (gpu.ok()) {
+      gpu_ = gpu->release();
+    } else {
+      why_ = std::string(gpu.status().message());
+    }
+  }
+  static void TearDownTestSuite() {
+    delete gpu_;
+    delete cpu_;
+    gpu_ = nullptr;
+    cpu_ = nullptr;
+  }
+  void SetUp() override {
+    if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA device: " << why_;
+  }
+
+  // Stores on both, compares bytes per (layer, head, token) vector; returns
+  // the number of vectors that differ.
+  static int CompareStore(const Case& c, int tokens, int* total) {
+    Fixture f(c, tokens, cpu_, gpu_);
+    f.Build();
+    if (::testing::Test::HasFatalFailure()) return -1;
+    EXPECT_TRUE(cpu_->Store(f.Store(f.cpu_pool())).ok());
+    const absl::Status status = gpu_->Store(f.Store(f.gpu_pool()));
+    EXPECT_TRUE(status.ok()) << status;
+    const std::vector<uint8_t> device = f.DevicePoolBytes();
+    const uint8_t* host = f.cpu_pool().base;
+    const KvLayout& layout = f.layout();
+    int differing = 0;
+    *total = 0;
+    for (int layer = 0; layer < c.layers; ++layer) {
+      for (int head = 0; head < c.kv_heads; ++head) {
+        const KvLayout::HeadPlanes& planes = layout.planes(layer, head);
+        const VectorCodec& kc = layout.key_codec(layer, head);
+        const VectorCodec& vc = layout.value_codec(layer, head);
+        for (int t = 0; t < tokens; ++t) {
+          const size_t page = static_cast<size_t>(f.block_table()[t / c.page_tokens]) * layout.page_bytes();
+          const int slot = t % c.page_tokens;
+          const struct {
+            size_t offset;
+            int bytes;
+          } fields[] = {{planes.key_codes + static_cast<size_t>(slot) * kc.code_bytes(), kc.code_bytes()},
+                        {planes.key_scalars + static_cast<size_t>(slot) * 2 * kc.num_scalars(), 2 * kc.num_scalars()},
+                        {planes.value_codes + static_cast<size_t>(slot) * vc.code_bytes(), vc.code_bytes()},
+                        {planes.value_scalars + static_cast<size_t>(slot) * 2 * vc.num_scalars(),
+                         2 * vc.num_scalars()}};
+          bool same = true;
+          for (const auto& field : fields) {
+            same = same && std::equal(host + page + field.offset, host + page + field.offset + field.bytes,
+                                      device.data() + page + field.offset);
+          }
+          differing += same ? 0 : 1;
+          ++*total;
+        }
+      }
+    }
+    std::printf("  store %-40s %d of %d vectors differ\n", Describe(c).c_str(), differing, *total);
+    return differing;
+  }
+
+  // Score and Attend through both backends on the CPU's pages.
+  static void CompareReads(const Case& c, int tokens, const std::vector<int>& query_counts, Backend* gpu) {
+    SCOPED_TRACE(Describe(c));
+    Fixture f(c, tokens, cpu_, gpu);
+    f.Build();
+    if (::testing::Test::HasFatalFailure()) return;
+    ASSERT_TRUE(cpu_->Store(f.Store(f.cpu_pool())).ok());
+    f.CopyCpuPagesToDevice();
+    const int d = c.head_dim, qh = c.query_heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (int layer = 0; layer < c.layers; ++layer) {
+      // ScoreQuery over everything and over an inner range.
+      const std::vector<float> q = Gaussian(static_cast<size_t>(qh) * d, 7 + layer);
+      for (const auto& range : {std::pair<int, int>{0, tokens}, std::pair<int, int>{tokens / 3, tokens - 5}}) {
+        const int n = range.second - range.first;
+        std::vector<float> cpu_logits(static_cast<size_t>(qh) * n), gpu_logits(cpu_logits.size());
+        ScoreParams s{&f.layout(), f.cpu_pool(), layer, f.block_table().data(), range.first, range.second,
+                      q.data(), scale, cpu_logits.data()};
+        ASSERT_TRUE(cpu_->Score(s).ok());
+        s.pool = f.gpu_pool();
+        s.logits = gpu_logits.data();
+        const absl::Status status = gpu->Score(s);
+        ASSERT_TRUE(status.ok()) << status;
+        ExpectClose(gpu_logits, cpu_logits, 2e-4, "logits layer " + std::to_string(layer));
+      }
+    }
+    // One Attend call: items over every layer and query count, two context
+    // lengths (the same pages, a shorter causal view).
+    std::vector<std::vector<float>> queries, cpu_out, gpu_out, cpu_lse, gpu_lse;
+    std::vector<AttendItem> items;
+    for (int layer = 0; layer < c.layers; ++layer) {
+      for (int n : query_counts) {
+        for (int context : {tokens, std::max(n, tokens / 2 + 1)}) {
+          queries.push_back(Gaussian(static_cast<size_t>(n) * qh * d, 100 + items.size()));
+          cpu_out.emplace_back(queries.back().size());
+          gpu_out.emplace_back(queries.back().size());
+          cpu_lse.emplace_back(static_cast<size_t>(n) * qh);
+          gpu_lse.emplace_back(static_cast<size_t>(n) * qh);
+          items.push_back(AttendItem{f.block_table().data(), context, layer, n, nullptr, nullptr, nullptr});
+        }
+      }
+    }
+    std::vector<AttendItem> gpu_items = items;
+    for (size_t i = 0; i < items.size(); ++i) {
+      items[i].queries = gpu_items[i].queries = queries[i].data();
+      items[i].output = cpu_out[i].data();
+      items[i].lse = cpu_lse[i].data();
+      gpu_items[i].output = gpu_out[i].data();
+      gpu_items[i].lse = gpu_lse[i].data();
+    }
+    ASSERT_TRUE(cpu_->Attend(AttendParams{&f.layout(), f.cpu_pool(), items, scale}).ok());
+    const absl::Status status = gpu->Attend(AttendParams{&f.layout(), f.gpu_pool(), gpu_items, scale});
+    ASSERT_TRUE(status.ok()) << status;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const std::string what = "item " + std::to_string(i) + " (layer " + std::to_string(items[i].layer) +
+                               ", " + std::to_string(items[i].num_query_tokens) + " query tokens, context " +
+                               std::to_string(items[i].context_tokens) + ")";
+      ExpectClose(gpu_out[i], cpu_out[i], 2e-4, what + " output");
+      ExpectClose(gpu_lse[i], cpu_lse[i], 2e-4, what + " lse");
+    }
+  }
+
+  static Backend* cpu_;
+  static Backend* gpu_;
+  static std::string why_;
+};
+
+Backend* CudaBackendTest::cpu_ = nullptr;
+Backend* CudaBackendTest::gpu_ = nullptr;
+std::string CudaBackendTest::why_;
+
+std::vector<std::string> ServingPresets() {
+  std::vector<std::string> names;
+  for (const Preset& p : AllPresets()) {
+    if (!p.evaluation_only) names.emplace_back(p.name);
+  }
+  return names;
+}
+
+TEST_F(CudaBackendTest, StoreWritesTheCpuBytesForEveryPreset) {
+  for (const std::string& preset : ServingPresets()) {
+    int total = 0;
+    const int differing = CompareStore({preset, 128, 16, 2, 8}, 300, &total);
+    EXPECT_LE(differing, total / 1000) << preset;
+  }
+}
+
+TEST_F(CudaBackendTest, StoreWritesTheCpuBytesForEveryHeadDimAndPageSize) {
+  for (int d : {64, 80, 96, 112, 160, 192, 256}) {
+    for (const char* preset : {"turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k2p5v3", "turboquant_k8v4"}) {
+      int total = 0;
+      const int differing = CompareStore({preset, d, 16, 2, 4}, 200, &total);
+      EXPECT_LE(differing, total / 1000) << preset << " d=" << d;
+    }
+  }
+  for (int page : {1, 5, 16, 64}) {
+    int total = 0;
+    const int differing = CompareStore({"turboquant_3bit_nc", 128, page, 2, 4}, 150, &total);
+    EXPECT_LE(differing, total / 1000) << "page " << page;
+  }
+  // 104 = 8 * 13 has no Hadamard form: a dense rotation.
+  int total = 0;
+  const int differing = CompareStore({"tqkv_k3v4", 104, 16, 2, 4}, 200, &total);
+  EXPECT_LE(differing, total / 50);
+}
+
+TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuForEveryPreset) {
+  for (const std::string& preset : ServingPresets()) CompareReads({preset, 128, 16, 2, 8}, 333, {1, 3}, gpu_);
+}
+
+TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuAcrossShapes) {
+  for (int d : {64, 80, 96, 192, 256}) CompareReads({"turboquant_k3v4_nc", d, 16, 2, 4}, 200, {1, 2}, gpu_);
+  for (int page : {1, 7, 64}) CompareReads({"tqkv_k3v3", 128, page, 2, 4}, 300, {1}, gpu_);
+  // GQA 1, 3, 8 and 16 (two row chunks of 8), several query tokens, more
+  // than a piece's 32 query tokens.
+  for (int qh : {2, 6, 16, 32}) CompareReads({"turboquant_4bit_nc", 64, 16, 2, qh}, 180, {1, 5}, gpu_);
+  CompareReads({"tqkv_k4v4", 64, 8, 1, 2}, 120, {40}, gpu_);
+  // Boundary layers: fp16 and TurboQuant layers in one call.
+  CompareReads({"turboquant_3bit_nc", 128, 16, 2, 8, 4, 1}, 150, {1, 2}, gpu_);
+  // Long enough for many splits per item.
+  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32, 1}, 20000, {1}, gpu_);
+}
+
+TEST_F(CudaBackendTest, SmallWorkspacesSplitEveryRequest) {
+  CudaBackendOptions options;
+  options.workspaces = 1;
+  options.workspace_bytes = size_t{1} << 20;
+  auto small = MakeCudaBackend(options);
+  ASSERT_TRUE(small.ok()) << small.status();
+  // Store: 2 layers x 2000 tokens x 8 heads x 128 floats x 2 = 32 MiB in.
+  {
+    Fixture f({"turboquant_k3v4_nc", 128, 16, 8, 32}, 2000, cpu_, small->get());
+    f.Build();
+    ASSERT_FALSE(HasFatalFailure());
+    ASSERT_TRUE(cpu_->Store(f.Store(f.cpu_pool())).ok());
+    const absl::Status status = (*small)->Store(f.Store(f.gpu_pool()));
+    ASSERT_TRUE(status.ok()) << status;
+    const std::vector<uint8_t> device = f.DevicePoolBytes();
+    size_t differing = 0;
+    for (size_t i = 0; i < device.size(); ++i) differing += device[i] != f.cpu_pool().base[i];
+    EXPECT_LE(differing, device.size() / 10000);
+  }
+  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32}, 3000, {1, 4, 40}, small->get());
+}
+
+TEST_F(CudaBackendTest, ConcurrentCallsGiveTheSerialResults) {
+  Fixture f({"turboquant_3bit_nc", 128, 16, 8, 32, 1}, 2000, cpu_, gpu_);
+  f.Build();
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(gpu_->Store(f.Store(f.gpu_pool())).ok());
+  const int d = 128, qh = 32;
+  const std::vector<float> q = Gaussian(static_cast<size_t>(qh) * d, 9);
+  std::vector<float> expected(q.size());
+  AttendItem item{f.block_table().data(), 2000, 0, 1, q.data(), expected.data(), nullptr};
+  ASSERT_TRUE(gpu_->Attend(AttendParams{&f.layout(), f.gpu_pool(), {&item, 1}, 0.088f}).ok());
+  std::vector<std::vector<float>> outs(8, std::vector<float>(q.size()));
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> statuses(outs.size());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    threads.emplace_back([&, i] {
+      for (int repeat = 0; repeat < 5; ++repeat) {
+        AttendItem mine{f.block_table().data(), 2000, 0, 1, q.data(), outs[i].data(), nullptr};
+        statuses[i] = gpu_->Attend(AttendParams{&f.layout(), f.gpu_pool(), {&mine, 1}, 0.088f});
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < outs.size(); ++i) {
+    EXPECT_TRUE(statuses[i].ok()) << statuses[i];
+    EXPECT_EQ(outs[i], expected) << "thread " << i;  // same plan, same order: bit for bit
+  }
+}
+
+TEST_F(CudaBackendTest, CopyPageCopiesWholePages) {
+  Fixture f({"tqkv_k3v4", 128, 16, 2, 4}, 40, cpu_, gpu_);
+  f.Build();
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(gpu_->Store(f.Store(f.gpu_pool())).ok());
+  const int from = f.block_table()[0], to = f.block_table()[4];
+  ASSERT_TRUE(gpu_->CopyPage(f.gpu_pool(), from, to).ok());
+  const std::vector<uint8_t> bytes = f.DevicePoolBytes();
+  const size_t page = f.gpu_pool().page_bytes;
+  EXPECT_TRUE(std::equal(bytes.begin() + from * page, bytes.begin() + (from + 1) * page, bytes.begin() + to * page));
+  EXPECT_EQ(gpu_->CopyPage(f.gpu_pool(), 0, 1 << 20).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CudaBackendTest, BadInputAndUnsupportedLayoutsAreStatuses) {
+  Fixture f({"turboquant_k3v4_nc", 64, 16, 2, 4}, 20, cpu_, gpu_);
+  f.Build();
+  ASSERT_FALSE(HasFatalFailure());
+  std::vector<float> keys(static_cast<size_t>(2) * 20 * 2 * 64, 0.5f), values(keys.size(), 0.25f);
+  keys[(static_cast<size_t>(1 * 20 + 7) * 2 + 1) * 64 + 3] = NAN;  // layer 1, token 7, head 1
+  std::vector<int32_t> slots(20);
+  std::iota(slots.begin(), slots.end(), 0);
+  StoreParams store{&f.layout(), f.gpu_pool(), 0, 2, 20, slots.data(), keys.data(), values.data()};
+  const absl::Status status = gpu_->Store(store);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("layer 1, token 7, KV head 1"), std::string::npos) << status;
+
+  for (const auto& [preset, d] : {std::pair<const char*, int>{"eval_qjl_k3v4", 128}, {"tqkv_k3v4", 100}}) {
+    KvLayoutOptions options;
+    options.num_layers = 1;
+    options.num_kv_heads = 1;
+    options.num_query_heads = 1;
+    options.head_dim = d;
+    options.preset = preset;
+    options.boundary_layers = 0;
+    auto layout = KvLayout::Create(options);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    EXPECT_EQ(gpu_->AllocatePool(**layout, 4).status().code(), absl::StatusCode::kUnimplemented) << preset;
+  }
+}
+
+TEST(CudaBackend, NamesItsDeviceOrSaysWhyNot) {
+  auto gpu = MakeCudaBackend();
+  if (!gpu.ok()) {
+    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kUnavailable) << gpu.status();
+    GTEST_SKIP() << gpu.status();
+  }
+  EXPECT_EQ((*gpu)->name(), "cuda");
+  EXPECT_NE((*gpu)->device().find("sm_"), std::string::npos) << (*gpu)->device();
+}
+
+}  // namespace
+}  // namespace tqkv
