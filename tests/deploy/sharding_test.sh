@@ -31,9 +31,11 @@ PORTS=("$S0_PORT" "$S1_PORT" "$S2_PORT")
 MPORTS=("$S0_METRICS_PORT" "$S1_METRICS_PORT" "$S2_METRICS_PORT")
 
 ROUTER_PORT=$(free_port)
-start_bg "$WORK/haproxy.log" env TQKV_ROUTER_BIND="127.0.0.1:$ROUTER_PORT" \
-  TQKV_SHARD_0="127.0.0.1:${PORTS[0]}" TQKV_SHARD_1="127.0.0.1:${PORTS[1]}" \
-  TQKV_SHARD_2="127.0.0.1:${PORTS[2]}" haproxy -db -f "$HAPROXY_CFG"
+export TQKV_ROUTER_BIND="127.0.0.1:$ROUTER_PORT" TQKV_SHARD_0="127.0.0.1:${PORTS[0]}" \
+  TQKV_SHARD_1="127.0.0.1:${PORTS[1]}" TQKV_SHARD_2="127.0.0.1:${PORTS[2]}"
+haproxy -c -f "$HAPROXY_CFG" >"$WORK/haproxy-check.txt" 2>&1 ||
+  { fail "haproxy -c rejects $HAPROXY_CFG"; cat "$WORK/haproxy-check.txt"; finish; }
+start_bg "$WORK/haproxy.log" haproxy -db -f "$HAPROXY_CFG"
 R=(--target "127.0.0.1:$ROUTER_PORT")
 if ! wait_until 20 "$TQKV" info "${R[@]}"; then
   echo "router did not answer GetServerInfo:"; cat "$WORK/haproxy.log"; exit 1
