@@ -27,7 +27,8 @@
 //  * ForkSequence sends the *parent's* key: name children `parent/child` and
 //    they land on the parent's server, where the parent's pages are;
 //  * Attend sends the key of its first item: a batch is routed as one, so
-//    batch only sequences that share a server (or a routing key);
+//    behind a router batch only sequences that share a routing key
+//    ("chat-7/beam-0" with "chat-7/beam-1");
 //  * GetServerInfo sends none (the proxy picks any server).
 // The Python client sends the same header by the same rule. A key that is
 // empty or holds bytes outside printable ASCII (or starts or ends with a
