@@ -143,6 +143,64 @@ path = provider["providers"][0]["options"]["path"]
 check(mounts.get(path, "").endswith("deploy/grafana/dashboards"),
       f"Grafana loads dashboards from {path}, mounted from {mounts.get(path)}")
 
+# Dashboards: they name the provisioned datasource, ids are unique, panels
+# fit the 24-column grid without overlapping.
+datasource = yaml.safe_load(open(os.path.join(
+    repo, "deploy/grafana/provisioning/datasources/prometheus.yml")))["datasources"][0]
+dash_dir = os.path.join(repo, "deploy/grafana/dashboards")
+for file in sorted(os.listdir(dash_dir)):
+    import json
+    dashboard = json.load(open(os.path.join(dash_dir, file)))
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    check(len(ids) == len(set(ids)), f"{file}: panel ids repeat: {ids}")
+    cells = {}
+    for p in panels:
+        g = p["gridPos"]
+        check(g["x"] >= 0 and g["x"] + g["w"] <= 24, f"{file}: panel '{p['title']}' leaves the grid")
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                check((x, y) not in cells,
+                      f"{file}: '{p['title']}' overlaps '{cells.get((x, y))}'")
+                cells[(x, y)] = p["title"]
+        uses = [p.get("datasource")] + [t.get("datasource") for t in p.get("targets", [])]
+        for ds in uses:
+            if p["type"] != "row" or ds:
+                check(ds == {"type": "prometheus", "uid": datasource["uid"]},
+                      f"{file}: '{p['title']}' uses datasource {ds}, not uid {datasource['uid']}")
+
+# Dockerfiles: what they COPY from the context exists and survives
+# .dockerignore (which must keep the host's build/ and .git/ out: a copied
+# CMakeCache.txt would point at the host's paths).
+ignored = [l.strip() for l in open(os.path.join(repo, ".dockerignore"))
+           if l.strip() and not l.startswith("#")]
+check("build" in ignored and ".git" in ignored, f".dockerignore lacks build or .git: {ignored}")
+import fnmatch
+def dockerignored(path):
+    parts = path.split("/")
+    return any(fnmatch.fnmatch("/".join(parts[:i]), pat.lstrip("*/").rstrip("/"))
+               or fnmatch.fnmatch("/".join(parts[:i]), pat)
+               for pat in ignored for i in range(1, len(parts) + 1))
+for name in ("Dockerfile.cuda", "Dockerfile.cpu", "Dockerfile.router"):
+    text = open(os.path.join(repo, "deploy/docker", name)).read().replace("\\\n", " ")
+    for m in re.finditer(r"^COPY\s+(?!--from)(.+)$", text, re.M):
+        *sources, _ = m.group(1).split()
+        for src in sources:
+            if src == ".":
+                continue
+            check(os.path.exists(os.path.join(repo, src)), f"{name}: COPY {src}: no such path")
+            check(not dockerignored(src.rstrip("/")), f"{name}: COPY {src} is excluded by .dockerignore")
+    for script in re.findall(r"\b((?:scripts|deploy/docker)/[\w.-]+\.sh)", text):
+        path = os.path.join(repo, script)
+        check(os.path.isfile(path) and os.access(path, os.X_OK), f"{name}: {script} is not an executable file")
+        check(not dockerignored(script), f"{name}: {script} is excluded by .dockerignore")
+    if name != "Dockerfile.router":
+        check(re.search(r"^USER\s+(?!root)\S+", text, re.M), f"{name}: runs as root")
+        check(re.search(r"^HEALTHCHECK\s", text, re.M), f"{name}: no HEALTHCHECK")
+        check(len(re.findall(r"^FROM\s", text, re.M)) == 2, f"{name}: not a two-stage build")
+        check("setup.sh --build-only" in text and "scripts/build.sh" in text,
+              f"{name}: does not build with scripts/setup.sh and scripts/build.sh")
+
 if failures:
     print(f"{len(failures)} failure(s)")
     sys.exit(1)
