@@ -29,7 +29,7 @@ if [ "$build_only" -eq 0 ]; then
     libbenchmark-dev
     # tests/deploy: compose and Prometheus config checks, a real Prometheus
     # and haproxy on loopback, curl and python3 to drive them.
-    docker-compose prometheus haproxy curl python3
+    docker-compose prometheus haproxy curl python3 python3-yaml
   )
 fi
 

@@ -41,6 +41,18 @@ need() {
   done
 }
 
+# yaml_python: prints a python3 that has PyYAML (PATH's, else Debian's
+# /usr/bin/python3, which gets python3-yaml from scripts/setup.sh).
+yaml_python() {
+  local p
+  for p in python3 /usr/bin/python3; do
+    if command -v "$p" >/dev/null 2>&1 && "$p" -c 'import yaml' 2>/dev/null; then
+      command -v "$p"; return 0
+    fi
+  done
+  return 1
+}
+
 # start_bg LOG cmd...: runs cmd in the background, output to LOG; sets BG_PID.
 start_bg() {
   local log=$1; shift

@@ -11,7 +11,7 @@ SERVER=$2
 REPO=$3
 source "$(dirname "$0")/lib.sh"
 need curl python3
-python3 -c 'import yaml' 2>/dev/null || { echo "SKIP: python3-yaml missing"; exit $SKIP; }
+PY=$(yaml_python) || { echo "SKIP: no python3 with PyYAML (scripts/setup.sh installs python3-yaml)"; exit $SKIP; }
 deploy_init
 
 write_small_config "$WORK/config.txt"
@@ -35,6 +35,6 @@ run "$TQKV" score "${C[@]}" --sequence m --layer 1 --queries "$WORK/q.npy"
   fail "an append at the wrong start position succeeded"
 
 curl -sf "http://127.0.0.1:$S_METRICS_PORT/metrics" >"$WORK/metrics.txt" || fail "scrape /metrics"
-python3 "$(dirname "$0")/promql_names.py" check "$WORK/metrics.txt" \
+"$PY" "$(dirname "$0")/promql_names.py" check "$WORK/metrics.txt" \
   "$REPO"/deploy/grafana/dashboards/*.json "$REPO"/deploy/prometheus/alerts.yml || fail "names"
 finish "every metric name the dashboard and the rules use is exported"

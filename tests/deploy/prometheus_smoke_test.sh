@@ -19,7 +19,7 @@ REPO=$3
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/lib.sh"
 need prometheus curl python3
-python3 -c 'import yaml' 2>/dev/null || { echo "SKIP: python3-yaml missing"; exit $SKIP; }
+PY=$(yaml_python) || { echo "SKIP: no python3 with PyYAML (scripts/setup.sh installs python3-yaml)"; exit $SKIP; }
 deploy_init
 
 write_small_config "$WORK/config.txt"
@@ -56,7 +56,7 @@ start_bg "$WORK/prometheus.log" prometheus --config.file="$WORK/prometheus.yml" 
   --log.level=warn
 API="http://127.0.0.1:$PROM_PORT/api/v1"
 
-python3 - "$API" "$want_saved" "$REPO" "$HERE" <<'PY' || fail "Prometheus checks (log: $(tail -5 "$WORK/prometheus.log"))"
+"$PY" - "$API" "$want_saved" "$REPO" "$HERE" <<'PY' || fail "Prometheus checks (log: $(tail -5 "$WORK/prometheus.log"))"
 import json, subprocess, sys, time, urllib.parse, urllib.request
 api, want_saved, repo, here = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
 deadline = time.time() + 60
