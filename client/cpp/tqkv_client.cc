@@ -118,6 +118,23 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(absl_code, status.error_message());
 }
 
+std::string RouteKey(absl::string_view sequence_id) {
+  return std::string(sequence_id.substr(0, sequence_id.find('/')));
+}
+
+namespace {
+
+// HTTP/2 header values: visible ASCII and inner spaces, no edge whitespace.
+bool IsSendableHeaderValue(absl::string_view value) {
+  if (value.empty() || value.front() == ' ' || value.back() == ' ') return false;
+  for (char c : value) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 Client::Client(ClientOptions options) : options_(std::move(options)) {
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(options_.max_message_bytes);
@@ -143,21 +160,25 @@ Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : options_(std::move(options)), channel_(std::move(channel)),
       stub_(v1::KvCache::NewStub(channel_)) {}
 
-void Client::Prepare(grpc::ClientContext* context) const {
+void Client::Prepare(grpc::ClientContext* context, absl::string_view route_id) const {
   context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   if (!options_.auth_token.empty()) {
     context->AddMetadata("authorization", absl::StrCat("Bearer ", options_.auth_token));
   }
+  if (options_.send_route_key && !route_id.empty()) {
+    std::string key = RouteKey(route_id);
+    if (IsSendableHeaderValue(key)) context->AddMetadata(kRouteKeyMetadata, std::move(key));
+  }
 }
 
 template <typename Rpc>
-grpc::Status Client::WithRetries(Rpc rpc, int* attempts) {
+grpc::Status Client::WithRetries(absl::string_view route_id, Rpc rpc, int* attempts) {
   thread_local std::minstd_rand jitter(std::random_device{}());
   absl::Duration backoff = options_.initial_backoff;
   grpc::Status status;
   for (int attempt = 1;; ++attempt) {
     grpc::ClientContext context;
-    Prepare(&context);
+    Prepare(&context, route_id);
     status = rpc(&context);
     *attempts = attempt;
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
@@ -176,6 +197,7 @@ absl::StatusOr<AppendResult> Client::Append(const AppendArgs& args) {
   v1::AppendResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      args.sequence_id,
       [&](grpc::ClientContext* c) { return stub_->Append(c, request, &response); }, &attempts);
   if (status.ok()) return FromProto(response);
   if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION && attempts > 1) {
@@ -200,7 +222,8 @@ absl::StatusOr<AppendResult> Client::Append(const AppendArgs& args) {
 
 absl::StatusOr<AppendResult> Client::AppendStream(absl::Span<const AppendArgs> chunks) {
   grpc::ClientContext context;
-  Prepare(&context);
+  // Every chunk must name the first chunk's sequence (the server checks).
+  Prepare(&context, chunks.empty() ? absl::string_view() : chunks[0].sequence_id);
   v1::AppendResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer =
       stub_->AppendStream(&context, &response);
@@ -234,6 +257,7 @@ absl::StatusOr<ScoreResult> Client::Score(const ScoreArgs& args) {
   v1::ScoreQueryResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      args.sequence_id,
       [&](grpc::ClientContext* c) { return stub_->ScoreQuery(c, request, &response); }, &attempts);
   if (!status.ok()) return FromGrpcStatus(status);
   ScoreResult result;
@@ -267,6 +291,7 @@ absl::StatusOr<std::vector<AttendOutput>> Client::Attend(const AttendArgs& args)
   v1::AttendResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      args.items.empty() ? absl::string_view() : args.items[0].sequence_id,
       [&](grpc::ClientContext* c) { return stub_->Attend(c, request, &response); }, &attempts);
   if (!status.ok()) return FromGrpcStatus(status);
   std::vector<AttendOutput> outputs(response.results_size());
@@ -295,6 +320,7 @@ absl::StatusOr<SequenceState> Client::CreateSequence(const std::string& cache,
   v1::SequenceInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      id,
       [&](grpc::ClientContext* c) { return stub_->CreateSequence(c, request, &response); },
       &attempts);
   if (status.ok()) return FromProto(response);
@@ -314,6 +340,7 @@ absl::StatusOr<SequenceState> Client::ForkSequence(const std::string& cache,
   v1::SequenceInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      parent,
       [&](grpc::ClientContext* c) { return stub_->ForkSequence(c, request, &response); },
       &attempts);
   if (status.ok()) return FromProto(response);
@@ -330,6 +357,7 @@ absl::Status Client::DropSequence(const std::string& cache, const std::string& i
   v1::DropSequenceResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      id,
       [&](grpc::ClientContext* c) { return stub_->DropSequence(c, request, &response); },
       &attempts);
   if (status.error_code() == grpc::StatusCode::NOT_FOUND && attempts > 1) {
@@ -346,6 +374,7 @@ absl::StatusOr<SequenceState> Client::GetSequence(const std::string& cache,
   v1::SequenceInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      id,
       [&](grpc::ClientContext* c) { return stub_->GetSequence(c, request, &response); },
       &attempts);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -357,6 +386,7 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
+      absl::string_view(),
       [&](grpc::ClientContext* c) { return stub_->GetServerInfo(c, request, &response); },
       &attempts);
   if (!status.ok()) return FromGrpcStatus(status);

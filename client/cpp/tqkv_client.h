@@ -18,6 +18,23 @@
 // AppendStream is not retried (its chunks are not replayable by the client
 // library); resend the missing tail with Append, from GetSequence's lengths.
 //
+// Routing. Every call that names a sequence carries the gRPC metadata
+// `tqkv-route-key: RouteKey(id)` so that a proxy in front of several
+// tqkv-servers can hash on it (deploy/haproxy/haproxy.cfg: consistent hashing
+// on that header) and keep every call of a sequence on one server:
+//  * calls that name one sequence (Append, AppendStream, ScoreQuery,
+//    CreateSequence, DropSequence, GetSequence) send that sequence's key;
+//  * ForkSequence sends the *parent's* key: name children `parent/child` and
+//    they land on the parent's server, where the parent's pages are;
+//  * Attend sends the key of its first item: a batch is routed as one, so
+//    behind a router batch only sequences that share a routing key
+//    ("chat-7/beam-0" with "chat-7/beam-1");
+//  * GetServerInfo sends none (the proxy picks any server).
+// The Python client sends the same header by the same rule. A key that is
+// empty or holds bytes outside printable ASCII (or starts or ends with a
+// space) cannot travel as an HTTP/2 header value: such calls go without the
+// header, which a single server never needs.
+//
 // Thread safety: a Client is thread-safe; share one per process and target.
 #ifndef TQKV_CLIENT_CPP_TQKV_CLIENT_H_
 #define TQKV_CLIENT_CPP_TQKV_CLIENT_H_
@@ -34,6 +51,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "tqkv/v1/kvcache.grpc.pb.h"
@@ -42,6 +60,15 @@ namespace tqkv {
 
 // The reverse of the server's conversion: same code, same message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// The gRPC metadata key that carries a call's routing key (lower case, as
+// HTTP/2 requires). Contract: proxies and the Python client use the same.
+inline constexpr char kRouteKeyMetadata[] = "tqkv-route-key";
+
+// The routing key of a sequence id: the id's text before its first '/', or
+// the whole id when it has none. "chat-7/beam-2" -> "chat-7"; "chat-7" ->
+// "chat-7"; "/x" -> "" (no usable key: ids should not start with '/').
+std::string RouteKey(absl::string_view sequence_id);
 
 struct ClientOptions {
   // host:port of a tqkv-server.
@@ -68,6 +95,9 @@ struct ClientOptions {
   absl::Duration timeout = absl::Seconds(60);
   // Largest message either way, bytes (match the server's --max_message_bytes).
   int max_message_bytes = 64 << 20;
+  // Send the `tqkv-route-key` metadata (see "Routing" above). Costs one short
+  // header per call; turn off only for a proxy that must not see ids.
+  bool send_route_key = true;
 };
 
 struct SequenceState {
@@ -162,12 +192,13 @@ class Client {
   v1::KvCache::Stub& stub() { return *stub_; }
 
  private:
-  // Deadline and auth metadata of every call.
-  void Prepare(grpc::ClientContext* context) const;
+  // Deadline, auth and routing metadata of every call; `route_id` is the
+  // sequence id whose routing key the call carries ("" for none).
+  void Prepare(grpc::ClientContext* context, absl::string_view route_id) const;
   // Runs `rpc(context)` up to max_attempts times while it returns
   // UNAVAILABLE; *attempts receives the number of tries.
   template <typename Rpc>
-  grpc::Status WithRetries(Rpc rpc, int* attempts);
+  grpc::Status WithRetries(absl::string_view route_id, Rpc rpc, int* attempts);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
