@@ -12,6 +12,11 @@
 #   tests/gpu/device_check.sh --run D     run a bundle made by --bundle (a GPU
 #                                         machine without the build packages)
 #
+# With the device tool (a GPU machine that has nvcc and CMake but not the
+# Debian packages): here `tests/gpu/device_check.sh --bundle .device-bundle`
+# (git-ignored, about 11 MiB), then run `tests/gpu/device_check.sh --run
+# .device-bundle` there with `.device-bundle` carried.
+#
 # Logs and the benchmark's JSON go to $OUT when it is set (else to
 # build-cuda/device-check/).
 set -euo pipefail
