@@ -39,6 +39,8 @@ thread_local double last_kernel_seconds = 0.0;
 // Query tokens of one item handled together; longer items are split (each
 // piece sees its own causal prefix).
 constexpr int kMaxQueryTokensPerPiece = 32;
+// Arena alignment slack of one Attend batch, beyond its pieces' bytes.
+constexpr size_t kBatchOverhead = 8 * 256;
 // Bytes read past a pool's last page by vectorised loads of a tail group.
 constexpr size_t kPoolTailPadding = 256;
 
@@ -528,17 +530,23 @@ class CudaBackend final : public Backend {
     // Pieces of at most kMaxQueryTokensPerPiece query tokens.
     w.pieces.clear();
     int64_t total_work = 0;
-    for (const AttendItem& item : p.items) {
-      for (int t0 = 0; t0 < item.num_query_tokens; t0 += kMaxQueryTokensPerPiece) {
-        w.pieces.push_back({&item, t0, std::min(kMaxQueryTokensPerPiece, item.num_query_tokens - t0)});
-      }
-      total_work += item.context_tokens * layout.num_kv_heads();
-    }
+    for (const AttendItem& item : p.items) total_work += item.context_tokens * layout.num_kv_heads();
     // Splits: about four blocks per SM over the whole request, whole tiles.
     const int64_t target_blocks = 4 * static_cast<int64_t>(sm_count_);
     int64_t split = (total_work + target_blocks - 1) / std::max<int64_t>(1, target_blocks);
     split = std::max<int64_t>(2 * cuda::kAttendTile, (split + cuda::kAttendTile - 1) / cuda::kAttendTile *
                                                          cuda::kAttendTile);
+    for (const AttendItem& item : p.items) {
+      // As many query tokens per piece as fit a workspace, up to the maximum.
+      int per_piece = std::min(kMaxQueryTokensPerPiece, item.num_query_tokens);
+      while (per_piece > 1 &&
+             PieceBytes(layout, {&item, 0, per_piece}, split) + kBatchOverhead > options_.workspace_bytes) {
+        per_piece = (per_piece + 1) / 2;
+      }
+      for (int t0 = 0; t0 < item.num_query_tokens; t0 += per_piece) {
+        w.pieces.push_back({&item, t0, std::min(per_piece, item.num_query_tokens - t0)});
+      }
+    }
     double kernel_seconds = 0.0;
     size_t next = 0;
     while (next < w.pieces.size()) {
@@ -663,7 +671,7 @@ class CudaBackend final : public Backend {
 
   absl::Status PlanBatch(const KvLayout& layout, const PoolTables& tables, int64_t split, Workspace& w,
                          size_t begin, size_t* end) {
-    size_t bytes = 8 * 256;
+    size_t bytes = kBatchOverhead;
     size_t i = begin;
     for (; i < w.pieces.size(); ++i) {
       const size_t piece = PieceBytes(layout, w.pieces[i], split);

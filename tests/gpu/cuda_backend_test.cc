@@ -9,7 +9,9 @@
 //    relative (fp32, other summation order), with no NaN.
 // across presets, head dims, page sizes, GQA ratios, query counts, several
 // items and layers per call, and workspaces small enough to split requests.
-// Every test skips where no CUDA device is present.
+// Every test skips where no CUDA device is present. Built as
+// gpu_emulation_test (TQKV_CUDA_EMULATION), the same tests run on the emulated
+// device of kernels/cuda/emulation/ with fewer tokens.
 #include "kernels/cuda/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
@@ -32,6 +34,15 @@
 
 namespace tqkv {
 namespace {
+
+#if TQKV_CUDA_EMULATION
+constexpr bool kEmulated = true;
+#else
+constexpr bool kEmulated = false;
+#endif
+
+// Token counts: full on a device, about a quarter on the emulated one.
+int Tokens(int device_tokens) { return kEmulated ? std::max(24, device_tokens / 4) : device_tokens; }
 
 struct Case {
   std::string preset;
@@ -313,7 +324,7 @@ std::vector<std::string> ServingPresets() {
 TEST_F(CudaBackendTest, StoreWritesTheCpuBytesForEveryPreset) {
   for (const std::string& preset : ServingPresets()) {
     int total = 0;
-    const int differing = CompareStore({preset, 128, 16, 2, 8}, 300, &total);
+    const int differing = CompareStore({preset, 128, 16, 2, 8}, Tokens(300), &total);
     EXPECT_LE(differing, total / 1000) << preset;
   }
 }
@@ -322,18 +333,18 @@ TEST_F(CudaBackendTest, StoreWritesTheCpuBytesForEveryHeadDimAndPageSize) {
   for (int d : {64, 80, 96, 112, 160, 192, 256}) {
     for (const char* preset : {"turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k2p5v3", "turboquant_k8v4"}) {
       int total = 0;
-      const int differing = CompareStore({preset, d, 16, 2, 4}, 200, &total);
+      const int differing = CompareStore({preset, d, 16, 2, 4}, Tokens(200), &total);
       EXPECT_LE(differing, total / 1000) << preset << " d=" << d;
     }
   }
   for (int page : {1, 5, 16, 64}) {
     int total = 0;
-    const int differing = CompareStore({"turboquant_3bit_nc", 128, page, 2, 4}, 150, &total);
+    const int differing = CompareStore({"turboquant_3bit_nc", 128, page, 2, 4}, Tokens(150), &total);
     EXPECT_LE(differing, total / 1000) << "page " << page;
   }
   // 104 = 8 * 13 has no Hadamard form: a dense rotation.
   int total = 0;
-  const int differing = CompareStore({"tqkv_k3v4", 104, 16, 2, 4}, 200, &total);
+  const int differing = CompareStore({"tqkv_k3v4", 104, 16, 2, 4}, Tokens(200), &total);
   EXPECT_LE(differing, total / 50);
 }
 
@@ -351,7 +362,7 @@ TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuAcrossShapes) {
   // Boundary layers: fp16 and TurboQuant layers in one call.
   CompareReads({"turboquant_3bit_nc", 128, 16, 2, 8, 4, 1}, 150, {1, 2}, gpu_);
   // Long enough for many splits per item.
-  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32, 1}, 20000, {1}, gpu_);
+  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32, 1}, Tokens(20000), {1}, gpu_);
 }
 
 TEST_F(CudaBackendTest, SmallWorkspacesSplitEveryRequest) {
@@ -360,9 +371,10 @@ TEST_F(CudaBackendTest, SmallWorkspacesSplitEveryRequest) {
   options.workspace_bytes = size_t{1} << 20;
   auto small = MakeCudaBackend(options);
   ASSERT_TRUE(small.ok()) << small.status();
-  // Store: 2 layers x 2000 tokens x 8 heads x 128 floats x 2 = 32 MiB in.
+  // Store: 2 layers x 2000 tokens x 8 heads x 128 floats x 2 = 32 MiB in
+  // (a quarter emulated): many pieces of a 1 MiB workspace.
   {
-    Fixture f({"turboquant_k3v4_nc", 128, 16, 8, 32}, 2000, cpu_, small->get());
+    Fixture f({"turboquant_k3v4_nc", 128, 16, 8, 32}, Tokens(2000), cpu_, small->get());
     f.Build();
     ASSERT_FALSE(HasFatalFailure());
     ASSERT_TRUE(cpu_->Store(f.Store(f.cpu_pool())).ok());
@@ -373,26 +385,27 @@ TEST_F(CudaBackendTest, SmallWorkspacesSplitEveryRequest) {
     for (size_t i = 0; i < device.size(); ++i) differing += device[i] != f.cpu_pool().base[i];
     EXPECT_LE(differing, device.size() / 10000);
   }
-  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32}, 3000, {1, 4, 40}, small->get());
+  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32}, Tokens(3000), {1, 4, 40}, small->get());
 }
 
 TEST_F(CudaBackendTest, ConcurrentCallsGiveTheSerialResults) {
-  Fixture f({"turboquant_3bit_nc", 128, 16, 8, 32, 1}, 2000, cpu_, gpu_);
+  const int tokens = Tokens(2000);
+  Fixture f({"turboquant_3bit_nc", 128, 16, 8, 32, 1}, tokens, cpu_, gpu_);
   f.Build();
   ASSERT_FALSE(HasFatalFailure());
   ASSERT_TRUE(gpu_->Store(f.Store(f.gpu_pool())).ok());
   const int d = 128, qh = 32;
   const std::vector<float> q = Gaussian(static_cast<size_t>(qh) * d, 9);
   std::vector<float> expected(q.size());
-  AttendItem item{f.block_table().data(), 2000, 0, 1, q.data(), expected.data(), nullptr};
+  AttendItem item{f.block_table().data(), tokens, 0, 1, q.data(), expected.data(), nullptr};
   ASSERT_TRUE(gpu_->Attend(AttendParams{&f.layout(), f.gpu_pool(), {&item, 1}, 0.088f}).ok());
-  std::vector<std::vector<float>> outs(8, std::vector<float>(q.size()));
+  std::vector<std::vector<float>> outs(kEmulated ? 3 : 8, std::vector<float>(q.size()));
   std::vector<std::thread> threads;
   std::vector<absl::Status> statuses(outs.size());
   for (size_t i = 0; i < outs.size(); ++i) {
     threads.emplace_back([&, i] {
-      for (int repeat = 0; repeat < 5; ++repeat) {
-        AttendItem mine{f.block_table().data(), 2000, 0, 1, q.data(), outs[i].data(), nullptr};
+      for (int repeat = 0; repeat < (kEmulated ? 2 : 5); ++repeat) {
+        AttendItem mine{f.block_table().data(), tokens, 0, 1, q.data(), outs[i].data(), nullptr};
         statuses[i] = gpu_->Attend(AttendParams{&f.layout(), f.gpu_pool(), {&mine, 1}, 0.088f});
       }
     });

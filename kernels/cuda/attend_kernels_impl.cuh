@@ -1,0 +1,786 @@
+// Kernel bodies and launchers of kernels/cuda/attend_kernels.cuh, written once for two compilers:
+// nvcc (the .cu file of the same name includes this) and the host emulation
+// of tests/gpu (kernels/cuda/emulation/), which runs the same source on CPU
+// fibers. Device features come from device_compat.cuh only.
+#ifndef TQKV_KERNELS_CUDA_ATTEND_KERNELS_IMPL_CUH_
+#define TQKV_KERNELS_CUDA_ATTEND_KERNELS_IMPL_CUH_
+
+#include "kernels/cuda/attend_kernels.cuh"
+#include "kernels/cuda/device_compat.cuh"
+
+#include <cfloat>
+
+#include "kernels/bitpack.h"
+#include "kernels/cuda/warp_rotation.cuh"
+#include "kernels/float_formats.h"
+
+namespace tqkv {
+namespace cuda {
+namespace {
+
+constexpr int kWarps = kAttendThreads / 32;
+constexpr int kCentroidTable = 256;  // up to 8-bit codebooks
+
+struct TokenAddress {
+  const uint8_t* page;
+  int slot;
+};
+
+__device__ __forceinline__ TokenAddress Locate(const PoolView& v, const int32_t* block_table, int t) {
+  int page_index, slot;
+  if (v.page_shift >= 0) {
+    page_index = t >> v.page_shift;
+    slot = t & (v.page_tokens - 1);
+  } else {
+    page_index = t / v.page_tokens;
+    slot = t - page_index * v.page_tokens;
+  }
+  return {v.pool + static_cast<uint64_t>(block_table[page_index]) * v.page_bytes, slot};
+}
+
+__device__ __forceinline__ float Bf16BitsToFloat(uint32_t bits) { return __uint_as_float(bits << 16); }
+
+// ---------------------------------------------------------------------------
+// Keys: a token's key is read by L lanes (L a power of two), each taking one
+// group of up to 32 coordinates of one part; their partial dot products are
+// summed with shuffles.
+
+__host__ __device__ __forceinline__ int CeilDiv(int a, int b) { return (a + b - 1) / b; }
+
+__host__ __device__ __forceinline__ int KeyGroups(const DeviceField& f, int head_dim) {
+  if (f.format != DeviceFieldFormat::kTurboQuant) return CeilDiv(head_dim, 32);
+  int groups = 0;
+  for (int p = 0; p < f.num_parts; ++p) groups += CeilDiv(f.parts[p].dim, 32);
+  return groups;
+}
+
+__host__ __device__ __forceinline__ int LanesPerToken(int groups) {
+  int lanes = 1;
+  while (lanes < groups) lanes *= 2;
+  return lanes;
+}
+
+template <int kBits>
+__device__ __forceinline__ uint32_t CodeAt(const uint32_t (&w)[kBits], int j) {
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  const int bit = j * kBits;
+  const int k = bit >> 5;
+  const int shift = bit & 31;
+  if (shift + kBits <= 32) return (w[k] >> shift) & kMask;
+  return __funnelshift_r(w[k], w[k + 1], shift) & kMask;
+}
+
+__device__ __forceinline__ uint32_t LoadWord(const uint8_t* p, bool aligned) {
+  if (aligned) return *reinterpret_cast<const uint32_t*>(p);
+  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+}
+
+// dot[r] += sum_j q[r][j] * centroids[code_j] over `count` (a multiple of 4,
+// <= 32) coordinates whose kBits-bit codes start at `codes`.
+template <int kBits, int kRows>
+__device__ __forceinline__ void DotCentroids(const uint8_t* codes, bool aligned, int count,
+                                             const float* centroids, const float* q, int q_stride,
+                                             float (&dot)[kRows]) {
+  uint32_t w[kBits];
+#pragma unroll
+  for (int k = 0; k < kBits; ++k) w[k] = LoadWord(codes + 4 * k, aligned);
+#pragma unroll
+  for (int j0 = 0; j0 < 32; j0 += 4) {
+    if (j0 < count) {
+      const float c0 = centroids[CodeAt<kBits>(w, j0)];
+      const float c1 = centroids[CodeAt<kBits>(w, j0 + 1)];
+      const float c2 = centroids[CodeAt<kBits>(w, j0 + 2)];
+      const float c3 = centroids[CodeAt<kBits>(w, j0 + 3)];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float4 qv = *reinterpret_cast<const float4*>(q + r * q_stride + j0);
+        dot[r] = fmaf(qv.x, c0, dot[r]);
+        dot[r] = fmaf(qv.y, c1, dot[r]);
+        dot[r] = fmaf(qv.z, c2, dot[r]);
+        dot[r] = fmaf(qv.w, c3, dot[r]);
+      }
+    }
+  }
+}
+
+// Any code width: one code at a time from the bit stream.
+template <int kRows>
+__device__ __forceinline__ void DotCentroidsGeneric(const uint8_t* part_codes, int first, int bits,
+                                                    int count, const float* centroids,
+                                                    const float* q, int q_stride,
+                                                    float (&dot)[kRows]) {
+  for (int j = 0; j < count; ++j) {
+    const float c = centroids[PackedCodeAt(part_codes, first + j, bits)];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) dot[r] = fmaf(q[r * q_stride + j], c, dot[r]);
+  }
+}
+
+// dot[r] += sum over 8 raw coordinates v[0..8).
+template <int kRows>
+__device__ __forceinline__ void Dot8(const float (&v)[8], const float* q, int q_stride,
+                                     float (&dot)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float4 a = *reinterpret_cast<const float4*>(q + r * q_stride);
+    const float4 b = *reinterpret_cast<const float4*>(q + r * q_stride + 4);
+    dot[r] = fmaf(a.x, v[0], dot[r]);
+    dot[r] = fmaf(a.y, v[1], dot[r]);
+    dot[r] = fmaf(a.z, v[2], dot[r]);
+    dot[r] = fmaf(a.w, v[3], dot[r]);
+    dot[r] = fmaf(b.x, v[4], dot[r]);
+    dot[r] = fmaf(b.y, v[5], dot[r]);
+    dot[r] = fmaf(b.z, v[6], dot[r]);
+    dot[r] = fmaf(b.w, v[7], dot[r]);
+  }
+}
+
+// Eight raw coordinates of a 16-bit or fp8 field.
+template <DeviceFieldFormat kFormat>
+__device__ __forceinline__ void LoadRaw8(const uint8_t* codes, const float* fp8_table, float (&v)[8]) {
+  if constexpr (kFormat == DeviceFieldFormat::kFp8) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(codes);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      v[k] = fp8_table[(raw.x >> (8 * k)) & 0xffu];
+      v[k + 4] = fp8_table[(raw.y >> (8 * k)) & 0xffu];
+    }
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(codes);
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (kFormat == DeviceFieldFormat::kBf16) {
+        v[2 * k] = Bf16BitsToFloat(words[k] & 0xffffu);
+        v[2 * k + 1] = Bf16BitsToFloat(words[k] >> 16);
+      } else {
+        v[2 * k] = HalfBitsToFloat(words[k] & 0xffffu);
+        v[2 * k + 1] = HalfBitsToFloat(words[k] >> 16);
+      }
+    }
+  }
+}
+
+// The shared tables a block reads codes through.
+struct BlockTables {
+  float key_centroids[kMaxDeviceParts][kCentroidTable];
+  float value_centroids[kCentroidTable];
+  float fp8[256];
+};
+
+__device__ void LoadTables(const DeviceHead& head, BlockTables& t) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) t.fp8[i] = Fp8E4m3ToFloat(static_cast<uint8_t>(i));
+  if (head.key.format == DeviceFieldFormat::kTurboQuant) {
+    for (int p = 0; p < head.key.num_parts; ++p) {
+      const int levels = 1 << head.key.parts[p].bits;
+      for (int i = threadIdx.x; i < levels; i += blockDim.x) {
+        t.key_centroids[p][i] = head.key.parts[p].centroids[i];
+      }
+    }
+  }
+  if (head.value.format == DeviceFieldFormat::kTurboQuant) {
+    const int levels = 1 << head.value.parts[0].bits;
+    for (int i = threadIdx.x; i < levels; i += blockDim.x) {
+      t.value_centroids[i] = head.value.parts[0].centroids[i];
+    }
+  }
+}
+
+// This lane's share of one token's logits: dot[r] += <q_r, key> over group g.
+template <DeviceFieldFormat kKey, int kRows>
+__device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim, const BlockTables& t,
+                                            const uint8_t* page, int slot, int g, const float* s_q,
+                                            int q_stride, float (&dot)[kRows]) {
+  const uint8_t* codes = page + key.codes_offset + static_cast<uint64_t>(slot) * key.code_bytes;
+  if constexpr (kKey == DeviceFieldFormat::kTurboQuant) {
+    const int groups0 = CeilDiv(key.parts[0].dim, 32);
+    const int p = g < groups0 ? 0 : 1;
+    const int gg = g < groups0 ? g : g - groups0;
+    const DevicePart& part = key.parts[p];
+    const int base = gg * 32;
+    const int count = min(32, part.dim - base);
+    const float* q = s_q + part.state_offset + base;
+    const uint8_t* part_codes = codes + part.code_offset;
+    const bool aligned = ((key.code_bytes | part.code_offset) & 3) == 0;
+    float part_dot[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) part_dot[r] = 0.0f;
+    const float* centroids = t.key_centroids[p];
+    switch (part.bits) {
+      case 2:
+        DotCentroids<2, kRows>(part_codes + base / 4, aligned, count, centroids, q, q_stride, part_dot);
+        break;
+      case 3:
+        DotCentroids<3, kRows>(part_codes + base * 3 / 8, aligned, count, centroids, q, q_stride, part_dot);
+        break;
+      case 4:
+        DotCentroids<4, kRows>(part_codes + base / 2, aligned, count, centroids, q, q_stride, part_dot);
+        break;
+      default:
+        DotCentroidsGeneric<kRows>(part_codes, base, part.bits, count, centroids, q, q_stride, part_dot);
+    }
+    const uint16_t* scalars = reinterpret_cast<const uint16_t*>(page + key.scalars_offset) +
+                              static_cast<int64_t>(slot) * key.num_scalars;
+    const float scale = HalfBitsToFloat(scalars[part.scalar_index]);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) dot[r] = fmaf(scale, part_dot[r], dot[r]);
+  } else {
+    const int base = g * 32;
+    const int count = min(32, head_dim - base);
+    constexpr int kBytes = kKey == DeviceFieldFormat::kFp8 ? 1 : 2;
+#pragma unroll
+    for (int c8 = 0; c8 < 4; ++c8) {
+      if (c8 * 8 < count) {
+        float v[8];
+        LoadRaw8<kKey>(codes + (base + c8 * 8) * kBytes, t.fp8, v);
+        Dot8<kRows>(v, s_q + base + c8 * 8, q_stride, dot);
+      }
+    }
+  }
+}
+
+// Logits of tokens [tile_begin, tile_begin + count) for the block's rows into
+// s_logit[r * kAttendTile + k]; -inf for masked tokens (t >= visible[r]) and
+// past `count`.
+template <DeviceFieldFormat kKey, int kRows>
+__device__ void ScoreTile(const PoolView& view, const DeviceField& key, const BlockTables& t,
+                          const int32_t* block_table, int tile_begin, int count, const int* visible,
+                          const float* s_q, int q_stride, float* s_logit) {
+  const int groups = KeyGroups(key, view.head_dim);
+  const int lanes = LanesPerToken(groups);
+  const int tokens_per_step = kAttendThreads / lanes;
+  const int slot_in_step = threadIdx.x / lanes;
+  const int g = threadIdx.x % lanes;
+  for (int step = 0; step * tokens_per_step < kAttendTile; ++step) {
+    const int k = step * tokens_per_step + slot_in_step;
+    float dot[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) dot[r] = 0.0f;
+    if (k < count && g < groups) {
+      const TokenAddress at = Locate(view, block_table, tile_begin + k);
+      KeyGroupDot<kKey, kRows>(key, view.head_dim, t, at.page, at.slot, g, s_q, q_stride, dot);
+    }
+    for (int offset = lanes / 2; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) dot[r] += __shfl_xor_sync(kFullWarp, dot[r], offset);
+    }
+    if (g == 0 && k < kAttendTile) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        s_logit[r * kAttendTile + k] = (k < count && tile_begin + k < visible[r]) ? dot[r] : -INFINITY;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Values: each lane owns 8 consecutive coordinates of every row and a share
+// of the tile's tokens.
+
+template <int kBits>
+__device__ __forceinline__ uint64_t LoadChunk(const uint8_t* p, bool aligned4) {
+  if constexpr (kBits == 4) {
+    if (aligned4) return *reinterpret_cast<const uint32_t*>(p);
+  }
+  uint64_t w = 0;
+#pragma unroll
+  for (int b = 0; b < kBits; ++b) w |= static_cast<uint64_t>(p[b]) << (8 * b);
+  return w;
+}
+
+// Eight codes (kBits each) of chunk `chunk` of a packed field, as floats:
+// codebook centroids (kCentroids) or the code values themselves.
+template <int kBits, bool kCentroids>
+__device__ __forceinline__ void DecodeChunk(const uint8_t* codes, int chunk, bool aligned4,
+                                            const float* centroids, float (&v)[8]) {
+  const uint64_t w = LoadChunk<kBits>(codes + chunk * kBits, aligned4);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t code = static_cast<uint32_t>(w >> (k * kBits)) & ((1u << kBits) - 1u);
+    v[k] = kCentroids ? centroids[code] : static_cast<float>(code);
+  }
+}
+
+template <bool kCentroids>
+__device__ __forceinline__ void DecodeChunkAnyBits(const uint8_t* codes, int chunk, int bits,
+                                                   bool aligned4, const float* centroids,
+                                                   float (&v)[8]) {
+  switch (bits) {
+    case 2:
+      return DecodeChunk<2, kCentroids>(codes, chunk, aligned4, centroids, v);
+    case 3:
+      return DecodeChunk<3, kCentroids>(codes, chunk, aligned4, centroids, v);
+    case 4:
+      return DecodeChunk<4, kCentroids>(codes, chunk, aligned4, centroids, v);
+    case 8:
+      return DecodeChunk<8, kCentroids>(codes, chunk, aligned4, centroids, v);
+    default:
+      for (int k = 0; k < 8; ++k) {
+        const uint32_t code = PackedCodeAt(codes, chunk * 8 + k, bits);
+        v[k] = kCentroids ? centroids[code] : static_cast<float>(code);
+      }
+  }
+}
+
+// acc[r][k] += p[r][token] * value[token][chunk * 8 + k] (uniform: the zero
+// point's share goes to zero_acc[r], added to every coordinate at the end).
+template <DeviceFieldFormat kValue, int kRows>
+__device__ __forceinline__ void AccumulateToken(const DeviceField& value, const BlockTables& t,
+                                                const uint8_t* page, int slot, int chunk,
+                                                const float* s_p, int k, float (&acc)[kRows][8],
+                                                float (&zero_acc)[kRows]) {
+  const uint8_t* codes = page + value.codes_offset + static_cast<uint64_t>(slot) * value.code_bytes;
+  float p[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) p[r] = s_p[r * kAttendTile + k];
+  float v[8];
+  if constexpr (kValue == DeviceFieldFormat::kUniform || kValue == DeviceFieldFormat::kTurboQuant) {
+    constexpr bool kCentroids = kValue == DeviceFieldFormat::kTurboQuant;
+    const bool aligned4 = (value.code_bytes & 3) == 0;
+    DecodeChunkAnyBits<kCentroids>(codes, chunk, value.bits, aligned4, t.value_centroids, v);
+    const uint16_t* scalars = reinterpret_cast<const uint16_t*>(page + value.scalars_offset) +
+                              static_cast<int64_t>(slot) * value.num_scalars;
+    const float scale = HalfBitsToFloat(scalars[0]);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float ps = p[r] * scale;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(ps, v[e], acc[r][e]);
+    }
+    if constexpr (kValue == DeviceFieldFormat::kUniform) {
+      const float zero = HalfBitsToFloat(scalars[1]);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) zero_acc[r] = fmaf(p[r], zero, zero_acc[r]);
+    }
+  } else {
+    constexpr int kBytes = kValue == DeviceFieldFormat::kFp8 ? 1 : 2;
+    LoadRaw8<kValue>(codes + chunk * 8 * kBytes, t.fp8, v);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[r][e] = fmaf(p[r], v[e], acc[r][e]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The fused decode kernel.
+
+// Dynamic shared memory: queries [kRows][head_dim] (+32 floats of zeros past
+// the end), logits / probabilities [kRows][kAttendTile], output [kRows][head_dim].
+__host__ __device__ constexpr size_t AttendSharedBytes(int rows, int head_dim) {
+  return sizeof(float) * (static_cast<size_t>(rows) * head_dim * 2 + 32 +
+                          static_cast<size_t>(rows) * kAttendTile);
+}
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kRows>
+__global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParams p) {
+  float* shared = DynamicSharedFloats();
+  __shared__ BlockTables tables;
+  __shared__ int visible[kRows];
+  __shared__ float row_max[kRows], row_sum[kRows], row_alpha[kRows];
+
+  const PoolView& view = p.view;
+  const int d = view.head_dim;
+  const AttendBlock b = p.blocks[blockIdx.x];
+  const AttendItemDesc item = p.items[b.item];
+  const DeviceHead& head = view.heads[item.layer * view.num_kv_heads + b.kv_head];
+  const int group = view.num_query_heads / view.num_kv_heads;
+  const int32_t* block_table = p.block_tables + item.block_table;
+
+  float* s_q = shared;
+  float* s_logit = s_q + kRows * d + 32;
+  float* s_out = s_logit + kRows * kAttendTile;
+
+  LoadTables(head, tables);
+  for (int i = threadIdx.x; i < kRows * d + 32; i += kAttendThreads) {
+    const int r = i / d;
+    float q = 0.0f;
+    if (r < b.rows) {
+      const int row = b.row0 + r;
+      const int token = row / group;
+      const int h = b.kv_head * group + row % group;
+      q = p.prepared[(item.query_row + static_cast<int64_t>(token) * view.num_query_heads + h) * d + i % d];
+    }
+    s_q[i] = q;
+  }
+  for (int i = threadIdx.x; i < kRows * d; i += kAttendThreads) s_out[i] = 0.0f;
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x;
+    const int token = (b.row0 + r) / group;
+    // Rows past b.rows see nothing; they only pad the instance's row count.
+    visible[r] = r < b.rows ? item.context_tokens - item.num_query_tokens + 1 + token : 0;
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.0f;
+  }
+  __syncthreads();
+
+  const int chunks = d / 8;
+  const int value_slots = kAttendThreads / chunks;
+  const int value_slot = threadIdx.x / chunks;
+  const int chunk = threadIdx.x % chunks;
+  float acc[kRows][8];
+  float zero_acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    zero_acc[r] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[r][e] = 0.0f;
+  }
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int tile = b.token_begin; tile < b.token_end; tile += kAttendTile) {
+    const int count = min(kAttendTile, b.token_end - tile);
+    ScoreTile<kKey, kRows>(view, head.key, tables, block_table, tile, count, visible, s_q, d, s_logit);
+    __syncthreads();
+    // Online softmax, one warp per row: the tile's max, its probabilities
+    // relative to the new running max, and the factor for what came before.
+    for (int r = warp; r < kRows; r += kWarps) {
+      float* logit = s_logit + r * kAttendTile;
+      float tile_max = -INFINITY;
+      for (int k = lane; k < kAttendTile; k += 32) tile_max = fmaxf(tile_max, logit[k]);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullWarp, tile_max, offset));
+      }
+      const float old_max = row_max[r];
+      const float new_max = fmaxf(old_max, tile_max);
+      float sum = 0.0f;
+      for (int k = lane; k < kAttendTile; k += 32) {
+        const float x = logit[k];
+        const float e = x == -INFINITY ? 0.0f : expf(x - new_max);
+        logit[k] = e;
+        sum += e;
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFullWarp, sum, offset);
+      __syncwarp();
+      if (lane == 0) {
+        const float alpha = old_max == -INFINITY ? 0.0f : expf(old_max - new_max);
+        row_alpha[r] = alpha;
+        row_sum[r] = row_sum[r] * alpha + sum;
+        row_max[r] = new_max;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float alpha = row_alpha[r];
+      zero_acc[r] *= alpha;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[r][e] *= alpha;
+    }
+    if (value_slot < value_slots) {
+      for (int k = value_slot; k < count; k += value_slots) {
+        const TokenAddress at = Locate(view, block_table, tile + k);
+        AccumulateToken<kValue, kRows>(head.value, tables, at.page, at.slot, chunk, s_logit, k, acc,
+                                       zero_acc);
+      }
+    }
+    __syncthreads();
+  }
+
+  // Sum the token slots' accumulators in a fixed order.
+  for (int s = 0; s < value_slots; ++s) {
+    if (value_slot == s) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s_out[r * d + chunk * 8 + e] += acc[r][e] + zero_acc[r];
+      }
+    }
+    __syncthreads();
+  }
+  float* stats = p.partial_stats + static_cast<int64_t>(b.partial) * kMaxBlockRows * 2;
+  float* out = p.partial_acc + static_cast<int64_t>(b.partial) * kMaxBlockRows * d;
+  for (int i = threadIdx.x; i < b.rows * d; i += kAttendThreads) out[i] = s_out[i];
+  const int r = static_cast<int>(threadIdx.x);
+  if (r < b.rows) {
+    stats[2 * r] = row_max[r];
+    stats[2 * r + 1] = row_sum[r];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Merge: one warp per (unit, row).
+
+struct MergeScratch {
+  float x[kMaxDeviceHeadDim];
+  float y[kMaxDeviceHeadDim];
+  float tmp[kMaxDeviceHeadDim];
+};
+
+__global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
+  __shared__ MergeScratch scratch[kWarps];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t global_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t u = global_warp / kMaxBlockRows;
+  const int r = static_cast<int>(global_warp % kMaxBlockRows);
+  if (u >= p.num_units) return;
+  const MergeUnit unit = p.units[u];
+  if (r >= unit.rows) return;
+  const PoolView& view = p.view;
+  const int d = view.head_dim;
+  const AttendItemDesc item = p.items[unit.item];
+  const int group = view.num_query_heads / view.num_kv_heads;
+  const int row = unit.row0 + r;
+  const int token = row / group;
+  const int h = unit.kv_head * group + row % group;
+  const int64_t out_row = item.query_row + static_cast<int64_t>(token) * view.num_query_heads + h;
+  MergeScratch& s = scratch[warp];
+
+  float global_max = -INFINITY;
+  for (int k = 0; k < unit.num_splits; ++k) {
+    global_max = fmaxf(global_max, p.partial_stats[(static_cast<int64_t>(unit.first_partial + k) * kMaxBlockRows + r) * 2]);
+  }
+  float total = 0.0f;
+  for (int k = 0; k < unit.num_splits; ++k) {
+    const float* stats = p.partial_stats + (static_cast<int64_t>(unit.first_partial + k) * kMaxBlockRows + r) * 2;
+    if (stats[0] != -INFINITY) total += stats[1] * expf(stats[0] - global_max);
+  }
+  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+  for (int j = lane; j < d; j += 32) {
+    float sum = 0.0f;
+    for (int k = 0; k < unit.num_splits; ++k) {
+      const int64_t partial = unit.first_partial + k;
+      const float m = p.partial_stats[(partial * kMaxBlockRows + r) * 2];
+      if (m == -INFINITY) continue;
+      sum += p.partial_acc[(partial * kMaxBlockRows + r) * d + j] * expf(m - global_max);
+    }
+    s.x[j] = sum * inv_total;
+  }
+  __syncwarp();
+  const DeviceField& value = view.heads[item.layer * view.num_kv_heads + unit.kv_head].value;
+  float* out = p.output + out_row * d;
+  if (value.format == DeviceFieldFormat::kTurboQuant) {
+    for (int part_index = 0; part_index < value.num_parts; ++part_index) {
+      const DevicePart& part = value.parts[part_index];
+      for (int k = lane; k < part.dim; k += 32) s.y[k] = s.x[part.state_offset + k];
+      __syncwarp();
+      WarpRotateInverse(part.rotation, s.y, s.tmp, lane);
+      for (int k = lane; k < part.dim; k += 32) out[part.channels != nullptr ? part.channels[k] : k] = s.y[k];
+      __syncwarp();
+    }
+  } else {
+    for (int j = lane; j < d; j += 32) out[j] = s.x[j];
+  }
+  if (lane == 0 && p.lse != nullptr) p.lse[out_row] = total > 0.0f ? global_max + logf(total) : -INFINITY;
+}
+
+// ---------------------------------------------------------------------------
+// Query preparation: one warp per row.
+
+__global__ void __launch_bounds__(kAttendThreads) PrepareKernel(PrepareParams p) {
+  __shared__ MergeScratch scratch[kWarps];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (row >= p.num_rows) return;
+  const int d = p.view.head_dim;
+  const DeviceField& key = p.view.heads[p.head_of_row[row]].key;
+  MergeScratch& s = scratch[warp];
+  const float* q = p.queries + row * d;
+  float* out = p.prepared + row * d;
+  if (key.format != DeviceFieldFormat::kTurboQuant) {
+    for (int j = lane; j < d; j += 32) out[j] = q[j] * p.scale;
+    return;
+  }
+  for (int part_index = 0; part_index < key.num_parts; ++part_index) {
+    const DevicePart& part = key.parts[part_index];
+    for (int k = lane; k < part.dim; k += 32) s.y[k] = q[part.channels != nullptr ? part.channels[k] : k];
+    __syncwarp();
+    WarpRotateForward(part.rotation, s.y, s.tmp, lane);
+    for (int k = lane; k < part.dim; k += 32) out[part.state_offset + k] = s.y[k] * p.scale;
+    __syncwarp();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// ScoreQuery: logits of one layer's query heads over a token range.
+// grid.x: tiles of kAttendTile tokens; grid.y: KV head * row chunks.
+
+template <DeviceFieldFormat kKey, int kRows>
+__global__ void __launch_bounds__(kAttendThreads) ScoreKernel(ScoreKernelParams p) {
+  float* shared = DynamicSharedFloats();
+  __shared__ BlockTables tables;
+  __shared__ int visible[kRows];
+  const PoolView& view = p.view;
+  const int d = view.head_dim;
+  const int group = view.num_query_heads / view.num_kv_heads;
+  const int chunks_per_head = (group + kRows - 1) / kRows;
+  const int kv = blockIdx.y / chunks_per_head;
+  const int row0 = (blockIdx.y % chunks_per_head) * kRows;
+  const int rows = min(kRows, group - row0);
+  const DeviceHead& head = view.heads[p.layer * view.num_kv_heads + kv];
+  float* s_q = shared;
+  float* s_logit = s_q + kRows * d + 32;
+  LoadTables(head, tables);
+  for (int i = threadIdx.x; i < kRows * d + 32; i += kAttendThreads) {
+    const int r = i / d;
+    s_q[i] = r < rows ? p.prepared[static_cast<int64_t>(kv * group + row0 + r) * d + i % d] : 0.0f;
+  }
+  if (threadIdx.x < kRows) visible[threadIdx.x] = p.token_end;
+  __syncthreads();
+  const int tile = p.token_begin + blockIdx.x * kAttendTile;
+  const int count = min(kAttendTile, p.token_end - tile);
+  ScoreTile<kKey, kRows>(view, head.key, tables, p.block_table, tile, count, visible, s_q, d, s_logit);
+  __syncthreads();
+  const int64_t columns = p.token_end - p.token_begin;
+  for (int r = 0; r < rows; ++r) {
+    for (int k = threadIdx.x; k < count; k += kAttendThreads) {
+      p.logits[static_cast<int64_t>(kv * group + row0 + r) * columns + (tile - p.token_begin) + k] =
+          s_logit[r * kAttendTile + k];
+    }
+  }
+}
+
+// The instances: the (key, value) pairs that presets use.
+struct VariantFormats {
+  DeviceFieldFormat key;
+  DeviceFieldFormat value;
+};
+constexpr VariantFormats kVariants[] = {
+    {DeviceFieldFormat::kFp16, DeviceFieldFormat::kFp16},
+    {DeviceFieldFormat::kBf16, DeviceFieldFormat::kBf16},
+    {DeviceFieldFormat::kFp8, DeviceFieldFormat::kFp8},
+    {DeviceFieldFormat::kFp8, DeviceFieldFormat::kUniform},
+    {DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kUniform},
+    {DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kTurboQuant},
+};
+constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+cudaError_t LaunchAttendRows(int block_rows, const AttendKernelParams& params, cudaStream_t stream) {
+  const size_t shared = AttendSharedBytes(block_rows, params.view.head_dim);
+  const dim3 grid(static_cast<unsigned>(params.num_blocks));
+  void (*kernel)(AttendKernelParams) = nullptr;
+  switch (block_rows) {
+    case 1:
+      kernel = AttendKernel<kKey, kValue, 1>;
+      break;
+    case 2:
+      kernel = AttendKernel<kKey, kValue, 2>;
+      break;
+    case 4:
+      kernel = AttendKernel<kKey, kValue, 4>;
+      break;
+    case 8:
+      kernel = AttendKernel<kKey, kValue, 8>;
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  TQKV_LAUNCH(kernel, grid, kAttendThreads, shared, stream, params);
+  return cudaGetLastError();
+}
+
+template <DeviceFieldFormat kKey>
+cudaError_t LaunchScoreRows(int block_rows, const ScoreKernelParams& params, cudaStream_t stream) {
+  const int group = params.view.num_query_heads / params.view.num_kv_heads;
+  const int chunks = (group + block_rows - 1) / block_rows;
+  const int tokens = params.token_end - params.token_begin;
+  const dim3 grid(static_cast<unsigned>((tokens + kAttendTile - 1) / kAttendTile),
+                  static_cast<unsigned>(params.view.num_kv_heads * chunks));
+  // Score blocks hold no output accumulator, but the layout is shared.
+  const size_t shared = AttendSharedBytes(block_rows, params.view.head_dim);
+  void (*kernel)(ScoreKernelParams) = nullptr;
+  switch (block_rows) {
+    case 1:
+      kernel = ScoreKernel<kKey, 1>;
+      break;
+    case 2:
+      kernel = ScoreKernel<kKey, 2>;
+      break;
+    case 4:
+      kernel = ScoreKernel<kKey, 4>;
+      break;
+    case 8:
+      kernel = ScoreKernel<kKey, 8>;
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  TQKV_LAUNCH(kernel, grid, kAttendThreads, shared, stream, params);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int AttendVariant(DeviceFieldFormat key, DeviceFieldFormat value) {
+  for (int v = 0; v < kNumVariants; ++v) {
+    if (kVariants[v].key == key && kVariants[v].value == value) return v;
+  }
+  return -1;
+}
+
+bool ScoreSupported(DeviceFieldFormat key) { return key != DeviceFieldFormat::kUniform; }
+
+int BlockRowsFor(int rows) {
+  if (rows <= 1) return 1;
+  if (rows <= 2) return 2;
+  if (rows <= 4) return 4;
+  return kMaxBlockRows;
+}
+
+cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream) {
+  if (params.num_rows == 0) return cudaSuccess;
+  const int64_t blocks = (params.num_rows + kWarps - 1) / kWarps;
+  TQKV_LAUNCH(PrepareKernel, static_cast<unsigned>(blocks), kAttendThreads, 0, stream, params);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAttend(int variant, int block_rows, const AttendKernelParams& params,
+                         cudaStream_t stream) {
+  if (params.num_blocks == 0) return cudaSuccess;
+  switch (variant) {
+    case 0:
+      return LaunchAttendRows<DeviceFieldFormat::kFp16, DeviceFieldFormat::kFp16>(block_rows, params, stream);
+    case 1:
+      return LaunchAttendRows<DeviceFieldFormat::kBf16, DeviceFieldFormat::kBf16>(block_rows, params, stream);
+    case 2:
+      return LaunchAttendRows<DeviceFieldFormat::kFp8, DeviceFieldFormat::kFp8>(block_rows, params, stream);
+    case 3:
+      return LaunchAttendRows<DeviceFieldFormat::kFp8, DeviceFieldFormat::kUniform>(block_rows, params, stream);
+    case 4:
+      return LaunchAttendRows<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kUniform>(block_rows, params,
+                                                                                         stream);
+    case 5:
+      return LaunchAttendRows<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kTurboQuant>(block_rows, params,
+                                                                                            stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream) {
+  if (params.num_units == 0) return cudaSuccess;
+  const int64_t warps = static_cast<int64_t>(params.num_units) * kMaxBlockRows;
+  TQKV_LAUNCH(MergeKernel, static_cast<unsigned>((warps + kWarps - 1) / kWarps), kAttendThreads, 0, stream, params);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream) {
+  if (params.token_end <= params.token_begin) return cudaSuccess;
+  const int group = params.view.num_query_heads / params.view.num_kv_heads;
+  const int block_rows = BlockRowsFor(group);
+  switch (key) {
+    case DeviceFieldFormat::kFp16:
+      return LaunchScoreRows<DeviceFieldFormat::kFp16>(block_rows, params, stream);
+    case DeviceFieldFormat::kBf16:
+      return LaunchScoreRows<DeviceFieldFormat::kBf16>(block_rows, params, stream);
+    case DeviceFieldFormat::kFp8:
+      return LaunchScoreRows<DeviceFieldFormat::kFp8>(block_rows, params, stream);
+    case DeviceFieldFormat::kTurboQuant:
+      return LaunchScoreRows<DeviceFieldFormat::kTurboQuant>(block_rows, params, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cuda
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_CUDA_ATTEND_KERNELS_IMPL_CUH_

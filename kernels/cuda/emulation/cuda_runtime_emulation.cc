@@ -1,0 +1,156 @@
+// The CUDA runtime calls tqkv makes, for the emulated device: device memory is
+// host memory, copies are memcpy, streams run in order at once, events read
+// the host clock, and kernels run through emulated_device.h. One device,
+// "tqkv CUDA emulator", with 4 multiprocessors (so that the decode planner
+// splits even short contexts) and 16 GiB.
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+struct CUstream_st {};
+struct CUevent_st {
+  double seconds = 0.0;
+};
+
+namespace {
+
+constexpr int kMultiprocessors = 4;
+constexpr size_t kDeviceBytes = size_t{16} << 30;
+thread_local cudaError_t last_error = cudaSuccess;
+
+cudaError_t Fail(cudaError_t error) {
+  last_error = error;
+  return error;
+}
+
+void* Allocate(size_t bytes) { return std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256); }
+
+}  // namespace
+
+extern "C" {
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : Fail(cudaErrorInvalidDevice); }
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  if (device != 0) return Fail(cudaErrorInvalidDevice);
+  std::memset(prop, 0, sizeof(*prop));
+  std::strncpy(prop->name, "tqkv CUDA emulator", sizeof(prop->name) - 1);
+  prop->major = 9;
+  prop->minor = 0;
+  prop->totalGlobalMem = kDeviceBytes;
+  prop->multiProcessorCount = kMultiprocessors;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (device != 0) return Fail(cudaErrorInvalidDevice);
+  *value = attr == cudaDevAttrMultiProcessorCount ? kMultiprocessors : 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void** ptr, size_t size) {
+  if (size > kDeviceBytes) return Fail(cudaErrorMemoryAllocation);
+  *ptr = Allocate(size);
+  return *ptr != nullptr ? cudaSuccess : Fail(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFree(void* ptr) {
+  std::free(ptr);
+  return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int) {
+  *ptr = Allocate(size);
+  return *ptr != nullptr ? cudaSuccess : Fail(cudaErrorMemoryAllocation);
+}
+
+cudaError_t cudaFreeHost(void* ptr) {
+  std::free(ptr);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind) {
+  std::memmove(dst, src, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind, cudaStream_t) {
+  std::memmove(dst, src, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void* ptr, int value, size_t count) {
+  std::memset(ptr, value, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+  *stream = new CUstream_st();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  delete stream;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  *event = new CUevent_st();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  delete event;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
+  event->seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  *ms = static_cast<float>((end->seconds - start->seconds) * 1e3);
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError(void) {
+  const cudaError_t error = last_error;
+  last_error = cudaSuccess;
+  return error;
+}
+
+const char* cudaGetErrorName(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidDevice:
+      return "cudaErrorInvalidDevice";
+    default:
+      return "cudaError (emulated)";
+  }
+}
+
+const char* cudaGetErrorString(cudaError_t error) { return cudaGetErrorName(error); }
+
+}  // extern "C"
