@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs every Debian package tqkv needs to build and test, skipping those
+# Installs every Debian package tqkv needs to build and test (python3 and
+# python3-venv for the Python client's venv, openssl for the TLS tests), skipping those
 # already present. Safe to run again. Needs root (or sudo) only when something
 # is missing.
 set -euo pipefail
@@ -12,6 +13,7 @@ packages=(
   prometheus-cpp-dev
   libgtest-dev libgmock-dev
   libbenchmark-dev
+  python3 python3-venv openssl
 )
 
 missing=()
