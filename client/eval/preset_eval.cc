@@ -109,8 +109,8 @@ absl::StatusOr<std::vector<NeedleResult>> MeasureNeedles(const EvalInputs& in,
             absl::StrFormat("needle (gap %g, query %d): %s", gap, q, status.message()));
       }
       codec.PrepareQuery(query, state.data());
-      const double needle_approx =
-          scale * codec.Score(state.data(), codes.data(), scalars.empty() ? nullptr : scalars.data());
+      const uint16_t* needle_scalars = scalars.empty() ? nullptr : scalars.data();
+      const double needle_approx = scale * codec.Score(state.data(), codes.data(), needle_scalars);
       // Softmax weight of the needle among the crowd, max-subtracted.
       auto weight = [&](const double* row, double needle_logit) {
         double m = needle_logit;

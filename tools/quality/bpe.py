@@ -69,13 +69,12 @@ class ByteLevelBPE:
                     best, best_rank = i, rank
             if best is None:
                 break
-            merged = parts[best] + parts[best + 1]
+            pair = (parts[best], parts[best + 1])
             # Merge every occurrence of this pair, left to right.
             out, i = [], 0
             while i < len(parts):
-                if i < len(parts) - 1 and parts[i] + parts[i + 1] == merged and \
-                        (parts[i], parts[i + 1]) == (parts[best], parts[best + 1]):
-                    out.append(merged)
+                if i < len(parts) - 1 and (parts[i], parts[i + 1]) == pair:
+                    out.append(pair[0] + pair[1])
                     i += 2
                 else:
                     out.append(parts[i])

@@ -53,9 +53,9 @@ class Config:
 
 
 def rms_norm(x, weight, eps):
-    x64 = x.astype(np.float32)
-    scale = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-    return (x64 * scale * weight).astype(np.float32)
+    x = x.astype(np.float32)
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale * weight).astype(np.float32)
 
 
 def rope_tables(positions, dim, base):

@@ -7,9 +7,11 @@ The server is started with --port 0 (it picks a free port and prints it),
 --metrics_port -1 and --host 127.0.0.1. Every wait is bounded; the process is
 killed when the context exits (SIGTERM, then SIGKILL after `stop_timeout`).
 """
+import ctypes
 import os
 import re
 import signal
+import sys
 import subprocess
 import tempfile
 import time
@@ -17,6 +19,16 @@ import time
 from tqkv.client import Client
 
 _LISTENING = re.compile(rb"listening on [^ ]*:(\d+)")
+
+
+def _die_with_parent():
+    """Runs in the child before exec: SIGTERM it when this process dies, so a
+    crashed test run leaves no server behind (Linux only; best effort)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 class LocalServer:
@@ -55,7 +67,8 @@ class LocalServer:
         self._log_path = os.path.join(self._dir.name, "server.log")
         with open(self._log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+                                            stdin=subprocess.DEVNULL,
+                                            preexec_fn=_die_with_parent)
         deadline = time.monotonic() + self.start_timeout
         while self.port is None:
             self.log = self.read_log()
