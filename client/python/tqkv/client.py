@@ -43,6 +43,13 @@ def route_key(sequence_id: str) -> str:
     return sequence_id.split("/", 1)[0]
 
 
+def _sendable_header_value(value: str) -> bool:
+    """Visible ASCII with inner spaces, nothing at the edges: what an HTTP/2
+    header value may hold."""
+    return (bool(value) and value[0] != " " and value[-1] != " "
+            and all(0x20 <= ord(c) <= 0x7E for c in value))
+
+
 @dataclass
 class SequenceInfo:
     cache: str
@@ -144,7 +151,12 @@ class Client:
     def _metadata(self, sequence_id):
         if sequence_id is None:
             return self._auth
-        return self._auth + ((ROUTE_KEY_HEADER, route_key(sequence_id)),)
+        key = route_key(sequence_id)
+        if not _sendable_header_value(key):
+            # Like the C++ client: a key HTTP/2 cannot carry goes without the
+            # header (the call still works; a router cannot pin it).
+            return self._auth
+        return self._auth + ((ROUTE_KEY_HEADER, key),)
 
     def _call(self, method, request, sequence_id):
         """(response, attempts, error): runs with retries on UNAVAILABLE."""
