@@ -108,6 +108,14 @@ start_server() {
   printf -v "${name}_METRICS_PORT" '%s' "$metrics"
 }
 
+# One server "S" with the small config, answering; C=(--target ...) for the CLI.
+start_small_server() {
+  write_small_config "$WORK/config.txt"
+  start_server S "$SERVER" "$WORK/config.txt" || exit 1
+  C=(--target "127.0.0.1:$S_PORT")
+  wait_until 10 "$TQKV" info "${C[@]}" || fail "server does not answer"
+}
+
 # metric_value PORT NAME [LABEL=VALUE...]: the sum of the series of one
 # metric in a server's /metrics whose labels include all those given (0 when
 # none match; empty output when the scrape fails).

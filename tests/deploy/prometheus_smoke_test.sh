@@ -22,10 +22,7 @@ need prometheus curl python3
 PY=$(yaml_python) || { echo "SKIP: no python3 with PyYAML (scripts/setup.sh installs python3-yaml)"; exit $SKIP; }
 deploy_init
 
-write_small_config "$WORK/config.txt"
-start_server S "$SERVER" "$WORK/config.txt" || exit 1
-C=(--target "127.0.0.1:$S_PORT")
-wait_until 10 "$TQKV" info "${C[@]}" || fail "server does not answer"
+start_small_server
 
 "$TQKV" synth --shape 4,20,2,64 --seed 1 --out "$WORK/k.npy" >/dev/null || fail "synth keys"
 "$TQKV" synth --shape 4,20,2,64 --seed 2 --out "$WORK/v.npy" >/dev/null || fail "synth values"
