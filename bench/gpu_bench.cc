@@ -8,8 +8,9 @@
 // Effective bandwidth counts the key and value bytes the kernels must read
 // (planes of the pages a call touches), against --peak_gbps.
 //
-// Store: a 16384-token prefill of the layer through Store; device time and
-// wall time (with the host-to-device copy of the float32 input).
+// Store: a --prefill_tokens (16384) prefill of the layer through Store;
+// device time and wall time (with the host-to-device copy of the float32
+// input).
 //
 // Prints a table, or JSON with --json. Timings are printed, never asserted.
 #include <cuda_runtime_api.h>
@@ -45,12 +46,16 @@ ABSL_FLAG(int, batch_context, 32768, "Context of the batch sweep (tokens).");
 ABSL_FLAG(double, min_seconds, 0.15, "Least time spent per measurement.");
 ABSL_FLAG(double, peak_gbps, 4800.0, "The device's peak memory bandwidth, GB/s (H200: 4800).");
 ABSL_FLAG(bool, json, false, "Print JSON instead of tables.");
+ABSL_FLAG(int64_t, prefill_tokens, 16384,
+          "Tokens stored through Store (timed), then replicated over the pool; a multiple of 16.");
+ABSL_FLAG(bool, tensor_cores, true,
+          "Decode on the tensor cores where the layout allows (CudaBackendOptions::tensor_cores); false: "
+          "the fp32 CUDA-core kernel.");
 
 namespace tqkv {
 namespace {
 
 constexpr int kKvHeads = 8, kQueryHeads = 32, kHeadDim = 128, kPageTokens = 16;
-constexpr int64_t kTemplateTokens = 16384;
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -105,6 +110,7 @@ struct Point {
 // Runs one preset over every point; false (with a message) on failure.
 bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>& points, int64_t max_tokens,
                std::vector<DecodeRow>* rows, StoreRow* store) {
+  const int64_t kTemplateTokens = absl::GetFlag(FLAGS_prefill_tokens);
   KvLayoutOptions options;
   options.num_layers = 1;
   options.num_kv_heads = kKvHeads;
@@ -204,13 +210,20 @@ bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>&
 }
 
 int Main() {
-  auto backend = MakeCudaBackend();
+  CudaBackendOptions options;
+  options.tensor_cores = absl::GetFlag(FLAGS_tensor_cores);
+  auto backend = MakeCudaBackend(options);
   if (!backend.ok()) {
     std::fprintf(stderr, "tqkv_gpu_bench: %s\n", backend.status().ToString().c_str());
     return 1;
   }
+  const int64_t prefill = absl::GetFlag(FLAGS_prefill_tokens);
+  if (prefill < kPageTokens || prefill % kPageTokens != 0) {
+    std::fprintf(stderr, "tqkv_gpu_bench: --prefill_tokens must be a positive multiple of %d\n", kPageTokens);
+    return 2;
+  }
   std::vector<Point> points;
-  int64_t max_tokens = kTemplateTokens;
+  int64_t max_tokens = prefill;
   for (int64_t c : ParseList(absl::GetFlag(FLAGS_contexts))) {
     points.push_back({"context", c, absl::GetFlag(FLAGS_context_batch)});
   }
@@ -249,7 +262,8 @@ int Main() {
   if (absl::GetFlag(FLAGS_json)) {
     std::printf("{\"device\": \"%s\", \"layer\": \"llama3-8b (8 kv heads, 32 query heads, d=128, page 16)\",\n",
                 (*backend)->device().c_str());
-    std::printf(" \"peak_gbps\": %.0f,\n \"decode\": [\n", absl::GetFlag(FLAGS_peak_gbps));
+    std::printf(" \"peak_gbps\": %.0f, \"tensor_cores\": %s,\n \"decode\": [\n", absl::GetFlag(FLAGS_peak_gbps),
+                absl::GetFlag(FLAGS_tensor_cores) ? "true" : "false");
     for (size_t i = 0; i < rows.size(); ++i) {
       const DecodeRow& r = rows[i];
       std::printf("  {\"preset\": \"%s\", \"sweep\": \"%s\", \"context\": %lld, \"batch\": %d, \"kernel_us\": %.2f, "
@@ -266,8 +280,9 @@ int Main() {
     std::printf(" ]\n}\n");
     return 0;
   }
-  std::printf("device: %s; one Llama-3.1-8B layer, one query token per item, kernel time (CUDA events)\n\n",
-              (*backend)->device().c_str());
+  std::printf("device: %s; one Llama-3.1-8B layer, one query token per item, kernel time (CUDA events); %s\n\n",
+              (*backend)->device().c_str(),
+              absl::GetFlag(FLAGS_tensor_cores) ? "tensor-core decode" : "fp32 CUDA-core decode");
   for (const char* sweep : {"context", "batch"}) {
     std::printf("%s sweep\n%-20s %8s %6s %12s %12s %9s %7s %9s\n", sweep, "preset", "context", "batch",
                 "kernel us", "wall us", "GB/s", "% peak", "x bf16");
@@ -280,7 +295,7 @@ int Main() {
     std::printf("\n");
   }
   std::printf("store: %lld-token prefill of one layer (8 KV heads)\n%-20s %18s %18s\n",
-              static_cast<long long>(kTemplateTokens), "preset", "kernel Mtok/s", "wall Mtok/s");
+              static_cast<long long>(prefill), "preset", "kernel Mtok/s", "wall Mtok/s");
   for (const StoreRow& s : stores) {
     std::printf("%-20s %18.2f %18.2f\n", s.preset.c_str(), s.kernel_mtokens_per_s, s.wall_mtokens_per_s);
   }

@@ -137,10 +137,20 @@ bool ScoreSupported(DeviceFieldFormat key);
 // Block rows an instance uses for `rows` rows: 1, 2, 4 or 8.
 int BlockRowsFor(int rows);
 
+// Whether the tensor-core kernel (TF32 mma, one warp per AttendBlock of up to
+// kMaxBlockRows rows) reads this (key, value) pair at this head dim: head dims
+// 64, 128, 256; fp16 or bf16 pairs, or single-part TurboQuant keys of 2-4 bits
+// with uniform or TurboQuant values of 2-4 bits. Its outputs agree with the
+// fp32 kernel to about 2e-3 (TF32 operands).
+bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim);
+
 cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream);
 // One launch of variant `variant` with block_rows rows per block.
 cudaError_t LaunchAttend(int variant, int block_rows, const AttendKernelParams& params,
                          cudaStream_t stream);
+// The tensor-core kernel for `variant` (its pair must pass AttendMmaSupported):
+// one warp per block of params.blocks.
+cudaError_t LaunchAttendMma(int variant, const AttendKernelParams& params, cudaStream_t stream);
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
 cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream);
 

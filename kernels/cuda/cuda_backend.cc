@@ -39,6 +39,8 @@ thread_local double last_kernel_seconds = 0.0;
 // Query tokens of one item handled together; longer items are split (each
 // piece sees its own causal prefix).
 constexpr int kMaxQueryTokensPerPiece = 32;
+// The launch key of the tensor-core kernel's blocks (above any fp32 one).
+constexpr int kMmaLaunch = 1 << 10;
 // Arena alignment slack of one Attend batch, beyond its pieces' bytes.
 constexpr size_t kBatchOverhead = 8 * 256;
 // Bytes read past a pool's last page by vectorised loads of a tail group.
@@ -195,6 +197,7 @@ struct PoolTables {
   void* memory = nullptr;  // the blob followed by the DeviceHead array
   const DeviceHead* heads = nullptr;
   std::vector<int> layer_variant;  // AttendVariant of each layer
+  std::vector<bool> layer_mma;     // whether the tensor-core kernel reads it
   std::vector<DeviceFieldFormat> layer_key_format;
   std::vector<bool> layer_value_rotated;
 };
@@ -307,6 +310,7 @@ class CudaBackend final : public Backend {
             std::string(layout.layer_preset(layer).name), layer));
       }
       pool_tables.layer_variant.push_back(variant);
+      pool_tables.layer_mma.push_back(options_.tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
       pool_tables.layer_key_format.push_back(first.key.format);
       pool_tables.layer_value_rotated.push_back(first.value.format == DeviceFieldFormat::kTurboQuant);
     }
@@ -530,9 +534,14 @@ class CudaBackend final : public Backend {
     // Pieces of at most kMaxQueryTokensPerPiece query tokens.
     w.pieces.clear();
     int64_t total_work = 0;
-    for (const AttendItem& item : p.items) total_work += item.context_tokens * layout.num_kv_heads();
-    // Splits: about four blocks per SM over the whole request, whole tiles.
-    const int64_t target_blocks = 4 * static_cast<int64_t>(sm_count_);
+    bool any_mma = false;
+    for (const AttendItem& item : p.items) {
+      total_work += item.context_tokens * layout.num_kv_heads();
+      any_mma = any_mma || tables->layer_mma[item.layer];
+    }
+    // Splits: about four thread blocks per SM over the whole request (sixteen
+    // one-warp blocks for the tensor-core kernel), whole tiles.
+    const int64_t target_blocks = (any_mma ? 16 : 4) * static_cast<int64_t>(sm_count_);
     int64_t split = (total_work + target_blocks - 1) / std::max<int64_t>(1, target_blocks);
     split = std::max<int64_t>(2 * cuda::kAttendTile, (split + cuda::kAttendTile - 1) / cuda::kAttendTile *
                                                          cuda::kAttendTile);
@@ -720,7 +729,9 @@ class CudaBackend final : public Backend {
       const int item_index = static_cast<int>(w.items.size());
       w.items.push_back(desc);
       const int rows = piece.tokens * group;
-      const int block_rows = cuda::BlockRowsFor(rows);
+      const bool mma = tables.layer_mma[item.layer];
+      // The tensor-core kernel always holds 8 rows (its N).
+      const int block_rows = mma ? cuda::kMaxBlockRows : cuda::BlockRowsFor(rows);
       for (int kv = 0; kv < heads; ++kv) {
         for (int row0 = 0; row0 < rows; row0 += block_rows) {
           const int chunk_rows = std::min(block_rows, rows - row0);
@@ -745,8 +756,8 @@ class CudaBackend final : public Backend {
             b.token_begin = static_cast<int32_t>(s * split);
             b.token_end = static_cast<int32_t>(std::min<int64_t>(visible, (s + 1) * split));
             b.partial = partials + s;
-            // Variant and row count decide the launch; kept in pad.
-            b.pad = tables.layer_variant[item.layer] * 16 + block_rows;
+            // Kernel, variant and row count decide the launch; kept in pad.
+            b.pad = (mma ? kMmaLaunch : 0) + tables.layer_variant[item.layer] * 16 + block_rows;
             w.blocks.push_back(b);
           }
           partials += splits;
@@ -816,7 +827,12 @@ class CudaBackend final : public Backend {
       k.blocks = device_blocks + first;
       k.num_blocks = static_cast<int32_t>(last - first);
       const int key = w.sorted_blocks[first].pad;
-      RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttend(key / 16, key % 16, k, w.stream), "attend kernel launch"));
+      if (key >= kMmaLaunch) {
+        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma((key - kMmaLaunch) / 16, k, w.stream),
+                                   "tensor-core attend kernel launch"));
+      } else {
+        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttend(key / 16, key % 16, k, w.stream), "attend kernel launch"));
+      }
       first = last;
     }
 

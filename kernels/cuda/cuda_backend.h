@@ -16,8 +16,10 @@
 // items and query tokens for Attend).
 //
 // Kernels: store (store_kernels.cuh), query preparation, ScoreQuery and fused
-// split-KV decode (attend_kernels.cuh). Attend plans its blocks on the host:
-// split sizes chosen so that a batch fills the device several times over.
+// split-KV decode (attend_kernels.cuh), on the tensor cores where the layout
+// allows (CudaBackendOptions::tensor_cores). Attend plans its blocks on the
+// host: split sizes chosen so that a batch fills the device several times
+// over.
 //
 // What it refuses, at AllocatePool with UNIMPLEMENTED: head dims above
 // kMaxDeviceHeadDim or not a multiple of 8, QJL keys (evaluation only), and
@@ -46,6 +48,11 @@ struct CudaBackendOptions {
   int workspaces = 4;
   // 64 MiB fits a default-sized (64 MiB) request in one piece in most cases.
   size_t workspace_bytes = size_t{64} << 20;
+  // Decode on the tensor cores (TF32 mma) where the layout allows it (see
+  // cuda::AttendMmaSupported): several times fewer instructions per token;
+  // outputs within about 2e-3 of the fp32 kernel instead of 1e-6. False: the
+  // fp32 CUDA-core kernel everywhere.
+  bool tensor_cores = true;
 };
 
 // UNAVAILABLE when the driver or the device is missing (as on build

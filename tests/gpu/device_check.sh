@@ -41,6 +41,9 @@ run() {  # run BIN_DIR [LIB_DIR]
   # The benchmark runs even when a test failed: its figures help find why.
   "$bin/tqkv_gpu_bench" 2>&1 | tee "$out/gpu_bench.txt" || status=$?
   "$bin/tqkv_gpu_bench" --json --contexts=32768 --batches=8,64 > "$out/gpu_bench.json" || status=$?
+  # The fp32 CUDA-core kernel at the same points, for comparison.
+  "$bin/tqkv_gpu_bench" --tensor_cores=false --contexts=32768 --batches=8,64 2>&1 |
+    tee "$out/gpu_bench_fp32.txt" || status=$?
   return $status
 }
 

@@ -68,6 +68,7 @@ struct BlockState {
   std::vector<int> warp_live, warp_arrived;
   std::vector<uint64_t> warp_generation;
   std::vector<std::array<uint64_t, 32>> slots;
+  std::vector<std::array<uint8_t, 32 * 256>> gather;
   std::vector<float> dynamic_shared;
   uint64_t progress = 0;
 };
@@ -162,6 +163,19 @@ uint64_t ExchangeInWarp(uint64_t value, int src_lane) {
   return out;
 }
 
+void WarpGather(const void* mine, size_t bytes, void* all) {
+  BlockState& s = State();
+  if (bytes > 256) {
+    std::fprintf(stderr, "emulated WarpGather: %zu bytes per lane, at most 256\n", bytes);
+    std::abort();
+  }
+  uint8_t* buffer = s.gather[Warp()].data();
+  std::memcpy(buffer + Lane() * bytes, mine, bytes);
+  SyncWarp();
+  std::memcpy(all, buffer, 32 * bytes);
+  SyncWarp();
+}
+
 float* DynamicShared() { return State().dynamic_shared.data(); }
 
 void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, const std::function<void()>& body) {
@@ -192,6 +206,7 @@ void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, const std:
         s.warp_arrived.assign(warps, 0);
         s.warp_generation.assign(warps, 0);
         s.slots.assign(warps, {});
+        s.gather.resize(warps);
         for (int i = 0; i < threads; ++i) StartFiber(s.fibers[i], i);
         int remaining = threads;
         bool forward = true;

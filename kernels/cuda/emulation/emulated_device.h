@@ -60,6 +60,9 @@ void SyncWarp();
 // slot, waits again.
 uint64_t ExchangeInWarp(uint64_t value, int src_lane);
 float* DynamicShared();
+// Every lane of the warp contributes `bytes` at `mine`; all receives the 32
+// contributions in lane order (32 * bytes, at most 32 * 256).
+void WarpGather(const void* mine, size_t bytes, void* all);
 
 // Runs `body` for every thread of every block of the grid. Kernels are 1-D
 // in threads (grid may be 2-D).
@@ -128,6 +131,11 @@ inline float __uint_as_float(unsigned int bits) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+inline unsigned int __float_as_uint(float f) {
+  unsigned int bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
 }
 inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int shift) {
   const uint64_t both = (static_cast<uint64_t>(hi) << 32) | lo;
