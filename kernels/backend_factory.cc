@@ -13,6 +13,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCuda(const BackendOptions& options)
 #if TQKV_HAVE_CUDA_BACKEND
   CudaBackendOptions cuda;
   cuda.device = options.cuda_device;
+  cuda.tensor_cores = options.cuda_tensor_cores;
   return MakeCudaBackend(cuda);
 #else
   return absl::UnavailableError("this build has no CUDA backend (nvcc was not found at configure time)");

@@ -20,6 +20,9 @@ struct BackendOptions {
   int cpu_threads = 0;
   // CUDA device ordinal.
   int cuda_device = 0;
+  // CUDA decode on the tensor cores where the layout allows (TF32 operands,
+  // outputs within about 2e-3 of fp32); false: the fp32 kernel everywhere.
+  bool cuda_tensor_cores = true;
 };
 
 // INVALID_ARGUMENT for an unknown name. With "auto", *why_not_cuda (when

@@ -40,6 +40,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   backend_options.name = options.backend;
   backend_options.cpu_threads = options.threads;
   backend_options.cuda_device = options.cuda_device;
+  backend_options.cuda_tensor_cores = options.cuda_tensor_cores;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(backend_options, &server->why_not_cuda_));
   server->metrics_ = std::make_unique<Metrics>(backend->name());

@@ -37,6 +37,8 @@ struct ServerOptions {
   int threads = 0;
   // CUDA device ordinal.
   int cuda_device = 0;
+  // CUDA decode on the tensor cores where the layout allows (BackendOptions).
+  bool cuda_tensor_cores = true;
   // Largest request or response, in bytes. A larger request fails with
   // RESOURCE_EXHAUSTED before it reaches a handler.
   int max_message_bytes = 64 << 20;

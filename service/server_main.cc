@@ -32,6 +32,9 @@ ABSL_FLAG(std::string, config, "",
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: auto (CUDA when a device is usable, else CPU) | cpu | cuda.");
 ABSL_FLAG(int, cuda_device, 0, "CUDA device ordinal for the CUDA backend.");
+ABSL_FLAG(bool, cuda_tensor_cores, true,
+          "CUDA decode on the tensor cores where the layout allows (TF32, outputs within about 2e-3 of "
+          "fp32); false: the fp32 kernel.");
 ABSL_FLAG(int, threads, 0, "CPU backend worker threads (0: hardware concurrency).");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest request or response, in bytes.");
 ABSL_FLAG(double, memory_budget_gib, 4.0,
@@ -93,6 +96,7 @@ int main(int argc, char** argv) {
   options.config = *std::move(config);
   options.backend = absl::GetFlag(FLAGS_backend);
   options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  options.cuda_tensor_cores = absl::GetFlag(FLAGS_cuda_tensor_cores);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
