@@ -665,12 +665,23 @@ struct MmaWarpTables {
 
 __device__ __forceinline__ float RoundedTf32(float x) { return __uint_as_float(ToTf32(x)); }
 
-// `bytes` bytes at p into words (zero past them); 4-byte loads when aligned.
+// `bytes` bytes at p into words (zero past them): 16-byte loads for whole
+// aligned 16-byte runs (raw 16-bit fields), 4-byte loads when aligned, else
+// bytes.
 template <int kWords>
 __device__ __forceinline__ void LoadWords(const uint8_t* p, int bytes, bool aligned, uint32_t (&w)[kWords]) {
 #pragma unroll
   for (int k = 0; k < kWords; ++k) w[k] = 0;
-  if (aligned) {
+  if (kWords % 4 == 0 && bytes == 4 * kWords && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+#pragma unroll
+    for (int k = 0; k < kWords / 4; ++k) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[k];
+      w[4 * k] = v.x;
+      w[4 * k + 1] = v.y;
+      w[4 * k + 2] = v.z;
+      w[4 * k + 3] = v.w;
+    }
+  } else if (aligned) {
 #pragma unroll
     for (int k = 0; k < kWords; ++k) {
       if (4 * k < bytes) w[k] = reinterpret_cast<const uint32_t*>(p)[k];
@@ -690,6 +701,27 @@ __device__ __forceinline__ uint32_t CodeInWords(const uint32_t (&w)[kWords], int
   return __funnelshift_r(w[k], w[k + 1], shift) & kMask;
 }
 
+// One lane's run of a field's codes, `bytes` bytes at `run_offset`, for
+// tokens tok[0] and tok[1]; zeros for tokens at or past token_end (their
+// pages may not exist).
+template <int kWords>
+__device__ __forceinline__ void LoadTokenRuns(const DeviceField& f, const PoolView& view, const int32_t* block_table,
+                                              const int (&tok)[2], int token_end, int run_offset, int bytes,
+                                              uint32_t (&w)[2][kWords]) {
+  const bool aligned = ((f.code_bytes | run_offset) & 3) == 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (tok[h] < token_end) {
+      const TokenAddress at = Locate(view, block_table, tok[h]);
+      LoadWords<kWords>(at.page + f.codes_offset + static_cast<uint64_t>(at.slot) * f.code_bytes + run_offset,
+                        bytes, aligned, w[h]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kWords; ++k) w[h][k] = 0;
+    }
+  }
+}
+
 // One raw 16-bit coordinate of a run of words.
 template <DeviceFieldFormat kFormat>
 __device__ __forceinline__ float Raw16At(const uint32_t* w, int j) {
@@ -707,18 +739,13 @@ __device__ __forceinline__ void MmaKeyCodes(const DeviceField& key, const PoolVi
   constexpr int kBytes = kCoords * kBits / 8;
   constexpr int kWords = (kBytes + 3) / 4;
   const DevicePart& part = key.parts[0];
-  const int lane_offset = part.code_offset + t * kBytes;
-  const bool aligned = ((key.code_bytes | lane_offset) & 3) == 0;
   uint32_t w[2][kWords];
+  LoadTokenRuns<kWords>(key, view, block_table, tok, token_end, part.code_offset + t * kBytes, kBytes, w);
   float scale[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) w[h][k] = 0;
     if (tok[h] < token_end) {
       const TokenAddress at = Locate(view, block_table, tok[h]);
-      const uint8_t* codes = at.page + key.codes_offset + static_cast<uint64_t>(at.slot) * key.code_bytes;
-      LoadWords<kWords>(codes + lane_offset, kBytes, aligned, w[h]);
       const uint16_t* scalars = reinterpret_cast<const uint16_t*>(at.page + key.scalars_offset) +
                                 static_cast<int64_t>(at.slot) * key.num_scalars;
       scale[h] = HalfBitsToFloat(scalars[part.scalar_index]);
@@ -756,24 +783,7 @@ __device__ __forceinline__ void MmaKeyTile(const DeviceField& key, const PoolVie
   } else {
     constexpr int kCoords = kDim / 4;
     uint32_t w[2][kCoords / 2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int k = 0; k < kCoords / 2; ++k) w[h][k] = 0;
-      if (tok[h] < token_end) {
-        const TokenAddress at = Locate(view, block_table, tok[h]);
-        const uint4* codes = reinterpret_cast<const uint4*>(
-            at.page + key.codes_offset + static_cast<uint64_t>(at.slot) * key.code_bytes + t * kCoords * 2);
-#pragma unroll
-        for (int k = 0; k < kCoords / 8; ++k) {
-          const uint4 v = codes[k];
-          w[h][4 * k] = v.x;
-          w[h][4 * k + 1] = v.y;
-          w[h][4 * k + 2] = v.z;
-          w[h][4 * k + 3] = v.w;
-        }
-      }
-    }
+    LoadTokenRuns<kCoords / 2>(key, view, block_table, tok, token_end, t * kCoords * 2, kCoords * 2, w);
 #pragma unroll
     for (int j = 0; j < kCoords / 2; ++j) {
       const uint32_t a[4] = {ToTf32(Raw16At<kKey>(w[0], 2 * j)), ToTf32(Raw16At<kKey>(w[1], 2 * j)),
@@ -793,23 +803,11 @@ __device__ __forceinline__ void MmaValueCodes(const DeviceField& value, const Po
   constexpr int kCoords = kDim / 8;
   constexpr int kBytes = kCoords * kBits / 8;
   constexpr int kWords = (kBytes + 3) / 4;
-  const int lane_offset = g * kBytes;
-  const bool aligned = ((value.code_bytes | lane_offset) & 3) == 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int tok[2] = {tile + 8 * half + t, tile + 8 * half + t + 4};
     uint32_t w[2][kWords];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int k = 0; k < kWords; ++k) w[h][k] = 0;
-      if (tok[h] < token_end) {
-        const TokenAddress at = Locate(view, block_table, tok[h]);
-        LoadWords<kWords>(at.page + value.codes_offset + static_cast<uint64_t>(at.slot) * value.code_bytes +
-                              lane_offset,
-                          kBytes, aligned, w[h]);
-      }
-    }
+    LoadTokenRuns<kWords>(value, view, block_table, tok, token_end, g * kBytes, kBytes, w);
     const uint32_t b[2] = {ToTf32(tab.p[8 * half + t][g]), ToTf32(tab.p[8 * half + t + 4][g])};
 #pragma unroll
     for (int i = 0; i < kDim / 16; ++i) {
@@ -846,24 +844,7 @@ __device__ __forceinline__ void MmaValueTile(const DeviceField& value, const Poo
     for (int half = 0; half < 2; ++half) {
       const int tok[2] = {tile + 8 * half + t, tile + 8 * half + t + 4};
       uint32_t w[2][kCoords / 2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int k = 0; k < kCoords / 2; ++k) w[h][k] = 0;
-        if (tok[h] < token_end) {
-          const TokenAddress at = Locate(view, block_table, tok[h]);
-          const uint4* codes = reinterpret_cast<const uint4*>(
-              at.page + value.codes_offset + static_cast<uint64_t>(at.slot) * value.code_bytes + g * kCoords * 2);
-#pragma unroll
-          for (int k = 0; k < kCoords / 8; ++k) {
-            const uint4 v = codes[k];
-            w[h][4 * k] = v.x;
-            w[h][4 * k + 1] = v.y;
-            w[h][4 * k + 2] = v.z;
-            w[h][4 * k + 3] = v.w;
-          }
-        }
-      }
+      LoadTokenRuns<kCoords / 2>(value, view, block_table, tok, token_end, g * kCoords * 2, kCoords * 2, w);
       const uint32_t b[2] = {ToTf32(tab.p[8 * half + t][g]), ToTf32(tab.p[8 * half + t + 4][g])};
 #pragma unroll
       for (int i = 0; i < kDim / 16; ++i) {
