@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "cache/kv_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -469,6 +470,64 @@ TEST_F(CudaBackendTest, BadInputAndUnsupportedLayoutsAreStatuses) {
     auto layout = KvLayout::Create(options);
     ASSERT_TRUE(layout.ok()) << layout.status();
     EXPECT_EQ(gpu_->AllocatePool(**layout, 4).status().code(), absl::StatusCode::kUnimplemented) << preset;
+  }
+}
+
+// The cache's bookkeeping over the CUDA backend: appends in pieces, a fork
+// whose partial last page is copied on write, appends to both, attends and
+// scores, against the same operations on the CPU backend.
+TEST_F(CudaBackendTest, KvCacheOverTheCudaBackendMatchesTheCpu) {
+  CacheOptions options;
+  options.layout.num_layers = 3;
+  options.layout.num_kv_heads = 2;
+  options.layout.num_query_heads = 8;
+  options.layout.head_dim = 128;
+  options.layout.page_tokens = 16;
+  options.layout.preset = "turboquant_k3v4_nc";
+  options.layout.boundary_layers = 1;
+  options.memory_budget_bytes = size_t{4} << 20;
+  auto on_cpu = KvCache::Create(options, cpu_);
+  auto on_gpu = KvCache::Create(options, gpu_);
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
+  const int d = 128, heads = 2, layers = 3, qh = 8;
+  auto append = [&](KvCache& cache, const std::string& id, int64_t start, int tokens, uint64_t seed) {
+    const std::vector<float> k = Gaussian(static_cast<size_t>(layers) * tokens * heads * d, seed);
+    const std::vector<float> v = Gaussian(k.size(), seed + 1);
+    AppendRequest r;
+    r.sequence_id = id;
+    r.start_position = start;
+    r.layer_end = layers;
+    r.num_tokens = tokens;
+    r.keys = k.data();
+    r.values = v.data();
+    return cache.Append(r);
+  };
+  for (KvCache* cache : {on_cpu->get(), on_gpu->get()}) {
+    ASSERT_TRUE(append(*cache, "parent", 0, 40, 1).ok());
+    ASSERT_TRUE(append(*cache, "parent", 40, 3, 3).ok());
+    ASSERT_TRUE(cache->Fork("parent", "parent/child").ok());
+    ASSERT_TRUE(append(*cache, "parent/child", 43, 5, 5).ok());  // copies the shared partial page
+    ASSERT_TRUE(append(*cache, "parent", 43, 2, 7).ok());
+  }
+  EXPECT_EQ((*on_gpu)->Stats().copy_on_writes, (*on_cpu)->Stats().copy_on_writes);
+  EXPECT_GE((*on_gpu)->Stats().copy_on_writes, 1u);
+  for (const char* id : {"parent", "parent/child"}) {
+    for (int layer = 0; layer < layers; ++layer) {
+      SCOPED_TRACE(std::string(id) + " layer " + std::to_string(layer));
+      const std::vector<float> q = Gaussian(static_cast<size_t>(2) * qh * d, 11 + layer);
+      std::vector<float> cpu_out(q.size()), gpu_out(q.size());
+      AttendRequestItem item{id, layer, 2, q.data(), cpu_out.data(), nullptr};
+      ASSERT_TRUE((*on_cpu)->Attend({&item, 1}).ok());
+      item.output = gpu_out.data();
+      ASSERT_TRUE((*on_gpu)->Attend({&item, 1}).ok());
+      ExpectClose(gpu_out, cpu_out, kTensorCoreTolerance, "attend");
+      const int64_t length = (*on_cpu)->GetSequence(id)->layer_tokens[layer];
+      std::vector<float> cpu_logits(static_cast<size_t>(qh) * length), gpu_logits(cpu_logits.size());
+      ASSERT_TRUE((*on_cpu)->Score(id, layer, 0, -1, q.data(), cpu_logits.data()).ok());
+      ASSERT_TRUE((*on_gpu)->Score(id, layer, 0, -1, q.data(), gpu_logits.data()).ok());
+      ExpectClose(gpu_logits, cpu_logits, kFp32Tolerance, "score");
+    }
   }
 }
 
