@@ -51,7 +51,12 @@ class DeviceBuffer {
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
   int count = 0;
   absl::Status status = CudaStatus(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
-  if (!status.ok()) return absl::UnavailableError(status.message());
+  if (!status.ok()) {
+    // cudaErrorInsufficientDriver is also what a machine with no driver at all
+    // reports; say both.
+    return absl::UnavailableError(
+        absl::StrCat("no usable CUDA device or driver (", status.message(), ")"));
+  }
   if (count == 0) return absl::UnavailableError("no CUDA device");
   std::vector<DeviceInfo> devices;
   for (int i = 0; i < count; ++i) {
