@@ -2,6 +2,9 @@
 
 #include <array>
 #include <cstdio>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -122,6 +125,11 @@ void ReleaseReady(int warp) {
 // callee-saved registers, then FiberMain's address, with the stack aligned as
 // at a function's entry.
 void StartFiber(Fiber& f, int index) {
+#if defined(__SANITIZE_ADDRESS__)
+  // The frames of the last block's fibers never returned; their redzones are
+  // still poisoned in this reused stack.
+  ASAN_UNPOISON_MEMORY_REGION(f.stack.get(), kStackBytes);
+#endif
   f.done = false;
   f.index = dim3(index, 0, 0);
   uintptr_t top = reinterpret_cast<uintptr_t>(f.stack.get() + kStackBytes) & ~uintptr_t{15};
