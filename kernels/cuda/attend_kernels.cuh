@@ -7,8 +7,10 @@
 // read straight from the packed codes. Values with a rotated codec are summed
 // in the rotated basis and mapped back once per output row (Merge).
 //
-// Decode work is planned on the host (cuda_backend.cc) into AttendBlocks: one
-// block of kAttendThreads threads per (item, KV head, row chunk, token split).
+// Decode work is planned on the host (cuda_backend.cc) into AttendBlocks, one
+// per (item, KV head, row chunk, token split), each run by a block of
+// kAttendThreads threads (the fp32 kernel, LaunchAttend) or by one warp (the
+// tensor-core kernel, LaunchAttendMma).
 // A block's rows are the (query token, query head) pairs of one KV head, up to
 // the kernel's kRows: every page is read once for all query heads of its KV
 // head (GQA), and causal masking gives each row its own visible length. Each
