@@ -388,8 +388,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status Store(const StoreParams& p) override {
-    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
-    ASSIGN_OR_RETURN(const PoolTables* tables, Tables(p.pool));
+    ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     const int layers = p.layer_end - p.layer_begin;
     const size_t vector_floats = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
@@ -454,8 +453,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status Score(const ScoreParams& p) override {
-    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
-    ASSIGN_OR_RETURN(const PoolTables* tables, Tables(p.pool));
+    ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
@@ -526,8 +524,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status Attend(const AttendParams& p) override {
-    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
-    ASSIGN_OR_RETURN(const PoolTables* tables, Tables(p.pool));
+    ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     WorkspaceLease lease(this);
     Workspace& w = lease.get();
@@ -611,7 +608,10 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<const PoolTables*> Tables(const PagePool& pool) {
+  // The start of every compute call: this thread on the backend's device
+  // (the current device is per thread), and the pool's format tables.
+  absl::StatusOr<const PoolTables*> Enter(const PagePool& pool) {
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
     absl::MutexLock lock(&pools_mu_);
     auto it = pools_.find(pool.base);
     if (it == pools_.end()) return absl::InvalidArgumentError("page pool was not allocated by this CUDA backend");
