@@ -23,6 +23,9 @@ int RunRoundtrip(int argc, const char* const* argv);
 int RunEval(int argc, const char* const* argv);
 int RunSynth(int argc, const char* const* argv);
 int RunPresets(int argc, const char* const* argv);
+// Per-layer attention error of presets on a Q/K/V capture, and a protection
+// plan for a byte budget (calibrate_command.cc).
+int RunCalibrate(int argc, const char* const* argv);
 
 // Benchmarks (CPU backend): `bench attend`, `bench store`; and `capacity`.
 int RunBench(int argc, const char* const* argv);

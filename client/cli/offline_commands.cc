@@ -442,6 +442,8 @@ const std::vector<Command>& AllCommands() {
       {"roundtrip", "encode then decode an .npy array with one part of a preset", RunRoundtrip},
       {"eval", "attention quality of presets on keys / queries / values .npy files", RunEval},
       {"synth", "write synthetic gaussian or outlier-channel vectors as .npy", RunSynth},
+      {"calibrate", "per-layer attention error of presets on a Q/K/V capture; protection plan",
+       RunCalibrate},
       {"bench", "attend / store speed per preset next to a bf16 cache (CPU backend)", RunBench},
       {"capacity", "tokens that fit in a memory budget per preset, vs bf16", RunCapacity},
       {"info", "server backend, caches (pages, tokens, bytes vs bf16) and presets", RunInfo},

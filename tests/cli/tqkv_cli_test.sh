@@ -53,6 +53,34 @@ contains '"speedup_vs_bf16"' "$work/out"
 check "bench store" "$tqkv" bench store --preset turboquant_k3v4_nc --tokens 256 --json
 contains '"tokens_per_second"' "$work/out"
 
+# calibrate: a 3-layer capture made with synth, layer 1 with outlier-channel keys
+# (values with offsets everywhere, as real values have).
+cap="$work/capture"; mkdir -p "$cap"
+echo '{"layers": 3, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 32, "tokens": 96}' >"$cap/meta.json"
+for l in 0 1 2; do
+  n=$(printf %03d "$l"); kind=gaussian; [ "$l" = 1 ] && kind=outlier-keys
+  check "capture q $l" "$tqkv" synth --shape 96,4,32 --seed $((10 + l)) --out "$cap/layer_${n}_q.npy"
+  check "capture k $l" "$tqkv" synth --kind $kind --shape 96,2,32 --seed $((20 + l)) --out "$cap/layer_${n}_k.npy"
+  check "capture v $l" "$tqkv" synth --kind outlier-keys --shape 96,2,32 --seed $((30 + l)) --out "$cap/layer_${n}_v.npy"
+done
+# 4.25 bits at base, 4.5 per tqkv_k4v4 layer: 4.4 buys exactly one, the outlier layer.
+check "calibrate plan" "$tqkv" calibrate --capture "$cap" --positions 8 \
+  --presets turboquant_k3v4_nc,tqkv_k4v4,fp16 --budget-bits 4.4
+contains '| bytes/token | 68 | 72 | 256 |' "$work/out"
+contains 'protected_layers { layers: \[1\] preset: "tqkv_k4v4" }' "$work/out"
+check "calibrate json" "$tqkv" calibrate --capture "$cap" --positions 4 --presets fp16 \
+  --base-preset fp16 --budget-ratio 1 --json
+contains '"kl_divergence"' "$work/out"
+contains '"ratio_vs_bf16": 1' "$work/out"
+expect_code 2 "calibrate with two budgets" "$tqkv" calibrate --capture "$cap" --budget-bits 4 --budget-ratio 4
+expect_code 1 "calibrate below the base" "$tqkv" calibrate --capture "$cap" --positions 2 --budget-bits 3
+contains "below the 4.250" "$work/out"
+expect_code 1 "calibrate without a capture" "$tqkv" calibrate --capture "$work/nothing"
+contains "meta.json: no such file" "$work/out"
+cp "$cap/layer_000_k.npy" "$cap/layer_002_q.npy"
+expect_code 1 "calibrate on a wrong shape" "$tqkv" calibrate --capture "$cap" --positions 2
+contains "layer_002_q.npy has shape \[96, 2, 32\], want \[tokens 96, num_query_heads 4" "$work/out"
+
 expect_code 2 "unknown subcommand" "$tqkv" frobnicate
 expect_code 2 "unknown flag" "$tqkv" distortion --head-dmi 128
 expect_code 2 "missing required flag" "$tqkv" codebook --head-dim 128

@@ -1,0 +1,298 @@
+// `tqkv calibrate`: per-layer attention error of candidate presets on a
+// capture of a real model's Q/K/V, and a protection plan for a byte budget
+// (client/eval/calibration.h; docs/calibrate.md).
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/cli/command_util.h"
+#include "client/cli/commands.h"
+#include "client/cli/flags.h"
+#include "client/cli/json_writer.h"
+#include "client/eval/calibration.h"
+#include "kernels/kv_layout.h"
+#include "kernels/preset.h"
+
+namespace tqkv {
+namespace cli {
+namespace {
+
+using eval::CalibrationMetric;
+using eval::LayerCalibration;
+
+constexpr char kDefaultPresets[] =
+    "turboquant_k3v4_nc,tqkv_k3v4,turboquant_4bit_nc,tqkv_k4v4,turboquant_k8v4,fp8,fp16";
+
+// The command line, resolved.
+struct CalibrateFlags {
+  std::string capture, preset_names = kDefaultPresets, metric_name = "output";
+  eval::PlanOptions plan;
+  eval::CalibrationOptions measure;
+  int64_t positions = 64, page_tokens = 16, threads = 1, context = 8192;
+  int64_t rotation_seed = static_cast<int64_t>(KvLayoutOptions().rotation_seed);
+  double budget_bits = 0.0, budget_ratio = 0.0;
+  bool json = false;
+  std::vector<const Preset*> presets;
+
+  void Register(FlagSet& flags) {
+    flags.AddRequiredString("capture", &capture,
+                            "capture directory: meta.json and layer_NNN_{q,k,v}.npy");
+    flags.AddString("presets", &preset_names, "candidate presets, comma-separated, or all");
+    flags.AddString("base-preset", &plan.base_preset, "every layer starts at this preset");
+    flags.AddInt("positions", &positions, "query positions sampled per layer (second half)");
+    flags.AddDouble("budget-bits", &budget_bits,
+                    "plan: average bits per coordinate over all layers, K and V (e.g. 4.0)");
+    flags.AddDouble("budget-ratio", &budget_ratio, "plan: compression vs bf16 (e.g. 3.5)");
+    flags.AddString("metric", &metric_name, "what the plan minimizes: output | kl | tv | logit");
+    flags.AddInt("context", &context, "context length the exact tokens' bytes are spread over");
+    flags.AddInt("page-tokens", &page_tokens, "tokens per page of the measured cache");
+    flags.AddInt("rotation-seed", &rotation_seed, "rotation seed of the measured cache");
+    flags.AddInt("threads", &threads, "CPU backend threads (0: all cores)");
+    flags.AddBool("json", &json, "print JSON instead of markdown");
+  }
+
+  // After parsing; a usage error message, or "" when the flags are valid.
+  std::string Resolve() {
+    absl::StatusOr<std::vector<const Preset*>> parsed = ParsePresetList(preset_names);
+    if (!parsed.ok()) return std::string(parsed.status().message());
+    presets = *parsed;
+    absl::StatusOr<const Preset*> base = FindPreset(plan.base_preset);
+    if (!base.ok()) return std::string(base.status().message());
+    if (std::find(presets.begin(), presets.end(), *base) == presets.end()) {
+      presets.insert(presets.begin(), *base);
+    }
+    absl::StatusOr<CalibrationMetric> metric = eval::ParseCalibrationMetric(metric_name);
+    if (!metric.ok()) return std::string(metric.status().message());
+    plan.metric = *metric;
+    if (budget_bits > 0 && budget_ratio > 0)
+      return "give --budget-bits or --budget-ratio, not both";
+    if (budget_bits < 0 || budget_ratio < 0) return "budgets must be positive";
+    plan.budget_bits = budget_ratio > 0 ? 16.0 / budget_ratio : budget_bits;
+    if (positions < 1 || positions > 100000) return "--positions must be in [1, 100000]";
+    if (context < 1) return "--context must be >= 1";
+    if (page_tokens < 1 || page_tokens > 1024) return "--page-tokens must be in [1, 1024]";
+    if (threads < 0 || threads > 256) return "--threads must be in [0, 256]";
+    plan.context = context;
+    measure.positions = static_cast<int>(positions);
+    measure.threads = static_cast<int>(threads);
+    measure.layout.page_tokens = static_cast<int>(page_tokens);
+    measure.layout.rotation_seed = static_cast<uint64_t>(rotation_seed);
+    return "";
+  }
+
+  bool planning() const { return plan.budget_bits > 0; }
+};
+
+// ---------------------------------------------------------------------------
+// Markdown.
+
+void PrintMetricTable(const char* title, const std::vector<LayerCalibration>& layers,
+                      const eval::CaptureMeta& meta, CalibrationMetric metric, bool with_bytes) {
+  const std::vector<eval::PresetError>& first = layers[0].presets;
+  printf("\n## %s\n\n| layer |", title);
+  for (const eval::PresetError& e : first) printf(" %s |", std::string(e.preset->name).c_str());
+  printf("\n|---|");
+  for (size_t i = 0; i < first.size(); ++i) printf("---:|");
+  printf("\n");
+  if (with_bytes) {
+    printf("| bytes/token |");
+    for (const eval::PresetError& e : first)
+      printf(" %lld |", static_cast<long long>(e.token_bytes));
+    printf("\n| bits/coord |");
+    for (const eval::PresetError& e : first) {
+      printf(" %.3f |", 8.0 * e.token_bytes / (2.0 * meta.num_kv_heads * meta.head_dim));
+    }
+    printf("\n");
+  }
+  for (const LayerCalibration& layer : layers) {
+    printf("| %d |", layer.layer);
+    for (const eval::PresetError& e : layer.presets) printf(" %.5f |", MetricValue(e, metric));
+    printf("\n");
+  }
+}
+
+// Presets that take no more bytes than the base and err less on every layer:
+// a better base, not a protection.
+void PrintBetterBases(const std::vector<LayerCalibration>& layers, const eval::ProtectionPlan& plan,
+                      CalibrationMetric metric) {
+  const std::vector<eval::PresetError>& first = layers[0].presets;
+  int base = 0;
+  while (first[base].preset != plan.base) ++base;
+  for (size_t i = 0; i < first.size(); ++i) {
+    bool better = first[i].token_bytes <= first[base].token_bytes && static_cast<int>(i) != base;
+    for (const LayerCalibration& layer : layers) {
+      better = better &&
+               MetricValue(layer.presets[i], metric) < MetricValue(layer.presets[base], metric);
+    }
+    if (better) {
+      printf(
+          "note: %s takes no more bytes than %s and errs less on every layer; consider "
+          "--base-preset %s\n\n",
+          std::string(first[i].preset->name).c_str(), std::string(plan.base->name).c_str(),
+          std::string(first[i].preset->name).c_str());
+    }
+  }
+}
+
+void PrintPlan(const eval::ProtectionPlan& plan, const CalibrateFlags& flags) {
+  printf(
+      "\n## Protection plan\n\nbudget %.3f bits/coordinate (%.2fx vs bf16), metric %s, "
+      "context %lld\n\n",
+      flags.plan.budget_bits, 16.0 / flags.plan.budget_bits, flags.metric_name.c_str(),
+      static_cast<long long>(flags.plan.context));
+  printf("start: every layer at %s, %.3f bits/coordinate, total error %.5f\n\n",
+         std::string(plan.base->name).c_str(), plan.base_bits, plan.base_error);
+  int n = 0;
+  for (const eval::PlanStep& s : plan.steps) {
+    printf("%d. layer %d: %s -> %s, error %.5f -> %.5f, %+.4f bits/coordinate\n", ++n, s.layer,
+           std::string(s.from->name).c_str(), std::string(s.to->name).c_str(), s.error_before,
+           s.error_after, s.extra_bits);
+  }
+  if (plan.steps.empty()) printf("(no upgrade fits the budget)\n");
+  printf("\nresult: %.3f bits/coordinate (%.2fx vs bf16), total error %.5f\n\n",
+         plan.bits_per_coordinate, plan.ratio_vs_bf16, plan.total_error);
+  printf("```\n%s```\n", eval::ProtectionConfigText(plan, flags.plan).c_str());
+}
+
+void PrintMarkdown(const std::vector<LayerCalibration>& layers, const eval::CaptureMeta& meta,
+                   const CalibrateFlags& flags, const eval::ProtectionPlan* plan) {
+  const std::vector<int64_t>& positions = layers[0].positions;
+  printf(
+      "# Calibration of %s\n\n%d layers, %lld tokens, %d query heads, %d KV heads, head_dim %d; "
+      "%zu positions per layer in [%lld, %lld]\n",
+      flags.capture.c_str(), meta.layers, static_cast<long long>(meta.tokens), meta.num_query_heads,
+      meta.num_kv_heads, meta.head_dim, positions.size(), static_cast<long long>(positions.front()),
+      static_cast<long long>(positions.back()));
+  PrintMetricTable("Attention output relative error per layer", layers, meta,
+                   CalibrationMetric::kOutputError, true);
+  PrintMetricTable("KL divergence of attention per layer (nats)", layers, meta,
+                   CalibrationMetric::kKlDivergence, false);
+  if (!plan) return;
+  PrintPlan(*plan, flags);
+  PrintBetterBases(layers, *plan, flags.plan.metric);
+}
+
+// ---------------------------------------------------------------------------
+// JSON.
+
+JsonValue LayersJson(const std::vector<LayerCalibration>& layers) {
+  JsonValue out = JsonValue::Array();
+  for (const LayerCalibration& layer : layers) {
+    JsonValue presets = JsonValue::Array();
+    for (const eval::PresetError& e : layer.presets) {
+      presets.Append(JsonValue::Object()
+                         .Set("preset", std::string(e.preset->name))
+                         .Set("output_rel_error", e.output_rel_error)
+                         .Set("logit_rmse", e.logit_rmse)
+                         .Set("tv_distance", e.tv_distance)
+                         .Set("kl_divergence", e.kl_divergence)
+                         .Set("token_bytes", e.token_bytes)
+                         .Set("token_bytes_bf16", e.token_bytes_bf16));
+    }
+    out.Append(JsonValue::Object().Set("layer", layer.layer).Set("presets", presets));
+  }
+  return out;
+}
+
+JsonValue PlanJson(const eval::ProtectionPlan& plan, const CalibrateFlags& flags) {
+  JsonValue steps = JsonValue::Array(), choice = JsonValue::Array();
+  for (const eval::PlanStep& s : plan.steps) {
+    steps.Append(JsonValue::Object()
+                     .Set("layer", s.layer)
+                     .Set("from", std::string(s.from->name))
+                     .Set("to", std::string(s.to->name))
+                     .Set("error_before", s.error_before)
+                     .Set("error_after", s.error_after)
+                     .Set("extra_bits", s.extra_bits));
+  }
+  for (const Preset* p : plan.layer_presets) choice.Append(std::string(p->name));
+  return JsonValue::Object()
+      .Set("budget_bits", flags.plan.budget_bits)
+      .Set("metric", flags.metric_name)
+      .Set("context", flags.plan.context)
+      .Set("base_preset", std::string(plan.base->name))
+      .Set("base_bits", plan.base_bits)
+      .Set("base_error", plan.base_error)
+      .Set("steps", steps)
+      .Set("layer_presets", choice)
+      .Set("bits_per_coordinate", plan.bits_per_coordinate)
+      .Set("ratio_vs_bf16", plan.ratio_vs_bf16)
+      .Set("total_error", plan.total_error)
+      .Set("config", eval::ProtectionConfigText(plan, flags.plan));
+}
+
+void PrintJson(const std::vector<LayerCalibration>& layers, const eval::CaptureMeta& meta,
+               const CalibrateFlags& flags, const eval::ProtectionPlan* plan) {
+  std::vector<double> positions(layers[0].positions.begin(), layers[0].positions.end());
+  JsonValue out = JsonValue::Object()
+                      .Set("capture", flags.capture)
+                      .Set("layers", meta.layers)
+                      .Set("tokens", meta.tokens)
+                      .Set("num_query_heads", meta.num_query_heads)
+                      .Set("num_kv_heads", meta.num_kv_heads)
+                      .Set("head_dim", meta.head_dim)
+                      .Set("positions", JsonValue::NumberArray(positions))
+                      .Set("per_layer", LayersJson(layers));
+  if (plan) out.Set("plan", PlanJson(*plan, flags));
+  printf("%s\n", out.Serialize().c_str());
+}
+
+// ---------------------------------------------------------------------------
+
+absl::StatusOr<std::vector<LayerCalibration>> MeasureAll(const eval::CaptureMeta& meta,
+                                                         const CalibrateFlags& flags) {
+  std::vector<LayerCalibration> layers;
+  for (int l = 0; l < meta.layers; ++l) {
+    absl::StatusOr<eval::LayerCapture> capture = eval::ReadCaptureLayer(flags.capture, meta, l);
+    if (!capture.ok()) return capture.status();
+    absl::StatusOr<LayerCalibration> layer =
+        eval::CalibrateLayer(meta, l, *capture, flags.presets, flags.measure);
+    if (!layer.ok()) return layer.status();
+    layers.push_back(std::move(*layer));
+    if (isatty(STDERR_FILENO)) {
+      fprintf(stderr, "\rtqkv calibrate: layer %d/%d measured%s", l + 1, meta.layers,
+              l + 1 == meta.layers ? "\n" : "");
+    }
+  }
+  return layers;
+}
+
+int RunCalibrateImpl(int argc, const char* const* argv) {
+  FlagSet flags("calibrate",
+                "Attention error per layer and candidate preset on a capture of a model's Q/K/V\n"
+                "(through a real KvCache on the CPU backend, against exact float64 causal\n"
+                "attention), and with --budget-bits or --budget-ratio a protection plan: which\n"
+                "layers to give which preset, as cache-config lines. See docs/calibrate.md.");
+  CalibrateFlags options;
+  options.Register(flags);
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (std::string error = options.Resolve(); !error.empty()) return UsageError(error);
+
+  absl::StatusOr<eval::CaptureMeta> meta = eval::ReadCaptureMeta(options.capture);
+  if (!meta.ok()) return Fail(meta.status());
+  absl::StatusOr<std::vector<LayerCalibration>> layers = MeasureAll(*meta, options);
+  if (!layers.ok()) return Fail(layers.status());
+  absl::StatusOr<eval::ProtectionPlan> plan;
+  if (options.planning()) plan = eval::PlanProtection(*meta, *layers, options.plan);
+  const eval::ProtectionPlan* planned = plan.ok() ? &*plan : nullptr;
+  if (options.json) {
+    PrintJson(*layers, *meta, options, planned);
+  } else {
+    PrintMarkdown(*layers, *meta, options, planned);
+  }
+  if (options.planning() && !plan.ok()) return Fail(plan.status());
+  return 0;
+}
+
+}  // namespace
+
+int RunCalibrate(int argc, const char* const* argv) { return RunCalibrateImpl(argc, argv); }
+
+}  // namespace cli
+}  // namespace tqkv
