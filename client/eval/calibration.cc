@@ -261,7 +261,9 @@ absl::StatusOr<CacheOptions> OneLayerCache(const CaptureMeta& meta, const LayerC
   layout.boundary_layers = 0;
   ASSIGN_OR_RETURN(layout.hot_channels, LayerHotChannels(meta, capture, preset));
   ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> created, KvLayout::Create(layout));
-  const int64_t pages = (meta.tokens + layout.page_tokens - 1) / layout.page_tokens + 1;
+  // Every token's compressed copy, and exact pages (same pool) for sinks and
+  // window: never more pages than the compressed ones, plus partial tails.
+  const int64_t pages = 2 * ((meta.tokens + layout.page_tokens - 1) / layout.page_tokens) + 4;
   options.memory_budget_bytes = created->page_bytes() * pages;
   return options;
 }
@@ -378,7 +380,9 @@ int FindPresetIndex(const LayerCalibration& layer, std::string_view name) {
 absl::Status CheckLayers(absl::Span<const LayerCalibration> layers, const PlanOptions& options) {
   if (layers.empty()) return absl::InvalidArgumentError("no layers measured");
   if (options.context < 1) return absl::InvalidArgumentError("context must be >= 1");
-  if (options.exact_tokens < 0) return absl::InvalidArgumentError("exact tokens must be >= 0");
+  if (options.exact_tokens < 0 || options.fixed_layer_bytes < 0) {
+    return absl::InvalidArgumentError("exact tokens and fixed bytes must be >= 0");
+  }
   for (size_t l = 0; l < layers.size(); ++l) {
     if (layers[l].layer != static_cast<int>(l)) {
       return absl::InvalidArgumentError(
@@ -417,7 +421,7 @@ struct PlanState {
   }
   double Bits() const {
     return AverageBitsPerCoordinate(Bytes(), layers[0].presets[0].token_bytes_bf16, *meta,
-                                    options->exact_tokens, options->context);
+                                    *options);
   }
   double Error(int layer, int preset) const {
     return MetricValue(layers[layer].presets[preset], options->metric);
@@ -462,6 +466,19 @@ bool BestStep(PlanState& state, PlanStep& step, int& layer_out, int& preset_out)
     }
   }
   return found;
+}
+
+// The preset most layers of the plan use; the base on a tie with it, else
+// the one reached first in layer order.
+const Preset* MostCommonPreset(const ProtectionPlan& plan) {
+  auto count = [&](const Preset* p) {
+    return std::count(plan.layer_presets.begin(), plan.layer_presets.end(), p);
+  };
+  const Preset* best = plan.base;
+  for (const Preset* p : plan.layer_presets) {
+    if (count(p) > count(best)) best = p;
+  }
+  return best;
 }
 
 }  // namespace
@@ -615,10 +632,12 @@ double MetricValue(const PresetError& error, CalibrationMetric metric) {
 }
 
 double AverageBitsPerCoordinate(absl::Span<const int64_t> token_bytes, int64_t fp16_token_bytes,
-                                const CaptureMeta& meta, int64_t exact_tokens, int64_t context) {
-  const double exact_share = static_cast<double>(std::min(exact_tokens, context)) / context;
+                                const CaptureMeta& meta, const PlanOptions& options) {
+  const double per_sequence =
+      static_cast<double>(std::min(options.exact_tokens, options.context)) * fp16_token_bytes +
+      options.fixed_layer_bytes;
   double bytes = 0.0;
-  for (int64_t b : token_bytes) bytes += b + exact_share * fp16_token_bytes;
+  for (int64_t b : token_bytes) bytes += b + per_sequence / options.context;
   const double coordinates =
       2.0 * meta.num_kv_heads * meta.head_dim * static_cast<double>(token_bytes.size());
   return 8.0 * bytes / coordinates;
@@ -653,11 +672,12 @@ absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta,
 }
 
 std::string ProtectionConfigText(const ProtectionPlan& plan, const PlanOptions& options) {
+  const Preset* common = MostCommonPreset(plan);
   std::string text =
-      absl::StrFormat("preset: \"%s\"\nboundary_layers: 0\n", std::string(plan.base->name));
+      absl::StrFormat("preset: \"%s\"\nboundary_layers: 0\n", std::string(common->name));
   std::vector<const Preset*> order;
   for (const Preset* p : plan.layer_presets) {
-    if (p != plan.base && std::find(order.begin(), order.end(), p) == order.end()) {
+    if (p != common && std::find(order.begin(), order.end(), p) == order.end()) {
       order.push_back(p);
     }
   }
@@ -669,6 +689,7 @@ std::string ProtectionConfigText(const ProtectionPlan& plan, const PlanOptions& 
     absl::StrAppendFormat(&text, "protected_layers { layers: [%s] preset: \"%s\" }\n",
                           absl::StrJoin(layers, ", "), std::string(p->name));
   }
+  if (!options.recipe.empty()) absl::StrAppendFormat(&text, "# measured with %s\n", options.recipe);
   absl::StrAppendFormat(&text,
                         "# %.3f bits per coordinate, %.2fx vs bf16 at context %d"
                         " (%d exact tokens at fp16)\n",

@@ -174,12 +174,20 @@ struct PlanOptions {
   // Average bits per coordinate over all layers, keys and values together,
   // that the plan may spend (16 is bf16). Exact tokens included.
   double budget_bits = 4.0;
-  // Tokens kept exact at fp16 per sequence (sinks plus recent window), and
-  // the context length over which their bytes are spread: each layer then
-  // costs token_bytes + exact_tokens / context * fp16 token bytes per token.
+  // Tokens kept exact at fp16 per sequence (sinks plus recent window; each
+  // also keeps its compressed copy), bytes every layer of a sequence holds
+  // whatever its length (the key means with centering: 4 x num_kv_heads x
+  // head_dim), and the context length both are spread over: a layer then
+  // costs, per token, token_bytes + (min(exact_tokens, context) * fp16 token
+  // bytes + fixed_layer_bytes) / context.
   int64_t exact_tokens = 0;
+  int64_t fixed_layer_bytes = 0;
   int64_t context = 8192;
   CalibrationMetric metric = CalibrationMetric::kOutputError;
+  // The serving recipe the errors were measured under ("key centering
+  // pre_rope, 4 sink + 64 window tokens exact"), for ProtectionConfigText's
+  // comment; "" for none.
+  std::string recipe;
 };
 
 struct PlanStep {
@@ -203,26 +211,28 @@ struct ProtectionPlan {
 };
 
 // Average bits per coordinate of a model whose layer i uses
-// `token_bytes[i]` bytes per token, with exact tokens counted as in
-// PlanOptions; `fp16_token_bytes` is one layer's token in fp16.
+// `token_bytes[i]` bytes per token, with exact tokens and fixed bytes counted
+// as in PlanOptions; `fp16_token_bytes` is one layer's token in fp16.
 double AverageBitsPerCoordinate(absl::Span<const int64_t> token_bytes, int64_t fp16_token_bytes,
-                                const CaptureMeta& meta, int64_t exact_tokens, int64_t context);
+                                const CaptureMeta& meta, const PlanOptions& options);
 
 // Greedy plan over `layers` (one LayerCalibration per layer of the model, in
 // order, each with the same presets). Upgrades that cost no bytes and lower
 // the error come first. Errors (INVALID_ARGUMENT): no layers, layers not
 // numbered 0..n-1 or measured with different presets, the base preset not
-// measured, context < 1 or exact_tokens < 0, or a budget below what the base
+// measured, context < 1, exact_tokens or fixed_layer_bytes < 0, or a budget below what the base
 // preset alone takes (the message gives both).
 absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta,
                                               absl::Span<const LayerCalibration> layers,
                                               const PlanOptions& options);
 
 // The plan as cache-config lines in protobuf text format, ready to paste
-// into a CacheConfig: the base preset, boundary_layers: 0, and one
-// `protected_layers { layers: [3, 17] preset: "tqkv_k4v4" }` per preset
-// other than the base, layers ascending; '#' comments give the bits per
-// coordinate and ratio vs bf16 at the plan's context.
+// into a CacheConfig: `preset:` the one most layers use (the base on a
+// tie), boundary_layers: 0, and one `protected_layers { layers: [3, 17]
+// preset: "tqkv_k4v4" }` per other preset, layers ascending, in order of
+// first use; '#' comments give the recipe the
+// plan was measured under and the bits per coordinate and ratio vs bf16 at
+// the plan's context.
 std::string ProtectionConfigText(const ProtectionPlan& plan, const PlanOptions& options);
 
 }  // namespace eval
