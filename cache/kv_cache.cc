@@ -17,12 +17,82 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cache/page_allocator.h"
+#include "kernels/key_centering.h"
 #include "kernels/status_macros.h"
 
 namespace tqkv {
 namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Calls f(page) for every page a sequence holds, in both tables.
+template <typename F>
+void ForEachPage(const std::vector<int32_t>& table, const std::vector<int32_t>& exact_table, F f) {
+  for (int32_t page : table) f(page);
+  for (int32_t page : exact_table) {
+    if (page >= 0) f(page);
+  }
+}
+
+// Bytes a sequence's tokens take (KvLayout::layer_bytes), summed over layers.
+void CountBytes(const KvLayout& layout, const std::vector<int64_t>& layer_tokens, uint64_t* bytes,
+                uint64_t* bytes_bf16) {
+  *bytes = 0;
+  *bytes_bf16 = 0;
+  for (int layer = 0; layer < layout.num_layers(); ++layer) {
+    *bytes += layout.layer_bytes(layer, layer_tokens[layer]);
+    *bytes_bf16 += static_cast<uint64_t>(layer_tokens[layer]) * layout.token_bytes_bf16();
+  }
+}
+
+// The positions of an append of [start, start + n) that get an exact copy:
+// sinks and the window the layers have after it, as at most two runs.
+std::vector<std::pair<int64_t, int64_t>> ExactRuns(const KvLayout& layout, int64_t start, int64_t n) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  if (!layout.has_exact_tokens()) return runs;
+  const ExactRanges r = layout.exact_ranges(start + n);
+  if (start < r.sink_end) runs.push_back({start, r.sink_end});
+  const int64_t window_begin = std::max(start, r.window_begin);
+  if (window_begin < start + n) {
+    if (!runs.empty() && runs.back().second >= window_begin) {
+      runs.back().second = start + n;
+    } else {
+      runs.push_back({window_begin, start + n});
+    }
+  }
+  return runs;
+}
+
+// What an append must do to one table before it writes: pages to copy
+// (shared ones it writes into) and entries to fill with fresh pages.
+struct TablePlan {
+  std::vector<int32_t> table;       // the new table; fresh entries still -1
+  std::vector<int64_t> copy;        // indices whose shared page is copied
+  std::vector<int64_t> fresh;       // indices that get a fresh page
+  int32_t pages_needed() const { return static_cast<int32_t>(copy.size() + fresh.size()); }
+};
+
+// Plans writes to the pages holding positions in `runs`, `page_tokens` per
+// page, growing the table to `size` entries (new ones -1).
+TablePlan PlanTableWrites(const PageAllocator& pages, const std::vector<int32_t>& table, int64_t size,
+                          const std::vector<std::pair<int64_t, int64_t>>& runs, int page_tokens) {
+  TablePlan plan;
+  plan.table = table;
+  if (static_cast<int64_t>(plan.table.size()) < size) plan.table.resize(size, -1);
+  int64_t last = -1;
+  for (const auto& [begin, end] : runs) {
+    for (int64_t block = std::max(begin / page_tokens, last + 1); block < CeilDiv(end, page_tokens); ++block) {
+      const int32_t page = plan.table[block];
+      if (page < 0) {
+        plan.fresh.push_back(block);
+      } else if (pages.refs(page) > 1) {
+        plan.copy.push_back(block);
+      }
+      last = block;
+    }
+  }
+  return plan;
+}
 
 // Every field is guarded by the cache's State::mu.
 struct Sequence {
@@ -33,6 +103,12 @@ struct Sequence {
   std::vector<int64_t> layer_tokens;
   int64_t max_tokens = 0;
   std::vector<int32_t> block_table;
+  // Exact pages (KvLayout::exact_layout()), by exact page index; -1 where no
+  // token of the page is read exact any more (released) or none was written.
+  std::vector<int32_t> exact_table;
+  // Key means per layer (KvLayout::mean_floats() floats), set by the layer's
+  // first append and immutable after: readers and forks share them.
+  std::vector<std::shared_ptr<const std::vector<float>>> key_means;
   absl::Time last_access;
   // Breaks last_access ties (a coarse or frozen clock) in touch order.
   uint64_t access_order = 0;
@@ -46,6 +122,20 @@ struct Sequence {
   bool pending = false;
   // Attend / Score calls in flight; a sequence with readers is not idle.
   int readers = 0;
+};
+
+// What a read (Attend item, Score) took from a sequence under the lock: the
+// kernels read these outside it.
+struct ReadSnapshot {
+  uint64_t serial = 0;
+  int64_t length = 0;
+  std::vector<int32_t> table;        // pinned
+  std::vector<int32_t> exact_table;  // pinned where >= 0
+  bool has_exact = false;
+  std::shared_ptr<const std::vector<float>> key_mean;
+
+  const int32_t* exact_table_or_null() const { return has_exact ? exact_table.data() : nullptr; }
+  const float* key_mean_or_null() const { return key_mean ? key_mean->data() : nullptr; }
 };
 
 // Scans a [layers, tokens, kv_heads, head_dim] tensor for NaN and infinity so
@@ -126,6 +216,7 @@ struct KvCache::State {
     seq->id = id;
     seq->serial = next_serial++;
     seq->layer_tokens.assign(layout->num_layers(), 0);
+    seq->key_means.resize(layout->num_layers());
     seq->pending = pending;
     Touch(seq.get(), now);
     if (!pending) ++num_sequences;
@@ -138,7 +229,7 @@ struct KvCache::State {
   // to the free list when their last reader unpins them).
   // REQUIRES: !seq->writer_active.
   void DropLocked(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    for (int32_t page : seq->block_table) pages.Release(page);
+    ForEachPage(seq->block_table, seq->exact_table, [&](int32_t page) { pages.Release(page); });
     --num_sequences;
     tokens -= seq->max_tokens;
     stored_bytes -= seq->stored_bytes;
@@ -202,10 +293,10 @@ struct KvCache::State {
     for (Sequence* seq : idle) {
       if (free_pages >= need) break;
       victims->push_back(seq);
-      for (int32_t page : seq->block_table) {
+      ForEachPage(seq->block_table, seq->exact_table, [&](int32_t page) {
         int32_t& left = refs_left.try_emplace(page, pages.refs(page)).first->second;
         if (--left == 0 && pages.pins(page) == 0) ++free_pages;
-      }
+      });
     }
     *reachable = free_pages;
     if (free_pages >= need) return true;
@@ -213,12 +304,51 @@ struct KvCache::State {
     return false;
   }
 
-  // Releases what an in-flight read took: its pins and its reader count.
-  void EndRead(const std::string& id, uint64_t serial, const std::vector<int32_t>& pinned)
+  // Releases the exact pages of a sequence that no layer reads exact any
+  // more: those without a sink token that end before the window of the
+  // shortest non-empty layer.
+  void ReleaseLeftExactPages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!layout->has_exact_tokens()) return;
+    int64_t shortest = -1;
+    for (int64_t length : seq->layer_tokens) {
+      if (length > 0 && (shortest < 0 || length < shortest)) shortest = length;
+    }
+    if (shortest < 0) return;
+    const int64_t page_tokens = layout->exact_page_tokens();
+    const int64_t sinks = layout->options().exact_sink_tokens;
+    const int64_t window_begin = shortest - layout->options().exact_window_tokens;
+    for (size_t k = 0; k < seq->exact_table.size(); ++k) {
+      const int64_t begin = static_cast<int64_t>(k) * page_tokens;
+      if (seq->exact_table[k] < 0 || begin < sinks || begin + page_tokens > window_begin) continue;
+      pages.Release(seq->exact_table[k]);
+      seq->exact_table[k] = -1;
+    }
+  }
+
+  // Copies what a read of `layer` (holding `length` tokens) needs, pins its
+  // pages and counts the reader.
+  void TakeSnapshot(Sequence* seq, int layer, int64_t length, ReadSnapshot* snap)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    for (int32_t page : pinned) pages.Unpin(page);
+    snap->serial = seq->serial;
+    snap->length = length;
+    snap->table.assign(seq->block_table.begin(),
+                       seq->block_table.begin() + CeilDiv(length, layout->page_tokens()));
+    if (layout->has_exact_tokens()) {
+      const size_t used = std::min<size_t>(seq->exact_table.size(),
+                                           CeilDiv(length, layout->exact_page_tokens()));
+      snap->exact_table.assign(seq->exact_table.begin(), seq->exact_table.begin() + used);
+      snap->has_exact = true;
+    }
+    snap->key_mean = seq->key_means[layer];
+    ForEachPage(snap->table, snap->exact_table, [&](int32_t page) { pages.Pin(page); });
+    ++seq->readers;
+  }
+
+  // Releases what an in-flight read took: its pins and its reader count.
+  void EndRead(const std::string& id, const ReadSnapshot& snap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    ForEachPage(snap.table, snap.exact_table, [&](int32_t page) { pages.Unpin(page); });
     auto it = sequences.find(id);
-    if (it != sequences.end() && it->second->serial == serial) --it->second->readers;
+    if (it != sequences.end() && it->second->serial == snap.serial) --it->second->readers;
   }
 };
 
@@ -316,13 +446,18 @@ absl::Status KvCache::Append(const AppendRequest& request) {
   State& s = *state_;
   Sequence* seq = nullptr;
   std::vector<int32_t> allocated;  // owned by this call until publish
-  std::vector<int32_t> new_table;
+  TablePlan main_plan, exact_plan;
   struct PageCopy {
     int32_t from;  // the shared page
     int32_t to;    // its fresh copy
   };
   std::vector<PageCopy> copies;
   std::vector<int32_t> slots(n);
+  const std::vector<std::pair<int64_t, int64_t>> exact_runs = ExactRuns(layout, start, n);
+  std::vector<int32_t> exact_slots;
+  // Key means of the layers in range: taken from the sequence, or (first
+  // append, start 0) estimated from this append's keys below.
+  std::vector<std::shared_ptr<const std::vector<float>>> means(layers);
   {
     absl::MutexLock lock(&s.mu);
     // Appends to one sequence are serialized; the winner's result decides
@@ -350,18 +485,17 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     static const std::vector<int32_t> kNoPages;
     const std::vector<int32_t>& old_table = seq == nullptr ? kNoPages : seq->block_table;
     const int64_t old_max = seq == nullptr ? 0 : seq->max_tokens;
-    const int64_t table_pages = CeilDiv(std::max(old_max, start + n), page_tokens);
-    const int32_t grow = static_cast<int32_t>(table_pages - static_cast<int64_t>(old_table.size()));
     // With per-layer lengths any existing page from the first written
     // position on may be written (for these layers), not just the last one.
-    const int64_t first_written = start / page_tokens;
-    const int64_t end_written =
-        std::min<int64_t>(CeilDiv(start + n, page_tokens), static_cast<int64_t>(old_table.size()));
-    std::vector<int64_t> shared_blocks;
-    for (int64_t block = first_written; block < end_written; ++block) {
-      if (s.pages.refs(old_table[block]) > 1) shared_blocks.push_back(block);
+    main_plan = PlanTableWrites(s.pages, old_table, CeilDiv(std::max(old_max, start + n), page_tokens),
+                                {{start, start + n}}, page_tokens);
+    if (layout.has_exact_tokens()) {
+      const int exact_tokens = layout.exact_page_tokens();
+      exact_plan = PlanTableWrites(s.pages, seq == nullptr ? kNoPages : seq->exact_table,
+                                   CeilDiv(std::max(old_max, start + n), exact_tokens), exact_runs,
+                                   exact_tokens);
     }
-    const int32_t need = grow + static_cast<int32_t>(shared_blocks.size());
+    const int32_t need = main_plan.pages_needed() + exact_plan.pages_needed();
 
     if (need > s.pages.num_free()) {
       const int32_t free_before = s.pages.num_free();
@@ -380,21 +514,30 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     }
     const bool allocated_ok = s.pages.Allocate(need, &allocated);
     (void)allocated_ok;  // `need` free pages were ensured above.
-
-    new_table = old_table;
-    for (size_t i = 0; i < shared_blocks.size(); ++i) {
-      copies.push_back({old_table[shared_blocks[i]], allocated[i]});
-      new_table[shared_blocks[i]] = allocated[i];
+    size_t next = 0;
+    for (TablePlan* plan : {&main_plan, &exact_plan}) {
+      for (int64_t block : plan->copy) {
+        copies.push_back({plan->table[block], allocated[next]});
+        plan->table[block] = allocated[next++];
+      }
+      for (int64_t block : plan->fresh) plan->table[block] = allocated[next++];
     }
-    new_table.insert(new_table.end(), allocated.begin() + shared_blocks.size(), allocated.end());
 
     if (seq == nullptr) seq = s.AddSequence(id, /*pending=*/true, now);
     seq->writer_active = true;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t position = start + i;
-      slots[i] = new_table[position / page_tokens] * page_tokens +
+      slots[i] = main_plan.table[position / page_tokens] * page_tokens +
                  static_cast<int32_t>(position % page_tokens);
     }
+    const int exact_tokens = layout.exact_page_tokens();
+    for (const auto& [begin, end] : exact_runs) {
+      for (int64_t position = begin; position < end; ++position) {
+        exact_slots.push_back(exact_plan.table[position / exact_tokens] * exact_tokens +
+                              static_cast<int32_t>(position % exact_tokens));
+      }
+    }
+    for (int l = 0; l < layers; ++l) means[l] = seq->key_means[request.layer_begin + l];
   }
 
   // Kernels run outside the lock. The pages written are either fresh ones
@@ -405,6 +548,12 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     status = backend_->CopyPage(pool_, copy.from, copy.to);
     if (!status.ok()) break;
   }
+  std::vector<float> centered;  // the keys as stored, when centering
+  const float* keys = request.keys;
+  if (status.ok() && layout.key_centering() != KeyCentering::kNone) {
+    CenterKeys(request, &means, &centered);
+    keys = centered.data();
+  }
   if (status.ok()) {
     StoreParams params;
     params.layout = layout_.get();
@@ -413,9 +562,12 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     params.layer_end = request.layer_end;
     params.num_tokens = n;
     params.slots = slots.data();
-    params.keys = request.keys;
+    params.keys = keys;
     params.values = request.values;
     status = backend_->Store(params);
+  }
+  if (status.ok() && !exact_slots.empty()) {
+    status = StoreExact(request, keys, exact_runs, exact_slots);
   }
 
   absl::MutexLock lock(&s.mu);
@@ -429,18 +581,23 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     return absl::Status(status.code(), absl::StrFormat("append to sequence '%s' in cache '%s': %s",
                                                        id, s.name, status.message()));
   }
-  // Publish: the block table, then the lengths readers go by.
+  // Publish: the tables, then the lengths readers go by.
   for (const PageCopy& copy : copies) s.pages.Release(copy.from);
   s.copy_on_writes += copies.size();
-  seq->block_table = std::move(new_table);
+  seq->block_table = std::move(main_plan.table);
+  if (layout.has_exact_tokens()) seq->exact_table = std::move(exact_plan.table);
   const int64_t old_max = seq->max_tokens;
   for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
     seq->layer_tokens[layer] = start + n;
-    seq->stored_bytes += static_cast<uint64_t>(n) * layout.token_bytes(layer);
-    seq->stored_bytes_bf16 += static_cast<uint64_t>(n) * layout.token_bytes_bf16();
-    s.stored_bytes += static_cast<uint64_t>(n) * layout.token_bytes(layer);
-    s.stored_bytes_bf16 += static_cast<uint64_t>(n) * layout.token_bytes_bf16();
+    seq->key_means[layer] = means[layer - request.layer_begin];
   }
+  s.ReleaseLeftExactPages(seq);
+  uint64_t bytes = 0, bytes_bf16 = 0;
+  CountBytes(layout, seq->layer_tokens, &bytes, &bytes_bf16);
+  s.stored_bytes += bytes - seq->stored_bytes;
+  s.stored_bytes_bf16 += bytes_bf16 - seq->stored_bytes_bf16;
+  seq->stored_bytes = bytes;
+  seq->stored_bytes_bf16 = bytes_bf16;
   seq->max_tokens = std::max(old_max, start + n);
   s.tokens += seq->max_tokens - old_max;
   if (seq->pending) {
@@ -450,6 +607,72 @@ absl::Status KvCache::Append(const AppendRequest& request) {
   s.Touch(seq, s.clock());
   seq->writer_active = false;
   return absl::OkStatus();
+}
+
+void KvCache::CenterKeys(const AppendRequest& request,
+                         std::vector<std::shared_ptr<const std::vector<float>>>* means,
+                         std::vector<float>* centered) const {
+  const KvLayout& layout = *layout_;
+  const KvLayoutOptions& o = layout.options();
+  const int64_t n = request.num_tokens;
+  const int heads = layout.num_kv_heads();
+  const int d = layout.head_dim();
+  const int64_t stride = static_cast<int64_t>(heads) * d;
+  const RopeAngles angles = ComputeRopeAngles(layout.rope(), request.start_position, n);
+  // The mean's tokens: centering_tokens of them after the sinks (or from 0),
+  // or every token when the append has too few.
+  int64_t mean_begin = o.centering_includes_sinks ? 0 : std::min<int64_t>(o.exact_sink_tokens, n);
+  if (mean_begin >= n) mean_begin = 0;
+  const int64_t mean_end = std::min<int64_t>(n, mean_begin + o.centering_tokens);
+  centered->resize(static_cast<size_t>(means->size()) * n * stride);
+  for (size_t l = 0; l < means->size(); ++l) {
+    const float* keys = request.keys + l * n * stride;
+    if ((*means)[l] == nullptr) {  // the layer's first append
+      auto mean = std::make_shared<std::vector<float>>(stride);
+      for (int h = 0; h < heads; ++h) {
+        EstimateKeyMean(layout.rope(), angles, keys + h * d, mean_begin, mean_end, stride,
+                        o.centering_pairs, d, mean->data() + h * d);
+      }
+      (*means)[l] = std::move(mean);
+    }
+    for (int h = 0; h < heads; ++h) {
+      SubtractKeyMean(layout.rope(), angles, (*means)[l]->data() + h * d, keys + h * d, stride, d,
+                      centered->data() + l * n * stride + h * d);
+    }
+  }
+}
+
+absl::Status KvCache::StoreExact(const AppendRequest& request, const float* keys,
+                                 const std::vector<std::pair<int64_t, int64_t>>& runs,
+                                 const std::vector<int32_t>& exact_slots) {
+  const KvLayout& layout = *layout_;
+  const int layers = request.layer_end - request.layer_begin;
+  const int64_t n = request.num_tokens;
+  const size_t stride = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
+  const int64_t m = static_cast<int64_t>(exact_slots.size());
+  // The exact tokens' rows, [layers, m, kv_heads, head_dim] like a request.
+  std::vector<float> exact_keys(layers * m * stride), exact_values(exact_keys.size());
+  for (int l = 0; l < layers; ++l) {
+    int64_t row = 0;
+    for (const auto& [begin, end] : runs) {
+      const size_t from = (l * n + (begin - request.start_position)) * stride;
+      const size_t count = static_cast<size_t>(end - begin) * stride;
+      std::copy(keys + from, keys + from + count, exact_keys.begin() + (l * m + row) * stride);
+      std::copy(request.values + from, request.values + from + count,
+                exact_values.begin() + (l * m + row) * stride);
+      row += end - begin;
+    }
+  }
+  StoreParams params;
+  params.layout = layout.exact_layout();
+  params.pool = pool_;
+  params.layer_begin = request.layer_begin;
+  params.layer_end = request.layer_end;
+  params.num_tokens = m;
+  params.slots = exact_slots.data();
+  params.keys = exact_keys.data();
+  params.values = exact_values.data();
+  return backend_->Store(params);
 }
 
 absl::Status KvCache::Fork(const std::string& parent_id, const std::string& child_id) {
@@ -475,9 +698,11 @@ absl::Status KvCache::Fork(const std::string& parent_id, const std::string& chil
   child->layer_tokens = parent->layer_tokens;
   child->max_tokens = parent->max_tokens;
   child->block_table = parent->block_table;
+  child->exact_table = parent->exact_table;
+  child->key_means = parent->key_means;
   child->stored_bytes = parent->stored_bytes;
   child->stored_bytes_bf16 = parent->stored_bytes_bf16;
-  for (int32_t page : child->block_table) s.pages.AddRef(page);
+  ForEachPage(child->block_table, child->exact_table, [&](int32_t page) { s.pages.AddRef(page); });
   s.tokens += child->max_tokens;
   s.stored_bytes += child->stored_bytes;
   s.stored_bytes_bf16 += child->stored_bytes_bf16;
@@ -512,6 +737,9 @@ absl::StatusOr<SequenceInfo> KvCache::GetSequence(const std::string& id) {
   info.layer_tokens = seq->layer_tokens;
   info.max_tokens = seq->max_tokens;
   info.pages = static_cast<int32_t>(seq->block_table.size());
+  info.exact_pages = static_cast<int32_t>(
+      std::count_if(seq->exact_table.begin(), seq->exact_table.end(), [](int32_t p) { return p >= 0; }));
+  info.stored_bytes = seq->stored_bytes;
   info.last_access = seq->last_access;
   return info;
 }
@@ -532,7 +760,6 @@ std::vector<std::string> KvCache::ListSequences() {
 
 absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float scale) {
   const KvLayout& layout = *layout_;
-  const int page_tokens = layout.page_tokens();
   RETURN_IF_ERROR(CheckScale(scale));
   for (size_t i = 0; i < items.size(); ++i) {
     const AttendRequestItem& item = items[i];
@@ -555,8 +782,7 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
 
   State& s = *state_;
   // Snapshots owned by this call: the kernel reads them outside the lock.
-  std::vector<std::vector<int32_t>> tables(items.size());
-  std::vector<uint64_t> serials(items.size());
+  std::vector<ReadSnapshot> snapshots(items.size());
   std::vector<AttendItem> kernel_items(items.size());
   {
     absl::MutexLock lock(&s.mu);
@@ -581,15 +807,13 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
       const AttendRequestItem& item = items[i];
       Sequence* seq = s.FindVisible(item.sequence_id);
       const int64_t length = seq->layer_tokens[item.layer];
-      tables[i].assign(seq->block_table.begin(),
-                       seq->block_table.begin() + CeilDiv(length, page_tokens));
-      for (int32_t page : tables[i]) s.pages.Pin(page);
-      ++seq->readers;
-      serials[i] = seq->serial;
+      s.TakeSnapshot(seq, item.layer, length, &snapshots[i]);
       s.Touch(seq, now);
 
       AttendItem& k = kernel_items[i];
-      k.block_table = tables[i].data();
+      k.block_table = snapshots[i].table.data();
+      k.exact_block_table = snapshots[i].exact_table_or_null();
+      k.key_mean = snapshots[i].key_mean_or_null();
       k.context_tokens = length;
       k.layer = item.layer;
       k.num_query_tokens = item.num_query_tokens;
@@ -607,7 +831,7 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
   const absl::Status status = backend_->Attend(params);
 
   absl::MutexLock lock(&s.mu);
-  for (size_t i = 0; i < items.size(); ++i) s.EndRead(items[i].sequence_id, serials[i], tables[i]);
+  for (size_t i = 0; i < items.size(); ++i) s.EndRead(items[i].sequence_id, snapshots[i]);
   return status;
 }
 
@@ -635,8 +859,7 @@ absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begi
   }
 
   State& s = *state_;
-  std::vector<int32_t> table;
-  uint64_t serial = 0;
+  ReadSnapshot snapshot;
   int64_t end = 0;
   {
     absl::MutexLock lock(&s.mu);
@@ -659,18 +882,17 @@ absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begi
     }
     s.Touch(seq, s.clock());
     if (token_begin == end) return absl::OkStatus();
-    table.assign(seq->block_table.begin(),
-                 seq->block_table.begin() + CeilDiv(end, layout.page_tokens()));
-    for (int32_t page : table) s.pages.Pin(page);
-    ++seq->readers;
-    serial = seq->serial;
+    s.TakeSnapshot(seq, layer, length, &snapshot);
   }
 
   ScoreParams params;
   params.layout = layout_.get();
   params.pool = pool_;
   params.layer = layer;
-  params.block_table = table.data();
+  params.block_table = snapshot.table.data();
+  params.exact_block_table = snapshot.exact_table_or_null();
+  params.key_mean = snapshot.key_mean_or_null();
+  params.length = snapshot.length;
   params.token_begin = token_begin;
   params.token_end = end;
   params.queries = queries;
@@ -679,7 +901,7 @@ absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begi
   const absl::Status status = backend_->Score(params);
 
   absl::MutexLock lock(&s.mu);
-  s.EndRead(id, serial, table);
+  s.EndRead(id, snapshot);
   return status;
 }
 

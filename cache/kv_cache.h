@@ -47,6 +47,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -77,6 +78,8 @@ struct SequenceInfo {
   std::vector<int64_t> layer_tokens;  // per layer
   int64_t max_tokens = 0;             // max over layers
   int32_t pages = 0;                  // block table length
+  int32_t exact_pages = 0;            // exact pages held (sinks, window)
+  uint64_t stored_bytes = 0;          // as CacheStats counts them
   absl::Time last_access;
 };
 
@@ -175,6 +178,15 @@ class KvCache {
  private:
   // Implementation-defined; see kv_cache.cc.
   struct State;
+  // The keys of `request` as stored: k - R_t m per (layer, head), with the
+  // means of layers that have none yet (null entries) estimated first.
+  void CenterKeys(const AppendRequest& request,
+                  std::vector<std::shared_ptr<const std::vector<float>>>* means,
+                  std::vector<float>* centered) const;
+  // Stores the exact copies of an append's tokens in `runs` (positions).
+  absl::Status StoreExact(const AppendRequest& request, const float* keys,
+                          const std::vector<std::pair<int64_t, int64_t>>& runs,
+                          const std::vector<int32_t>& exact_slots);
   KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout, Backend* backend,
           PagePool pool);
 

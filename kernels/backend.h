@@ -48,8 +48,26 @@ struct StoreParams {
   const float* values = nullptr;
 };
 
+// Centering and exact tokens (kv_layout.h). A sequence's reads carry, with
+// its block table:
+//   exact_block_table  its exact pages (layout->exact_layout()), in order; an
+//                      entry may be -1 where no token of the page is read
+//                      exact any more. Null when the layout has no exact
+//                      tokens.
+//   key_mean           the key means of the layer read, [num_kv_heads,
+//                      head_dim], as the cache subtracted them before Store
+//                      (key_centering.h). Null without centering.
+// Token t of a layer holding `length` tokens is read from its exact copy
+// when t < ranges.sink_end or t >= ranges.window_begin
+// (layout->exact_ranges(length)), else from its compressed copy; the logit
+// adds back scale * q . R_t m.
+//
+// Exact pages are pages of the same pool (the exact layout's pages are no
+// larger than pool.page_bytes, which stays the stride).
+
 // Attention logits of one layer: logits[h][t] = scale * <q_h, k_{kv(h), t}>
-// for tokens t in [token_begin, token_end) of one sequence.
+// for tokens t in [token_begin, token_end) of one sequence, which holds
+// `length` tokens in that layer.
 struct ScoreParams {
   const KvLayout* layout = nullptr;
   PagePool pool;
@@ -60,6 +78,11 @@ struct ScoreParams {
   const float* queries = nullptr;  // [num_query_heads, head_dim]
   float scale = 0.0f;              // usually 1 / sqrt(head_dim)
   float* logits = nullptr;         // [num_query_heads, token_end - token_begin]
+  // Centering and exact tokens: see above. `length` matters only with exact
+  // tokens (it places the window).
+  const int32_t* exact_block_table = nullptr;
+  const float* key_mean = nullptr;
+  int64_t length = 0;
 };
 
 // One (sequence, layer, query tokens) item of a decode batch.
@@ -75,6 +98,9 @@ struct AttendItem {
   const float* queries = nullptr;  // [num_query_tokens, num_query_heads, head_dim]
   float* output = nullptr;         // same shape as queries
   float* lse = nullptr;            // optional [num_query_tokens, num_query_heads], natural log
+  // Centering and exact tokens: see above.
+  const int32_t* exact_block_table = nullptr;
+  const float* key_mean = nullptr;
 };
 
 struct AttendParams {
@@ -96,6 +122,10 @@ class Backend {
   // Allocates a pool once, at start-up. RESOURCE_EXHAUSTED when the memory is
   // not there. The pool lives until FreePool.
   virtual absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) = 0;
+
+  // OK when the backend can serve caches of this layout; UNIMPLEMENTED,
+  // saying what it lacks, otherwise. The cache asks before it allocates.
+  virtual absl::Status SupportsLayout(const KvLayout& layout) const { return absl::OkStatus(); }
   virtual void FreePool(PagePool pool) = 0;
 
   // Copies one whole page (copy-on-write of a shared partial page).
@@ -103,6 +133,9 @@ class Backend {
 
   // Fails with INVALID_ARGUMENT on non-finite input (nothing is guaranteed
   // about the destination slots then; the cache never publishes them).
+  // Store writes the tokens into the pages of params.layout, which is the
+  // cache's layout or its exact_layout() (the cache stores every token in the
+  // first and the exact ones in the second too, with the pool's stride).
   virtual absl::Status Store(const StoreParams& params) = 0;
   virtual absl::Status Score(const ScoreParams& params) = 0;
   virtual absl::Status Attend(const AttendParams& params) = 0;

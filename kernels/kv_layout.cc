@@ -12,6 +12,57 @@ size_t AlignUp(size_t n) { return (n + kPlaneAlignment - 1) / kPlaneAlignment * 
 // Value codecs draw their rotation from their own stream of the head's seed.
 constexpr uint64_t kValueStream = 1;
 
+constexpr int kMaxExactTokens = 4096;
+
+absl::Status CheckCenteringAndExactTokens(const KvLayoutOptions& o) {
+  if (o.centering_tokens < 1 || o.centering_tokens > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("centering_tokens must be in [1, 65536], got %d", o.centering_tokens));
+  }
+  if (o.centering_pairs < 0 || o.centering_pairs > o.head_dim / 2) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "centering_pairs must be in [0, head_dim / 2 = %d] (0: every pair), got %d",
+        o.head_dim / 2, o.centering_pairs));
+  }
+  for (const auto& [name, value] : {std::pair<const char*, int>{"exact_sink_tokens", o.exact_sink_tokens},
+                                    {"exact_window_tokens", o.exact_window_tokens}}) {
+    if (value < 0 || value > kMaxExactTokens) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s must be in [0, %d], got %d", name, kMaxExactTokens, value));
+    }
+  }
+  if (o.key_centering == KeyCentering::kPreRope && o.rope.known()) {
+    RETURN_IF_ERROR(RopeTable::Create(o.rope, o.head_dim).status());
+  }
+  return absl::OkStatus();
+}
+
+// The all-fp16 layout of exact pages: as many tokens per page as fit in
+// `page_bytes`, the stride of the pool both kinds of page share.
+absl::StatusOr<std::shared_ptr<const KvLayout>> MakeExactLayout(const KvLayoutOptions& o,
+                                                                size_t page_bytes) {
+  // fp16 planes of whole tokens are multiples of 32 bytes when head_dim is a
+  // multiple of 16; otherwise padding can cost a token, so search downwards.
+  const size_t token_bytes = static_cast<size_t>(o.num_layers) * o.num_kv_heads * 4 * o.head_dim;
+  for (int64_t tokens = std::min<int64_t>(page_bytes / token_bytes, 1024); tokens >= 1; --tokens) {
+    KvLayoutOptions e;
+    e.num_layers = o.num_layers;
+    e.num_kv_heads = o.num_kv_heads;
+    e.num_query_heads = o.num_query_heads;
+    e.head_dim = o.head_dim;
+    e.page_tokens = static_cast<int>(tokens);
+    e.preset = "fp16";
+    e.boundary_layers = 0;
+    e.rotation_seed = o.rotation_seed;
+    ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> exact, KvLayout::Create(e));
+    if (exact->page_bytes() <= page_bytes) return exact;
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "a page of %d tokens (%d bytes) cannot hold one exact fp16 token of every layer (%d "
+      "bytes); raise page_tokens for exact sink or window tokens",
+      o.page_tokens, page_bytes, token_bytes));
+}
+
 }  // namespace
 
 uint64_t KvLayout::HeadSeed(int layer, int head) const {
@@ -48,8 +99,28 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::Create(const KvLayoutO
     ASSIGN_OR_RETURN(boundary, FindPreset(o.boundary_preset));
   }
   const int heads = o.num_kv_heads;
-  if ((preset->NeedsCalibration() || boundary->NeedsCalibration()) &&
-      o.hot_channels.size() != static_cast<size_t>(o.num_layers) * heads) {
+  if (!o.layer_presets.empty() && static_cast<int>(o.layer_presets.size()) != o.num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer_presets has %d entries; want none or one per layer (%d)", o.layer_presets.size(),
+        o.num_layers));
+  }
+  std::vector<const Preset*> presets(o.num_layers);
+  bool needs_calibration = false;
+  for (int layer = 0; layer < o.num_layers; ++layer) {
+    const bool is_boundary = layer < o.boundary_layers || layer >= o.num_layers - o.boundary_layers;
+    presets[layer] = is_boundary ? boundary : preset;
+    if (!o.layer_presets.empty() && !o.layer_presets[layer].empty()) {
+      absl::StatusOr<const Preset*> found = FindPreset(o.layer_presets[layer]);
+      if (!found.ok()) {
+        return absl::Status(found.status().code(),
+                            absl::StrFormat("layer %d: %s", layer, found.status().message()));
+      }
+      presets[layer] = *found;
+    }
+    needs_calibration = needs_calibration || presets[layer]->NeedsCalibration();
+  }
+  RETURN_IF_ERROR(CheckCenteringAndExactTokens(o));
+  if (needs_calibration && o.hot_channels.size() != static_cast<size_t>(o.num_layers) * heads) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "a split preset needs hot channels for every (layer, KV head): want %d lists, got %d",
         o.num_layers * heads, o.hot_channels.size()));
@@ -58,8 +129,7 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::Create(const KvLayoutO
   std::shared_ptr<KvLayout> layout(new KvLayout(options));
   size_t offset = 0;
   for (int layer = 0; layer < o.num_layers; ++layer) {
-    const bool is_boundary = layer < o.boundary_layers || layer >= o.num_layers - o.boundary_layers;
-    const Preset* layer_preset = is_boundary ? boundary : preset;
+    const Preset* layer_preset = presets[layer];
     layout->layer_presets_.push_back(layer_preset);
     for (int head = 0; head < heads; ++head) {
       CodecOptions codec_options;
@@ -88,6 +158,18 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::Create(const KvLayoutO
     }
   }
   layout->page_bytes_ = offset;
+
+  layout->key_centering_ = o.key_centering;
+  if (o.key_centering == KeyCentering::kPreRope) {
+    if (o.rope.known()) {
+      ASSIGN_OR_RETURN(layout->rope_, RopeTable::Create(o.rope, o.head_dim));
+    } else {
+      layout->key_centering_ = KeyCentering::kPostRope;
+    }
+  }
+  if (o.exact_sink_tokens > 0 || o.exact_window_tokens > 0) {
+    ASSIGN_OR_RETURN(layout->exact_layout_, MakeExactLayout(o, offset));
+  }
   return std::shared_ptr<const KvLayout>(std::move(layout));
 }
 
@@ -98,6 +180,16 @@ size_t KvLayout::token_bytes(int layer) const {
 
 size_t KvLayout::token_bytes_bf16() const {
   return static_cast<size_t>(options_.num_kv_heads) * 4 * options_.head_dim;
+}
+
+size_t KvLayout::layer_bytes(int layer, int64_t length) const {
+  if (length <= 0) return 0;
+  size_t bytes = static_cast<size_t>(length) * token_bytes(layer);
+  if (exact_layout_ != nullptr) {
+    const ExactRanges r = exact_ranges(length);
+    bytes += static_cast<size_t>(r.sink_end + (length - r.window_begin)) * exact_layout_->token_bytes(layer);
+  }
+  return bytes + sizeof(float) * static_cast<size_t>(mean_floats());
 }
 
 }  // namespace tqkv

@@ -17,9 +17,22 @@
 // no scalars) take no bytes.
 //
 // Boundary layers (the first and last `boundary_layers`) use the protected
-// preset; the others the cache's preset. Each (layer, head) has its own
+// preset, layers named in `layer_presets` theirs, the others the cache's
+// preset. Each (layer, head) has its own
 // rotation seed, derived from the cache's seed, so that the format depends on
 // (seed, layer, head) only.
+//
+// Key centering and exact tokens (docs/format.md, "Centering and exact
+// tokens"). With key centering, keys are stored as residuals k_t - R_t m
+// (kernels/key_centering.h) and attention adds q . R_t m back exactly. With
+// exact sink or window tokens, the first `exact_sink_tokens` tokens and the
+// last `exact_window_tokens` tokens of each layer are also kept at fp16 in
+// exact pages, laid out by exact_layout(): an all-fp16 layout whose pages
+// hold exact_page_tokens() tokens and fit in one page of this layout, so both
+// kinds of page come from one pool. Attention reads a token from its exact
+// copy while the token is a sink or inside the window, and from its
+// compressed copy after it leaves the window. Exact copies hold the same
+// centered residuals, so the add-back is the same for every token.
 //
 // A KvLayout is immutable after Create and safe to share between threads and
 // backends.
@@ -27,6 +40,7 @@
 #define TQKV_KERNELS_KV_LAYOUT_H_
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -34,6 +48,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/codec.h"
+#include "kernels/key_centering.h"
 #include "kernels/preset.h"
 
 namespace tqkv {
@@ -64,6 +79,36 @@ struct KvLayoutOptions {
   // hot_channels[layer * num_kv_heads + head], each a list as CodecOptions
   // wants. Empty for presets without a split.
   std::vector<std::vector<int>> hot_channels;
+  // Per-layer presets: layer_presets[l], when not empty, is layer l's preset,
+  // over `preset` and the boundary rule. Empty, or num_layers entries.
+  std::vector<std::string> layer_presets;
+
+  // Key centering (kernels/key_centering.h). kPreRope needs the model's rotary
+  // embedding in `rope`; without it (rope.known() false) the cache centers
+  // after RoPE instead.
+  KeyCentering key_centering = KeyCentering::kNone;
+  RopeOptions rope;
+  // The mean m comes from this many tokens of the first append to a layer,
+  // starting after the sink tokens unless centering_includes_sinks (all of the
+  // first append's tokens when it has too few). 1..65536.
+  int centering_tokens = 64;
+  bool centering_includes_sinks = false;
+  // Pre-RoPE: keep the mean's `centering_pairs` strongest frequency pairs
+  // (their add-back costs 2 multiply-adds per pair, query and token); the
+  // other pairs stay in the residual. 0 keeps every pair.
+  int centering_pairs = 8;
+  // Tokens kept exact (fp16) besides their compressed copy: the first
+  // exact_sink_tokens of each layer, and its last exact_window_tokens. 0..4096.
+  int exact_sink_tokens = 0;
+  int exact_window_tokens = 0;
+};
+
+// The tokens of a layer holding `length` tokens that attention reads exact:
+// [0, sink_end) and [window_begin, length); the rest, [sink_end,
+// window_begin), compressed. sink_end <= window_begin.
+struct ExactRanges {
+  int64_t sink_end = 0;
+  int64_t window_begin = 0;
 };
 
 class KvLayout {
@@ -77,8 +122,10 @@ class KvLayout {
 
   // Fails with INVALID_ARGUMENT for inconsistent shapes (query heads not a
   // multiple of KV heads, head_dim or page_tokens out of range, too many
-  // boundary layers), NOT_FOUND for an unknown preset, and FAILED_PRECONDITION
-  // when a split preset has no hot channels.
+  // boundary layers, a bad layer_presets list, centering or exact-token
+  // settings out of range, a bad rope, pages too small to hold one exact
+  // token), NOT_FOUND for an unknown preset, and FAILED_PRECONDITION when a
+  // split preset has no hot channels.
   static absl::StatusOr<std::shared_ptr<const KvLayout>> Create(const KvLayoutOptions& options);
 
   const KvLayoutOptions& options() const { return options_; }
@@ -92,6 +139,27 @@ class KvLayout {
   size_t page_bytes() const { return page_bytes_; }
 
   const Preset& layer_preset(int layer) const { return *layer_presets_[layer]; }
+
+  // The centering in effect: kPreRope only with a known RoPE.
+  KeyCentering key_centering() const { return key_centering_; }
+  // The rotary pairs pre-RoPE centering uses (empty otherwise).
+  const RopeTable& rope() const { return rope_; }
+  // Floats of one layer's key means: num_kv_heads * head_dim (0 without
+  // centering).
+  int mean_floats() const {
+    return key_centering_ == KeyCentering::kNone ? 0 : options_.num_kv_heads * options_.head_dim;
+  }
+
+  bool has_exact_tokens() const { return exact_layout_ != nullptr; }
+  // The all-fp16 layout of exact pages, or null without exact tokens.
+  const KvLayout* exact_layout() const { return exact_layout_.get(); }
+  int exact_page_tokens() const { return exact_layout_ ? exact_layout_->page_tokens() : 0; }
+  ExactRanges exact_ranges(int64_t length) const {
+    ExactRanges r;
+    r.sink_end = std::min<int64_t>(length, options_.exact_sink_tokens);
+    r.window_begin = std::max<int64_t>(r.sink_end, length - options_.exact_window_tokens);
+    return r;
+  }
   const VectorCodec& key_codec(int layer, int head) const { return *key_codecs_[Index(layer, head)]; }
   const VectorCodec& value_codec(int layer, int head) const {
     return *value_codecs_[Index(layer, head)];
@@ -102,6 +170,9 @@ class KvLayout {
   // plane padding; and the same in bf16 (2 bytes x 2 x kv_heads x head_dim).
   size_t token_bytes(int layer) const;
   size_t token_bytes_bf16() const;
+  // Bytes one layer of a sequence holding `length` tokens takes: compressed
+  // tokens, exact copies (fp16) and the key mean (fp32), without padding.
+  size_t layer_bytes(int layer, int64_t length) const;
 
   // Seed of the codecs of (layer, head).
   uint64_t HeadSeed(int layer, int head) const;
@@ -116,6 +187,9 @@ class KvLayout {
   std::vector<std::unique_ptr<VectorCodec>> key_codecs_;
   std::vector<std::unique_ptr<VectorCodec>> value_codecs_;
   std::vector<HeadPlanes> planes_;
+  KeyCentering key_centering_ = KeyCentering::kNone;
+  RopeTable rope_;
+  std::shared_ptr<const KvLayout> exact_layout_;
 };
 
 }  // namespace tqkv

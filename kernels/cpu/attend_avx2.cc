@@ -15,6 +15,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/addback_table.h"
 #include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
 
@@ -199,6 +200,18 @@ struct BlockTokens {
   alignas(32) float value_zero[kBlock];
 };
 
+// The pre-RoPE add-back of row r for the 8 tokens from `at` in the block.
+inline __m256 AddBack(const HeadAttendParams& p, const AddBackTable& table, int r, int at) {
+  const int pairs = table.pairs();
+  const float* coef = p.addback_coef + static_cast<size_t>(r) * 2 * pairs;
+  __m256 sum = _mm256_setzero_ps(), sum2 = _mm256_setzero_ps();
+  for (int i = 0; i < pairs; ++i) {
+    sum = _mm256_fmadd_ps(_mm256_set1_ps(coef[i]), _mm256_loadu_ps(table.cos(i) + at), sum);
+    sum2 = _mm256_fmadd_ps(_mm256_set1_ps(coef[pairs + i]), _mm256_loadu_ps(table.sin(i) + at), sum2);
+  }
+  return _mm256_add_ps(sum, sum2);
+}
+
 template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
 void AttendHead(const HeadAttendParams& p) {
   using KeyDecoder = Decoder<kKey, kKeyBits>;
@@ -241,9 +254,12 @@ void AttendHead(const HeadAttendParams& p) {
     }
   };
 
-  int64_t page_index = 0;
-  int slot = 0;
-  for (int64_t t0 = 0; t0 < max_visible; t0 += kBlock) {
+  static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
+  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, p.token_begin);
+  int64_t page_index = p.token_begin / p.page_tokens;
+  int slot = static_cast<int>(p.token_begin % p.page_tokens);
+  for (int64_t t0 = p.token_begin; t0 < max_visible; t0 += kBlock) {
+    addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
     const int groups = (count + kGroup - 1) / kGroup;
     for (int i = 0; i < count;) {  // per run of tokens in one page
@@ -296,7 +312,9 @@ void AttendHead(const HeadAttendParams& p) {
         }
         const __m256 live = _mm256_castsi256_ps(
             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index));
-        _mm256_store_ps(w, _mm256_blendv_ps(neg_inf, _mm256_mul_ps(SumEach(acc), scale), live));
+        __m256 score = _mm256_mul_ps(SumEach(acc), scale);
+        if (addback.pairs() > 0) score = _mm256_add_ps(score, AddBack(p, addback, r, kGroup * g));
+        _mm256_store_ps(w, _mm256_blendv_ps(neg_inf, score, live));
       }
     }
 
@@ -357,6 +375,11 @@ void AttendHead(const HeadAttendParams& p) {
   float line[kMaxHeadDim];
   for (int r = 0; r < rows; ++r) {
     float* out = p.out + static_cast<size_t>(r) * d;
+    if (row_sum[r] == 0.0f) {  // saw no token
+      memset(out, 0, sizeof(float) * d);
+      p.lse[r] = kNegInf;
+      continue;
+    }
     const float inv = 1.0f / row_sum[r];
     const float shift = row_zero[r] * inv;
     for (int j = 0; j < d; ++j) line[j] = out[j / 16 * 16 + ValueDecoder::Position(j % 16)] * inv + shift;

@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/addback_table.h"
 #include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
 
@@ -244,6 +245,18 @@ float* QueryScratch(size_t n) {
   return scratch.data();
 }
 
+// The pre-RoPE add-back of row r for the 16 tokens from `at` in the block.
+inline __m512 AddBack(const HeadAttendParams& p, const AddBackTable& table, int r, int at) {
+  const int pairs = table.pairs();
+  const float* coef = p.addback_coef + static_cast<size_t>(r) * 2 * pairs;
+  __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
+  for (int i = 0; i < pairs; ++i) {
+    sum = _mm512_fmadd_ps(_mm512_set1_ps(coef[i]), _mm512_loadu_ps(table.cos(i) + at), sum);
+    sum2 = _mm512_fmadd_ps(_mm512_set1_ps(coef[pairs + i]), _mm512_loadu_ps(table.sin(i) + at), sum2);
+  }
+  return _mm512_add_ps(sum, sum2);
+}
+
 // Where each token of a block lives, and its scalars.
 struct BlockTokens {
   const uint8_t* key_codes[kBlock];
@@ -289,9 +302,12 @@ void AttendHead(const HeadAttendParams& p) {
     return static_cast<__mmask16>(seen >= kGroup ? 0xffff : seen <= 0 ? 0 : (1u << seen) - 1);
   };
 
-  int64_t page_index = 0;
-  int slot = 0;
-  for (int64_t t0 = 0; t0 < max_visible; t0 += kBlock) {
+  static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
+  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, p.token_begin);
+  int64_t page_index = p.token_begin / p.page_tokens;
+  int slot = static_cast<int>(p.token_begin % p.page_tokens);
+  for (int64_t t0 = p.token_begin; t0 < max_visible; t0 += kBlock) {
+    addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
     const int groups = (count + kGroup - 1) / kGroup;
     for (int i = 0; i < count;) {  // per run of tokens in one page
@@ -361,8 +377,13 @@ void AttendHead(const HeadAttendParams& p) {
             acc1[i] = _mm512_fmadd_ps(qb, kv, acc1[i]);
           }
         }
-        _mm512_store_ps(w1, _mm512_mask_mul_ps(neg_inf, seen_lanes(seen1), SumPairs(acc1), scale));
-        _mm512_store_ps(w0, _mm512_mask_mul_ps(neg_inf, seen_lanes(seen0), SumPairs(acc0), scale));
+        __m512 s0 = _mm512_mul_ps(SumPairs(acc0), scale), s1 = _mm512_mul_ps(SumPairs(acc1), scale);
+        if (addback.pairs() > 0) {
+          s0 = _mm512_add_ps(s0, AddBack(p, addback, r, kGroup * g));
+          s1 = _mm512_add_ps(s1, AddBack(p, addback, r1, kGroup * g));
+        }
+        _mm512_store_ps(w1, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen1), s1));
+        _mm512_store_ps(w0, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen0), s0));
       }
     }
 
@@ -431,6 +452,11 @@ void AttendHead(const HeadAttendParams& p) {
   float line[kMaxHeadDim];
   for (int r = 0; r < rows; ++r) {
     float* out = p.out + static_cast<size_t>(r) * d;
+    if (row_sum[r] == 0.0f) {  // saw no token
+      memset(out, 0, sizeof(float) * d);
+      p.lse[r] = kNegInf;
+      continue;
+    }
     const float inv = 1.0f / row_sum[r];
     const float shift = row_zero[r] * inv;
     for (int j = 0; j < d; ++j) line[j] = out[ValueDecoder::ChunkPosition(j, d)] * inv + shift;

@@ -37,7 +37,8 @@ struct FieldReader {
 FieldReader DescribeField(const VectorCodec& codec);
 
 // Rows are the query vectors that share this KV head: (query token, query
-// head) pairs. Row r sees tokens [0, visible[r]).
+// head) pairs. Row r sees tokens [token_begin, visible[r]) of the block table
+// (none when visible[r] <= token_begin: its out is zero and its lse -inf).
 inline constexpr int kMaxRows = 64;
 
 struct HeadAttendParams {
@@ -51,6 +52,13 @@ struct HeadAttendParams {
   int rows = 0;                      // 1..kMaxRows
   const float* queries = nullptr;    // [rows][head_dim], in the key basis, logit scale folded in
   const int64_t* visible = nullptr;  // [rows]
+  int64_t token_begin = 0;
+  // Pre-RoPE add-back (kernels/key_centering.h): the logit of row r at token t
+  // gains sum_i coef[r][i] cos(t theta_i) + coef[r][pairs + i] sin(t theta_i),
+  // logit scale folded in. The constant part is the caller's.
+  int addback_pairs = 0;
+  const double* addback_inv_freq = nullptr;  // [addback_pairs]
+  const float* addback_coef = nullptr;       // [rows][2 * addback_pairs]
   // Outputs: the value accumulator (in the value codec's basis) normalised by
   // the softmax denominator, and the log-sum-exp of each row.
   float* out = nullptr;  // [rows][head_dim]

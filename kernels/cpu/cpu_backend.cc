@@ -13,6 +13,7 @@
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cpu_features.h"
+#include "kernels/key_centering.h"
 #include "kernels/status_macros.h"
 
 namespace tqkv {
@@ -137,15 +138,28 @@ class CpuBackend final : public Backend {
     const int d = layout.head_dim();
     const int group = layout.query_heads_per_kv_head();
     const int64_t count = p.token_end - p.token_begin;
+    Segment segments[kMaxSegments];
+    // Without exact tokens `length` may be left 0: the range decides then.
+    const int num_segments =
+        Segments(layout, p.block_table, p.exact_block_table, std::max(p.length, p.token_end), segments);
     std::vector<float> state;
     for (int h = 0; h < layout.num_query_heads(); ++h) {
-      const HeadView view = View(layout, p.layer, h / group);
-      state.resize(view.key->query_state_floats());
-      view.key->PrepareQuery(p.queries + static_cast<size_t>(h) * d, state.data());
-      for (int64_t t = 0; t < count; ++t) {
-        const SlotAddress at = Locate(p.pool, p.block_table, layout.page_tokens(), p.token_begin + t);
-        p.logits[h * count + t] = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot),
-                                                           view.key_scalars(at.page, at.slot));
+      const float* query = p.queries + static_cast<size_t>(h) * d;
+      const AddBackTerms terms = Terms(layout, p.key_mean, h / group, query, p.scale);
+      for (int k = 0; k < num_segments; ++k) {
+        const Segment& seg = segments[k];
+        const int64_t begin = std::max(seg.begin, p.token_begin), end = std::min(seg.end, p.token_end);
+        if (begin >= end) continue;
+        const HeadView view = View(*seg.layout, p.layer, h / group);
+        state.resize(view.key->query_state_floats());
+        view.key->PrepareQuery(query, state.data());
+        for (int64_t t = begin; t < end; ++t) {
+          const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
+          const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot),
+                                                        view.key_scalars(at.page, at.slot));
+          p.logits[h * count + t - p.token_begin] =
+              static_cast<float>(score + (terms.pairs.empty() ? terms.constant : terms.At(t)));
+        }
       }
     }
     return absl::OkStatus();
@@ -153,129 +167,255 @@ class CpuBackend final : public Backend {
 
   absl::Status Attend(const AttendParams& p) override {
     const KvLayout& layout = *p.layout;
-    // The widest fused kernel the CPU and the active SIMD level allow.
-    const SimdLevel level = ActiveSimdLevel();
-    const bool avx512 = level >= SimdLevel::kAvx512 && __builtin_cpu_supports("avx512dq");
-    const bool avx2 = level >= SimdLevel::kAvx2;
     const int heads = layout.num_kv_heads();
     // One task per (item, KV head); each writes its own rows of the output.
     pool_.ParallelFor(static_cast<int>(p.items.size()) * heads, [&](int task) {
-      const AttendItem& item = p.items[task / heads];
-      const int kv = task % heads;
-      {
-        const HeadView view = View(layout, item.layer, kv);
-        cpu_internal::FieldReader key = cpu_internal::DescribeField(*view.key);
-        cpu_internal::FieldReader value = cpu_internal::DescribeField(*view.value);
-        key.codes_offset = view.planes->key_codes;
-        key.scalars_offset = view.planes->key_scalars;
-        value.codes_offset = view.planes->value_codes;
-        value.scalars_offset = view.planes->value_scalars;
-        cpu_internal::AttendKernel kernel = nullptr;
-        if (avx512 && cpu_internal::AttendHeadAvx512Supported(key, value, layout.head_dim())) {
-          kernel = cpu_internal::AttendHeadAvx512;
-        } else if (avx2 && cpu_internal::AttendHeadAvx2Supported(key, value, layout.head_dim())) {
-          kernel = cpu_internal::AttendHeadAvx2;
-        }
-        if (kernel != nullptr) {
-          AttendHeadFast(p, item, kv, view, key, value, kernel);
-        } else {
-          AttendHeadReference(p, item, kv, view);
-        }
-      }
+      AttendHead(p, p.items[task / heads], task % heads);
     });
     return absl::OkStatus();
   }
 
  private:
+  // The most runs one read splits into: sinks, compressed, window.
+  static constexpr int kMaxSegments = 3;
+
+  // A run of tokens [begin, end) read from the pages of one layout.
+  struct Segment {
+    const KvLayout* layout;
+    const int32_t* table;
+    int64_t begin;
+    int64_t end;
+  };
+
+  // The runs a read of a layer holding `length` tokens covers, in token order.
+  static int Segments(const KvLayout& layout, const int32_t* table, const int32_t* exact_table,
+                      int64_t length, Segment* out) {
+    if (!layout.has_exact_tokens() || exact_table == nullptr) {
+      out[0] = {&layout, table, 0, length};
+      return 1;
+    }
+    const ExactRanges r = layout.exact_ranges(length);
+    const KvLayout* exact = layout.exact_layout();
+    int n = 0;
+    if (r.sink_end > 0) out[n++] = {exact, exact_table, 0, r.sink_end};
+    if (r.window_begin > r.sink_end) out[n++] = {&layout, table, r.sink_end, r.window_begin};
+    if (length > r.window_begin) out[n++] = {exact, exact_table, r.window_begin, length};
+    return n;
+  }
+
+  // The add-back of one (KV head, query), scale folded in (none without a mean).
+  static AddBackTerms Terms(const KvLayout& layout, const float* key_mean, int kv, const float* query,
+                            float scale) {
+    if (key_mean == nullptr || layout.key_centering() == KeyCentering::kNone) return {};
+    const int d = layout.head_dim();
+    return MakeAddBackTerms(layout.rope(), key_mean + static_cast<size_t>(kv) * d, query, d, scale);
+  }
+
+  // The fused kernel for one layout's (layer, KV head), or null.
+  static cpu_internal::AttendKernel PickKernel(const KvLayout& layout, int layer, int kv,
+                                               cpu_internal::FieldReader* key,
+                                               cpu_internal::FieldReader* value) {
+    const SimdLevel level = ActiveSimdLevel();
+    const bool avx512 = level >= SimdLevel::kAvx512 && __builtin_cpu_supports("avx512dq");
+    const bool avx2 = level >= SimdLevel::kAvx2;
+    const HeadView view = View(layout, layer, kv);
+    *key = cpu_internal::DescribeField(*view.key);
+    *value = cpu_internal::DescribeField(*view.value);
+    key->codes_offset = view.planes->key_codes;
+    key->scalars_offset = view.planes->key_scalars;
+    value->codes_offset = view.planes->value_codes;
+    value->scalars_offset = view.planes->value_scalars;
+    if (avx512 && cpu_internal::AttendHeadAvx512Supported(*key, *value, layout.head_dim())) {
+      return cpu_internal::AttendHeadAvx512;
+    }
+    if (avx2 && cpu_internal::AttendHeadAvx2Supported(*key, *value, layout.head_dim())) {
+      return cpu_internal::AttendHeadAvx2;
+    }
+    return nullptr;
+  }
+
+  void AttendHead(const AttendParams& p, const AttendItem& item, int kv) {
+    const KvLayout& layout = *p.layout;
+    Segment segments[kMaxSegments];
+    const int n = Segments(layout, item.block_table, item.exact_block_table, item.context_tokens, segments);
+    cpu_internal::FieldReader keys[kMaxSegments], values[kMaxSegments];
+    cpu_internal::AttendKernel kernels[kMaxSegments];
+    bool fast = true;
+    for (int k = 0; k < n; ++k) {
+      kernels[k] = PickKernel(*segments[k].layout, item.layer, kv, &keys[k], &values[k]);
+      fast = fast && kernels[k] != nullptr;
+    }
+    if (fast) {
+      AttendHeadFast(p, item, kv, segments, n, keys, values, kernels);
+    } else {
+      AttendHeadReference(p, item, kv, segments, n);
+    }
+  }
+
   // Rows of one (item, KV head): query token i, query head g of the group.
   static int RowCount(const KvLayout& layout, const AttendItem& item) {
     return item.num_query_tokens * layout.query_heads_per_kv_head();
   }
 
-  void AttendHeadFast(const AttendParams& p, const AttendItem& item, int kv, const HeadView& view,
-                      const cpu_internal::FieldReader& key, const cpu_internal::FieldReader& value,
-                      cpu_internal::AttendKernel kernel) {
+  // Runs the fused kernel over each segment and merges the partial softmaxes
+  // (exact: the segments split one online softmax at block boundaries).
+  void AttendHeadFast(const AttendParams& p, const AttendItem& item, int kv, const Segment* segments,
+                      int num_segments, const cpu_internal::FieldReader* keys,
+                      const cpu_internal::FieldReader* values, const cpu_internal::AttendKernel* kernels) {
     const KvLayout& layout = *p.layout;
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
     const int group = layout.query_heads_per_kv_head();
     const int total_rows = RowCount(layout, item);
-    thread_local std::vector<float> queries, out, state;
-    thread_local std::vector<int64_t> visible;
-    thread_local std::vector<float> lse;
+    const bool centered = item.key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
+    const float* mean = centered ? item.key_mean + static_cast<size_t>(kv) * d : nullptr;
+    const std::vector<int> pairs = centered ? ActivePairs(layout.rope(), mean) : std::vector<int>();
+    const int num_pairs = static_cast<int>(pairs.size());
+    thread_local std::vector<float> queries, out, merged, state, coef, line;
+    thread_local std::vector<int64_t> visible, segment_visible;
+    thread_local std::vector<float> lse, merged_lse;
+    thread_local std::vector<double> constants, inv_freq;
+    inv_freq.resize(num_pairs);
+    for (int i = 0; i < num_pairs; ++i) inv_freq[i] = layout.rope().inv_freq(pairs[i]);
     for (int row0 = 0; row0 < total_rows; row0 += cpu_internal::kMaxRows) {
       const int rows = std::min(cpu_internal::kMaxRows, total_rows - row0);
       queries.resize(static_cast<size_t>(rows) * d);
       out.resize(static_cast<size_t>(rows) * d);
+      merged.assign(static_cast<size_t>(rows) * d, 0.0f);
+      line.resize(d);
       visible.resize(rows);
+      segment_visible.resize(rows);
       lse.resize(rows);
-      state.resize(view.key->query_state_floats());
-      for (int r = 0; r < rows; ++r) {
+      merged_lse.assign(rows, -std::numeric_limits<float>::infinity());
+      constants.assign(rows, 0.0);
+      coef.resize(static_cast<size_t>(rows) * 2 * num_pairs);
+      const auto query_of = [&](int r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
-        view.key->PrepareQuery(item.queries + (static_cast<size_t>(i) * qh + h) * d, state.data());
-        for (int j = 0; j < d; ++j) queries[static_cast<size_t>(r) * d + j] = state[j] * p.scale;
-        visible[r] = item.context_tokens - item.num_query_tokens + 1 + i;
+        return item.queries + (static_cast<size_t>(i) * qh + h) * d;
+      };
+      for (int r = 0; r < rows; ++r) {
+        visible[r] = item.context_tokens - item.num_query_tokens + 1 + (row0 + r) / group;
+        if (!centered) continue;
+        const AddBackTerms terms = MakeAddBackTerms(layout.rope(), mean, query_of(r), d, p.scale);
+        constants[r] = terms.constant;
+        for (int i = 0; i < num_pairs; ++i) {
+          coef[static_cast<size_t>(r) * 2 * num_pairs + i] = static_cast<float>(terms.a[i]);
+          coef[static_cast<size_t>(r) * 2 * num_pairs + num_pairs + i] = static_cast<float>(terms.b[i]);
+        }
       }
-      cpu_internal::HeadAttendParams params;
-      params.head_dim = d;
-      params.page_tokens = layout.page_tokens();
-      params.pool_base = p.pool.base;
-      params.page_bytes = p.pool.page_bytes;
-      params.block_table = item.block_table;
-      params.key = key;
-      params.value = value;
-      params.rows = rows;
-      params.queries = queries.data();
-      params.visible = visible.data();
-      params.out = out.data();
-      params.lse = lse.data();
-      kernel(params);
+      for (int k = 0; k < num_segments; ++k) {
+        const Segment& seg = segments[k];
+        const HeadView view = View(*seg.layout, item.layer, kv);
+        state.resize(view.key->query_state_floats());
+        for (int r = 0; r < rows; ++r) {
+          view.key->PrepareQuery(query_of(r), state.data());
+          for (int j = 0; j < d; ++j) queries[static_cast<size_t>(r) * d + j] = state[j] * p.scale;
+          segment_visible[r] = std::min(visible[r], seg.end);
+        }
+        cpu_internal::HeadAttendParams params;
+        params.head_dim = d;
+        params.page_tokens = seg.layout->page_tokens();
+        params.pool_base = p.pool.base;
+        params.page_bytes = p.pool.page_bytes;
+        params.block_table = seg.table;
+        params.key = keys[k];
+        params.value = values[k];
+        params.rows = rows;
+        params.queries = queries.data();
+        params.visible = segment_visible.data();
+        params.token_begin = seg.begin;
+        params.addback_pairs = num_pairs;
+        params.addback_inv_freq = inv_freq.data();
+        params.addback_coef = coef.data();
+        params.out = out.data();
+        params.lse = lse.data();
+        kernels[k](params);
+        for (int r = 0; r < rows; ++r) {
+          if (lse[r] == -std::numeric_limits<float>::infinity()) continue;
+          view.value->FinishAccumulation(out.data() + static_cast<size_t>(r) * d, line.data());
+          MergeSoftmax(line.data(), lse[r], d, merged.data() + static_cast<size_t>(r) * d, &merged_lse[r]);
+        }
+      }
       for (int r = 0; r < rows; ++r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
         const size_t row = static_cast<size_t>(i) * qh + h;
-        view.value->FinishAccumulation(out.data() + static_cast<size_t>(r) * d, item.output + row * d);
-        if (item.lse != nullptr) item.lse[row] = lse[r];
+        std::copy(merged.begin() + static_cast<size_t>(r) * d, merged.begin() + static_cast<size_t>(r + 1) * d,
+                  item.output + row * d);
+        if (item.lse != nullptr) item.lse[row] = static_cast<float>(merged_lse[r] + constants[r]);
       }
     }
   }
 
-  // The reference: the codec's own Score / Accumulate, two passes in float.
-  void AttendHeadReference(const AttendParams& p, const AttendItem& item, int kv, const HeadView& view) {
+  // Folds a partial softmax (output `part` normalised over its tokens, with
+  // log-sum-exp part_lse) into the running (acc, acc_lse).
+  static void MergeSoftmax(const float* part, float part_lse, int d, float* acc, float* acc_lse) {
+    if (*acc_lse == -std::numeric_limits<float>::infinity()) {
+      std::copy(part, part + d, acc);
+      *acc_lse = part_lse;
+      return;
+    }
+    const float top = std::max(*acc_lse, part_lse);
+    const float wa = std::exp(*acc_lse - top), wp = std::exp(part_lse - top);
+    const float inv = 1.0f / (wa + wp);
+    for (int j = 0; j < d; ++j) acc[j] = (acc[j] * wa + part[j] * wp) * inv;
+    *acc_lse = top + std::log(wa + wp);
+  }
+
+  // The reference: the codec's own Score / Accumulate, two passes in float,
+  // the add-back in double.
+  void AttendHeadReference(const AttendParams& p, const AttendItem& item, int kv, const Segment* segments,
+                           int num_segments) {
     const KvLayout& layout = *p.layout;
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
     const int group = layout.query_heads_per_kv_head();
-    thread_local std::vector<float> state, logits, acc;
-    state.resize(view.key->query_state_floats());
-    acc.resize(view.value->accumulator_floats());
+    thread_local std::vector<float> state, logits, acc, part;
     for (int h = kv * group; h < (kv + 1) * group; ++h) {
       for (int i = 0; i < item.num_query_tokens; ++i) {
         const int64_t visible = item.context_tokens - item.num_query_tokens + 1 + i;
         const size_t row = (static_cast<size_t>(i) * qh + h) * d;
-        view.key->PrepareQuery(item.queries + row, state.data());
+        const AddBackTerms terms = Terms(layout, item.key_mean, kv, item.queries + row, p.scale);
         logits.resize(std::max<int64_t>(visible, 1));
         float max_logit = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < visible; ++t) {
-          const SlotAddress at = Locate(p.pool, item.block_table, layout.page_tokens(), t);
-          logits[t] = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot),
-                                                view.key_scalars(at.page, at.slot));
-          max_logit = std::max(max_logit, logits[t]);
+        for (int k = 0; k < num_segments; ++k) {
+          const Segment& seg = segments[k];
+          const HeadView view = View(*seg.layout, item.layer, kv);
+          state.resize(view.key->query_state_floats());
+          view.key->PrepareQuery(item.queries + row, state.data());
+          for (int64_t t = seg.begin; t < std::min(seg.end, visible); ++t) {
+            const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
+            const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot),
+                                                          view.key_scalars(at.page, at.slot));
+            logits[t] = static_cast<float>(score + (terms.pairs.empty() ? 0.0 : terms.At(t) - terms.constant));
+            max_logit = std::max(max_logit, logits[t]);
+          }
         }
         double denominator = 0.0;
         for (int64_t t = 0; t < visible; ++t) {
           logits[t] = std::exp(logits[t] - max_logit);
           denominator += logits[t];
         }
-        std::fill(acc.begin(), acc.end(), 0.0f);
         const float inv = static_cast<float>(1.0 / denominator);
-        for (int64_t t = 0; t < visible; ++t) {
-          const SlotAddress at = Locate(p.pool, item.block_table, layout.page_tokens(), t);
-          view.value->Accumulate(logits[t] * inv, view.value_codes(at.page, at.slot),
-                                 view.value_scalars(at.page, at.slot), acc.data());
+        std::fill(item.output + row, item.output + row + d, 0.0f);
+        for (int k = 0; k < num_segments; ++k) {
+          const Segment& seg = segments[k];
+          const HeadView view = View(*seg.layout, item.layer, kv);
+          acc.assign(view.value->accumulator_floats(), 0.0f);
+          part.resize(d);
+          bool any = false;
+          for (int64_t t = seg.begin; t < std::min(seg.end, visible); ++t) {
+            const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
+            view.value->Accumulate(logits[t] * inv, view.value_codes(at.page, at.slot),
+                                   view.value_scalars(at.page, at.slot), acc.data());
+            any = true;
+          }
+          if (!any) continue;
+          view.value->FinishAccumulation(acc.data(), part.data());
+          for (int j = 0; j < d; ++j) item.output[row + j] += part[j];
         }
-        view.value->FinishAccumulation(acc.data(), item.output + row);
         if (item.lse != nullptr) {
-          item.lse[static_cast<size_t>(i) * qh + h] = max_logit + static_cast<float>(std::log(denominator));
+          item.lse[static_cast<size_t>(i) * qh + h] =
+              static_cast<float>(max_logit + std::log(denominator) + terms.constant);
         }
       }
     }

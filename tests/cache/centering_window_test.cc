@@ -1,0 +1,516 @@
+// Key centering and exact tokens through the real cache and CPU backend,
+// against float64 attention over what the cache stores: the compressed
+// residual k_t - R_t m (decoded), or its fp16 copy while the token is a sink
+// or inside the window, plus the mean added back exactly.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/kv_cache.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu_features.h"
+#include "kernels/float_formats.h"
+#include "kernels/key_centering.h"
+#include "kernels/kv_layout.h"
+#include "kernels/random.h"
+
+namespace tqkv {
+namespace {
+
+constexpr int kLayers = 2;
+constexpr int kKvHeads = 2;
+constexpr int kQueryHeads = 4;
+
+// Keys with a large shared pre-RoPE component, rotated by the layout's RoPE
+// (as a model's keys come), and ordinary values. [layers, tokens, heads, d].
+struct Data {
+  std::vector<float> keys, values;
+};
+
+Data MakeData(const KvLayout& layout, int64_t first_position, int64_t tokens, uint64_t seed) {
+  const int d = layout.head_dim();
+  Random rng(seed);
+  Random shared(77);  // the same shared direction for every call
+  std::vector<double> common(static_cast<size_t>(kLayers) * kKvHeads * d);
+  for (double& c : common) c = 3.0 * shared.NextGaussian();
+  RopeOptions rope;
+  rope.base = 10000.0;
+  auto table = RopeTable::Create(rope, d);
+  Data data;
+  data.keys.resize(static_cast<size_t>(kLayers) * tokens * kKvHeads * d);
+  data.values.resize(data.keys.size());
+  std::vector<double> k(d);
+  for (int l = 0; l < kLayers; ++l) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int h = 0; h < kKvHeads; ++h) {
+        for (int j = 0; j < d; ++j) {
+          k[j] = common[(static_cast<size_t>(l) * kKvHeads + h) * d + j] + rng.NextGaussian();
+        }
+        table->Rotate(first_position + t, k.data(), /*inverse=*/false);
+        const size_t row = ((static_cast<size_t>(l) * tokens + t) * kKvHeads + h) * d;
+        for (int j = 0; j < d; ++j) {
+          data.keys[row + j] = static_cast<float>(k[j]);
+          data.values[row + j] = static_cast<float>(rng.NextGaussian());
+        }
+      }
+    }
+  }
+  return data;
+}
+
+KvLayoutOptions Options(const std::string& preset, KeyCentering centering, int sinks, int window) {
+  KvLayoutOptions o;
+  o.num_layers = kLayers;
+  o.num_kv_heads = kKvHeads;
+  o.num_query_heads = kQueryHeads;
+  o.head_dim = 64;
+  o.page_tokens = 16;
+  o.preset = preset;
+  o.boundary_layers = 0;
+  o.key_centering = centering;
+  o.rope.base = 10000.0;
+  o.centering_tokens = 24;
+  o.centering_pairs = 6;
+  o.exact_sink_tokens = sinks;
+  o.exact_window_tokens = window;
+  return o;
+}
+
+struct Fixture {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(2);
+  std::unique_ptr<KvCache> cache;
+
+  explicit Fixture(const KvLayoutOptions& layout, size_t budget = size_t{16} << 20) {
+    CacheOptions o;
+    o.layout = layout;
+    o.memory_budget_bytes = budget;
+    auto made = KvCache::Create(o, backend.get());
+    EXPECT_TRUE(made.ok()) << made.status();
+    if (made.ok()) cache = std::move(*made);
+  }
+
+  absl::Status Append(const std::string& id, int64_t start, const Data& data, int64_t tokens) {
+    AppendRequest r;
+    r.sequence_id = id;
+    r.start_position = start;
+    r.layer_begin = 0;
+    r.layer_end = kLayers;
+    r.num_tokens = tokens;
+    r.keys = data.keys.data();
+    r.values = data.values.data();
+    return cache->Append(r);
+  }
+};
+
+// What the cache holds for one sequence, rebuilt independently of it: the
+// tokens as keys and values, the mean rule applied to the first append.
+class Reference {
+ public:
+  explicit Reference(const KvLayout& layout) : layout_(layout) {}
+
+  void Append(const Data& data, int64_t tokens) {
+    const int d = layout_.head_dim();
+    const KvLayoutOptions& o = layout_.options();
+    const int64_t first = length_;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int h = 0; h < kKvHeads; ++h) {
+        const float* k = data.keys.data() + (static_cast<size_t>(l) * tokens * kKvHeads + h) * d;
+        std::vector<float>& mean = means_[l * kKvHeads + h];
+        if (mean.empty()) {
+          mean.assign(d, 0.0f);
+          if (layout_.key_centering() != KeyCentering::kNone) {
+            const RopeAngles angles = ComputeRopeAngles(layout_.rope(), first, tokens);
+            int64_t begin = o.centering_includes_sinks ? 0 : std::min<int64_t>(o.exact_sink_tokens, tokens);
+            if (begin >= tokens) begin = 0;
+            EstimateKeyMean(layout_.rope(), angles, k, begin, std::min<int64_t>(tokens, begin + o.centering_tokens),
+                            kKvHeads * d, o.centering_pairs, d, mean.data());
+          }
+        }
+        for (int64_t t = 0; t < tokens; ++t) {
+          Token token;
+          const size_t row = ((static_cast<size_t>(l) * tokens + t) * kKvHeads + h) * d;
+          token.key.assign(data.keys.begin() + row, data.keys.begin() + row + d);
+          token.value.assign(data.values.begin() + row, data.values.begin() + row + d);
+          tokens_[l * kKvHeads + h].push_back(token);
+        }
+      }
+    }
+    length_ += tokens;
+  }
+
+  // Keys and values as attention reads them at the current length, in double.
+  void Read(int layer, int head, std::vector<std::vector<double>>* keys,
+            std::vector<std::vector<double>>* values) const {
+    const int d = layout_.head_dim();
+    const std::vector<Token>& tokens = tokens_[layer * kKvHeads + head];
+    const std::vector<float>& mean = means_[layer * kKvHeads + head];
+    const ExactRanges ranges = layout_.has_exact_tokens() ? layout_.exact_ranges(length_)
+                                                          : ExactRanges{0, length_};
+    const VectorCodec& kc = layout_.key_codec(layer, head);
+    const VectorCodec& vc = layout_.value_codec(layer, head);
+    std::vector<uint8_t> codes(std::max(kc.code_bytes(), vc.code_bytes()));
+    std::vector<uint16_t> scalars(std::max(kc.num_scalars(), vc.num_scalars()) + 1);
+    std::vector<float> residual(d), decoded(d);
+    keys->clear();
+    values->clear();
+    for (int64_t t = 0; t < length_; ++t) {
+      const bool exact = t < ranges.sink_end || t >= ranges.window_begin;
+      // r_t = k_t - R_t m, as the cache computes it.
+      const RopeAngles angles = ComputeRopeAngles(layout_.rope(), t, 1);
+      SubtractKeyMean(layout_.rope(), angles, mean.data(), tokens[t].key.data(), d, d, residual.data());
+      std::vector<double> key(d), value(d);
+      if (exact) {
+        for (int j = 0; j < d; ++j) {
+          decoded[j] = HalfToFloat(FloatToHalf(residual[j]));
+          value[j] = HalfToFloat(FloatToHalf(tokens[t].value[j]));
+        }
+      } else {
+        EXPECT_TRUE(kc.Encode(residual.data(), codes.data(), scalars.data()).ok());
+        kc.Decode(codes.data(), scalars.data(), decoded.data());
+        std::vector<float> v(d);
+        EXPECT_TRUE(vc.Encode(tokens[t].value.data(), codes.data(), scalars.data()).ok());
+        vc.Decode(codes.data(), scalars.data(), v.data());
+        for (int j = 0; j < d; ++j) value[j] = v[j];
+      }
+      // + R_t m, in double.
+      std::vector<double> rotated_mean(mean.begin(), mean.end());
+      layout_.rope().Rotate(t, rotated_mean.data(), /*inverse=*/false);
+      if (layout_.key_centering() == KeyCentering::kNone) std::fill(rotated_mean.begin(), rotated_mean.end(), 0.0);
+      for (int j = 0; j < d; ++j) key[j] = decoded[j] + rotated_mean[j];
+      keys->push_back(key);
+      values->push_back(value);
+    }
+  }
+
+  int64_t length() const { return length_; }
+
+ private:
+  struct Token {
+    std::vector<float> key, value;
+  };
+  const KvLayout& layout_;
+  int64_t length_ = 0;
+  std::vector<std::vector<float>> means_ = std::vector<std::vector<float>>(kLayers * kKvHeads);
+  std::vector<std::vector<Token>> tokens_ = std::vector<std::vector<Token>>(kLayers * kKvHeads);
+};
+
+std::vector<float> Queries(int tokens, int d, uint64_t seed) {
+  Random rng(seed);
+  std::vector<float> q(static_cast<size_t>(tokens) * kQueryHeads * d);
+  for (float& x : q) x = static_cast<float>(rng.NextGaussian());
+  return q;
+}
+
+// Attend (several causal query tokens) and Score against float64 over the
+// reference's vectors, at every SIMD level (the fused kernels and the
+// reference path).
+void CheckAgainstReference(Fixture& f, const Reference& ref, const std::string& id) {
+  const KvLayout& layout = f.cache->layout();
+  const int d = layout.head_dim();
+  const int group = kQueryHeads / kKvHeads;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const int num_query = 3;
+  const std::vector<float> q = Queries(num_query, d, 5);
+  const SimdLevel original = ActiveSimdLevel();
+  for (SimdLevel level : {SimdLevel::kScalar, SimdLevel::kAvx2, SimdLevel::kAvx512}) {
+    if (SetActiveSimdLevel(level) != level) continue;
+    SCOPED_TRACE(std::string("simd ") + std::string(SimdLevelName(level)));
+    for (int layer = 0; layer < kLayers; ++layer) {
+      std::vector<float> out(q.size()), lse(num_query * kQueryHeads);
+      AttendRequestItem item;
+      item.sequence_id = id;
+      item.layer = layer;
+      item.num_query_tokens = num_query;
+      item.queries = q.data();
+      item.output = out.data();
+      item.lse = lse.data();
+      ASSERT_TRUE(f.cache->Attend({item}).ok());
+      for (int h = 0; h < kQueryHeads; ++h) {
+        std::vector<std::vector<double>> keys, values;
+        ref.Read(layer, h / group, &keys, &values);
+        // Score of the last query token over every token.
+        std::vector<float> logits(static_cast<size_t>(kQueryHeads) * ref.length());
+        ASSERT_TRUE(f.cache->Score(id, layer, 0, -1, q.data() + (num_query - 1) * kQueryHeads * d, logits.data()).ok());
+        for (int i = 0; i < num_query; ++i) {
+          const float* qi = q.data() + (static_cast<size_t>(i) * kQueryHeads + h) * d;
+          const int64_t visible = ref.length() - num_query + 1 + i;
+          std::vector<double> w(visible);
+          double top = -1e300;
+          for (int64_t t = 0; t < visible; ++t) {
+            double dot = 0;
+            for (int j = 0; j < d; ++j) dot += qi[j] * keys[t][j];
+            w[t] = scale * dot;
+            top = std::max(top, w[t]);
+            if (i == num_query - 1) {
+              ASSERT_NEAR(logits[h * ref.length() + t], w[t], 2e-4 * (1 + std::abs(w[t])))
+                  << "layer " << layer << " head " << h << " token " << t;
+            }
+          }
+          double sum = 0;
+          for (double& x : w) sum += (x = std::exp(x - top));
+          std::vector<double> want(d, 0.0);
+          for (int64_t t = 0; t < visible; ++t) {
+            for (int j = 0; j < d; ++j) want[j] += w[t] / sum * values[t][j];
+          }
+          const float* got = out.data() + (static_cast<size_t>(i) * kQueryHeads + h) * d;
+          double err = 0, norm = 0;
+          for (int j = 0; j < d; ++j) {
+            err += (got[j] - want[j]) * (got[j] - want[j]);
+            norm += want[j] * want[j];
+          }
+          EXPECT_LE(std::sqrt(err / norm), 1e-4) << "layer " << layer << " head " << h << " query " << i;
+          EXPECT_NEAR(lse[i * kQueryHeads + h], top + std::log(sum), 2e-4 * (1 + std::abs(top)));
+        }
+      }
+    }
+  }
+  SetActiveSimdLevel(original);
+}
+
+struct RecipeCase {
+  std::string preset;
+  KeyCentering centering;
+  int sinks;
+  int window;
+};
+
+class RecipeTest : public ::testing::TestWithParam<RecipeCase> {};
+
+TEST_P(RecipeTest, AttendAndScoreEqualFloat64OverTheStoredResidualPlusTheMean) {
+  const RecipeCase& c = GetParam();
+  Fixture f(Options(c.preset, c.centering, c.sinks, c.window));
+  ASSERT_NE(f.cache, nullptr);
+  Reference ref(f.cache->layout());
+  // A prefill, then decode steps, then a chunk: the window slides over page
+  // boundaries of both kinds of page.
+  Data prefill = MakeData(f.cache->layout(), 0, 45, 1);
+  ASSERT_TRUE(f.Append("s", 0, prefill, 45).ok());
+  ref.Append(prefill, 45);
+  CheckAgainstReference(f, ref, "s");
+  for (int step = 0; step < 7; ++step) {
+    Data token = MakeData(f.cache->layout(), ref.length(), 1, 100 + step);
+    ASSERT_TRUE(f.Append("s", ref.length(), token, 1).ok());
+    ref.Append(token, 1);
+  }
+  Data chunk = MakeData(f.cache->layout(), ref.length(), 30, 9);
+  ASSERT_TRUE(f.Append("s", ref.length(), chunk, 30).ok());
+  ref.Append(chunk, 30);
+  CheckAgainstReference(f, ref, "s");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, RecipeTest,
+    ::testing::Values(RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0},
+                      RecipeCase{"turboquant_3bit_nc", KeyCentering::kNone, 4, 16},
+                      RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9},
+                      RecipeCase{"fp8", KeyCentering::kPreRope, 4, 16}),
+    [](const ::testing::TestParamInfo<RecipeCase>& info) {
+      const RecipeCase& c = info.param;
+      const char* centering = c.centering == KeyCentering::kPreRope    ? "pre"
+                              : c.centering == KeyCentering::kPostRope ? "post"
+                                                                       : "none";
+      return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" + std::to_string(c.window);
+    });
+
+TEST(CenteringTest, PreRopeCenteringWithoutARopeFallsBackToPostRope) {
+  KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0);
+  o.rope = RopeOptions();
+  auto layout = KvLayout::Create(o);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ((*layout)->key_centering(), KeyCentering::kPostRope);
+}
+
+TEST(CenteringTest, CenteringLowersTheScoreErrorOnKeysWithASharedComponent) {
+  // The point of it all, on keys whose shared part dominates.
+  double err[2];
+  for (int centered = 0; centered < 2; ++centered) {
+    // Every pair: this data spreads its shared part evenly over the pairs
+    // (real keys put most of it in a few).
+    KvLayoutOptions o = Options("turboquant_k3v4_nc", centered ? KeyCentering::kPreRope : KeyCentering::kNone, 0, 0);
+    o.centering_pairs = 0;
+    Fixture f(o);
+    Data data = MakeData(f.cache->layout(), 0, 64, 3);
+    ASSERT_TRUE(f.Append("s", 0, data, 64).ok());
+    const int d = 64;
+    const std::vector<float> q = Queries(1, d, 8);
+    std::vector<float> logits(kQueryHeads * 64);
+    ASSERT_TRUE(f.cache->Score("s", 0, 0, -1, q.data(), logits.data()).ok());
+    double sq = 0;
+    for (int h = 0; h < kQueryHeads; ++h) {
+      for (int t = 0; t < 64; ++t) {
+        double exact = 0;
+        for (int j = 0; j < d; ++j) exact += q[h * d + j] * data.keys[(t * kKvHeads + h / 2) * d + j];
+        exact /= std::sqrt(64.0);
+        sq += (logits[h * 64 + t] - exact) * (logits[h * 64 + t] - exact);
+      }
+    }
+    err[centered] = std::sqrt(sq / (kQueryHeads * 64));
+  }
+  EXPECT_LT(err[1], 0.5 * err[0]) << "plain " << err[0] << " centered " << err[1];
+}
+
+TEST(ExactWindowTest, ATokenIsReadExactUntilItLeavesTheWindowAndCompressedAfter) {
+  // Same seed and preset with and without a window: outside the window the
+  // two caches read the same compressed bytes, inside it the windowed one
+  // reads fp16.
+  Fixture windowed(Options("turboquant_3bit_nc", KeyCentering::kNone, 2, 8));
+  Fixture plain(Options("turboquant_3bit_nc", KeyCentering::kNone, 0, 0));
+  const int d = 64;
+  const std::vector<float> q = Queries(1, d, 4);
+  std::vector<Data> steps;
+  for (int64_t t = 0; t < 30; ++t) {
+    Data token = MakeData(windowed.cache->layout(), t, 1, 200 + t);
+    ASSERT_TRUE(windowed.Append("s", t, token, 1).ok());
+    ASSERT_TRUE(plain.Append("s", t, token, 1).ok());
+    steps.push_back(token);
+    const int64_t length = t + 1;
+    std::vector<float> a(kQueryHeads * length), b(kQueryHeads * length);
+    ASSERT_TRUE(windowed.cache->Score("s", 1, 0, -1, q.data(), a.data()).ok());
+    ASSERT_TRUE(plain.cache->Score("s", 1, 0, -1, q.data(), b.data()).ok());
+    for (int64_t u = 0; u < length; ++u) {
+      const bool exact = u < 2 || u >= length - 8;
+      double want = 0;
+      const float* k = steps[u].keys.data() + (static_cast<size_t>(1) * kKvHeads + 0) * d;  // layer 1, head 0
+      for (int j = 0; j < d; ++j) want += q[j] * HalfToFloat(FloatToHalf(k[j]));
+      want /= std::sqrt(64.0);
+      if (exact) {
+        EXPECT_NEAR(a[u], want, 1e-4 * (1 + std::abs(want))) << "token " << u << " at length " << length;
+      } else {
+        EXPECT_EQ(a[u], b[u]) << "token " << u << " at length " << length;
+      }
+    }
+  }
+}
+
+TEST(ExactWindowTest, ForksShareTheWindowAndCopyOnWrite) {
+  Fixture f(Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 3, 10));
+  Reference parent(f.cache->layout());
+  Data prefill = MakeData(f.cache->layout(), 0, 20, 11);
+  ASSERT_TRUE(f.Append("p", 0, prefill, 20).ok());
+  parent.Append(prefill, 20);
+  ASSERT_TRUE(f.cache->Fork("p", "c").ok());
+  Reference child = parent;
+  // Different continuations, written into the shared partial pages.
+  for (int step = 0; step < 5; ++step) {
+    Data a = MakeData(f.cache->layout(), parent.length(), 1, 300 + step);
+    Data b = MakeData(f.cache->layout(), child.length(), 1, 400 + step);
+    ASSERT_TRUE(f.Append("p", parent.length(), a, 1).ok());
+    parent.Append(a, 1);
+    ASSERT_TRUE(f.Append("c", child.length(), b, 1).ok());
+    child.Append(b, 1);
+  }
+  EXPECT_GT(f.cache->Stats().copy_on_writes, 0u);
+  CheckAgainstReference(f, parent, "p");
+  CheckAgainstReference(f, child, "c");
+  ASSERT_TRUE(f.cache->Drop("p").ok());
+  CheckAgainstReference(f, child, "c");
+  ASSERT_TRUE(f.cache->Drop("c").ok());
+  EXPECT_EQ(f.cache->Stats().pages_used, 0);
+}
+
+TEST(ExactWindowTest, WindowPagesAreReleasedAsItSlidesAndBytesAreCounted) {
+  const KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
+  Fixture f(o);
+  const KvLayout& layout = f.cache->layout();
+  int32_t most_exact_pages = 0;
+  for (int64_t t = 0; t < 300; ++t) {
+    Data token = MakeData(layout, t, 1, 500 + t);
+    ASSERT_TRUE(f.Append("s", t, token, 1).ok());
+    auto info = f.cache->GetSequence("s");
+    ASSERT_TRUE(info.ok());
+    most_exact_pages = std::max(most_exact_pages, info->exact_pages);
+    uint64_t want = 0;
+    for (int l = 0; l < kLayers; ++l) want += layout.layer_bytes(l, t + 1);
+    ASSERT_EQ(info->stored_bytes, want);
+    ASSERT_EQ(f.cache->Stats().stored_bytes, want);
+  }
+  // Sinks plus a window of 16: a bounded number of exact pages, whatever the length.
+  const int per_page = layout.exact_page_tokens();
+  EXPECT_LE(most_exact_pages, (4 + per_page - 1) / per_page + (16 + per_page - 1) / per_page + 1);
+  const int64_t compressed_pages = (300 + 15) / 16;
+  EXPECT_EQ(f.cache->Stats().pages_used, compressed_pages + f.cache->GetSequence("s")->exact_pages);
+  // 300 tokens: 300 compressed, 4 + 16 exact per layer, plus the means.
+  const size_t want = kLayers * (300 * layout.token_bytes(0) + 20 * layout.exact_layout()->token_bytes(0) +
+                                 sizeof(float) * layout.mean_floats());
+  EXPECT_EQ(f.cache->Stats().stored_bytes, want);
+  ASSERT_TRUE(f.cache->Drop("s").ok());
+  EXPECT_EQ(f.cache->Stats().pages_used, 0);
+  EXPECT_EQ(f.cache->Stats().stored_bytes, 0u);
+}
+
+TEST(ExactWindowTest, LruEvictionFreesExactPagesToo) {
+  KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
+  auto layout = KvLayout::Create(o);
+  ASSERT_TRUE(layout.ok());
+  CacheOptions co;
+  co.layout = o;
+  co.memory_budget_bytes = (*layout)->page_bytes() * 12;
+  co.evict_lru = true;
+  std::unique_ptr<Backend> backend = MakeCpuBackend(1);
+  auto cache = KvCache::Create(co, backend.get());
+  ASSERT_TRUE(cache.ok());
+  Data data = MakeData(**layout, 0, 40, 1);
+  for (int i = 0; i < 6; ++i) {
+    AppendRequest r;
+    r.sequence_id = "s" + std::to_string(i);
+    r.layer_begin = 0;
+    r.layer_end = kLayers;
+    r.num_tokens = 40;
+    r.keys = data.keys.data();
+    r.values = data.values.data();
+    ASSERT_TRUE((*cache)->Append(r).ok()) << i;
+  }
+  const CacheStats stats = (*cache)->Stats();
+  EXPECT_GT(stats.evictions, 0u);
+  EXPECT_LE(stats.pages_used, 12);
+  for (const std::string& id : (*cache)->ListSequences()) ASSERT_TRUE((*cache)->Drop(id).ok());
+  EXPECT_EQ((*cache)->Stats().pages_used, 0);
+}
+
+TEST(ExactWindowTest, AFailedAppendChangesNothing) {
+  Fixture f(Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16));
+  Data data = MakeData(f.cache->layout(), 0, 20, 1);
+  ASSERT_TRUE(f.Append("s", 0, data, 20).ok());
+  const CacheStats before = f.cache->Stats();
+  Data bad = MakeData(f.cache->layout(), 20, 5, 2);
+  bad.values[bad.values.size() - 1] = 1e9f;  // fp16 cannot hold it: the exact store fails
+  EXPECT_FALSE(f.Append("s", 20, bad, 5).ok());
+  const CacheStats after = f.cache->Stats();
+  EXPECT_EQ(after.pages_used, before.pages_used);
+  EXPECT_EQ(after.stored_bytes, before.stored_bytes);
+  EXPECT_EQ(f.cache->GetSequence("s")->max_tokens, 20);
+}
+
+TEST(ExactWindowTest, LayoutRejectsBadSettings) {
+  KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
+  o.exact_window_tokens = -1;
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
+  o.page_tokens = 1;  // a 1-token compressed page cannot hold an fp16 token
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
+  o.rope.rotary_dims = 65;
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
+  o.centering_pairs = 33;
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o = Options("turboquant_k3v4_nc", KeyCentering::kNone, 0, 0);
+  o.layer_presets = {"tqkv_k4v4"};  // one entry for two layers
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.layer_presets = {"", "nope"};
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kNotFound);
+  o.layer_presets = {"", "tqkv_k4v4"};
+  auto layout = KvLayout::Create(o);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ((*layout)->layer_preset(0).name, "turboquant_k3v4_nc");
+  EXPECT_EQ((*layout)->layer_preset(1).name, "tqkv_k4v4");
+}
+
+}  // namespace
+}  // namespace tqkv
