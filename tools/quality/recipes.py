@@ -1,0 +1,136 @@
+"""Cache recipes: a preset plus the CacheConfig fields that protect quality
+(docs/turboquant.md section 7), and the text-format cache config for a row.
+
+A recipe is a dict: "preset" (and optionally "boundary_layers") plus any of
+the new CacheConfig fields, written inside `caches { ... }` after the existing
+ones:
+    key_centering: "none" | "post_rope" | "pre_rope"
+    rope { ... }             filled in from the model (rope.py) whenever
+                             key_centering is "pre_rope"
+    centering_tokens: N      mean of the first N tokens after the sinks
+    centering_pairs: P       pre-RoPE: top-P frequency pairs of the mean exact (0: all)
+    exact_sink_tokens: S     first S tokens at fp16
+    exact_window_tokens: W   last W tokens of each layer at fp16
+    protected_layers         [(layers, preset)]: layers given as a list, or
+                             "first_last" (first and last served layer) or
+                             "measured" (MEASURED_PROTECTED for the model)
+A recipe without any new field is a plain preset row: today's server takes it.
+"""
+import rope as rope_mod
+
+NEW_FIELDS = ("key_centering", "rope", "centering_tokens", "centering_pairs",
+              "exact_sink_tokens", "exact_window_tokens", "protected_layers")
+
+K3 = "turboquant_k3v4_nc"
+# The recipes to measure once the server takes the new fields. Names are the
+# row labels in the report; --recipes takes names, "all", or a prefix + "*".
+RECIPES = {
+    # the headline combination and its ablations
+    "k3v4+pre64+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                              exact_sink_tokens=4, exact_window_tokens=64),
+    "k3v4+pre64+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                           exact_window_tokens=64),
+    "k3v4+pre64+s4": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                          exact_sink_tokens=4),
+    "k3v4+pre64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64),
+    "k3v4+post64": dict(preset=K3, key_centering="post_rope", centering_tokens=64),
+    "k3v4+s4": dict(preset=K3, exact_sink_tokens=4),
+    "k3v4+s4+w64": dict(preset=K3, exact_sink_tokens=4, exact_window_tokens=64),
+    # window size alone
+    "k3v4+w16": dict(preset=K3, exact_window_tokens=16),
+    "k3v4+w32": dict(preset=K3, exact_window_tokens=32),
+    "k3v4+w64": dict(preset=K3, exact_window_tokens=64),
+    "k3v4+w128": dict(preset=K3, exact_window_tokens=128),
+    # how many tokens the mean needs (sinks kept exact and out of the mean)
+    "k3v4+pre32+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=32,
+                              exact_sink_tokens=4, exact_window_tokens=64),
+    "k3v4+pre128+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=128,
+                               exact_sink_tokens=4, exact_window_tokens=64),
+    # sinks in the mean (no exact sinks: the mean is over tokens 0..63) vs out
+    # of it (4 exact sinks: the mean is over tokens 4..67): compare
+    # k3v4+pre64+w64 with k3v4+pre64+s4+w64.
+    # exact frequency pairs of the mean (0: all)
+    "k3v4+pre64p0+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                                centering_pairs=0, exact_sink_tokens=4, exact_window_tokens=64),
+    "k3v4+pre64p8+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                                centering_pairs=8, exact_sink_tokens=4, exact_window_tokens=64),
+    "k3v4+pre64p16+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                                 centering_pairs=16, exact_sink_tokens=4,
+                                 exact_window_tokens=64),
+    # protected layers on top of the best combination
+    "k3v4+pre64+s4+w64+first_last@k4v4": dict(
+        preset=K3, key_centering="pre_rope", centering_tokens=64, exact_sink_tokens=4,
+        exact_window_tokens=64, protected_layers=[("first_last", "tqkv_k4v4")]),
+    "k3v4+pre64+s4+w64+measured@k4v4": dict(
+        preset=K3, key_centering="pre_rope", centering_tokens=64, exact_sink_tokens=4,
+        exact_window_tokens=64, protected_layers=[("measured", "tqkv_k4v4")]),
+    # 4-bit keys and all-3-bit with the same protection
+    "k4v4+pre64": dict(preset="turboquant_4bit_nc", key_centering="pre_rope",
+                       centering_tokens=64),
+    "k4v4+pre64+s4+w64": dict(preset="turboquant_4bit_nc", key_centering="pre_rope",
+                              centering_tokens=64, exact_sink_tokens=4, exact_window_tokens=64),
+    "3bit+pre64+s4+w64": dict(preset="turboquant_3bit_nc", key_centering="pre_rope",
+                              centering_tokens=64, exact_sink_tokens=4, exact_window_tokens=64),
+}
+
+# Served-layer indices to protect per model, to be chosen by measurement
+# (docs/turboquant.md section 7: protection must be chosen by measurement, not
+# by position). Placeholders until the report's per-layer loss measurement
+# picks them: the layers with the largest served-vs-fp16 attention error.
+MEASURED_PROTECTED = {"SmolLM2-135M-Instruct": [0, 29], "Gemma-3-270M": [0, 2]}
+
+
+def uses_new_fields(recipe):
+    return any(k in recipe for k in NEW_FIELDS)
+
+
+def resolve_layers(spec, served_count, model_name):
+    if spec == "first_last":
+        return [0, served_count - 1]
+    if spec == "measured":
+        return list(MEASURED_PROTECTED.get(model_name, [0, served_count - 1]))
+    return [int(x) for x in spec]
+
+
+def fields_text(recipe, rope_spec, served_count=0, model_name=""):
+    """The new fields of a recipe as text-format CacheConfig fields."""
+    out = []
+    if "key_centering" in recipe:
+        out.append('key_centering: "%s"' % recipe["key_centering"])
+    if recipe.get("key_centering") == "pre_rope" or recipe.get("rope"):
+        out.append(rope_mod.config_text(rope_spec))
+    for name in ("centering_tokens", "centering_pairs", "exact_sink_tokens",
+                 "exact_window_tokens"):
+        if name in recipe:
+            out.append("%s: %d" % (name, recipe[name]))
+    for layers, preset in recipe.get("protected_layers", []):
+        ids = resolve_layers(layers, served_count, model_name)
+        out.append('protected_layers { layers: [%s] preset: "%s" }'
+                   % (", ".join(str(i) for i in ids), preset))
+    return " ".join(out)
+
+
+def cache_text(name, layers, kv_heads, query_heads, head_dim, preset, boundary, seed, budget,
+               extra=""):
+    return ('caches { name: "%s" num_layers: %d num_kv_heads: %d num_query_heads: %d '
+            'head_dim: %d page_tokens: 16 preset: "%s" boundary_layers: %d '
+            'boundary_preset: "fp16" rotation_seed: %d memory_budget_bytes: %d%s }'
+            % (name, layers, kv_heads, query_heads, head_dim, preset, boundary, seed, budget,
+               (" " + extra) if extra else ""))
+
+
+def select(names):
+    """Recipe names from a --recipes value."""
+    if not names:
+        return []
+    out = []
+    for n in names.split(","):
+        if n == "all":
+            out += list(RECIPES)
+        elif n.endswith("*"):
+            out += [r for r in RECIPES if r.startswith(n[:-1])]
+        elif n in RECIPES:
+            out.append(n)
+        else:
+            raise SystemExit("unknown recipe %r (known: %s)" % (n, ", ".join(RECIPES)))
+    return list(dict.fromkeys(out))
