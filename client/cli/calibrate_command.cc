@@ -6,16 +6,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 #include "client/cli/json_writer.h"
 #include "client/eval/calibration.h"
+#include "kernels/key_centering.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
 
@@ -29,6 +32,88 @@ using eval::LayerCalibration;
 constexpr char kDefaultPresets[] =
     "turboquant_k3v4_nc,tqkv_k3v4,turboquant_4bit_nc,tqkv_k4v4,turboquant_k8v4,fp8,fp16";
 
+// The serving recipe beside the preset: key centering and exact tokens
+// (kernels/kv_layout.h), passed through to the measured cache's layout so
+// that each preset's error is the one the server will have.
+struct RecipeFlags {
+  std::string centering = "none", rope_layout = "interleaved", rope_scaling = "none";
+  double rope_base = 0.0, rope_scaling_factor = 1.0;
+  int64_t rotary_dims = 0, sinks = 0, window = 0;
+  int64_t centering_tokens = KvLayoutOptions().centering_tokens;
+  int64_t centering_pairs = KvLayoutOptions().centering_pairs;
+
+  void Register(FlagSet& flags) {
+    flags.AddString("key-centering", &centering, "none | post_rope | pre_rope (needs --rope-base)");
+    flags.AddDouble("rope-base", &rope_base, "RoPE base theta (pre_rope; 0: unknown)");
+    flags.AddString("rope-layout", &rope_layout, "RoPE pairs: interleaved | half_split");
+    flags.AddInt("rotary-dims", &rotary_dims, "coordinates that rotate (0: all of head_dim)");
+    flags.AddString("rope-scaling", &rope_scaling, "none | linear | llama3");
+    flags.AddDouble("rope-scaling-factor", &rope_scaling_factor, "RoPE scaling factor");
+    flags.AddInt("centering-tokens", &centering_tokens, "tokens the key mean is taken over");
+    flags.AddInt("centering-pairs", &centering_pairs, "pre_rope: mean pairs kept (0: all)");
+    flags.AddInt("sinks", &sinks, "first tokens of each layer also kept exact at fp16");
+    flags.AddInt("window", &window, "last tokens of each layer also kept exact at fp16");
+  }
+
+  // Writes the recipe into `layout`; a usage error message or "".
+  std::string Apply(KvLayoutOptions& layout) const {
+    if (centering == "none") {
+      layout.key_centering = KeyCentering::kNone;
+    } else if (centering == "post_rope") {
+      layout.key_centering = KeyCentering::kPostRope;
+    } else if (centering == "pre_rope") {
+      layout.key_centering = KeyCentering::kPreRope;
+    } else {
+      return "--key-centering must be none, post_rope or pre_rope, got '" + centering + "'";
+    }
+    if (rope_layout == "interleaved") {
+      layout.rope.pair_layout = RopePairLayout::kInterleaved;
+    } else if (rope_layout == "half_split") {
+      layout.rope.pair_layout = RopePairLayout::kHalfSplit;
+    } else {
+      return "--rope-layout must be interleaved or half_split, got '" + rope_layout + "'";
+    }
+    if (rope_scaling == "none") {
+      layout.rope.scaling = RopeScaling::kNone;
+    } else if (rope_scaling == "linear") {
+      layout.rope.scaling = RopeScaling::kLinear;
+    } else if (rope_scaling == "llama3") {
+      layout.rope.scaling = RopeScaling::kLlama3;
+    } else {
+      return "--rope-scaling must be none, linear or llama3, got '" + rope_scaling + "'";
+    }
+    if (rope_base < 0) return "--rope-base must be >= 0";
+    layout.rope.base = rope_base;
+    layout.rope.scaling_factor = rope_scaling_factor;
+    layout.rope.rotary_dims = static_cast<int>(rotary_dims);
+    layout.centering_tokens = static_cast<int>(centering_tokens);
+    layout.centering_pairs = static_cast<int>(centering_pairs);
+    layout.exact_sink_tokens = static_cast<int>(sinks);
+    layout.exact_window_tokens = static_cast<int>(window);
+    return "";
+  }
+
+  // "key centering pre_rope (base 10000, 8 pairs), 4 sink + 64 window tokens
+  // exact", or "" for the plain codec.
+  std::string Describe() const {
+    std::vector<std::string> parts;
+    if (centering != "none") {
+      std::string part = "key centering " + centering;
+      if (centering == "pre_rope") {
+        absl::StrAppendFormat(&part, " (rope base %g, %s, %lld pairs)", rope_base, rope_layout,
+                              static_cast<long long>(centering_pairs));
+      }
+      parts.push_back(part);
+    }
+    if (sinks + window > 0) {
+      parts.push_back(absl::StrFormat("%lld sink + %lld window tokens exact",
+                                      static_cast<long long>(sinks),
+                                      static_cast<long long>(window)));
+    }
+    return absl::StrJoin(parts, ", ");
+  }
+};
+
 // The command line, resolved.
 struct CalibrateFlags {
   std::string capture, preset_names = kDefaultPresets, metric_name = "output";
@@ -38,6 +123,7 @@ struct CalibrateFlags {
   int64_t rotation_seed = static_cast<int64_t>(KvLayoutOptions().rotation_seed);
   double budget_bits = 0.0, budget_ratio = 0.0;
   bool json = false;
+  RecipeFlags recipe;
   std::vector<const Preset*> presets;
 
   void Register(FlagSet& flags) {
@@ -54,6 +140,7 @@ struct CalibrateFlags {
     flags.AddInt("page-tokens", &page_tokens, "tokens per page of the measured cache");
     flags.AddInt("rotation-seed", &rotation_seed, "rotation seed of the measured cache");
     flags.AddInt("threads", &threads, "CPU backend threads (0: all cores)");
+    recipe.Register(flags);
     flags.AddBool("json", &json, "print JSON instead of markdown");
   }
 
@@ -83,6 +170,9 @@ struct CalibrateFlags {
     measure.threads = static_cast<int>(threads);
     measure.layout.page_tokens = static_cast<int>(page_tokens);
     measure.layout.rotation_seed = static_cast<uint64_t>(rotation_seed);
+    if (std::string error = recipe.Apply(measure.layout); !error.empty()) return error;
+    plan.exact_tokens = recipe.sinks + recipe.window;
+    plan.recipe = recipe.Describe();
     return "";
   }
 
@@ -169,6 +259,9 @@ void PrintMarkdown(const std::vector<LayerCalibration>& layers, const eval::Capt
       flags.capture.c_str(), meta.layers, static_cast<long long>(meta.tokens), meta.num_query_heads,
       meta.num_kv_heads, meta.head_dim, positions.size(), static_cast<long long>(positions.front()),
       static_cast<long long>(positions.back()));
+  printf("serving recipe: %s\n", flags.plan.recipe.empty() ? "the preset alone (no centering, "
+                                                             "no exact tokens)"
+                                                           : flags.plan.recipe.c_str());
   PrintMetricTable("Attention output relative error per layer", layers, meta,
                    CalibrationMetric::kOutputError, true);
   PrintMetricTable("KL divergence of attention per layer (nats)", layers, meta,
@@ -238,6 +331,7 @@ void PrintJson(const std::vector<LayerCalibration>& layers, const eval::CaptureM
                       .Set("num_kv_heads", meta.num_kv_heads)
                       .Set("head_dim", meta.head_dim)
                       .Set("positions", JsonValue::NumberArray(positions))
+                      .Set("recipe", flags.plan.recipe)
                       .Set("per_layer", LayersJson(layers));
   if (plan) out.Set("plan", PlanJson(*plan, flags));
   printf("%s\n", out.Serialize().c_str());
@@ -263,6 +357,30 @@ absl::StatusOr<std::vector<LayerCalibration>> MeasureAll(const eval::CaptureMeta
   return layers;
 }
 
+// Builds the base preset's layout for the capture's shape with the recipe:
+// a usage error message for settings the layout refuses, or "". Counts the
+// key means' bytes into the plan.
+std::string CheckRecipe(const eval::CaptureMeta& meta, CalibrateFlags& flags) {
+  KvLayoutOptions layout = flags.measure.layout;
+  layout.num_layers = 1;
+  layout.num_kv_heads = meta.num_kv_heads;
+  layout.num_query_heads = meta.num_query_heads;
+  layout.head_dim = meta.head_dim;
+  layout.preset = flags.plan.base_preset;
+  layout.boundary_layers = 0;
+  if (layout.key_centering == KeyCentering::kPreRope && !layout.rope.known()) {
+    fprintf(stderr,
+            "tqkv: --key-centering pre_rope without --rope-base: the cache centers "
+            "after RoPE, and so does this measurement\n");
+  }
+  // Split presets need hot channels to build; the recipe check does not.
+  if (FindPreset(layout.preset).value()->NeedsCalibration()) layout.preset = "fp16";
+  absl::StatusOr<std::shared_ptr<const KvLayout>> created = KvLayout::Create(layout);
+  if (!created.ok()) return std::string(created.status().message());
+  flags.plan.fixed_layer_bytes = 4 * static_cast<int64_t>((*created)->mean_floats());
+  return "";
+}
+
 int RunCalibrateImpl(int argc, const char* const* argv) {
   FlagSet flags("calibrate",
                 "Attention error per layer and candidate preset on a capture of a model's Q/K/V\n"
@@ -276,6 +394,7 @@ int RunCalibrateImpl(int argc, const char* const* argv) {
 
   absl::StatusOr<eval::CaptureMeta> meta = eval::ReadCaptureMeta(options.capture);
   if (!meta.ok()) return Fail(meta.status());
+  if (std::string error = CheckRecipe(*meta, options); !error.empty()) return UsageError(error);
   absl::StatusOr<std::vector<LayerCalibration>> layers = MeasureAll(*meta, options);
   if (!layers.ok()) return Fail(layers.status());
   absl::StatusOr<eval::ProtectionPlan> plan;

@@ -259,11 +259,19 @@ absl::StatusOr<CacheOptions> OneLayerCache(const CaptureMeta& meta, const LayerC
   layout.head_dim = meta.head_dim;
   layout.preset = std::string(preset.name);
   layout.boundary_layers = 0;
+  layout.layer_presets.clear();
   ASSIGN_OR_RETURN(layout.hot_channels, LayerHotChannels(meta, capture, preset));
   ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> created, KvLayout::Create(layout));
-  // Every token's compressed copy, and exact pages (same pool) for sinks and
-  // window: never more pages than the compressed ones, plus partial tails.
-  const int64_t pages = 2 * ((meta.tokens + layout.page_tokens - 1) / layout.page_tokens) + 4;
+  // Every token's compressed copy, and the exact pages (same pool) of the
+  // sink and window tokens twice over: an append takes the window's new
+  // pages before it releases the old ones.
+  const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  int64_t pages = ceil_div(meta.tokens, layout.page_tokens) + 1;
+  if (created->has_exact_tokens()) {
+    const int64_t exact = std::min<int64_t>(
+        meta.tokens, int64_t{layout.exact_sink_tokens} + layout.exact_window_tokens);
+    pages += 2 * ceil_div(exact, created->exact_page_tokens()) + 4;
+  }
   options.memory_budget_bytes = created->page_bytes() * pages;
   return options;
 }

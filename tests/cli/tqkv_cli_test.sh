@@ -72,6 +72,15 @@ check "calibrate json" "$tqkv" calibrate --capture "$cap" --positions 4 --preset
   --base-preset fp16 --budget-ratio 1 --json
 contains '"kl_divergence"' "$work/out"
 contains '"ratio_vs_bf16": 1' "$work/out"
+# 4.25 bits + 10 exact tokens and an fp32 key mean per 96 tokens = 6.083 at base.
+check "calibrate with a recipe" "$tqkv" calibrate --capture "$cap" --positions 4 \
+  --presets turboquant_k3v4_nc,tqkv_k4v4 --key-centering post_rope --centering-tokens 16 \
+  --sinks 2 --window 8 --budget-bits 7 --context 96
+contains "# measured with key centering post_rope, 2 sink + 8 window tokens exact" "$work/out"
+contains "(10 exact tokens at fp16)" "$work/out"
+expect_code 2 "calibrate with an unknown centering" "$tqkv" calibrate --capture "$cap" --key-centering middle
+contains "must be none, post_rope or pre_rope" "$work/out"
+expect_code 2 "calibrate with a window the layout refuses" "$tqkv" calibrate --capture "$cap" --window 5000
 expect_code 2 "calibrate with two budgets" "$tqkv" calibrate --capture "$cap" --budget-bits 4 --budget-ratio 4
 expect_code 1 "calibrate below the base" "$tqkv" calibrate --capture "$cap" --positions 2 --budget-bits 3
 contains "below the 4.250" "$work/out"

@@ -11,6 +11,7 @@
 
 #include "client/cli/npy.h"
 #include "client/eval/synthetic.h"
+#include "kernels/key_centering.h"
 #include "kernels/preset.h"
 #include "kernels/random.h"
 
@@ -245,6 +246,44 @@ TEST(CalibrateLayer, TensorsOfTheWrongSizeAreRejected) {
   EXPECT_EQ(layer.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(layer.status().message().find("layer 0: tensors hold"), std::string::npos)
       << layer.status();
+}
+
+TEST(CalibrateLayer, AWindowOverTheWholeTextMakesEveryPresetExact) {
+  // The recipe reaches the measured cache: with every token inside the exact
+  // window, 3-bit keys measure like fp16.
+  const CaptureMeta m = SmallMeta();
+  const std::vector<LayerCapture> layers = SyntheticLayers(m);
+  CalibrationOptions options;
+  options.positions = 8;
+  options.layout.page_tokens = 8;
+  options.layout.exact_window_tokens = static_cast<int>(m.tokens);
+  absl::StatusOr<LayerCalibration> layer = CalibrateLayer(m, kOutlierLayer, layers[kOutlierLayer],
+                                                          Presets("turboquant_k3v4_nc"), options);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  EXPECT_LT(layer->presets[0].output_rel_error, 2e-3);
+  EXPECT_LT(layer->presets[0].kl_divergence, 1e-5);
+}
+
+TEST(CalibrateLayer, CenteringLowersTheErrorOfKeysWithASharedOffset) {
+  // Keys = noise + a large per-channel offset shared by every token: the
+  // codec's error scales with the whole key, attention uses only the noise.
+  CaptureMeta m = SmallMeta();
+  m.layers = 1;
+  LayerCapture capture = SyntheticLayers(m)[0];
+  OutlierKeyOptions shared;
+  shared.hot_channels = 0;
+  shared.offset_std = 5.0;
+  capture.keys = OutlierKeys(m.tokens * m.num_kv_heads, m.head_dim, 5, shared);
+  CalibrationOptions plain, centered;
+  plain.positions = centered.positions = 8;
+  centered.layout.key_centering = KeyCentering::kPostRope;
+  centered.layout.centering_tokens = 32;
+  const auto presets = Presets("turboquant_k3v4_nc");
+  absl::StatusOr<LayerCalibration> a = CalibrateLayer(m, 0, capture, presets, plain);
+  absl::StatusOr<LayerCalibration> b = CalibrateLayer(m, 0, capture, presets, centered);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
+  EXPECT_LT(b->presets[0].kl_divergence, 0.5 * a->presets[0].kl_divergence);
+  EXPECT_LT(b->presets[0].logit_rmse, 0.5 * a->presets[0].logit_rmse);
 }
 
 // ---------------------------------------------------------------------------
