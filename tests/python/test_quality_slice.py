@@ -109,28 +109,46 @@ def test_served_fp16_attention_matches_numpy_fp16_to_float_rounding(model, token
     assert tq.stored_bytes < served.stored_bytes / 4
 
 
-def test_report_command_on_a_few_tokens(model, tmp_path, capsys):
+def test_report_command_on_a_few_tokens(model, tokenizer, tmp_path, capsys):
     out = tmp_path / "report.json"
-    code = quality_report.main(["--tokens", "24", "--presets", "fp16,turboquant_3bit_nc",
-                                "--eval-queries", "2", "--json", str(out)], model=model)
+    code = quality_report.main(["--models", "smollm2", "--tokens", "24",
+                                "--presets", "fp16,turboquant_3bit_nc", "--texts", "gpl3,pydoc",
+                                "--vllm", "turboquant_3bit_nc", "--eval-queries", "2",
+                                "--sections", "a,b,c,d", "--passkey-contexts", "96",
+                                "--passkey-presets", "fp16", "--passkey-vllm", "",
+                                "--no-passkey-exact", "--json", str(out)],
+                               models={"smollm2": (model, tokenizer)})
     assert code == 0
     printed = capsys.readouterr().out
-    for heading in ("## (a)", "## (b)", "## (c)", "fp16 check"):
+    for heading in ("## (a)", "## (b)", "## (c)", "## (d)", "fp16 check", "bits/coord"):
         assert heading in printed
     report = json.loads(out.read_text())
-    assert report["fp16_check"]["passed"]
-    ppl = report["perplexity"]
+    entry = report["models"]["SmolLM2-135M-Instruct"]
+    assert entry["fp16_check"]["passed"]
+    ppl = {r["name"]: r for r in entry["perplexity"]}
     assert set(ppl) == {"numpy float32 attention", "numpy fp16 K/V", "fp16",
-                        "turboquant_3bit_nc", "turboquant_3bit_nc+b2"}
+                        "turboquant_3bit_nc", "turboquant_3bit_nc+b2",
+                        "vLLM scheme turboquant_3bit_nc"}
     assert ppl["fp16"]["bytes_per_token"] == 30 * 3 * 256
+    assert ppl["fp16"]["bits_per_coord"] == ppl["fp16"]["bits_per_coord_32k"] == 16.0
     assert ppl["turboquant_3bit_nc"]["bytes_per_token"] < ppl["fp16"]["bytes_per_token"] / 4
+    # The server's byte count is the formula's.
+    for name in ("fp16", "turboquant_3bit_nc", "turboquant_3bit_nc+b2"):
+        assert ppl[name]["bytes_measured"] == ppl[name]["bytes_formula"]
+    assert ppl["vLLM scheme turboquant_3bit_nc"]["bytes_per_token"] == 30 * 3 * 54
     assert abs(ppl["fp16"]["ppl_change_vs_fp16"]) < 1e-12
-    assert ppl["fp16"]["seeds"] == [0]  # no rotation: one run
+    assert set(ppl["fp16"]["ppl_change_per_text"]) == {"gpl3", "pydoc"}
+    assert ppl["fp16"]["seeds_run"] == [0]  # no rotation: one run
     tq = ppl["turboquant_3bit_nc"]
-    assert tq["seeds"] == quality_report.ROTATION_SEEDS and len(set(tq["ppl_per_seed"])) > 1
-    assert ppl["turboquant_3bit_nc+b2"]["boundary_layers"] == 2
-    real = report["real_kv"]
+    assert tq["seeds_run"] == quality_report.ROTATION_SEEDS and len(set(tq["ppl_per_seed"])) > 1
+    assert ppl["turboquant_3bit_nc+b2"]["boundary"] == 2
+    assert entry["preset_slot_bytes"] == {"fp16": 256, "turboquant_3bit_nc": 54}
+    real = entry["real_kv"]
     assert real["fp16"]["key_rel_mse"] < 1e-6 and real["fp16"]["top1_agreement"] == 1.0
     assert 0.005 < real["turboquant_3bit_nc"]["key_rel_mse"] < 0.1
     assert [n["gap"] for n in real["turboquant_3bit_nc"]["needles"]] == [3, 5, 7, 9]
     assert report["synthetic"]["turboquant_3bit_nc"]["logit_rmse"] > 0.1
+    pk = {r["name"]: r for r in entry["passkey"]}
+    assert set(pk) == {"numpy fp16 K/V", "fp16"}
+    cell = pk["fp16"]["passkey_by_context"]["96"]
+    assert cell["prompts"] == 3 and abs(cell["change_vs_fp16"]) < 1e-3

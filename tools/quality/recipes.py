@@ -19,7 +19,31 @@ A recipe without any new field is a plain preset row: today's server takes it.
 import rope as rope_mod
 
 NEW_FIELDS = ("key_centering", "rope", "centering_tokens", "centering_pairs",
-              "exact_sink_tokens", "exact_window_tokens", "protected_layers")
+              "centering_includes_sinks", "exact_sink_tokens", "exact_window_tokens",
+              "protected_layers")
+# What a preset implies when its recipe leaves a field unset (the server's
+# *_csw presets: pre-RoPE centering, 4 exact sinks, a 64-token exact window).
+CSW = dict(key_centering="pre_rope", exact_sink_tokens=4, exact_window_tokens=64)
+
+
+# The preset with the same codecs and no recipe: its slot is the csw preset's.
+CSW_BASE = {"tqkv_k3v4u_csw": "turboquant_k3v4_nc", "tqkv_k3v3u_csw": "turboquant_3bit_nc",
+            "tqkv_k3v4_csw": "tqkv_k3v4", "tqkv_k4v4u_csw": "turboquant_4bit_nc"}
+
+
+def slot_preset(preset):
+    return CSW_BASE.get(preset, preset)
+
+
+def implied(preset):
+    return dict(CSW) if preset.endswith("_csw") else {}
+
+
+def effective(preset, recipe):
+    """The recipe's fields over what its preset implies."""
+    out = implied(preset)
+    out.update(recipe)
+    return out
 
 K3 = "turboquant_k3v4_nc"
 # The recipes to measure once the server takes the new fields. Names are the
@@ -46,9 +70,11 @@ RECIPES = {
                               exact_sink_tokens=4, exact_window_tokens=64),
     "k3v4+pre128+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=128,
                                exact_sink_tokens=4, exact_window_tokens=64),
-    # sinks in the mean (no exact sinks: the mean is over tokens 0..63) vs out
-    # of it (4 exact sinks: the mean is over tokens 4..67): compare
-    # k3v4+pre64+w64 with k3v4+pre64+s4+w64.
+    # sinks in the mean vs out of it (the default: the mean is over tokens
+    # 4..67 when 4 sinks are exact)
+    "k3v4+pre64+s4in+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                                centering_includes_sinks=True, exact_sink_tokens=4,
+                                exact_window_tokens=64),
     # exact frequency pairs of the mean (0: all)
     "k3v4+pre64p0+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
                                 centering_pairs=0, exact_sink_tokens=4, exact_window_tokens=64),
@@ -71,6 +97,12 @@ RECIPES = {
                               centering_tokens=64, exact_sink_tokens=4, exact_window_tokens=64),
     "3bit+pre64+s4+w64": dict(preset="turboquant_3bit_nc", key_centering="pre_rope",
                               centering_tokens=64, exact_sink_tokens=4, exact_window_tokens=64),
+    # the server's presets with the headline recipe built in (they need the
+    # model's rope for pre-RoPE centering)
+    "csw:tqkv_k3v4u_csw": dict(preset="tqkv_k3v4u_csw", rope=True),
+    "csw:tqkv_k3v3u_csw": dict(preset="tqkv_k3v3u_csw", rope=True),
+    "csw:tqkv_k3v4_csw": dict(preset="tqkv_k3v4_csw", rope=True),
+    "csw:tqkv_k4v4u_csw": dict(preset="tqkv_k4v4u_csw", rope=True),
 }
 
 # Served-layer indices to protect per model, to be chosen by measurement
@@ -103,6 +135,9 @@ def fields_text(recipe, rope_spec, served_count=0, model_name=""):
                  "exact_window_tokens"):
         if name in recipe:
             out.append("%s: %d" % (name, recipe[name]))
+    if "centering_includes_sinks" in recipe:
+        out.append("centering_includes_sinks: %s"
+                   % ("true" if recipe["centering_includes_sinks"] else "false"))
     for layers, preset in recipe.get("protected_layers", []):
         ids = resolve_layers(layers, served_count, model_name)
         out.append('protected_layers { layers: [%s] preset: "%s" }'
