@@ -21,6 +21,17 @@
 // The bf16 preset runs through the same kernel (raw bf16 keys and values): it
 // is the baseline that the GPU benchmark compares against.
 //
+// Centering and exact tokens (kernels/backend.h, key_centering.h). An item's
+// tokens fall into up to three segments: sinks and window on the exact fp16
+// pages (the exact layout's PoolView and the item's exact block table,
+// AttendKernelParams::exact), the rest on the compressed pages. The planner
+// gives each segment its own blocks (splits), so a block never crosses a
+// segment boundary; Merge sums each unit's compressed splits in the value
+// codec's basis, maps them back, then adds the exact splits (plain basis).
+// The pre-RoPE add-back (AddBackTables) is added to every logit inside the
+// kernels; its constant part only shifts the log-sum-exp (Merge) or, for
+// ScoreQuery, every logit.
+//
 // All pointers are device pointers.
 #ifndef TQKV_KERNELS_CUDA_ATTEND_KERNELS_CUH_
 #define TQKV_KERNELS_CUDA_ATTEND_KERNELS_CUH_
@@ -42,7 +53,8 @@ inline constexpr int kMaxBlockRows = 8;
 
 // One (item, query token chunk) of a decode batch, as planned.
 struct AttendItemDesc {
-  int64_t block_table = 0;  // offset into AttendKernelParams::block_tables
+  int64_t block_table = 0;        // offset into AttendKernelParams::block_tables
+  int64_t exact_block_table = 0;  // the same, of the item's exact pages
   int32_t context_tokens = 0;
   int32_t num_query_tokens = 0;
   int32_t layer = 0;
@@ -64,7 +76,10 @@ struct AttendBlock {
   int32_t pad = 0;
 };
 
-// The splits of one (item, kv_head, row chunk), merged by MergeKernel.
+// The splits of one (item, kv_head, row chunk), merged by MergeKernel:
+// partials [first_partial, first_partial + num_splits), of which the first
+// basis_splits read compressed pages (accumulated in the value codec's
+// basis) and the others exact pages (plain coordinates).
 struct MergeUnit {
   int32_t item = 0;
   int32_t kv_head = 0;
@@ -72,6 +87,28 @@ struct MergeUnit {
   int32_t rows = 0;
   int32_t first_partial = 0;
   int32_t num_splits = 0;
+  int32_t basis_splits = 0;
+  int32_t pad = 0;
+};
+
+// The pre-RoPE add-back of one (item, KV head) (kernels/key_centering.h),
+// the logit scale folded in: the logit of block row r (AttendBlock's row
+// numbering; ScoreQuery: the query head's index in its group) at token t
+// gains
+//   sum_i A[r][i] cos(t theta_i) + B[r][i] sin(t theta_i),  i < pairs,
+// theta_i = AddBackTables::theta[theta + i], A[r] = coef + r * 2 * pairs in
+// AddBackTables::coef, B[r] = A[r] + pairs. pairs 0: nothing to add.
+struct AddBackDesc {
+  int32_t pairs = 0;
+  int32_t pad = 0;
+  int64_t theta = 0;
+  int64_t coef = 0;
+};
+
+struct AddBackTables {
+  const AddBackDesc* heads = nullptr;  // [item * num_kv_heads + kv_head]; null: no add-back
+  const double* theta = nullptr;       // radians per position
+  const float* coef = nullptr;
 };
 
 struct PoolView {
@@ -107,6 +144,10 @@ struct AttendKernelParams {
   // Per partial: kMaxBlockRows rows of head_dim floats, and (max, sum) pairs.
   float* partial_acc = nullptr;
   float* partial_stats = nullptr;
+  // Non-zero: the blocks read the items' exact pages (view is the exact
+  // layout's, prepared its queries).
+  int32_t exact = 0;
+  AddBackTables addback;
 };
 
 struct MergeParams {
@@ -118,6 +159,8 @@ struct MergeParams {
   const float* partial_stats = nullptr;
   float* output = nullptr;  // rows as queries
   float* lse = nullptr;     // [rows]; natural log
+  // [rows], added to the lse: the add-back's constant part. Null: none.
+  const float* lse_constant = nullptr;
 };
 
 // logits[h][t - token_begin] for query heads h of one layer.
@@ -129,6 +172,10 @@ struct ScoreKernelParams {
   int32_t token_end = 0;
   const float* prepared = nullptr;  // [num_query_heads][head_dim]
   float* logits = nullptr;          // [num_query_heads][token_end - token_begin]
+  // The add-back: heads[kv_head] (one item), and constant[query head] added
+  // to every logit (null: none).
+  AddBackTables addback;
+  const float* constant = nullptr;
 };
 
 // Which kernel instance reads a (key, value) format pair; -1 when none does.

@@ -275,6 +275,51 @@ __device__ void ScoreTile(const PoolView& view, const DeviceField& key, const Bl
 }
 
 // ---------------------------------------------------------------------------
+// The pre-RoPE add-back (AddBackDesc). Angles reach t * theta ~ 1e6 rad, far
+// beyond float's reach: the angle is formed and reduced mod 2 pi in double
+// (error ~1e-10 rad at t = 1e6), then cos and sin are taken in float of the
+// reduced angle (|angle| <= pi).
+
+__device__ __forceinline__ void RopeCosSin(int64_t t, double theta, float* c, float* s) {
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  const double angle = static_cast<double>(t) * theta;
+  const float reduced = static_cast<float>(fma(-rint(angle * (1.0 / kTwoPi)), kTwoPi, angle));
+  *c = cosf(reduced);
+  *s = sinf(reduced);
+}
+
+// s_logit[r * kAttendTile + k] += the add-back of block row row0 + r at token
+// tile_begin + k, for rows < rows, k < count and unmasked (finite) logits.
+// One thread per token; the caller synchronises before and after.
+template <int kRows>
+__device__ void AddBackTile(const AddBackTables& ab, const AddBackDesc& desc, int row0, int rows,
+                            int tile_begin, int count, float* s_logit) {
+  const double* theta = ab.theta + desc.theta;
+  const float* coef = ab.coef + desc.coef + static_cast<int64_t>(row0) * 2 * desc.pairs;
+  for (int k = threadIdx.x; k < count; k += blockDim.x) {
+    float sum[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) sum[r] = 0.0f;
+    for (int i = 0; i < desc.pairs; ++i) {
+      float c, s;
+      RopeCosSin(tile_begin + k, theta[i], &c, &s);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r < rows) {
+          const float* a = coef + r * 2 * desc.pairs;
+          sum[r] = fmaf(a[i], c, fmaf(a[desc.pairs + i], s, sum[r]));
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float& logit = s_logit[r * kAttendTile + k];
+      if (r < rows && logit != -INFINITY) logit += sum[r];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Values: each lane owns 8 consecutive coordinates of every row and a share
 // of the tile's tokens.
 
@@ -387,7 +432,9 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
   const AttendItemDesc item = p.items[b.item];
   const DeviceHead& head = view.heads[item.layer * view.num_kv_heads + b.kv_head];
   const int group = view.num_query_heads / view.num_kv_heads;
-  const int32_t* block_table = p.block_tables + item.block_table;
+  const int32_t* block_table = p.block_tables + (p.exact ? item.exact_block_table : item.block_table);
+  const AddBackDesc addback =
+      p.addback.heads != nullptr ? p.addback.heads[b.item * view.num_kv_heads + b.kv_head] : AddBackDesc();
 
   float* s_q = shared;
   float* s_logit = s_q + kRows * d + 32;
@@ -435,6 +482,10 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
     const int count = min(kAttendTile, b.token_end - tile);
     ScoreTile<kKey, kRows>(view, head.key, tables, block_table, tile, count, visible, s_q, d, s_logit);
     __syncthreads();
+    if (addback.pairs > 0) {  // the same for the whole block
+      AddBackTile<kRows>(p.addback, addback, b.row0, b.rows, tile, count, s_logit);
+      __syncthreads();
+    }
     // Online softmax, one warp per row: the tile's max, its probabilities
     // relative to the new running max, and the factor for what came before.
     for (int r = warp; r < kRows; r += kWarps) {
@@ -510,7 +561,24 @@ struct MergeScratch {
   float x[kMaxDeviceHeadDim];
   float y[kMaxDeviceHeadDim];
   float tmp[kMaxDeviceHeadDim];
+  float out[kMaxDeviceHeadDim];
 };
+
+// x[j] = inv_total * sum over partials [first, first + count) of row r of
+// acc[j] * exp(max - global_max), j lane-strided.
+__device__ void SumPartials(const MergeParams& p, int64_t first, int count, int r, int d, float global_max,
+                            float inv_total, int lane, float* x) {
+  for (int j = lane; j < d; j += 32) {
+    float sum = 0.0f;
+    for (int k = 0; k < count; ++k) {
+      const int64_t partial = first + k;
+      const float m = p.partial_stats[(partial * kMaxBlockRows + r) * 2];
+      if (m == -INFINITY) continue;
+      sum += p.partial_acc[(partial * kMaxBlockRows + r) * d + j] * expf(m - global_max);
+    }
+    x[j] = sum * inv_total;
+  }
+}
 
 __global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
   __shared__ MergeScratch scratch[kWarps];
@@ -542,32 +610,32 @@ __global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
     if (stats[0] != -INFINITY) total += stats[1] * expf(stats[0] - global_max);
   }
   const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int j = lane; j < d; j += 32) {
-    float sum = 0.0f;
-    for (int k = 0; k < unit.num_splits; ++k) {
-      const int64_t partial = unit.first_partial + k;
-      const float m = p.partial_stats[(partial * kMaxBlockRows + r) * 2];
-      if (m == -INFINITY) continue;
-      sum += p.partial_acc[(partial * kMaxBlockRows + r) * d + j] * expf(m - global_max);
-    }
-    s.x[j] = sum * inv_total;
-  }
-  __syncwarp();
+  for (int j = lane; j < d; j += 32) s.out[j] = 0.0f;
+  // The compressed splits of a rotated value codec: summed in its basis,
+  // mapped back; every other split is in plain coordinates already.
   const DeviceField& value = view.heads[item.layer * view.num_kv_heads + unit.kv_head].value;
-  float* out = p.output + out_row * d;
-  if (value.format == DeviceFieldFormat::kTurboQuant) {
+  const bool rotated = value.format == DeviceFieldFormat::kTurboQuant;
+  const int basis = rotated ? unit.basis_splits : 0;
+  __syncwarp();
+  if (basis > 0) {
+    SumPartials(p, unit.first_partial, basis, r, d, global_max, inv_total, lane, s.x);
+    __syncwarp();
     for (int part_index = 0; part_index < value.num_parts; ++part_index) {
       const DevicePart& part = value.parts[part_index];
       for (int k = lane; k < part.dim; k += 32) s.y[k] = s.x[part.state_offset + k];
       __syncwarp();
       WarpRotateInverse(part.rotation, s.y, s.tmp, lane);
-      for (int k = lane; k < part.dim; k += 32) out[part.channels != nullptr ? part.channels[k] : k] = s.y[k];
+      for (int k = lane; k < part.dim; k += 32) s.out[part.channels != nullptr ? part.channels[k] : k] = s.y[k];
       __syncwarp();
     }
-  } else {
-    for (int j = lane; j < d; j += 32) out[j] = s.x[j];
   }
-  if (lane == 0 && p.lse != nullptr) p.lse[out_row] = total > 0.0f ? global_max + logf(total) : -INFINITY;
+  SumPartials(p, unit.first_partial + basis, unit.num_splits - basis, r, d, global_max, inv_total, lane, s.x);
+  float* out = p.output + out_row * d;
+  for (int j = lane; j < d; j += 32) out[j] = s.out[j] + s.x[j];
+  if (lane == 0 && p.lse != nullptr) {
+    const float constant = p.lse_constant != nullptr ? p.lse_constant[out_row] : 0.0f;
+    p.lse[out_row] = total > 0.0f ? global_max + logf(total) + constant : -INFINITY;
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -628,11 +696,16 @@ __global__ void __launch_bounds__(kAttendThreads) ScoreKernel(ScoreKernelParams 
   const int count = min(kAttendTile, p.token_end - tile);
   ScoreTile<kKey, kRows>(view, head.key, tables, p.block_table, tile, count, visible, s_q, d, s_logit);
   __syncthreads();
+  if (p.addback.heads != nullptr && p.addback.heads[kv].pairs > 0) {
+    AddBackTile<kRows>(p.addback, p.addback.heads[kv], row0, rows, tile, count, s_logit);
+    __syncthreads();
+  }
   const int64_t columns = p.token_end - p.token_begin;
   for (int r = 0; r < rows; ++r) {
+    const float constant = p.constant != nullptr ? p.constant[kv * group + row0 + r] : 0.0f;
     for (int k = threadIdx.x; k < count; k += kAttendThreads) {
       p.logits[static_cast<int64_t>(kv * group + row0 + r) * columns + (tile - p.token_begin) + k] =
-          s_logit[r * kAttendTile + k];
+          s_logit[r * kAttendTile + k] + constant;
     }
   }
 }
@@ -856,6 +929,30 @@ __device__ __forceinline__ void MmaValueTile(const DeviceField& value, const Poo
   }
 }
 
+// c (the logits of tokens tok[0], tok[1] for block rows row0 + 2t, + 2t + 1)
+// += their add-back; entries of rows past `rows` are left alone.
+__device__ __forceinline__ void MmaAddBack(const AddBackTables& ab, const AddBackDesc& desc, int row0, int rows,
+                                           const int (&tok)[2], int t, float (&c)[4]) {
+  const double* theta = ab.theta + desc.theta;
+  const float* coef[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = min(2 * t + e, rows - 1);  // a valid row; the others' results go unused
+    coef[e] = ab.coef + desc.coef + static_cast<int64_t>(row0 + r) * 2 * desc.pairs;
+  }
+  for (int i = 0; i < desc.pairs; ++i) {
+    float cs[2], sn[2];
+    RopeCosSin(tok[0], theta[i], &cs[0], &sn[0]);
+    RopeCosSin(tok[1], theta[i], &cs[1], &sn[1]);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float a = coef[e][i], b = coef[e][desc.pairs + i];
+      c[e] = fmaf(a, cs[0], fmaf(b, sn[0], c[e]));
+      c[2 + e] = fmaf(a, cs[1], fmaf(b, sn[1], c[2 + e]));
+    }
+  }
+}
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim>
 __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelParams p) {
   __shared__ MmaWarpTables warp_tables[kMmaWarps];
@@ -869,7 +966,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
   const AttendItemDesc item = p.items[b.item];
   const DeviceHead& head = view.heads[item.layer * view.num_kv_heads + b.kv_head];
   const int group = view.num_query_heads / view.num_kv_heads;
-  const int32_t* block_table = p.block_tables + item.block_table;
+  const int32_t* block_table = p.block_tables + (p.exact ? item.exact_block_table : item.block_table);
+  const AddBackDesc addback =
+      p.addback.heads != nullptr ? p.addback.heads[b.item * view.num_kv_heads + b.kv_head] : AddBackDesc();
   const int g = lane >> 2;
   const int t = lane & 3;
   constexpr int kKeyCoords = kDim / 4;
@@ -920,6 +1019,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
     const int tok[2] = {tile + g, tile + g + 8};
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     MmaKeyTile<kKey, kDim>(head.key, view, block_table, tok, b.token_end, t, q, tab, c);
+    if (addback.pairs > 0) MmaAddBack(p.addback, addback, b.row0, b.rows, tok, t, c);
     // The value scale and zero point of this lane's two tokens.
     float value_scale[2] = {0.0f, 0.0f}, value_zero[2] = {0.0f, 0.0f};
 #pragma unroll

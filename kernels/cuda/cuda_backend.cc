@@ -39,10 +39,12 @@ thread_local double last_kernel_seconds = 0.0;
 // Query tokens of one item handled together; longer items are split (each
 // piece sees its own causal prefix).
 constexpr int kMaxQueryTokensPerPiece = 32;
-// The launch key of the tensor-core kernel's blocks (above any fp32 one).
+// The launch key of the tensor-core kernel's blocks (above any fp32 one),
+// and of blocks that read exact pages (above both).
 constexpr int kMmaLaunch = 1 << 10;
+constexpr int kExactLaunch = 1 << 11;
 // Arena alignment slack of one Attend batch, beyond its pieces' bytes.
-constexpr size_t kBatchOverhead = 8 * 256;
+constexpr size_t kBatchOverhead = 16 * 256;
 // Bytes read past a pool's last page by vectorised loads of a tail group.
 constexpr size_t kPoolTailPadding = 256;
 
@@ -192,15 +194,92 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
       "the CUDA backend has no kernels for %s (evaluation only); use --backend cpu", spec.Name()));
 }
 
-// A pool's device-side description.
-struct PoolTables {
-  void* memory = nullptr;  // the blob followed by the DeviceHead array
-  const DeviceHead* heads = nullptr;
-  std::vector<int> layer_variant;  // AttendVariant of each layer
-  std::vector<bool> layer_mma;     // whether the tensor-core kernel reads it
+// One layout's pages as the kernels see them: the cache's layout, or its
+// exact layout (same pool, same page stride).
+struct LayoutTables {
+  const DeviceHead* heads = nullptr;  // [num_layers * num_kv_heads], in PoolTables::memory
+  std::vector<int> layer_variant;     // AttendVariant of each layer
+  std::vector<bool> layer_mma;        // whether the tensor-core kernel reads it
   std::vector<DeviceFieldFormat> layer_key_format;
-  std::vector<bool> layer_value_rotated;
 };
+
+// A pool's device-side description: one allocation holding the blob and the
+// DeviceHead arrays of both layouts.
+struct PoolTables {
+  void* memory = nullptr;
+  LayoutTables main;
+  LayoutTables exact;                     // heads null without exact tokens
+  const KvLayout* exact_layout = nullptr;  // identifies Store calls for exact pages
+};
+
+// The DeviceHeads of `layout` (offsets into the blob) and its per-layer
+// kernel choices; UNIMPLEMENTED for what the kernels cannot read.
+absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuilder& tables,
+                            std::vector<DeviceHead>* heads, LayoutTables* out) {
+  const int d = layout.head_dim();
+  heads->assign(static_cast<size_t>(layout.num_layers()) * layout.num_kv_heads(), DeviceHead());
+  for (int layer = 0; layer < layout.num_layers(); ++layer) {
+    for (int head = 0; head < layout.num_kv_heads(); ++head) {
+      const KvLayout::HeadPlanes& planes = layout.planes(layer, head);
+      DeviceHead& h = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads() + head];
+      ASSIGN_OR_RETURN(h.key, DescribeField(layout.key_codec(layer, head), planes.key_codes,
+                                            planes.key_scalars, tables));
+      ASSIGN_OR_RETURN(h.value, DescribeField(layout.value_codec(layer, head), planes.value_codes,
+                                              planes.value_scalars, tables));
+      if (h.value.format == DeviceFieldFormat::kTurboQuant && h.value.num_parts != 1) {
+        return absl::UnimplementedError("the CUDA backend reads single-part TurboQuant values only");
+      }
+    }
+    const DeviceHead& first = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads()];
+    const int variant = cuda::AttendVariant(first.key.format, first.value.format);
+    if (variant < 0 || !cuda::ScoreSupported(first.key.format)) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "the CUDA backend has no attention kernel for preset %s (layer %d)",
+          std::string(layout.layer_preset(layer).name), layer));
+    }
+    out->layer_variant.push_back(variant);
+    out->layer_mma.push_back(tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
+    out->layer_key_format.push_back(first.key.format);
+  }
+  return absl::OkStatus();
+}
+
+// The runs of tokens a read of a layer holding `length` tokens covers
+// (backend.h): the compressed run first, then the exact runs (sinks,
+// window); empty runs left out.
+struct Segment {
+  bool exact;
+  int64_t begin;
+  int64_t end;
+};
+constexpr int kMaxSegments = 3;
+
+int Segments(const KvLayout& layout, bool has_exact_table, int64_t length, Segment* out) {
+  if (!layout.has_exact_tokens() || !has_exact_table) {
+    out[0] = {false, 0, length};
+    return 1;
+  }
+  const ExactRanges r = layout.exact_ranges(length);
+  int n = 0;
+  if (r.window_begin > r.sink_end) out[n++] = {false, r.sink_end, r.window_begin};
+  if (r.sink_end > 0) out[n++] = {true, 0, r.sink_end};
+  if (length > r.window_begin) out[n++] = {true, r.window_begin, length};
+  return n;
+}
+
+// Appends the exact block table of a read of `length` tokens whose view ends
+// at `view_end` to `tables`: the entries of pages holding exact-range tokens,
+// -1 for the others (which may be released).
+void AppendExactTable(const KvLayout& layout, const int32_t* exact_table, int64_t length, int64_t view_end,
+                      std::vector<int32_t>* tables) {
+  const ExactRanges r = layout.exact_ranges(length);
+  const int64_t ept = layout.exact_page_tokens();
+  const int64_t pages = (view_end + ept - 1) / ept;
+  for (int64_t i = 0; i < pages; ++i) {
+    const bool needed = i * ept < r.sink_end || (i + 1) * ept > r.window_begin;
+    tables->push_back(needed ? exact_table[i] : -1);
+  }
+}
 
 // ---------------------------------------------------------------------------
 
@@ -235,6 +314,13 @@ struct Workspace {
   std::vector<MergeUnit> units;
   std::vector<int32_t> head_of_row;
   std::vector<int32_t> tables;
+  // The add-back (AddBackDesc): per (item, KV head), thetas, coefficients,
+  // and each row's constant.
+  std::vector<cuda::AddBackDesc> addback;
+  std::vector<double> theta;
+  std::vector<float> coef;
+  std::vector<float> constants;
+  std::vector<int> pairs;
   struct Piece {
     const AttendItem* item;
     int token0;
@@ -242,6 +328,112 @@ struct Workspace {
   };
   std::vector<Piece> pieces;
 };
+
+// The add-back of `rows` query rows against one KV head's key mean `mean`
+// (key_centering.h, MakeAddBackTerms, in the same double arithmetic): appends
+// the mean's active pairs' thetas and each row's coefficients (A then B,
+// `scale` folded in) to w and returns their desc; constant(r, c) receives
+// each row's constant part. query_of(r) is row r's query.
+template <typename QueryOf, typename Constant>
+cuda::AddBackDesc PlanAddBack(const KvLayout& layout, const float* mean, int rows, float scale,
+                              const QueryOf& query_of, const Constant& constant, Workspace& w) {
+  const RopeTable& rope = layout.rope();
+  const int d = layout.head_dim();
+  w.pairs.clear();
+  for (int i = 0; i < rope.num_pairs(); ++i) {
+    if (mean[rope.first(i)] != 0.0f || mean[rope.second(i)] != 0.0f) w.pairs.push_back(i);
+  }
+  cuda::AddBackDesc desc;
+  desc.pairs = static_cast<int32_t>(w.pairs.size());
+  desc.theta = static_cast<int64_t>(w.theta.size());
+  desc.coef = static_cast<int64_t>(w.coef.size());
+  for (int i : w.pairs) w.theta.push_back(rope.inv_freq(i));
+  for (int r = 0; r < rows; ++r) {
+    const float* q = query_of(r);
+    double c = 0.0;
+    for (int j = 0; j < d; ++j) {
+      if (rope.num_pairs() == 0 || rope.pair_of(j) < 0) c += static_cast<double>(q[j]) * mean[j];
+    }
+    constant(r, static_cast<float>(c * scale));
+    for (int i : w.pairs) {
+      const double qa = q[rope.first(i)], qb = q[rope.second(i)];
+      w.coef.push_back(static_cast<float>(scale * (qa * mean[rope.first(i)] + qb * mean[rope.second(i)])));
+    }
+    for (int i : w.pairs) {
+      const double qa = q[rope.first(i)], qb = q[rope.second(i)];
+      w.coef.push_back(static_cast<float>(scale * (qb * mean[rope.first(i)] - qa * mean[rope.second(i)])));
+    }
+  }
+  return desc;
+}
+
+bool Centered(const KvLayout& layout, const float* key_mean) {
+  return key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
+}
+
+// Where a call's add-back arrays sit in its workspace (Arena offsets); none
+// without centering.
+struct AddBackAt {
+  bool any = false;
+  size_t heads = 0, theta = 0, coef = 0, constants = 0;
+
+  cuda::AddBackTables Tables(const uint8_t* device) const {
+    cuda::AddBackTables t;
+    if (!any) return t;
+    t.heads = reinterpret_cast<const cuda::AddBackDesc*>(device + heads);
+    t.theta = reinterpret_cast<const double*>(device + theta);
+    t.coef = reinterpret_cast<const float*>(device + coef);
+    return t;
+  }
+  const float* Constants(const uint8_t* device) const {
+    return any ? reinterpret_cast<const float*>(device + constants) : nullptr;
+  }
+};
+
+AddBackAt TakeAddBack(Arena& arena, const Workspace& w) {
+  AddBackAt at;
+  at.any = !w.addback.empty();
+  if (!at.any) return at;
+  at.heads = arena.Take(sizeof(cuda::AddBackDesc) * w.addback.size());
+  at.theta = arena.Take(sizeof(double) * w.theta.size());
+  at.coef = arena.Take(sizeof(float) * w.coef.size());
+  at.constants = arena.Take(sizeof(float) * w.constants.size());
+  return at;
+}
+
+// The add-back arrays into the workspace's pinned buffer, at `at`.
+void CopyAddBack(const AddBackAt& at, Workspace& w) {
+  if (!at.any) return;
+  std::memcpy(w.host + at.heads, w.addback.data(), sizeof(cuda::AddBackDesc) * w.addback.size());
+  std::memcpy(w.host + at.theta, w.theta.data(), sizeof(double) * w.theta.size());
+  std::memcpy(w.host + at.coef, w.coef.data(), sizeof(float) * w.coef.size());
+  std::memcpy(w.host + at.constants, w.constants.data(), sizeof(float) * w.constants.size());
+}
+
+void ClearAddBack(Workspace& w) {
+  w.addback.clear();
+  w.theta.clear();
+  w.coef.clear();
+  w.constants.clear();
+}
+
+// ScoreQuery's add-back: one desc per KV head, its rows the group's query
+// heads; constants per query head (added to every logit).
+void PlanScoreAddBack(const KvLayout& layout, const ScoreParams& p, Workspace& w) {
+  ClearAddBack(w);
+  if (!Centered(layout, p.key_mean)) return;
+  const int d = layout.head_dim();
+  const int group = layout.query_heads_per_kv_head();
+  w.constants.assign(layout.num_query_heads(), 0.0f);
+  for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
+    const float* queries = p.queries + static_cast<size_t>(kv) * group * d;
+    float* constants = w.constants.data() + kv * group;
+    w.addback.push_back(PlanAddBack(
+        layout, p.key_mean + static_cast<size_t>(kv) * d, group, p.scale,
+        [&](int r) { return queries + static_cast<size_t>(r) * d; },
+        [&](int r, float c) { constants[r] = c; }, w));
+  }
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -278,42 +470,30 @@ class CudaBackend final : public Backend {
                            static_cast<double>(info_.total_memory_bytes) / (1ull << 30));
   }
 
-  absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
-    if (num_pages < 1) return absl::InvalidArgumentError("a pool needs at least one page");
-    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
+  absl::Status SupportsLayout(const KvLayout& layout) const override {
     const int d = layout.head_dim();
     if (d > cuda::kMaxDeviceHeadDim || d % 8 != 0) {
       return absl::UnimplementedError(absl::StrFormat(
           "the CUDA backend takes head dims that are multiples of 8 up to %d, got %d",
           cuda::kMaxDeviceHeadDim, d));
     }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
+    if (num_pages < 1) return absl::InvalidArgumentError("a pool needs at least one page");
+    RETURN_IF_ERROR(SupportsLayout(layout));
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
     TableBuilder tables;
-    std::vector<DeviceHead> heads(static_cast<size_t>(layout.num_layers()) * layout.num_kv_heads());
+    std::vector<DeviceHead> heads, exact_heads;
     PoolTables pool_tables;
-    for (int layer = 0; layer < layout.num_layers(); ++layer) {
-      for (int head = 0; head < layout.num_kv_heads(); ++head) {
-        const KvLayout::HeadPlanes& planes = layout.planes(layer, head);
-        DeviceHead& h = heads[static_cast<size_t>(layer) * layout.num_kv_heads() + head];
-        ASSIGN_OR_RETURN(h.key, DescribeField(layout.key_codec(layer, head), planes.key_codes,
-                                              planes.key_scalars, tables));
-        ASSIGN_OR_RETURN(h.value, DescribeField(layout.value_codec(layer, head), planes.value_codes,
-                                                planes.value_scalars, tables));
-        if (h.value.format == DeviceFieldFormat::kTurboQuant && h.value.num_parts != 1) {
-          return absl::UnimplementedError("the CUDA backend reads single-part TurboQuant values only");
-        }
-      }
-      const DeviceHead& first = heads[static_cast<size_t>(layer) * layout.num_kv_heads()];
-      const int variant = cuda::AttendVariant(first.key.format, first.value.format);
-      if (variant < 0 || !cuda::ScoreSupported(first.key.format)) {
-        return absl::UnimplementedError(absl::StrFormat(
-            "the CUDA backend has no attention kernel for preset %s (layer %d)",
-            std::string(layout.layer_preset(layer).name), layer));
-      }
-      pool_tables.layer_variant.push_back(variant);
-      pool_tables.layer_mma.push_back(options_.tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
-      pool_tables.layer_key_format.push_back(first.key.format);
-      pool_tables.layer_value_rotated.push_back(first.value.format == DeviceFieldFormat::kTurboQuant);
+    RETURN_IF_ERROR(DescribeLayout(layout, options_.tensor_cores, tables, &heads, &pool_tables.main));
+    if (layout.has_exact_tokens()) {
+      pool_tables.exact_layout = layout.exact_layout();
+      RETURN_IF_ERROR(
+          DescribeLayout(*layout.exact_layout(), options_.tensor_cores, tables, &exact_heads, &pool_tables.exact));
     }
+    heads.insert(heads.end(), exact_heads.begin(), exact_heads.end());
     const std::vector<uint8_t>& blob = tables.blob();
     const size_t heads_offset = AlignUp(blob.size(), 64);
     const size_t table_bytes = heads_offset + heads.size() * sizeof(DeviceHead);
@@ -350,7 +530,10 @@ class CudaBackend final : public Backend {
       if (pages != nullptr) cudaFree(pages);
       return status;
     }
-    pool_tables.heads = reinterpret_cast<const DeviceHead*>(base + heads_offset);
+    pool_tables.main.heads = reinterpret_cast<const DeviceHead*>(base + heads_offset);
+    if (!exact_heads.empty()) {
+      pool_tables.exact.heads = pool_tables.main.heads + (heads.size() - exact_heads.size());
+    }
     PagePool pool{static_cast<uint8_t*>(pages), layout.page_bytes(), num_pages};
     absl::MutexLock lock(&pools_mu_);
     pools_[pool.base] = std::move(pool_tables);
@@ -421,7 +604,7 @@ class CudaBackend final : public Backend {
       const unsigned long long no_error = ~0ull;
       std::memcpy(w.host + error, &no_error, sizeof(no_error));
       cuda::StoreKernelParams k;
-      k.heads = tables->heads;
+      k.heads = p.layout == tables->exact_layout ? tables->exact.heads : tables->main.heads;
       k.pool = p.pool.base;
       k.page_bytes = p.pool.page_bytes;
       k.page_tokens = layout.page_tokens();
@@ -459,32 +642,46 @@ class CudaBackend final : public Backend {
     const int qh = layout.num_query_heads();
     const int64_t count = p.token_end - p.token_begin;
     if (count <= 0) return absl::OkStatus();
+    WorkspaceLease lease(this);
+    Workspace& w = lease.get();
+    // Without exact tokens `length` may be left 0: the range decides then.
+    const int64_t length = std::max(p.length, p.token_end);
+    const bool exact = layout.has_exact_tokens() && p.exact_block_table != nullptr;
     const int64_t pages = (p.token_end + layout.page_tokens() - 1) / layout.page_tokens();
-    const size_t fixed = 8192 + sizeof(int32_t) * (pages + qh) + 2 * sizeof(float) * qh * d;
+    w.tables.assign(p.block_table, p.block_table + pages);
+    if (exact) AppendExactTable(layout, p.exact_block_table, length, p.token_end, &w.tables);
+    PlanScoreAddBack(layout, p, w);
+    const size_t addback_bytes = sizeof(cuda::AddBackDesc) * w.addback.size() + sizeof(double) * w.theta.size() +
+                                 sizeof(float) * (w.coef.size() + w.constants.size());
+    const size_t fixed = 16 * 256 + sizeof(int32_t) * (w.tables.size() + qh) + 3 * sizeof(float) * qh * d +
+                         addback_bytes;
     if (fixed + sizeof(float) * qh * cuda::kAttendTile > options_.workspace_bytes) {
       return absl::ResourceExhaustedError("ScoreQuery's block table does not fit a CUDA workspace");
     }
     // Token pieces: whole tiles that fit beside the queries.
     int64_t piece = static_cast<int64_t>((options_.workspace_bytes - fixed) / (sizeof(float) * qh));
     piece = std::max<int64_t>(cuda::kAttendTile, piece / cuda::kAttendTile * cuda::kAttendTile);
-    WorkspaceLease lease(this);
-    Workspace& w = lease.get();
     Arena arena(options_.workspace_bytes);
-    const size_t table = arena.Take(sizeof(int32_t) * pages);
+    const size_t table = arena.Take(sizeof(int32_t) * w.tables.size());
     const size_t heads = arena.Take(sizeof(int32_t) * qh);
     const size_t queries = arena.Take(sizeof(float) * qh * d);
+    const AddBackAt addback = TakeAddBack(arena, w);
+    const size_t copy_in = arena.used();
     const size_t prepared = arena.Take(sizeof(float) * qh * d);
+    const size_t prepared_exact = arena.Take(sizeof(float) * qh * d);
     const size_t logits = arena.Take(sizeof(float) * qh * std::min(count, piece));
-    std::memcpy(w.host + table, p.block_table, sizeof(int32_t) * pages);
+    std::memcpy(w.host + table, w.tables.data(), sizeof(int32_t) * w.tables.size());
     const int group = layout.query_heads_per_kv_head();
     for (int h = 0; h < qh; ++h) {
       const int32_t head = p.layer * layout.num_kv_heads() + h / group;
       std::memcpy(w.host + heads + sizeof(int32_t) * h, &head, sizeof(head));
     }
     std::memcpy(w.host + queries, p.queries, sizeof(float) * qh * d);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, prepared, cudaMemcpyHostToDevice, w.stream),
+    CopyAddBack(addback, w);
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, copy_in, cudaMemcpyHostToDevice, w.stream),
                                "score: copy in"));
-    const cuda::PoolView view = View(layout, p.pool, *tables);
+    const cuda::PoolView view = View(layout, p.pool, tables->main);
+    const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables->exact) : view;
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
     cuda::PrepareParams prep;
     prep.view = view;
@@ -494,29 +691,43 @@ class CudaBackend final : public Backend {
     prep.prepared = reinterpret_cast<float*>(w.device + prepared);
     prep.scale = p.scale;
     RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
+    if (exact) {
+      prep.view = exact_view;
+      prep.prepared = reinterpret_cast<float*>(w.device + prepared_exact);
+      RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
+    }
+    Segment segments[kMaxSegments];
+    const int num_segments = Segments(layout, exact, length, segments);
     double kernel_seconds = 0.0;
-    for (int64_t t0 = 0; t0 < count; t0 += piece) {
-      const int64_t n = std::min(piece, count - t0);
-      if (t0 > 0) RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-      cuda::ScoreKernelParams k;
-      k.view = view;
-      k.block_table = reinterpret_cast<const int32_t*>(w.device + table);
-      k.layer = p.layer;
-      k.token_begin = static_cast<int32_t>(p.token_begin + t0);
-      k.token_end = static_cast<int32_t>(p.token_begin + t0 + n);
-      k.prepared = prep.prepared;
-      k.logits = reinterpret_cast<float*>(w.device + logits);
-      RETURN_IF_ERROR(CudaStatus(cuda::LaunchScore(tables->layer_key_format[p.layer], k, w.stream),
-                                 "score kernel launch"));
-      RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
-      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + logits, w.device + logits, sizeof(float) * qh * n,
-                                                 cudaMemcpyDeviceToHost, w.stream),
-                                 "score: copy out"));
-      RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "score kernel"));
-      kernel_seconds += ElapsedSeconds(w);
-      const float* piece_logits = reinterpret_cast<const float*>(w.host + logits);
-      for (int h = 0; h < qh; ++h) {
-        std::memcpy(p.logits + h * count + t0, piece_logits + h * n, sizeof(float) * n);
+    bool first_launch = true;
+    for (int k = 0; k < num_segments; ++k) {
+      const Segment& seg = segments[k];
+      cuda::ScoreKernelParams launch;
+      launch.view = seg.exact ? exact_view : view;
+      launch.block_table = reinterpret_cast<const int32_t*>(w.device + table) + (seg.exact ? pages : 0);
+      launch.layer = p.layer;
+      launch.prepared = reinterpret_cast<const float*>(w.device + (seg.exact ? prepared_exact : prepared));
+      launch.logits = reinterpret_cast<float*>(w.device + logits);
+      launch.addback = addback.Tables(w.device);
+      launch.constant = addback.Constants(w.device);
+      const DeviceFieldFormat key = (seg.exact ? tables->exact : tables->main).layer_key_format[p.layer];
+      for (int64_t t0 = std::max(seg.begin, p.token_begin); t0 < std::min(seg.end, p.token_end); t0 += piece) {
+        const int64_t n = std::min(piece, std::min(seg.end, p.token_end) - t0);
+        if (!first_launch) RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
+        first_launch = false;
+        launch.token_begin = static_cast<int32_t>(t0);
+        launch.token_end = static_cast<int32_t>(t0 + n);
+        RETURN_IF_ERROR(CudaStatus(cuda::LaunchScore(key, launch, w.stream), "score kernel launch"));
+        RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
+        RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + logits, w.device + logits, sizeof(float) * qh * n,
+                                                   cudaMemcpyDeviceToHost, w.stream),
+                                   "score: copy out"));
+        RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "score kernel"));
+        kernel_seconds += ElapsedSeconds(w);
+        const float* piece_logits = reinterpret_cast<const float*>(w.host + logits);
+        for (int h = 0; h < qh; ++h) {
+          std::memcpy(p.logits + h * count + (t0 - p.token_begin), piece_logits + h * n, sizeof(float) * n);
+        }
       }
     }
     last_kernel_seconds = kernel_seconds;
@@ -534,7 +745,7 @@ class CudaBackend final : public Backend {
     bool any_mma = false;
     for (const AttendItem& item : p.items) {
       total_work += item.context_tokens * layout.num_kv_heads();
-      any_mma = any_mma || tables->layer_mma[item.layer];
+      any_mma = any_mma || tables->main.layer_mma[item.layer];
     }
     // Splits: about four thread blocks per SM over the whole request (sixteen
     // one-warp blocks for the tensor-core kernel), whole tiles.
@@ -620,7 +831,8 @@ class CudaBackend final : public Backend {
     return &it->second;
   }
 
-  static cuda::PoolView View(const KvLayout& layout, const PagePool& pool, const PoolTables& tables) {
+  // `layout` and `tables` of the same layout: the cache's or its exact one.
+  static cuda::PoolView View(const KvLayout& layout, const PagePool& pool, const LayoutTables& tables) {
     cuda::PoolView v;
     v.heads = tables.heads;
     v.pool = pool.base;
@@ -658,24 +870,141 @@ class CudaBackend final : public Backend {
         absl::StrFormat("layer %d, token %d, KV head %d: %s", layer, token, head, what));
   }
 
-  // Bytes of one piece in a batch.
+  // Bytes of one piece in a batch (an upper bound of what PlanPiece and
+  // RunBatch take for it).
   static size_t PieceBytes(const KvLayout& layout, const Workspace::Piece& piece, int64_t split) {
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
+    const int heads = layout.num_kv_heads();
     const int group = layout.query_heads_per_kv_head();
-    const int64_t pages = (piece.item->context_tokens + layout.page_tokens() - 1) / layout.page_tokens();
+    const bool exact = layout.has_exact_tokens();
+    const bool centered = layout.key_centering() != KeyCentering::kNone;
+    int64_t pages = (piece.item->context_tokens + layout.page_tokens() - 1) / layout.page_tokens();
+    if (exact) pages += (piece.item->context_tokens + layout.exact_page_tokens() - 1) / layout.exact_page_tokens();
     const int rows = piece.tokens * group;
     const int block_rows = cuda::BlockRowsFor(rows);
     const int64_t chunks = (rows + block_rows - 1) / block_rows;
     const int64_t visible = piece.item->context_tokens - piece.item->num_query_tokens + piece.token0 + piece.tokens;
-    const int64_t splits = std::max<int64_t>(1, (visible + split - 1) / split);
-    const int64_t partials = layout.num_kv_heads() * chunks * splits;
+    // Each segment boundary can add a split.
+    const int64_t splits = std::max<int64_t>(1, (visible + split - 1) / split) + (exact ? 2 : 0);
+    const int64_t partials = heads * chunks * splits;
     const int64_t query_floats = static_cast<int64_t>(piece.tokens) * qh * d;
+    // Queries, prepared (twice with exact pages), outputs; add-back
+    // coefficients (2 per pair and row: at most head_dim), constants, thetas.
+    const int64_t query_arrays = 3 + (exact ? 1 : 0) + (centered ? 1 : 0);
+    const size_t addback = centered ? sizeof(float) * piece.tokens * qh +
+                                          heads * (sizeof(cuda::AddBackDesc) + sizeof(double) * d / 2)
+                                    : 0;
     return sizeof(AttendItemDesc) + sizeof(int32_t) * pages +
-           sizeof(float) * (3 * query_floats + piece.tokens * qh) + sizeof(int32_t) * piece.tokens * qh +
+           sizeof(float) * (query_arrays * query_floats + piece.tokens * qh) + sizeof(int32_t) * piece.tokens * qh +
+           addback +
            partials * (sizeof(AttendBlock) + sizeof(MergeUnit) +
                        sizeof(float) * cuda::kMaxBlockRows * (d + 2)) +
            6 * 256;
+  }
+
+  // The launch key of a block: kernel (tensor-core or fp32), variant, row
+  // count, and whether it reads exact pages.
+  static int LaunchKey(const PoolTables& tables, int layer, bool exact, int block_rows) {
+    const LayoutTables& t = exact ? tables.exact : tables.main;
+    return (exact ? kExactLaunch : 0) + (t.layer_mma[layer] ? kMmaLaunch : 0) + t.layer_variant[layer] * 16 +
+           block_rows;
+  }
+
+  // Adds one piece to w's plan: its item, block tables, rows, add-back,
+  // merge units and blocks (one per split of each segment).
+  static void PlanPiece(const KvLayout& layout, const PoolTables& tables, float scale, int64_t split,
+                        const Workspace::Piece& piece, Workspace& w, int64_t* rows_total, int32_t* partials) {
+    const int qh = layout.num_query_heads();
+    const int heads = layout.num_kv_heads();
+    const int group = layout.query_heads_per_kv_head();
+    const AttendItem& item = *piece.item;
+    const bool exact = layout.has_exact_tokens() && item.exact_block_table != nullptr;
+    AttendItemDesc desc;
+    // The piece's own causal view: its last query token is the item's
+    // token0 + tokens - 1.
+    desc.context_tokens = static_cast<int32_t>(item.context_tokens - item.num_query_tokens + piece.token0 +
+                                               piece.tokens);
+    desc.num_query_tokens = piece.tokens;
+    desc.layer = item.layer;
+    desc.query_row = *rows_total;
+    desc.block_table = static_cast<int64_t>(w.tables.size());
+    const int64_t pages = (desc.context_tokens + layout.page_tokens() - 1) / layout.page_tokens();
+    w.tables.insert(w.tables.end(), item.block_table, item.block_table + pages);
+    desc.exact_block_table = static_cast<int64_t>(w.tables.size());
+    if (exact) AppendExactTable(layout, item.exact_block_table, item.context_tokens, desc.context_tokens, &w.tables);
+    for (int t = 0; t < piece.tokens; ++t) {
+      for (int h = 0; h < qh; ++h) w.head_of_row.push_back(item.layer * heads + h / group);
+    }
+    const int item_index = static_cast<int>(w.items.size());
+    w.items.push_back(desc);
+    PlanItemAddBack(layout, scale, piece, desc, w);
+    Segment segments[kMaxSegments];
+    const int num_segments = Segments(layout, exact, item.context_tokens, segments);
+    const int rows = piece.tokens * group;
+    // A unit's splits share its row chunks; the tensor-core kernel always
+    // holds 8 rows (its N).
+    const int block_rows = tables.main.layer_mma[item.layer] ? cuda::kMaxBlockRows : cuda::BlockRowsFor(rows);
+    for (int kv = 0; kv < heads; ++kv) {
+      for (int row0 = 0; row0 < rows; row0 += block_rows) {
+        const int chunk_rows = std::min(block_rows, rows - row0);
+        // The chunk's last row sees the most tokens.
+        const int last_token = (row0 + chunk_rows - 1) / group;
+        const int64_t visible = desc.context_tokens - desc.num_query_tokens + 1 + last_token;
+        MergeUnit unit;
+        unit.item = item_index;
+        unit.kv_head = kv;
+        unit.row0 = row0;
+        unit.rows = chunk_rows;
+        unit.first_partial = *partials;
+        for (int k = 0; k < num_segments; ++k) {  // the compressed segment first
+          const Segment& seg = segments[k];
+          for (int64_t t = seg.begin; t < std::min(seg.end, visible); t += split) {
+            AttendBlock b;
+            b.item = item_index;
+            b.kv_head = kv;
+            b.row0 = row0;
+            b.rows = chunk_rows;
+            b.token_begin = static_cast<int32_t>(t);
+            b.token_end = static_cast<int32_t>(std::min({seg.end, visible, t + split}));
+            b.partial = unit.first_partial + unit.num_splits;
+            // Kept in pad: the launch key (host only).
+            b.pad = LaunchKey(tables, item.layer, seg.exact, block_rows);
+            w.blocks.push_back(b);
+            ++unit.num_splits;
+            if (!seg.exact) ++unit.basis_splits;
+          }
+        }
+        *partials += unit.num_splits;
+        w.units.push_back(unit);
+      }
+    }
+    *rows_total += static_cast<int64_t>(piece.tokens) * qh;
+  }
+
+  // The add-back of one piece (nothing without centering): a desc per KV
+  // head (pairs 0 for an item without a mean) and each row's constant.
+  static void PlanItemAddBack(const KvLayout& layout, float scale, const Workspace::Piece& piece,
+                              const AttendItemDesc& desc, Workspace& w) {
+    if (layout.key_centering() == KeyCentering::kNone) return;
+    const AttendItem& item = *piece.item;
+    const int d = layout.head_dim();
+    const int qh = layout.num_query_heads();
+    const int group = layout.query_heads_per_kv_head();
+    w.constants.resize(desc.query_row + static_cast<size_t>(piece.tokens) * qh, 0.0f);
+    for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
+      if (!Centered(layout, item.key_mean)) {
+        w.addback.push_back(cuda::AddBackDesc());
+        continue;
+      }
+      // Row r = i * group + g: query token token0 + i, query head kv * group + g.
+      const auto row_of = [&](int r) { return static_cast<size_t>(r / group) * qh + kv * group + r % group; };
+      const float* queries = item.queries + static_cast<size_t>(piece.token0) * qh * d;
+      float* constants = w.constants.data() + desc.query_row;
+      w.addback.push_back(PlanAddBack(
+          layout, item.key_mean + static_cast<size_t>(kv) * d, piece.tokens * group, scale,
+          [&](int r) { return queries + row_of(r) * d; }, [&](int r, float c) { constants[row_of(r)] = c; }, w));
+    }
   }
 
   absl::Status PlanBatch(const KvLayout& layout, const PoolTables& tables, int64_t split, Workspace& w,
@@ -700,133 +1029,124 @@ class CudaBackend final : public Backend {
                         int64_t split, Workspace& w, size_t begin, size_t end, double* kernel_seconds) {
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
-    const int heads = layout.num_kv_heads();
-    const int group = layout.query_heads_per_kv_head();
     w.items.clear();
     w.blocks.clear();
     w.units.clear();
     w.head_of_row.clear();
     w.tables.clear();
+    ClearAddBack(w);
     int64_t rows_total = 0;
     int32_t partials = 0;
-    for (size_t i = begin; i < end; ++i) {
-      const Workspace::Piece& piece = w.pieces[i];
-      const AttendItem& item = *piece.item;
-      AttendItemDesc desc;
-      desc.block_table = static_cast<int64_t>(w.tables.size());
-      // The piece's own causal view: its last query token is the item's
-      // token0 + tokens - 1.
-      desc.context_tokens = static_cast<int32_t>(item.context_tokens - item.num_query_tokens + piece.token0 +
-                                                 piece.tokens);
-      desc.num_query_tokens = piece.tokens;
-      desc.layer = item.layer;
-      desc.query_row = rows_total;
-      const int64_t pages = (desc.context_tokens + layout.page_tokens() - 1) / layout.page_tokens();
-      w.tables.insert(w.tables.end(), item.block_table, item.block_table + pages);
-      for (int t = 0; t < piece.tokens; ++t) {
-        for (int h = 0; h < qh; ++h) w.head_of_row.push_back(item.layer * heads + h / group);
-      }
-      const int item_index = static_cast<int>(w.items.size());
-      w.items.push_back(desc);
-      const int rows = piece.tokens * group;
-      const bool mma = tables.layer_mma[item.layer];
-      // The tensor-core kernel always holds 8 rows (its N).
-      const int block_rows = mma ? cuda::kMaxBlockRows : cuda::BlockRowsFor(rows);
-      for (int kv = 0; kv < heads; ++kv) {
-        for (int row0 = 0; row0 < rows; row0 += block_rows) {
-          const int chunk_rows = std::min(block_rows, rows - row0);
-          // The chunk's last row sees the most tokens.
-          const int last_token = (row0 + chunk_rows - 1) / group;
-          const int64_t visible = desc.context_tokens - desc.num_query_tokens + 1 + last_token;
-          const int splits = static_cast<int>(std::max<int64_t>(1, (visible + split - 1) / split));
-          MergeUnit unit;
-          unit.item = item_index;
-          unit.kv_head = kv;
-          unit.row0 = row0;
-          unit.rows = chunk_rows;
-          unit.first_partial = partials;
-          unit.num_splits = splits;
-          w.units.push_back(unit);
-          for (int s = 0; s < splits; ++s) {
-            AttendBlock b;
-            b.item = item_index;
-            b.kv_head = kv;
-            b.row0 = row0;
-            b.rows = chunk_rows;
-            b.token_begin = static_cast<int32_t>(s * split);
-            b.token_end = static_cast<int32_t>(std::min<int64_t>(visible, (s + 1) * split));
-            b.partial = partials + s;
-            // Kernel, variant and row count decide the launch; kept in pad.
-            b.pad = (mma ? kMmaLaunch : 0) + tables.layer_variant[item.layer] * 16 + block_rows;
-            w.blocks.push_back(b);
-          }
-          partials += splits;
-        }
-      }
-      rows_total += static_cast<int64_t>(piece.tokens) * qh;
-    }
+    for (size_t i = begin; i < end; ++i) PlanPiece(layout, tables, p.scale, split, w.pieces[i], w, &rows_total, &partials);
     // One launch per (variant, block rows): sort the blocks by that key.
     w.sorted_blocks = w.blocks;
     std::stable_sort(w.sorted_blocks.begin(), w.sorted_blocks.end(),
                      [](const AttendBlock& a, const AttendBlock& b) { return a.pad < b.pad; });
 
+    BatchAt at;
     Arena arena(options_.workspace_bytes);
-    const size_t items_at = arena.Take(sizeof(AttendItemDesc) * w.items.size());
-    const size_t blocks_at = arena.Take(sizeof(AttendBlock) * w.sorted_blocks.size());
-    const size_t units_at = arena.Take(sizeof(MergeUnit) * w.units.size());
-    const size_t heads_at = arena.Take(sizeof(int32_t) * w.head_of_row.size());
-    const size_t tables_at = arena.Take(sizeof(int32_t) * w.tables.size());
-    const size_t queries_at = arena.Take(sizeof(float) * rows_total * d);
+    at.items = arena.Take(sizeof(AttendItemDesc) * w.items.size());
+    at.blocks = arena.Take(sizeof(AttendBlock) * w.sorted_blocks.size());
+    at.units = arena.Take(sizeof(MergeUnit) * w.units.size());
+    at.heads = arena.Take(sizeof(int32_t) * w.head_of_row.size());
+    at.tables = arena.Take(sizeof(int32_t) * w.tables.size());
+    at.queries = arena.Take(sizeof(float) * rows_total * d);
+    at.addback = TakeAddBack(arena, w);
     const size_t copy_in = arena.used();
-    const size_t prepared_at = arena.Take(sizeof(float) * rows_total * d);
-    const size_t partial_acc_at = arena.Take(sizeof(float) * static_cast<size_t>(partials) * cuda::kMaxBlockRows * d);
-    const size_t partial_stats_at = arena.Take(sizeof(float) * static_cast<size_t>(partials) * cuda::kMaxBlockRows * 2);
-    const size_t output_at = arena.Take(sizeof(float) * rows_total * d);
-    const size_t lse_at = arena.Take(sizeof(float) * rows_total);
+    at.prepared = arena.Take(sizeof(float) * rows_total * d);
+    at.prepared_exact = arena.Take(layout.has_exact_tokens() ? sizeof(float) * rows_total * d : 0);
+    at.partial_acc = arena.Take(sizeof(float) * static_cast<size_t>(partials) * cuda::kMaxBlockRows * d);
+    at.partial_stats = arena.Take(sizeof(float) * static_cast<size_t>(partials) * cuda::kMaxBlockRows * 2);
+    at.output = arena.Take(sizeof(float) * rows_total * d);
+    at.lse = arena.Take(sizeof(float) * rows_total);
     const size_t copy_out_end = arena.used();
     if (!arena.fits()) {
       return absl::InternalError(absl::StrFormat("attend plan of %d bytes overflows the %d-byte workspace",
                                                  arena.used(), options_.workspace_bytes));
     }
-    std::memcpy(w.host + items_at, w.items.data(), sizeof(AttendItemDesc) * w.items.size());
-    std::memcpy(w.host + blocks_at, w.sorted_blocks.data(), sizeof(AttendBlock) * w.sorted_blocks.size());
-    std::memcpy(w.host + units_at, w.units.data(), sizeof(MergeUnit) * w.units.size());
-    std::memcpy(w.host + heads_at, w.head_of_row.data(), sizeof(int32_t) * w.head_of_row.size());
-    std::memcpy(w.host + tables_at, w.tables.data(), sizeof(int32_t) * w.tables.size());
+    std::memcpy(w.host + at.items, w.items.data(), sizeof(AttendItemDesc) * w.items.size());
+    std::memcpy(w.host + at.blocks, w.sorted_blocks.data(), sizeof(AttendBlock) * w.sorted_blocks.size());
+    std::memcpy(w.host + at.units, w.units.data(), sizeof(MergeUnit) * w.units.size());
+    std::memcpy(w.host + at.heads, w.head_of_row.data(), sizeof(int32_t) * w.head_of_row.size());
+    std::memcpy(w.host + at.tables, w.tables.data(), sizeof(int32_t) * w.tables.size());
     for (size_t i = begin; i < end; ++i) {
       const Workspace::Piece& piece = w.pieces[i];
       const size_t floats = static_cast<size_t>(piece.tokens) * qh * d;
-      std::memcpy(w.host + queries_at + sizeof(float) * w.items[i - begin].query_row * d,
+      std::memcpy(w.host + at.queries + sizeof(float) * w.items[i - begin].query_row * d,
                   piece.item->queries + static_cast<size_t>(piece.token0) * qh * d, sizeof(float) * floats);
     }
+    CopyAddBack(at.addback, w);
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, copy_in, cudaMemcpyHostToDevice, w.stream),
                                "attend: copy in"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, rows_total, at, w));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, copy_out_end - at.output,
+                                               cudaMemcpyDeviceToHost, w.stream),
+                               "attend: copy out"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "attend kernels"));
+    *kernel_seconds += ElapsedSeconds(w);
 
-    const cuda::PoolView view = View(layout, p.pool, tables);
+    const float* output = reinterpret_cast<const float*>(w.host + at.output);
+    const float* lse = reinterpret_cast<const float*>(w.host + at.lse);
+    for (size_t i = begin; i < end; ++i) {
+      const Workspace::Piece& piece = w.pieces[i];
+      const int64_t row = w.items[i - begin].query_row;
+      const size_t rows = static_cast<size_t>(piece.tokens) * qh;
+      std::memcpy(piece.item->output + static_cast<size_t>(piece.token0) * qh * d, output + row * d,
+                  sizeof(float) * rows * d);
+      if (piece.item->lse != nullptr) {
+        std::memcpy(piece.item->lse + static_cast<size_t>(piece.token0) * qh, lse + row, sizeof(float) * rows);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Where one Attend batch's arrays sit in its workspace (Arena offsets).
+  struct BatchAt {
+    size_t items = 0, blocks = 0, units = 0, heads = 0, tables = 0, queries = 0;
+    AddBackAt addback;
+    size_t prepared = 0, prepared_exact = 0, partial_acc = 0, partial_stats = 0, output = 0, lse = 0;
+  };
+
+  // The batch's kernels on w's stream: query preparation (for each layout
+  // read), one decode launch per launch key, the merge.
+  absl::Status LaunchBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
+                           int64_t rows_total, const BatchAt& at, Workspace& w) {
+    const bool exact = layout.has_exact_tokens();
+    const cuda::PoolView view = View(layout, p.pool, tables.main);
+    const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables.exact) : view;
     cuda::PrepareParams prep;
     prep.view = view;
     prep.num_rows = rows_total;
-    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + heads_at);
-    prep.queries = reinterpret_cast<const float*>(w.device + queries_at);
-    prep.prepared = reinterpret_cast<float*>(w.device + prepared_at);
+    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + at.heads);
+    prep.queries = reinterpret_cast<const float*>(w.device + at.queries);
+    prep.prepared = reinterpret_cast<float*>(w.device + at.prepared);
     prep.scale = p.scale;
     RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
+    if (exact) {
+      prep.view = exact_view;
+      prep.prepared = reinterpret_cast<float*>(w.device + at.prepared_exact);
+      RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
+    }
 
     cuda::AttendKernelParams k;
-    k.view = view;
-    k.block_tables = reinterpret_cast<const int32_t*>(w.device + tables_at);
-    k.items = reinterpret_cast<const AttendItemDesc*>(w.device + items_at);
-    k.prepared = prep.prepared;
-    k.partial_acc = reinterpret_cast<float*>(w.device + partial_acc_at);
-    k.partial_stats = reinterpret_cast<float*>(w.device + partial_stats_at);
-    const AttendBlock* device_blocks = reinterpret_cast<const AttendBlock*>(w.device + blocks_at);
+    k.block_tables = reinterpret_cast<const int32_t*>(w.device + at.tables);
+    k.items = reinterpret_cast<const AttendItemDesc*>(w.device + at.items);
+    k.partial_acc = reinterpret_cast<float*>(w.device + at.partial_acc);
+    k.partial_stats = reinterpret_cast<float*>(w.device + at.partial_stats);
+    k.addback = at.addback.Tables(w.device);
+    const AttendBlock* device_blocks = reinterpret_cast<const AttendBlock*>(w.device + at.blocks);
     for (size_t first = 0; first < w.sorted_blocks.size();) {
       size_t last = first;
       while (last < w.sorted_blocks.size() && w.sorted_blocks[last].pad == w.sorted_blocks[first].pad) ++last;
       k.blocks = device_blocks + first;
       k.num_blocks = static_cast<int32_t>(last - first);
-      const int key = w.sorted_blocks[first].pad;
+      int key = w.sorted_blocks[first].pad;
+      k.exact = key >= kExactLaunch ? 1 : 0;
+      if (k.exact) key -= kExactLaunch;
+      k.view = k.exact ? exact_view : view;
+      k.prepared = reinterpret_cast<const float*>(w.device + (k.exact ? at.prepared_exact : at.prepared));
       if (key >= kMmaLaunch) {
         RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma((key - kMmaLaunch) / 16, k, w.stream),
                                    "tensor-core attend kernel launch"));
@@ -839,33 +1159,14 @@ class CudaBackend final : public Backend {
     cuda::MergeParams merge;
     merge.view = view;
     merge.items = k.items;
-    merge.units = reinterpret_cast<const MergeUnit*>(w.device + units_at);
+    merge.units = reinterpret_cast<const MergeUnit*>(w.device + at.units);
     merge.num_units = static_cast<int32_t>(w.units.size());
     merge.partial_acc = k.partial_acc;
     merge.partial_stats = k.partial_stats;
-    merge.output = reinterpret_cast<float*>(w.device + output_at);
-    merge.lse = reinterpret_cast<float*>(w.device + lse_at);
-    RETURN_IF_ERROR(CudaStatus(cuda::LaunchMerge(merge, w.stream), "merge kernel launch"));
-    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + output_at, w.device + output_at, copy_out_end - output_at,
-                                               cudaMemcpyDeviceToHost, w.stream),
-                               "attend: copy out"));
-    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "attend kernels"));
-    *kernel_seconds += ElapsedSeconds(w);
-
-    const float* output = reinterpret_cast<const float*>(w.host + output_at);
-    const float* lse = reinterpret_cast<const float*>(w.host + lse_at);
-    for (size_t i = begin; i < end; ++i) {
-      const Workspace::Piece& piece = w.pieces[i];
-      const int64_t row = w.items[i - begin].query_row;
-      const size_t rows = static_cast<size_t>(piece.tokens) * qh;
-      std::memcpy(piece.item->output + static_cast<size_t>(piece.token0) * qh * d, output + row * d,
-                  sizeof(float) * rows * d);
-      if (piece.item->lse != nullptr) {
-        std::memcpy(piece.item->lse + static_cast<size_t>(piece.token0) * qh, lse + row, sizeof(float) * rows);
-      }
-    }
-    return absl::OkStatus();
+    merge.output = reinterpret_cast<float*>(w.device + at.output);
+    merge.lse = reinterpret_cast<float*>(w.device + at.lse);
+    merge.lse_constant = at.addback.Constants(w.device);
+    return CudaStatus(cuda::LaunchMerge(merge, w.stream), "merge kernel launch");
   }
 
   const CudaBackendOptions options_;

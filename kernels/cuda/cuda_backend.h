@@ -5,7 +5,9 @@
 //
 // Memory. AllocatePool makes one cudaMalloc for the pages and one for the
 // layout's format tables (codebooks, rotation signs, Hadamard factors, dense
-// rotation matrices, hot channels), at start-up. Requests then run in
+// rotation matrices, hot channels; with exact tokens, the exact layout's
+// tables too, so Store and the reads take params.layout == the pool's
+// layout or its exact_layout()), at start-up. Requests then run in
 // workspaces made at construction: each has a stream, a pinned host staging
 // buffer and a device buffer of CudaBackendOptions::workspace_bytes, so no
 // call allocates device or pinned memory. A call takes a free workspace
@@ -21,9 +23,18 @@
 // host: split sizes chosen so that a batch fills the device several times
 // over.
 //
-// What it refuses, at AllocatePool with UNIMPLEMENTED: head dims above
-// kMaxDeviceHeadDim or not a multiple of 8, QJL keys (evaluation only), and
-// key / value format pairs that no preset uses. Use the CPU backend for those.
+// Key centering and exact sink/window tokens (backend.h) are served like the
+// CPU backend: each read splits into the compressed run and the exact runs
+// (own blocks, exact pages through the exact block table), merged exactly by
+// log-sum-exp; the pre-RoPE add-back is added inside the kernels from
+// per-call coefficients the host computes (as the CPU's MakeAddBackTerms),
+// with angles reduced in double on the device (exact at any position); its
+// constant part shifts only the lse (Attend) or every logit (Score).
+//
+// What it refuses with UNIMPLEMENTED: head dims above kMaxDeviceHeadDim or
+// not a multiple of 8 (SupportsLayout); at AllocatePool also QJL keys
+// (evaluation only) and key / value format pairs that no preset uses. Use the
+// CPU backend for those.
 //
 // Errors: CUDA failures become a Status (UNAVAILABLE without a usable device,
 // RESOURCE_EXHAUSTED when device memory is short, INTERNAL for a failed call);
