@@ -12,6 +12,13 @@
 // device time and wall time (with the host-to-device copy of the float32
 // input).
 //
+// Recipe rows (--recipe_presets): the same preset with pre-RoPE key
+// centering (8 pairs, the add-back inside the kernels) and 4 exact sink plus
+// 128 exact window tokens (two more splits per item, on fp16 exact pages),
+// named "<preset>+center+window", next to the plain preset. Their GB/s
+// counts the compressed bytes only, so the ratio of kernel times is the
+// recipe's cost.
+//
 // Prints a table, or JSON with --json. Timings are printed, never asserted.
 #include <cuda_runtime_api.h>
 
@@ -48,6 +55,9 @@ ABSL_FLAG(double, peak_gbps, 4800.0, "The device's peak memory bandwidth, GB/s (
 ABSL_FLAG(bool, json, false, "Print JSON instead of tables.");
 ABSL_FLAG(int64_t, prefill_tokens, 16384,
           "Tokens stored through Store (timed), then replicated over the pool; a multiple of 16.");
+ABSL_FLAG(std::string, recipe_presets, "turboquant_k3v4_nc",
+          "Presets also measured with key centering and exact sink/window tokens, comma-separated (empty: "
+          "none).");
 ABSL_FLAG(bool, tensor_cores, true,
           "Decode on the tensor cores where the layout allows (CudaBackendOptions::tensor_cores); false: "
           "the fp32 CUDA-core kernel.");
@@ -56,6 +66,18 @@ namespace tqkv {
 namespace {
 
 constexpr int kKvHeads = 8, kQueryHeads = 32, kHeadDim = 128, kPageTokens = 16;
+// Exact pages of a recipe run, shared by every item (read only).
+constexpr int kExactPages = 16;
+
+// A serving recipe on top of a preset: centering and exact tokens.
+struct Recipe {
+  bool centered = false;
+  int sinks = 0;
+  int window = 0;
+  std::string Name(const Preset& preset) const {
+    return std::string(preset.name) + (centered || sinks + window > 0 ? "+center+window" : "");
+  }
+};
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
@@ -108,8 +130,24 @@ struct Point {
 };
 
 // Runs one preset over every point; false (with a message) on failure.
-bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>& points, int64_t max_tokens,
-               std::vector<DecodeRow>* rows, StoreRow* store) {
+// The exact pages of a recipe: the template's first tokens stored through
+// the exact layout into the kExactPages pages after `first_page`.
+bool StoreExactPages(Backend& backend, const KvLayout& layout, const PagePool& pool, int64_t first_page,
+                     const std::vector<float>& keys, const std::vector<float>& values) {
+  const int ept = layout.exact_page_tokens();
+  // As many tokens as the template has (the rest of the pages stays zero).
+  const size_t tokens = std::min(static_cast<size_t>(kExactPages) * ept, keys.size() / (kKvHeads * kHeadDim));
+  std::vector<int32_t> slots(tokens);
+  for (size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<int32_t>(first_page * ept + i);
+  const StoreParams params{layout.exact_layout(), pool, 0, 1, static_cast<int64_t>(slots.size()), slots.data(),
+                           keys.data(), values.data()};
+  const absl::Status status = backend.Store(params);
+  if (!status.ok()) std::fprintf(stderr, "exact Store failed: %s\n", status.ToString().c_str());
+  return status.ok();
+}
+
+bool RunPreset(Backend& backend, const Preset& preset, const Recipe& recipe, const std::vector<Point>& points,
+               int64_t max_tokens, std::vector<DecodeRow>* rows, StoreRow* store) {
   const int64_t kTemplateTokens = absl::GetFlag(FLAGS_prefill_tokens);
   KvLayoutOptions options;
   options.num_layers = 1;
@@ -119,6 +157,14 @@ bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>&
   options.page_tokens = kPageTokens;
   options.preset = std::string(preset.name);
   options.boundary_layers = 0;
+  if (recipe.centered) {
+    options.key_centering = KeyCentering::kPreRope;
+    options.rope.base = 500000.0;
+    options.centering_pairs = 8;
+  }
+  options.exact_sink_tokens = recipe.sinks;
+  options.exact_window_tokens = recipe.window;
+  const std::string name = recipe.Name(preset);
   // Synthetic keys: hot channels and offsets per head; values Gaussian.
   std::vector<float> keys(static_cast<size_t>(kTemplateTokens) * kKvHeads * kHeadDim);
   for (int h = 0; h < kKvHeads; ++h) {
@@ -135,13 +181,14 @@ bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>&
   const std::vector<float> values = eval::GaussianVectors(kTemplateTokens * kKvHeads, kHeadDim, 12);
   auto layout = KvLayout::Create(options);
   if (!layout.ok()) {
-    std::fprintf(stderr, "%s: %s\n", std::string(preset.name).c_str(), layout.status().ToString().c_str());
+    std::fprintf(stderr, "%s: %s\n", name.c_str(), layout.status().ToString().c_str());
     return false;
   }
   const int64_t pages = (max_tokens + kPageTokens - 1) / kPageTokens;
-  auto pool = backend.AllocatePool(**layout, static_cast<int32_t>(pages));
+  const bool exact = (*layout)->has_exact_tokens();
+  auto pool = backend.AllocatePool(**layout, static_cast<int32_t>(pages + (exact ? kExactPages : 0)));
   if (!pool.ok()) {
-    std::fprintf(stderr, "%s: %s\n", std::string(preset.name).c_str(), pool.status().ToString().c_str());
+    std::fprintf(stderr, "%s: %s\n", name.c_str(), pool.status().ToString().c_str());
     return false;
   }
   // Store the template into the first pages, timed.
@@ -150,12 +197,12 @@ bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>&
   const StoreParams store_params{layout->get(), *pool, 0, 1, kTemplateTokens, slots.data(), keys.data(), values.data()};
   double kernel = 0, wall = 0;
   if (!Measure(0.0, [&] { return backend.Store(store_params).ok(); }, &kernel, &wall)) {
-    std::fprintf(stderr, "%s: Store failed: %s\n", std::string(preset.name).c_str(),
+    std::fprintf(stderr, "%s: Store failed: %s\n", name.c_str(),
                  backend.Store(store_params).ToString().c_str());
     backend.FreePool(*pool);
     return false;
   }
-  store->preset = std::string(preset.name);
+  store->preset = name;
   store->kernel_mtokens_per_s = kTemplateTokens / kernel * 1e-6;
   store->wall_mtokens_per_s = kTemplateTokens / wall * 1e-6;
   // Replicate the template's pages over the pool (device to device).
@@ -172,6 +219,14 @@ bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>&
   }
   std::vector<int32_t> table(pages);
   std::iota(table.begin(), table.end(), 0);
+  // Recipes: exact pages cycled over each item's exact table, one key mean.
+  if (exact && !StoreExactPages(backend, **layout, *pool, pages, keys, values)) {
+    backend.FreePool(*pool);
+    return false;
+  }
+  const int ept = exact ? (*layout)->exact_page_tokens() : 1;
+  std::vector<int32_t> exact_table;
+  const std::vector<float> key_mean = eval::GaussianVectors(kKvHeads, kHeadDim, 14);
   // Bytes of one (token, KV head): the four planes.
   const size_t token_head_bytes = static_cast<size_t>(preset.BytesPerTokenHead(kHeadDim));
   const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
@@ -185,16 +240,24 @@ bool RunPreset(Backend& backend, const Preset& preset, const std::vector<Point>&
                             queries.data() + static_cast<size_t>(b) * kQueryHeads * kHeadDim,
                             output.data() + static_cast<size_t>(b) * kQueryHeads * kHeadDim, nullptr};
     }
+    if (exact) {
+      exact_table.resize((point.context + ept - 1) / ept);
+      for (size_t i = 0; i < exact_table.size(); ++i) exact_table[i] = static_cast<int32_t>(pages + i % kExactPages);
+    }
+    for (AttendItem& item : items) {
+      item.exact_block_table = exact ? exact_table.data() : nullptr;
+      item.key_mean = recipe.centered ? key_mean.data() : nullptr;
+    }
     const AttendParams params{layout->get(), *pool, items, scale};
     if (!Measure(absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
                  &wall)) {
-      std::fprintf(stderr, "%s: Attend failed: %s\n", std::string(preset.name).c_str(),
+      std::fprintf(stderr, "%s: Attend failed: %s\n", name.c_str(),
                    backend.Attend(params).ToString().c_str());
       backend.FreePool(*pool);
       return false;
     }
     DecodeRow row;
-    row.preset = std::string(preset.name);
+    row.preset = name;
     row.sweep = point.sweep;
     row.context = point.context;
     row.batch = point.batch;
@@ -243,13 +306,27 @@ int Main() {
   for (const Preset* p : *presets) {
     if (p->name != "bf16") order.push_back(p);
   }
+  const std::string recipe_flag = absl::GetFlag(FLAGS_recipe_presets);
+  absl::StatusOr<std::vector<const Preset*>> recipe_presets = std::vector<const Preset*>();
+  if (!recipe_flag.empty()) recipe_presets = ParsePresetList(recipe_flag);
+  if (!recipe_presets.ok()) {
+    std::fprintf(stderr, "tqkv_gpu_bench: %s\n", recipe_presets.status().ToString().c_str());
+    return 2;
+  }
+  std::vector<std::pair<const Preset*, Recipe>> runs;
+  for (const Preset* preset : order) {
+    runs.push_back({preset, Recipe()});
+    for (const Preset* r : *recipe_presets) {
+      if (r == preset) runs.push_back({preset, Recipe{true, 4, 128}});
+    }
+  }
   std::vector<DecodeRow> rows;
   std::vector<StoreRow> stores;
-  for (const Preset* preset : order) {
+  for (const auto& [preset, recipe] : runs) {
     StoreRow store;
-    if (!RunPreset(**backend, *preset, points, max_tokens, &rows, &store)) continue;
+    if (!RunPreset(**backend, *preset, recipe, points, max_tokens, &rows, &store)) continue;
     stores.push_back(store);
-    std::fprintf(stderr, "  %s done\n", std::string(preset->name).c_str());
+    std::fprintf(stderr, "  %s done\n", recipe.Name(*preset).c_str());
   }
   // Speedups against bf16 at the same point.
   for (DecodeRow& row : rows) {
