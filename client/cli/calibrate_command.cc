@@ -55,9 +55,13 @@ struct RecipeFlags {
     flags.AddInt("window", &window, "last tokens of each layer also kept exact at fp16");
   }
 
-  // Writes the recipe into `layout`; a usage error message or "".
-  std::string Apply(KvLayoutOptions& layout) const {
-    if (centering == "none") {
+  // Writes the recipe into `layout`; a usage error message or "". Centering
+  // and exact-token counts are written only when given: left alone, the
+  // layout takes each preset's own recipe.
+  std::string Apply(const FlagSet& flags, KvLayoutOptions& layout) const {
+    if (!flags.IsSet("key-centering")) {
+      // The preset decides.
+    } else if (centering == "none") {
       layout.key_centering = KeyCentering::kNone;
     } else if (centering == "post_rope") {
       layout.key_centering = KeyCentering::kPostRope;
@@ -88,16 +92,16 @@ struct RecipeFlags {
     layout.rope.rotary_dims = static_cast<int>(rotary_dims);
     layout.centering_tokens = static_cast<int>(centering_tokens);
     layout.centering_pairs = static_cast<int>(centering_pairs);
-    layout.exact_sink_tokens = static_cast<int>(sinks);
-    layout.exact_window_tokens = static_cast<int>(window);
+    if (flags.IsSet("sinks")) layout.exact_sink_tokens = static_cast<int>(sinks);
+    if (flags.IsSet("window")) layout.exact_window_tokens = static_cast<int>(window);
     return "";
   }
 
   // "key centering pre_rope (base 10000, 8 pairs), 4 sink + 64 window tokens
-  // exact", or "" for the plain codec.
-  std::string Describe() const {
+  // exact" for the settings given, or "" when none is.
+  std::string Describe(const FlagSet& flags) const {
     std::vector<std::string> parts;
-    if (centering != "none") {
+    if (flags.IsSet("key-centering")) {
       std::string part = "key centering " + centering;
       if (centering == "pre_rope") {
         absl::StrAppendFormat(&part, " (rope base %g, %s, %lld pairs)", rope_base, rope_layout,
@@ -105,7 +109,7 @@ struct RecipeFlags {
       }
       parts.push_back(part);
     }
-    if (sinks + window > 0) {
+    if (flags.IsSet("sinks") || flags.IsSet("window")) {
       parts.push_back(absl::StrFormat("%lld sink + %lld window tokens exact",
                                       static_cast<long long>(sinks),
                                       static_cast<long long>(window)));
@@ -145,7 +149,7 @@ struct CalibrateFlags {
   }
 
   // After parsing; a usage error message, or "" when the flags are valid.
-  std::string Resolve() {
+  std::string Resolve(const FlagSet& flags) {
     absl::StatusOr<std::vector<const Preset*>> parsed = ParsePresetList(preset_names);
     if (!parsed.ok()) return std::string(parsed.status().message());
     presets = *parsed;
@@ -170,9 +174,8 @@ struct CalibrateFlags {
     measure.threads = static_cast<int>(threads);
     measure.layout.page_tokens = static_cast<int>(page_tokens);
     measure.layout.rotation_seed = static_cast<uint64_t>(rotation_seed);
-    if (std::string error = recipe.Apply(measure.layout); !error.empty()) return error;
-    plan.exact_tokens = recipe.sinks + recipe.window;
-    plan.recipe = recipe.Describe();
+    if (std::string error = recipe.Apply(flags, measure.layout); !error.empty()) return error;
+    plan.recipe = recipe.Describe(flags);
     return "";
   }
 
@@ -182,24 +185,42 @@ struct CalibrateFlags {
 // ---------------------------------------------------------------------------
 // Markdown.
 
+// Rows of what each preset costs: bytes and bits of its tokens, and with
+// centering or exact tokens in effect, the recipe and bits at `context`.
+void PrintCostRows(const std::vector<eval::PresetError>& presets, const eval::CaptureMeta& meta,
+                   int64_t context) {
+  const double coordinates = 2.0 * meta.num_kv_heads * meta.head_dim;
+  bool recipe = false;
+  printf("| bytes/token |");
+  for (const eval::PresetError& e : presets) {
+    printf(" %lld |", static_cast<long long>(e.token_bytes));
+    recipe = recipe || e.exact_tokens > 0 || e.key_centering != "none";
+  }
+  printf("\n| bits/coord |");
+  for (const eval::PresetError& e : presets) printf(" %.3f |", 8.0 * e.token_bytes / coordinates);
+  printf("\n");
+  if (!recipe) return;
+  printf("| recipe |");
+  for (const eval::PresetError& e : presets) {
+    printf(" %s, %lld exact |", e.key_centering.c_str(), static_cast<long long>(e.exact_tokens));
+  }
+  printf("\n| bits/coord at %lld |", static_cast<long long>(context));
+  for (const eval::PresetError& e : presets) {
+    printf(" %.3f |", 8.0 * eval::LayerBytesPerToken(e, context) / coordinates);
+  }
+  printf("\n");
+}
+
+// `context` > 0 adds the cost rows.
 void PrintMetricTable(const char* title, const std::vector<LayerCalibration>& layers,
-                      const eval::CaptureMeta& meta, CalibrationMetric metric, bool with_bytes) {
+                      const eval::CaptureMeta& meta, CalibrationMetric metric, int64_t context) {
   const std::vector<eval::PresetError>& first = layers[0].presets;
   printf("\n## %s\n\n| layer |", title);
   for (const eval::PresetError& e : first) printf(" %s |", std::string(e.preset->name).c_str());
   printf("\n|---|");
   for (size_t i = 0; i < first.size(); ++i) printf("---:|");
   printf("\n");
-  if (with_bytes) {
-    printf("| bytes/token |");
-    for (const eval::PresetError& e : first)
-      printf(" %lld |", static_cast<long long>(e.token_bytes));
-    printf("\n| bits/coord |");
-    for (const eval::PresetError& e : first) {
-      printf(" %.3f |", 8.0 * e.token_bytes / (2.0 * meta.num_kv_heads * meta.head_dim));
-    }
-    printf("\n");
-  }
+  if (context > 0) PrintCostRows(first, meta, context);
   for (const LayerCalibration& layer : layers) {
     printf("| %d |", layer.layer);
     for (const eval::PresetError& e : layer.presets) printf(" %.5f |", MetricValue(e, metric));
@@ -259,13 +280,14 @@ void PrintMarkdown(const std::vector<LayerCalibration>& layers, const eval::Capt
       flags.capture.c_str(), meta.layers, static_cast<long long>(meta.tokens), meta.num_query_heads,
       meta.num_kv_heads, meta.head_dim, positions.size(), static_cast<long long>(positions.front()),
       static_cast<long long>(positions.back()));
-  printf("serving recipe: %s\n", flags.plan.recipe.empty() ? "the preset alone (no centering, "
-                                                             "no exact tokens)"
-                                                           : flags.plan.recipe.c_str());
+  printf("serving recipe: %s\n",
+         flags.plan.recipe.empty()
+             ? "each preset's own (no --key-centering, --sinks or --window given)"
+             : flags.plan.recipe.c_str());
   PrintMetricTable("Attention output relative error per layer", layers, meta,
-                   CalibrationMetric::kOutputError, true);
+                   CalibrationMetric::kOutputError, flags.plan.context);
   PrintMetricTable("KL divergence of attention per layer (nats)", layers, meta,
-                   CalibrationMetric::kKlDivergence, false);
+                   CalibrationMetric::kKlDivergence, 0);
   if (!plan) return;
   PrintPlan(*plan, flags);
   PrintBetterBases(layers, *plan, flags.plan.metric);
@@ -286,7 +308,10 @@ JsonValue LayersJson(const std::vector<LayerCalibration>& layers) {
                          .Set("tv_distance", e.tv_distance)
                          .Set("kl_divergence", e.kl_divergence)
                          .Set("token_bytes", e.token_bytes)
-                         .Set("token_bytes_bf16", e.token_bytes_bf16));
+                         .Set("token_bytes_bf16", e.token_bytes_bf16)
+                         .Set("exact_tokens", e.exact_tokens)
+                         .Set("fixed_bytes", e.fixed_bytes)
+                         .Set("key_centering", e.key_centering));
     }
     out.Append(JsonValue::Object().Set("layer", layer.layer).Set("presets", presets));
   }
@@ -358,9 +383,8 @@ absl::StatusOr<std::vector<LayerCalibration>> MeasureAll(const eval::CaptureMeta
 }
 
 // Builds the base preset's layout for the capture's shape with the recipe:
-// a usage error message for settings the layout refuses, or "". Counts the
-// key means' bytes into the plan.
-std::string CheckRecipe(const eval::CaptureMeta& meta, CalibrateFlags& flags) {
+// a usage error message for settings the layout refuses, or "".
+std::string CheckRecipe(const eval::CaptureMeta& meta, const CalibrateFlags& flags) {
   KvLayoutOptions layout = flags.measure.layout;
   layout.num_layers = 1;
   layout.num_kv_heads = meta.num_kv_heads;
@@ -377,7 +401,6 @@ std::string CheckRecipe(const eval::CaptureMeta& meta, CalibrateFlags& flags) {
   if (FindPreset(layout.preset).value()->NeedsCalibration()) layout.preset = "fp16";
   absl::StatusOr<std::shared_ptr<const KvLayout>> created = KvLayout::Create(layout);
   if (!created.ok()) return std::string(created.status().message());
-  flags.plan.fixed_layer_bytes = 4 * static_cast<int64_t>((*created)->mean_floats());
   return "";
 }
 
@@ -390,7 +413,7 @@ int RunCalibrateImpl(int argc, const char* const* argv) {
   CalibrateFlags options;
   options.Register(flags);
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
-  if (std::string error = options.Resolve(); !error.empty()) return UsageError(error);
+  if (std::string error = options.Resolve(flags); !error.empty()) return UsageError(error);
 
   absl::StatusOr<eval::CaptureMeta> meta = eval::ReadCaptureMeta(options.capture);
   if (!meta.ok()) return Fail(meta.status());

@@ -17,6 +17,7 @@
 #include "client/cli/npy.h"
 #include "kernels/codec.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/key_centering.h"
 #include "kernels/status_macros.h"
 
 namespace tqkv {
@@ -268,8 +269,10 @@ absl::StatusOr<CacheOptions> OneLayerCache(const CaptureMeta& meta, const LayerC
   const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   int64_t pages = ceil_div(meta.tokens, layout.page_tokens) + 1;
   if (created->has_exact_tokens()) {
-    const int64_t exact = std::min<int64_t>(
-        meta.tokens, int64_t{layout.exact_sink_tokens} + layout.exact_window_tokens);
+    const KvLayoutOptions& in_effect = created->options();
+    const int64_t exact =
+        std::min<int64_t>(meta.tokens, int64_t{std::max(0, in_effect.exact_sink_tokens)} +
+                                           std::max(0, in_effect.exact_window_tokens));
     pages += 2 * ceil_div(exact, created->exact_page_tokens()) + 4;
   }
   options.memory_budget_bytes = created->page_bytes() * pages;
@@ -320,6 +323,30 @@ struct ErrorSums {
   }
 };
 
+const char* CenteringName(KeyCentering centering) {
+  switch (centering) {
+    case KeyCentering::kNone:
+      return "none";
+    case KeyCentering::kPostRope:
+      return "post_rope";
+    case KeyCentering::kPreRope:
+      return "pre_rope";
+  }
+  return "none";
+}
+
+// Bytes and recipe of the layout as in effect.
+void DescribeLayout(const KvLayout& layout, PresetError& error) {
+  error.token_bytes = static_cast<int64_t>(layout.token_bytes(0));
+  error.token_bytes_bf16 = static_cast<int64_t>(layout.token_bytes_bf16());
+  if (layout.has_exact_tokens()) {
+    error.exact_tokens = std::max(0, layout.options().exact_sink_tokens) +
+                         std::max(0, layout.options().exact_window_tokens);
+  }
+  error.fixed_bytes = 4 * static_cast<int64_t>(layout.mean_floats());
+  error.key_centering = CenteringName(layout.key_centering());
+}
+
 absl::StatusOr<PresetError> MeasurePreset(const CaptureMeta& meta, const LayerCapture& capture,
                                           const Preset& preset,
                                           const std::vector<int64_t>& positions,
@@ -359,8 +386,7 @@ absl::StatusOr<PresetError> MeasurePreset(const CaptureMeta& meta, const LayerCa
   PresetError error;
   error.preset = &preset;
   sums.WriteTo(error);
-  error.token_bytes = static_cast<int64_t>(cache->layout().token_bytes(0));
-  error.token_bytes_bf16 = static_cast<int64_t>(cache->layout().token_bytes_bf16());
+  DescribeLayout(cache->layout(), error);
   return error;
 }
 
@@ -388,9 +414,6 @@ int FindPresetIndex(const LayerCalibration& layer, std::string_view name) {
 absl::Status CheckLayers(absl::Span<const LayerCalibration> layers, const PlanOptions& options) {
   if (layers.empty()) return absl::InvalidArgumentError("no layers measured");
   if (options.context < 1) return absl::InvalidArgumentError("context must be >= 1");
-  if (options.exact_tokens < 0 || options.fixed_layer_bytes < 0) {
-    return absl::InvalidArgumentError("exact tokens and fixed bytes must be >= 0");
-  }
   for (size_t l = 0; l < layers.size(); ++l) {
     if (layers[l].layer != static_cast<int>(l)) {
       return absl::InvalidArgumentError(
@@ -420,16 +443,10 @@ struct PlanState {
   const PlanOptions* options;
   std::vector<int> choice;
 
-  std::vector<int64_t> Bytes() const {
-    std::vector<int64_t> bytes;
-    for (size_t l = 0; l < layers.size(); ++l) {
-      bytes.push_back(layers[l].presets[choice[l]].token_bytes);
-    }
-    return bytes;
-  }
   double Bits() const {
-    return AverageBitsPerCoordinate(Bytes(), layers[0].presets[0].token_bytes_bf16, *meta,
-                                    *options);
+    std::vector<const PresetError*> chosen;
+    for (size_t l = 0; l < layers.size(); ++l) chosen.push_back(&layers[l].presets[choice[l]]);
+    return AverageBitsPerCoordinate(chosen, *meta, options->context);
   }
   double Error(int layer, int preset) const {
     return MetricValue(layers[layer].presets[preset], options->metric);
@@ -639,15 +656,19 @@ double MetricValue(const PresetError& error, CalibrationMetric metric) {
   return error.output_rel_error;
 }
 
-double AverageBitsPerCoordinate(absl::Span<const int64_t> token_bytes, int64_t fp16_token_bytes,
-                                const CaptureMeta& meta, const PlanOptions& options) {
+double LayerBytesPerToken(const PresetError& error, int64_t context) {
   const double per_sequence =
-      static_cast<double>(std::min(options.exact_tokens, options.context)) * fp16_token_bytes +
-      options.fixed_layer_bytes;
+      static_cast<double>(std::min(error.exact_tokens, context)) * error.token_bytes_bf16 +
+      error.fixed_bytes;
+  return error.token_bytes + per_sequence / context;
+}
+
+double AverageBitsPerCoordinate(absl::Span<const PresetError* const> layers,
+                                const CaptureMeta& meta, int64_t context) {
   double bytes = 0.0;
-  for (int64_t b : token_bytes) bytes += b + per_sequence / options.context;
+  for (const PresetError* e : layers) bytes += LayerBytesPerToken(*e, context);
   const double coordinates =
-      2.0 * meta.num_kv_heads * meta.head_dim * static_cast<double>(token_bytes.size());
+      2.0 * meta.num_kv_heads * meta.head_dim * static_cast<double>(layers.size());
   return 8.0 * bytes / coordinates;
 }
 
@@ -700,9 +721,8 @@ std::string ProtectionConfigText(const ProtectionPlan& plan, const PlanOptions& 
   if (!options.recipe.empty()) absl::StrAppendFormat(&text, "# measured with %s\n", options.recipe);
   absl::StrAppendFormat(&text,
                         "# %.3f bits per coordinate, %.2fx vs bf16 at context %d"
-                        " (%d exact tokens at fp16)\n",
-                        plan.bits_per_coordinate, plan.ratio_vs_bf16, options.context,
-                        options.exact_tokens);
+                        " (exact tokens and key means included)\n",
+                        plan.bits_per_coordinate, plan.ratio_vs_bf16, options.context);
   return text;
 }
 

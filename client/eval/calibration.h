@@ -140,6 +140,14 @@ struct PresetError {
   // (KvLayout::token_bytes), and the same in bf16.
   int64_t token_bytes = 0;
   int64_t token_bytes_bf16 = 0;
+  // What the measured layout holds per sequence besides its tokens, as in
+  // effect (the caller's settings, or the preset's own recipe where they
+  // leave it to the preset): the tokens also kept exact at fp16 (sinks plus
+  // window), the fp32 key-mean bytes with centering, and the centering
+  // ("none", "post_rope", "pre_rope").
+  int64_t exact_tokens = 0;
+  int64_t fixed_bytes = 0;
+  std::string key_centering = "none";
 };
 
 struct LayerCalibration {
@@ -172,16 +180,11 @@ struct PlanOptions {
   // Every layer starts here. Must be among each layer's measured presets.
   std::string base_preset = "turboquant_k3v4_nc";
   // Average bits per coordinate over all layers, keys and values together,
-  // that the plan may spend (16 is bf16). Exact tokens included.
+  // that the plan may spend (16 is bf16). Exact tokens and key means
+  // included.
   double budget_bits = 4.0;
-  // Tokens kept exact at fp16 per sequence (sinks plus recent window; each
-  // also keeps its compressed copy), bytes every layer of a sequence holds
-  // whatever its length (the key means with centering: 4 x num_kv_heads x
-  // head_dim), and the context length both are spread over: a layer then
-  // costs, per token, token_bytes + (min(exact_tokens, context) * fp16 token
-  // bytes + fixed_layer_bytes) / context.
-  int64_t exact_tokens = 0;
-  int64_t fixed_layer_bytes = 0;
+  // The context length a sequence's exact tokens and key means are spread
+  // over (LayerBitsPerToken).
   int64_t context = 8192;
   CalibrationMetric metric = CalibrationMetric::kOutputError;
   // The serving recipe the errors were measured under ("key centering
@@ -210,18 +213,24 @@ struct ProtectionPlan {
   double ratio_vs_bf16 = 0.0;  // 16 / bits_per_coordinate
 };
 
-// Average bits per coordinate of a model whose layer i uses
-// `token_bytes[i]` bytes per token, with exact tokens and fixed bytes counted
-// as in PlanOptions; `fp16_token_bytes` is one layer's token in fp16.
-double AverageBitsPerCoordinate(absl::Span<const int64_t> token_bytes, int64_t fp16_token_bytes,
-                                const CaptureMeta& meta, const PlanOptions& options);
+// Bytes per token of one layer at a preset, at context length `context`:
+//   token_bytes + (min(exact_tokens, context) * fp16 token bytes
+//                  + fixed_bytes) / context
+// (exact tokens keep their compressed copy too; fp16 and bf16 tokens are the
+// same size).
+double LayerBytesPerToken(const PresetError& error, int64_t context);
+
+// Average bits per coordinate, keys and values, of a model whose layer i uses
+// `layers[i]`. REQUIRES: layers non-empty, context >= 1.
+double AverageBitsPerCoordinate(absl::Span<const PresetError* const> layers,
+                                const CaptureMeta& meta, int64_t context);
 
 // Greedy plan over `layers` (one LayerCalibration per layer of the model, in
 // order, each with the same presets). Upgrades that cost no bytes and lower
 // the error come first. Errors (INVALID_ARGUMENT): no layers, layers not
 // numbered 0..n-1 or measured with different presets, the base preset not
-// measured, context < 1, exact_tokens or fixed_layer_bytes < 0, or a budget below what the base
-// preset alone takes (the message gives both).
+// measured, context < 1, or a budget below what the base preset alone takes
+// (the message gives both).
 absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta,
                                               absl::Span<const LayerCalibration> layers,
                                               const PlanOptions& options);

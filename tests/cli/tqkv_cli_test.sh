@@ -77,7 +77,7 @@ check "calibrate with a recipe" "$tqkv" calibrate --capture "$cap" --positions 4
   --presets turboquant_k3v4_nc,tqkv_k4v4 --key-centering post_rope --centering-tokens 16 \
   --sinks 2 --window 8 --budget-bits 7 --context 96
 contains "# measured with key centering post_rope, 2 sink + 8 window tokens exact" "$work/out"
-contains "(10 exact tokens at fp16)" "$work/out"
+contains "| recipe | post_rope, 10 exact | post_rope, 10 exact |" "$work/out"
 expect_code 2 "calibrate with an unknown centering" "$tqkv" calibrate --capture "$cap" --key-centering middle
 contains "must be none, post_rope or pre_rope" "$work/out"
 expect_code 2 "calibrate with a window the layout refuses" "$tqkv" calibrate --capture "$cap" --window 5000

@@ -262,6 +262,9 @@ TEST(CalibrateLayer, AWindowOverTheWholeTextMakesEveryPresetExact) {
   ASSERT_TRUE(layer.ok()) << layer.status();
   EXPECT_LT(layer->presets[0].output_rel_error, 2e-3);
   EXPECT_LT(layer->presets[0].kl_divergence, 1e-5);
+  EXPECT_EQ(layer->presets[0].exact_tokens, m.tokens);
+  EXPECT_EQ(layer->presets[0].fixed_bytes, 0);
+  EXPECT_EQ(layer->presets[0].key_centering, "none");
 }
 
 TEST(CalibrateLayer, CenteringLowersTheErrorOfKeysWithASharedOffset) {
@@ -284,6 +287,8 @@ TEST(CalibrateLayer, CenteringLowersTheErrorOfKeysWithASharedOffset) {
   ASSERT_TRUE(a.ok() && b.ok()) << a.status() << b.status();
   EXPECT_LT(b->presets[0].kl_divergence, 0.5 * a->presets[0].kl_divergence);
   EXPECT_LT(b->presets[0].logit_rmse, 0.5 * a->presets[0].logit_rmse);
+  EXPECT_EQ(b->presets[0].key_centering, "post_rope");
+  EXPECT_EQ(b->presets[0].fixed_bytes, 4 * m.num_kv_heads * m.head_dim);  // fp32 means
 }
 
 // ---------------------------------------------------------------------------
@@ -300,12 +305,23 @@ class PlanTest : public ::testing::Test {
     delete meta_;
     delete layers_;
   }
-  static absl::StatusOr<ProtectionPlan> Plan(double budget_bits, int64_t exact_tokens = 0) {
+  static absl::StatusOr<ProtectionPlan> Plan(double budget_bits) {
     PlanOptions options;
     options.budget_bits = budget_bits;
-    options.exact_tokens = exact_tokens;
     options.context = 1024;
     return PlanProtection(*meta_, *layers_, options);
+  }
+  // layers_ with every preset holding `exact_tokens` and `fixed_bytes` too.
+  static std::vector<LayerCalibration> WithSequenceBytes(int64_t exact_tokens,
+                                                         int64_t fixed_bytes) {
+    std::vector<LayerCalibration> layers = *layers_;
+    for (LayerCalibration& layer : layers) {
+      for (PresetError& e : layer.presets) {
+        e.exact_tokens = exact_tokens;
+        e.fixed_bytes = fixed_bytes;
+      }
+    }
+    return layers;
   }
   static CaptureMeta* meta_;
   static std::vector<LayerCalibration>* layers_;
@@ -346,7 +362,12 @@ TEST_F(PlanTest, RespectsEveryBudget) {
 }
 
 TEST_F(PlanTest, ExactTokensAreCountedAtFp16) {
-  absl::StatusOr<ProtectionPlan> plain = Plan(16.0, 0), windowed = Plan(16.0 + 16.0 * 0.25, 256);
+  PlanOptions options;
+  options.budget_bits = 16.0 + 16.0 * 0.25;
+  options.context = 1024;
+  absl::StatusOr<ProtectionPlan> plain = PlanProtection(*meta_, *layers_, options);
+  absl::StatusOr<ProtectionPlan> windowed =
+      PlanProtection(*meta_, WithSequenceBytes(256, 0), options);
   ASSERT_TRUE(plain.ok() && windowed.ok());
   // 256 exact tokens over a context of 1024: a quarter more fp16 bytes.
   EXPECT_NEAR(windowed->base_bits, plain->base_bits + 16.0 * 0.25, 1e-9);
@@ -357,11 +378,11 @@ TEST_F(PlanTest, FixedBytesPerLayerAreSpreadOverTheContext) {
   options.budget_bits = 16.0;
   options.context = 1024;
   absl::StatusOr<ProtectionPlan> plain = PlanProtection(*meta_, *layers_, options);
-  options.fixed_layer_bytes = 4 * meta_->num_kv_heads * meta_->head_dim;  // fp32 key means
-  absl::StatusOr<ProtectionPlan> means = PlanProtection(*meta_, *layers_, options);
+  absl::StatusOr<ProtectionPlan> means = PlanProtection(
+      *meta_, WithSequenceBytes(0, 4 * meta_->num_kv_heads * meta_->head_dim), options);
   ASSERT_TRUE(plain.ok() && means.ok());
-  // 4 bytes per key coordinate (2 per K+V coordinate) of one token, once per
-  // 1024 tokens: 16 / 1024 bits.
+  // fp32 key means: 4 bytes per key coordinate (2 per K+V coordinate) of one
+  // token, once per 1024 tokens: 16 / 1024 bits.
   EXPECT_NEAR(means->base_bits, plain->base_bits + 16.0 / 1024, 1e-9);
 }
 
@@ -393,14 +414,14 @@ TEST(ProtectionConfigText, GroupsLayersPerPreset) {
   plan.ratio_vs_bf16 = 3.2;
   PlanOptions options;
   options.context = 8192;
-  options.exact_tokens = 68;
   EXPECT_EQ(
       ProtectionConfigText(plan, options),
       "preset: \"turboquant_k3v4_nc\"\n"
       "boundary_layers: 0\n"
       "protected_layers { layers: [0, 6] preset: \"fp16\" }\n"
       "protected_layers { layers: [3, 4] preset: \"tqkv_k4v4\" }\n"
-      "# 5.000 bits per coordinate, 3.20x vs bf16 at context 8192 (68 exact tokens at fp16)\n");
+      "# 5.000 bits per coordinate, 3.20x vs bf16 at context 8192 (exact tokens and key means "
+      "included)\n");
 }
 
 TEST(ProtectionConfigText, NamesThePresetMostLayersUseAsTheCachePreset) {
