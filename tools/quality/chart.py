@@ -54,7 +54,12 @@ def plot(report, path):
         ax.set_xlabel("bits per coordinate (K+V, all layers, %d tokens)" %
                       entry["perplexity"][0].get("tokens", report.get("tokens", 0)))
         ax.set_ylabel("perplexity change vs fp16 (%)")
-        ax.set_title("%s (head_dim %d)" % (name, entry["model"]["head_dim"]))
+        m = entry["model"]
+        title = "%s (head_dim %d)" % (name, m["head_dim"])
+        if len(m["full_attention_layers"]) < m["layers"]:
+            title += "\nlayers %s compressed; the %d sliding-window layers stay fp16" % (
+                m["full_attention_layers"], m["layers"] - len(m["full_attention_layers"]))
+        ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], marker="o", ls="", color="tab:blue", label="tqkv preset"),
                plt.Line2D([], [], marker="o", ls="", color="tab:orange",

@@ -719,7 +719,7 @@ def main(argv=None, models=None):
                     help="(b, c): names (%s) or file paths; (b) uses the first"
                     % ", ".join("%s = %s" % kv for kv in TEXTS.items()))
     ap.add_argument("--text", help="one text file (the same as --texts FILE)")
-    ap.add_argument("--windows", type=int, default=1, help="(c): windows per text")
+    ap.add_argument("--windows", type=int, default=2, help="(c): windows per text")
     ap.add_argument("--presets", default=",".join(ALL_PRESETS))
     ap.add_argument("--vllm", default=",".join(vllm_scheme.PRESETS),
                     help="(c): vLLM presets to emulate in numpy ('' for none)")
