@@ -364,6 +364,10 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const CacheOptions& opt
         options.name, absl::FormatDuration(options.idle_ttl)));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> layout, KvLayout::Create(options.layout));
+  if (absl::Status supported = backend->SupportsLayout(*layout); !supported.ok()) {
+    return absl::Status(supported.code(), absl::StrFormat("cache '%s' on the %s backend: %s", options.name,
+                                                          backend->name(), supported.message()));
+  }
   const size_t page_bytes = layout->page_bytes();
   // Slots (page * page_tokens + slot) are int32 in the kernels' params.
   const int64_t max_pages = std::numeric_limits<int32_t>::max() / layout->page_tokens();

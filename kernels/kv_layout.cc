@@ -70,7 +70,13 @@ uint64_t KvLayout::HeadSeed(int layer, int head) const {
 }
 
 absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::Create(const KvLayoutOptions& options) {
-  const KvLayoutOptions& o = options;
+  KvLayoutOptions o = options;
+  if (absl::StatusOr<const Preset*> main = FindPreset(o.preset); main.ok()) {
+    const PresetRecipe& recipe = (*main)->recipe;
+    if (!o.key_centering.has_value()) o.key_centering = recipe.key_centering;
+    if (o.exact_sink_tokens == -1) o.exact_sink_tokens = recipe.exact_sink_tokens;
+    if (o.exact_window_tokens == -1) o.exact_window_tokens = recipe.exact_window_tokens;
+  }
   if (o.num_layers < 1 || o.num_layers > 1024) {
     return absl::InvalidArgumentError(absl::StrFormat("num_layers must be in [1, 1024], got %d", o.num_layers));
   }
@@ -126,7 +132,7 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::Create(const KvLayoutO
         o.num_layers * heads, o.hot_channels.size()));
   }
 
-  std::shared_ptr<KvLayout> layout(new KvLayout(options));
+  std::shared_ptr<KvLayout> layout(new KvLayout(o));
   size_t offset = 0;
   for (int layer = 0; layer < o.num_layers; ++layer) {
     const Preset* layer_preset = presets[layer];
@@ -159,7 +165,7 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::Create(const KvLayoutO
   }
   layout->page_bytes_ = offset;
 
-  layout->key_centering_ = o.key_centering;
+  layout->key_centering_ = *o.key_centering;
   if (o.key_centering == KeyCentering::kPreRope) {
     if (o.rope.known()) {
       ASSIGN_OR_RETURN(layout->rope_, RopeTable::Create(o.rope, o.head_dim));

@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,7 +87,8 @@ struct KvLayoutOptions {
   // Key centering (kernels/key_centering.h). kPreRope needs the model's rotary
   // embedding in `rope`; without it (rope.known() false) the cache centers
   // after RoPE instead.
-  KeyCentering key_centering = KeyCentering::kNone;
+  // Unset: the preset's recipe (PresetRecipe; none for plain presets).
+  std::optional<KeyCentering> key_centering;
   RopeOptions rope;
   // The mean m comes from this many tokens of the first append to a layer,
   // starting after the sink tokens unless centering_includes_sinks (all of the
@@ -98,9 +100,10 @@ struct KvLayoutOptions {
   // other pairs stay in the residual. 0 keeps every pair.
   int centering_pairs = 8;
   // Tokens kept exact (fp16) besides their compressed copy: the first
-  // exact_sink_tokens of each layer, and its last exact_window_tokens. 0..4096.
-  int exact_sink_tokens = 0;
-  int exact_window_tokens = 0;
+  // exact_sink_tokens of each layer, and its last exact_window_tokens. 0..4096;
+  // -1: the preset's recipe.
+  int exact_sink_tokens = -1;
+  int exact_window_tokens = -1;
 };
 
 // The tokens of a layer holding `length` tokens that attention reads exact:
@@ -128,6 +131,8 @@ class KvLayout {
   // split preset has no hot channels.
   static absl::StatusOr<std::shared_ptr<const KvLayout>> Create(const KvLayoutOptions& options);
 
+  // The options with the preset's recipe filled in (key_centering, exact
+  // token counts as asked; key_centering() says what is in effect).
   const KvLayoutOptions& options() const { return options_; }
   int num_layers() const { return options_.num_layers; }
   int num_kv_heads() const { return options_.num_kv_heads; }

@@ -7,6 +7,8 @@
 namespace tqkv {
 namespace {
 
+constexpr PresetRecipe kCenteredSinksWindow{KeyCentering::kPreRope, 4, 64};
+
 const std::vector<Preset>& PresetTable() {
   static const std::vector<Preset> table = {
       {"fp16", CodecSpec::Fp16(), CodecSpec::Fp16(), "uncompressed fp16 keys and values"},
@@ -33,6 +35,20 @@ const std::vector<Preset>& PresetTable() {
        "2.5-bit keys (hot half of the channels at 3 bits, the rest at 2), 3-bit TurboQuant values"},
       {"eval_qjl_k3v4", CodecSpec::Qjl(3), CodecSpec::Uniform(4),
        "evaluation only: 2-bit TurboQuant + 1-bit QJL keys, 4-bit uniform values", true},
+      // Recipes: the codecs of the preset before them plus centering and
+      // exact tokens (README, "Centering and exact tokens").
+      {"tqkv_k3v4u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(4),
+       "turboquant_k3v4_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens",
+       false, kCenteredSinksWindow},
+      {"tqkv_k3v3u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(3),
+       "turboquant_3bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens",
+       false, kCenteredSinksWindow},
+      {"tqkv_k3v4_csw", CodecSpec::TurboQuant(3, true), CodecSpec::TurboQuant(4, true),
+       "tqkv_k3v4's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
+       kCenteredSinksWindow},
+      {"tqkv_k4v4u_csw", CodecSpec::TurboQuant(4, true), CodecSpec::Uniform(4),
+       "turboquant_4bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens",
+       false, kCenteredSinksWindow},
   };
   return table;
 }
@@ -40,6 +56,15 @@ const std::vector<Preset>& PresetTable() {
 }  // namespace
 
 absl::Span<const Preset> AllPresets() { return PresetTable(); }
+
+std::string PresetRecipe::Describe() const {
+  std::vector<std::string> parts;
+  if (key_centering == KeyCentering::kPreRope) parts.push_back("pre-RoPE key centering");
+  if (key_centering == KeyCentering::kPostRope) parts.push_back("post-RoPE key centering");
+  if (exact_sink_tokens > 0) parts.push_back(absl::StrCat(exact_sink_tokens, " exact sink tokens"));
+  if (exact_window_tokens > 0) parts.push_back(absl::StrCat(exact_window_tokens, " exact window tokens"));
+  return absl::StrJoin(parts, ", ");
+}
 
 std::string PresetNames() {
   std::vector<std::string> names;

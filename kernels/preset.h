@@ -16,8 +16,23 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kernels/codec.h"
+#include "kernels/key_centering.h"
 
 namespace tqkv {
+
+// What a preset asks of the layout besides its codecs: key centering and
+// exact tokens (kv_layout.h). Config fields that are set override it.
+struct PresetRecipe {
+  KeyCentering key_centering = KeyCentering::kNone;
+  int exact_sink_tokens = 0;
+  int exact_window_tokens = 0;
+
+  bool empty() const {
+    return key_centering == KeyCentering::kNone && exact_sink_tokens == 0 && exact_window_tokens == 0;
+  }
+  // "pre-RoPE centering, 4 sink + 64 window tokens exact", or "" when empty.
+  std::string Describe() const;
+};
 
 struct Preset {
   std::string_view name;
@@ -26,6 +41,7 @@ struct Preset {
   std::string_view description;
   // True for presets kept to measure an idea (QJL), not to serve.
   bool evaluation_only = false;
+  PresetRecipe recipe;
 
   // Bytes one (token, KV head) takes for keys plus values at a head dim.
   int BytesPerTokenHead(int head_dim) const {

@@ -3,7 +3,9 @@
 #include <cmath>
 #include <fstream>
 #include <sstream>
+#include <algorithm>
 #include <string>
+#include <tuple>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -12,6 +14,7 @@
 #include "google/protobuf/text_format.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
+#include "kernels/status_macros.h"
 
 namespace tqkv {
 namespace service {
@@ -45,6 +48,81 @@ class ErrorCollector : public google::protobuf::io::ErrorCollector {
  private:
   std::string errors_;
 };
+
+absl::Status ReadRope(const v1::RotaryEmbedding& r, RopeOptions* rope) {
+  rope->rotary_dims = r.rotary_dims();
+  rope->pair_layout = r.pair_layout() == v1::RotaryEmbedding::HALF_SPLIT ? RopePairLayout::kHalfSplit
+                                                                         : RopePairLayout::kInterleaved;
+  rope->base = r.base();
+  const std::string& type = r.scaling_type();
+  if (type.empty() || type == "none") {
+    rope->scaling = RopeScaling::kNone;
+  } else if (type == "linear") {
+    rope->scaling = RopeScaling::kLinear;
+  } else if (type == "llama3") {
+    rope->scaling = RopeScaling::kLlama3;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rope scaling_type is '", type, "'; want \"none\", \"linear\" or \"llama3\""));
+  }
+  if (rope->scaling != RopeScaling::kNone) {
+    rope->scaling_factor = r.scaling_factor();
+    rope->low_freq_factor = r.low_freq_factor();
+    rope->high_freq_factor = r.high_freq_factor();
+    rope->original_max_position = r.original_max_position();
+  }
+  rope->inv_freq.assign(r.inv_freq().begin(), r.inv_freq().end());
+  return absl::OkStatus();
+}
+
+// The centering, exact-token and protected-layer fields; unset ones stay
+// unset so that the preset's recipe fills them.
+absl::Status ReadCentering(const v1::CacheConfig& c, KvLayoutOptions* layout) {
+  const std::string& centering = c.key_centering();
+  if (centering == "none") {
+    layout->key_centering = KeyCentering::kNone;
+  } else if (centering == "post_rope") {
+    layout->key_centering = KeyCentering::kPostRope;
+  } else if (centering == "pre_rope") {
+    layout->key_centering = KeyCentering::kPreRope;
+  } else if (!centering.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key_centering is '", centering, "'; want \"none\", \"post_rope\" or \"pre_rope\""));
+  }
+  if (c.has_rope()) RETURN_IF_ERROR(ReadRope(c.rope(), &layout->rope));
+  if (c.has_centering_tokens()) layout->centering_tokens = c.centering_tokens();
+  if (c.has_centering_pairs()) layout->centering_pairs = c.centering_pairs();
+  if (c.has_centering_includes_sinks()) layout->centering_includes_sinks = c.centering_includes_sinks();
+  for (const auto& [has, value, name, field] :
+       {std::tuple{c.has_exact_sink_tokens(), c.exact_sink_tokens(), "exact_sink_tokens", &layout->exact_sink_tokens},
+        std::tuple{c.has_exact_window_tokens(), c.exact_window_tokens(), "exact_window_tokens",
+                   &layout->exact_window_tokens}}) {
+    if (!has) continue;
+    if (value < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " is ", value, "; want 0..4096"));
+    }
+    *field = value;
+  }
+  if (c.protected_layers_size() > 0) layout->layer_presets.assign(c.num_layers(), "");
+  for (const v1::ProtectedLayers& p : c.protected_layers()) {
+    if (p.preset().empty()) {
+      return absl::InvalidArgumentError("protected_layers has no preset; want e.g. preset: \"tqkv_k4v4\"");
+    }
+    for (int32_t layer : p.layers()) {
+      if (layer < 0 || layer >= c.num_layers()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "protected_layers names layer %d; want layers in [0, num_layers = %d)", layer, c.num_layers()));
+      }
+      if (!layout->layer_presets[layer].empty()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "protected_layers names layer %d twice (presets %s and %s)", layer,
+            layout->layer_presets[layer], p.preset()));
+      }
+      layout->layer_presets[layer] = p.preset();
+    }
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -123,6 +201,9 @@ absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig&
     layout.boundary_layers = c.boundary_layers();
     if (!c.boundary_preset().empty()) layout.boundary_preset = c.boundary_preset();
     if (c.rotation_seed() != 0) layout.rotation_seed = c.rotation_seed();
+    if (absl::Status status = ReadCentering(c, &layout); !status.ok()) {
+      return absl::Status(status.code(), absl::StrCat(where, status.message()));
+    }
     absl::StatusOr<std::shared_ptr<const KvLayout>> made = KvLayout::Create(layout);
     if (!made.ok()) {
       return absl::Status(made.status().code(), absl::StrCat(where, made.status().message()));
@@ -145,6 +226,54 @@ absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig&
   return out;
 }
 
+namespace {
+
+// The effective recipe (the preset's where the config left fields unset).
+void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
+  absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(given);
+  if (!layout.ok()) return;  // configs are validated before they get here
+  const KvLayoutOptions& l = (*layout)->options();
+  const KeyCentering asked = l.key_centering.value_or(KeyCentering::kNone);
+  c->set_key_centering(asked == KeyCentering::kPreRope    ? "pre_rope"
+                       : asked == KeyCentering::kPostRope ? "post_rope"
+                                                          : "none");
+  if (l.rope.known()) {
+    v1::RotaryEmbedding* r = c->mutable_rope();
+    r->set_rotary_dims(l.rope.rotary_dims);
+    r->set_pair_layout(l.rope.pair_layout == RopePairLayout::kHalfSplit ? v1::RotaryEmbedding::HALF_SPLIT
+                                                                        : v1::RotaryEmbedding::INTERLEAVED);
+    r->set_base(l.rope.base);
+    if (l.rope.scaling != RopeScaling::kNone) {
+      r->set_scaling_type(l.rope.scaling == RopeScaling::kLinear ? "linear" : "llama3");
+      r->set_scaling_factor(l.rope.scaling_factor);
+      r->set_low_freq_factor(l.rope.low_freq_factor);
+      r->set_high_freq_factor(l.rope.high_freq_factor);
+      r->set_original_max_position(l.rope.original_max_position);
+    }
+    for (double f : l.rope.inv_freq) r->add_inv_freq(f);
+  }
+  c->set_centering_tokens(l.centering_tokens);
+  c->set_centering_pairs(l.centering_pairs);
+  c->set_centering_includes_sinks(l.centering_includes_sinks);
+  c->set_exact_sink_tokens(l.exact_sink_tokens);
+  c->set_exact_window_tokens(l.exact_window_tokens);
+  // Protected layers grouped by preset, in layer order.
+  std::vector<std::string> presets;
+  for (size_t layer = 0; layer < l.layer_presets.size(); ++layer) {
+    const std::string& p = l.layer_presets[layer];
+    if (p.empty()) continue;
+    auto at = std::find(presets.begin(), presets.end(), p);
+    if (at == presets.end()) {
+      presets.push_back(p);
+      c->add_protected_layers()->set_preset(p);
+      at = presets.end() - 1;
+    }
+    c->mutable_protected_layers(static_cast<int>(at - presets.begin()))->add_layers(static_cast<int32_t>(layer));
+  }
+}
+
+}  // namespace
+
 v1::CacheConfig ToCacheConfig(const CacheOptions& options) {
   v1::CacheConfig c;
   const KvLayoutOptions& l = options.layout;
@@ -163,6 +292,7 @@ v1::CacheConfig ToCacheConfig(const CacheOptions& options) {
   if (options.idle_ttl != absl::InfiniteDuration()) {
     c.set_idle_ttl_seconds(absl::ToDoubleSeconds(options.idle_ttl));
   }
+  WriteCentering(l, &c);
   return c;
 }
 

@@ -421,6 +421,8 @@ void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
     p->set_values(preset.value.Name());
     p->set_bytes_per_token_head(preset.BytesPerTokenHead(128));
     p->set_description(std::string(preset.description));
+    p->set_servable(!preset.evaluation_only && !preset.NeedsCalibration());
+    p->set_recipe(preset.recipe.Describe());
   }
 }
 

@@ -70,6 +70,10 @@ struct StoredLayer {
   std::unique_ptr<Backend> backend;
   PagePool pool;
   std::vector<int32_t> block_table;
+  // With centering and exact tokens (recipe presets): the key means and the
+  // exact pages (-1 where no context the bench runs reads a token exact).
+  std::vector<float> key_mean;
+  std::vector<int32_t> exact_table;
   double store_seconds = 0.0;
 
   ~StoredLayer() {
@@ -77,10 +81,98 @@ struct StoredLayer {
   }
 };
 
+// Keys with outlier channels per head plus a shared component, Gaussian
+// values; [n, heads, d], tokens t0... of the synthetic sequence.
+void SyntheticTokens(const ModelShape& shape, int64_t t0, int64_t n, uint64_t seed, std::vector<float>* keys,
+                     std::vector<float>* values) {
+  const int row = shape.num_kv_heads * shape.head_dim;
+  keys->assign(n * row, 0.0f);
+  *values = eval::GaussianVectors(n * shape.num_kv_heads, shape.head_dim, DeriveSeed(seed, 1000 + t0));
+  for (int head = 0; head < shape.num_kv_heads; ++head) {
+    std::vector<float> head_keys = eval::OutlierKeys(n, shape.head_dim, DeriveSeed(seed, head), {});
+    // Distinct tokens per chunk: add chunk-seeded noise to the shared pattern.
+    Random rng(DeriveSeed(seed, 2000 + t0, head));
+    for (int64_t t = 0; t < n; ++t) {
+      for (int j = 0; j < shape.head_dim; ++j) {
+        (*keys)[(t * shape.num_kv_heads + head) * shape.head_dim + j] =
+            head_keys[t * shape.head_dim + j] + 0.1f * static_cast<float>(rng.NextGaussian());
+      }
+    }
+  }
+}
+
+// Recipe overrides from the command line (--key-centering, --sinks, --window).
+struct RecipeOverrides {
+  std::string centering;
+  int64_t sinks = -1;
+  int64_t window = -1;
+};
+RecipeOverrides g_recipe;
+
+absl::Status ApplyRecipeOverrides(KvLayoutOptions* options) {
+  if (g_recipe.centering == "none") {
+    options->key_centering = KeyCentering::kNone;
+  } else if (g_recipe.centering == "post_rope") {
+    options->key_centering = KeyCentering::kPostRope;
+  } else if (g_recipe.centering == "pre_rope") {
+    options->key_centering = KeyCentering::kPreRope;
+  } else if (!g_recipe.centering.empty()) {
+    return absl::InvalidArgumentError("--key-centering must be none, post_rope or pre_rope");
+  }
+  if (g_recipe.sinks >= 0) options->exact_sink_tokens = static_cast<int>(g_recipe.sinks);
+  if (g_recipe.window >= 0) options->exact_window_tokens = static_cast<int>(g_recipe.window);
+  return absl::OkStatus();
+}
+
+// The bench's model RoPE (Llama-3's base) for pre-RoPE centering.
+RopeOptions BenchRope() {
+  RopeOptions rope;
+  rope.base = 500000.0;
+  rope.pair_layout = RopePairLayout::kHalfSplit;
+  return rope;
+}
+
+// Key means (from the first tokens, as the cache takes them) and exact
+// copies of the sink and window tokens of every context in `contexts`.
+absl::Status StoreRecipeState(StoredLayer& stored, const ModelShape& shape, const std::vector<int64_t>& contexts,
+                              int64_t tokens, uint64_t seed) {
+  const KvLayout& layout = *stored.layout;
+  const KvLayoutOptions& o = layout.options();
+  const int d = shape.head_dim, heads = shape.num_kv_heads;
+  if (layout.key_centering() != KeyCentering::kNone) {
+    const int64_t n = std::min<int64_t>(tokens, o.exact_sink_tokens + o.centering_tokens);
+    std::vector<float> keys, values;
+    SyntheticTokens(shape, 0, n, seed, &keys, &values);
+    const RopeAngles angles = ComputeRopeAngles(layout.rope(), 0, n);
+    stored.key_mean.resize(static_cast<size_t>(heads) * d);
+    for (int h = 0; h < heads; ++h) {
+      EstimateKeyMean(layout.rope(), angles, keys.data() + h * d, std::min<int64_t>(o.exact_sink_tokens, n - 1), n,
+                      static_cast<int64_t>(heads) * d, o.centering_pairs, d, stored.key_mean.data() + h * d);
+    }
+  }
+  if (!layout.has_exact_tokens()) return absl::OkStatus();
+  const int per_page = layout.exact_page_tokens();
+  stored.exact_table.assign((tokens + per_page - 1) / per_page, -1);
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t context : contexts) {
+    const ExactRanges r = layout.exact_ranges(context);
+    runs.push_back({0, r.sink_end});
+    runs.push_back({r.window_begin, context});
+  }
+  int32_t next_page = stored.pool.num_pages;
+  for (const auto& [begin, end] : runs) {
+    for (int64_t b = begin / per_page; b * per_page < end; ++b) {
+      if (stored.exact_table[b] < 0) stored.exact_table[b] = next_page++;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& preset,
                                                                  const ModelShape& shape,
                                                                  int page_tokens, int64_t tokens,
-                                                                 uint64_t seed, int threads) {
+                                                                 uint64_t seed, int threads,
+                                                                 const std::vector<int64_t>& contexts = {}) {
   auto stored = std::make_unique<StoredLayer>();
   KvLayoutOptions options;
   options.num_layers = 1;
@@ -92,12 +184,20 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
   options.boundary_layers = 0;
   options.hot_channels = CalibrateFromSample(preset, {shape.name, 1, shape.num_kv_heads,
                                                       shape.num_query_heads, shape.head_dim}, seed);
+  options.rope = BenchRope();
+  if (preset.name != "bf16") {  // the baseline stays plain
+    if (absl::Status status = ApplyRecipeOverrides(&options); !status.ok()) return status;
+  }
   absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(options);
   if (!layout.ok()) return layout.status();
   stored->layout = *layout;
   stored->backend = MakeCpuBackend(threads);
   const int32_t pages = static_cast<int32_t>((tokens + page_tokens - 1) / page_tokens);
-  absl::StatusOr<PagePool> pool = stored->backend->AllocatePool(**layout, pages);
+  stored->pool.num_pages = pages;
+  if (absl::Status status = StoreRecipeState(*stored, shape, contexts, tokens, seed); !status.ok()) return status;
+  const int32_t exact_pages = static_cast<int32_t>(
+      std::count_if(stored->exact_table.begin(), stored->exact_table.end(), [](int32_t p) { return p >= 0; }));
+  absl::StatusOr<PagePool> pool = stored->backend->AllocatePool(**layout, pages + exact_pages);
   if (!pool.ok()) return pool.status();
   stored->pool = *pool;
   stored->block_table.resize(pages);
@@ -108,20 +208,8 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
   std::vector<int32_t> slots;
   for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, tokens - t0);
-    // Keys with outlier channels per head, Gaussian values; [n, heads, d].
-    std::vector<float> keys(n * row), values = eval::GaussianVectors(n * shape.num_kv_heads, shape.head_dim,
-                                                                    DeriveSeed(seed, 1000 + t0));
-    for (int head = 0; head < shape.num_kv_heads; ++head) {
-      std::vector<float> head_keys = eval::OutlierKeys(n, shape.head_dim, DeriveSeed(seed, head), {});
-      // Distinct tokens per chunk: add chunk-seeded noise to the shared pattern.
-      Random rng(DeriveSeed(seed, 2000 + t0, head));
-      for (int64_t t = 0; t < n; ++t) {
-        for (int j = 0; j < shape.head_dim; ++j) {
-          keys[(t * shape.num_kv_heads + head) * shape.head_dim + j] =
-              head_keys[t * shape.head_dim + j] + 0.1f * static_cast<float>(rng.NextGaussian());
-        }
-      }
-    }
+    std::vector<float> keys, values;
+    SyntheticTokens(shape, t0, n, seed, &keys, &values);
     slots.resize(n);
     for (int64_t t = 0; t < n; ++t) slots[t] = static_cast<int32_t>(t0 + t);
     StoreParams params{stored->layout.get(), stored->pool, 0, 1, n, slots.data(), keys.data(), values.data()};
@@ -129,6 +217,22 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
     absl::Status status = stored->backend->Store(params);
     stored->store_seconds += Seconds() - start;
     if (!status.ok()) return status;
+    if (!stored->exact_table.empty()) {  // their fp16 copies, untimed
+      const int per_page = (*layout)->exact_page_tokens();
+      std::vector<int32_t> exact_slots;
+      std::vector<float> exact_keys, exact_values;
+      for (int64_t t = 0; t < n; ++t) {
+        const int32_t page = stored->exact_table[(t0 + t) / per_page];
+        if (page < 0) continue;
+        exact_slots.push_back(page * per_page + static_cast<int32_t>((t0 + t) % per_page));
+        exact_keys.insert(exact_keys.end(), keys.begin() + t * row, keys.begin() + (t + 1) * row);
+        exact_values.insert(exact_values.end(), values.begin() + t * row, values.begin() + (t + 1) * row);
+      }
+      if (exact_slots.empty()) continue;
+      StoreParams exact{(*layout)->exact_layout(), stored->pool, 0, 1, static_cast<int64_t>(exact_slots.size()),
+                        exact_slots.data(), exact_keys.data(), exact_values.data()};
+      if (absl::Status s = stored->backend->Store(exact); !s.ok()) return s;
+    }
   }
   return stored;
 }
@@ -144,6 +248,8 @@ double TimeAttend(StoredLayer& stored, int64_t context, int batch, double min_se
   for (int b = 0; b < batch; ++b) {
     items[b] = AttendItem{stored.block_table.data(), context, 0, 1, queries.data() + b * q_size,
                           outputs.data() + b * q_size, lse.data() + b * layout.num_query_heads()};
+    if (!stored.exact_table.empty()) items[b].exact_block_table = stored.exact_table.data();
+    if (!stored.key_mean.empty()) items[b].key_mean = stored.key_mean.data();
   }
   AttendParams params{&layout, stored.pool, items, 1.0f / std::sqrt(static_cast<float>(layout.head_dim()))};
   return MedianSeconds(min_seconds, [&] { (void)stored.backend->Attend(params); });
@@ -161,6 +267,10 @@ struct BenchCommon {
 
   void AddFlags(FlagSet& flags) {
     flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
+    flags.AddString("key-centering", &g_recipe.centering,
+                    "override the presets' key centering: none, post_rope or pre_rope (Llama-3 RoPE)");
+    flags.AddInt("sinks", &g_recipe.sinks, "override the exact sink tokens (-1: the preset's)");
+    flags.AddInt("window", &g_recipe.window, "override the exact window tokens (-1: the preset's)");
     flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
     flags.AddInt("page-tokens", &page_tokens, "tokens per page");
     flags.AddInt("seed", &seed, "synthetic data seed");
@@ -232,7 +342,7 @@ int RunBenchAttend(int argc, const char* const* argv) {
   }
   for (const Preset* preset : *presets) {
     auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
-                                      static_cast<int>(threads));
+                                      static_cast<int>(threads), contexts);
     if (!stored.ok()) return Fail(stored.status());
     for (size_t i = 0; i < contexts.size(); ++i) {
       const int64_t context = contexts[i];

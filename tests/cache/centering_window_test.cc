@@ -489,7 +489,7 @@ TEST(ExactWindowTest, AFailedAppendChangesNothing) {
 
 TEST(ExactWindowTest, LayoutRejectsBadSettings) {
   KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
-  o.exact_window_tokens = -1;
+  o.exact_window_tokens = -2;  // -1 means the preset's
   EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
   o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
   o.page_tokens = 1;  // a 1-token compressed page cannot hold an fp16 token
@@ -510,6 +510,42 @@ TEST(ExactWindowTest, LayoutRejectsBadSettings) {
   ASSERT_TRUE(layout.ok());
   EXPECT_EQ((*layout)->layer_preset(0).name, "turboquant_k3v4_nc");
   EXPECT_EQ((*layout)->layer_preset(1).name, "tqkv_k4v4");
+}
+
+}  // namespace
+}  // namespace tqkv
+
+namespace tqkv {
+namespace {
+
+TEST(RecipePresetTest, ARecipePresetSetsCenteringAndExactTokensUnlessTheOptionsDo) {
+  KvLayoutOptions o;
+  o.num_layers = 2;
+  o.num_kv_heads = 2;
+  o.num_query_heads = 4;
+  o.head_dim = 64;
+  o.boundary_layers = 0;
+  o.preset = "tqkv_k3v4u_csw";
+  o.rope.base = 10000.0;
+  auto layout = KvLayout::Create(o);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ((*layout)->key_centering(), KeyCentering::kPreRope);
+  EXPECT_EQ((*layout)->options().exact_sink_tokens, 4);
+  EXPECT_EQ((*layout)->options().exact_window_tokens, 64);
+  EXPECT_EQ((*layout)->layer_preset(0).key.Name(), "tq3_nc");
+  o.exact_window_tokens = 0;
+  o.key_centering = KeyCentering::kNone;
+  layout = KvLayout::Create(o);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ((*layout)->key_centering(), KeyCentering::kNone);
+  EXPECT_EQ((*layout)->options().exact_window_tokens, 0);
+  EXPECT_EQ((*layout)->options().exact_sink_tokens, 4);
+  // Without the model's RoPE the recipe centers after RoPE.
+  o = KvLayoutOptions();
+  o.preset = "tqkv_k3v4u_csw";
+  layout = KvLayout::Create(o);
+  ASSERT_TRUE(layout.ok());
+  EXPECT_EQ((*layout)->key_centering(), KeyCentering::kPostRope);
 }
 
 }  // namespace

@@ -80,6 +80,74 @@ TEST(ServerConfig, RejectsInvalidCaches) {
         absl::StatusCode::kInvalidArgument, "idle_ttl_seconds");
 }
 
+TEST(ServerConfig, ReadsCenteringExactTokensAndProtectedLayers) {
+  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(
+    caches {
+      name: "c" num_layers: 4 num_kv_heads: 1 num_query_heads: 2 head_dim: 64
+      preset: "turboquant_k3v4_nc" boundary_layers: 0
+      key_centering: "pre_rope"
+      rope { pair_layout: HALF_SPLIT base: 500000 scaling_type: "llama3" scaling_factor: 8
+             low_freq_factor: 1 high_freq_factor: 4 original_max_position: 8192 }
+      centering_tokens: 32 centering_pairs: 0 exact_sink_tokens: 2 exact_window_tokens: 0
+      protected_layers { layers: [0, 3] preset: "tqkv_k4v4" }
+      protected_layers { layers: 1 preset: "fp16" }
+    }
+    caches { name: "recipe" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64
+             preset: "tqkv_k3v4u_csw" exact_window_tokens: 16 }
+  )pb");
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 8 << 20);
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  const KvLayoutOptions& l = (*caches)[0].layout;
+  EXPECT_EQ(l.key_centering, KeyCentering::kPreRope);
+  EXPECT_EQ(l.rope.pair_layout, RopePairLayout::kHalfSplit);
+  EXPECT_EQ(l.rope.scaling, RopeScaling::kLlama3);
+  EXPECT_EQ(l.rope.base, 500000.0);
+  EXPECT_EQ(l.centering_tokens, 32);
+  EXPECT_EQ(l.centering_pairs, 0);
+  EXPECT_EQ(l.exact_sink_tokens, 2);
+  EXPECT_EQ(l.exact_window_tokens, 0);
+  EXPECT_EQ(l.layer_presets, (std::vector<std::string>{"tqkv_k4v4", "fp16", "", "tqkv_k4v4"}));
+  // Unset recipe fields stay unset: the preset fills them.
+  const KvLayoutOptions& r = (*caches)[1].layout;
+  EXPECT_FALSE(r.key_centering.has_value());
+  EXPECT_EQ(r.exact_sink_tokens, -1);
+  EXPECT_EQ(r.exact_window_tokens, 16);
+  // What GetServerInfo reports: the recipe in effect.
+  const v1::CacheConfig back = ToCacheConfig((*caches)[1]);
+  EXPECT_EQ(back.key_centering(), "pre_rope");
+  EXPECT_EQ(back.exact_sink_tokens(), 4);
+  EXPECT_EQ(back.exact_window_tokens(), 16);
+  const v1::CacheConfig first = ToCacheConfig((*caches)[0]);
+  ASSERT_EQ(first.protected_layers_size(), 2);
+  EXPECT_EQ(first.protected_layers(0).preset(), "tqkv_k4v4");
+  EXPECT_THAT(first.protected_layers(0).layers(), ::testing::ElementsAre(0, 3));
+  EXPECT_EQ(first.rope().scaling_type(), "llama3");
+}
+
+TEST(ServerConfig, RejectsBadCenteringSettingsWithTheirName) {
+  const auto check = [](const std::string& fields, const char* substring) {
+    absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
+        "caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 " + fields + " }");
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 1 << 30);
+    ASSERT_FALSE(caches.ok()) << fields;
+    EXPECT_EQ(caches.status().code(), absl::StatusCode::kInvalidArgument) << caches.status();
+    EXPECT_THAT(caches.status().message(), HasSubstr(substring)) << caches.status();
+  };
+  check("key_centering: \"before_rope\"", "key_centering");
+  check("key_centering: \"pre_rope\" rope { base: 0.5 }", "rope base");
+  check("key_centering: \"pre_rope\" rope { base: 10000 rotary_dims: 66 }", "rotary_dims");
+  check("rope { base: 10000 scaling_type: \"yarn\" }", "scaling_type");
+  check("exact_window_tokens: -3", "exact_window_tokens");
+  check("exact_sink_tokens: 5000", "exact_sink_tokens");
+  check("centering_pairs: 40", "centering_pairs");
+  check("protected_layers { layers: 2 preset: \"fp16\" }", "layer 2");
+  check("protected_layers { layers: 1 }", "no preset");
+  check("protected_layers { layers: 1 preset: \"fp16\" } protected_layers { layers: 1 preset: \"fp8\" }",
+        "twice");
+}
+
 }  // namespace
 }  // namespace service
 }  // namespace tqkv
