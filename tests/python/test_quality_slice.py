@@ -102,7 +102,10 @@ def test_served_fp16_attention_matches_numpy_fp16_to_float_rounding(model, token
         tq.drop()
     assert len(layer_errors) == 3
     assert max(layer_errors) <= quality_report.FP16_CHECK_REL
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-5
+    # Each layer adds its own float rounding (up to FP16_CHECK_REL; the AVX2
+    # and AVX-512 kernels round differently), and the residual stream carries
+    # it through the 3 layers.
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 3 * quality_report.FP16_CHECK_REL
     # 3-bit keys and values move the hidden states, but only a little.
     moved = np.linalg.norm(compressed - exact) / np.linalg.norm(exact)
     assert 1e-4 < moved < 0.5, moved
