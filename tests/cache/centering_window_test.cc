@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -277,6 +278,11 @@ struct RecipeCase {
   int sinks;
   int window;
 };
+
+void PrintTo(const RecipeCase& c, std::ostream* os) {
+  *os << c.preset << " centering " << static_cast<int>(c.centering) << " sinks " << c.sinks << " window "
+      << c.window;
+}
 
 class RecipeTest : public ::testing::TestWithParam<RecipeCase> {};
 
