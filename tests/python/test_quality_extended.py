@@ -314,3 +314,11 @@ def test_gemma3_layout_rope_and_greedy_continuation(gemma):
     assert tok.decode([int(np.argmax(m.logits(h[-1:])[0]))]) == " France"
     h16 = m.forward(ids, attention.fp16(m.windows()))
     assert np.abs(h16 - h).max() / np.abs(h).max() < 1e-2
+
+
+def test_chunked_teacher_forced_pass_equals_the_one_shot_pass(model, tokenizer):
+    m = sliced(model, 2)
+    tokens = tokenizer.encode("The pass key is 12345. Remember it. " * 6)[:50]
+    whole = m.forward(tokens, attention.fp16())
+    chunked = quality_report.forward_chunked(m, tokens, attention.fp16(), 16)
+    np.testing.assert_allclose(chunked, whole, atol=2e-5 * np.abs(whole).max())

@@ -466,7 +466,18 @@ def run_rows(server_binary, model, rows, tokens, log, run_one, check=None):
 # (c) perplexity
 
 
-def e2e_section(server_binary, model, texts, rows, log):
+def forward_chunked(model, tokens, backend, chunk):
+    """Hidden states of a teacher-forced pass; with chunk > 0 the tokens go in
+    chunks (one Append + Attend per layer each), as a server sees a decode:
+    an exact window then covers each chunk's recent tokens, where one
+    whole-text Append leaves only the text's last W tokens exact."""
+    if not chunk:
+        return model.forward(tokens, backend)
+    return np.concatenate([model.forward(tokens[s:s + chunk], backend, start=s)
+                           for s in range(0, len(tokens), chunk)])
+
+
+def e2e_section(server_binary, model, texts, rows, log, chunk=0):
     """texts: {name: [token windows]}. Fills each row with perplexities (pooled
     over every window of every text, and per text), per seed; bytes."""
     check = {"max_layer_rel": 0.0}
@@ -484,7 +495,7 @@ def e2e_section(server_binary, model, texts, rows, log):
         for text, windows in texts.items():
             for toks in windows:
                 backend, served = make()
-                nll = model.nll(model.forward(toks, backend), toks)
+                nll = model.nll(forward_chunked(model, toks, backend, chunk), toks)
                 if served is not None:
                     stored = served.held_bytes()
                     served.drop()
@@ -720,6 +731,10 @@ def main(argv=None, models=None):
                     % ", ".join("%s = %s" % kv for kv in TEXTS.items()))
     ap.add_argument("--text", help="one text file (the same as --texts FILE)")
     ap.add_argument("--windows", type=int, default=2, help="(c): windows per text")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="(c): feed each window in chunks of this many tokens (0: one Append "
+                    "per layer); exact-window recipes need it (a whole-text Append keeps only "
+                    "the text's last W tokens exact)")
     ap.add_argument("--presets", default=",".join(ALL_PRESETS))
     ap.add_argument("--vllm", default=",".join(vllm_scheme.PRESETS),
                     help="(c): vLLM presets to emulate in numpy ('' for none)")
@@ -819,7 +834,7 @@ def main(argv=None, models=None):
                                  [p for p in BOUNDARY_ROWS if p in served_presets],
                                  seeded if args.seeds else set(),
                                  [p for p in args.vllm.split(",") if p], recipe_names, worst)
-                check, slots = e2e_section(server, model, windows, rows, log)
+                check, slots = e2e_section(server, model, windows, rows, log, args.chunk)
                 entry["perplexity"] = strip_for_json(rows)
                 entry["preset_slot_bytes"] = slots
                 entry["fp16_check"] = dict(check, layer_tolerance=FP16_CHECK_REL,
