@@ -48,6 +48,34 @@ double MedianSeconds(double min_seconds, Body body) {
   return times[times.size() / 2];
 }
 
+// Times two bodies alternately (a, b, a, b, ...) so that both see the same
+// machine state; returns the median time of each and the median of the
+// per-pair ratios b / a.
+struct PairedTimes {
+  double a = 0.0, b = 0.0, ratio = 0.0;
+};
+template <typename A, typename B>
+PairedTimes MedianPaired(double min_seconds, A body_a, B body_b) {
+  body_a();
+  body_b();
+  std::vector<double> ta, tb, ratios;
+  const double start = Seconds();
+  while (ta.size() < 5 || (Seconds() - start < min_seconds && ta.size() < 10000)) {
+    double t0 = Seconds();
+    body_a();
+    ta.push_back(Seconds() - t0);
+    t0 = Seconds();
+    body_b();
+    tb.push_back(Seconds() - t0);
+    ratios.push_back(tb.back() / ta.back());
+  }
+  const auto median = [](std::vector<double>& v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  return {median(ta), median(tb), median(ratios)};
+}
+
 // Hot channels for split presets: from the synthetic keys' own statistics,
 // the way a deployment calibrates from a prefill.
 std::vector<std::vector<int>> CalibrateFromSample(const Preset& preset, const ModelShape& shape,
@@ -237,22 +265,38 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
   return stored;
 }
 
-// Seconds per Attend call over `context` tokens for `batch` items (all items
-// read the same stored sequence), one query token each.
-double TimeAttend(StoredLayer& stored, int64_t context, int batch, double min_seconds) {
+// The Attend params of `batch` items over `context` tokens of `stored`
+// (all items read the same stored sequence), one query token each.
+struct AttendCall {
+  std::vector<float> queries, outputs, lse;
+  std::vector<AttendItem> items;
+  AttendParams params;
+};
+
+std::unique_ptr<AttendCall> MakeAttendCall(StoredLayer& stored, int64_t context, int batch) {
   const KvLayout& layout = *stored.layout;
+  auto call = std::make_unique<AttendCall>();
   const size_t q_size = static_cast<size_t>(layout.num_query_heads()) * layout.head_dim();
-  std::vector<float> queries = eval::GaussianVectors(batch * layout.num_query_heads(), layout.head_dim(), 77);
-  std::vector<float> outputs(queries.size()), lse(static_cast<size_t>(batch) * layout.num_query_heads());
-  std::vector<AttendItem> items(batch);
+  call->queries = eval::GaussianVectors(batch * layout.num_query_heads(), layout.head_dim(), 77);
+  call->outputs.resize(call->queries.size());
+  call->lse.resize(static_cast<size_t>(batch) * layout.num_query_heads());
+  call->items.resize(batch);
   for (int b = 0; b < batch; ++b) {
-    items[b] = AttendItem{stored.block_table.data(), context, 0, 1, queries.data() + b * q_size,
-                          outputs.data() + b * q_size, lse.data() + b * layout.num_query_heads()};
-    if (!stored.exact_table.empty()) items[b].exact_block_table = stored.exact_table.data();
-    if (!stored.key_mean.empty()) items[b].key_mean = stored.key_mean.data();
+    AttendItem& item = call->items[b];
+    item = AttendItem{stored.block_table.data(), context, 0, 1, call->queries.data() + b * q_size,
+                      call->outputs.data() + b * q_size, call->lse.data() + b * layout.num_query_heads()};
+    if (!stored.exact_table.empty()) item.exact_block_table = stored.exact_table.data();
+    if (!stored.key_mean.empty()) item.key_mean = stored.key_mean.data();
   }
-  AttendParams params{&layout, stored.pool, items, 1.0f / std::sqrt(static_cast<float>(layout.head_dim()))};
-  return MedianSeconds(min_seconds, [&] { (void)stored.backend->Attend(params); });
+  call->params = AttendParams{&layout, stored.pool, call->items,
+                              1.0f / std::sqrt(static_cast<float>(layout.head_dim()))};
+  return call;
+}
+
+// Seconds per Attend call.
+double TimeAttend(StoredLayer& stored, int64_t context, int batch, double min_seconds) {
+  std::unique_ptr<AttendCall> call = MakeAttendCall(stored, context, batch);
+  return MedianSeconds(min_seconds, [&] { (void)stored.backend->Attend(call->params); });
 }
 
 // Flags every benchmark takes, and their resolved values.
@@ -307,6 +351,10 @@ int RunBenchAttend(int argc, const char* const* argv) {
   flags.AddInt("batch", &batch, "items per Attend call");
   flags.AddDouble("min-seconds", &min_seconds, "measuring time per figure");
   flags.AddInt("threads", &threads, "CPU backend threads (KV heads and items run in parallel)");
+  bool compare_plain = false;
+  flags.AddBool("compare-plain", &compare_plain,
+                "also time each preset without centering and exact tokens, alternating calls with the\n"
+                "recipe, and print the median ratio recipe / plain (vs_plain: the recipe's cost)");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   if (absl::Status status = common.Resolve(); !status.ok()) return Fail(status);
   if (threads < 1 || threads > 256) return Fail(absl::InvalidArgumentError("--threads must be in [1, 256]"));
@@ -337,21 +385,41 @@ int RunBenchAttend(int argc, const char* const* argv) {
     printf("layout %s, one layer (%d KV heads, %d query heads, d=%d), batch %lld, page %lld tokens, %s\n",
            std::string(shape->name).c_str(), shape->num_kv_heads, shape->num_query_heads, shape->head_dim,
            static_cast<long long>(batch), static_cast<long long>(page_tokens), device.c_str());
-    printf("%-20s %8s %7s %10s %10s %8s %10s %9s\n", "preset", "context", "bytes", "attend_ms", "bf16_ms",
-           "speedup", "Mtok/s", "GB/s");
+    printf("%-20s %8s %7s %10s %10s %8s %10s %9s%s\n", "preset", "context", "bytes", "attend_ms", "bf16_ms",
+           "speedup", "Mtok/s", "GB/s", compare_plain ? "   plain_ms vs_plain" : "");
   }
   for (const Preset* preset : *presets) {
     auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
                                       static_cast<int>(threads), contexts);
     if (!stored.ok()) return Fail(stored.status());
+    absl::StatusOr<std::unique_ptr<StoredLayer>> plain;
+    if (compare_plain) {
+      const RecipeOverrides given = g_recipe;
+      g_recipe = {"none", 0, 0};
+      plain = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
+                                  static_cast<int>(threads), contexts);
+      g_recipe = given;
+      if (!plain.ok()) return Fail(plain.status());
+    }
     for (size_t i = 0; i < contexts.size(); ++i) {
       const int64_t context = contexts[i];
-      const double seconds = TimeAttend(**stored, context, static_cast<int>(batch), min_seconds);
+      double seconds = 0.0;
+      PairedTimes paired;
+      if (compare_plain) {
+        std::unique_ptr<AttendCall> a = MakeAttendCall(**plain, context, static_cast<int>(batch));
+        std::unique_ptr<AttendCall> b = MakeAttendCall(**stored, context, static_cast<int>(batch));
+        paired = MedianPaired(
+            min_seconds, [&] { (void)(*plain)->backend->Attend(a->params); },
+            [&] { (void)(*stored)->backend->Attend(b->params); });
+        seconds = paired.b;
+      } else {
+        seconds = TimeAttend(**stored, context, static_cast<int>(batch), min_seconds);
+      }
       const double read_bytes = static_cast<double>((*stored)->layout->token_bytes(0)) * context * batch;
       const double speedup = baseline_seconds[i] / seconds;
       if (json) {
-        rows.Append(JsonValue::Object()
-                        .Set("preset", std::string(preset->name))
+        JsonValue row = JsonValue::Object();
+        row.Set("preset", std::string(preset->name))
                         .Set("context", context)
                         .Set("batch", batch)
                         .Set("bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim))
@@ -359,12 +427,16 @@ int RunBenchAttend(int argc, const char* const* argv) {
                         .Set("bf16_ms", baseline_seconds[i] * 1e3)
                         .Set("speedup_vs_bf16", speedup)
                         .Set("tokens_per_second", context * batch / seconds)
-                        .Set("cache_gb_per_second", read_bytes / seconds / 1e9));
+                        .Set("cache_gb_per_second", read_bytes / seconds / 1e9);
+        if (compare_plain) row.Set("plain_ms", paired.a * 1e3).Set("vs_plain", paired.ratio);
+        rows.Append(std::move(row));
       } else {
-        printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f\n", std::string(preset->name).c_str(),
+        printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f", std::string(preset->name).c_str(),
                static_cast<long long>(context), preset->BytesPerTokenHead(shape->head_dim), seconds * 1e3,
                baseline_seconds[i] * 1e3, speedup, context * batch / seconds / 1e6,
                read_bytes / seconds / 1e9);
+        if (compare_plain) printf(" %10.3f %8.3f", paired.a * 1e3, paired.ratio);
+        printf("\n");
         fflush(stdout);
       }
     }

@@ -255,10 +255,15 @@ void AttendHead(const HeadAttendParams& p) {
   };
 
   static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
-  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, p.token_begin);
-  int64_t page_index = p.token_begin / p.page_tokens;
-  int slot = static_cast<int>(p.token_begin % p.page_tokens);
-  for (int64_t t0 = p.token_begin; t0 < max_visible; t0 += kBlock) {
+  // Blocks start on a page boundary at or below token_begin (within a
+  // block): runs that start inside a page cost up to 12% at long context.
+  // The tokens before token_begin are masked and read as copies of the first
+  // one (an exact page may hold garbage there).
+  const int64_t first = p.token_begin - p.token_begin % std::min<int64_t>(p.page_tokens, kBlock);
+  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
+  int64_t page_index = first / p.page_tokens;
+  int slot = static_cast<int>(first % p.page_tokens);
+  for (int64_t t0 = first; t0 < max_visible; t0 += kBlock) {
     addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
     const int groups = (count + kGroup - 1) / kGroup;
@@ -281,6 +286,11 @@ void AttendHead(const HeadAttendParams& p) {
         slot = 0;
         ++page_index;
       }
+    }
+    for (int i = 0; i < p.token_begin - t0; ++i) {  // before token_begin: as padding
+      tokens.key_codes[i] = tokens.key_codes[p.token_begin - t0];
+      tokens.value_codes[i] = tokens.value_codes[p.token_begin - t0];
+      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
     }
     // Pad the last group with copies of a real token: the padding's scores
     // are masked and its weights are zero.
@@ -310,8 +320,11 @@ void AttendHead(const HeadAttendParams& p) {
           const float* k = lines + kGroup * kLanes * m;
           for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_fmadd_ps(qm, _mm256_load_ps(k + kLanes * i), acc[i]);
         }
-        const __m256 live = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index));
+        // Lanes before token_begin and from the row's visible end on are masked.
+        const int before = static_cast<int>(std::clamp<int64_t>(p.token_begin - group_start, 0, kGroup));
+        const __m256 live = _mm256_castsi256_ps(_mm256_and_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index),
+            _mm256_cmpgt_epi32(lane_index, _mm256_set1_epi32(before - 1))));
         __m256 score = _mm256_mul_ps(SumEach(acc), scale);
         if (addback.pairs() > 0) score = _mm256_add_ps(score, AddBack(p, addback, r, kGroup * g));
         _mm256_store_ps(w, _mm256_blendv_ps(neg_inf, score, live));

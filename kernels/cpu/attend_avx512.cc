@@ -303,10 +303,15 @@ void AttendHead(const HeadAttendParams& p) {
   };
 
   static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
-  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, p.token_begin);
-  int64_t page_index = p.token_begin / p.page_tokens;
-  int slot = static_cast<int>(p.token_begin % p.page_tokens);
-  for (int64_t t0 = p.token_begin; t0 < max_visible; t0 += kBlock) {
+  // Blocks start on a page boundary at or below token_begin (within a
+  // block): runs that start inside a page cost up to 12% at long context.
+  // The tokens before token_begin are masked and read as copies of the first
+  // one (an exact page may hold garbage there).
+  const int64_t first = p.token_begin - p.token_begin % std::min<int64_t>(p.page_tokens, kBlock);
+  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
+  int64_t page_index = first / p.page_tokens;
+  int slot = static_cast<int>(first % p.page_tokens);
+  for (int64_t t0 = first; t0 < max_visible; t0 += kBlock) {
     addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
     const int groups = (count + kGroup - 1) / kGroup;
@@ -329,6 +334,11 @@ void AttendHead(const HeadAttendParams& p) {
         slot = 0;
         ++page_index;
       }
+    }
+    for (int i = 0; i < p.token_begin - t0; ++i) {  // before token_begin: as padding
+      tokens.key_codes[i] = tokens.key_codes[p.token_begin - t0];
+      tokens.value_codes[i] = tokens.value_codes[p.token_begin - t0];
+      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
     }
     // Pad the last group with copies of a real token: the padding's scores
     // are masked and its weights are zero.
@@ -382,8 +392,9 @@ void AttendHead(const HeadAttendParams& p) {
           s0 = _mm512_add_ps(s0, AddBack(p, addback, r, kGroup * g));
           s1 = _mm512_add_ps(s1, AddBack(p, addback, r1, kGroup * g));
         }
-        _mm512_store_ps(w1, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen1), s1));
-        _mm512_store_ps(w0, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen0), s0));
+        const __mmask16 after_begin = static_cast<__mmask16>(~seen_lanes(p.token_begin - group_start));
+        _mm512_store_ps(w1, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen1) & after_begin, s1));
+        _mm512_store_ps(w0, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen0) & after_begin, s0));
       }
     }
 
