@@ -22,6 +22,11 @@ namespace {
 
 constexpr char kDefaultConfig[] = R"pb(
   # Llama-3.1-8B: 32 layers, GQA 32 query / 8 KV heads, head_dim 128.
+  # 3-bit TurboQuant keys and 4-bit uniform values (turboquant_k3v4_nc's
+  # codecs) with the *_csw recipe: keys centered before RoPE (Llama-3.1's
+  # RoPE, in the Hugging Face half-split pair layout vLLM and SGLang pass
+  # keys in), the first 4 and the last 64 tokens of every layer exact at fp16.
+  # No fp16 boundary layers: 4.19x the tokens of bf16 at 8k context.
   caches {
     name: "default"
     num_layers: 32
@@ -29,9 +34,17 @@ constexpr char kDefaultConfig[] = R"pb(
     num_query_heads: 32
     head_dim: 128
     page_tokens: 16
-    preset: "turboquant_k3v4_nc"
-    boundary_layers: 2
-    boundary_preset: "fp16"
+    preset: "tqkv_k3v4u_csw"
+    boundary_layers: 0
+    rope {
+      pair_layout: HALF_SPLIT
+      base: 500000
+      scaling_type: "llama3"
+      scaling_factor: 8
+      low_freq_factor: 1
+      high_freq_factor: 4
+      original_max_position: 8192
+    }
   }
 )pb";
 

@@ -22,10 +22,16 @@ TEST(ServerConfig, EmbeddedDefaultIsOneLlama8BCache) {
   EXPECT_EQ(c.layout.num_query_heads, 32);
   EXPECT_EQ(c.layout.head_dim, 128);
   EXPECT_EQ(c.layout.page_tokens, 16);
-  EXPECT_EQ(c.layout.preset, "turboquant_k3v4_nc");
-  EXPECT_EQ(c.layout.boundary_layers, 2);
-  EXPECT_EQ(c.layout.boundary_preset, "fp16");
+  EXPECT_EQ(c.layout.preset, "tqkv_k3v4u_csw");
+  EXPECT_EQ(c.layout.boundary_layers, 0);
   EXPECT_EQ(c.memory_budget_bytes, size_t{1} << 30);
+  // The recipe in effect: pre-RoPE centering with Llama-3.1's RoPE, 4 sinks, a 64-token window.
+  auto layout = KvLayout::Create(c.layout);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ((*layout)->key_centering(), KeyCentering::kPreRope);
+  EXPECT_EQ((*layout)->rope().num_pairs(), 64);
+  EXPECT_EQ((*layout)->options().exact_sink_tokens, 4);
+  EXPECT_EQ((*layout)->options().exact_window_tokens, 64);
 }
 
 TEST(ServerConfig, SplitsTheBudgetAmongCachesWithoutOne) {
