@@ -134,6 +134,7 @@ struct RecipeOverrides {
   std::string centering;
   int64_t sinks = -1;
   int64_t window = -1;
+  int64_t pairs = 8;
 };
 RecipeOverrides g_recipe;
 
@@ -149,6 +150,7 @@ absl::Status ApplyRecipeOverrides(KvLayoutOptions* options) {
   }
   if (g_recipe.sinks >= 0) options->exact_sink_tokens = static_cast<int>(g_recipe.sinks);
   if (g_recipe.window >= 0) options->exact_window_tokens = static_cast<int>(g_recipe.window);
+  options->centering_pairs = static_cast<int>(g_recipe.pairs);
   return absl::OkStatus();
 }
 
@@ -315,6 +317,7 @@ struct BenchCommon {
                     "override the presets' key centering: none, post_rope or pre_rope (Llama-3 RoPE)");
     flags.AddInt("sinks", &g_recipe.sinks, "override the exact sink tokens (-1: the preset's)");
     flags.AddInt("window", &g_recipe.window, "override the exact window tokens (-1: the preset's)");
+    flags.AddInt("centering-pairs", &g_recipe.pairs, "pre-RoPE frequency pairs of the mean kept (0: all)");
     flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
     flags.AddInt("page-tokens", &page_tokens, "tokens per page");
     flags.AddInt("seed", &seed, "synthetic data seed");
@@ -395,7 +398,7 @@ int RunBenchAttend(int argc, const char* const* argv) {
     absl::StatusOr<std::unique_ptr<StoredLayer>> plain;
     if (compare_plain) {
       const RecipeOverrides given = g_recipe;
-      g_recipe = {"none", 0, 0};
+      g_recipe = {"none", 0, 0, 8};
       plain = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
                                   static_cast<int>(threads), contexts);
       g_recipe = given;

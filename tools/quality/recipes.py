@@ -83,6 +83,13 @@ RECIPES = {
     "k3v4+pre64p16+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
                                  centering_pairs=16, exact_sink_tokens=4,
                                  exact_window_tokens=64),
+    # the same without exact tokens: what the kept pairs buy on their own
+    "k3v4+pre64p1": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=1),
+    "k3v4+pre64p2": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=2),
+    "k3v4+pre64p4": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=4),
+    "k3v4+pre64p8": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=8),
+    "k3v4+pre64p16": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=16),
+    "k3v4+pre64p0": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=0),
     # protected layers on top of the best combination
     "k3v4+pre64+s4+w64+first_last@k4v4": dict(
         preset=K3, key_centering="pre_rope", centering_tokens=64, exact_sink_tokens=4,
