@@ -17,6 +17,18 @@
 // The first append into a shared, partially filled last page copies it first
 // (copy-on-write); full pages are never written again, so they stay shared.
 //
+// Centering and exact tokens (kv_layout.h). With key centering, each
+// (sequence, layer, KV head) gets a mean m from the layer's first append
+// (tokens [S, S + centering_tokens) of it, S the sink count, or all of them
+// when it is shorter), fixed from then on and shared by forks; every key is
+// stored as k_t - R_t m and attention adds q . R_t m back. With exact tokens,
+// an append also writes the tokens that end up among the layer's first
+// exact_sink_tokens or last exact_window_tokens to exact pages (a second
+// block table, pages of the same pool); an exact page none of whose tokens
+// is a sink or inside the window of the shortest non-empty layer is
+// released. Exact pages share copy-on-write like the others, count for
+// eviction, and their bytes (fp16) and the means (fp32) are in stored_bytes.
+//
 // Capacity. The pool has a fixed number of pages (from a byte budget). When an
 // append needs more pages than are free it fails with RESOURCE_EXHAUSTED and
 // changes nothing, unless LRU eviction is on: then idle sequences (no call in
@@ -89,9 +101,9 @@ struct CacheStats {
   int64_t sequences = 0;
   // Tokens summed over sequences, counted in the layer with most tokens.
   int64_t tokens = 0;
-  // Compressed bytes of the (token, layer) entries the sequences hold
-  // (KvLayout::token_bytes), excluding page padding and unfilled slots, and
-  // the bf16 bytes of the same entries. Logical: a forked prefix counts once
+  // Bytes of what the sequences hold (KvLayout::layer_bytes: compressed
+  // tokens, exact copies, key means), excluding page padding and unfilled
+  // slots, and the bf16 bytes of the same (token, layer) entries. Logical: a forked prefix counts once
   // per sequence, like `tokens`.
   uint64_t stored_bytes = 0;
   uint64_t stored_bytes_bf16 = 0;
