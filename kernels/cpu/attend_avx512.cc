@@ -311,7 +311,9 @@ void AttendHead(const HeadAttendParams& p) {
   AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
   int64_t page_index = first / p.page_tokens;
   int slot = static_cast<int>(first % p.page_tokens);
-  for (int64_t t0 = first; t0 < max_visible; t0 += kBlock) {
+  // No row sees a token of the run: nothing to read (the padding below needs one).
+  const int64_t end = max_visible > p.token_begin ? max_visible : first;
+  for (int64_t t0 = first; t0 < end; t0 += kBlock) {
     addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
     const int groups = (count + kGroup - 1) / kGroup;
