@@ -41,7 +41,7 @@ struct Preset {
   std::string_view description;
   // True for presets kept to measure an idea (QJL), not to serve.
   bool evaluation_only = false;
-  PresetRecipe recipe;
+  PresetRecipe recipe = {};
 
   // Bytes one (token, KV head) takes for keys plus values at a head dim.
   int BytesPerTokenHead(int head_dim) const {
