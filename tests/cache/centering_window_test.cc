@@ -134,8 +134,8 @@ class Reference {
         for (int64_t t = 0; t < tokens; ++t) {
           Token token;
           const size_t row = ((static_cast<size_t>(l) * tokens + t) * kKvHeads + h) * d;
-          token.key.assign(data.keys.begin() + row, data.keys.begin() + row + d);
-          token.value.assign(data.values.begin() + row, data.values.begin() + row + d);
+          token.key = std::vector<float>(data.keys.begin() + row, data.keys.begin() + row + d);
+          token.value = std::vector<float>(data.values.begin() + row, data.values.begin() + row + d);
           tokens_[l * kKvHeads + h].push_back(token);
         }
       }
