@@ -243,9 +243,15 @@ namespace {
 
 // The effective recipe (the preset's where the config left fields unset).
 void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
-  absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(given);
-  if (!layout.ok()) return;  // configs are validated before they get here
-  const KvLayoutOptions& l = (*layout)->options();
+  // A running cache's options are resolved already (KvLayout::options());
+  // only a config's own options need the preset's recipe filled in.
+  std::shared_ptr<const KvLayout> layout;
+  if (!given.key_centering.has_value() || given.exact_sink_tokens < 0 || given.exact_window_tokens < 0) {
+    absl::StatusOr<std::shared_ptr<const KvLayout>> made = KvLayout::Create(given);
+    if (!made.ok()) return;  // configs are validated before they get here
+    layout = *made;
+  }
+  const KvLayoutOptions& l = layout ? layout->options() : given;
   const KeyCentering asked = l.key_centering.value_or(KeyCentering::kNone);
   c->set_key_centering(asked == KeyCentering::kPreRope    ? "pre_rope"
                        : asked == KeyCentering::kPostRope ? "post_rope"

@@ -390,7 +390,9 @@ void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
   for (KvCache* cache : order_) {
     const CacheStats stats = cache->Stats();
     v1::CacheInfo* c = info->add_caches();
-    *c->mutable_config() = ToCacheConfig(cache->options());
+    CacheOptions options = cache->options();
+    options.layout = cache->layout().options();  // resolved: no layout is rebuilt per call
+    *c->mutable_config() = ToCacheConfig(options);
     c->set_page_bytes(static_cast<int64_t>(cache->layout().page_bytes()));
     c->set_pages_total(stats.pages_total);
     c->set_pages_used(stats.pages_used);
