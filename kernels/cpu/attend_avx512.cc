@@ -303,11 +303,7 @@ void AttendHead(const HeadAttendParams& p) {
   };
 
   static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
-  // Blocks start on a page boundary at or below token_begin (within a
-  // block): runs that start inside a page cost up to 12% at long context.
-  // The tokens before token_begin are masked and read as copies of the first
-  // one (an exact page may hold garbage there).
-  const int64_t first = p.token_begin - p.token_begin % std::min<int64_t>(p.page_tokens, kBlock);
+  const int64_t first = RunBlockStart(p, kBlock);
   AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
   int64_t page_index = first / p.page_tokens;
   int slot = static_cast<int>(first % p.page_tokens);
