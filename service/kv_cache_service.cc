@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <deque>
 #include <numeric>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -46,6 +49,45 @@ absl::Status CheckOutputDType(v1::DType dtype) {
         static_cast<int>(dtype)));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckScale(float scale) {
+  if (!std::isfinite(scale) || scale < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "scale is %g; want a finite value >= 0 (0 means 1 / sqrt(head_dim))", scale));
+  }
+  return absl::OkStatus();
+}
+
+// sink_logits: absent (no dtype, shape or data) means none; otherwise f32 /
+// f16 / bf16 [query_heads], finite.
+absl::Status DecodeSinkLogits(const v1::Tensor& tensor, int heads, std::vector<float>* sinks) {
+  sinks->clear();
+  if (tensor.dtype() == v1::DTYPE_UNSPECIFIED && tensor.shape_size() == 0 &&
+      tensor.data().empty()) {
+    return absl::OkStatus();
+  }
+  const Axis axes[] = {{"query_heads", heads}};
+  return DecodeTensor(tensor, "sink_logits", axes, sinks);
+}
+
+// Each head's sink joins its softmax as one more logit with a zero value:
+// the output scales by e^lse / (e^lse + e^sink) and lse becomes
+// log(e^lse + e^sink). `lse` [tokens, heads] as the kernel returned it.
+void ApplySinkLogits(absl::Span<const float> sinks, int64_t tokens, int heads, int dim,
+                     float* output, float* lse) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      const double l = lse[t * heads + h];
+      const double sink = sinks[h];
+      const double m = std::max(l, sink);
+      const double total = m + std::log(std::exp(l - m) + std::exp(sink - m));
+      const float factor = static_cast<float>(std::exp(l - total));
+      float* row = output + (t * heads + h) * dim;
+      for (int d = 0; d < dim; ++d) row[d] *= factor;
+      lse[t * heads + h] = static_cast<float>(total);
+    }
+  }
 }
 
 void ToProto(const std::string& cache, const SequenceInfo& in, v1::SequenceInfo* out) {
@@ -101,6 +143,25 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
       }
       return;
     }
+    CallExecutor* executor = service_->executor();
+    if (executor == nullptr) {
+      StoreChunk();
+      return;
+    }
+    // No read is started until this chunk is stored: one chunk in flight.
+    const absl::Status queued =
+        executor->Submit(request_.ByteSizeLong(), [this] { StoreChunk(); });
+    if (!queued.ok()) {
+      Finish(ToGrpcStatus(
+          absl::Status(queued.code(), absl::StrCat("chunk ", chunks_, ": ", queued.message()))));
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Stores request_ as the next chunk, then reads the next one or finishes.
+  void StoreChunk() {
     if (chunks_ > 0 && (request_.cache() != cache_ || request_.sequence_id() != sequence_id_)) {
       Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrFormat(
           "chunk %d is for cache '%s' sequence '%s'; want the stream's cache '%s' sequence '%s'",
@@ -125,9 +186,6 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
     StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
-
- private:
   void Finish(grpc::Status status) {
     grpc::ServerReadReactor<v1::AppendRequest>::Finish(
         Record(service_->metrics(), Rpc::kAppendStream, start_, std::move(status)));
@@ -144,11 +202,147 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
   const Clock::time_point start_;
 };
 
+// DecodeStream: one AppendAttend per message, in order (see the proto).
+// States: a read is outstanding, or a step computes, or neither (waiting for
+// the writes to drain below kMaxQueuedResponses); writes go out one at a
+// time from `responses_`. Start* are called without mu_ held, after the
+// state that licenses them was claimed under it.
+class DecodeStreamReactor
+    : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
+ public:
+  static constexpr size_t kMaxQueuedResponses = 4;
+
+  DecodeStreamReactor(KvCacheService* service, const absl::Status& auth) : service_(service) {
+    if (!auth.ok()) {
+      finished_ = true;
+      Finish(ToGrpcStatus(auth));
+      return;
+    }
+    reading_ = true;
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {
+        read_closed_ = true;
+      } else {
+        computing_ = true;
+      }
+    }
+    if (!ok) {
+      Advance();
+      return;
+    }
+    const Clock::time_point start = Clock::now();
+    CallExecutor* executor = service_->executor();
+    if (executor == nullptr) {
+      Compute(start);
+      return;
+    }
+    const absl::Status queued =
+        executor->Submit(request_.ByteSizeLong(), [this, start] { Compute(start); });
+    if (!queued.ok()) {
+      v1::DecodeStreamResponse response;
+      response.set_request_id(request_.request_id());
+      response.set_code(static_cast<int>(queued.code()));
+      response.set_message(std::string(queued.message()));
+      Deliver(std::move(response), start);
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      responses_.pop_front();
+      if (!ok) broken_ = true;  // the client is gone
+    }
+    Advance();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Compute(Clock::time_point start) {
+    v1::DecodeStreamResponse response;
+    response.set_request_id(request_.request_id());
+    const absl::Status status = service_->DoAppendAttend(request_.step(), response.mutable_step());
+    if (!status.ok()) {
+      response.clear_step();
+      response.set_code(static_cast<int>(status.code()));
+      response.set_message(std::string(status.message()));
+    }
+    Deliver(std::move(response), start);
+  }
+
+  void Deliver(v1::DecodeStreamResponse response, Clock::time_point start) {
+    if (Metrics* metrics = service_->metrics()) {
+      metrics->ObserveRpc(Rpc::kDecodeStreamStep, static_cast<grpc::StatusCode>(response.code()),
+                          std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      computing_ = false;
+      responses_.push_back(std::move(response));
+    }
+    Advance();
+  }
+
+  // Starts whatever the state allows: the next write, the next read, or the
+  // end of the call.
+  void Advance() {
+    const v1::DecodeStreamResponse* write = nullptr;
+    bool read = false;
+    bool finish = false;
+    bool cancelled = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      if (broken_ && !writing_) responses_.clear();  // nobody will read them
+      if (!writing_ && !broken_ && !responses_.empty()) {
+        writing_ = true;
+        write = &responses_.front();  // deque: stays put while others are pushed
+      }
+      if (!reading_ && !computing_ && !read_closed_ && !broken_ &&
+          responses_.size() < kMaxQueuedResponses) {
+        reading_ = true;
+        read = true;
+      }
+      if (!reading_ && !computing_ && !writing_ &&
+          (broken_ || (read_closed_ && responses_.empty()))) {
+        finished_ = true;
+        finish = true;
+        cancelled = broken_;
+      }
+    }
+    if (write != nullptr) StartWrite(write);
+    if (read) StartRead(&request_);
+    if (finish) {
+      Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
+                     : grpc::Status::OK);
+    }
+  }
+
+  KvCacheService* const service_;
+  v1::DecodeStreamRequest request_;  // the read buffer; the step computing reads it
+  absl::Mutex mu_;
+  std::deque<v1::DecodeStreamResponse> responses_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool computing_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 }  // namespace
 
 KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
-                               Metrics* metrics, Authenticator auth)
-    : backend_(backend), metrics_(metrics), auth_(std::move(auth)) {
+                               Metrics* metrics, Authenticator auth, CallExecutor* executor)
+    : backend_(backend), metrics_(metrics), auth_(std::move(auth)), executor_(executor) {
   for (auto& cache : caches) {
     order_.push_back(cache.get());
     const std::string name = cache->options().name;
@@ -185,6 +379,26 @@ absl::Status KvCacheService::FillSequenceInfo(KvCache& cache, const std::string&
   ASSIGN_OR_RETURN(SequenceInfo seq, cache.GetSequence(id));
   ToProto(cache.options().name, seq, info);
   return absl::OkStatus();
+}
+
+template <typename Work>
+grpc::ServerUnaryReactor* KvCacheService::RunUnary(grpc::CallbackServerContext* context, Rpc rpc,
+                                                   size_t request_bytes, Work work) {
+  const Clock::time_point start = Clock::now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = auth_.Check(*context);
+  if (!status.ok() || executor_ == nullptr) {
+    if (status.ok()) status = work();
+    reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(status)));
+    return reactor;
+  }
+  Metrics* metrics = metrics_;
+  status = executor_->Submit(request_bytes, [reactor, metrics, rpc, start, work]() {
+    const absl::Status done = work();
+    reactor->Finish(Record(metrics, rpc, start, ToGrpcStatus(done)));
+  });
+  if (!status.ok()) reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(status)));
+  return reactor;
 }
 
 absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
@@ -307,6 +521,9 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
   const KvLayout& layout = cache->layout();
   const int heads = layout.num_query_heads();
   const int dim = layout.head_dim();
+  std::vector<float> sinks;
+  RETURN_IF_ERROR(DecodeSinkLogits(request.sink_logits(), heads, &sinks));
+  const bool want_lse = request.return_lse() || !sinks.empty();
   const int num_items = request.items_size();
   std::vector<std::vector<float>> queries(num_items), outputs(num_items), lses(num_items);
   std::vector<int64_t> query_tokens(num_items);
@@ -334,7 +551,7 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
     item.num_query_tokens = static_cast<int>(shape[0]);
     item.queries = queries[i].data();
     item.output = outputs[i].data();
-    if (request.return_lse()) {
+    if (want_lse) {
       lses[i].resize(static_cast<size_t>(shape[0] * heads));
       item.lse = lses[i].data();
     }
@@ -342,6 +559,9 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
   RETURN_IF_ERROR(cache->Attend(items, request.scale()));
 
   for (int i = 0; i < num_items; ++i) {
+    if (!sinks.empty()) {
+      ApplySinkLogits(sinks, query_tokens[i], heads, dim, outputs[i].data(), lses[i].data());
+    }
     v1::AttendResult* result = response->add_results();
     RETURN_IF_ERROR(EncodeTensor(outputs[i], {query_tokens[i], heads, dim},
                                  request.output_dtype(), result->mutable_output()));
@@ -350,6 +570,149 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
           EncodeTensor(lses[i], {query_tokens[i], heads}, v1::DTYPE_F32, result->mutable_lse()));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& request,
+                                            v1::AppendAttendResponse* response) {
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
+  const KvLayout& layout = cache->layout();
+  const int layer = request.layer();
+  RETURN_IF_ERROR(CheckLayer(layer, layout, "layer"));
+  RETURN_IF_ERROR(CheckOutputDType(request.output_dtype()));
+  RETURN_IF_ERROR(CheckScale(request.scale()));
+  const int heads = layout.num_query_heads();
+  const int kv_heads = layout.num_kv_heads();
+  const int dim = layout.head_dim();
+  std::vector<float> sinks;
+  RETURN_IF_ERROR(DecodeSinkLogits(request.sink_logits(), heads, &sinks));
+  const bool want_lse = request.return_lse() || !sinks.empty();
+
+  // Everything a malformed request can get wrong is checked here, before any
+  // item is stored.
+  struct Item {
+    std::vector<float> keys, values, queries, output, lse;
+    int64_t tokens = 0;
+    absl::Status status;
+    bool already_stored = false;
+  };
+  const int num_items = request.items_size();
+  std::vector<Item> items(num_items);
+  absl::flat_hash_map<std::string_view, int> first_item;
+  for (int i = 0; i < num_items; ++i) {
+    const v1::AppendAttendItem& in = request.items(i);
+    const auto at = [i](const absl::Status& s) {
+      return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
+    };
+    if (absl::Status s = CheckId(in.sequence_id(), "sequence_id"); !s.ok()) return at(s);
+    if (auto [it, inserted] = first_item.emplace(in.sequence_id(), i); !inserted) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "item %d: sequence '%s' is also item %d; want at most one item per sequence (send "
+          "a sequence's tokens in one item)",
+          i, in.sequence_id(), it->second));
+    }
+    if (in.start_position() < 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "item %d: start_position is %d; want the sequence's current length in layer %d (>= 0)",
+          i, in.start_position(), layer));
+    }
+    Item& item = items[i];
+    const std::string prefix = absl::StrCat("item ", i, " ");
+    const Axis key_axes[] = {
+        {"tokens", Axis::kAnySize}, {"kv_heads", kv_heads}, {"head_dim", dim}};
+    std::vector<int64_t> shape;
+    RETURN_IF_ERROR(DecodeTensor(in.keys(), prefix + "keys", key_axes, &item.keys, &shape));
+    item.tokens = shape[0];
+    const Axis value_axes[] = {{"tokens", item.tokens}, {"kv_heads", kv_heads}, {"head_dim", dim}};
+    RETURN_IF_ERROR(DecodeTensor(in.values(), prefix + "values", value_axes, &item.values));
+    const Axis query_axes[] = {{"tokens", item.tokens}, {"query_heads", heads}, {"head_dim", dim}};
+    RETURN_IF_ERROR(DecodeTensor(in.queries(), prefix + "queries", query_axes, &item.queries));
+  }
+
+  // Appends, each all-or-nothing on its own.
+  for (int i = 0; i < num_items; ++i) {
+    const v1::AppendAttendItem& in = request.items(i);
+    Item& item = items[i];
+    AppendRequest append;
+    append.sequence_id = in.sequence_id();
+    append.start_position = in.start_position();
+    append.layer_begin = layer;
+    append.layer_end = layer + 1;
+    append.num_tokens = item.tokens;
+    append.keys = item.keys.data();
+    append.values = item.values.data();
+    append.create_if_missing = !in.do_not_create();
+    item.status = cache->Append(append);
+    if (absl::IsFailedPrecondition(item.status)) {
+      // A retry of an append that landed: the layer ends exactly where this
+      // one would have.
+      absl::StatusOr<SequenceInfo> seq = cache->GetSequence(in.sequence_id());
+      if (seq.ok() && seq->layer_tokens[layer] == in.start_position() + item.tokens) {
+        item.status = absl::OkStatus();
+        item.already_stored = true;
+      }
+    }
+  }
+
+  // One attention batch over the items stored.
+  std::vector<AttendRequestItem> attend;
+  std::vector<int> attend_index;
+  for (int i = 0; i < num_items; ++i) {
+    Item& item = items[i];
+    if (!item.status.ok()) continue;
+    item.output.resize(item.queries.size());
+    AttendRequestItem a;
+    a.sequence_id = request.items(i).sequence_id();
+    a.layer = layer;
+    a.num_query_tokens = static_cast<int>(item.tokens);
+    a.queries = item.queries.data();
+    a.output = item.output.data();
+    if (want_lse) {
+      item.lse.resize(static_cast<size_t>(item.tokens * heads));
+      a.lse = item.lse.data();
+    }
+    attend.push_back(std::move(a));
+    attend_index.push_back(i);
+  }
+  if (absl::Status s = cache->Attend(attend, request.scale()); !s.ok()) {
+    // An item's sequence went away after its append (a concurrent drop or
+    // eviction): attend item by item to give each its own status. A stored
+    // item that fails here is reported with its error; resending it attends
+    // without storing again.
+    for (size_t j = 0; j < attend.size(); ++j) {
+      items[attend_index[j]].status =
+          cache->Attend(absl::MakeConstSpan(&attend[j], 1), request.scale());
+    }
+  }
+
+  int64_t stored = 0;
+  int64_t stored_bf16 = 0;
+  for (int i = 0; i < num_items; ++i) {
+    Item& item = items[i];
+    v1::AppendAttendItemResult* result = response->add_results();
+    if (!item.status.ok()) {
+      result->set_code(static_cast<int>(item.status.code()));
+      result->set_message(std::string(item.status.message()));
+      continue;
+    }
+    if (!sinks.empty()) {
+      ApplySinkLogits(sinks, item.tokens, heads, dim, item.output.data(), item.lse.data());
+    }
+    RETURN_IF_ERROR(EncodeTensor(item.output, {item.tokens, heads, dim}, request.output_dtype(),
+                                 result->mutable_output()));
+    if (request.return_lse()) {
+      RETURN_IF_ERROR(
+          EncodeTensor(item.lse, {item.tokens, heads}, v1::DTYPE_F32, result->mutable_lse()));
+    }
+    result->set_layer_tokens(request.items(i).start_position() + item.tokens);
+    result->set_already_stored(item.already_stored);
+    if (!item.already_stored) {
+      stored += static_cast<int64_t>(layout.token_bytes(layer)) * item.tokens;
+      stored_bf16 += static_cast<int64_t>(layout.token_bytes_bf16()) * item.tokens;
+    }
+  }
+  response->set_stored_bytes(stored);
+  response->set_stored_bytes_bf16(stored_bf16);
   return absl::OkStatus();
 }
 
@@ -416,6 +779,16 @@ void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
       r->set_seconds(t.seconds);
     }
   }
+  if (executor_ != nullptr) {
+    const CallExecutor::Stats e = executor_->GetStats();
+    v1::ExecutorInfo* x = info->mutable_executor();
+    x->set_threads(e.threads);
+    x->set_max_pending_calls(e.max_pending);
+    x->set_max_pending_bytes(static_cast<int64_t>(e.max_pending_bytes));
+    x->set_running(e.running);
+    x->set_queued(e.queued);
+    x->set_rejected(static_cast<int64_t>(e.rejected));
+  }
   for (const Preset& preset : AllPresets()) {
     v1::PresetInfo* p = info->add_presets();
     p->set_name(std::string(preset.name));
@@ -431,10 +804,8 @@ void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
 grpc::ServerUnaryReactor* KvCacheService::Append(grpc::CallbackServerContext* context,
                                                  const v1::AppendRequest* request,
                                                  v1::AppendResponse* response) {
-  const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
-  if (status.ok()) status = DoAppend(*request, response);
-  return FinishUnary(context, metrics_, Rpc::kAppend, start, status);
+  return RunUnary(context, Rpc::kAppend, request->ByteSizeLong(),
+                  [this, request, response] { return DoAppend(*request, response); });
 }
 
 grpc::ServerReadReactor<v1::AppendRequest>* KvCacheService::AppendStream(
@@ -445,55 +816,55 @@ grpc::ServerReadReactor<v1::AppendRequest>* KvCacheService::AppendStream(
 grpc::ServerUnaryReactor* KvCacheService::ScoreQuery(grpc::CallbackServerContext* context,
                                                      const v1::ScoreQueryRequest* request,
                                                      v1::ScoreQueryResponse* response) {
-  const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
-  if (status.ok()) status = DoScoreQuery(*request, response);
-  return FinishUnary(context, metrics_, Rpc::kScoreQuery, start, status);
+  return RunUnary(context, Rpc::kScoreQuery, request->ByteSizeLong(),
+                  [this, request, response] { return DoScoreQuery(*request, response); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::Attend(grpc::CallbackServerContext* context,
                                                  const v1::AttendRequest* request,
                                                  v1::AttendResponse* response) {
-  const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
-  if (status.ok()) status = DoAttend(*request, response);
-  return FinishUnary(context, metrics_, Rpc::kAttend, start, status);
+  return RunUnary(context, Rpc::kAttend, request->ByteSizeLong(),
+                  [this, request, response] { return DoAttend(*request, response); });
+}
+
+grpc::ServerUnaryReactor* KvCacheService::AppendAttend(grpc::CallbackServerContext* context,
+                                                       const v1::AppendAttendRequest* request,
+                                                       v1::AppendAttendResponse* response) {
+  return RunUnary(context, Rpc::kAppendAttend, request->ByteSizeLong(),
+                  [this, request, response] { return DoAppendAttend(*request, response); });
+}
+
+grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>*
+KvCacheService::DecodeStream(grpc::CallbackServerContext* context) {
+  return new DecodeStreamReactor(this, auth_.Check(*context));
 }
 
 grpc::ServerUnaryReactor* KvCacheService::CreateSequence(
     grpc::CallbackServerContext* context, const v1::CreateSequenceRequest* request,
     v1::SequenceInfo* response) {
-  const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
-  if (status.ok()) status = DoCreateSequence(*request, response);
-  return FinishUnary(context, metrics_, Rpc::kCreateSequence, start, status);
+  return RunUnary(context, Rpc::kCreateSequence, request->ByteSizeLong(),
+                  [this, request, response] { return DoCreateSequence(*request, response); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerContext* context,
                                                        const v1::ForkSequenceRequest* request,
                                                        v1::SequenceInfo* response) {
-  const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
-  if (status.ok()) status = DoForkSequence(*request, response);
-  return FinishUnary(context, metrics_, Rpc::kForkSequence, start, status);
+  return RunUnary(context, Rpc::kForkSequence, request->ByteSizeLong(),
+                  [this, request, response] { return DoForkSequence(*request, response); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::DropSequence(grpc::CallbackServerContext* context,
                                                        const v1::DropSequenceRequest* request,
                                                        v1::DropSequenceResponse* response) {
-  const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
-  if (status.ok()) status = DoDropSequence(*request);
-  return FinishUnary(context, metrics_, Rpc::kDropSequence, start, status);
+  return RunUnary(context, Rpc::kDropSequence, request->ByteSizeLong(),
+                  [this, request] { return DoDropSequence(*request); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* context,
                                                       const v1::GetSequenceRequest* request,
                                                       v1::SequenceInfo* response) {
-  const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
-  if (status.ok()) status = DoGetSequence(*request, response);
-  return FinishUnary(context, metrics_, Rpc::kGetSequence, start, status);
+  return RunUnary(context, Rpc::kGetSequence, request->ByteSizeLong(),
+                  [this, request, response] { return DoGetSequence(*request, response); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::GetServerInfo(grpc::CallbackServerContext* context,

@@ -7,10 +7,18 @@
 // canonical code and changes nothing. An empty cache name means "default";
 // an unknown one is NOT_FOUND.
 //
-// Handlers run the cache's methods inline on the gRPC callback thread. Those
-// never hold the cache lock while a kernel runs (see cache/kv_cache.h), so no
-// handler waits on another call's kernel except appends to the same sequence,
-// which the cache serializes by design.
+// Handlers never block gRPC's callback threads: each checks auth, submits the
+// call's work (validation, cache calls, kernels, encoding the response) to
+// the CallExecutor (service/executor.h) and returns; the work finishes the
+// reactor. A full executor answers RESOURCE_EXHAUSTED at once. Without an
+// executor (tests) the work runs inline. GetServerInfo, which takes no
+// sequence lock and runs no kernel, always runs inline.
+//
+// AppendAttend and DecodeStream: one layer of a decode step per call or per
+// stream message (the proto documents ordering, flow control and errors).
+// The cache sees an Append of each item's tokens to that one layer, then one
+// Attend for every item stored; learned sink logits are applied here, to
+// the kernel's output and log-sum-exp.
 //
 // Thread safety: all methods are thread-safe. The caches and the backend must
 // outlive the service; the service must outlive the grpc::Server it is
@@ -28,6 +36,7 @@
 #include "cache/kv_cache.h"
 #include "kernels/backend.h"
 #include "service/auth.h"
+#include "service/executor.h"
 #include "service/metrics.h"
 #include "tqkv/v1/kvcache.grpc.pb.h"
 
@@ -44,12 +53,15 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   // created on and outlives the service; so does `metrics` (null: none).
   // `auth` (no tokens: open) is checked first in every handler: a call
   // without a valid bearer token is UNAUTHENTICATED and its request unread.
+  // `executor` (null: run inline) must outlive the service.
   KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
-                 Metrics* metrics = nullptr, Authenticator auth = Authenticator());
+                 Metrics* metrics = nullptr, Authenticator auth = Authenticator(),
+                 CallExecutor* executor = nullptr);
 
   // The caches, in config order.
   const std::vector<KvCache*>& caches() const { return order_; }
   Metrics* metrics() const { return metrics_; }
+  CallExecutor* executor() const { return executor_; }
   ~KvCacheService() override;
 
   // The cache named `name` ("" means "default"); NOT_FOUND listing the names.
@@ -65,6 +77,9 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   absl::Status DoScoreQuery(const v1::ScoreQueryRequest& request,
                             v1::ScoreQueryResponse* response);
   absl::Status DoAttend(const v1::AttendRequest& request, v1::AttendResponse* response);
+  // Call-level errors as the return value; per-item ones in the results.
+  absl::Status DoAppendAttend(const v1::AppendAttendRequest& request,
+                              v1::AppendAttendResponse* response);
   absl::Status DoCreateSequence(const v1::CreateSequenceRequest& request, v1::SequenceInfo* info);
   absl::Status DoForkSequence(const v1::ForkSequenceRequest& request, v1::SequenceInfo* info);
   absl::Status DoDropSequence(const v1::DropSequenceRequest& request);
@@ -83,6 +98,11 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
                                    v1::AttendResponse* response) override;
+  grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* context,
+                                         const v1::AppendAttendRequest* request,
+                                         v1::AppendAttendResponse* response) override;
+  grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>* DecodeStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
                                            const v1::CreateSequenceRequest* request,
                                            v1::SequenceInfo* response) override;
@@ -101,6 +121,12 @@ class KvCacheService final : public v1::KvCache::CallbackService {
 
  private:
   absl::Status FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info);
+  // Checks auth, then runs `work` (returning absl::Status) on the executor
+  // and finishes the call with its status; `request_bytes` is charged to the
+  // executor's byte bound.
+  template <typename Work>
+  grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context, Rpc rpc,
+                                     size_t request_bytes, Work work);
 
   // Immutable after construction: read without a lock.
   std::map<std::string, std::unique_ptr<KvCache>> caches_;
@@ -108,6 +134,7 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   Backend* backend_;
   Metrics* metrics_;
   const Authenticator auth_;
+  CallExecutor* executor_;
 };
 
 }  // namespace service

@@ -12,7 +12,8 @@ namespace {
 
 constexpr const char* kRpcNames[kNumRpcs] = {
     "Append",         "AppendStream", "ScoreQuery",  "Attend",       "CreateSequence",
-    "ForkSequence",   "DropSequence", "GetSequence", "GetServerInfo"};
+    "ForkSequence",   "DropSequence", "GetSequence", "GetServerInfo", "AppendAttend",
+    "DecodeStreamStep"};
 constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page"};
 constexpr const char* kCodeNames[17] = {
     "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
@@ -222,6 +223,63 @@ std::vector<Metrics::Total> Metrics::RpcTotals() const { return Totals(rpc_durat
 
 std::shared_ptr<prometheus::Collectable> MakeCacheCollector(std::vector<KvCache*> caches) {
   return std::make_shared<CacheCollector>(std::move(caches));
+}
+
+namespace {
+
+class ExecutorCollector : public prometheus::Collectable {
+ public:
+  explicit ExecutorCollector(const CallExecutor* executor) : executor_(executor) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    const CallExecutor::Stats s = executor_->GetStats();
+    struct Def {
+      const char* name;
+      const char* help;
+      MetricType type;
+      double value;
+    };
+    const Def defs[] = {
+        {"tqkv_executor_running", "Calls running on the executor's threads.", MetricType::Gauge,
+         static_cast<double>(s.running)},
+        {"tqkv_executor_queued", "Calls waiting for an executor thread.", MetricType::Gauge,
+         static_cast<double>(s.queued)},
+        {"tqkv_executor_pending_bytes", "Request bytes of the running and queued calls.",
+         MetricType::Gauge, static_cast<double>(s.pending_bytes)},
+        {"tqkv_executor_max_pending", "Bound on running + queued calls (--max_pending_calls).",
+         MetricType::Gauge, static_cast<double>(s.max_pending)},
+        {"tqkv_executor_rejected_total", "Calls refused with RESOURCE_EXHAUSTED: executor full.",
+         MetricType::Counter, static_cast<double>(s.rejected)},
+        {"tqkv_executor_completed_total", "Calls the executor ran.", MetricType::Counter,
+         static_cast<double>(s.completed)},
+    };
+    std::vector<prometheus::MetricFamily> families;
+    for (const Def& d : defs) {
+      prometheus::MetricFamily f;
+      f.name = d.name;
+      f.help = d.help;
+      f.type = d.type;
+      prometheus::ClientMetric m;
+      if (d.type == MetricType::Counter) {
+        m.counter.value = d.value;
+      } else {
+        m.gauge.value = d.value;
+      }
+      f.metric.push_back(std::move(m));
+      families.push_back(std::move(f));
+    }
+    return families;
+  }
+
+ private:
+  const CallExecutor* executor_;
+};
+
+}  // namespace
+
+std::shared_ptr<prometheus::Collectable> MakeExecutorCollector(const CallExecutor* executor) {
+  return std::make_shared<ExecutorCollector>(executor);
 }
 
 std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics) {

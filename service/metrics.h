@@ -16,6 +16,11 @@
 //   tqkv_cache_sequences{cache}, tqkv_cache_tokens{cache}
 //   tqkv_cache_evictions_total{cache}           LRU + TTL drops
 //   tqkv_cache_copy_on_writes_total{cache}      pages copied on write
+//   tqkv_executor_running, tqkv_executor_queued  calls on the executor now
+//   tqkv_executor_pending_bytes                  their request bytes
+//   tqkv_executor_max_pending                    the bound on running + queued
+//   tqkv_executor_rejected_total                 calls refused, queue full
+//   tqkv_executor_completed_total                calls run
 // The tqkv_cache_* families are read from KvCache::Stats() at scrape time, so
 // they cost nothing between scrapes.
 //
@@ -40,6 +45,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cache/kv_cache.h"
 #include "kernels/backend.h"
+#include "service/executor.h"
 
 namespace tqkv {
 namespace service {
@@ -54,8 +60,12 @@ enum class Rpc {
   kDropSequence,
   kGetSequence,
   kGetServerInfo,
+  kAppendAttend,
+  // One DecodeStream message (request read to response queued), not the
+  // stream: a stream lives for many steps.
+  kDecodeStreamStep,
 };
-inline constexpr int kNumRpcs = 9;
+inline constexpr int kNumRpcs = 11;
 
 enum class Kernel { kStore, kScore, kAttend, kCopyPage };
 inline constexpr int kNumKernels = 4;
@@ -100,6 +110,10 @@ class Metrics {
 // The tqkv_cache_* families, read from each cache's Stats() when collected.
 // REQUIRES: the caches outlive the collector's last Collect().
 std::shared_ptr<prometheus::Collectable> MakeCacheCollector(std::vector<KvCache*> caches);
+
+// The tqkv_executor_* families, read from the executor's stats when
+// collected. REQUIRES: `executor` outlives the collector's last Collect().
+std::shared_ptr<prometheus::Collectable> MakeExecutorCollector(const CallExecutor* executor);
 
 // A Backend that forwards to `inner` and records each kernel's wall time in
 // `metrics` (which must outlive it).

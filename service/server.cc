@@ -31,6 +31,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         absl::StrCat("metrics_port ", options.metrics_port, " is not in [-1, 65535]"));
   }
+  if (options.executor.threads < 0 || options.executor.threads > 4096 ||
+      options.executor.max_pending < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "executor threads ", options.executor.threads, " and max_pending_calls ",
+        options.executor.max_pending, "; want threads in [0, 4096] (0: 2 x cores) and "
+        "max_pending_calls >= 1"));
+  }
   if (options.tls_cert_chain_pem.empty() != options.tls_private_key_pem.empty()) {
     return absl::InvalidArgumentError(
         "TLS needs both a certificate chain and a private key, or neither");
@@ -54,10 +61,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     }
     caches.push_back(*std::move(cache));
   }
-  server->service_ = std::make_unique<KvCacheService>(std::move(caches), server->backend_.get(),
-                                                      server->metrics_.get(),
-                                                      Authenticator(options.auth_tokens));
+  server->executor_ = std::make_unique<CallExecutor>(options.executor);
+  server->service_ = std::make_unique<KvCacheService>(
+      std::move(caches), server->backend_.get(), server->metrics_.get(),
+      Authenticator(options.auth_tokens), server->executor_.get());
   server->cache_collector_ = MakeCacheCollector(server->service_->caches());
+  server->executor_collector_ = MakeExecutorCollector(server->executor_.get());
 
   // Process-wide switches; both must be set before the builder is created.
   static std::once_flag process_setup;
@@ -95,6 +104,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     }
     server->exposer_->RegisterCollectable(server->metrics_->registry());
     server->exposer_->RegisterCollectable(server->cache_collector_);
+    server->exposer_->RegisterCollectable(server->executor_collector_);
     const std::vector<int> ports = server->exposer_->GetListeningPorts();
     server->metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
   }
@@ -124,7 +134,7 @@ void Server::Shutdown(absl::Time deadline) {
 void Server::Wait() { server_->Wait(); }
 
 std::string Server::MetricsText() const {
-  return SerializeMetrics({metrics_->registry(), cache_collector_});
+  return SerializeMetrics({metrics_->registry(), cache_collector_, executor_collector_});
 }
 
 }  // namespace service

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "service/executor.h"
 #include "service/kv_cache_service.h"
 #include "service/metrics.h"
 #include "tqkv/v1/kvcache.pb.h"
@@ -35,6 +36,9 @@ struct ServerOptions {
   std::string backend = "auto";
   // CPU backend worker threads; 0 means the hardware concurrency.
   int threads = 0;
+  // The executor calls run on (service/executor.h): its threads (0: 2 x the
+  // hardware concurrency, at least 4) and its bounds on pending calls.
+  ExecutorOptions executor;
   // CUDA device ordinal.
   int cuda_device = 0;
   // CUDA decode on the tensor cores where the layout allows (BackendOptions).
@@ -91,12 +95,17 @@ class Server {
   bool shut_down_ = false;
   // Destroyed in reverse: the exposer first (it reads the caches), the
   // grpc::Server before the service, the service (and its caches) before the
-  // backend, the backend (which times kernels into metrics_) before metrics_.
+  // backend, the backend (which times kernels into metrics_) before metrics_;
+  // the executor joins after the grpc::Server and before the service.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Backend> backend_;
   std::string why_not_cuda_;
   std::unique_ptr<KvCacheService> service_;
   std::shared_ptr<prometheus::Collectable> cache_collector_;
+  // After service_ (its work calls the service) and before server_ (the
+  // grpc::Server waits for the reactors the executor finishes).
+  std::unique_ptr<CallExecutor> executor_;
+  std::shared_ptr<prometheus::Collectable> executor_collector_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
 };

@@ -36,6 +36,12 @@ ABSL_FLAG(bool, cuda_tensor_cores, true,
           "CUDA decode on the tensor cores where the layout allows (TF32, outputs within about 2e-3 of "
           "fp32); false: the fp32 kernel.");
 ABSL_FLAG(int, threads, 0, "CPU backend worker threads (0: hardware concurrency).");
+ABSL_FLAG(int, executor_threads, 0,
+          "Threads calls run on, off gRPC's own (0: 2 x hardware concurrency, at least 4).");
+ABSL_FLAG(int, max_pending_calls, 1024,
+          "Calls queued or running at once; past it a call is RESOURCE_EXHAUSTED at once.");
+ABSL_FLAG(double, max_pending_gib, 1.0,
+          "Request bytes those calls may hold, GiB; past it a call is RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest request or response, in bytes.");
 ABSL_FLAG(double, memory_budget_gib, 4.0,
           "Page-pool memory, GiB, split equally among caches whose config gives no budget.");
@@ -98,6 +104,13 @@ int main(int argc, char** argv) {
   options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.cuda_tensor_cores = absl::GetFlag(FLAGS_cuda_tensor_cores);
   options.threads = absl::GetFlag(FLAGS_threads);
+  options.executor.threads = absl::GetFlag(FLAGS_executor_threads);
+  options.executor.max_pending = absl::GetFlag(FLAGS_max_pending_calls);
+  const double pending_gib = absl::GetFlag(FLAGS_max_pending_gib);
+  if (!(pending_gib > 0) || pending_gib > 1024) {
+    return Fail("--max_pending_gib must be in (0, 1024]");
+  }
+  options.executor.max_pending_bytes = static_cast<size_t>(pending_gib * (uint64_t{1} << 30));
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.memory_budget_bytes = static_cast<uint64_t>(budget_gib * (uint64_t{1} << 30));

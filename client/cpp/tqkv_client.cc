@@ -107,7 +107,189 @@ AppendResult FromProto(const v1::AppendResponse& response) {
   return r;
 }
 
+absl::Status ItemStatus(int code, const std::string& message) {
+  if (code == 0) return absl::OkStatus();
+  const absl::StatusCode c =
+      (code > 0 && code <= 16) ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
+  return absl::Status(c, message);
+}
+
+absl::StatusOr<AttendOutput> FromProto(const v1::Tensor& output, const v1::Tensor* lse) {
+  AttendOutput out;
+  absl::StatusOr<std::vector<float>> o = Decode(output);
+  if (!o.ok()) return o.status();
+  out.output = *std::move(o);
+  for (int d = 0; d < 3 && d < output.shape_size(); ++d) out.shape[d] = output.shape(d);
+  if (lse != nullptr) {
+    absl::StatusOr<std::vector<float>> l = Decode(*lse);
+    if (!l.ok()) return l.status();
+    out.lse = *std::move(l);
+  }
+  return out;
+}
+
 }  // namespace
+
+absl::Status FillAppendAttendRequest(const AppendAttendArgs& args,
+                                     v1::AppendAttendRequest* request) {
+  request->set_cache(args.cache);
+  request->set_layer(args.layer);
+  request->set_scale(args.scale);
+  request->set_return_lse(args.return_lse);
+  request->set_output_dtype(args.output_dtype);
+  if (!args.sink_logits.empty()) {
+    const int64_t heads = static_cast<int64_t>(args.sink_logits.size());
+    Encode(args.sink_logits, {&heads, 1}, v1::DTYPE_F32, request->mutable_sink_logits());
+  }
+  for (size_t i = 0; i < args.items.size(); ++i) {
+    const AppendAttendItemArgs& item = args.items[i];
+    for (absl::Status s : {CheckSize("keys", item.keys, item.kv_shape),
+                           CheckSize("values", item.values, item.kv_shape),
+                           CheckSize("queries", item.queries, item.query_shape)}) {
+      if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
+    }
+    v1::AppendAttendItem* out = request->add_items();
+    out->set_sequence_id(item.sequence_id);
+    out->set_start_position(item.start_position);
+    out->set_do_not_create(!item.create_if_missing);
+    Encode(item.keys, item.kv_shape, args.wire_dtype, out->mutable_keys());
+    Encode(item.values, item.kv_shape, args.wire_dtype, out->mutable_values());
+    Encode(item.queries, item.query_shape, args.wire_dtype, out->mutable_queries());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AppendAttendResult> FromProto(const v1::AppendAttendResponse& response,
+                                             bool with_lse) {
+  AppendAttendResult result;
+  result.stored_bytes = response.stored_bytes();
+  result.stored_bytes_bf16 = response.stored_bytes_bf16();
+  result.items.resize(response.results_size());
+  for (int i = 0; i < response.results_size(); ++i) {
+    const v1::AppendAttendItemResult& r = response.results(i);
+    AppendAttendItemResult& item = result.items[i];
+    item.status = ItemStatus(r.code(), r.message());
+    item.layer_tokens = r.layer_tokens();
+    item.already_stored = r.already_stored();
+    if (!item.status.ok()) continue;
+    absl::StatusOr<AttendOutput> out = FromProto(r.output(), with_lse ? &r.lse() : nullptr);
+    if (!out.ok()) return out.status();
+    item.attention = *std::move(out);
+  }
+  return result;
+}
+
+DecodeStream::~DecodeStream() {
+  if (!finished_ && context_ != nullptr) {
+    context_->TryCancel();
+    stream_->Finish();
+  }
+}
+
+absl::StatusOr<uint64_t> DecodeStream::Send(const AppendAttendArgs& step) {
+  v1::AppendAttendRequest request;
+  if (absl::Status s = FillAppendAttendRequest(step, &request); !s.ok()) return s;
+  return Send(std::move(request), step.return_lse);
+}
+
+absl::StatusOr<uint64_t> DecodeStream::Send(v1::AppendAttendRequest step, bool with_lse) {
+  if (finished_ || writes_done_) {
+    return absl::FailedPreconditionError("the decode stream is closed; open a new one");
+  }
+  v1::DecodeStreamRequest request;
+  const uint64_t id = next_id_++;
+  request.set_request_id(id);
+  *request.mutable_step() = std::move(step);
+  with_lse_.push_back(with_lse);
+  if (!stream_->Write(request)) {
+    return absl::UnavailableError(
+        "the decode stream broke; Receive gives its status, then resend the unanswered steps "
+        "on a new stream");
+  }
+  return id;
+}
+
+absl::StatusOr<DecodeStream::Response> DecodeStream::Receive() {
+  if (finished_) {
+    return final_status_.ok() ? absl::FailedPreconditionError("the decode stream is closed")
+                              : final_status_;
+  }
+  v1::DecodeStreamResponse in;
+  if (!stream_->Read(&in)) {
+    finished_ = true;
+    final_status_ = FromGrpcStatus(stream_->Finish());
+    if (final_status_.ok()) {
+      final_status_ = absl::UnavailableError("the server ended the decode stream");
+    }
+    return final_status_;
+  }
+  Response out;
+  out.request_id = in.request_id();
+  out.status = ItemStatus(in.code(), in.message());
+  if (out.status.ok()) {
+    const bool with_lse = in.request_id() >= 1 && in.request_id() <= with_lse_.size() &&
+                          with_lse_[in.request_id() - 1];
+    absl::StatusOr<AppendAttendResult> result = FromProto(in.step(), with_lse);
+    if (!result.ok()) return result.status();
+    out.result = *std::move(result);
+  }
+  return out;
+}
+
+absl::StatusOr<AppendAttendResult> DecodeStream::Step(const AppendAttendArgs& step) {
+  absl::StatusOr<uint64_t> id = Send(step);
+  if (!id.ok()) {
+    absl::StatusOr<Response> ended = Receive();  // the stream's own status
+    return ended.ok() ? id.status() : ended.status();
+  }
+  absl::StatusOr<Response> response = Receive();
+  if (!response.ok()) return response.status();
+  if (response->request_id != *id) {
+    return absl::InternalError(absl::StrCat("decode stream answered request ",
+                                            response->request_id, " while ", *id,
+                                            " was expected (responses pending from Send?)"));
+  }
+  if (!response->status.ok()) return response->status;
+  return std::move(response->result);
+}
+
+absl::Status DecodeStream::Close() {
+  if (finished_) return final_status_;
+  if (!writes_done_) {
+    writes_done_ = true;
+    stream_->WritesDone();
+  }
+  v1::DecodeStreamResponse discard;
+  while (stream_->Read(&discard)) {
+  }
+  finished_ = true;
+  final_status_ = FromGrpcStatus(stream_->Finish());
+  return final_status_;
+}
+
+std::unique_ptr<DecodeStream> Client::OpenDecodeStream(absl::string_view route_id) {
+  std::unique_ptr<DecodeStream> stream(new DecodeStream());
+  stream->context_ = std::make_unique<grpc::ClientContext>();
+  Prepare(stream->context_.get(), route_id);
+  stream->context_->set_deadline(options_.stream_timeout == absl::InfiniteDuration()
+                                     ? std::chrono::system_clock::time_point::max()
+                                     : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  stream->stream_ = stub_->DecodeStream(stream->context_.get());
+  return stream;
+}
+
+absl::StatusOr<AppendAttendResult> Client::AppendAttend(const AppendAttendArgs& args) {
+  v1::AppendAttendRequest request;
+  if (absl::Status s = FillAppendAttendRequest(args, &request); !s.ok()) return s;
+  v1::AppendAttendResponse response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      args.items.empty() ? absl::string_view() : args.items[0].sequence_id,
+      [&](grpc::ClientContext* c) { return stub_->AppendAttend(c, request, &response); },
+      &attempts);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return FromProto(response, args.return_lse);
+}
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -278,6 +460,10 @@ absl::StatusOr<std::vector<AttendOutput>> Client::Attend(const AttendArgs& args)
   request.set_scale(args.scale);
   request.set_return_lse(args.return_lse);
   request.set_output_dtype(args.output_dtype);
+  if (!args.sink_logits.empty()) {
+    const int64_t heads = static_cast<int64_t>(args.sink_logits.size());
+    Encode(args.sink_logits, {&heads, 1}, v1::DTYPE_F32, request.mutable_sink_logits());
+  }
   for (size_t i = 0; i < args.items.size(); ++i) {
     const AttendItemArgs& item = args.items[i];
     if (absl::Status s = CheckSize("queries", item.queries, item.shape); !s.ok()) {

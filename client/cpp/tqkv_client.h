@@ -15,7 +15,10 @@
 //    are then 0: the bytes of the first, unacknowledged attempt are unknown);
 //  * CreateSequence / ForkSequence answered ALREADY_EXISTS, and DropSequence
 //    answered NOT_FOUND, on a retry count as success.
-// AppendStream is not retried (its chunks are not replayable by the client
+//  * AppendAttend carries its items' start positions: an item whose append
+//    landed on an earlier attempt comes back already_stored, attended over
+//    what is stored, not stored twice.
+// AppendStream and DecodeStream are not retried (its chunks are not replayable by the client
 // library); resend the missing tail with Append, from GetSequence's lengths.
 //
 // Routing. Every call that names a sequence carries the gRPC metadata
@@ -46,6 +49,8 @@
 #include <vector>
 
 #include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/sync_stream.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/status.h>
 
@@ -93,6 +98,8 @@ struct ClientOptions {
   absl::Duration max_backoff = absl::Seconds(2);
   // Deadline of each attempt.
   absl::Duration timeout = absl::Seconds(60);
+  // Deadline of a DecodeStream (it lives for many steps): none by default.
+  absl::Duration stream_timeout = absl::InfiniteDuration();
   // Largest message either way, bytes (match the server's --max_message_bytes).
   int max_message_bytes = 64 << 20;
   // Send the `tqkv-route-key` metadata (see "Routing" above). Costs one short
@@ -162,12 +169,109 @@ struct AttendArgs {
   float scale = 0.0f;  // 0: 1 / sqrt(head_dim)
   bool return_lse = false;
   v1::DType output_dtype = v1::DTYPE_F32;  // converted back to float32 here
+  // [query_heads] learned sink logits (see the proto); empty: none.
+  std::vector<float> sink_logits;
 };
 
 struct AttendOutput {
   std::array<int64_t, 3> shape = {0, 0, 0};  // [query_tokens, query_heads, head_dim]
   std::vector<float> output;
   std::vector<float> lse;  // [query_tokens, query_heads] with return_lse
+};
+
+
+// One sequence of an AppendAttend: its new tokens for the call's layer.
+struct AppendAttendItemArgs {
+  std::string sequence_id;
+  int64_t start_position = 0;
+  // keys and values [tokens, kv_heads, head_dim] of kv_shape; queries
+  // [tokens, query_heads, head_dim] of query_shape (the same tokens).
+  std::array<int64_t, 3> kv_shape = {1, 0, 0};
+  std::array<int64_t, 3> query_shape = {1, 0, 0};
+  absl::Span<const float> keys;
+  absl::Span<const float> values;
+  absl::Span<const float> queries;
+  bool create_if_missing = true;
+};
+
+struct AppendAttendArgs {
+  std::string cache;
+  int layer = 0;
+  std::vector<AppendAttendItemArgs> items;
+  float scale = 0.0f;  // 0: 1 / sqrt(head_dim)
+  bool return_lse = false;
+  v1::DType output_dtype = v1::DTYPE_F32;
+  // Wire dtype of keys, values and queries.
+  v1::DType wire_dtype = v1::DTYPE_F32;
+  // [query_heads] learned sink logits; empty: none.
+  std::vector<float> sink_logits;
+};
+
+struct AppendAttendItemResult {
+  // The item's own status: NOT_FOUND, FAILED_PRECONDITION (position),
+  // RESOURCE_EXHAUSTED... Its append did not happen unless OK.
+  absl::Status status;
+  AttendOutput attention;    // with an OK status
+  int64_t layer_tokens = 0;  // tokens the layer holds after the call
+  bool already_stored = false;
+};
+
+struct AppendAttendResult {
+  std::vector<AppendAttendItemResult> items;  // one per item, in order
+  int64_t stored_bytes = 0;
+  int64_t stored_bytes_bf16 = 0;
+};
+
+// The request an AppendAttendArgs describes (INVALID_ARGUMENT when a span's
+// size does not match its shape); for callers that build DecodeStream
+// requests once and resend them.
+absl::Status FillAppendAttendRequest(const AppendAttendArgs& args,
+                                     v1::AppendAttendRequest* request);
+absl::StatusOr<AppendAttendResult> FromProto(const v1::AppendAttendResponse& response,
+                                             bool with_lse);
+
+// A DecodeStream: an engine's decode loop, one AppendAttend per message (see
+// the proto for ordering, flow control, errors and resuming). Send may run
+// ahead of Receive (pipelining); responses come back in the order sent.
+// Thread safety: one thread may Send while another Receives; neither method
+// may be called from two threads at once.
+class DecodeStream {
+ public:
+  struct Response {
+    uint64_t request_id = 0;
+    // The request's status: OK, or why the whole request failed (malformed,
+    // server queue full); per-item errors are in result.items.
+    absl::Status status;
+    AppendAttendResult result;
+  };
+
+  ~DecodeStream();  // cancels the stream if it was not closed
+
+  // Sends one step; returns its request id (1, 2, ...). Fails when the
+  // stream has ended (Receive or Close tell why).
+  absl::StatusOr<uint64_t> Send(const AppendAttendArgs& step);
+  // The same with a prepared request (its request_id is set here).
+  absl::StatusOr<uint64_t> Send(v1::AppendAttendRequest step, bool with_lse);
+  // The next response, in order. An error: the stream ended, with its status.
+  absl::StatusOr<Response> Receive();
+  // Send, then Receive: the result, or the request's or the stream's error.
+  absl::StatusOr<AppendAttendResult> Step(const AppendAttendArgs& step);
+  // Half-closes, reads what is still in flight (discarded) and returns the
+  // stream's final status.
+  absl::Status Close();
+
+ private:
+  friend class Client;
+  DecodeStream() = default;
+
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
+      stream_;
+  uint64_t next_id_ = 1;
+  std::vector<bool> with_lse_;  // by request id - 1: decode lse?
+  bool writes_done_ = false;
+  bool finished_ = false;
+  absl::Status final_status_;
 };
 
 class Client {
@@ -181,6 +285,12 @@ class Client {
   absl::StatusOr<AppendResult> AppendStream(absl::Span<const AppendArgs> chunks);
   absl::StatusOr<ScoreResult> Score(const ScoreArgs& args);
   absl::StatusOr<std::vector<AttendOutput>> Attend(const AttendArgs& args);
+  // One layer of a decode step for a batch of sequences. The call's errors
+  // as the status; each item's in its result.
+  absl::StatusOr<AppendAttendResult> AppendAttend(const AppendAttendArgs& args);
+  // Opens a decode stream; `route_id` is a sequence id whose routing key the
+  // stream carries (see "Routing"; "" for none).
+  std::unique_ptr<DecodeStream> OpenDecodeStream(absl::string_view route_id = "");
 
   absl::StatusOr<SequenceState> CreateSequence(const std::string& cache, const std::string& id);
   absl::StatusOr<SequenceState> ForkSequence(const std::string& cache, const std::string& parent,

@@ -10,13 +10,17 @@ FAILED_PRECONDITION, and the client then reads the sequence and reports
 success when every layer of the range holds at least start + tokens tokens
 (stored_bytes are then 0: the first attempt's bytes are unknown);
 CreateSequence / ForkSequence answered ALREADY_EXISTS, and DropSequence
-answered NOT_FOUND, on a retry count as success. append_stream is not
-retried: resend the missing tail with append, from get_sequence's lengths.
+answered NOT_FOUND, on a retry count as success. AppendAttend is retried
+too: an item whose append had landed is answered already_stored. append_stream
+is not retried: resend the missing tail with append, from get_sequence's
+lengths. A decode stream reopens itself on UNAVAILABLE and resends what was
+not answered (tqkv/_stream.py).
 
 Sharding. Every call that names a sequence sends the gRPC metadata
 `tqkv-route-key: route_key(sequence_id)` so that a proxy can hash it onto a
-server: fork sends the parent's key, attend the key of its first item,
-info none.
+server: fork sends the parent's key, attend and append_attend the key of
+their first item, a decode stream the key of its first request's first item
+(or the route_key given) at stream start, info none.
 
 Thread safety: a Client may be shared by threads (gRPC channels are).
 """
@@ -28,19 +32,16 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
-from tqkv import _tensors
+from tqkv import _messages, _tensors
 from tqkv._errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
                           TqkvError, from_rpc_error)
+from tqkv._messages import (AppendAttendItem, AppendAttendItemResult, AppendAttendResult, Chunk,
+                            route_key)
+from tqkv._stream import DecodeStream
 from tqkv.v1 import kvcache_pb2 as pb
 from tqkv.v1 import kvcache_pb2_grpc as pb_grpc
 
 ROUTE_KEY_HEADER = "tqkv-route-key"
-
-
-def route_key(sequence_id: str) -> str:
-    """The routing key of a sequence id: its text before the first '/', or the
-    whole id when it has none ("user7/chat3" -> "user7")."""
-    return sequence_id.split("/", 1)[0]
 
 
 def _sendable_header_value(value: str) -> bool:
@@ -48,6 +49,14 @@ def _sendable_header_value(value: str) -> bool:
     header value may hold."""
     return (bool(value) and value[0] != " " and value[-1] != " "
             and all(0x20 <= ord(c) <= 0x7E for c in value))
+
+
+def channel_options(max_message_bytes, server_name_override):
+    options = [("grpc.max_send_message_length", max_message_bytes),
+               ("grpc.max_receive_message_length", max_message_bytes)]
+    if server_name_override:
+        options.append(("grpc.ssl_target_name_override", server_name_override))
+    return options
 
 
 @dataclass
@@ -89,14 +98,6 @@ class AttendItem:
     queries: np.ndarray
 
 
-@dataclass
-class Chunk:
-    """One message of append_stream: K/V [layers, tokens, kv_heads, head_dim]."""
-    keys: np.ndarray
-    values: np.ndarray
-    start: Optional[int] = None  # None: right after the previous chunk
-
-
 class Client:
     """A client for one tqkv-server.
 
@@ -124,10 +125,7 @@ class Client:
         self.max_backoff = max_backoff
         self._auth = (("authorization", "Bearer " + auth_token),) if auth_token else ()
         if channel is None:
-            options = [("grpc.max_send_message_length", max_message_bytes),
-                       ("grpc.max_receive_message_length", max_message_bytes)]
-            if server_name_override:
-                options.append(("grpc.ssl_target_name_override", server_name_override))
+            options = channel_options(max_message_bytes, server_name_override)
             if tls or root_certificates:
                 credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
                 channel = grpc.secure_channel(target, credentials, options=options)
@@ -151,8 +149,11 @@ class Client:
     def _metadata(self, sequence_id):
         if sequence_id is None:
             return self._auth
-        key = route_key(sequence_id)
-        if not _sendable_header_value(key):
+        return self._metadata_for_key(route_key(sequence_id))
+
+    def _metadata_for_key(self, key):
+        """Call metadata with the routing key `key` (None: no routing header)."""
+        if key is None or not _sendable_header_value(key):
             # Like the C++ client: a key HTTP/2 cannot carry goes without the
             # header (the call still works; a router cannot pin it).
             return self._auth
@@ -179,15 +180,8 @@ class Client:
 
     def _append_request(self, sequence_id, keys, values, start, layer_begin, layer_end, create,
                         wire_dtype, cache):
-        k = _tensors.encode("keys", keys, 4, wire_dtype)
-        v = _tensors.encode("values", values, 4, wire_dtype)
-        if list(k.shape) != list(v.shape):
-            raise InvalidArgument("values are %s, want the keys' shape %s"
-                                  % (list(v.shape), list(k.shape)))
-        return pb.AppendRequest(cache=self._cache(cache), sequence_id=sequence_id,
-                                start_position=start, layer_begin=layer_begin,
-                                layer_end=layer_end, keys=k, values=v,
-                                do_not_create=not create)
+        return _messages.append_request(self._cache(cache), sequence_id, keys, values, start,
+                                        layer_begin, layer_end, create, wire_dtype)
 
     def append(self, sequence_id: str, keys, values, *, start: int = 0, layer_begin: int = 0,
                layer_end: int = 0, create: bool = True, wire_dtype: Optional[str] = None,
@@ -208,10 +202,8 @@ class Client:
                 state = self.get_sequence(sequence_id, cache=cache)
             except TqkvError:
                 raise error
-            end = layer_end or len(state.layer_tokens)
-            tokens = int(request.keys.shape[1])
-            if end <= len(state.layer_tokens) and all(
-                    state.layer_tokens[l] >= start + tokens for l in range(layer_begin, end)):
+            if _messages.append_landed(state, start, int(request.keys.shape[1]), layer_begin,
+                                       layer_end):
                 return AppendResult(state, 0, 0)
         raise error
 
@@ -223,29 +215,16 @@ class Client:
         values) pairs of consecutive tokens; start positions advance from `start`
         by each chunk's token count. Chunks before a failing one remain stored
         (each is all-or-nothing). Not retried."""
-        state = {"position": start}
+        state = {}
 
-        def requests():
-            for index, chunk in enumerate(chunks):
-                if isinstance(chunk, Chunk):
-                    keys, values, position = chunk.keys, chunk.values, chunk.start
-                else:
-                    keys, values = chunk
-                    position = None
-                if position is None:
-                    position = state["position"]
-                try:
-                    request = self._append_request(sequence_id, keys, values, position,
-                                                   layer_begin, layer_end, create, wire_dtype,
-                                                   cache)
-                except InvalidArgument as error:
-                    state["error"] = InvalidArgument("chunk %d: %s" % (index, error.message))
-                    return
-                state["position"] = position + int(request.keys.shape[1])
-                yield request
+        def build(keys, values, position):
+            return self._append_request(sequence_id, keys, values, position, layer_begin,
+                                        layer_end, create, wire_dtype, cache)
 
         try:
-            response = self._stub.AppendStream(requests(), timeout=self.timeout,
+            response = self._stub.AppendStream(_messages.chunk_requests(chunks, start, build,
+                                                                        state),
+                                               timeout=self.timeout,
                                                metadata=self._metadata(sequence_id))
         except grpc.RpcError as error:
             if "error" in state:
@@ -278,40 +257,60 @@ class Client:
         return ScoreResult(logits, positions)
 
     def attend(self, items: Sequence, *, scale: float = 0.0, return_lse: bool = False,
-               output_dtype: str = _tensors.F32,
+               output_dtype: str = _tensors.F32, sink_logits=None,
                cache: Optional[str] = None) -> List[AttendResult]:
         """Fused attention for a batch of items: AttendItem or (sequence_id, layer,
         queries) tuples, queries [query_tokens, query_heads, head_dim] (or
         [query_heads, head_dim] for one token). Query token i of n sees the
         sequence's tokens [0, length - n + 1 + i). Returns one AttendResult per
         item, output in output_dtype ('f32' float32, 'f16' float16, 'bf16'
-        uint16 bits)."""
-        if not items:
-            raise InvalidArgument("attend needs at least one item")
-        request = pb.AttendRequest(cache=self._cache(cache), scale=scale, return_lse=return_lse,
-                                   output_dtype=_tensors._PROTO[_tensors.dtype_name(output_dtype)])
-        first = None
-        for index, item in enumerate(items):
-            if not isinstance(item, AttendItem):
-                item = AttendItem(*item)
-            queries = np.asarray(item.queries)
-            if queries.ndim == 2:
-                queries = queries[None]
-            try:
-                tensor = _tensors.encode("queries", queries, 3)
-            except InvalidArgument as error:
-                raise InvalidArgument("item %d: %s" % (index, error.message))
-            request.items.add(sequence_id=item.sequence_id, layer=item.layer, queries=tensor)
-            if first is None:
-                first = item.sequence_id
+        uint16 bits). sink_logits: learned attention-sink logits [query_heads]
+        (gpt-oss), one extra unscaled logit per head with a zero value."""
+        request, first = _messages.attend_request(self._cache(cache), items, scale, return_lse,
+                                                  output_dtype, sink_logits, AttendItem)
         response, _, error = self._call(self._stub.Attend, request, first)
         if error is not None:
             raise error
-        results = []
-        for r in response.results:
-            results.append(AttendResult(_tensors.decode(r.output),
-                                        _tensors.decode(r.lse) if return_lse else None))
-        return results
+        return _messages.attend_results(response, return_lse, AttendResult)
+
+    def append_attend(self, layer: int, items: Sequence, *, scale: float = 0.0,
+                      return_lse: bool = False,
+                      output_dtype: str = _tensors.F32, sink_logits=None,
+                      wire_dtype: Optional[str] = None,
+                      cache: Optional[str] = None) -> AppendAttendResult:
+        """One layer of a decode step: stores each item's new tokens in `layer`
+        and attends with their queries over everything the layer holds, them
+        included (query i of an item sees positions [0, start_position + i]).
+
+        items: AppendAttendItem or (sequence_id, start_position, keys
+        [tokens, kv_heads, head_dim], values, queries [tokens, query_heads,
+        head_dim][, do_not_create]); one token may drop its tokens axis. At most
+        one item per sequence.
+
+        A malformed call raises (InvalidArgument, NotFound for an unknown
+        cache). Otherwise each item stands alone: its result's .error holds
+        its NotFound / FailedPrecondition / ResourceExhausted (not raised) and
+        the other items are stored and attended. Retried on UNAVAILABLE: an
+        append that had landed is answered already_stored."""
+        request, first = _messages.append_attend_request(
+            self._cache(cache), layer, items, scale, return_lse, output_dtype, sink_logits,
+            wire_dtype)
+        response, _, error = self._call(self._stub.AppendAttend, request, first)
+        if error is not None:
+            raise error
+        return _messages.append_attend_result(response, return_lse)
+
+    def decode_stream(self, *, route_key: Optional[str] = None,
+                      timeout: Optional[float] = None,
+                      cache: Optional[str] = None) -> DecodeStream:
+        """A DecodeStream: send()/recv() or step() one AppendAttend per layer
+        over one bidirectional stream (tqkv/_stream.py has the contract). The
+        stream opens at the first send, with the routing key `route_key` or
+        else that of the first item's sequence id. timeout: a deadline for the
+        whole stream in seconds (None: none; a decode loop is long-lived).
+        Ends with close() or the with-block."""
+        return DecodeStream(self._stub, self._cache(cache), self._metadata_for_key, route_key,
+                            timeout, self.max_attempts, self.initial_backoff, self.max_backoff)
 
     def create_sequence(self, sequence_id: str, *, cache: Optional[str] = None) -> SequenceInfo:
         request = pb.CreateSequenceRequest(cache=self._cache(cache), sequence_id=sequence_id)
