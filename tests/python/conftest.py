@@ -8,10 +8,17 @@ import pathlib
 import shutil
 import subprocess
 
-import pytest
+# Single-threaded BLAS before anything imports numpy: the model passes here
+# (tools/quality, examples/generate.py) are many small products, and a
+# threaded BLAS on a shared 2-core machine spins (tools/quality sets the same,
+# but only takes effect when it imports numpy first). Set them to override.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import tqkv
-from tqkv.testing import LocalServer
+import pytest  # noqa: E402
+
+import tqkv  # noqa: E402
+from tqkv.testing import LocalServer  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
