@@ -48,7 +48,7 @@ from typing import List, Optional, Sequence
 import grpc
 
 from tqkv import _messages, _tensors
-from tqkv._errors import FailedPrecondition, Internal, TqkvError, Unknown, error_for, from_rpc_error
+from tqkv._errors import FailedPrecondition, Internal, TqkvError, Unknown, from_rpc_error
 from tqkv.v1 import kvcache_pb2 as pb
 
 # Codes after which recv() reopens the stream on its own.
@@ -189,11 +189,11 @@ class DecodeStream:
                 raise self._book.ended_early()
             except grpc.RpcError as rpc_error:
                 error = stream_error(rpc_error)
-                failures += 1
                 with self._lock:
                     stale = call is not self._call  # resumed meanwhile by another thread
                 if stale:
                     continue
+                failures += 1
                 if error.code not in _RESUMABLE or failures >= self._max_attempts:
                     raise error
                 time.sleep(backoff * self._jitter.uniform(0.8, 1.2))

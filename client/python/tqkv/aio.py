@@ -300,9 +300,9 @@ class AsyncDecodeStream:
                 response = await call.read()
             except grpc.RpcError as rpc_error:
                 error = stream_error(rpc_error)
-                failures += 1
                 if call is not self._call:
                     continue
+                failures += 1
                 if error.code not in _RESUMABLE or failures >= self._max_attempts:
                     raise error
                 await asyncio.sleep(backoff * self._jitter.uniform(0.8, 1.2))

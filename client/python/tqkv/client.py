@@ -26,8 +26,8 @@ Thread safety: a Client may be shared by threads (gRPC channels are).
 """
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -35,8 +35,8 @@ import numpy as np
 from tqkv import _messages, _tensors
 from tqkv._errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound,
                           TqkvError, from_rpc_error)
-from tqkv._messages import (AppendAttendItem, AppendAttendItemResult, AppendAttendResult, Chunk,
-                            route_key)
+from tqkv._messages import (  # noqa: F401 (re-exported by tqkv)
+    AppendAttendItem, AppendAttendItemResult, AppendAttendResult, Chunk, route_key)
 from tqkv._stream import DecodeStream
 from tqkv.v1 import kvcache_pb2 as pb
 from tqkv.v1 import kvcache_pb2_grpc as pb_grpc
