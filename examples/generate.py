@@ -277,7 +277,7 @@ def main(argv=None):
     print("model: %s, loaded in %.1f s; prompt: %d tokens"
           % (model.name, time.perf_counter() - t0, len(ids)), file=sys.stderr)
 
-    server = None
+    server, target = None, args.target
     try:
         if args.start_server:
             from tqkv.testing import LocalServer
@@ -285,11 +285,11 @@ def main(argv=None):
             server = LocalServer(server_binary(args.server_binary), config,
                                  threads=args.threads, memory_budget_gib=1).start()
             target = server.target
-        else:
-            target = args.target
         with tqkv.Client(target, cache=args.cache) as client:
             preset = check_cache(client, model, args.cache)
             out, stats = generate(model, client, ids, args.tokens, args.cache, stop)
+    except tqkv.TqkvError as error:
+        raise SystemExit("tqkv-server at %s: %s" % (target, error))
     finally:
         if server is not None:
             server.stop()
