@@ -21,6 +21,7 @@
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 #include "client/cli/json_writer.h"
+#include "client/cli/decode_load.h"
 #include "client/cli/load_generator.h"
 #include "client/cli/npy.h"
 #include "client/cpp/tqkv_client.h"
@@ -413,32 +414,174 @@ int RunDropImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet) {
+  absl::StatusOr<DecodeLoadReport> report = RunDecodeLoad(options);
+  if (!quiet) fprintf(stderr, "\n");
+  if (!report.ok()) return Fail(report.status());
+  const DecodeLoadReport& r = *report;
+  int64_t errors = 0;
+  if (json) {
+    JsonValue variants = JsonValue::Array();
+    for (const DecodeVariantReport& v : r.variants) {
+      errors += v.errors;
+      JsonValue row = JsonValue::Object()
+                          .Set("variant", DecodeVariantName(v.variant))
+                          .Set("steps", v.steps)
+                          .Set("errors", v.errors)
+                          .Set("rpcs_per_step", v.rpcs_per_step)
+                          .Set("messages_per_step", v.messages_per_step)
+                          .Set("step_p50_ms", v.step_p50_ms)
+                          .Set("step_p99_ms", v.step_p99_ms)
+                          .Set("step_mean_ms", v.step_mean_ms)
+                          .Set("tokens_per_second_per_sequence", v.tokens_per_second_per_sequence)
+                          .Set("tokens_per_second", v.tokens_per_second);
+      row.Set("kernel_ms_per_step",
+              v.kernel_ms_per_step >= 0 ? JsonValue(v.kernel_ms_per_step) : JsonValue());
+      row.Set("kernel_share", v.kernel_share >= 0 ? JsonValue(v.kernel_share) : JsonValue());
+      row.Set("outside_us_per_layer",
+              v.outside_us_per_layer >= 0 ? JsonValue(v.outside_us_per_layer) : JsonValue());
+      if (!v.first_error.empty()) row.Set("first_error", v.first_error);
+      variants.Append(row);
+    }
+    printf("%s\n", JsonValue::Object()
+                       .Set("mode", "decode")
+                       .Set("layers", r.layers)
+                       .Set("kv_heads", r.kv_heads)
+                       .Set("query_heads", r.query_heads)
+                       .Set("head_dim", r.head_dim)
+                       .Set("engines", options.clients)
+                       .Set("batch", options.batch)
+                       .Set("context", options.context)
+                       .Set("variants", variants)
+                       .Serialize()
+                       .c_str());
+    return errors > 0 ? kExitFailure : 0;
+  }
+  printf("layer-by-layer decode: %d layers, %d KV heads, %d query heads, head_dim %d; %d "
+         "engine(s) x batch %d, context %lld\n",
+         r.layers, r.kv_heads, r.query_heads, r.head_dim, options.clients, options.batch,
+         static_cast<long long>(options.context));
+  printf("%-7s %6s %6s %9s %9s %9s %10s %8s %12s %10s %10s\n", "variant", "steps", "errors",
+         "rpcs/step", "p50_ms", "p99_ms", "kernel_ms", "kernel%", "outside_us/l", "tok/s/seq",
+         "tok/s");
+  const DecodeVariantReport* unary = nullptr;
+  for (const DecodeVariantReport& v : r.variants) {
+    errors += v.errors;
+    if (v.variant == DecodeVariant::kUnary) unary = &v;
+    const double calls = v.variant == DecodeVariant::kStream ? v.messages_per_step : v.rpcs_per_step;
+    printf("%-7s %6lld %6lld %8.0f%s %9.2f %9.2f %10.2f %7.1f%% %12.0f %10.1f %10.1f\n",
+           DecodeVariantName(v.variant), static_cast<long long>(v.steps),
+           static_cast<long long>(v.errors), calls,
+           v.variant == DecodeVariant::kStream ? "m" : " ", v.step_p50_ms, v.step_p99_ms,
+           v.kernel_ms_per_step, 100 * v.kernel_share, v.outside_us_per_layer,
+           v.tokens_per_second_per_sequence, v.tokens_per_second);
+  }
+  printf("(m: stream messages per step, on one stream; outside_us/l: mean step time minus the "
+         "server's kernel time, per layer)\n");
+  if (unary != nullptr && unary->outside_us_per_layer > 0) {
+    for (const DecodeVariantReport& v : r.variants) {
+      if (&v == unary || v.outside_us_per_layer < 0) continue;
+      printf("%s: time outside the kernels per layer is %.2fx unary's (%.0f vs %.0f us)\n",
+             DecodeVariantName(v.variant), v.outside_us_per_layer / unary->outside_us_per_layer,
+             v.outside_us_per_layer, unary->outside_us_per_layer);
+    }
+  }
+  for (const DecodeVariantReport& v : r.variants) {
+    if (!v.first_error.empty()) {
+      printf("%s first error: %s\n", DecodeVariantName(v.variant), v.first_error.c_str());
+    }
+  }
+  return errors > 0 ? kExitFailure : 0;
+}
+
 int RunLoadImpl(int argc, const char* const* argv) {
   FlagSet flags("load",
-                "Load generator: N clients each loop prefill (Append / AppendStream), decode\n"
-                "steps (Append 1 token + batched Attend over the layers, ScoreQuery now and\n"
-                "then), Drop; then calls/s and p50/p99 latency per method.");
+                "Load generator. --mode decode (default): a decode node's loop, layer by layer:\n"
+                "engines (--clients) of --batch sequences prefilled with --context tokens, then\n"
+                "--decode-steps steps, each layer one round trip, as unary Append+Attend, a fused\n"
+                "AppendAttend, or a DecodeStream message (--variants, run side by side); prints\n"
+                "step p50/p99, rpcs per step, the kernels' share and the time outside them per\n"
+                "layer, tokens/s. --mode mixed: N clients loop prefill, decode steps (Append 1\n"
+                "token to all layers + one Attend over them, ScoreQuery now and then), Drop;\n"
+                "calls/s and p50/p99 per method.");
   Connection c;
-  int64_t clients = 8, requests = 0, prefill = 512, chunk = 64, steps = 64, per_client = 0,
-          layers = 0, score_every = 16, top_k = 8, seed = 1;
-  double duration = 10;
+  std::string mode = "decode", variants = "unary,fused,stream", wire = "f32";
+  int64_t clients = 0, requests = 0, prefill = 512, chunk = 0, steps = 0, per_client = 0,
+          layers = 0, score_every = 16, top_k = 8, seed = 1, batch = 8, context = 1024;
+  double duration = 10, max_seconds = 0;
   bool json = false, quiet = false;
   AddConnectionFlags(flags, &c);
-  flags.AddInt("clients", &clients, "concurrent clients");
-  flags.AddDouble("duration-seconds", &duration, "stop after this long (0: no time bound)");
-  flags.AddInt("requests", &requests, "stop after this many calls (0: no count bound)");
-  flags.AddInt("prefill-tokens", &prefill, "prefill tokens per sequence");
-  flags.AddInt("prefill-chunk-tokens", &chunk, "longer prefills go as AppendStream chunks");
-  flags.AddInt("decode-steps", &steps, "decode steps per sequence");
-  flags.AddInt("sequences-per-client", &per_client, "sequences per client (0: until a bound)");
+  flags.AddString("mode", &mode, "decode (layer by layer) or mixed");
+  flags.AddInt("clients", &clients, "concurrent clients (decode: engines); 0: 1 (decode), 8 (mixed)");
+  flags.AddString("variants", &variants, "decode: unary,fused,stream (any subset, run in order)");
+  flags.AddInt("batch", &batch, "decode: sequences per engine, attended together per layer");
+  flags.AddInt("context", &context, "decode: tokens prefilled per sequence before the steps");
+  flags.AddDouble("max-seconds", &max_seconds, "decode: end a variant's steps after this long (0: off)");
+  flags.AddString("wire-dtype", &wire, "decode: f32, f16 or bf16 for K, V, queries and outputs on the wire");
+  flags.AddDouble("duration-seconds", &duration, "mixed: stop after this long (0: no time bound)");
+  flags.AddInt("requests", &requests, "mixed: stop after this many calls (0: no count bound)");
+  flags.AddInt("prefill-tokens", &prefill, "mixed: prefill tokens per sequence");
+  flags.AddInt("prefill-chunk-tokens", &chunk,
+               "prefills longer than this go as AppendStream chunks (0: 256 decode, 64 mixed)");
+  flags.AddInt("decode-steps", &steps, "decode steps per sequence (0: 16 decode, 64 mixed)");
+  flags.AddInt("sequences-per-client", &per_client, "mixed: sequences per client (0: until a bound)");
   flags.AddInt("layers", &layers, "layers appended and attended (0: the cache's)");
-  flags.AddInt("score-every", &score_every, "a ScoreQuery every this many steps (0: never)");
-  flags.AddInt("top-k", &top_k, "top_k of the ScoreQuery calls");
+  flags.AddInt("score-every", &score_every, "mixed: a ScoreQuery every this many steps (0: never)");
+  flags.AddInt("top-k", &top_k, "mixed: top_k of the ScoreQuery calls");
   flags.AddInt("seed", &seed, "data seed");
   flags.AddBool("json", &json, "print JSON instead of a table");
   flags.AddBool("quiet", &quiet, "no live progress line");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (mode != "decode" && mode != "mixed") return UsageError("--mode must be decode or mixed");
+  const bool decode = mode == "decode";
+  if (clients == 0) clients = decode ? 1 : 8;
+  if (chunk == 0) chunk = decode ? 256 : 64;
+  if (steps == 0) steps = decode ? 16 : 64;
   if (!InIntRange(clients, 1, 1024)) return UsageError("--clients must be in [1, 1024]");
+  if (!InIntRange(prefill, 0, 1 << 20) || !InIntRange(chunk, 1, 1 << 20) ||
+      !InIntRange(steps, 1, 1 << 20) || per_client < 0 || !InIntRange(layers, 0, 1 << 20) ||
+      !InIntRange(score_every, 0, 1 << 20) || !InIntRange(top_k, 1, 1 << 20) ||
+      !InIntRange(batch, 1, 4096) || !InIntRange(context, 0, 1 << 24)) {
+    return UsageError("token, step, batch, layer and top-k counts must be in range (see --help)");
+  }
+  absl::StatusOr<ClientOptions> client = MakeClientOptions(c);
+  if (!client.ok()) return Fail(client.status());
+  if (decode) {
+    DecodeLoadOptions options;
+    options.client = *client;
+    options.cache = c.cache;
+    absl::StatusOr<std::vector<DecodeVariant>> parsed = ParseDecodeVariants(variants);
+    if (!parsed.ok()) return UsageError(std::string("--variants: ") + std::string(parsed.status().message()));
+    options.variants = *parsed;
+    options.clients = static_cast<int>(clients);
+    options.batch = static_cast<int>(batch);
+    options.context = context;
+    options.steps = steps;
+    if (!(max_seconds >= 0) || max_seconds > 86400) {
+      return UsageError("--max-seconds must be in [0, 86400]");
+    }
+    options.max_seconds_per_variant = max_seconds;
+    options.layers = static_cast<int>(layers);
+    options.prefill_chunk_tokens = chunk;
+    if (wire == "f32") {
+      options.wire_dtype = v1::DTYPE_F32;
+    } else if (wire == "f16") {
+      options.wire_dtype = v1::DTYPE_F16;
+    } else if (wire == "bf16") {
+      options.wire_dtype = v1::DTYPE_BF16;
+    } else {
+      return UsageError("--wire-dtype must be f32, f16 or bf16");
+    }
+    options.seed = static_cast<uint64_t>(seed);
+    if (!quiet) {
+      options.progress = [](DecodeVariant v, const char* phase, int64_t done) {
+        fprintf(stderr, "\r%-6s %-8s %6lld steps ", DecodeVariantName(v), phase,
+                static_cast<long long>(done));
+        fflush(stderr);
+      };
+    }
+    return RunDecodeLoadTable(options, json, quiet);
+  }
   if (!(duration >= 0) || duration > 86400) {
     return UsageError("--duration-seconds must be in [0, 86400]");
   }
@@ -446,13 +589,6 @@ int RunLoadImpl(int argc, const char* const* argv) {
   if (duration == 0 && requests == 0) {
     return UsageError("give --duration-seconds or --requests: the run must end");
   }
-  if (!InIntRange(prefill, 0, 1 << 20) || !InIntRange(chunk, 1, 1 << 20) ||
-      !InIntRange(steps, 0, 1 << 20) || per_client < 0 || !InIntRange(layers, 0, 1 << 20) ||
-      !InIntRange(score_every, 0, 1 << 20) || !InIntRange(top_k, 1, 1 << 20)) {
-    return UsageError("token, step, layer and top-k counts must be in range (see --help)");
-  }
-  absl::StatusOr<ClientOptions> client = MakeClientOptions(c);
-  if (!client.ok()) return Fail(client.status());
   LoadOptions options;
   options.client = *client;
   options.cache = c.cache;

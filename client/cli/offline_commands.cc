@@ -453,7 +453,7 @@ const std::vector<Command>& AllCommands() {
       {"sequence", "tokens per layer and pages of one sequence", RunSequence},
       {"fork", "new sequence sharing a parent's tokens (copy-on-write)", RunFork},
       {"drop", "drop a sequence and free its pages", RunDrop},
-      {"load", "load generator: N clients of prefill/decode traffic, latency per method", RunLoad},
+      {"load", "load generator: layer-by-layer decode (unary, fused, stream side by side) or mixed traffic", RunLoad},
   };
   return commands;
 }

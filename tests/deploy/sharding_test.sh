@@ -110,7 +110,7 @@ declare -A before
 for s in 0 1 2; do
   before[$s]=$(metric_value "${MPORTS[$s]}" tqkv_rpc_requests_total method=Append code=OK)
 done
-"$TQKV" load "${R[@]}" --clients 1 --requests 120 --prefill-tokens 12 --prefill-chunk-tokens 4 --decode-steps 3 \
+"$TQKV" load "${R[@]}" --mode mixed --clients 1 --requests 120 --prefill-tokens 12 --prefill-chunk-tokens 4 --decode-steps 3 \
   --score-every 2 --quiet --json >"$WORK/load.json" 2>&1 || { fail "tqkv load through the router"; cat "$WORK/load.json"; }
 grep -q '"errors": 0' "$WORK/load.json" || { fail "tqkv load had errors"; cat "$WORK/load.json"; }
 for s in 0 1 2; do

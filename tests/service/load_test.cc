@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "client/cli/decode_load.h"
 #include "client/cli/load_generator.h"
 #include "gtest/gtest.h"
 #include "service/config.h"
@@ -68,6 +69,65 @@ TEST(LoadGenerator, EightClientsForASecondCallEveryMethodWithoutErrors) {
   absl::StatusOr<v1::ServerInfo> info = Client(options.client).GetServerInfo();
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->caches(0).sequences(), 0);
+}
+
+TEST(DecodeLoad, EveryVariantDecodesLayerByLayerAndDropsItsSequences) {
+  service::ServerOptions server_options;
+  server_options.host = "127.0.0.1";
+  server_options.port = 0;
+  server_options.metrics_port = -1;
+  server_options.threads = 2;
+  absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
+  ASSERT_TRUE(config.ok()) << config.status();
+  server_options.config = *config;
+  absl::StatusOr<std::unique_ptr<service::Server>> server =
+      service::Server::Start(server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+
+  cli::DecodeLoadOptions options;
+  options.client.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  options.client.timeout = absl::Seconds(30);
+  options.clients = 2;
+  options.batch = 3;
+  options.context = 40;
+  options.prefill_chunk_tokens = 16;
+  options.steps = 5;
+  options.wire_dtype = v1::DTYPE_BF16;
+  absl::StatusOr<cli::DecodeLoadReport> report = cli::RunDecodeLoad(options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->layers, 4);
+  ASSERT_EQ(report->variants.size(), 3u);
+  for (const cli::DecodeVariantReport& v : report->variants) {
+    SCOPED_TRACE(cli::DecodeVariantName(v.variant));
+    EXPECT_EQ(v.errors, 0) << v.first_error;
+    EXPECT_EQ(v.steps, 2 * 5);  // both engines, every step
+    EXPECT_LE(v.step_p50_ms, v.step_p99_ms);
+    EXPECT_GT(v.kernel_ms_per_step, 0);
+    EXPECT_GT(v.kernel_share, 0);
+    EXPECT_GE(v.outside_us_per_layer, 0);
+    EXPECT_GT(v.tokens_per_second, v.tokens_per_second_per_sequence);
+  }
+  // Calls per step: (batch + 1) per layer unary, one per layer fused, none
+  // (one message per layer) on the stream.
+  EXPECT_DOUBLE_EQ(report->variants[0].rpcs_per_step, 4 * (3 + 1));
+  EXPECT_DOUBLE_EQ(report->variants[1].rpcs_per_step, 4);
+  EXPECT_DOUBLE_EQ(report->variants[2].rpcs_per_step, 0);
+  EXPECT_DOUBLE_EQ(report->variants[2].messages_per_step, 4);
+  absl::StatusOr<v1::ServerInfo> info = Client(options.client).GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->caches(0).sequences(), 0);
+}
+
+TEST(DecodeLoad, BadOptionsAndVariantNamesAreRefused) {
+  cli::DecodeLoadOptions options;
+  options.batch = 0;
+  EXPECT_EQ(cli::RunDecodeLoad(options).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cli::ParseDecodeVariants("fused,bogus").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::vector<cli::DecodeVariant>> v = cli::ParseDecodeVariants("stream,unary");
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, (std::vector<cli::DecodeVariant>{cli::DecodeVariant::kStream,
+                                                 cli::DecodeVariant::kUnary}));
 }
 
 TEST(LoadGenerator, ARunWithoutABoundIsRefused) {
