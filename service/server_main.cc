@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "kernels/malloc_tuning.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/clock.h"
@@ -81,6 +82,7 @@ int Fail(const std::string& what) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tqkv::TuneMallocForLargeMessages();  // before any thread: see the header
   absl::SetProgramUsageMessage("tqkv-server [--port=50051] [--config=FILE] [--backend=auto]");
   absl::ParseCommandLine(argc, argv);
   if (absl::GetFlag(FLAGS_print_default_config)) {

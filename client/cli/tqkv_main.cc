@@ -3,6 +3,7 @@
 #include <string_view>
 
 #include "client/cli/commands.h"
+#include "kernels/malloc_tuning.h"
 
 namespace {
 
@@ -21,6 +22,7 @@ void PrintUsage(FILE* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  tqkv::TuneMallocForLargeMessages();  // large messages: see the header
   if (argc < 2) {
     PrintUsage(stderr);
     return 2;

@@ -64,6 +64,10 @@ absl::StatusOr<std::vector<float>> Decode(const v1::Tensor& t) {
   }
   std::vector<float> out(static_cast<size_t>(n));
   const char* src = t.data().data();
+  if (t.dtype() == v1::DTYPE_F32) {
+    if (n > 0) std::memcpy(out.data(), src, static_cast<size_t>(n) * 4);
+    return out;
+  }
   for (int64_t i = 0; i < n; ++i) {
     if (t.dtype() == v1::DTYPE_F32) {
       std::memcpy(&out[i], src + 4 * i, 4);
