@@ -49,7 +49,10 @@
 // unused. k is chosen (ChunkWaste) to minimise that waste, preferring fewer
 // chunks within 1% of the minimum: with equal bytes per layer, groups whose
 // sizes share a divisor split with none (Gemma 3's 15 + 3 layers: chunks of
-// 3). The exact layout uses the same chunks.
+// 3). Chunks are cut by layer count, not bytes: with layers of different
+// presets in a group (fp16 boundary layers) the waste can be large (28.9%
+// for that shape with 2 boundary layers per end). The exact layout uses the
+// same chunks.
 //
 // A KvLayout is immutable after Create and safe to share between threads and
 // backends.
