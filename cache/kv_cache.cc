@@ -25,23 +25,23 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Calls f(page) for every page a sequence holds, in both tables.
+// Calls f(page) for every page a table holds (-1 entries: given back).
 template <typename F>
-void ForEachPage(const std::vector<int32_t>& table, const std::vector<int32_t>& exact_table, F f) {
-  for (int32_t page : table) f(page);
-  for (int32_t page : exact_table) {
+void ForEachHeld(const std::vector<int32_t>& table, F f) {
+  for (int32_t page : table) {
     if (page >= 0) f(page);
   }
 }
 
-// Bytes a sequence's tokens take (KvLayout::layer_bytes), summed over layers.
-void CountBytes(const KvLayout& layout, const std::vector<int64_t>& layer_tokens, uint64_t* bytes,
-                uint64_t* bytes_bf16) {
+// Bytes a sequence's tokens take (KvLayout::layer_bytes), summed over layers:
+// tokens [held_begin, layer_tokens) of each.
+void CountBytes(const KvLayout& layout, const std::vector<int64_t>& layer_tokens,
+                const std::vector<int64_t>& held_begin, uint64_t* bytes, uint64_t* bytes_bf16) {
   *bytes = 0;
   *bytes_bf16 = 0;
   for (int layer = 0; layer < layout.num_layers(); ++layer) {
-    *bytes += layout.layer_bytes(layer, layer_tokens[layer]);
-    *bytes_bf16 += static_cast<uint64_t>(layer_tokens[layer]) * layout.token_bytes_bf16();
+    *bytes += layout.layer_bytes(layer, layer_tokens[layer], held_begin[layer]);
+    *bytes_bf16 += static_cast<uint64_t>(layer_tokens[layer] - held_begin[layer]) * layout.token_bytes_bf16();
   }
 }
 
@@ -101,11 +101,19 @@ struct Sequence {
   // comes back to release its hold.
   uint64_t serial = 0;
   std::vector<int64_t> layer_tokens;
+  // Per layer, the oldest token held: 0, except in a sliding-window layer
+  // whose appends gave older tokens back (KvLayout::WindowBegin of the last
+  // append's start). Reads never reach below it.
+  std::vector<int64_t> held_begin;
   int64_t max_tokens = 0;
-  std::vector<int32_t> block_table;
-  // Exact pages (KvLayout::exact_layout()), by exact page index; -1 where no
-  // token of the page is read exact any more (released) or none was written.
-  std::vector<int32_t> exact_table;
+  // Per chunk (KvLayout::chunk_layers), the pages by page index; -1 where a
+  // windowed chunk gave the page back (every token older than its layers'
+  // held_begin).
+  std::vector<std::vector<int32_t>> tables;
+  // Per chunk, exact pages (KvLayout::exact_layout()), by exact page index;
+  // -1 where no token of the page is read exact any more (released) or none
+  // was written.
+  std::vector<std::vector<int32_t>> exact_tables;
   // Key means per layer (KvLayout::mean_floats() floats), set by the layer's
   // first append and immutable after: readers and forks share them.
   std::vector<std::shared_ptr<const std::vector<float>>> key_means;
@@ -124,12 +132,19 @@ struct Sequence {
   int readers = 0;
 };
 
+// Calls f(page) for every page a sequence holds, in all its tables.
+template <typename F>
+void ForEachPage(const Sequence& seq, F f) {
+  for (const std::vector<int32_t>& table : seq.tables) ForEachHeld(table, f);
+  for (const std::vector<int32_t>& table : seq.exact_tables) ForEachHeld(table, f);
+}
+
 // What a read (Attend item, Score) took from a sequence under the lock: the
 // kernels read these outside it.
 struct ReadSnapshot {
   uint64_t serial = 0;
   int64_t length = 0;
-  std::vector<int32_t> table;        // pinned
+  std::vector<int32_t> table;        // the layer's chunk's; pinned where >= 0
   std::vector<int32_t> exact_table;  // pinned where >= 0
   bool has_exact = false;
   std::shared_ptr<const std::vector<float>> key_mean;
@@ -216,6 +231,9 @@ struct KvCache::State {
     seq->id = id;
     seq->serial = next_serial++;
     seq->layer_tokens.assign(layout->num_layers(), 0);
+    seq->held_begin.assign(layout->num_layers(), 0);
+    seq->tables.resize(layout->num_chunks());
+    seq->exact_tables.resize(layout->num_chunks());
     seq->key_means.resize(layout->num_layers());
     seq->pending = pending;
     Touch(seq.get(), now);
@@ -229,7 +247,7 @@ struct KvCache::State {
   // to the free list when their last reader unpins them).
   // REQUIRES: !seq->writer_active.
   void DropLocked(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    ForEachPage(seq->block_table, seq->exact_table, [&](int32_t page) { pages.Release(page); });
+    ForEachPage(*seq, [&](int32_t page) { pages.Release(page); });
     --num_sequences;
     tokens -= seq->max_tokens;
     stored_bytes -= seq->stored_bytes;
@@ -293,7 +311,7 @@ struct KvCache::State {
     for (Sequence* seq : idle) {
       if (free_pages >= need) break;
       victims->push_back(seq);
-      ForEachPage(seq->block_table, seq->exact_table, [&](int32_t page) {
+      ForEachPage(*seq, [&](int32_t page) {
         int32_t& left = refs_left.try_emplace(page, pages.refs(page)).first->second;
         if (--left == 0 && pages.pins(page) == 0) ++free_pages;
       });
@@ -304,24 +322,53 @@ struct KvCache::State {
     return false;
   }
 
-  // Releases the exact pages of a sequence that no layer reads exact any
+  // The oldest token any layer of `chunk` still holds or will write.
+  int64_t ChunkHeldBegin(const Sequence& seq, int chunk) const {
+    int64_t held = std::numeric_limits<int64_t>::max();
+    for (int layer : layout->chunk_layers(chunk)) held = std::min(held, seq.held_begin[layer]);
+    return held;
+  }
+
+  // Releases the pages of `table` (`page_tokens` per page) all of whose
+  // tokens are below `held`.
+  void ReleaseBelow(std::vector<int32_t>* table, int64_t page_tokens, int64_t held)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (size_t k = 0; k < table->size() && static_cast<int64_t>(k + 1) * page_tokens <= held; ++k) {
+      if ((*table)[k] < 0) continue;
+      pages.Release((*table)[k]);
+      (*table)[k] = -1;
+    }
+  }
+
+  // Releases what a windowed chunk's layers gave back: the pages, compressed
+  // and exact, all of whose tokens are below every layer's held_begin.
+  void ReleaseGivenBack(Sequence* seq, int chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (layout->chunk_window(chunk) == 0) return;
+    const int64_t held = ChunkHeldBegin(*seq, chunk);
+    ReleaseBelow(&seq->tables[chunk], layout->page_tokens(), held);
+    if (layout->has_exact_tokens()) ReleaseBelow(&seq->exact_tables[chunk], layout->exact_page_tokens(), held);
+  }
+
+  // Releases the exact pages of a chunk that no layer of it reads exact any
   // more: those without a sink token that end before the window of the
   // shortest non-empty layer.
-  void ReleaseLeftExactPages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void ReleaseLeftExactPages(Sequence* seq, int chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!layout->has_exact_tokens()) return;
     int64_t shortest = -1;
-    for (int64_t length : seq->layer_tokens) {
+    for (int layer : layout->chunk_layers(chunk)) {
+      const int64_t length = seq->layer_tokens[layer];
       if (length > 0 && (shortest < 0 || length < shortest)) shortest = length;
     }
     if (shortest < 0) return;
     const int64_t page_tokens = layout->exact_page_tokens();
     const int64_t sinks = layout->options().exact_sink_tokens;
     const int64_t window_begin = shortest - layout->options().exact_window_tokens;
-    for (size_t k = 0; k < seq->exact_table.size(); ++k) {
+    std::vector<int32_t>& exact_table = seq->exact_tables[chunk];
+    for (size_t k = 0; k < exact_table.size(); ++k) {
       const int64_t begin = static_cast<int64_t>(k) * page_tokens;
-      if (seq->exact_table[k] < 0 || begin < sinks || begin + page_tokens > window_begin) continue;
-      pages.Release(seq->exact_table[k]);
-      seq->exact_table[k] = -1;
+      if (exact_table[k] < 0 || begin < sinks || begin + page_tokens > window_begin) continue;
+      pages.Release(exact_table[k]);
+      exact_table[k] = -1;
     }
   }
 
@@ -329,24 +376,27 @@ struct KvCache::State {
   // pages and counts the reader.
   void TakeSnapshot(Sequence* seq, int layer, int64_t length, ReadSnapshot* snap)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const int chunk = layout->layer_chunk(layer);
+    const std::vector<int32_t>& table = seq->tables[chunk];
     snap->serial = seq->serial;
     snap->length = length;
-    snap->table.assign(seq->block_table.begin(),
-                       seq->block_table.begin() + CeilDiv(length, layout->page_tokens()));
+    snap->table.assign(table.begin(), table.begin() + CeilDiv(length, layout->page_tokens()));
     if (layout->has_exact_tokens()) {
-      const size_t used = std::min<size_t>(seq->exact_table.size(),
-                                           CeilDiv(length, layout->exact_page_tokens()));
-      snap->exact_table.assign(seq->exact_table.begin(), seq->exact_table.begin() + used);
+      const std::vector<int32_t>& exact_table = seq->exact_tables[chunk];
+      const size_t used = std::min<size_t>(exact_table.size(), CeilDiv(length, layout->exact_page_tokens()));
+      snap->exact_table.assign(exact_table.begin(), exact_table.begin() + used);
       snap->has_exact = true;
     }
     snap->key_mean = seq->key_means[layer];
-    ForEachPage(snap->table, snap->exact_table, [&](int32_t page) { pages.Pin(page); });
+    ForEachHeld(snap->table, [&](int32_t page) { pages.Pin(page); });
+    ForEachHeld(snap->exact_table, [&](int32_t page) { pages.Pin(page); });
     ++seq->readers;
   }
 
   // Releases what an in-flight read took: its pins and its reader count.
   void EndRead(const std::string& id, const ReadSnapshot& snap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    ForEachPage(snap.table, snap.exact_table, [&](int32_t page) { pages.Unpin(page); });
+    ForEachHeld(snap.table, [&](int32_t page) { pages.Unpin(page); });
+    ForEachHeld(snap.exact_table, [&](int32_t page) { pages.Unpin(page); });
     auto it = sequences.find(id);
     if (it != sequences.end() && it->second->serial == snap.serial) --it->second->readers;
   }
@@ -450,15 +500,22 @@ absl::Status KvCache::Append(const AppendRequest& request) {
   State& s = *state_;
   Sequence* seq = nullptr;
   std::vector<int32_t> allocated;  // owned by this call until publish
-  TablePlan main_plan, exact_plan;
+  // The chunks the append writes (KvLayout::chunk_layers), and per chunk the
+  // plans of its tables.
+  std::vector<int> chunks;
+  for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
+    const int chunk = layout.layer_chunk(layer);
+    if (std::find(chunks.begin(), chunks.end(), chunk) == chunks.end()) chunks.push_back(chunk);
+  }
+  std::vector<TablePlan> main_plans(layout.num_chunks()), exact_plans(layout.num_chunks());
   struct PageCopy {
     int32_t from;  // the shared page
     int32_t to;    // its fresh copy
   };
   std::vector<PageCopy> copies;
-  std::vector<int32_t> slots(n);
+  // Per chunk: slots of the tokens, and of their exact copies.
+  std::vector<std::vector<int32_t>> slots(layout.num_chunks()), exact_slots(layout.num_chunks());
   const std::vector<std::pair<int64_t, int64_t>> exact_runs = ExactRuns(layout, start, n);
-  std::vector<int32_t> exact_slots;
   // Key means of the layers in range: taken from the sequence, or (first
   // append, start 0) estimated from this append's keys below.
   std::vector<std::shared_ptr<const std::vector<float>>> means(layers);
@@ -487,19 +544,26 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     s.EvictExpiredLocked(now, &id);
 
     static const std::vector<int32_t> kNoPages;
-    const std::vector<int32_t>& old_table = seq == nullptr ? kNoPages : seq->block_table;
-    const int64_t old_max = seq == nullptr ? 0 : seq->max_tokens;
-    // With per-layer lengths any existing page from the first written
-    // position on may be written (for these layers), not just the last one.
-    main_plan = PlanTableWrites(s.pages, old_table, CeilDiv(std::max(old_max, start + n), page_tokens),
-                                {{start, start + n}}, page_tokens);
-    if (layout.has_exact_tokens()) {
-      const int exact_tokens = layout.exact_page_tokens();
-      exact_plan = PlanTableWrites(s.pages, seq == nullptr ? kNoPages : seq->exact_table,
-                                   CeilDiv(std::max(old_max, start + n), exact_tokens), exact_runs,
-                                   exact_tokens);
+    int32_t need = 0;
+    for (int chunk : chunks) {
+      // With per-layer lengths any existing page from the first written
+      // position on may be written (for these layers), not just the last
+      // one. Pages a windowed chunk gave back lie below every layer's
+      // held_begin <= start, so the append never writes one.
+      int64_t chunk_max = 0;
+      if (seq != nullptr) {
+        for (int layer : layout.chunk_layers(chunk)) chunk_max = std::max(chunk_max, seq->layer_tokens[layer]);
+      }
+      const int64_t end = std::max(chunk_max, start + n);
+      main_plans[chunk] = PlanTableWrites(s.pages, seq == nullptr ? kNoPages : seq->tables[chunk],
+                                          CeilDiv(end, page_tokens), {{start, start + n}}, page_tokens);
+      if (layout.has_exact_tokens()) {
+        const int exact_tokens = layout.exact_page_tokens();
+        exact_plans[chunk] = PlanTableWrites(s.pages, seq == nullptr ? kNoPages : seq->exact_tables[chunk],
+                                             CeilDiv(end, exact_tokens), exact_runs, exact_tokens);
+      }
+      need += main_plans[chunk].pages_needed() + exact_plans[chunk].pages_needed();
     }
-    const int32_t need = main_plan.pages_needed() + exact_plan.pages_needed();
 
     if (need > s.pages.num_free()) {
       const int32_t free_before = s.pages.num_free();
@@ -519,26 +583,31 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     const bool allocated_ok = s.pages.Allocate(need, &allocated);
     (void)allocated_ok;  // `need` free pages were ensured above.
     size_t next = 0;
-    for (TablePlan* plan : {&main_plan, &exact_plan}) {
-      for (int64_t block : plan->copy) {
-        copies.push_back({plan->table[block], allocated[next]});
-        plan->table[block] = allocated[next++];
+    for (int chunk : chunks) {
+      for (TablePlan* plan : {&main_plans[chunk], &exact_plans[chunk]}) {
+        for (int64_t block : plan->copy) {
+          copies.push_back({plan->table[block], allocated[next]});
+          plan->table[block] = allocated[next++];
+        }
+        for (int64_t block : plan->fresh) plan->table[block] = allocated[next++];
       }
-      for (int64_t block : plan->fresh) plan->table[block] = allocated[next++];
     }
 
     if (seq == nullptr) seq = s.AddSequence(id, /*pending=*/true, now);
     seq->writer_active = true;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t position = start + i;
-      slots[i] = main_plan.table[position / page_tokens] * page_tokens +
-                 static_cast<int32_t>(position % page_tokens);
-    }
     const int exact_tokens = layout.exact_page_tokens();
-    for (const auto& [begin, end] : exact_runs) {
-      for (int64_t position = begin; position < end; ++position) {
-        exact_slots.push_back(exact_plan.table[position / exact_tokens] * exact_tokens +
-                              static_cast<int32_t>(position % exact_tokens));
+    for (int chunk : chunks) {
+      const std::vector<int32_t>& table = main_plans[chunk].table;
+      slots[chunk].resize(n);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t position = start + i;
+        slots[chunk][i] = table[position / page_tokens] * page_tokens + static_cast<int32_t>(position % page_tokens);
+      }
+      for (const auto& [begin, end] : exact_runs) {
+        for (int64_t position = begin; position < end; ++position) {
+          exact_slots[chunk].push_back(exact_plans[chunk].table[position / exact_tokens] * exact_tokens +
+                                       static_cast<int32_t>(position % exact_tokens));
+        }
       }
     }
     for (int l = 0; l < layers; ++l) means[l] = seq->key_means[request.layer_begin + l];
@@ -558,20 +627,27 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     CenterKeys(request, &means, &centered);
     keys = centered.data();
   }
-  if (status.ok()) {
+  // One Store per run of consecutive layers in one chunk.
+  const size_t layer_floats = static_cast<size_t>(n) * layout.num_kv_heads() * layout.head_dim();
+  for (int run_begin = request.layer_begin; status.ok() && run_begin < request.layer_end;) {
+    const int chunk = layout.layer_chunk(run_begin);
+    int run_end = run_begin + 1;
+    while (run_end < request.layer_end && layout.layer_chunk(run_end) == chunk) ++run_end;
+    const size_t offset = (run_begin - request.layer_begin) * layer_floats;
     StoreParams params;
     params.layout = layout_.get();
     params.pool = pool_;
-    params.layer_begin = request.layer_begin;
-    params.layer_end = request.layer_end;
+    params.layer_begin = run_begin;
+    params.layer_end = run_end;
     params.num_tokens = n;
-    params.slots = slots.data();
-    params.keys = keys;
-    params.values = request.values;
+    params.slots = slots[chunk].data();
+    params.keys = keys + offset;
+    params.values = request.values + offset;
     status = backend_->Store(params);
-  }
-  if (status.ok() && !exact_slots.empty()) {
-    status = StoreExact(request, keys, exact_runs, exact_slots);
+    if (status.ok() && !exact_slots[chunk].empty()) {
+      status = StoreExact(params, start, exact_runs, exact_slots[chunk]);
+    }
+    run_begin = run_end;
   }
 
   absl::MutexLock lock(&s.mu);
@@ -588,16 +664,23 @@ absl::Status KvCache::Append(const AppendRequest& request) {
   // Publish: the tables, then the lengths readers go by.
   for (const PageCopy& copy : copies) s.pages.Release(copy.from);
   s.copy_on_writes += copies.size();
-  seq->block_table = std::move(main_plan.table);
-  if (layout.has_exact_tokens()) seq->exact_table = std::move(exact_plan.table);
+  for (int chunk : chunks) {
+    seq->tables[chunk] = std::move(main_plans[chunk].table);
+    if (layout.has_exact_tokens()) seq->exact_tables[chunk] = std::move(exact_plans[chunk].table);
+  }
   const int64_t old_max = seq->max_tokens;
   for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
     seq->layer_tokens[layer] = start + n;
+    // The append's own queries see from start + 1 - window on.
+    seq->held_begin[layer] = std::max(seq->held_begin[layer], layout.WindowBegin(layer, start));
     seq->key_means[layer] = means[layer - request.layer_begin];
   }
-  s.ReleaseLeftExactPages(seq);
+  for (int chunk : chunks) {
+    s.ReleaseGivenBack(seq, chunk);
+    s.ReleaseLeftExactPages(seq, chunk);
+  }
   uint64_t bytes = 0, bytes_bf16 = 0;
-  CountBytes(layout, seq->layer_tokens, &bytes, &bytes_bf16);
+  CountBytes(layout, seq->layer_tokens, seq->held_begin, &bytes, &bytes_bf16);
   s.stored_bytes += bytes - seq->stored_bytes;
   s.stored_bytes_bf16 += bytes_bf16 - seq->stored_bytes_bf16;
   seq->stored_bytes = bytes;
@@ -646,12 +729,12 @@ void KvCache::CenterKeys(const AppendRequest& request,
   }
 }
 
-absl::Status KvCache::StoreExact(const AppendRequest& request, const float* keys,
+absl::Status KvCache::StoreExact(const StoreParams& stored, int64_t start,
                                  const std::vector<std::pair<int64_t, int64_t>>& runs,
                                  const std::vector<int32_t>& exact_slots) {
   const KvLayout& layout = *layout_;
-  const int layers = request.layer_end - request.layer_begin;
-  const int64_t n = request.num_tokens;
+  const int layers = stored.layer_end - stored.layer_begin;
+  const int64_t n = stored.num_tokens;
   const size_t stride = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
   const int64_t m = static_cast<int64_t>(exact_slots.size());
   // The exact tokens' rows, [layers, m, kv_heads, head_dim] like a request.
@@ -659,19 +742,16 @@ absl::Status KvCache::StoreExact(const AppendRequest& request, const float* keys
   for (int l = 0; l < layers; ++l) {
     int64_t row = 0;
     for (const auto& [begin, end] : runs) {
-      const size_t from = (l * n + (begin - request.start_position)) * stride;
+      const size_t from = (l * n + (begin - start)) * stride;
       const size_t count = static_cast<size_t>(end - begin) * stride;
-      std::copy(keys + from, keys + from + count, exact_keys.begin() + (l * m + row) * stride);
-      std::copy(request.values + from, request.values + from + count,
+      std::copy(stored.keys + from, stored.keys + from + count, exact_keys.begin() + (l * m + row) * stride);
+      std::copy(stored.values + from, stored.values + from + count,
                 exact_values.begin() + (l * m + row) * stride);
       row += end - begin;
     }
   }
-  StoreParams params;
+  StoreParams params = stored;
   params.layout = layout.exact_layout();
-  params.pool = pool_;
-  params.layer_begin = request.layer_begin;
-  params.layer_end = request.layer_end;
   params.num_tokens = m;
   params.slots = exact_slots.data();
   params.keys = exact_keys.data();
@@ -700,13 +780,14 @@ absl::Status KvCache::Fork(const std::string& parent_id, const std::string& chil
   const absl::Time now = s.clock();
   Sequence* child = s.AddSequence(child_id, /*pending=*/false, now);
   child->layer_tokens = parent->layer_tokens;
+  child->held_begin = parent->held_begin;
   child->max_tokens = parent->max_tokens;
-  child->block_table = parent->block_table;
-  child->exact_table = parent->exact_table;
+  child->tables = parent->tables;
+  child->exact_tables = parent->exact_tables;
   child->key_means = parent->key_means;
   child->stored_bytes = parent->stored_bytes;
   child->stored_bytes_bf16 = parent->stored_bytes_bf16;
-  ForEachPage(child->block_table, child->exact_table, [&](int32_t page) { s.pages.AddRef(page); });
+  ForEachPage(*child, [&](int32_t page) { s.pages.AddRef(page); });
   s.tokens += child->max_tokens;
   s.stored_bytes += child->stored_bytes;
   s.stored_bytes_bf16 += child->stored_bytes_bf16;
@@ -739,10 +820,12 @@ absl::StatusOr<SequenceInfo> KvCache::GetSequence(const std::string& id) {
   SequenceInfo info;
   info.id = seq->id;
   info.layer_tokens = seq->layer_tokens;
+  info.layer_held_begin = seq->held_begin;
   info.max_tokens = seq->max_tokens;
-  info.pages = static_cast<int32_t>(seq->block_table.size());
-  info.exact_pages = static_cast<int32_t>(
-      std::count_if(seq->exact_table.begin(), seq->exact_table.end(), [](int32_t p) { return p >= 0; }));
+  for (const std::vector<int32_t>& table : seq->tables) ForEachHeld(table, [&](int32_t) { ++info.pages; });
+  for (const std::vector<int32_t>& table : seq->exact_tables) {
+    ForEachHeld(table, [&](int32_t) { ++info.exact_pages; });
+  }
   info.stored_bytes = seq->stored_bytes;
   info.last_access = seq->last_access;
   return info;
@@ -804,6 +887,16 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
             "item %d: %d query tokens but sequence '%s' layer %d holds %d tokens; the query "
             "tokens must be appended first (want 1 <= num_query_tokens <= %d)",
             i, item.num_query_tokens, item.sequence_id, item.layer, length, length));
+      }
+      const int64_t first_seen = layout.WindowBegin(item.layer, length - item.num_query_tokens);
+      const int64_t held = seq->held_begin[item.layer];
+      if (first_seen < held) {
+        return absl::OutOfRangeError(absl::StrFormat(
+            "item %d: sequence '%s' layer %d (sliding window %d) holds tokens [%d, %d) and has given "
+            "older ones back; %d query tokens need token %d on (the oldest token held is %d: attend "
+            "with at most as many query tokens as the layer's last append had)",
+            i, item.sequence_id, item.layer, layout.layer_window(item.layer), held, length,
+            item.num_query_tokens, first_seen, held));
       }
     }
     const absl::Time now = s.clock();
@@ -883,6 +976,12 @@ absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begi
       return absl::InvalidArgumentError(absl::StrFormat(
           "token range [%d, %d) ends before it begins; want token_begin <= token_end", token_begin,
           end));
+    }
+    if (token_begin < seq->held_begin[layer] && token_begin < end) {
+      return absl::OutOfRangeError(absl::StrFormat(
+          "token range [%d, %d) of sequence '%s' layer %d (sliding window %d) reaches tokens given "
+          "back; the oldest token held is %d",
+          token_begin, end, id, layer, layout.layer_window(layer), seq->held_begin[layer]));
     }
     s.Touch(seq, s.clock());
     if (token_begin == end) return absl::OkStatus();

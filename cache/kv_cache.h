@@ -4,8 +4,22 @@
 // page slots each call touches and guarantees readers a consistent prefix.
 //
 // Sequences. A client-chosen id names each sequence in a cache. Its length is
-// kept per layer, so a prefill can stream layer by layer; its block table (one
-// for all layers) lists the pages holding tokens [0, max layer length).
+// kept per layer, so a prefill can stream layer by layer; it has one block
+// table per chunk of layers (KvLayout::chunk_layers; one chunk of every layer
+// without sliding-window layers), listing the pages holding the chunk's
+// tokens [0, max length of its layers).
+//
+// Sliding-window layers (KvLayout::layer_window). A query at position p of
+// such a layer sees tokens [p + 1 - window, p + 1) only: Attend masks older
+// ones. An append of n tokens starting at s keeps what its own queries see:
+// the layer holds tokens [held_begin, length) with held_begin = s + 1 -
+// window (never lower than before), and older tokens leave stored_bytes.
+// Pages of a windowed chunk all of whose tokens are below every layer's
+// held_begin (compressed and exact ones) go back to the pool, their table
+// entries -1; readers in flight keep theirs alive through their pins. A read
+// that needs a token below held_begin is OUT_OF_RANGE: an Attend with more
+// query tokens than the layer's last append had, a Score range starting
+// below it.
 //
 // Appends carry the position they start at. An append of n tokens to layers
 // [b, e) must start exactly at the current length of each of those layers
@@ -28,6 +42,10 @@
 // is a sink or inside the window of the shortest non-empty layer is
 // released. Exact pages share copy-on-write like the others, count for
 // eviction, and their bytes (fp16) and the means (fp32) are in stored_bytes.
+//
+// Chunks share one pool: a sequence of T tokens in every layer takes
+// ceil(T / page_tokens) pages per full-attention chunk, about window /
+// page_tokens + 1 per windowed one.
 //
 // Capacity. The pool has a fixed number of pages (from a byte budget). When an
 // append needs more pages than are free it fails with RESOURCE_EXHAUSTED and
@@ -89,7 +107,9 @@ struct SequenceInfo {
   std::string id;
   std::vector<int64_t> layer_tokens;  // per layer
   int64_t max_tokens = 0;             // max over layers
-  int32_t pages = 0;                  // block table length
+  // The oldest token each layer holds (0 but in sliding-window layers).
+  std::vector<int64_t> layer_held_begin;
+  int32_t pages = 0;                  // pages held, over every chunk's table
   int32_t exact_pages = 0;            // exact pages held (sinks, window)
   uint64_t stored_bytes = 0;          // as CacheStats counts them
   absl::Time last_access;
@@ -167,9 +187,11 @@ class KvCache {
   std::vector<std::string> ListSequences();
 
   // Fused attention for a batch of items over each sequence's tokens in the
-  // item's layer (causal among an item's query tokens; see AttendItem).
+  // item's layer (causal among an item's query tokens; see AttendItem;
+  // masked to the window in a sliding-window layer).
   // NOT_FOUND for an unknown sequence, INVALID_ARGUMENT for a bad layer, null
-  // pointers, or more query tokens than the layer holds. All items are
+  // pointers, or more query tokens than the layer holds; OUT_OF_RANGE when a
+  // query's window reaches below the layer's held_begin. All items are
   // validated before any kernel runs. `scale` is the logit scale; 0 means
   // 1 / sqrt(head_dim). INVALID_ARGUMENT when negative or not finite.
   absl::Status Attend(absl::Span<const AttendRequestItem> items, float scale = 0.0f);
@@ -178,7 +200,9 @@ class KvCache {
   // [token_begin, token_end) of one layer; token_end = -1 means the layer's
   // length. queries [num_query_heads, head_dim]; logits sized by the caller
   // as num_query_heads * (token_end - token_begin). `scale` as in Attend
-  // (0 means 1 / sqrt(head_dim)).
+  // (0 means 1 / sqrt(head_dim)). OUT_OF_RANGE for a range beyond the
+  // layer's length or, in a sliding-window layer, starting below its
+  // held_begin (the message names the oldest token held).
   absl::Status Score(const std::string& id, int layer, int64_t token_begin, int64_t token_end,
                      const float* queries, float* logits, float scale = 0.0f);
 
@@ -195,8 +219,9 @@ class KvCache {
   void CenterKeys(const AppendRequest& request,
                   std::vector<std::shared_ptr<const std::vector<float>>>* means,
                   std::vector<float>* centered) const;
-  // Stores the exact copies of an append's tokens in `runs` (positions).
-  absl::Status StoreExact(const AppendRequest& request, const float* keys,
+  // Stores the exact copies of the tokens in `runs` (positions) of a Store
+  // of tokens [start, start + stored.num_tokens) (one chunk's layers).
+  absl::Status StoreExact(const StoreParams& stored, int64_t start,
                           const std::vector<std::pair<int64_t, int64_t>>& runs,
                           const std::vector<int32_t>& exact_slots);
   KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout, Backend* backend,

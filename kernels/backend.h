@@ -62,6 +62,14 @@ struct StoreParams {
 // (layout->exact_ranges(length)), else from its compressed copy; the logit
 // adds back scale * q . R_t m.
 //
+// Chunks and sliding windows (kv_layout.h). Every block table a read carries
+// is the table of the read layer's chunk (KvLayout::layer_chunk), and a Store
+// writes layers of one chunk. In a sliding-window layer
+// (layout->layer_window(layer) = W > 0), Attend's query token at position p
+// sees tokens [max(0, p + 1 - W), p + 1) only; entries of pages all of whose
+// tokens lie before that may be -1 and are never read. Score reads only
+// [token_begin, token_end), which the cache keeps within what it holds.
+//
 // Exact pages are pages of the same pool (the exact layout's pages are no
 // larger than pool.page_bytes, which stays the stride).
 
@@ -91,7 +99,8 @@ struct AttendItem {
   // Tokens of this layer in the cache, including the item's own query tokens
   // when they were appended first (decode appends, then attends). Query token
   // i of n sees tokens [0, context_tokens - n + 1 + i): causal among the
-  // query tokens, everything before them.
+  // query tokens, everything before them; in a sliding-window layer only the
+  // last `window` of those (see above).
   int64_t context_tokens = 0;
   int layer = 0;
   int num_query_tokens = 1;

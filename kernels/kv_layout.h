@@ -1,11 +1,13 @@
 // The layout of a paged, compressed KV cache: which codec each (layer, KV
 // head) uses, and where its bytes sit inside a page.
 //
-// A page holds `page_tokens` consecutive tokens of one sequence for every
-// layer and every KV head (one block table per sequence serves all layers, as
-// in vLLM). Inside a page, for each layer in order and each KV head in order,
-// four planes follow each other, each starting on a kPlaneAlignment (32-byte)
-// boundary:
+// Layers fall into chunks (see "Sliding-window layers" below); without
+// windowed layers there is one chunk of every layer. A page holds
+// `page_tokens` consecutive tokens of one sequence for every layer of one
+// chunk and every KV head (one block table per sequence and chunk, as in
+// vLLM's hybrid KV cache manager). Inside a page, for each layer of the chunk
+// in order and each KV head in order, four planes follow each other, each
+// starting on a kPlaneAlignment (32-byte) boundary:
 //
 //   key codes      page_tokens x key_codec.code_bytes()      token-major
 //   key scalars    page_tokens x key_codec.num_scalars() fp16
@@ -33,6 +35,24 @@
 // copy while the token is a sink or inside the window, and from its
 // compressed copy after it leaves the window. Exact copies hold the same
 // centered residuals, so the add-back is the same for every token.
+//
+// Sliding-window layers. layer_windows gives a layer a window W: a query at
+// position p sees tokens [p + 1 - W, p + 1) only, and the cache gives older
+// tokens' pages back. For that a windowed layer cannot share pages with
+// layers that keep everything, so layers are grouped by window (all
+// full-attention layers in one group, windowed layers by window size) and
+// each group is split into chunks of at most k layers (consecutive members of
+// the group). Every chunk has its own block table per sequence; its pages
+// hold only its layers, and plane offsets (planes()) start at 0 in each
+// chunk's page. All chunks share one pool and one page stride, page_bytes()
+// = the largest chunk's page; a smaller chunk leaves the rest of its pages
+// unused. k is chosen (ChunkWaste) to minimise that waste, preferring fewer
+// chunks within 1% of the minimum: with equal bytes per layer, groups whose
+// sizes share a divisor split with none (Gemma 3's 15 + 3 layers: chunks of
+// 3). Chunks are cut by layer count, not bytes: with layers of different
+// presets in a group (fp16 boundary layers) the waste can be large (28.9%
+// for that shape with 2 boundary layers per end). The exact layout uses the
+// same chunks.
 //
 // A KvLayout is immutable after Create and safe to share between threads and
 // backends.
@@ -104,6 +124,10 @@ struct KvLayoutOptions {
   // -1: the preset's recipe.
   int exact_sink_tokens = -1;
   int exact_window_tokens = -1;
+  // Sliding-window layers: layer_windows[l] > 0 is layer l's window in tokens
+  // (its own token included), 0 full attention. Empty (every layer full), or
+  // num_layers entries in [0, 2^30].
+  std::vector<int> layer_windows;
 };
 
 // The tokens of a layer holding `length` tokens that attention reads exact:
@@ -140,8 +164,27 @@ class KvLayout {
   int query_heads_per_kv_head() const { return options_.num_query_heads / options_.num_kv_heads; }
   int head_dim() const { return options_.head_dim; }
   int page_tokens() const { return options_.page_tokens; }
-  // Bytes of one page, a multiple of kPlaneAlignment.
+  // Bytes of one page (the pool's stride: the largest chunk's page), a
+  // multiple of kPlaneAlignment.
   size_t page_bytes() const { return page_bytes_; }
+
+  // Sliding windows: 0 for a full-attention layer.
+  int layer_window(int layer) const {
+    return options_.layer_windows.empty() ? 0 : options_.layer_windows[layer];
+  }
+  bool has_windows() const { return has_windows_; }
+  // The first token a query at `position` sees in `layer`.
+  int64_t WindowBegin(int layer, int64_t position) const {
+    const int window = layer_window(layer);
+    return window == 0 ? 0 : std::max<int64_t>(0, position + 1 - window);
+  }
+  // Chunks: the layers that share a block table (see above), in order.
+  int num_chunks() const { return static_cast<int>(chunks_.size()); }
+  int layer_chunk(int layer) const { return layer_chunks_[layer]; }
+  const std::vector<int>& chunk_layers(int chunk) const { return chunks_[chunk]; }
+  int chunk_window(int chunk) const { return layer_window(chunks_[chunk][0]); }
+  // Bytes of a page this chunk uses (<= page_bytes()).
+  size_t chunk_bytes(int chunk) const { return chunk_bytes_[chunk]; }
 
   const Preset& layer_preset(int layer) const { return *layer_presets_[layer]; }
 
@@ -175,15 +218,21 @@ class KvLayout {
   // plane padding; and the same in bf16 (2 bytes x 2 x kv_heads x head_dim).
   size_t token_bytes(int layer) const;
   size_t token_bytes_bf16() const;
-  // Bytes one layer of a sequence holding `length` tokens takes: compressed
-  // tokens, exact copies (fp16) and the key mean (fp32), without padding.
-  size_t layer_bytes(int layer, int64_t length) const;
+  // Bytes one layer of a sequence holding tokens [held_begin, length) takes
+  // (held_begin > 0 only in windowed layers, whose older tokens were given
+  // back): compressed tokens, exact copies (fp16) and the key mean (fp32),
+  // without padding.
+  size_t layer_bytes(int layer, int64_t length, int64_t held_begin = 0) const;
 
   // Seed of the codecs of (layer, head).
   uint64_t HeadSeed(int layer, int head) const;
 
  private:
   explicit KvLayout(const KvLayoutOptions& options) : options_(options) {}
+  // Create with the chunks given (the exact layout takes its main layout's)
+  // or, when null, chosen.
+  static absl::StatusOr<std::shared_ptr<const KvLayout>> CreateWithChunks(
+      const KvLayoutOptions& options, const std::vector<std::vector<int>>* chunks);
   int Index(int layer, int head) const { return layer * options_.num_kv_heads + head; }
 
   KvLayoutOptions options_;
@@ -195,7 +244,15 @@ class KvLayout {
   KeyCentering key_centering_ = KeyCentering::kNone;
   RopeTable rope_;
   std::shared_ptr<const KvLayout> exact_layout_;
+  bool has_windows_ = false;
+  std::vector<std::vector<int>> chunks_;
+  std::vector<int> layer_chunks_;
+  std::vector<size_t> chunk_bytes_;
 };
+
+// The share of a pool's bytes that chunks of these page sizes leave unused
+// when every chunk holds as many pages: sum(max - bytes) / (count * max).
+double ChunkWaste(const std::vector<size_t>& chunk_bytes);
 
 }  // namespace tqkv
 

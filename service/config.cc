@@ -137,6 +137,31 @@ absl::Status ReadCentering(const v1::CacheConfig& c, KvLayoutOptions* layout) {
   return absl::OkStatus();
 }
 
+// sliding_window_layers -> KvLayoutOptions::layer_windows (empty when none).
+absl::Status ReadWindows(const v1::CacheConfig& c, KvLayoutOptions* layout) {
+  if (c.sliding_window_layers_size() == 0) return absl::OkStatus();
+  layout->layer_windows.assign(c.num_layers(), 0);
+  for (const v1::SlidingWindowLayers& w : c.sliding_window_layers()) {
+    if (w.window() < 1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "sliding_window_layers has window %d; want a window of at least 1 token", w.window()));
+    }
+    for (int32_t layer : w.layers()) {
+      if (layer < 0 || layer >= c.num_layers()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "sliding_window_layers names layer %d; want layers in [0, num_layers = %d)", layer, c.num_layers()));
+      }
+      if (layout->layer_windows[layer] != 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "sliding_window_layers names layer %d twice (windows %d and %d)", layer,
+            layout->layer_windows[layer], w.window()));
+      }
+      layout->layer_windows[layer] = w.window();
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* DefaultServerConfigText() { return kDefaultConfig; }
@@ -215,6 +240,9 @@ absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig&
     if (!c.boundary_preset().empty()) layout.boundary_preset = c.boundary_preset();
     if (c.rotation_seed() != 0) layout.rotation_seed = c.rotation_seed();
     if (absl::Status status = ReadCentering(c, &layout); !status.ok()) {
+      return absl::Status(status.code(), absl::StrCat(where, status.message()));
+    }
+    if (absl::Status status = ReadWindows(c, &layout); !status.ok()) {
       return absl::Status(status.code(), absl::StrCat(where, status.message()));
     }
     absl::StatusOr<std::shared_ptr<const KvLayout>> made = KvLayout::Create(layout);
@@ -312,6 +340,20 @@ v1::CacheConfig ToCacheConfig(const CacheOptions& options) {
     c.set_idle_ttl_seconds(absl::ToDoubleSeconds(options.idle_ttl));
   }
   WriteCentering(l, &c);
+  // Sliding-window layers grouped by window, in order of first layer.
+  for (size_t layer = 0; layer < l.layer_windows.size(); ++layer) {
+    const int window = l.layer_windows[layer];
+    if (window == 0) continue;
+    v1::SlidingWindowLayers* group = nullptr;
+    for (v1::SlidingWindowLayers& g : *c.mutable_sliding_window_layers()) {
+      if (g.window() == window) group = &g;
+    }
+    if (group == nullptr) {
+      group = c.add_sliding_window_layers();
+      group->set_window(window);
+    }
+    group->add_layers(static_cast<int32_t>(layer));
+  }
   return c;
 }
 

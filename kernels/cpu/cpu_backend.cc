@@ -277,8 +277,16 @@ class CpuBackend final : public Backend {
     thread_local std::vector<double> constants, inv_freq;
     inv_freq.resize(num_pairs);
     for (int i = 0; i < num_pairs; ++i) inv_freq[i] = layout.rope().inv_freq(pairs[i]);
-    for (int row0 = 0; row0 < total_rows; row0 += cpu_internal::kMaxRows) {
-      const int rows = std::min(cpu_internal::kMaxRows, total_rows - row0);
+    // The kernel takes one token_begin for all its rows: in a sliding-window
+    // layer each query token's rows (its window begins at p + 1 - window)
+    // form their own chunks.
+    const bool windowed = layout.layer_window(item.layer) > 0;
+    for (int row0 = 0, rows = 0; row0 < total_rows; row0 += rows) {
+      rows = std::min(cpu_internal::kMaxRows, total_rows - row0);
+      if (windowed) rows = std::min(rows, (row0 / group + 1) * group - row0);
+      // The first token the chunk's rows see (all of them, when windowed).
+      const int64_t first_seen =
+          layout.WindowBegin(item.layer, item.context_tokens - item.num_query_tokens + row0 / group);
       queries.resize(static_cast<size_t>(rows) * d);
       out.resize(static_cast<size_t>(rows) * d);
       merged.assign(static_cast<size_t>(rows) * d, 0.0f);
@@ -305,6 +313,8 @@ class CpuBackend final : public Backend {
       }
       for (int k = 0; k < num_segments; ++k) {
         const Segment& seg = segments[k];
+        const int64_t token_begin = std::max(seg.begin, first_seen);
+        if (token_begin >= seg.end) continue;  // the window starts after the segment
         const HeadView view = View(*seg.layout, item.layer, kv);
         state.resize(view.key->query_state_floats());
         for (int r = 0; r < rows; ++r) {
@@ -323,7 +333,7 @@ class CpuBackend final : public Backend {
         params.rows = rows;
         params.queries = queries.data();
         params.visible = segment_visible.data();
-        params.token_begin = seg.begin;
+        params.token_begin = token_begin;
         params.addback_pairs = num_pairs;
         params.addback_inv_freq = inv_freq.data();
         params.addback_coef = coef.data();
@@ -373,6 +383,7 @@ class CpuBackend final : public Backend {
     for (int h = kv * group; h < (kv + 1) * group; ++h) {
       for (int i = 0; i < item.num_query_tokens; ++i) {
         const int64_t visible = item.context_tokens - item.num_query_tokens + 1 + i;
+        const int64_t first_seen = layout.WindowBegin(item.layer, visible - 1);
         const size_t row = (static_cast<size_t>(i) * qh + h) * d;
         const AddBackTerms terms = Terms(layout, item.key_mean, kv, item.queries + row, p.scale);
         logits.resize(std::max<int64_t>(visible, 1));
@@ -382,7 +393,7 @@ class CpuBackend final : public Backend {
           const HeadView view = View(*seg.layout, item.layer, kv);
           state.resize(view.key->query_state_floats());
           view.key->PrepareQuery(item.queries + row, state.data());
-          for (int64_t t = seg.begin; t < std::min(seg.end, visible); ++t) {
+          for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); ++t) {
             const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
             const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot),
                                                           view.key_scalars(at.page, at.slot));
@@ -391,7 +402,7 @@ class CpuBackend final : public Backend {
           }
         }
         double denominator = 0.0;
-        for (int64_t t = 0; t < visible; ++t) {
+        for (int64_t t = first_seen; t < visible; ++t) {
           logits[t] = std::exp(logits[t] - max_logit);
           denominator += logits[t];
         }
@@ -403,7 +414,7 @@ class CpuBackend final : public Backend {
           acc.assign(view.value->accumulator_floats(), 0.0f);
           part.resize(d);
           bool any = false;
-          for (int64_t t = seg.begin; t < std::min(seg.end, visible); ++t) {
+          for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); ++t) {
             const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
             view.value->Accumulate(logits[t] * inv, view.value_codes(at.page, at.slot),
                                    view.value_scalars(at.page, at.slot), acc.data());

@@ -756,6 +756,9 @@ class CudaBackend final : public Backend {
     for (const AttendItem& item : p.items) {
       // As many query tokens per piece as fit a workspace, up to the maximum.
       int per_piece = std::min(kMaxQueryTokensPerPiece, item.num_query_tokens);
+      // A block's rows share its token range: in a sliding-window layer each
+      // query token (its own window begin) is a piece of its own.
+      if (layout.layer_window(item.layer) > 0) per_piece = 1;
       while (per_piece > 1 &&
              PieceBytes(layout, {&item, 0, per_piece}, split) + kBatchOverhead > options_.workspace_bytes) {
         per_piece = (per_piece + 1) / 2;
@@ -941,6 +944,9 @@ class CudaBackend final : public Backend {
     PlanItemAddBack(layout, scale, piece, desc, w);
     Segment segments[kMaxSegments];
     const int num_segments = Segments(layout, exact, item.context_tokens, segments);
+    // The first token the piece's queries see: 0, or in a sliding-window
+    // layer (one query token per piece) p + 1 - window.
+    const int64_t first_seen = layout.WindowBegin(item.layer, desc.context_tokens - 1);
     const int rows = piece.tokens * group;
     // A unit's splits share its row chunks; the tensor-core kernel always
     // holds 8 rows (its N).
@@ -959,7 +965,7 @@ class CudaBackend final : public Backend {
         unit.first_partial = *partials;
         for (int k = 0; k < num_segments; ++k) {  // the compressed segment first
           const Segment& seg = segments[k];
-          for (int64_t t = seg.begin; t < std::min(seg.end, visible); t += split) {
+          for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); t += split) {
             AttendBlock b;
             b.item = item_index;
             b.kv_head = kv;

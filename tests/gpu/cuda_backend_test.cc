@@ -544,6 +544,8 @@ struct Recipe {
   KeyCentering centering = KeyCentering::kNone;
   int sinks = 0;
   int window = 0;
+  // > 0: layer 0 is a sliding-window layer of this many tokens (layer 1 full).
+  int sliding_window = 0;
 };
 
 std::string Describe(const Recipe& r) {
@@ -551,7 +553,7 @@ std::string Describe(const Recipe& r) {
                           : r.centering == KeyCentering::kPostRope ? "post-RoPE"
                                                                    : "no centering";
   return r.preset + ", " + centering + ", sinks " + std::to_string(r.sinks) + ", window " +
-         std::to_string(r.window);
+         std::to_string(r.window) + ", sliding window " + std::to_string(r.sliding_window);
 }
 
 CacheOptions RecipeOptions(const Recipe& r) {
@@ -570,6 +572,7 @@ CacheOptions RecipeOptions(const Recipe& r) {
   o.centering_pairs = 6;
   o.exact_sink_tokens = r.sinks;
   o.exact_window_tokens = r.window;
+  if (r.sliding_window > 0) o.layer_windows = {r.sliding_window, 0};
   options.memory_budget_bytes = size_t{8} << 20;
   return options;
 }
@@ -646,7 +649,11 @@ class RecipeRun {
       ASSERT_TRUE(status.ok()) << status;
       ExpectClose(gpu_out, cpu_out, tolerance_, "attend output");
       ExpectClose(gpu_lse, cpu_lse, tolerance_, "attend lse");
-      for (const auto& [begin, end] : {std::pair<int64_t, int64_t>{0, length}, {length / 3, length - 2}}) {
+      // A sliding-window layer's Score starts at the oldest token it holds.
+      const int64_t held = cpu_->GetSequence(id)->layer_held_begin[layer];
+      for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, length}, {length / 3, length - 2}}) {
+        begin = std::max(begin, held);
+        if (begin >= end) continue;
         std::vector<float> cpu_logits(static_cast<size_t>(qh) * (end - begin)), gpu_logits(cpu_logits.size());
         ASSERT_TRUE(cpu_->Score(id, layer, begin, end, q.data(), cpu_logits.data()).ok());
         const absl::Status scored = gpu_->Score(id, layer, begin, end, q.data(), gpu_logits.data());
@@ -697,6 +704,23 @@ std::vector<Recipe> Recipes() {
 TEST_F(CudaBackendTest, CenteringAndExactTokensMatchTheCpuThroughTheCache) {
   for (const Recipe& recipe : Recipes()) {
     EXPECT_TRUE(gpu_->SupportsLayout(**KvLayout::Create(RecipeOptions(recipe).layout)).ok());
+    {
+      SCOPED_TRACE("fp32 kernels");
+      RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
+    }
+    SCOPED_TRACE("tensor-core decode");
+    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+  }
+}
+
+// Sliding-window layers: each query token masked to its own window (also
+// the causal multi-token steps), pages given back, with and without exact
+// tokens and centering.
+TEST_F(CudaBackendTest, SlidingWindowLayersMatchTheCpuThroughTheCache) {
+  for (const Recipe& recipe : {Recipe{"turboquant_k3v4_nc", KeyCentering::kNone, 0, 0, 20},
+                               Recipe{"fp16", KeyCentering::kNone, 0, 0, 7},
+                               Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24},
+                               Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 33}}) {
     {
       SCOPED_TRACE("fp32 kernels");
       RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);

@@ -154,6 +154,61 @@ TEST(ServerConfig, RejectsBadCenteringSettingsWithTheirName) {
         "twice");
 }
 
+TEST(ServerConfig, ReadsSlidingWindowLayersAndWritesThemBack) {
+  // Gemma 3 270M's pattern: every sixth layer global, the others a window of 512.
+  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(
+    caches {
+      name: "gemma" num_layers: 18 num_kv_heads: 1 num_query_heads: 4 head_dim: 256
+      preset: "turboquant_k3v4_nc" boundary_layers: 0
+      sliding_window_layers { layers: [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16] window: 512 }
+    }
+    caches { name: "mixed" num_layers: 4 num_kv_heads: 1 num_query_heads: 1 head_dim: 64
+             sliding_window_layers { layers: [0, 2] window: 128 }
+             sliding_window_layers { layers: 3 window: 4096 } }
+    caches { name: "plain" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }
+  )pb");
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 64 << 20);
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  std::vector<int> want(18, 512);
+  for (int layer : {5, 11, 17}) want[layer] = 0;
+  EXPECT_EQ((*caches)[0].layout.layer_windows, want);
+  EXPECT_EQ((*caches)[1].layout.layer_windows, (std::vector<int>{128, 0, 128, 4096}));
+  EXPECT_TRUE((*caches)[2].layout.layer_windows.empty());
+  // Round trip: what GetServerInfo reports parses back to the same windows.
+  for (const CacheOptions& options : *caches) {
+    v1::ServerConfig again;
+    *again.add_caches() = ToCacheConfig(options);
+    absl::StatusOr<std::vector<CacheOptions>> back = ToCacheOptions(again, 64 << 20);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ((*back)[0].layout.layer_windows, options.layout.layer_windows) << options.name;
+  }
+  const v1::CacheConfig mixed = ToCacheConfig((*caches)[1]);
+  ASSERT_EQ(mixed.sliding_window_layers_size(), 2);
+  EXPECT_EQ(mixed.sliding_window_layers(0).window(), 128);
+  EXPECT_THAT(mixed.sliding_window_layers(0).layers(), ::testing::ElementsAre(0, 2));
+  EXPECT_EQ(mixed.sliding_window_layers(1).window(), 4096);
+  EXPECT_EQ(ToCacheConfig((*caches)[2]).sliding_window_layers_size(), 0);
+}
+
+TEST(ServerConfig, RejectsBadSlidingWindowLayers) {
+  const auto check = [](const std::string& fields, const char* substring) {
+    absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
+        "caches { num_layers: 4 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 " + fields + " }");
+    ASSERT_TRUE(config.ok()) << config.status();
+    absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 1 << 30);
+    ASSERT_FALSE(caches.ok()) << fields;
+    EXPECT_EQ(caches.status().code(), absl::StatusCode::kInvalidArgument) << caches.status();
+    EXPECT_THAT(caches.status().message(), HasSubstr(substring)) << caches.status();
+  };
+  check("sliding_window_layers { layers: 1 window: 0 }", "at least 1");
+  check("sliding_window_layers { layers: 1 window: -5 }", "at least 1");
+  check("sliding_window_layers { layers: 4 window: 8 }", "layer 4");
+  check("sliding_window_layers { layers: [1, 1] window: 8 }", "twice");
+  check("sliding_window_layers { layers: 1 window: 8 } sliding_window_layers { layers: 1 window: 16 }",
+        "twice");
+}
+
 }  // namespace
 }  // namespace service
 }  // namespace tqkv
