@@ -528,8 +528,9 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     seq = it == s.sequences.end() ? nullptr : it->second.get();
     if (seq == nullptr && !request.create_if_missing) {
       return absl::NotFoundError(absl::StrFormat(
-          "sequence '%s' not found in cache '%s'; create it first or set create_if_missing", id,
-          s.name));
+          "sequence '%s' not found in cache '%s'; create it first (CreateSequence), or append "
+          "without do_not_create",
+          id, s.name));
     }
     for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
       const int64_t have = seq == nullptr ? 0 : seq->layer_tokens[layer];

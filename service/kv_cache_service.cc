@@ -96,6 +96,8 @@ void ToProto(const std::string& cache, const SequenceInfo& in, v1::SequenceInfo*
   out->clear_layer_tokens();
   for (int64_t t : in.layer_tokens) out->add_layer_tokens(t);
   out->set_pages(in.pages);
+  out->clear_layer_oldest_token();
+  for (int64_t t : in.layer_held_begin) out->add_layer_oldest_token(t);
 }
 
 using Clock = std::chrono::steady_clock;

@@ -86,6 +86,7 @@ SequenceState FromProto(const v1::SequenceInfo& info) {
   s.sequence_id = info.sequence_id();
   s.layer_tokens.assign(info.layer_tokens().begin(), info.layer_tokens().end());
   s.pages = info.pages();
+  s.layer_oldest_token.assign(info.layer_oldest_token().begin(), info.layer_oldest_token().end());
   return s;
 }
 

@@ -112,6 +112,8 @@ struct SequenceState {
   std::string sequence_id;
   std::vector<int64_t> layer_tokens;  // per layer
   int32_t pages = 0;
+  // Oldest token held per layer (0 but in sliding-window layers).
+  std::vector<int64_t> layer_oldest_token;
 };
 
 struct AppendArgs {

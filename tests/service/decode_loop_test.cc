@@ -37,7 +37,7 @@ constexpr int kHeadDim = 64;
 
 // "default": compressed with an fp16 first and last layer; "csw": the
 // centering + sinks + window recipe the default config serves; "tiny": room
-// for two pages.
+// for two pages; "swa": the recipe with sliding-window layers 0 and 2.
 constexpr char kConfig[] = R"pb(
   caches {
     name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
@@ -54,6 +54,14 @@ constexpr char kConfig[] = R"pb(
   caches {
     name: "tiny" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
     page_tokens: 4 preset: "fp16" boundary_layers: 0
+  }
+  caches {
+    name: "swa" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+    page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 0
+    exact_sink_tokens: 2 exact_window_tokens: 4 centering_tokens: 8
+    rope { pair_layout: HALF_SPLIT base: 10000 }
+    sliding_window_layers { layers: [0, 2] window: 6 }
+    memory_budget_bytes: 8388608
   }
 )pb";
 
@@ -175,7 +183,8 @@ class DecodeLoopTest : public ::testing::Test {
 };
 
 TEST_F(DecodeLoopTest, AppendAttendEqualsAppendThenAttendLayerByLayer) {
-  for (const auto& [cache_name, index] : {std::pair<std::string, int>{"default", 0}, {"csw", 1}}) {
+  for (const auto& [cache_name, index] :
+       {std::pair<std::string, int>{"default", 0}, {"csw", 1}, {"swa", 3}}) {
     SCOPED_TRACE(cache_name);
     std::unique_ptr<KvCache> reference = Reference(index);
     ASSERT_NE(reference, nullptr);
@@ -213,6 +222,10 @@ TEST_F(DecodeLoopTest, AppendAttendEqualsAppendThenAttendLayerByLayer) {
     absl::StatusOr<SequenceState> a = client_->GetSequence(cache_name, "a");
     ASSERT_TRUE(a.ok());
     EXPECT_EQ(a->layer_tokens, std::vector<int64_t>(kLayers, pos_a));
+    // Windowed layers keep what the last token's query sees (6 tokens), the
+    // full-attention layer everything.
+    const int64_t oldest = cache_name == "swa" ? pos_a - 6 : 0;
+    EXPECT_EQ(a->layer_oldest_token, (std::vector<int64_t>{oldest, 0, oldest}));
   }
 }
 
