@@ -440,6 +440,10 @@ int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet) 
       row.Set("kernel_share", v.kernel_share >= 0 ? JsonValue(v.kernel_share) : JsonValue());
       row.Set("outside_us_per_layer",
               v.outside_us_per_layer >= 0 ? JsonValue(v.outside_us_per_layer) : JsonValue());
+      row.Set("server_us_per_layer",
+              v.server_us_per_layer >= 0 ? JsonValue(v.server_us_per_layer) : JsonValue());
+      row.Set("transport_us_per_layer",
+              v.transport_us_per_layer >= 0 ? JsonValue(v.transport_us_per_layer) : JsonValue());
       if (!v.first_error.empty()) row.Set("first_error", v.first_error);
       variants.Append(row);
     }
@@ -461,23 +465,25 @@ int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet) 
          "engine(s) x batch %d, context %lld\n",
          r.layers, r.kv_heads, r.query_heads, r.head_dim, options.clients, options.batch,
          static_cast<long long>(options.context));
-  printf("%-7s %6s %6s %9s %9s %9s %10s %8s %12s %10s %10s\n", "variant", "steps", "errors",
-         "rpcs/step", "p50_ms", "p99_ms", "kernel_ms", "kernel%", "outside_us/l", "tok/s/seq",
-         "tok/s");
+  printf("%-7s %6s %6s %9s %9s %9s %10s %8s %12s %10s %10s %10s %10s\n", "variant", "steps",
+         "errors", "rpcs/step", "p50_ms", "p99_ms", "kernel_ms", "kernel%", "outside_us/l",
+         "server_us", "grpc_us", "tok/s/seq", "tok/s");
   const DecodeVariantReport* unary = nullptr;
   for (const DecodeVariantReport& v : r.variants) {
     errors += v.errors;
     if (v.variant == DecodeVariant::kUnary) unary = &v;
     const double calls = v.variant == DecodeVariant::kStream ? v.messages_per_step : v.rpcs_per_step;
-    printf("%-7s %6lld %6lld %8.0f%s %9.2f %9.2f %10.2f %7.1f%% %12.0f %10.1f %10.1f\n",
+    printf("%-7s %6lld %6lld %8.0f%s %9.2f %9.2f %10.2f %7.1f%% %12.0f %10.0f %10.0f %10.1f %10.1f\n",
            DecodeVariantName(v.variant), static_cast<long long>(v.steps),
            static_cast<long long>(v.errors), calls,
            v.variant == DecodeVariant::kStream ? "m" : " ", v.step_p50_ms, v.step_p99_ms,
            v.kernel_ms_per_step, 100 * v.kernel_share, v.outside_us_per_layer,
-           v.tokens_per_second_per_sequence, v.tokens_per_second);
+           v.server_us_per_layer, v.transport_us_per_layer, v.tokens_per_second_per_sequence,
+           v.tokens_per_second);
   }
   printf("(m: stream messages per step, on one stream; outside_us/l: mean step time minus the "
-         "server's kernel time, per layer)\n");
+         "server's kernel time, per layer = server_us (handlers minus kernels) + grpc_us (beyond "
+         "the handlers: gRPC, loopback, the client))\n");
   if (unary != nullptr && unary->outside_us_per_layer > 0) {
     for (const DecodeVariantReport& v : r.variants) {
       if (&v == unary || v.outside_us_per_layer < 0) continue;

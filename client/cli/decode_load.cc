@@ -34,6 +34,18 @@ double KernelSeconds(const v1::ServerInfo& info) {
   return total;
 }
 
+// Summed handler seconds of the calls a decode step makes.
+double DecodeHandlerSeconds(const v1::ServerInfo& info) {
+  double total = 0;
+  for (const v1::TimingTotal& t : info.rpc_timings()) {
+    if (t.name() == "Append" || t.name() == "Attend" || t.name() == "AppendAttend" ||
+        t.name() == "DecodeStreamStep") {
+      total += t.seconds();
+    }
+  }
+  return total;
+}
+
 // What one variant's engines share.
 struct Run {
   const DecodeLoadOptions* options = nullptr;
@@ -387,6 +399,12 @@ absl::StatusOr<DecodeLoadReport> RunDecodeLoad(const DecodeLoadOptions& options)
         r.kernel_share = r.step_mean_ms > 0 ? r.kernel_ms_per_step / r.step_mean_ms : -1;
         r.outside_us_per_layer =
             1e3 * std::max(0.0, r.step_mean_ms - r.kernel_ms_per_step) / shape.layers;
+        const double handlers = DecodeHandlerSeconds(*after) - DecodeHandlerSeconds(*before);
+        const double handler_ms_per_step = 1e3 * handlers / r.steps;
+        r.server_us_per_layer =
+            1e3 * std::max(0.0, handler_ms_per_step - r.kernel_ms_per_step) / shape.layers;
+        r.transport_us_per_layer =
+            1e3 * std::max(0.0, r.step_mean_ms - handler_ms_per_step) / shape.layers;
       }
     }
     report.variants.push_back(std::move(r));

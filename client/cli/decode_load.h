@@ -77,8 +77,13 @@ struct DecodeVariantReport {
   // -1 when the server reports no timings.
   double kernel_ms_per_step = -1;
   double kernel_share = -1;
-  // Mean time per layer outside the kernels: (step - kernels) / layers.
+  // Mean time per layer outside the kernels: (step - kernels) / layers, and
+  // its two parts: in the server's handlers (validation, conversion, cache
+  // bookkeeping, the executor's queue) and beyond them (gRPC on both sides,
+  // the network, the client's own work).
   double outside_us_per_layer = -1;
+  double server_us_per_layer = -1;
+  double transport_us_per_layer = -1;
   double tokens_per_second_per_sequence = 0;
   double tokens_per_second = 0;  // over every sequence of every engine
   std::string first_error;       // "" when none
