@@ -104,7 +104,8 @@ class CpuBackend final : public Backend {
     // One task per (layer, head): they write disjoint planes.
     absl::Mutex error_mu;
     absl::Status first_error;
-    pool_.ParallelFor((p.layer_end - p.layer_begin) * heads, [&](int task) {
+    const int64_t work = static_cast<int64_t>(p.layer_end - p.layer_begin) * heads * p.num_tokens * d;
+    RunTasks((p.layer_end - p.layer_begin) * heads, work, [&](int task) {
       const int layer = p.layer_begin + task / heads;
       const int head = task % heads;
       const int64_t layer_offset = static_cast<int64_t>(layer - p.layer_begin) * p.num_tokens;
@@ -169,13 +170,31 @@ class CpuBackend final : public Backend {
     const KvLayout& layout = *p.layout;
     const int heads = layout.num_kv_heads();
     // One task per (item, KV head); each writes its own rows of the output.
-    pool_.ParallelFor(static_cast<int>(p.items.size()) * heads, [&](int task) {
+    int64_t work = 0;
+    for (const AttendItem& item : p.items) {
+      work += item.context_tokens * item.num_query_tokens * layout.query_heads_per_kv_head();
+    }
+    work *= static_cast<int64_t>(heads) * layout.head_dim();
+    RunTasks(static_cast<int>(p.items.size()) * heads, work, [&](int task) {
       AttendHead(p, p.items[task / heads], task % heads);
     });
     return absl::OkStatus();
   }
 
  private:
+  // Below this much work (multiply-adds, roughly) a call runs on its caller:
+  // waking a worker costs more than it saves (tens of microseconds on a VM),
+  // and a decode step makes many small calls (one token, one layer).
+  static constexpr int64_t kInlineWork = int64_t{1} << 17;
+
+  void RunTasks(int tasks, int64_t work, const std::function<void(int)>& body) {
+    if (work < kInlineWork) {
+      for (int i = 0; i < tasks; ++i) body(i);
+      return;
+    }
+    pool_.ParallelFor(tasks, body);
+  }
+
   // The most runs one read splits into: sinks, compressed, window.
   static constexpr int kMaxSegments = 3;
 

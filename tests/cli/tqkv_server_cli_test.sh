@@ -90,10 +90,17 @@ expect 0 "$TQKV" sequence "${C[@]}" --sequence s2; contains "layer tokens \[16, 
 expect 0 "$TQKV" drop "${C[@]}" --sequence s2
 expect 1 "$TQKV" drop "${C[@]}" --sequence s2; contains "NOT_FOUND"
 
-expect 0 "$TQKV" load "${C[@]}" --clients 2 --requests 60 --prefill-tokens 20 \
+expect 0 "$TQKV" load "${C[@]}" --mode mixed --clients 2 --requests 60 --prefill-tokens 20 \
   --prefill-chunk-tokens 8 --decode-steps 4 --score-every 2 --quiet --json
 contains '"errors": 0'; contains '"method": "Attend"'; contains '"attend_kernel_share"'
-expect 2 "$TQKV" load "${C[@]}" --duration-seconds 0
+expect 2 "$TQKV" load "${C[@]}" --mode mixed --duration-seconds 0
+# The default mode: the layer-by-layer decode loop, three shapes side by side.
+expect 0 "$TQKV" load "${C[@]}" --context 12 --batch 2 --decode-steps 3 --quiet
+contains "unary"; contains "fused"; contains "stream"; contains "outside_us/l"
+expect 0 "$TQKV" load "${C[@]}" --context 12 --batch 2 --decode-steps 2 --variants stream --quiet --json
+contains '"variant": "stream"'; contains '"errors": 0'; contains '"messages_per_step": 4'
+expect 2 "$TQKV" load "${C[@]}" --variants bogus
+expect 2 "$TQKV" load "${C[@]}" --mode sideways
 expect 2 "$TQKV" info --bogus
 
 expect 0 "$TQKV" info "${C[@]}"; contains "0 sequences"
