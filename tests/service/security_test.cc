@@ -106,6 +106,21 @@ TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
     chunk.keys = kv;
     chunk.values = kv;
     EXPECT_TRUE(client.AppendStream({&chunk, 1}).ok()) << token;
+    // And the decode stream: the token is checked once, at its start.
+    std::vector<float> q(1 * 2 * 64, 0.5f);
+    AppendAttendArgs step;
+    step.items.resize(1);
+    step.items[0].sequence_id = absl::StrCat("decode-", token);
+    step.items[0].kv_shape = {1, 1, 64};
+    step.items[0].query_shape = {1, 2, 64};
+    step.items[0].keys = absl::MakeConstSpan(kv.data(), 64);
+    step.items[0].values = absl::MakeConstSpan(kv.data(), 64);
+    step.items[0].queries = q;
+    std::unique_ptr<DecodeStream> stream = client.OpenDecodeStream(step.items[0].sequence_id);
+    absl::StatusOr<AppendAttendResult> r = stream->Step(step);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->items[0].status.ok()) << r->items[0].status;
+    EXPECT_TRUE(stream->Close().ok());
   }
   for (const char* token : {"", "wrong-token", "first-toke", "first-token2"}) {
     ClientOptions options = Options(*server);
@@ -124,6 +139,20 @@ TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
     chunk.values = kv;
     EXPECT_EQ(client.AppendStream({&chunk, 1}).status().code(),
               absl::StatusCode::kUnauthenticated);
+    // The decode loop's calls too: the fused call, and the stream, which
+    // ends before reading any request.
+    std::vector<float> q(1 * 2 * 64, 0.5f);
+    AppendAttendArgs step;
+    step.items.resize(1);
+    step.items[0].sequence_id = "intruder";
+    step.items[0].kv_shape = {1, 1, 64};
+    step.items[0].query_shape = {1, 2, 64};
+    step.items[0].keys = absl::MakeConstSpan(kv.data(), 64);
+    step.items[0].values = absl::MakeConstSpan(kv.data(), 64);
+    step.items[0].queries = q;
+    EXPECT_EQ(client.AppendAttend(step).status().code(), absl::StatusCode::kUnauthenticated);
+    std::unique_ptr<DecodeStream> stream = client.OpenDecodeStream("intruder");
+    EXPECT_EQ(stream->Step(step).status().code(), absl::StatusCode::kUnauthenticated);
   }
   // Nothing the rejected calls asked for happened.
   ClientOptions options = Options(*server);
