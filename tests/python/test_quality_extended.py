@@ -261,6 +261,149 @@ def test_bytes_formula_counts_windows_sinks_protected_and_sliding_layers():
     assert kv_bytes.ratio_vs_bf16(kv_bytes.bits_per_coordinate(gem, 32768, tq)) > 3
 
 
+def test_bytes_formula_for_served_sliding_window_layers():
+    # Gemma 3 270M's shape with every layer served: after a decode step a
+    # windowed layer holds its window. The server's figures for this shape
+    # (README, "Sliding-window layers": 8,256 tokens, turboquant_k3v4_nc).
+    local = {l: 512 for l in range(18) if (l + 1) % 6}
+    gem = kv_bytes.Layout(18, 1, 256, list(range(18)), local)
+    assert kv_bytes.row_bytes(gem, 8256, 230) == 7463040
+    assert kv_bytes.row_bytes(kv_bytes.Layout(18, 1, 256, list(range(18))), 8256, 230) == 34179840
+    assert kv_bytes.naive_bf16_bytes(gem, 8256) == 152174592
+    assert kv_bytes.window_aware_bf16_bytes(gem, 8256) == (3 * 8256 + 15 * 512) * 1024
+    # A 16-token append keeps what its first query sees: window + 15 tokens;
+    # a whole-text append keeps every token until the next append.
+    assert kv_bytes.held_begin(1024, 512, 16) == 1008 + 1 - 512
+    assert kv_bytes.held_begin(1024, 512, 1024) == 0 and kv_bytes.held_begin(1024, None) == 0
+    # Exact tokens: sinks leave with their tokens, the recent window stays.
+    fp = kv_bytes.fp16_slot(256)
+    got = kv_bytes.row_bytes(gem, 8192, 230, sinks=4, window=64, centered=True)
+    want = (3 * (8192 * 230 + 68 * fp) + 15 * (512 * 230 + 64 * fp)) + 18 * 4 * 256
+    assert got == want
+    # Short of the window a windowed layer is a full one.
+    assert kv_bytes.row_bytes(gem, 300, 230, 4, 64) == 18 * (300 * 230 + 68 * fp)
+    assert quality_report.last_append(1024, 16) == 16
+    assert quality_report.last_append(1000, 16) == 8
+    assert quality_report.last_append(1024, 0) == 1024
+
+
+def windowed(model, layers, windows):
+    """A sliced model whose layers in `windows` ({layer: window}) attend over
+    a sliding window: a Gemma-3-like layout on SmolLM2's weights."""
+    m = sliced(model, layers)
+    m.window = lambda layer: windows.get(layer)
+    return m
+
+
+def test_sliding_window_layers_are_served_and_counted(model, tokenizer):
+    m = windowed(model, 3, {0: 16, 1: 16})
+    tokens = tokenizer.encode("The pass key is 12345. Remember it. " * 8)[:60]
+    assert quality_report.served_layers(m) == [0, 1, 2]
+    config = quality_report.server_config(m, 64, [("fp16", "fp16", 0, 0)])
+    assert "sliding_window_layers { layers: [0, 1] window: 16 }" in config
+    want = quality_report.forward_chunked(m, tokens, attention.fp16(m.windows()), 8)
+    checked = []
+
+    def check(layer, q, k, v, out):
+        ref = attention.causal_attention(q, attention.fp16_round(k), attention.fp16_round(v), 0,
+                                         m.window(layer))
+        checked.append(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+    with LocalServer(server_binary(), config) as server, server.client(timeout=60) as client:
+        backend, served = quality_report.served_backend(m, client, "fp16", check)
+        got = quality_report.forward_chunked(m, tokens, backend, 8)
+        info = client.get_sequence(backend.sequence, cache="fp16")
+        assert info.layer_tokens == [60] * 3
+        held = served.held()
+        served.drop()
+    assert len(checked) == 3 and max(checked) <= quality_report.FP16_CHECK_REL
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    lay = quality_report.layout(m)
+    assert held["stored_bytes"] == kv_bytes.row_bytes(lay, 60, 256, last_append=4)
+    # The last append was 4 tokens at 56: windowed layers keep 56 + 1 - 16 on.
+    assert held["stored_bytes"] == held["stored_bytes_bf16"] == (19 + 19 + 60) * 3 * 256
+    assert held["pool_bytes"] >= held["stored_bytes"]
+
+
+def test_exact_prefill_stores_the_prompt_and_serves_the_answer(model, tokenizer):
+    m = windowed(model, 3, {0: 16, 1: 16})
+    p = passkey.make_prompt(tokenizer.encode, 80, 0.5, "27182", seed=1)
+    want_lp, want_greedy = passkey.score(m, p, attention.fp16(m.windows()))
+    config = quality_report.server_config(m, 96, [("fp16", "fp16", 0, 0),
+                                                  ("tq3", "turboquant_k3v4_nc", 0, 0)])
+    with LocalServer(server_binary(), config) as server, server.client(timeout=60) as client:
+        backend, served = quality_report.served_backend(m, client, "fp16", exact_prefill=True)
+        lp, greedy = passkey.score(m, p, backend)
+        held = served.held()
+        served.drop()
+        lps = []
+        for exact in (True, False):
+            backend, served = quality_report.served_backend(m, client, "tq3", exact_prefill=exact)
+            lps.append(passkey.score(m, p, backend)[0])
+            served.drop()
+    assert abs(lp - want_lp) < 1e-3 and greedy == want_greedy
+    # Prefill, then one-token appends: the windowed layers hold their window.
+    tokens = 80 + len(p.answer) - 1
+    assert held["stored_bytes"] == kv_bytes.row_bytes(quality_report.layout(m), tokens, 256)
+    assert held["stored_bytes"] == (16 + 16 + tokens) * 3 * 256
+    # The compressed cache: the prompt's attention exact or served differ.
+    assert lps[0] != lps[1]
+
+
+def test_fp16_sliding_layers_mode_and_split_caches(model):
+    m = windowed(model, 3, {0: 16, 1: 16})
+    try:
+        quality_report.SLIDING.update(layers="fp16")
+        assert quality_report.served_layers(m) == [2]
+        assert "sliding_window_layers" not in quality_report.server_config(
+            m, 64, [("a", "fp16", 0, 0)])
+        lay = quality_report.layout(m)
+        assert kv_bytes.row_bytes(lay, 60, 62) == 3 * 60 * 62 + 2 * 3 * 16 * 256
+        quality_report.SLIDING.update(layers="served", rope_groups="split")
+        m.rope_spec = lambda layer=None: rope.spec(64, rope.INTERLEAVED,
+                                                   1e4 if layer is not None and layer < 2 else 1e5)
+        assert quality_report.cache_groups(m) == [("/rope0", [0, 1]), ("/rope1", [2])]
+        row = {"name": "csw", "kind": "served", "preset": "tqkv_k3v4u_csw", "boundary": 0,
+               "seeds": [0], "recipe": {"rope": True}}
+        config = quality_report.server_config(m, 64, [("csw", "tqkv_k3v4u_csw", 0, 0)],
+                                              {"csw": row})
+        assert 'name: "csw/rope0" num_layers: 2' in config and "base: 10000.0" in config
+        assert 'name: "csw/rope1" num_layers: 1' in config and "base: 100000.0" in config
+        assert config.count("sliding_window_layers") == 1
+    finally:
+        quality_report.SLIDING.update(layers="served", rope_groups="one")
+
+
+def test_server_bytes_after_a_decode_step_equal_the_formula(model):
+    m = windowed(model, 3, {0: 16, 1: 16})
+    rows = [{"name": "tq3", "kind": "served", "preset": "turboquant_k3v4_nc", "boundary": 0,
+             "seeds": [0], "recipe": {}},
+            {"name": "csw", "kind": "served", "preset": "tqkv_k3v4u_csw", "boundary": 0,
+             "seeds": [0], "recipe": {"rope": True, "exact_window_tokens": 8}}]
+    slots = {"turboquant_k3v4_nc": 62}
+    old = quality_report.BYTES_AT
+    try:
+        quality_report.BYTES_AT = (40, 72)
+        for r in rows:
+            quality_report.bytes_at(m, r, slots)
+        logged = []
+        quality_report.server_bytes_section(server_binary(), m, rows, slots, (40, 72),
+                                            logged.append, step=16)
+    finally:
+        quality_report.BYTES_AT = old
+    assert not [msg for msg in logged if "formula says" in msg]
+    lay = quality_report.layout(m)
+    for r in rows:
+        for t in ("40", "72"):
+            cell = r["at"][t]
+            assert cell["server"]["stored_bytes"] == cell["bytes_formula"]
+            # After a decode step the server's bf16 count is the window-aware baseline.
+            assert cell["server"]["stored_bytes_bf16"] == cell["bf16_window_aware"]
+            assert cell["ratio_vs_naive_bf16"] > cell["ratio_vs_bf16"] > 1
+    assert rows[0]["at"]["72"]["bytes"] == (72 + 16 + 16) * 3 * 62
+    assert kv_bytes.window_aware_bf16_bytes(lay, 72) == (72 + 16 + 16) * 3 * 256
+
+
 # --- recipes --------------------------------------------------------------------
 
 def test_recipes_render_as_cache_config_fields(model):

@@ -97,15 +97,20 @@ def fp16(windows=None):
 
 
 class Router:
-    """Layers in `served` go to `served_backend` (with the layer renumbered to
-    its index in `served`: a cache that holds only those layers); the others to
-    `rest` (a NumpyCache, e.g. fp16 for sliding-window layers)."""
+    """Routes each layer to one of several backends. `groups`: [(layers,
+    backend)]; a layer of a group goes to its backend renumbered to its index
+    in that group's list (a cache that holds only those layers); any other
+    layer to `rest` (e.g. a NumpyCache at fp16 for layers no cache serves)."""
 
-    def __init__(self, served, served_backend, rest):
-        self.index = {layer: i for i, layer in enumerate(served)}
-        self.served_backend, self.rest = served_backend, rest
+    def __init__(self, groups, rest=None):
+        self.route = {}
+        for layers, backend in groups:
+            for i, layer in enumerate(layers):
+                self.route[layer] = (backend, i)
+        self.rest = rest
 
     def __call__(self, layer, q, k, v, start=0):
-        if layer in self.index:
-            return self.served_backend(self.index[layer], q, k, v, start=start)
+        if layer in self.route:
+            backend, index = self.route[layer]
+            return backend(index, q, k, v, start=start)
         return self.rest(layer, q, k, v, start=start)

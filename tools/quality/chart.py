@@ -55,10 +55,16 @@ def plot(report, path):
                       entry["perplexity"][0].get("tokens", report.get("tokens", 0)))
         ax.set_ylabel("perplexity change vs fp16 (%)")
         m = entry["model"]
-        title = "%s (head_dim %d)" % (name, m["head_dim"])
-        if len(m["full_attention_layers"]) < m["layers"]:
+        chunk = entry.get("chunk", 0)
+        title = "%s (head_dim %d; %s)" % (name, m["head_dim"], "%d-token Append + Attend steps"
+                                          % chunk if chunk else "one Append + causal Attend")
+        served = m.get("served_layers", m["full_attention_layers"])
+        windowed = m["layers"] - len(m["full_attention_layers"])
+        if windowed and len(served) == m["layers"]:
+            title += "\nall %d layers served, %d of them sliding-window" % (m["layers"], windowed)
+        elif windowed:
             title += "\nlayers %s compressed; the %d sliding-window layers stay fp16" % (
-                m["full_attention_layers"], m["layers"] - len(m["full_attention_layers"]))
+                m["full_attention_layers"], windowed)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], marker="o", ls="", color="tab:blue", label="tqkv preset"),

@@ -14,8 +14,9 @@ projection -> RMSNorm (post-attention) -> residual; RMSNorm -> GeGLU MLP
 RMSNorm; logits against the token embedding (tied). The GGUF converter has
 already added Gemma's +1 to every norm weight. Text starts with <bos>.
 
-The tqkv cache serves the full-attention layers (full_attention_layers()); a
-sliding-window layer never holds more than 512 tokens and stays fp16.
+The quality report serves every layer through tqkv: the sliding-window
+layers (windows()) as CacheConfig.sliding_window_layers, the full-attention
+ones (full_attention_layers()) with full attention.
 """
 import importlib
 import os

@@ -9,7 +9,8 @@ Models (--models): smollm2 = SmolLM2-135M-Instruct (llama.py; Llama-style,
 head_dim 64, GQA 3:1, interleaved RoPE); gemma3 = Gemma 3 270M (gemma.py;
 head_dim 256, 4 query heads on 1 KV head, QK-norm, half-split RoPE, full
 attention on layers 5/11/17 and a 512-token sliding window on the others,
-which tqkv does not serve: they stay fp16 in every row).
+which tqkv serves as CacheConfig.sliding_window_layers; --sliding-layers fp16
+keeps them fp16 in numpy in every row instead).
 
 Sections (markdown on stdout):
   (a) `tqkv eval` on synthetic keys with 4 hot channels (x10) and a
@@ -26,7 +27,10 @@ Sections (markdown on stdout):
       per --recipes recipe (recipes.py; rows the server rejects are listed),
       and vLLM's scheme (vllm_scheme.py, --vllm) applied to the same layers in
       numpy; bits per coordinate at the measured length (from the server's
-      stored_bytes) and at 32k tokens (kv_bytes.py), ratio vs bf16.
+      stored_bytes) and after a decode step at --bytes-at (8k, 32k: from
+      kv_bytes.py, or with --server-bytes from the server's own counts), the
+      ratio vs a bf16 cache that keeps each sliding window only (the honest
+      one) and vs one that keeps every token of every layer.
   (d) Pass-key retrieval (passkey.py) at --passkey-contexts tokens, needle at
       10/50/90% depth, --passkey-prompts prompts per cell: prefill, then decode
       the answer one token per Append/Attend; change of the answer's
@@ -88,6 +92,18 @@ DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 # as pydoc ships them (pydoc_data.topics, in every CPython): prose about code.
 TEXTS = {"gpl3": DEFAULT_TEXT, "pydoc": "pydoc:topics"}
 LONG_CONTEXT = 32768    # the second bytes column
+# Context lengths of the bytes columns: the issue's 8k and the long one,
+# by the formula and (--server-bytes-at) from the server's own counts.
+BYTES_AT = (8192, LONG_CONTEXT)
+# How sliding-window layers are held (--sliding-layers): "served", by the
+# tqkv cache (CacheConfig.sliding_window_layers: masked, older pages given
+# back), or "fp16", in numpy at fp16 in every row (before the server took
+# them). And how many caches hold the served layers (--rope-groups): "one",
+# with the RoPE of the model's global layers, or "split", one cache per RoPE
+# (Gemma 3's local layers rotate with base 1e4, its global ones with 1e6: a
+# cache has one `rope`, so one cache centers the local layers with a RoPE
+# not theirs, exact but with less gain).
+SLIDING = {"layers": "served", "rope_groups": "one"}
 MODEL_KEYS = ("smollm2", "gemma3")
 PASSKEY_PRESETS = "fp16,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc"
 PASSKEY_VLLM = "turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc"
@@ -140,10 +156,44 @@ def text_windows(model, tokenizer, text, tokens, windows):
     return [head + ids[w * body:(w + 1) * body] for w in range(windows)]
 
 
+def served_layers(model):
+    """The layers tqkv caches hold: every layer, or (--sliding-layers fp16)
+    the full-attention ones."""
+    if SLIDING["layers"] == "served":
+        return list(range(model.config.layers))
+    return model.full_attention_layers()
+
+
+def cache_groups(model):
+    """[(cache name suffix, model layers)]: one cache of every served layer,
+    or (--rope-groups split) one per distinct RoPE of the served layers."""
+    layers = served_layers(model)
+    if SLIDING["rope_groups"] != "split":
+        return [("", layers)]
+    groups = {}
+    for layer in layers:
+        groups.setdefault(json.dumps(model.rope_spec(layer), sort_keys=True), []).append(layer)
+    if len(groups) == 1:
+        return [("", layers)]
+    return [("/rope%d" % i, g) for i, g in enumerate(groups.values())]
+
+
+def group_rope(model, layers):
+    """The RoPE a cache of these layers is given: theirs when split by RoPE,
+    else the global layers' (rope_spec())."""
+    return model.rope_spec(layers[0]) if SLIDING["rope_groups"] == "split" else model.rope_spec()
+
+
 def layout(model):
     c = model.config
-    return kv_bytes.Layout(c.layers, c.kv_heads, c.head_dim, model.full_attention_layers(),
+    return kv_bytes.Layout(c.layers, c.kv_heads, c.head_dim, served_layers(model),
                            model.windows())
+
+
+def last_append(tokens, chunk):
+    """Tokens in the last append of a window fed in `chunk`-token steps (0:
+    one append of all)."""
+    return tokens - chunk * ((tokens - 1) // chunk) if chunk else tokens
 
 
 # ---------------------------------------------------------------------------
@@ -217,7 +267,7 @@ def capture_section(cli, model, tokens, presets, eval_queries, work):
             rows.append(row)
             if WORST_PRESET in row:
                 per_layer.setdefault(layer, []).append(row[WORST_PRESET]["output_rel_error"])
-    served = model.full_attention_layers()
+    served = served_layers(model)
     ranked = sorted(((float(np.mean(per_layer[l])), i, l) for i, l in enumerate(served)
                      if l in per_layer), reverse=True)
     worst = [{"layer": l, "served_index": i, "output_rel_error": e} for e, i, l in ranked]
@@ -231,19 +281,26 @@ def capture_section(cli, model, tokens, presets, eval_queries, work):
 class ServedAttention:
     """attend(layer, q, k, v, start=0) through a tqkv-server: Append the new
     tokens' K/V at `start`, then one Attend with their queries (causal).
-    Records stored bytes (the server's own count)."""
+    Records stored bytes (the server's own count). With `exact_prefill`
+    ({cache layer: window or None}), the first append (start 0) is only
+    stored and its queries attend in numpy over the fp16 K/V, as a prefill
+    node attends over the K/V it has just computed; later calls are served."""
 
-    def __init__(self, client, cache, check=None):
+    def __init__(self, client, cache, check=None, exact_prefill=None):
         self.client = client
         self.cache = cache
         self.sequence = "report/%s/%s" % (cache, uuid.uuid4().hex[:8])
         self.stored_bytes = 0
         self.check = check  # check(layer, q, k, v, served_output), prefill only
+        self.exact_prefill = exact_prefill
 
     def __call__(self, layer, q, k, v, start=0):
         result = self.client.append(self.sequence, k[None], v[None], start=start,
                                     layer_begin=layer, layer_end=layer + 1, cache=self.cache)
         self.stored_bytes += result.stored_bytes
+        if self.exact_prefill is not None and start == 0:
+            return attention.causal_attention(q, attention.fp16_round(k), attention.fp16_round(v),
+                                              0, self.exact_prefill.get(layer))
         out = self.client.attend([(self.sequence, layer, q)], cache=self.cache)[0].output
         if self.check is not None and start == 0:
             self.check(layer, q, k, v, out)
@@ -253,46 +310,109 @@ class ServedAttention:
         """What the server says the cache holds now (GetServerInfo): this
         sequence's bytes when it is the cache's only one, exact copies and
         means included (Append's stored_bytes counts the compressed slots)."""
+        return self.held()["stored_bytes"]
+
+    def held(self):
+        """The cache's GetServerInfo counts: stored_bytes, stored_bytes_bf16
+        (the same held tokens in bf16) and pool_bytes (pages in use x page
+        bytes: padding, unfilled slots and stride included)."""
         for c in self.client.info().caches:
             if c.config.name == self.cache:
-                return int(c.stored_bytes)
+                return {"stored_bytes": int(c.stored_bytes),
+                        "stored_bytes_bf16": int(c.stored_bytes_bf16),
+                        "pool_bytes": int(c.pages_used) * int(c.page_bytes)}
         raise KeyError(self.cache)
 
     def drop(self):
         self.client.drop(self.sequence, cache=self.cache)
 
 
-def served_backend(model, client, cache, check=None):
-    """(backend for model.forward, the ServedAttention inside it). Layers the
-    cache does not hold (sliding-window) run in numpy at fp16."""
-    served = ServedAttention(client, cache, check)
-    full = model.full_attention_layers()
-    if len(full) == model.config.layers:
-        return served, served
-    return attention.Router(full, served, attention.fp16(model.windows())), served
+class ServedModel:
+    """A model's served layers on the caches of cache_groups (one each):
+    held() sums their counts, drop() drops the sequence from each."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def held(self):
+        out = {}
+        for p in self.parts:
+            for k, v in p.held().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def held_bytes(self):
+        return self.held()["stored_bytes"]
+
+    def drop(self):
+        for p in self.parts:
+            p.drop()
 
 
-def cache_budget(model, tokens):
+def served_backend(model, client, cache, check=None, exact_prefill=False):
+    """(backend for model.forward, what held()/drop() it). Each cache of
+    cache_groups serves its layers; layers no cache holds (--sliding-layers
+    fp16) run in numpy at fp16. check(model layer, q, k, v, output) sees
+    every served layer's first append. exact_prefill: see ServedAttention."""
+    groups = cache_groups(model)
+    parts = []
+    for suffix, layers in groups:
+        layer_check = None
+        if check is not None:
+            layer_check = (lambda layers: lambda i, q, k, v, out: check(layers[i], q, k, v, out))(
+                layers)
+        exact = {i: model.window(l) for i, l in enumerate(layers)} if exact_prefill else None
+        parts.append(ServedAttention(client, cache + suffix, layer_check, exact))
+    if len(parts) == 1 and len(groups[0][1]) == model.config.layers:
+        return parts[0], parts[0]
+    served = set(served_layers(model))
+    rest = attention.fp16({l: w for l, w in model.windows().items() if l not in served})
+    return (attention.Router([(layers, p) for (_, layers), p in zip(groups, parts)], rest),
+            ServedModel(parts))
+
+
+def cache_budget(model, tokens, layers, max_append=None):
+    """Pool bytes for one sequence of `tokens` tokens in a cache of `layers`
+    (model layers), appended at most max_append (default all) at a time:
+    every token at fp16 in full-attention layers, window + append + two
+    pages in sliding-window ones, doubled for exact pages and chunk strides."""
     c = model.config
-    pages = -(-tokens // 16) + 1
-    return pages * 16 * len(model.full_attention_layers()) * c.kv_heads * c.head_dim * 4 + (4 << 20)
+    held = 0
+    for layer in layers:
+        w = model.window(layer) if SLIDING["layers"] == "served" else None
+        n = tokens if not w else min(tokens, w + (max_append or tokens))
+        held += (-(-n // 16) + 2) * 16
+    return 2 * held * c.kv_heads * c.head_dim * 4 + (8 << 20)
 
 
-def server_config(model, tokens, caches, extra=None):
-    """caches: [(name, preset, boundary, seed)]; extra: {name: recipe fields text}."""
+def server_config(model, tokens, caches, recipes=None, max_append=None):
+    """caches: [(name, preset, boundary, seed)], each one tqkv cache per
+    cache_groups entry (name + suffix); recipes: {name: row} for rows with
+    recipe fields. Sliding-window layers get sliding_window_layers."""
     c = model.config
-    budget = cache_budget(model, tokens)
-    extra = extra or {}
-    text = [recipes_mod.cache_text(name, len(model.full_attention_layers()), c.kv_heads, c.heads,
-                                   c.head_dim, preset, boundary, seed, budget,
-                                   extra.get(name, ""))
-            for name, preset, boundary, seed in caches]
+    recipes = recipes or {}
+    text = []
+    for name, preset, boundary, seed in caches:
+        for suffix, layers in cache_groups(model):
+            extra = []
+            if name in recipes:
+                extra.append(row_extra(model, recipes[name], layers))
+            if SLIDING["layers"] == "served":
+                windows = {i: model.window(l) for i, l in enumerate(layers) if model.window(l)}
+                if windows:
+                    extra.append(recipes_mod.windows_text(windows))
+            text.append(recipes_mod.cache_text(
+                name + suffix, len(layers), c.kv_heads, c.heads, c.head_dim, preset, boundary,
+                seed, cache_budget(model, tokens, layers, max_append),
+                " ".join(e for e in extra if e)))
     return "\n".join(text) + "\n"
 
 
-def probe_caches(model, presets):
+def probe_config(model, presets):
     """One-layer caches whose one-token Append gives a preset's bytes per (token, head)."""
-    return [("probe:%s" % p, p, 0, 0) for p in presets]
+    c = model.config
+    return "".join(recipes_mod.cache_text("probe:%s" % p, 1, c.kv_heads, c.heads, c.head_dim, p, 0,
+                                          0, 4 << 20) + "\n" for p in presets)
 
 
 def probe_slots(client, model, presets):
@@ -336,13 +456,14 @@ def split_presets(cli):
 def row_specs(model, presets, boundary_rows, seeded, vllm, recipe_names, worst_layers=None):
     """[{name, kind, preset, boundary, seeds, recipe}] for (c) and (d)."""
     c = model.config
-    served_count = len(model.full_attention_layers())
+    served_count = len(served_layers(model))
+    split = len(cache_groups(model)) > 1
     rows = [{"name": "numpy float32 attention", "kind": "exact"},
             {"name": "numpy fp16 K/V", "kind": "fp16"}]
     for p in presets:
         rows.append({"name": p, "kind": "served", "preset": p, "boundary": 0,
                      "seeds": ROTATION_SEEDS if p in seeded else [0], "recipe": {}})
-    if 2 * 2 <= served_count:
+    if 2 * 2 <= served_count and not split:  # boundary layers are per cache
         for p in boundary_rows:
             rows.append({"name": "%s+b2" % p, "kind": "served", "preset": p, "boundary": 2,
                          "seeds": ROTATION_SEEDS if p in seeded else [0], "recipe": {}})
@@ -357,30 +478,39 @@ def row_specs(model, presets, boundary_rows, seeded, vllm, recipe_names, worst_l
         recipe = dict(recipes_mod.RECIPES[name])
         preset = recipe.pop("preset")
         boundary = recipe.pop("boundary_layers", 0)
-        rows.append({"name": name, "kind": "served", "preset": preset, "boundary": boundary,
-                     "seeds": ROTATION_SEEDS if preset in seeded else [0], "recipe": recipe})
+        row = {"name": name, "kind": "served", "preset": preset, "boundary": boundary,
+               "seeds": ROTATION_SEEDS if preset in seeded else [0], "recipe": recipe}
+        if split and (boundary or recipe.get("protected_layers")):
+            row["rejected"] = "protected layers are per cache: not with --rope-groups split"
+        rows.append(row)
     if worst_layers:
         recipes_mod.MEASURED_PROTECTED[model.name] = worst_layers
     return rows
 
 
-def row_extra(model, row):
+def row_extra(model, row, layers=None):
+    """The recipe's CacheConfig fields for a cache of `layers` (model layers;
+    default every served one)."""
     if not row.get("recipe"):
         return ""
-    return recipes_mod.fields_text(row["recipe"], model.rope_spec(), len(model.full_attention_layers()),
+    layers = layers or served_layers(model)
+    return recipes_mod.fields_text(row["recipe"], group_rope(model, layers), len(layers),
                                    model.name)
 
 
-def row_bytes(model, row, tokens, slots):
-    """Formula bytes of a row at `tokens` tokens (kv_bytes.py)."""
+def row_bytes(model, row, tokens, slots, last=1):
+    """Formula bytes of a row at `tokens` tokens, the last append `last`
+    tokens long (kv_bytes.py)."""
     lay = layout(model)
     fp = kv_bytes.fp16_slot(model.config.head_dim)
     if row["kind"] in ("exact", "fp16"):
-        return kv_bytes.row_bytes(lay, tokens, fp)
+        return kv_bytes.window_aware_bf16_bytes(lay, tokens)
     if row["kind"] == "vllm":
+        # Held like the served rows: each window and the last append's queries' reach.
         return kv_bytes.row_bytes(lay, tokens,
                                   vllm_scheme.bytes_per_token_head(row["preset"],
-                                                                   model.config.head_dim))
+                                                                   model.config.head_dim),
+                                  last_append=last)
     r = recipes_mod.effective(row["preset"], row.get("recipe", {}))
     protected = {}
     for layers, preset in r.get("protected_layers", []):
@@ -389,7 +519,7 @@ def row_bytes(model, row, tokens, slots):
     return kv_bytes.row_bytes(lay, tokens, slots[recipes_mod.slot_preset(row["preset"])], sinks=r.get("exact_sink_tokens", 0),
                               window=r.get("exact_window_tokens", 0), protected=protected,
                               boundary=row["boundary"],
-                              centered=r.get("key_centering", "none") != "none")
+                              centered=r.get("key_centering", "none") != "none", last_append=last)
 
 
 def numpy_backend(model, row):
@@ -398,7 +528,7 @@ def numpy_backend(model, row):
     if row["kind"] == "fp16":
         return attention.fp16(model.windows())
     return vllm_scheme.cache(row["preset"], model.config.head_dim, model.windows(),
-                             model.full_attention_layers())
+                             served_layers(model))
 
 
 def start_server(server_binary, config):
@@ -409,7 +539,7 @@ def start_server(server_binary, config):
 def recipe_accepted(server_binary, model, row, tokens):
     """Whether this server takes the recipe's cache config (None) or its error."""
     config = server_config(model, tokens, [("try", row["preset"], row["boundary"], 0)],
-                           {"try": row_extra(model, row)})
+                           {"try": row})
     try:
         with start_server(server_binary, config):
             return None
@@ -418,7 +548,7 @@ def recipe_accepted(server_binary, model, row, tokens):
         return text.split("config is not a text-format tqkv.v1.ServerConfig: ")[-1][-300:]
 
 
-def run_rows(server_binary, model, rows, tokens, log, run_one, check=None):
+def run_rows(server_binary, model, rows, tokens, log, run_one, check=None, exact_prefill=False):
     """Calls run_one(row, seed, backend, served) for every row and seed: numpy
     rows with served=None; plain served rows on one server; each recipe row on
     its own server (skipped with row['rejected'] when the server refuses it).
@@ -433,18 +563,19 @@ def run_rows(server_binary, model, rows, tokens, log, run_one, check=None):
     plain = [r for r in rows if r["kind"] == "served" and not r["recipe"]]
     caches = [("%s@%d" % (r["name"], s), r["preset"], r["boundary"], s) for r in plain
               for s in r["seeds"]]
-    caches += probe_caches(model, served_presets)
     slots = {}
-    with start_server(server_binary, server_config(model, tokens, caches)) as server:
+    config = server_config(model, tokens, caches) + probe_config(model, served_presets)
+    with start_server(server_binary, config) as server:
         with server.client(timeout=600.0, max_message_bytes=256 << 20) as client:
             slots = probe_slots(client, model, served_presets)
             for row in plain:
                 for seed in row["seeds"]:
                     cache = "%s@%d" % (row["name"], seed)
                     run_one(row, seed, lambda: served_backend(
-                        model, client, cache, check if row["name"] == "fp16" else None))
+                        model, client, cache, check if row["name"] == "fp16" else None,
+                        exact_prefill))
     for row in rows:
-        if row["kind"] != "served" or not row["recipe"]:
+        if row["kind"] != "served" or not row["recipe"] or row.get("rejected"):
             continue
         error = recipe_accepted(server_binary, model, row, tokens)
         if error is not None:
@@ -453,12 +584,13 @@ def run_rows(server_binary, model, rows, tokens, log, run_one, check=None):
             continue
         caches = [("%s@%d" % (row["name"], s), row["preset"], row["boundary"], s)
                   for s in row["seeds"]]
-        extra = {c[0]: row_extra(model, row) for c in caches}
-        with start_server(server_binary, server_config(model, tokens, caches, extra)) as server:
+        recipes = {c[0]: row for c in caches}
+        with start_server(server_binary, server_config(model, tokens, caches, recipes)) as server:
             with server.client(timeout=600.0, max_message_bytes=256 << 20) as client:
                 for seed in row["seeds"]:
                     cache = "%s@%d" % (row["name"], seed)
-                    run_one(row, seed, lambda: served_backend(model, client, cache))
+                    run_one(row, seed, lambda: served_backend(model, client, cache,
+                                                              exact_prefill=exact_prefill))
     return slots
 
 
@@ -484,20 +616,21 @@ def e2e_section(server_binary, model, texts, rows, log, chunk=0):
     tokens = len(next(iter(texts.values()))[0])
 
     def fp16_check(layer, q, k, v, out):
-        want = attention.causal_attention(q, attention.fp16_round(k), attention.fp16_round(v))
+        want = attention.causal_attention(q, attention.fp16_round(k), attention.fp16_round(v), 0,
+                                          model.window(layer))
         rel = float(np.linalg.norm(out - want) / np.linalg.norm(want))
         check["max_layer_rel"] = max(check["max_layer_rel"], rel)
 
     def run_one(row, seed, make):
         t0 = time.time()
         sums = {}
-        stored = 0
+        stored = None
         for text, windows in texts.items():
             for toks in windows:
                 backend, served = make()
                 nll = model.nll(forward_chunked(model, toks, backend, chunk), toks)
                 if served is not None:
-                    stored = served.held_bytes()
+                    stored = served.held()
                     served.drop()
                 s = sums.setdefault(text, [0.0, 0])
                 s[0] += float(nll.sum())
@@ -507,13 +640,14 @@ def e2e_section(server_binary, model, texts, rows, log, chunk=0):
         row.setdefault("seeds_run", []).append(seed)
         row.setdefault("ppl_per_seed", []).append(pooled)
         row.setdefault("ppl_per_text_per_seed", []).append(per_text)
-        if served is not None:
-            row["stored_bytes"] = stored
+        if stored is not None:
+            row["stored_bytes"] = stored["stored_bytes"]
+            row["server_counts"] = stored
         log("(c) %s %-28s seed %3d ppl %.4f  %.1f s" % (model.name, row["name"], seed, pooled,
                                                         time.time() - t0))
 
     slots = run_rows(server_binary, model, rows, tokens, log, run_one, fp16_check)
-    finish_rows(model, rows, tokens, slots, "ppl")
+    finish_rows(model, rows, tokens, slots, "ppl", last_append(tokens, chunk))
     base = next(r for r in rows if r["name"] == "numpy fp16 K/V")
     served_fp16 = next((r for r in rows if r["name"] == "fp16" and "ppl" in r), None)
     ref = served_fp16 or base
@@ -527,6 +661,8 @@ def e2e_section(server_binary, model, texts, rows, log, chunk=0):
         r["ppl_change_vs_fp16"] = r["ppl"] / ref["ppl"] - 1.0
         r["ppl_change_range"] = [min(r["ppl_per_seed"]) / ref["ppl"] - 1.0,
                                  max(r["ppl_per_seed"]) / ref["ppl"] - 1.0]
+        r["ppl_change_per_seed"] = [p / ref["ppl"] - 1.0 for p in r["ppl_per_seed"]]
+        r["ppl_change_median"] = float(np.median(r["ppl_change_per_seed"]))
         r["ppl_change_per_text"] = {t: r["ppl_per_text"][t] / ref["ppl_per_text"][t] - 1.0
                                     for t in r["ppl_per_text"]}
     check["ppl_rel"] = abs(served_fp16["ppl"] / base["ppl"] - 1.0) if served_fp16 else None
@@ -535,12 +671,14 @@ def e2e_section(server_binary, model, texts, rows, log, chunk=0):
     return check, slots
 
 
-def finish_rows(model, rows, tokens, slots, metric):
-    """Mean over seeds; bytes and bits per coordinate at `tokens` and 32k."""
+def finish_rows(model, rows, tokens, slots, metric, last=1):
+    """Mean over seeds; bytes and bits per coordinate at `tokens` (each
+    layer's last append `last` tokens long) and, as after a decode step, at
+    BYTES_AT: vs a bf16 cache that keeps only each window (ratio_vs_bf16,
+    the honest one) and vs one that keeps every token of every layer
+    (ratio_vs_naive_bf16)."""
     lay = layout(model)
-    fp = kv_bytes.fp16_slot(model.config.head_dim)
-    unserved = kv_bytes.row_bytes(kv_bytes.Layout(lay.layers, lay.kv_heads, lay.head_dim, [],
-                                                  lay.windows), tokens, fp)
+    unserved = kv_bytes.unserved_bytes(lay, tokens)
     for r in rows:
         if metric == "ppl" and "ppl_per_seed" in r:
             r["ppl"] = float(np.mean(r["ppl_per_seed"]))
@@ -548,7 +686,7 @@ def finish_rows(model, rows, tokens, slots, metric):
             continue
         if r["kind"] == "served" and recipes_mod.slot_preset(r["preset"]) not in slots:
             continue
-        formula = row_bytes(model, r, tokens, slots)
+        formula = row_bytes(model, r, tokens, slots, last)
         r["bytes_formula"] = formula
         if "stored_bytes" in r:
             # The server's count for the layers it holds, plus the unserved
@@ -565,6 +703,73 @@ def finish_rows(model, rows, tokens, slots, metric):
             lay, LONG_CONTEXT, row_bytes(model, r, LONG_CONTEXT, slots))
         r["ratio_vs_bf16"] = kv_bytes.ratio_vs_bf16(r["bits_per_coord"])
         r["ratio_vs_bf16_32k"] = kv_bytes.ratio_vs_bf16(r["bits_per_coord_32k"])
+        r["ratio_vs_naive_bf16"] = kv_bytes.naive_bf16_bytes(lay, tokens) / measured
+        bytes_at(model, r, slots)
+
+
+def bytes_at(model, r, slots):
+    """r["at"][T] for T in BYTES_AT, after a decode step: the formula's bytes,
+    the server's where server_bytes_section measured them (then the ratios
+    are the server's), and both bf16 baselines."""
+    lay = layout(model)
+    at = r.setdefault("at", {})
+    for t in BYTES_AT:
+        formula = row_bytes(model, r, t, slots)
+        cell = at.setdefault(str(t), {})
+        cell.update({"bytes_formula": formula,
+                     "bf16_window_aware": kv_bytes.window_aware_bf16_bytes(lay, t),
+                     "bf16_naive": kv_bytes.naive_bf16_bytes(lay, t)})
+        held = cell.get("server", {}).get("stored_bytes")
+        b = formula if held is None else held + kv_bytes.unserved_bytes(lay, t)
+        cell["bytes"] = b
+        cell["bits_per_coord"] = kv_bytes.bits_per_coordinate(lay, t, b)
+        cell["ratio_vs_bf16"] = cell["bf16_window_aware"] / b
+        cell["ratio_vs_naive_bf16"] = cell["bf16_naive"] / b
+
+
+def server_bytes_section(server_binary, model, rows, slots, lengths, log, step=512):
+    """The server's own counts at each of `lengths` tokens for every served
+    row (rotation seed 0): a fresh sequence of random K/V in every served
+    layer, appended `step` tokens at a time up to length - 1 and then one
+    token (a decode step: a sliding-window layer then holds its window).
+    GetServerInfo's stored_bytes, stored_bytes_bf16 and pool bytes go to
+    row["at"][length]["server"]; a difference from the formula is printed."""
+    lay = layout(model)
+    c = model.config
+    rows = [r for r in rows if r["kind"] == "served" and not r.get("rejected") and "at" in r]
+    names = ["bytes:%s" % r["name"] for r in rows]
+    caches = [(n, r["preset"], r["boundary"], 0) for n, r in zip(names, rows)]
+    recipes = {n: r for n, r in zip(names, rows) if r["recipe"]}
+    top = max(lengths)
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal((c.layers, step, c.kv_heads, c.head_dim)).astype(np.float16)
+    with start_server(server_binary, server_config(model, top, caches, recipes, step)) as server:
+        with server.client(timeout=600.0, max_message_bytes=256 << 20) as client:
+            for name, r in zip(names, rows):
+                t0 = time.time()
+                parts = [(ServedAttention(client, name + suffix), len(layers))
+                         for suffix, layers in cache_groups(model)]
+                held = ServedModel([p for p, _ in parts])
+                pos = 0
+                for length in sorted(lengths):
+                    while pos < length:
+                        n = min(step, length - 1 - pos) if pos < length - 1 else 1
+                        for p, count in parts:
+                            kv = block[:count, :n]
+                            client.append(p.sequence, kv, kv, start=pos, cache=p.cache)
+                        pos += n
+                    counts = held.held()
+                    r["at"].setdefault(str(length), {})["server"] = counts
+                    formula = row_bytes(model, r, length, slots)
+                    if counts["stored_bytes"] + kv_bytes.unserved_bytes(lay, length) != formula:
+                        log("%s at %d tokens: the server stored %d bytes, the formula says %d"
+                            % (r["name"], length, counts["stored_bytes"]
+                               + kv_bytes.unserved_bytes(lay, length), formula))
+                held.drop()
+                bytes_at(model, r, slots)
+                log("server bytes %-28s %s  %.1f s" % (r["name"], ", ".join(
+                    "%d: %.2fx" % (t, r["at"][str(t)]["ratio_vs_bf16"]) for t in BYTES_AT),
+                    time.time() - t0))
 
 
 def row_label(r):
@@ -581,34 +786,45 @@ def row_label(r):
 
 
 def bytes_cells(r):
+    """bytes / token | bits/coord (x vs bf16) at the measured length | per
+    BYTES_AT length: x vs a window-aware bf16 cache / vs a naive one (an
+    asterisk: the server's own count)."""
     if "bits_per_coord" not in r:
-        return "| | | |"
-    return "| %.0f | %.2f (%.2fx) | %.2f (%.2fx) |" % (
-        r["bytes_per_token"], r["bits_per_coord"], r["ratio_vs_bf16"], r["bits_per_coord_32k"],
-        r["ratio_vs_bf16_32k"])
+        return "| |" + " |" * (1 + len(BYTES_AT))
+    cells = ["%.0f" % r["bytes_per_token"],
+             "%.2f (%.2fx)" % (r["bits_per_coord"], r["ratio_vs_bf16"])]
+    for t in BYTES_AT:
+        a = r["at"][str(t)]
+        cells.append("%.2f (%.2fx / %.2fx)%s" % (a["bits_per_coord"], a["ratio_vs_bf16"],
+                                                 a["ratio_vs_naive_bf16"],
+                                                 "*" if "server" in a else ""))
+    return "| " + " | ".join(cells) + " |"
 
 
 def e2e_table(rows, texts):
-    head = ("| attention | bytes / token | bits/coord (x vs bf16) | at 32k tokens | perplexity | "
-            "change vs fp16 (range over seeds) | %s | vLLM's published change |"
-            % " | ".join("change, %s" % t for t in texts))
-    lines = [head, "|" + "---|" * (7 + len(texts))]
+    at = " | ".join("at %dk: bits (x vs bf16 / vs naive bf16)" % (t // 1024) for t in BYTES_AT)
+    head = ("| attention | bytes / token | bits/coord (x vs bf16) | %s | perplexity | "
+            "change vs fp16 (range over seeds) | per seed (median) | %s | vLLM's published change |"
+            % (at, " | ".join("change, %s" % t for t in texts)))
+    lines = [head, "|" + "---|" * (8 + len(BYTES_AT) + len(texts))]
     for r in rows:
         if r.get("rejected"):
-            lines.append("| %s | rejected by this server | | | | | %s |" % (
-                row_label(r), " | ".join("" for _ in texts)))
+            lines.append("| %s | rejected by this server |%s" % (
+                row_label(r), " |" * (6 + len(BYTES_AT) + len(texts))))
             continue
         if "ppl" not in r:
             continue
-        spread = ""
+        spread, seeds = "", ""
         if len(r["seeds_run"]) > 1:
             spread = " (%+.1f%% to %+.1f%%)" % tuple(100 * x for x in r["ppl_change_range"])
+            seeds = "%s (%+.2f%%)" % ("/".join("%+.2f" % (100 * x) for x in r["ppl_change_per_seed"]),
+                                      100 * r["ppl_change_median"])
         per_text = " | ".join("%+.2f%%" % (100 * r["ppl_change_per_text"][t]) for t in texts)
         published = (VLLM_PPL_CHANGE.get(r.get("preset"), "")
                      if r["kind"] in ("served", "vllm") and not r.get("boundary")
                      and not r.get("recipe") else "")
-        lines.append("| %s %s %.4f | %+.2f%%%s | %s | %s |" % (
-            row_label(r), bytes_cells(r), r["ppl"], 100 * r["ppl_change_vs_fp16"], spread,
+        lines.append("| %s %s %.4f | %+.2f%%%s | %s | %s | %s |" % (
+            row_label(r), bytes_cells(r), r["ppl"], 100 * r["ppl_change_vs_fp16"], spread, seeds,
             per_text, published))
     return "\n".join(lines)
 
@@ -617,7 +833,7 @@ def e2e_table(rows, texts):
 # (d) pass key
 
 
-def passkey_section(server_binary, model, prompts, rows, log):
+def passkey_section(server_binary, model, prompts, rows, log, exact_prefill=False):
     tokens = max(p.context for p in prompts) + 16
     longest = max(prompts, key=lambda p: p.context)
     measured_at = longest.context + len(longest.answer) - 1  # tokens stored after the decode
@@ -637,7 +853,8 @@ def passkey_section(server_binary, model, prompts, rows, log):
         log("(d) %s %-28s seed %3d  %d prompts  %.1f s" % (model.name, row["name"], seed,
                                                            len(prompts), time.time() - t0))
 
-    slots = run_rows(server_binary, model, rows, tokens, log, run_one)
+    slots = run_rows(server_binary, model, rows, tokens, log, run_one,
+                     exact_prefill=exact_prefill)
     base = {(e["context"], e["depth"], e["key"]): e["logprob"]
             for e in next(r for r in rows if r["kind"] == "fp16")["passkey"]}
     contexts = sorted({p.context for p in prompts})
@@ -652,7 +869,9 @@ def passkey_section(server_binary, model, prompts, rows, log):
                 "prompts": len(cell), "logprob": float(np.mean([e["logprob"] for e in cell])),
                 "change_vs_fp16": float(np.mean(deltas)),
                 "greedy": float(np.mean([e["greedy"] for e in cell]))}
-    finish_rows(model, rows, measured_at, slots, "passkey")
+    # The answer's tokens but the last go in one token at a time.
+    finish_rows(model, rows, measured_at, slots, "passkey",
+                1 if len(longest.answer) > 1 else longest.context)
     return contexts
 
 
@@ -708,10 +927,21 @@ def describe(model):
             "heads, %d KV heads, head_dim %d, RoPE %s pairs over %d dims, base %g"
             % (model.name, c.layers, c.heads, c.kv_heads, c.head_dim, s["pair_layout"],
                s["rotary_dims"], s["base"]))
-    if len(full) < c.layers:
+    if len(full) < c.layers and SLIDING["layers"] != "served":
         text += ("; tqkv serves its %d full-attention layers %s, the %d sliding-window layers "
                  "(%d tokens) stay fp16 in every row and count in the bytes"
                  % (len(full), full, c.layers - len(full), c.window))
+    elif len(full) < c.layers:
+        groups = cache_groups(model)
+        text += ("; tqkv serves all %d layers, the %d sliding-window ones (%d tokens) as "
+                 "CacheConfig.sliding_window_layers, the full-attention layers %s with full "
+                 "attention, %s" % (
+                     c.layers, c.layers - len(full), c.window, full,
+                     "in one cache given the global layers' RoPE (base %g)" % s["base"]
+                     if len(groups) == 1 else "in %d caches, one per RoPE (%s)" % (
+                         len(groups), ", ".join("layers %s: base %g" % (
+                             l if len(l) < 6 else "%d of them" % len(l),
+                             model.rope_spec(l[0])["base"]) for _, l in groups))))
     return text + "."
 
 
@@ -721,6 +951,7 @@ def strip_for_json(rows):
 
 def main(argv=None, models=None):
     """`models`: {key: (model, tokenizer)} already loaded (tests); else loaded."""
+    global BYTES_AT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODEL_KEYS),
                     help="any of %s; gemma3 is skipped with a note when its package is absent"
@@ -750,13 +981,32 @@ def main(argv=None, models=None):
     ap.add_argument("--passkey-vllm", default=PASSKEY_VLLM)
     ap.add_argument("--no-passkey-exact", dest="passkey_exact", action="store_false",
                     help="(d): no float32-attention row (fp16 is the baseline either way)")
+    ap.add_argument("--passkey-prefill", choices=("served", "exact"), default="served",
+                    help="(d): the prompt's own attention served (one Append + one causal "
+                    "Attend) or exact (stored, then attended in numpy over fp16 K/V, as a "
+                    "prefill node does); the answer is served either way")
     ap.add_argument("--passkey-seeds", action="store_true",
                     help="(d): every rotation seed (default: seed 0 only)")
     ap.add_argument("--json", help="also write every figure to this JSON file")
     ap.add_argument("--chart", help="(c): write the perplexity-vs-bits chart to this PNG")
     ap.add_argument("--no-seeds", dest="seeds", action="store_false",
                     help="(c): one rotation seed per preset instead of %d" % len(ROTATION_SEEDS))
+    ap.add_argument("--boundary-rows", default=",".join(BOUNDARY_ROWS),
+                    help="(c): presets that also get a first/last 2 layers fp16 row ('' for none)")
+    ap.add_argument("--sliding-layers", choices=("served", "fp16"), default="served",
+                    help="sliding-window layers served by tqkv (sliding_window_layers) or kept "
+                    "fp16 in numpy in every row")
+    ap.add_argument("--rope-groups", choices=("one", "split"), default="one",
+                    help="served layers in one cache (the global layers' RoPE) or one cache per "
+                    "RoPE (Gemma 3: local base 1e4, global 1e6)")
+    ap.add_argument("--bytes-at", default=",".join(str(t) for t in BYTES_AT),
+                    help="(c, d): context lengths of the bytes columns (after a decode step)")
+    ap.add_argument("--server-bytes", action="store_true",
+                    help="(c): measure the --bytes-at columns from the server's own counts "
+                    "(random K/V appended to every served row's config) instead of the formula")
     args = ap.parse_args(argv)
+    BYTES_AT = tuple(int(t) for t in args.bytes_at.split(",") if t)
+    SLIDING.update(layers=args.sliding_layers, rope_groups=args.rope_groups)
     presets = args.presets.split(",")
     sections = set(args.sections.split(","))
     texts = [args.text] if args.text else args.texts.split(",")
@@ -800,6 +1050,8 @@ def main(argv=None, models=None):
             entry["model"] = {"layers": c.layers, "heads": c.heads, "kv_heads": c.kv_heads,
                               "head_dim": c.head_dim, "rope": model.rope_spec(),
                               "full_attention_layers": model.full_attention_layers(),
+                              "served_layers": served_layers(model),
+                              "caches": [l for _, l in cache_groups(model)],
                               "windows": model.windows(), "path": model.path}
             about = describe(model)
             md += ["# %s" % model.name, "", about, ""]
@@ -831,11 +1083,17 @@ def main(argv=None, models=None):
             if "c" in sections:
                 t0 = time.time()
                 rows = row_specs(model, served_presets,
-                                 [p for p in BOUNDARY_ROWS if p in served_presets],
+                                 [p for p in args.boundary_rows.split(",") if p in served_presets],
                                  seeded if args.seeds else set(),
                                  [p for p in args.vllm.split(",") if p], recipe_names, worst)
                 check, slots = e2e_section(server, model, windows, rows, log, args.chunk)
+                if args.server_bytes and BYTES_AT:
+                    t1 = time.time()
+                    server_bytes_section(server, model, rows, slots, BYTES_AT, log)
+                    log("(c) %s server bytes at %s: %.1f s" % (
+                        model.name, ",".join(map(str, BYTES_AT)), time.time() - t1))
                 entry["perplexity"] = strip_for_json(rows)
+                entry["chunk"] = args.chunk
                 entry["preset_slot_bytes"] = slots
                 entry["fp16_check"] = dict(check, layer_tolerance=FP16_CHECK_REL,
                                            ppl_tolerance=PPL_CHECK_REL)
@@ -849,12 +1107,20 @@ def main(argv=None, models=None):
                        "over rotation seeds %s and the range. vLLM's scheme: Gaussian-"
                        "approximation codebook, Hadamard without signs, norm correction, "
                        "min-max values, on the same layers in numpy. Bits per coordinate over "
-                       "every K and V coordinate the layers hold (a sliding-window layer holds "
-                       "its window), at %d tokens from the server's "
-                       "stored_bytes (the formula for numpy rows) and at 32k from the formula; "
-                       "change vs served fp16. vLLM's published figures are on another model "
-                       "and data." % (args.windows, args.tokens, ", ".join(texts),
-                                      ROTATION_SEEDS if args.seeds else [0], args.tokens)
+                       "every K and V coordinate the layers need (a sliding-window layer needs "
+                       "its window), so 16 / bits is the ratio against a bf16 cache that also "
+                       "keeps only each window; at %d tokens from the server's stored_bytes "
+                       "(the formula for numpy rows; fed %s), and at %s after a decode step "
+                       "(a sliding-window layer then holds exactly its window) from %s, with "
+                       "the ratio against a naive bf16 cache that keeps every token of every "
+                       "layer next to it. Change vs served fp16. vLLM's published figures are "
+                       "on another model and data." % (
+                           args.windows, args.tokens, ", ".join(texts),
+                           ROTATION_SEEDS if args.seeds else [0], args.tokens,
+                           "in %d-token appends" % args.chunk if args.chunk else "in one append",
+                           " and ".join(str(t) for t in BYTES_AT),
+                           "the server's own counts (*: random K/V, seed 0)" if args.server_bytes
+                           else "the formula")
                        + (" Not served: %s (split keys need per-(layer, head) hot channels)."
                           % ", ".join("`%s`" % p for p in unserved) if unserved else ""), "",
                        e2e_table(rows, texts), "",
@@ -877,17 +1143,21 @@ def main(argv=None, models=None):
                                  worst)
                 if not args.passkey_exact:
                     rows = [r for r in rows if r["kind"] != "exact"]
-                contexts = passkey_section(server, model, prompts, rows, log)
+                contexts = passkey_section(server, model, prompts, rows, log,
+                                           args.passkey_prefill == "exact")
                 entry["passkey"] = strip_for_json(rows)
                 log("(d) %s pass key: %.1f s" % (model.name, time.time() - t0))
                 md += ["## (d) Pass-key retrieval", "",
                        "%d prompt(s) per (context, depth) at depths %s: a 5-digit key in filler "
-                       "text, then \"%s\"; prefill, then the answer decoded one token per "
+                       "text, then \"%s\"; prefill (%s), then the answer decoded one token per "
                        "Append/Attend. Change of the answer's log-probability (sum over its %d "
                        "tokens, teacher-forced) vs numpy fp16, mean over prompts, in nats; "
                        "greedy: share of prompts whose greedy decode is the key. fp16 finds it "
                        "in %s." % (args.passkey_prompts, "/".join(
                            "%d%%" % (100 * d) for d in passkey_mod.DEPTHS), passkey_mod.QUESTION,
+                           "stored, its own attention exact in numpy over fp16 K/V"
+                           if args.passkey_prefill == "exact" else
+                           "one Append + one causal Attend per layer",
                            len(prompts[0].answer), ", ".join(
                                "%.0f%% at %d" % (100 * next(r for r in rows if r["kind"] == "fp16")
                                                  ["passkey_by_context"][c]["greedy"], c)

@@ -152,6 +152,16 @@ def fields_text(recipe, rope_spec, served_count=0, model_name=""):
     return " ".join(out)
 
 
+def windows_text(windows):
+    """CacheConfig.sliding_window_layers for {cache layer: window}, one entry
+    per window size."""
+    by_size = {}
+    for layer, w in sorted(windows.items()):
+        by_size.setdefault(w, []).append(layer)
+    return " ".join("sliding_window_layers { layers: [%s] window: %d }"
+                    % (", ".join(str(l) for l in layers), w) for w, layers in by_size.items())
+
+
 def cache_text(name, layers, kv_heads, query_heads, head_dim, preset, boundary, seed, budget,
                extra=""):
     return ('caches { name: "%s" num_layers: %d num_kv_heads: %d num_query_heads: %d '
