@@ -792,6 +792,12 @@ TEST_F(MetricsTest, MetricsMoveAsDataIsAppended) {
   EXPECT_EQ(Sample(text, "tqkv_rpc_requests_total", {"method=\"Append\"", "code=\"OK\""}), 1);
   EXPECT_EQ(Sample(text, "tqkv_rpc_errors_total", {"method=\"GetSequence\"", "code=\"NOT_FOUND\""}), 1);
   EXPECT_EQ(Sample(text, "tqkv_rpc_duration_seconds_count", {"method=\"Attend\""}), 1);
+  // The executor: the calls ran on it (each is counted just after it
+  // answered, so the last may not be yet), none waits now.
+  EXPECT_EQ(Sample(text, "tqkv_executor_max_pending"), 1024);
+  EXPECT_EQ(Sample(text, "tqkv_executor_queued"), 0);
+  EXPECT_EQ(Sample(text, "tqkv_executor_rejected_total"), 0);
+  EXPECT_GE(Sample(text, "tqkv_executor_completed_total"), 2);
   // The text served equals the in-process rendering's families.
   EXPECT_NE(server_->MetricsText().find("tqkv_cache_bytes_saved"), std::string::npos);
 }
