@@ -1079,7 +1079,8 @@ def main(argv=None, models=None):
                                w["layer"], w["served_index"], w["output_rel_error"])
                                for w in worst_layers[:4])), ""]
             served_presets = [p for p in presets if p not in unservable]
-            seeded = {p for p in served_presets if rotated(codecs[p])}
+            # Every rotated preset, --presets or not: recipe rows use them too.
+            seeded = {p for p in codecs if p not in unservable and rotated(codecs[p])}
             if "c" in sections:
                 t0 = time.time()
                 rows = row_specs(model, served_presets,
