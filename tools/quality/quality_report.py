@@ -375,14 +375,20 @@ def cache_budget(model, tokens, layers, max_append=None):
     """Pool bytes for one sequence of `tokens` tokens in a cache of `layers`
     (model layers), appended at most max_append (default all) at a time:
     every token at fp16 in full-attention layers, window + append + two
-    pages in sliding-window ones, doubled for exact pages and chunk strides."""
+    pages in sliding-window ones, doubled for exact pages and chunk strides.
+    At least a page per 16 positions of the sequence: the server refuses an
+    append past num_pages x page_tokens positions even in a cache of
+    sliding-window layers only, which holds about its window (the pool is
+    allocated lazily, so the unused pages cost address space only)."""
     c = model.config
     held = 0
     for layer in layers:
         w = model.window(layer) if SLIDING["layers"] == "served" else None
         n = tokens if not w else min(tokens, w + (max_append or tokens))
         held += (-(-n // 16) + 2) * 16
-    return 2 * held * c.kv_heads * c.head_dim * 4 + (8 << 20)
+    fp = c.kv_heads * c.head_dim * 4
+    positions = (-(-tokens // 16) + 2) * 16 * len(layers) * fp
+    return max(2 * held * fp, positions) + (8 << 20)
 
 
 def server_config(model, tokens, caches, recipes=None, max_append=None):
@@ -951,7 +957,7 @@ def strip_for_json(rows):
 
 def main(argv=None, models=None):
     """`models`: {key: (model, tokenizer)} already loaded (tests); else loaded."""
-    global BYTES_AT
+    global BYTES_AT, ROTATION_SEEDS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODEL_KEYS),
                     help="any of %s; gemma3 is skipped with a note when its package is absent"
@@ -991,6 +997,8 @@ def main(argv=None, models=None):
     ap.add_argument("--chart", help="(c): write the perplexity-vs-bits chart to this PNG")
     ap.add_argument("--no-seeds", dest="seeds", action="store_false",
                     help="(c): one rotation seed per preset instead of %d" % len(ROTATION_SEEDS))
+    ap.add_argument("--rotation-seeds", default=",".join(str(x) for x in ROTATION_SEEDS),
+                    help="rotation seeds of rotated presets (CacheConfig.rotation_seed)")
     ap.add_argument("--boundary-rows", default=",".join(BOUNDARY_ROWS),
                     help="(c): presets that also get a first/last 2 layers fp16 row ('' for none)")
     ap.add_argument("--sliding-layers", choices=("served", "fp16"), default="served",
@@ -1006,6 +1014,7 @@ def main(argv=None, models=None):
                     "(random K/V appended to every served row's config) instead of the formula")
     args = ap.parse_args(argv)
     BYTES_AT = tuple(int(t) for t in args.bytes_at.split(",") if t)
+    ROTATION_SEEDS = [int(x) for x in args.rotation_seeds.split(",")]
     SLIDING.update(layers=args.sliding_layers, rope_groups=args.rope_groups)
     presets = args.presets.split(",")
     sections = set(args.sections.split(","))
