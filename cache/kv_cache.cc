@@ -495,8 +495,14 @@ absl::Status KvCache::Append(const AppendRequest& request) {
         absl::StrFormat("start_position is %d; want a non-negative position", start));
   }
   const int64_t capacity_tokens = static_cast<int64_t>(pool_.num_pages) * page_tokens;
-  // A start beyond the pool is a gap, reported below with the expected position.
-  if (start <= capacity_tokens && n > capacity_tokens - start) {
+  // Layers that keep every token bound a sequence by the pool; windowed ones
+  // give old pages back, so only the page check below bounds them. A start
+  // beyond the pool is a gap, reported below with the expected position.
+  bool keeps_every_token = false;
+  for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
+    keeps_every_token = keeps_every_token || layout.layer_window(layer) == 0;
+  }
+  if (keeps_every_token && start <= capacity_tokens && n > capacity_tokens - start) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "cache '%s' cannot hold tokens [%d, %d): its %d pages hold %d tokens per sequence",
         options_.name, start, start + n, pool_.num_pages, capacity_tokens));

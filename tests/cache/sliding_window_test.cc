@@ -315,6 +315,29 @@ TEST(SlidingWindowTest, AppendsGiveBackPagesOlderThanTheirQueriesSee) {
   EXPECT_EQ(f.cache->Stats().stored_bytes_bf16, (3 * 10 + 60) * l.token_bytes_bf16());
 }
 
+// A cache of windowed layers only holds about the window whatever the
+// length: a sequence may run far past what the pool could hold in full.
+TEST(SlidingWindowTest, AllWindowedLayersRunPastThePoolsFullCapacity) {
+  KvLayoutOptions o = WindowedLayout("tqkv_k3v3");
+  o.layer_windows = {kWindow, kWindow, kWindow, kWindow};
+  Fixture probe(o);
+  const size_t page = probe.layout().page_bytes();
+  // 8 pages in each of the 4 chunks' pools at most: 32 pages, 128 positions.
+  Fixture f(o, 32 * page);
+  ReferenceSequence ref(&f.layout());
+  ASSERT_TRUE(f.Append("long", 0, 8, 1, &ref).ok());
+  for (int64_t t = 8; t < 400; ++t) {
+    const absl::Status s = f.Append("long", t, 1, 10 + static_cast<uint32_t>(t), &ref);
+    ASSERT_TRUE(s.ok()) << "token " << t << ": " << s;
+  }
+  EXPECT_EQ(f.CheckAttend("long", ref, 1, 77), 0);
+  EXPECT_LE(f.cache->Stats().pages_used, 4 * 4);  // each layer about its window
+  // A layer that keeps every token is still bounded by the pool.
+  KvLayoutOptions mixed = WindowedLayout("tqkv_k3v3");  // layer 1 keeps everything
+  Fixture g(mixed, 32 * page);
+  EXPECT_EQ(g.Append("long", 0, 400, 2).code(), absl::StatusCode::kResourceExhausted);
+}
+
 // Gemma 3 270M's shape: 18 layers, 1 KV head, 4 query heads, head_dim 256,
 // window 512, global layers 5, 11, 17; 8k tokens prefilled in chunks of 512
 // then 64 decode steps.
