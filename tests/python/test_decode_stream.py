@@ -485,3 +485,37 @@ def test_asyncio_client_and_decode_stream(server):
     for s, u in zip(streamed, unary):
         np.testing.assert_array_equal(s[0].output, u[0].output)
         np.testing.assert_array_equal(s[0].lse, u[0].lse)
+
+
+# -- sliding-window layers --------------------------------------------------
+
+WINDOWED_CONFIG = """
+caches {
+  name: "default" num_layers: 2 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+  page_tokens: 8 preset: "fp16" boundary_layers: 0 memory_budget_bytes: 8388608
+  sliding_window_layers { layers: [1] window: 6 }
+}
+"""
+
+
+def test_a_sliding_window_layer_attends_over_its_window_and_gives_older_tokens_back():
+    from conftest import server_binary
+    from tqkv.testing import LocalServer
+    with LocalServer(server_binary(), WINDOWED_CONFIG) as server, server.client(timeout=20.0) as c:
+        sid = new_id("swa")
+        k, v, q = kvq(40, 7)
+        for t in range(40):
+            for layer in (0, 1):
+                r = c.append_attend(layer, [(sid, t, k[t:t + 1], v[t:t + 1], q[t:t + 1])],
+                                    return_lse=True)
+                assert r[0].ok, r[0].error
+        # The last query of the windowed layer sees tokens [34, 40) only.
+        want, want_lse = reference(k[34:], v[34:], q[39:40], 5)
+        np.testing.assert_allclose(r[0].output, want.reshape(r[0].output.shape), atol=1e-4)
+        np.testing.assert_allclose(r[0].lse, want_lse.reshape(r[0].lse.shape), atol=1e-4)
+        info = c.get_sequence(sid)
+        assert info.layer_tokens == [40, 40]
+        assert info.layer_oldest_token == [0, 34]
+        # Reading below what the windowed layer holds is OUT_OF_RANGE.
+        with pytest.raises(tqkv.OutOfRange):
+            c.score(sid, 1, q[0].reshape(Q_HEADS, D), token_begin=0, token_end=40)

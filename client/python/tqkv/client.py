@@ -26,7 +26,7 @@ Thread safety: a Client may be shared by threads (gRPC channels are).
 """
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence
 
 import grpc
@@ -65,10 +65,14 @@ class SequenceInfo:
     sequence_id: str
     layer_tokens: List[int]  # tokens held per layer
     pages: int
+    # The oldest token each layer still holds: 0, except in sliding-window
+    # layers, which give older tokens back.
+    layer_oldest_token: List[int] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, info):
-        return cls(info.cache, info.sequence_id, list(info.layer_tokens), info.pages)
+        return cls(info.cache, info.sequence_id, list(info.layer_tokens), info.pages,
+                   list(info.layer_oldest_token))
 
 
 @dataclass
