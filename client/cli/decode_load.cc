@@ -12,6 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/cli/load_common.h"
 #include "kernels/random.h"
 
 namespace tqkv {
@@ -237,12 +238,6 @@ class Engine {
   int64_t length_ = 0;
 };
 
-double Percentile(const std::vector<double>& sorted, double p) {
-  if (sorted.empty()) return 0;
-  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p * (sorted.size() - 1) + 0.5));
-  return sorted[i];
-}
-
 // Runs `work(engine)` on one thread per engine; progress while they run.
 template <typename Work>
 void OnEveryEngine(Run& run, std::vector<std::unique_ptr<Engine>>& engines, const char* phase,
@@ -316,13 +311,7 @@ absl::StatusOr<DecodeLoadReport> RunDecodeLoad(const DecodeLoadOptions& options)
   Client client(client_options);
   absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
   if (!info.ok()) return info.status();
-  const v1::CacheInfo* cache = nullptr;
-  for (const v1::CacheInfo& c : info->caches()) {
-    if (c.config().name() == options.cache ||
-        (options.cache.empty() && (cache == nullptr || c.config().name() == "default"))) {
-      cache = &c;
-    }
-  }
+  const v1::CacheInfo* cache = FindCache(*info, options.cache);
   if (cache == nullptr) {
     return absl::NotFoundError(absl::StrCat("the server has no cache '", options.cache, "'"));
   }

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/cli/load_common.h"
 #include "kernels/random.h"
 
 namespace tqkv {
@@ -199,12 +200,6 @@ class LoadClient {
   int64_t errors_[kNumMethods] = {};
 };
 
-double Percentile(std::vector<double>& sorted, double p) {
-  if (sorted.empty()) return 0;
-  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p * (sorted.size() - 1) + 0.5));
-  return sorted[i];
-}
-
 // name -> (calls, seconds)
 std::map<std::string, std::pair<int64_t, double>> Timings(
     const google::protobuf::RepeatedPtrField<v1::TimingTotal>& totals) {
@@ -233,13 +228,7 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& options) {
   Client client(client_options);
   absl::StatusOr<v1::ServerInfo> before = client.GetServerInfo();
   if (!before.ok()) return before.status();
-  const v1::CacheInfo* cache = nullptr;
-  for (const v1::CacheInfo& c : before->caches()) {
-    if (c.config().name() == options.cache ||
-        (options.cache.empty() && (cache == nullptr || c.config().name() == "default"))) {
-      cache = &c;
-    }
-  }
+  const v1::CacheInfo* cache = FindCache(*before, options.cache);
   if (cache == nullptr) {
     return absl::NotFoundError(absl::StrCat("the server has no cache '", options.cache, "'"));
   }

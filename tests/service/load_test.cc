@@ -22,17 +22,21 @@ constexpr char kConfig[] = R"pb(
   }
 )pb";
 
-TEST(LoadGenerator, EightClientsForASecondCallEveryMethodWithoutErrors) {
-  service::ServerOptions server_options;
-  server_options.host = "127.0.0.1";
-  server_options.port = 0;
-  server_options.metrics_port = -1;
-  server_options.threads = 2;
+// The server both generators play against, on a free loopback port.
+absl::StatusOr<std::unique_ptr<service::Server>> StartServer() {
+  service::ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.threads = 2;
   absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
-  ASSERT_TRUE(config.ok()) << config.status();
-  server_options.config = *config;
-  absl::StatusOr<std::unique_ptr<service::Server>> server =
-      service::Server::Start(server_options);
+  if (!config.ok()) return config.status();
+  options.config = *config;
+  return service::Server::Start(options);
+}
+
+TEST(LoadGenerator, EightClientsForASecondCallEveryMethodWithoutErrors) {
+  absl::StatusOr<std::unique_ptr<service::Server>> server = StartServer();
   ASSERT_TRUE(server.ok()) << server.status();
 
   cli::LoadOptions options;
@@ -72,16 +76,7 @@ TEST(LoadGenerator, EightClientsForASecondCallEveryMethodWithoutErrors) {
 }
 
 TEST(DecodeLoad, EveryVariantDecodesLayerByLayerAndDropsItsSequences) {
-  service::ServerOptions server_options;
-  server_options.host = "127.0.0.1";
-  server_options.port = 0;
-  server_options.metrics_port = -1;
-  server_options.threads = 2;
-  absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
-  ASSERT_TRUE(config.ok()) << config.status();
-  server_options.config = *config;
-  absl::StatusOr<std::unique_ptr<service::Server>> server =
-      service::Server::Start(server_options);
+  absl::StatusOr<std::unique_ptr<service::Server>> server = StartServer();
   ASSERT_TRUE(server.ok()) << server.status();
 
   cli::DecodeLoadOptions options;
