@@ -426,12 +426,12 @@ absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
                        {"tokens", Axis::kAnySize},
                        {"kv_heads", layout.num_kv_heads()},
                        {"head_dim", layout.head_dim()}};
-  std::vector<float> keys, values;
+  FloatTensor keys, values;
   std::vector<int64_t> shape;
-  RETURN_IF_ERROR(DecodeTensor(request.keys(), "keys", axes, &keys, &shape));
+  RETURN_IF_ERROR(DecodeTensorView(request.keys(), "keys", axes, &keys, &shape));
   const int64_t tokens = shape[1];
   const Axis value_axes[] = {axes[0], {"tokens", tokens}, axes[2], axes[3]};
-  RETURN_IF_ERROR(DecodeTensor(request.values(), "values", value_axes, &values));
+  RETURN_IF_ERROR(DecodeTensorView(request.values(), "values", value_axes, &values));
 
   AppendRequest append;
   append.sequence_id = request.sequence_id();
@@ -439,8 +439,8 @@ absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
   append.layer_begin = layer_begin;
   append.layer_end = layer_end;
   append.num_tokens = tokens;
-  append.keys = keys.data();
-  append.values = values.data();
+  append.keys = keys.values.data();
+  append.values = values.values.data();
   append.create_if_missing = !request.do_not_create();
   RETURN_IF_ERROR(cache->Append(append));
 
@@ -527,7 +527,8 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
   RETURN_IF_ERROR(DecodeSinkLogits(request.sink_logits(), heads, &sinks));
   const bool want_lse = request.return_lse() || !sinks.empty();
   const int num_items = request.items_size();
-  std::vector<std::vector<float>> queries(num_items), outputs(num_items), lses(num_items);
+  std::vector<FloatTensor> queries(num_items);
+  std::vector<std::vector<float>> outputs(num_items), lses(num_items);
   std::vector<int64_t> query_tokens(num_items);
   std::vector<AttendRequestItem> items(num_items);
   const Axis axes[] = {{"query_tokens", Axis::kAnySize}, {"query_heads", heads}, {"head_dim", dim}};
@@ -540,18 +541,18 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
     if (absl::Status s = CheckLayer(in.layer(), layout, "layer"); !s.ok()) return at(s);
     std::vector<int64_t> shape;
     const std::string name = absl::StrCat("item ", i, " queries");
-    RETURN_IF_ERROR(DecodeTensor(in.queries(), name, axes, &queries[i], &shape));
+    RETURN_IF_ERROR(DecodeTensorView(in.queries(), name, axes, &queries[i], &shape));
     query_tokens[i] = shape[0];
     if (shape[0] > (int64_t{1} << 20)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("%s has %d query tokens; want at most 2^20", name, shape[0]));
     }
-    outputs[i].resize(queries[i].size());
+    outputs[i].resize(queries[i].values.size());
     AttendRequestItem& item = items[i];
     item.sequence_id = in.sequence_id();
     item.layer = in.layer();
     item.num_query_tokens = static_cast<int>(shape[0]);
-    item.queries = queries[i].data();
+    item.queries = queries[i].values.data();
     item.output = outputs[i].data();
     if (want_lse) {
       lses[i].resize(static_cast<size_t>(shape[0] * heads));
@@ -593,7 +594,9 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
   // Everything a malformed request can get wrong is checked here, before any
   // item is stored.
   struct Item {
-    std::vector<float> keys, values, queries, output, lse;
+    FloatTensor keys, values, queries;
+    std::vector<float> output_storage, lse;
+    float* output = nullptr;  // the response's bytes (f32 out) or output_storage
     int64_t tokens = 0;
     absl::Status status;
     bool already_stored = false;
@@ -623,12 +626,13 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
     const Axis key_axes[] = {
         {"tokens", Axis::kAnySize}, {"kv_heads", kv_heads}, {"head_dim", dim}};
     std::vector<int64_t> shape;
-    RETURN_IF_ERROR(DecodeTensor(in.keys(), prefix + "keys", key_axes, &item.keys, &shape));
+    RETURN_IF_ERROR(DecodeTensorView(in.keys(), prefix + "keys", key_axes, &item.keys, &shape));
     item.tokens = shape[0];
     const Axis value_axes[] = {{"tokens", item.tokens}, {"kv_heads", kv_heads}, {"head_dim", dim}};
-    RETURN_IF_ERROR(DecodeTensor(in.values(), prefix + "values", value_axes, &item.values));
+    RETURN_IF_ERROR(DecodeTensorView(in.values(), prefix + "values", value_axes, &item.values));
     const Axis query_axes[] = {{"tokens", item.tokens}, {"query_heads", heads}, {"head_dim", dim}};
-    RETURN_IF_ERROR(DecodeTensor(in.queries(), prefix + "queries", query_axes, &item.queries));
+    RETURN_IF_ERROR(
+        DecodeTensorView(in.queries(), prefix + "queries", query_axes, &item.queries));
   }
 
   // Appends, each all-or-nothing on its own.
@@ -641,8 +645,8 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
     append.layer_begin = layer;
     append.layer_end = layer + 1;
     append.num_tokens = item.tokens;
-    append.keys = item.keys.data();
-    append.values = item.values.data();
+    append.keys = item.keys.values.data();
+    append.values = item.values.values.data();
     append.create_if_missing = !in.do_not_create();
     item.status = cache->Append(append);
     if (absl::IsFailedPrecondition(item.status)) {
@@ -656,19 +660,30 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
     }
   }
 
-  // One attention batch over the items stored.
+  // One attention batch over the items stored. An f32 output is written by
+  // the kernel straight into the response.
+  const bool f32_output = request.output_dtype() == v1::DTYPE_F32 ||
+                          request.output_dtype() == v1::DTYPE_UNSPECIFIED;
+  for (int i = 0; i < num_items; ++i) response->add_results();
   std::vector<AttendRequestItem> attend;
   std::vector<int> attend_index;
   for (int i = 0; i < num_items; ++i) {
     Item& item = items[i];
     if (!item.status.ok()) continue;
-    item.output.resize(item.queries.size());
+    if (f32_output) {
+      item.output = PrepareF32Tensor({item.tokens, heads, dim},
+                                     response->mutable_results(i)->mutable_output());
+    }
+    if (item.output == nullptr) {
+      item.output_storage.resize(item.queries.values.size());
+      item.output = item.output_storage.data();
+    }
     AttendRequestItem a;
     a.sequence_id = request.items(i).sequence_id();
     a.layer = layer;
     a.num_query_tokens = static_cast<int>(item.tokens);
-    a.queries = item.queries.data();
-    a.output = item.output.data();
+    a.queries = item.queries.values.data();
+    a.output = item.output;
     if (want_lse) {
       item.lse.resize(static_cast<size_t>(item.tokens * heads));
       a.lse = item.lse.data();
@@ -691,17 +706,20 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
   int64_t stored_bf16 = 0;
   for (int i = 0; i < num_items; ++i) {
     Item& item = items[i];
-    v1::AppendAttendItemResult* result = response->add_results();
+    v1::AppendAttendItemResult* result = response->mutable_results(i);
     if (!item.status.ok()) {
+      result->Clear();
       result->set_code(static_cast<int>(item.status.code()));
       result->set_message(std::string(item.status.message()));
       continue;
     }
     if (!sinks.empty()) {
-      ApplySinkLogits(sinks, item.tokens, heads, dim, item.output.data(), item.lse.data());
+      ApplySinkLogits(sinks, item.tokens, heads, dim, item.output, item.lse.data());
     }
-    RETURN_IF_ERROR(EncodeTensor(item.output, {item.tokens, heads, dim}, request.output_dtype(),
-                                 result->mutable_output()));
+    if (item.output_storage.data() == item.output) {
+      RETURN_IF_ERROR(EncodeTensor(item.output_storage, {item.tokens, heads, dim},
+                                   request.output_dtype(), result->mutable_output()));
+    }
     if (request.return_lse()) {
       RETURN_IF_ERROR(
           EncodeTensor(item.lse, {item.tokens, heads}, v1::DTYPE_F32, result->mutable_lse()));

@@ -65,9 +65,12 @@ std::string_view DTypeName(v1::DType dtype) {
   }
 }
 
-absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name,
-                          absl::Span<const Axis> axes, std::vector<float>* out,
-                          std::vector<int64_t>* shape) {
+namespace {
+
+// Checks dtype, rank, axes and byte length; the element count in `count`.
+absl::Status CheckTensor(const v1::Tensor& tensor, std::string_view name,
+                         absl::Span<const Axis> axes, std::vector<int64_t>* dims,
+                         int64_t* count) {
   const int elem_bytes = DTypeBytes(tensor.dtype());
   if (elem_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -78,72 +81,115 @@ absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name,
     return absl::InvalidArgumentError(absl::StrFormat("%s has %d dims, want %s", name,
                                                       tensor.shape_size(), AxisNames(axes)));
   }
-  const std::vector<int64_t> dims(tensor.shape().begin(), tensor.shape().end());
-  int64_t count = 1;
+  dims->assign(tensor.shape().begin(), tensor.shape().end());
+  int64_t n = 1;
   for (size_t i = 0; i < axes.size(); ++i) {
-    const int64_t d = dims[i];
+    const int64_t d = (*dims)[i];
     if (axes[i].size != Axis::kAnySize && d != axes[i].size) {
       return absl::InvalidArgumentError(absl::StrFormat("%s axis %s is %d, want %d (shape %s, axes %s)",
                                                         name, axes[i].name, d, axes[i].size,
-                                                        ShapeString(dims), AxisNames(axes)));
+                                                        ShapeString(*dims), AxisNames(axes)));
     }
     if (d < 1) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s axis %s is %d, want at least 1 (shape %s, axes %s)", name, axes[i].name, d,
-          ShapeString(dims), AxisNames(axes)));
+          ShapeString(*dims), AxisNames(axes)));
     }
-    if (d > kMaxElements / count) {
+    if (d > kMaxElements / n) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s shape %s has more than 2^40 elements", name, ShapeString(dims)));
+          "%s shape %s has more than 2^40 elements", name, ShapeString(*dims)));
     }
-    count *= d;
+    n *= d;
   }
-  const int64_t want_bytes = count * elem_bytes;
+  const int64_t want_bytes = n * elem_bytes;
   if (static_cast<int64_t>(tensor.data().size()) != want_bytes) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s has %d bytes, want %d (shape %s x %d bytes of %s)", name, tensor.data().size(),
-        want_bytes, ShapeString(dims), elem_bytes, DTypeName(tensor.dtype())));
+        want_bytes, ShapeString(*dims), elem_bytes, DTypeName(tensor.dtype())));
   }
+  *count = n;
+  return absl::OkStatus();
+}
 
-  out->resize(static_cast<size_t>(count));
-  float* dst = out->data();
-  const char* src = tensor.data().data();
-  switch (tensor.dtype()) {
-    case v1::DTYPE_F32:
-      std::memcpy(dst, src, static_cast<size_t>(want_bytes));
-      break;
-    case v1::DTYPE_F16:
-      for (int64_t i = 0; i < count; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, 2);
-        dst[i] = HalfToFloat(h);
-      }
-      break;
-    default:  // DTYPE_BF16
-      for (int64_t i = 0; i < count; ++i) {
-        uint16_t b;
-        std::memcpy(&b, src + 2 * i, 2);
-        dst[i] = Bf16ToFloat(b);
-      }
-      break;
+// Widens f16 / bf16 elements to float32.
+void WidenHalves(const char* src, v1::DType dtype, int64_t count, float* dst) {
+  if (dtype == v1::DTYPE_F16) {
+    for (int64_t i = 0; i < count; ++i) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * i, 2);
+      dst[i] = HalfToFloat(h);
+    }
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      uint16_t b;
+      std::memcpy(&b, src + 2 * i, 2);
+      dst[i] = Bf16ToFloat(b);
+    }
   }
+}
+
+// INVALID_ARGUMENT naming the first NaN/Inf element, if any.
+absl::Status CheckFinite(const float* data, int64_t count, std::string_view name,
+                         absl::Span<const int64_t> dims) {
   // A branch-free pass the compiler vectorizes (an exponent of all ones is
   // NaN or Inf); the index is looked for only when there is one.
   uint32_t all_ones = 0;
   for (int64_t i = 0; i < count; ++i) {
     uint32_t bits;
-    std::memcpy(&bits, dst + i, 4);
+    std::memcpy(&bits, data + i, 4);
     all_ones |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
   }
-  if (all_ones != 0) {
-    for (int64_t i = 0; i < count; ++i) {
-      if (!std::isfinite(dst[i])) {
-        return absl::InvalidArgumentError(absl::StrFormat("%s%s is %f; want finite values", name,
-                                                          IndexString(i, dims), dst[i]));
-      }
+  if (all_ones == 0) return absl::OkStatus();
+  for (int64_t i = 0; i < count; ++i) {
+    if (!std::isfinite(data[i])) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s%s is %f; want finite values", name,
+                                                        IndexString(i, dims), data[i]));
     }
   }
-  if (shape != nullptr) *shape = dims;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name,
+                          absl::Span<const Axis> axes, std::vector<float>* out,
+                          std::vector<int64_t>* shape) {
+  std::vector<int64_t> dims;
+  int64_t count = 0;
+  if (absl::Status s = CheckTensor(tensor, name, axes, &dims, &count); !s.ok()) return s;
+  out->resize(static_cast<size_t>(count));
+  if (tensor.dtype() == v1::DTYPE_F32) {
+    std::memcpy(out->data(), tensor.data().data(), static_cast<size_t>(count) * sizeof(float));
+  } else {
+    WidenHalves(tensor.data().data(), tensor.dtype(), count, out->data());
+  }
+  if (absl::Status s = CheckFinite(out->data(), count, name, dims); !s.ok()) return s;
+  if (shape != nullptr) *shape = std::move(dims);
+  return absl::OkStatus();
+}
+
+absl::Status DecodeTensorView(const v1::Tensor& tensor, std::string_view name,
+                              absl::Span<const Axis> axes, FloatTensor* out,
+                              std::vector<int64_t>* shape) {
+  std::vector<int64_t> dims;
+  int64_t count = 0;
+  if (absl::Status s = CheckTensor(tensor, name, axes, &dims, &count); !s.ok()) return s;
+  const char* src = tensor.data().data();
+  if (tensor.dtype() == v1::DTYPE_F32 &&
+      reinterpret_cast<uintptr_t>(src) % alignof(float) == 0) {
+    out->storage.clear();
+    out->values = absl::MakeConstSpan(reinterpret_cast<const float*>(src), static_cast<size_t>(count));
+  } else {
+    out->storage.resize(static_cast<size_t>(count));
+    if (tensor.dtype() == v1::DTYPE_F32) {
+      std::memcpy(out->storage.data(), src, static_cast<size_t>(count) * sizeof(float));
+    } else {
+      WidenHalves(src, tensor.dtype(), count, out->storage.data());
+    }
+    out->values = out->storage;
+  }
+  if (absl::Status s = CheckFinite(out->values.data(), count, name, dims); !s.ok()) return s;
+  if (shape != nullptr) *shape = std::move(dims);
   return absl::OkStatus();
 }
 
@@ -164,14 +210,31 @@ absl::Status EncodeTensor(absl::Span<const float> data, absl::Span<const int64_t
   char* dst = bytes->data();
   if (dtype == v1::DTYPE_F32) {
     if (!data.empty()) std::memcpy(dst, data.data(), data.size() * sizeof(float));
-  } else {
-    const bool half = dtype == v1::DTYPE_F16;
+  } else if (dtype == v1::DTYPE_F16) {
     for (size_t i = 0; i < data.size(); ++i) {
-      const uint16_t v = half ? FloatToHalf(data[i]) : FloatToBf16(data[i]);
+      const uint16_t v = FloatToHalf(data[i]);
+      std::memcpy(dst + 2 * i, &v, 2);
+    }
+  } else {
+    for (size_t i = 0; i < data.size(); ++i) {
+      const uint16_t v = FloatToBf16(data[i]);
       std::memcpy(dst + 2 * i, &v, 2);
     }
   }
   return absl::OkStatus();
+}
+
+float* PrepareF32Tensor(absl::Span<const int64_t> shape, v1::Tensor* out) {
+  int64_t count = 1;
+  for (int64_t d : shape) count *= d;
+  out->set_dtype(v1::DTYPE_F32);
+  out->clear_shape();
+  for (int64_t d : shape) out->add_shape(d);
+  std::string* bytes = out->mutable_data();
+  bytes->resize(static_cast<size_t>(count) * sizeof(float));
+  char* data = bytes->data();
+  if (reinterpret_cast<uintptr_t>(data) % alignof(float) != 0) return nullptr;
+  return reinterpret_cast<float*>(data);
 }
 
 }  // namespace service

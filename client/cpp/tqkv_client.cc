@@ -44,9 +44,18 @@ void Encode(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::D
     return;
   }
   bytes->resize(data.size() * 2);
-  for (size_t i = 0; i < data.size(); ++i) {
-    const uint16_t v = dtype == v1::DTYPE_F16 ? FloatToHalf(data[i]) : FloatToBf16(data[i]);
-    std::memcpy(bytes->data() + 2 * i, &v, 2);
+  char* dst = bytes->data();
+  // One loop per format, so that the compiler vectorizes each.
+  if (dtype == v1::DTYPE_F16) {
+    for (size_t i = 0; i < data.size(); ++i) {
+      const uint16_t v = FloatToHalf(data[i]);
+      std::memcpy(dst + 2 * i, &v, 2);
+    }
+  } else {
+    for (size_t i = 0; i < data.size(); ++i) {
+      const uint16_t v = FloatToBf16(data[i]);
+      std::memcpy(dst + 2 * i, &v, 2);
+    }
   }
 }
 
@@ -68,13 +77,17 @@ absl::StatusOr<std::vector<float>> Decode(const v1::Tensor& t) {
     if (n > 0) std::memcpy(out.data(), src, static_cast<size_t>(n) * 4);
     return out;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    if (t.dtype() == v1::DTYPE_F32) {
-      std::memcpy(&out[i], src + 4 * i, 4);
-    } else {
+  if (t.dtype() == v1::DTYPE_F16) {
+    for (int64_t i = 0; i < n; ++i) {
       uint16_t v;
       std::memcpy(&v, src + 2 * i, 2);
-      out[i] = t.dtype() == v1::DTYPE_F16 ? HalfToFloat(v) : Bf16ToFloat(v);
+      out[i] = HalfToFloat(v);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t v;
+      std::memcpy(&v, src + 2 * i, 2);
+      out[i] = Bf16ToFloat(v);
     }
   }
   return out;

@@ -108,6 +108,51 @@ TEST(TensorCodec, RejectsShapesWhoseProductOverflows) {
   EXPECT_EQ(DecodeTensor(t, "k", kAxes, &out).code(), absl::StatusCode::kInvalidArgument);
 }
 
+
+// f32 requests are read in place: the view aliases the request's bytes.
+TEST(TensorCodec, ViewReadsF32InPlaceAndConvertsHalves) {
+  const std::vector<float> values = {1.0f, -2.5f, 0.125f, 3.0f};
+  const v1::Tensor f32 = F32({2, 2}, values);
+  FloatTensor view;
+  std::vector<int64_t> shape;
+  ASSERT_TRUE(DecodeTensorView(f32, "x", kAxes, &view, &shape).ok());
+  EXPECT_EQ(static_cast<const void*>(view.values.data()), f32.data().data());
+  EXPECT_TRUE(view.storage.empty());
+  EXPECT_EQ(std::vector<float>(view.values.begin(), view.values.end()), values);
+  EXPECT_EQ(shape, (std::vector<int64_t>{2, 2}));
+  for (v1::DType dtype : {v1::DTYPE_F16, v1::DTYPE_BF16}) {
+    v1::Tensor t;
+    ASSERT_TRUE(EncodeTensor(values, {2, 2}, dtype, &t).ok());
+    ASSERT_TRUE(DecodeTensorView(t, "x", kAxes, &view).ok());
+    EXPECT_EQ(view.values.data(), view.storage.data());
+    EXPECT_EQ(view.storage, values);
+  }
+}
+
+TEST(TensorCodec, ViewChecksLikeDecode) {
+  FloatTensor view;
+  absl::Status s = DecodeTensorView(F32({2, 2}, {1, 2, 3, std::nanf("")}), "v", kAxes, &view);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("v[1, 1] is nan"));
+  s = DecodeTensorView(F32({2, 3}, {1, 2, 3, 4, 5, 6}), "v", kAxes, &view);
+  EXPECT_THAT(s.message(), HasSubstr("axis head_dim is 3, want 2"));
+  v1::Tensor short_bytes = F32({2, 2}, {1, 2, 3});
+  EXPECT_THAT(DecodeTensorView(short_bytes, "v", kAxes, &view).message(),
+              HasSubstr("has 12 bytes, want 16"));
+}
+
+TEST(TensorCodec, PreparedF32TensorIsWrittenInPlace) {
+  v1::Tensor t;
+  float* data = PrepareF32Tensor({2, 2}, &t);
+  ASSERT_NE(data, nullptr);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(data[i], 0.0f);
+  for (int i = 0; i < 4; ++i) data[i] = 0.5f * i;
+  std::vector<float> out;
+  ASSERT_TRUE(DecodeTensor(t, "x", kAxes, &out).ok());
+  EXPECT_EQ(out, (std::vector<float>{0.0f, 0.5f, 1.0f, 1.5f}));
+  EXPECT_EQ(t.dtype(), v1::DTYPE_F32);
+}
+
 }  // namespace
 }  // namespace service
 }  // namespace tqkv
