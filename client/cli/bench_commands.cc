@@ -1,5 +1,5 @@
 // Benchmarks and capacity planning: `tqkv bench attend`, `tqkv bench store`,
-// `tqkv capacity`. Figures are printed side by side with the uncompressed
+// `tqkv bench transport`, `tqkv capacity`. Figures are printed side by side with the uncompressed
 // bf16 baseline measured in the same run, never asserted.
 #include <algorithm>
 #include <chrono>
@@ -17,6 +17,7 @@
 #include "client/cli/flags.h"
 #include "client/cli/json_writer.h"
 #include "client/cli/model_layouts.h"
+#include "client/cli/transport_floor.h"
 #include "client/eval/synthetic.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -515,13 +516,102 @@ int RunBenchStore(int argc, const char* const* argv) {
   return 0;
 }
 
+int RunBenchTransport(int argc, const char* const* argv) {
+  FlagSet flags("bench transport",
+                "The transport floor of the decode loop: round trips through gRPC alone (no\n"
+                "protobuf, cache or kernel) of a tiny message and of one decode-step message pair\n"
+                "(an AppendAttend of --batch sequences of --layout and its answer, in --wire-dtype),\n"
+                "on one stream and with a call per message, to a loopback echo server in a child\n"
+                "process that hands each message to a worker thread as tqkv-server does.\n"
+                "`tqkv load` reports the time outside the kernels per layer; it cannot go below\n"
+                "the stream's figure here.");
+  std::string layout_name = "llama3-8b";
+  std::string wire = "f32";
+  int64_t batch = 8;
+  int64_t messages = 2000;
+  bool json = false;
+  flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
+  flags.AddInt("batch", &batch, "sequences per decode-step message");
+  flags.AddString("wire-dtype", &wire, "f32, f16 or bf16");
+  flags.AddInt("messages", &messages, "round trips timed per row");
+  flags.AddBool("json", &json, "print JSON instead of a table");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
+  if (!shape.ok()) return Fail(shape.status());
+  if (wire != "f32" && wire != "f16" && wire != "bf16") {
+    return UsageError("--wire-dtype must be f32, f16 or bf16");
+  }
+  if (batch < 1 || batch > 4096) return UsageError("--batch must be in [1, 4096]");
+  if (messages < 10 || messages > 1000000) return UsageError("--messages must be in [10, 1000000]");
+  const int64_t elem = wire == "f32" ? 4 : 2;
+  const int64_t kv = int64_t{shape->num_kv_heads} * shape->head_dim;
+  const int64_t q = int64_t{shape->num_query_heads} * shape->head_dim;
+  struct Row {
+    std::string what;
+    bool unary;
+    int64_t request, response;
+  };
+  const std::string step = absl::StrFormat("decode step, batch %d %s", batch, wire);
+  const Row rows[] = {{"tiny message", false, 8, 0},
+                      {step, false, batch * (2 * kv + q) * elem, batch * q * elem},
+                      {"tiny message", true, 8, 0},
+                      {step, true, batch * (2 * kv + q) * elem, batch * q * elem}};
+  // Forked before this process touches gRPC.
+  absl::StatusOr<std::unique_ptr<EchoServerProcess>> echo = EchoServerProcess::Start();
+  if (!echo.ok()) return Fail(echo.status());
+  JsonValue results = JsonValue::Array();
+  if (!json) {
+    printf("layout %s, loopback to a child process, a worker-thread hop per message, %lld round "
+           "trips per row\n",
+           std::string(shape->name).c_str(), static_cast<long long>(messages));
+    printf("%-32s %-8s %12s %12s %9s %9s %9s\n", "message", "shape", "request_B", "response_B",
+           "p50_us", "p90_us", "p99_us");
+  }
+  for (const Row& row : rows) {
+    TransportFloorOptions options;
+    options.request_bytes = row.request;
+    options.response_bytes = row.response;
+    options.messages = messages;
+    options.unary = row.unary;
+    absl::StatusOr<TransportFloor> floor = MeasureTransportFloor((*echo)->port(), options);
+    if (!floor.ok()) return Fail(floor.status());
+    const char* how = row.unary ? "call" : "stream";
+    if (json) {
+      results.Append(JsonValue::Object()
+                         .Set("message", row.what)
+                         .Set("shape", std::string(how))
+                         .Set("request_bytes", row.request)
+                         .Set("response_bytes", row.response)
+                         .Set("p50_us", floor->p50_us)
+                         .Set("p90_us", floor->p90_us)
+                         .Set("p99_us", floor->p99_us));
+    } else {
+      printf("%-32s %-8s %12lld %12lld %9.0f %9.0f %9.0f\n", row.what.c_str(), how,
+             static_cast<long long>(row.request), static_cast<long long>(row.response),
+             floor->p50_us, floor->p90_us, floor->p99_us);
+      fflush(stdout);
+    }
+  }
+  if (json) {
+    printf("%s\n", JsonValue::Object()
+                       .Set("layout", std::string(shape->name))
+                       .Set("batch", batch)
+                       .Set("wire_dtype", wire)
+                       .Set("results", results)
+                       .Serialize()
+                       .c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int RunBench(int argc, const char* const* argv) {
   const std::string what = argc > 0 ? argv[0] : "";
   if (what == "attend") return RunBenchAttend(argc - 1, argv + 1);
   if (what == "store") return RunBenchStore(argc - 1, argv + 1);
-  fprintf(stderr, "usage: tqkv bench attend|store [flags]  (--help for each)\n");
+  if (what == "transport") return RunBenchTransport(argc - 1, argv + 1);
+  fprintf(stderr, "usage: tqkv bench attend|store|transport [flags]  (--help for each)\n");
   return what == "--help" || what == "-h" ? 0 : kExitUsage;
 }
 

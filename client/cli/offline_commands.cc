@@ -444,7 +444,7 @@ const std::vector<Command>& AllCommands() {
       {"synth", "write synthetic gaussian or outlier-channel vectors as .npy", RunSynth},
       {"calibrate", "per-layer attention error of presets on a Q/K/V capture; protection plan",
        RunCalibrate},
-      {"bench", "attend / store speed per preset next to a bf16 cache (CPU backend)", RunBench},
+      {"bench", "attend / store speed per preset next to a bf16 cache (CPU backend); the transport floor", RunBench},
       {"capacity", "tokens that fit in a memory budget per preset, vs bf16", RunCapacity},
       {"info", "server backend, caches (pages, tokens, bytes vs bf16) and presets", RunInfo},
       {"append", "append K/V .npy [layers, tokens, kv_heads, head_dim] to a sequence", RunAppend},

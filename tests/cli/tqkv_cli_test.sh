@@ -52,6 +52,10 @@ check "bench attend" "$tqkv" bench attend --preset tqkv_k3v3,turboquant_3bit_nc 
 contains '"speedup_vs_bf16"' "$work/out"
 check "bench store" "$tqkv" bench store --preset turboquant_k3v4_nc --tokens 256 --json
 contains '"tokens_per_second"' "$work/out"
+check "bench transport" "$tqkv" bench transport --batch 2 --wire-dtype bf16 --messages 20 --json
+contains '"request_bytes": 24576' "$work/out"  # 2 x (2 x 8 x 128 + 32 x 128) x 2 bytes
+contains '"p50_us"' "$work/out"
+expect_code 2 "bench transport bad dtype" "$tqkv" bench transport --wire-dtype f64
 
 # calibrate: a 3-layer capture made with synth, layer 1 with outlier-channel keys
 # (values with offsets everywhere, as real values have).
