@@ -5,6 +5,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -64,10 +65,12 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
 
 absl::Status Authenticator::CheckHeader(const std::string* authorization) const {
   if (tokens_.empty()) return absl::OkStatus();
+  // The scheme is case-insensitive (RFC 7235 section 2.1); the token is not.
   constexpr absl::string_view kPrefix = "Bearer ";
   bool match = false;
   if (authorization != nullptr && authorization->size() > kPrefix.size() &&
-      absl::string_view(*authorization).substr(0, kPrefix.size()) == kPrefix) {
+      absl::EqualsIgnoreCase(absl::string_view(*authorization).substr(0, kPrefix.size()),
+                             kPrefix)) {
     const std::string presented = authorization->substr(kPrefix.size());
     // Every token is compared: no early exit on the first match.
     for (const std::string& token : tokens_) match |= ConstantTimeEquals(presented, token);

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <new>
 #include <numeric>
 #include <utility>
 
@@ -118,6 +119,19 @@ grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, Metr
   return reactor;
 }
 
+// No exception reaches gRPC, which would answer UNIMPLEMENTED and count
+// nothing: a failed allocation is RESOURCE_EXHAUSTED, anything else INTERNAL.
+template <typename Work>
+absl::Status RunGuarded(const Work& work) {
+  try {
+    return work();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("the server could not allocate memory for this request");
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("unexpected error serving this request: ", e.what()));
+  }
+}
+
 // A long prefill in chunks: every chunk is one Append, stored as it arrives.
 class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
  public:
@@ -171,7 +185,8 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
       return;
     }
     v1::AppendResponse chunk;
-    const absl::Status status = service_->DoAppend(request_, &chunk);
+    const absl::Status status =
+        RunGuarded([this, &chunk] { return service_->DoAppend(request_, &chunk); });
     if (!status.ok()) {
       Finish(ToGrpcStatus(
           absl::Status(status.code(), absl::StrCat("chunk ", chunks_, ": ", status.message()))));
@@ -271,7 +286,8 @@ class DecodeStreamReactor
   void Compute(Clock::time_point start) {
     v1::DecodeStreamResponse response;
     response.set_request_id(request_.request_id());
-    const absl::Status status = service_->DoAppendAttend(request_.step(), response.mutable_step());
+    const absl::Status status = RunGuarded(
+        [this, &response] { return service_->DoAppendAttend(request_.step(), response.mutable_step()); });
     if (!status.ok()) {
       response.clear_step();
       response.set_code(static_cast<int>(status.code()));
@@ -390,13 +406,13 @@ grpc::ServerUnaryReactor* KvCacheService::RunUnary(grpc::CallbackServerContext* 
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status = auth_.Check(*context);
   if (!status.ok() || executor_ == nullptr) {
-    if (status.ok()) status = work();
+    if (status.ok()) status = RunGuarded(work);
     reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(status)));
     return reactor;
   }
   Metrics* metrics = metrics_;
   status = executor_->Submit(request_bytes, [reactor, metrics, rpc, start, work]() {
-    const absl::Status done = work();
+    const absl::Status done = RunGuarded(work);
     reactor->Finish(Record(metrics, rpc, start, ToGrpcStatus(done)));
   });
   if (!status.ok()) reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(status)));
@@ -478,19 +494,26 @@ absl::Status KvCacheService::DoScoreQuery(const v1::ScoreQueryRequest& request,
 
   const int64_t begin = request.token_begin();
   int64_t end = request.token_end();
-  if (end == 0) {
-    ASSIGN_OR_RETURN(SequenceInfo seq, cache->GetSequence(request.sequence_id()));
-    end = seq.layer_tokens[request.layer()];
-    if (begin > end) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "token_begin %d is beyond sequence '%s' layer %d, which holds %d tokens", begin,
-          request.sequence_id(), request.layer(), end));
-    }
-  } else if (end < begin) {
+  if (end != 0 && end < begin) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "token range [%d, %d) ends before it begins; want token_begin <= token_end", begin, end));
   }
+  // The range is checked against what the layer holds before anything is
+  // sized from it, so a request's cost is bounded by the stored tokens. A
+  // layer only grows (or gives back tokens below its window, which Score
+  // reports), so the range stays inside it.
+  ASSIGN_OR_RETURN(SequenceInfo seq, cache->GetSequence(request.sequence_id()));
+  const int64_t length = seq.layer_tokens[request.layer()];
+  if (end == 0) end = length;
+  if (begin > length || end > length) {
+    return absl::OutOfRangeError(absl::StrFormat(
+        "token range [%d, %d) is beyond sequence '%s' layer %d, which holds %d tokens", begin,
+        end, request.sequence_id(), request.layer(), length));
+  }
   const int64_t n = end - begin;
+  if (n == 0) {  // an empty range: no logits, no positions
+    return EncodeTensor({}, {heads, 0}, v1::DTYPE_F32, response->mutable_logits());
+  }
   std::vector<float> logits(static_cast<size_t>(heads * n));
   RETURN_IF_ERROR(cache->Score(request.sequence_id(), request.layer(), begin, end, queries.data(),
                                logits.data(), request.scale()));

@@ -159,15 +159,21 @@ TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
   options.auth_token = "first-token";
   EXPECT_EQ(Client(options).GetSequence("", "intruder").status().code(),
             absl::StatusCode::kNotFound);
-  // A scheme other than Bearer is refused.
-  grpc::ClientContext context;
-  context.AddMetadata("authorization", "Basic first-token");
-  v1::GetServerInfoRequest request;
-  v1::ServerInfo response;
+  // A scheme other than Bearer is refused; the scheme's case does not matter
+  // (RFC 7235), the token's does.
   std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
       grpc::CreateChannel(options.target, grpc::InsecureChannelCredentials()));
-  EXPECT_EQ(stub->GetServerInfo(&context, request, &response).error_code(),
-            grpc::StatusCode::UNAUTHENTICATED);
+  const auto code_with = [&stub](const std::string& header) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", header);
+    v1::GetServerInfoRequest request;
+    v1::ServerInfo response;
+    return stub->GetServerInfo(&context, request, &response).error_code();
+  };
+  EXPECT_EQ(code_with("Basic first-token"), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(code_with("bearer first-token"), grpc::StatusCode::OK);
+  EXPECT_EQ(code_with("BEARER first-token"), grpc::StatusCode::OK);
+  EXPECT_EQ(code_with("Bearer FIRST-TOKEN"), grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST(Auth, HealthStaysOpenWithoutAToken) {

@@ -383,6 +383,42 @@ TEST_F(ServiceTest, ScoreQueryEqualsTheLibraryAndRanksTopK) {
   EXPECT_EQ(top->columns, 7);
 }
 
+// A range beyond the layer is refused before the logits are sized from it:
+// a 16 KB request cannot make the server allocate gigabytes.
+TEST_F(ServiceTest, ScoreQueryChecksItsRangeBeforeSizingAnything) {
+  const Kv kv = MakeKv(20, 30);
+  ASSERT_TRUE(client_->Append(MakeAppend("s", 0, kv)).ok());
+  ScoreArgs args;
+  args.sequence_id = "s";
+  args.layer = 1;
+  args.shape = {kQueryHeads, kHeadDim};
+  args.queries = RandomFloats(kQueryHeads * kHeadDim, 31);
+  for (const int64_t end : {int64_t{21}, int64_t{16000000}, int64_t{1} << 40}) {
+    args.token_end = end;
+    const absl::Time start = absl::Now();
+    absl::StatusOr<ScoreResult> r = client_->Score(args);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kOutOfRange) << end << ": " << r.status();
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("which holds 20 tokens"));
+    EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << end;
+  }
+  args.token_begin = 21;
+  args.token_end = 0;  // the layer's length: begins beyond it
+  EXPECT_EQ(client_->Score(args).status().code(), absl::StatusCode::kOutOfRange);
+
+  // An empty range inside the layer: OK, no logits, with or without top_k.
+  for (const int top_k : {0, 3}) {
+    args.token_begin = 5;
+    args.token_end = 5;
+    args.top_k = top_k;
+    absl::StatusOr<ScoreResult> empty = client_->Score(args);
+    ASSERT_TRUE(empty.ok()) << empty.status();
+    EXPECT_EQ(empty->query_heads, kQueryHeads);
+    EXPECT_EQ(empty->columns, 0);
+    EXPECT_TRUE(empty->logits.empty());
+    EXPECT_TRUE(empty->positions.empty());
+  }
+}
+
 TEST_F(ServiceTest, SequenceLifecycleCreateForkGetDrop) {
   absl::StatusOr<SequenceState> created = client_->CreateSequence("", "p");
   ASSERT_TRUE(created.ok()) << created.status();
