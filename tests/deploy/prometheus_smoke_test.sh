@@ -65,7 +65,12 @@ def get(path, **params):
         with urllib.request.urlopen(url, timeout=5) as r:
             return json.load(r)
     except urllib.error.HTTPError as e:   # 400 / 422: a bad query, with its error
-        return json.load(e)
+        try:
+            return json.load(e)
+        except ValueError:                # 503 "Service Unavailable" while starting
+            return None
+    except ValueError:                    # a body that is not JSON yet: starting
+        return None
     except OSError:
         return None                       # not listening yet
 
