@@ -3,7 +3,7 @@ coordinate (K and V, every layer, at the measured length), one panel per
 model; tqkv's served presets and recipes as dots (with the range over rotation
 seeds as a bar), vLLM's scheme emulated in numpy as crosses.
 
-    python tools/quality/chart.py report.json docs/quality_ppl_vs_bytes.png
+    python tools/quality/chart.py report.json build/quality_ppl_vs_bytes.png
 """
 import json
 import sys
