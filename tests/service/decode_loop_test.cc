@@ -26,6 +26,7 @@
 #include "service/config.h"
 #include "service/executor.h"
 #include "service/server.h"
+#include "tests/service/random_floats.h"
 
 namespace tqkv {
 namespace {
@@ -66,14 +67,6 @@ constexpr char kConfig[] = R"pb(
     memory_budget_bytes: 8388608
   }
 )pb";
-
-std::vector<float> RandomFloats(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
 
 // One item's data: K/V [tokens, kv_heads, head_dim], Q [tokens, heads, dim].
 struct Step {

@@ -36,6 +36,7 @@
 #include "kernels/float_formats.h"
 #include "service/config.h"
 #include "service/server.h"
+#include "tests/service/random_floats.h"
 
 namespace tqkv {
 namespace {
@@ -62,14 +63,6 @@ constexpr char kConfig[] = R"pb(
     page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 1
   }
 )pb";
-
-std::vector<float> RandomFloats(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
 
 // K/V for `tokens` tokens of `layers` layers.
 struct Kv {
