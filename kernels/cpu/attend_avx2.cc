@@ -122,6 +122,15 @@ class Decoder {
     } else if constexpr (kFormat == FieldFormat::kFp16) {
       *first = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * block)));
       *second = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * block + 16)));
+    } else if constexpr (kFormat == FieldFormat::kFp8) {
+      // E4M3 -> binary16 bits: sign to bit 15, exponent and mantissa to bits
+      // 13-7 (x << 8, an arithmetic shift right by one, a mask). That half is
+      // the fp8 value times 2^-8, subnormals included; kUnitScale undoes it.
+      const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * block)));
+      const __m256i half = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1),
+                                            _mm256_set1_epi16(static_cast<short>(0xbf80)));
+      *first = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+      *second = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
     } else if constexpr (!kPacked) {  // 8-bit uniform
       *first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block))));
       *second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block + 8))));
@@ -150,13 +159,13 @@ class Decoder {
         _mm256_storeu_ps(zero + k, _mm256_castpd_ps(_mm256_permute4x64_pd(
                                        _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8)));
       } else {
-        _mm256_storeu_ps(scale + k, _mm256_set1_ps(1.0f));
+        _mm256_storeu_ps(scale + k, _mm256_set1_ps(kUnitScale));
       }
     }
     for (; k < n; ++k) {
       uint16_t s[2] = {0, 0};
       memcpy(s, scalars + 2 * kScalars * k, 2 * kScalars);
-      scale[k] = kScalars > 0 ? _cvtsh_ss(s[0]) : 1.0f;
+      scale[k] = kScalars > 0 ? _cvtsh_ss(s[0]) : kUnitScale;
       if constexpr (kScalars > 1) zero[k] = _cvtsh_ss(s[1]);
     }
   }
@@ -166,6 +175,8 @@ class Decoder {
       kFormat == FieldFormat::kCentroids || (kFormat == FieldFormat::kUniform && kBits <= 4);
   static constexpr int kScalars =
       kFormat == FieldFormat::kUniform ? 2 : kFormat == FieldFormat::kCentroids ? 1 : 0;
+  // The scale of a field without scalars: Block() reads fp8 as 2^-8 times its value.
+  static constexpr float kUnitScale = kFormat == FieldFormat::kFp8 ? 256.0f : 1.0f;
 
   __m256 Lookup(__m256i index) const {
     if constexpr (kBits == 4 && kFormat == FieldFormat::kCentroids) {
@@ -400,6 +411,7 @@ void AttendHead(const HeadAttendParams& p) {
 }
 
 struct Avx2Kernels {
+  static constexpr bool kReadsFp8 = true;
   template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
   static void Run(const HeadAttendParams& params) {
     AttendHead<kKey, kKeyBits, kValue, kValueBits>(params);

@@ -475,6 +475,8 @@ void AttendHead(const HeadAttendParams& p) {
 }
 
 struct Avx512Kernels {
+  // fp8 fields take the AVX2 kernel (the dispatch in cpu_backend.cc falls back).
+  static constexpr bool kReadsFp8 = false;
   template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
   static void Run(const HeadAttendParams& params) {
     AttendHead<kKey, kKeyBits, kValue, kValueBits>(params);

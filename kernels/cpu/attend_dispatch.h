@@ -3,6 +3,7 @@
 // kernel. Each ISA file instantiates it with its own kernel template:
 //
 //   struct Avx512Kernels {
+//     static constexpr bool kReadsFp8 = false;  // whether Run takes kFp8 fields
 //     template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
 //     static void Run(const HeadAttendParams& params);
 //   };
@@ -42,6 +43,9 @@ AttendKernel PickAttendKernelForValue(const FieldReader& value) {
       return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kFp16, 16>;
     case FieldFormat::kBf16:
       return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kBf16, 16>;
+    case FieldFormat::kFp8:
+      if constexpr (Kernels::kReadsFp8) return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kFp8, 8>;
+      return nullptr;
     default:
       return nullptr;
   }
@@ -62,6 +66,9 @@ AttendKernel PickAttendKernel(const FieldReader& key, const FieldReader& value) 
       return PickAttendKernelForValue<Kernels, FieldFormat::kFp16, 16>(value);
     case FieldFormat::kBf16:
       return PickAttendKernelForValue<Kernels, FieldFormat::kBf16, 16>(value);
+    case FieldFormat::kFp8:
+      if constexpr (Kernels::kReadsFp8) return PickAttendKernelForValue<Kernels, FieldFormat::kFp8, 8>(value);
+      return nullptr;
     default:
       return nullptr;
   }

@@ -20,6 +20,7 @@ enum class FieldFormat {
   kUniform,      // packed b-bit uniform codes, fp16 [scale, zero]
   kFp16,         // raw fp16
   kBf16,         // raw bf16
+  kFp8,          // raw fp8 E4M3 (AVX2 kernel only; the AVX-512 dispatch falls back to it)
 };
 
 struct FieldReader {
@@ -33,7 +34,7 @@ struct FieldReader {
 };
 
 // The format a codec's field has for the fast kernels (kUnsupported for
-// split, QJL and fp8, which use the reference path).
+// split and QJL, which use the reference path).
 FieldReader DescribeField(const VectorCodec& codec);
 
 // Rows are the query vectors that share this KV head: (query token, query

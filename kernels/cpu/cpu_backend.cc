@@ -482,6 +482,10 @@ FieldReader DescribeField(const VectorCodec& codec) {
       field.format = FieldFormat::kBf16;
       field.bits = 16;
       break;
+    case CodecKind::kFp8:
+      field.format = FieldFormat::kFp8;
+      field.bits = 8;
+      break;
     default:
       field.format = FieldFormat::kUnsupported;
   }

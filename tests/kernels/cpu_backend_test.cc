@@ -189,11 +189,12 @@ TEST(CpuBackend, SeveralQueryTokensAreCausalAmongThemselves) {
   });
 }
 
-// The presets' formats take the fused kernels at both SIMD widths (so the
-// tests above exercise them), and split keys take the reference path.
+// The presets' formats take the fused kernels (so the tests above exercise
+// them): at both SIMD widths, but fp8 at AVX2 only (an AVX-512 machine runs
+// the AVX2 kernel for it); split keys take the reference path.
 TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
-  for (const char* name : {"bf16", "fp16", "turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-                           "tqkv_k3v3", "tqkv_k3v4", "tqkv_k4v4", "tqkv_k2p5v3"}) {
+  for (const char* name : {"bf16", "fp16", "fp8", "turboquant_k8v4", "turboquant_3bit_nc", "turboquant_4bit_nc",
+                           "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4", "tqkv_k4v4", "tqkv_k2p5v3"}) {
     SCOPED_TRACE(name);
     KvLayoutOptions options;
     options.num_layers = 1;
@@ -212,7 +213,8 @@ TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
     const cpu_internal::FieldReader key = cpu_internal::DescribeField((*layout)->key_codec(0, 0));
     const cpu_internal::FieldReader value = cpu_internal::DescribeField((*layout)->value_codec(0, 0));
     const bool split = std::string(name) == "tqkv_k2p5v3";
-    EXPECT_EQ(cpu_internal::AttendHeadAvx512Supported(key, value, 128), !split);
+    const bool fp8 = key.format == cpu_internal::FieldFormat::kFp8;
+    EXPECT_EQ(cpu_internal::AttendHeadAvx512Supported(key, value, 128), !split && !fp8);
     EXPECT_EQ(cpu_internal::AttendHeadAvx2Supported(key, value, 128), !split);
   }
 }
@@ -223,7 +225,7 @@ struct SyntheticField {
   int bits;
   std::vector<float> centroids;  // kCentroids: 2^bits
 
-  int CodeBytes(int d) const { return bits == 16 ? 2 * d : PackedBytes(d, bits); }
+  int CodeBytes(int d) const { return bits == 16 ? 2 * d : bits == 8 ? d : PackedBytes(d, bits); }
   int NumScalars() const {
     return format == cpu_internal::FieldFormat::kUniform ? 2 : format == cpu_internal::FieldFormat::kCentroids ? 1 : 0;
   }
@@ -235,6 +237,10 @@ struct SyntheticField {
         const uint16_t h = format == cpu_internal::FieldFormat::kFp16 ? FloatToHalf(x) : FloatToBf16(x);
         memcpy(codes + 2 * j, &h, 2);
       }
+      return;
+    }
+    if (format == cpu_internal::FieldFormat::kFp8) {  // |x| < 4, subnormals included
+      for (int j = 0; j < d; ++j) codes[j] = static_cast<uint8_t>(rng.NextBelow(0x48) | (rng.NextBelow(2) << 7));
       return;
     }
     std::vector<uint8_t> raw(d);
@@ -260,6 +266,8 @@ struct SyntheticField {
         memcpy(&h, codes + 2 * j, 2);
         return Bf16ToFloat(h);
       }
+      case cpu_internal::FieldFormat::kFp8:
+        return Fp8E4m3ToFloat(codes[j]);
       case cpu_internal::FieldFormat::kCentroids:
         return static_cast<double>(HalfToFloat(scalars[0])) * centroids[PackedCodeAt(codes, j, bits)];
       default:
@@ -297,10 +305,12 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
   for (int bits : {2, 3, 4}) keys.push_back(field(FieldFormat::kCentroids, bits));
   keys.push_back(field(FieldFormat::kFp16, 16));
   keys.push_back(field(FieldFormat::kBf16, 16));
+  keys.push_back(field(FieldFormat::kFp8, 8));
   for (int bits : {2, 3, 4}) values.push_back(field(FieldFormat::kCentroids, bits));
   for (int bits : {2, 3, 4, 8}) values.push_back(field(FieldFormat::kUniform, bits));
   values.push_back(field(FieldFormat::kFp16, 16));
   values.push_back(field(FieldFormat::kBf16, 16));
+  values.push_back(field(FieldFormat::kFp8, 8));
 
   const int tokens = 150, rows = 5;
   for (int d : {64, 80, 128}) {
@@ -363,6 +373,11 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           params.visible = visible.data();
           for (const auto& [name, kernel] : kernels) {
             SCOPED_TRACE(name);
+            const bool fp8 = key.format == FieldFormat::kFp8 || value.format == FieldFormat::kFp8;
+            if (name == "avx512" && fp8) {  // the AVX2 kernel serves fp8 on AVX-512 machines
+              EXPECT_FALSE(cpu_internal::AttendHeadAvx512Supported(key, value, d));
+              continue;
+            }
             ASSERT_TRUE(name == "avx2" ? cpu_internal::AttendHeadAvx2Supported(key, value, d)
                                        : cpu_internal::AttendHeadAvx512Supported(key, value, d));
             std::vector<float> out(static_cast<size_t>(rows) * d), lse(rows);
