@@ -6,12 +6,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "client/cli/bandwidth_probe.h"
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
@@ -49,33 +51,37 @@ double MedianSeconds(double min_seconds, Body body) {
   return times[times.size() / 2];
 }
 
-// Times two bodies alternately (a, b, a, b, ...) so that both see the same
-// machine state; returns the median time of each and the median of the
-// per-pair ratios b / a.
-struct PairedTimes {
-  double a = 0.0, b = 0.0, ratio = 0.0;
-};
-template <typename A, typename B>
-PairedTimes MedianPaired(double min_seconds, A body_a, B body_b) {
-  body_a();
-  body_b();
-  std::vector<double> ta, tb, ratios;
-  const double start = Seconds();
-  while (ta.size() < 5 || (Seconds() - start < min_seconds && ta.size() < 10000)) {
-    double t0 = Seconds();
-    body_a();
-    ta.push_back(Seconds() - t0);
-    t0 = Seconds();
-    body_b();
-    tb.push_back(Seconds() - t0);
-    ratios.push_back(tb.back() / ta.back());
+// Times bodies in rounds (a, b, c, a, b, c, ...) so that all of them see the
+// same machine state, over at least 5 rounds and `min_seconds`.
+class InterleavedTimes {
+ public:
+  InterleavedTimes(double min_seconds, const std::vector<std::function<void()>>& bodies) : times_(bodies.size()) {
+    for (const auto& body : bodies) body();  // warm-up
+    const double start = Seconds();
+    while (times_[0].size() < 5 || (Seconds() - start < min_seconds && times_[0].size() < 10000)) {
+      for (size_t i = 0; i < bodies.size(); ++i) {
+        const double t0 = Seconds();
+        bodies[i]();
+        times_[i].push_back(Seconds() - t0);
+      }
+    }
   }
-  const auto median = [](std::vector<double>& v) {
+  // Body i's median seconds per call.
+  double Median(size_t i) const { return MedianOf(times_[i]); }
+  // The median over rounds of body i's time over body j's.
+  double MedianRatio(size_t i, size_t j) const {
+    std::vector<double> ratios;
+    for (size_t k = 0; k < times_[i].size(); ++k) ratios.push_back(times_[i][k] / times_[j][k]);
+    return MedianOf(ratios);
+  }
+
+ private:
+  static double MedianOf(std::vector<double> v) {
     std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
     return v[v.size() / 2];
-  };
-  return {median(ta), median(tb), median(ratios)};
-}
+  }
+  std::vector<std::vector<double>> times_;
+};
 
 // Hot channels for split presets: from the synthetic keys' own statistics,
 // the way a deployment calibrates from a prefill.
@@ -296,12 +302,6 @@ std::unique_ptr<AttendCall> MakeAttendCall(StoredLayer& stored, int64_t context,
   return call;
 }
 
-// Seconds per Attend call.
-double TimeAttend(StoredLayer& stored, int64_t context, int batch, double min_seconds) {
-  std::unique_ptr<AttendCall> call = MakeAttendCall(stored, context, batch);
-  return MedianSeconds(min_seconds, [&] { (void)stored.backend->Attend(call->params); });
-}
-
 // Flags every benchmark takes, and their resolved values.
 struct BenchCommon {
   std::string preset_names = "all";
@@ -344,7 +344,10 @@ int RunBenchAttend(int argc, const char* const* argv) {
   FlagSet flags("bench attend",
                 "Decode attention time for one layer of a model (default Llama-3.1-8B: 8 KV heads,\n"
                 "32 query heads, d=128), per preset and context, next to an uncompressed bf16\n"
-                "cache attended by tqkv's own SIMD kernel in the same run (speedup_vs_bf16).\n"
+                "cache attended by tqkv's own SIMD kernel, the two timed alternately (A B A B ...;\n"
+                "speedup_vs_bf16 is the median of the per-round ratios), and next to the memory\n"
+                "bound: the bytes each call reads over the read bandwidth measured at start-up\n"
+                "with as many threads (bound_ms, and %bound = bound_ms / attend_ms).\n"
                 "CPU backend; the items of a batch read one stored sequence.");
   BenchCommon common;
   std::vector<int64_t> contexts = {1024, 8192, 32768};
@@ -372,25 +375,24 @@ int RunBenchAttend(int argc, const char* const* argv) {
   }
   const int64_t max_context = *std::max_element(contexts.begin(), contexts.end());
 
-  // The baseline first, kept for every context.
+  // The baseline, kept for the whole run and timed alternately with each
+  // preset, so that one disturbed baseline cannot move every ratio.
   absl::StatusOr<const Preset*> bf16 = FindPreset("bf16");
   auto baseline = StoreSyntheticLayer(**bf16, *shape, static_cast<int>(page_tokens), max_context, seed,
                                       static_cast<int>(threads));
   if (!baseline.ok()) return Fail(baseline.status());
-  std::vector<double> baseline_seconds;
-  for (int64_t context : contexts) {
-    baseline_seconds.push_back(TimeAttend(**baseline, context, static_cast<int>(batch), min_seconds));
-  }
   const std::string device = (*baseline)->backend->device();
-  baseline->reset();
+  const double read_bandwidth = MeasureReadBandwidth(size_t{256} << 20, static_cast<int>(threads), 0.5);
 
   JsonValue rows = JsonValue::Array();
   if (!json) {
     printf("layout %s, one layer (%d KV heads, %d query heads, d=%d), batch %lld, page %lld tokens, %s\n",
            std::string(shape->name).c_str(), shape->num_kv_heads, shape->num_query_heads, shape->head_dim,
            static_cast<long long>(batch), static_cast<long long>(page_tokens), device.c_str());
-    printf("%-20s %8s %7s %10s %10s %8s %10s %9s%s\n", "preset", "context", "bytes", "attend_ms", "bf16_ms",
-           "speedup", "Mtok/s", "GB/s", compare_plain ? "   plain_ms vs_plain" : "");
+    printf("read bandwidth %.1f GB/s (%lld threads, measured in this run); bf16 timed alternately with each row\n",
+           read_bandwidth / 1e9, static_cast<long long>(threads));
+    printf("%-20s %8s %7s %10s %10s %8s %10s %9s %9s %7s%s\n", "preset", "context", "bytes", "attend_ms",
+           "bf16_ms", "speedup", "Mtok/s", "GB/s", "bound_ms", "%bound", compare_plain ? "   plain_ms vs_plain" : "");
   }
   for (const Preset* preset : *presets) {
     auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
@@ -407,20 +409,23 @@ int RunBenchAttend(int argc, const char* const* argv) {
     }
     for (size_t i = 0; i < contexts.size(); ++i) {
       const int64_t context = contexts[i];
-      double seconds = 0.0;
-      PairedTimes paired;
+      std::unique_ptr<AttendCall> base_call = MakeAttendCall(**baseline, context, static_cast<int>(batch));
+      std::unique_ptr<AttendCall> call = MakeAttendCall(**stored, context, static_cast<int>(batch));
+      std::unique_ptr<AttendCall> plain_call;
+      std::vector<std::function<void()>> bodies = {
+          [&] { (void)(*baseline)->backend->Attend(base_call->params); },
+          [&] { (void)(*stored)->backend->Attend(call->params); }};
       if (compare_plain) {
-        std::unique_ptr<AttendCall> a = MakeAttendCall(**plain, context, static_cast<int>(batch));
-        std::unique_ptr<AttendCall> b = MakeAttendCall(**stored, context, static_cast<int>(batch));
-        paired = MedianPaired(
-            min_seconds, [&] { (void)(*plain)->backend->Attend(a->params); },
-            [&] { (void)(*stored)->backend->Attend(b->params); });
-        seconds = paired.b;
-      } else {
-        seconds = TimeAttend(**stored, context, static_cast<int>(batch), min_seconds);
+        plain_call = MakeAttendCall(**plain, context, static_cast<int>(batch));
+        bodies.push_back([&] { (void)(*plain)->backend->Attend(plain_call->params); });
       }
+      const InterleavedTimes timed(min_seconds, bodies);
+      const double seconds = timed.Median(1), baseline_seconds = timed.Median(0);
+      const double speedup = timed.MedianRatio(0, 1);
+      const double plain_seconds = compare_plain ? timed.Median(2) : 0.0;
+      const double vs_plain = compare_plain ? timed.MedianRatio(1, 2) : 0.0;
       const double read_bytes = static_cast<double>((*stored)->layout->token_bytes(0)) * context * batch;
-      const double speedup = baseline_seconds[i] / seconds;
+      const double bound_seconds = read_bandwidth > 0 ? read_bytes / read_bandwidth : 0.0;
       if (json) {
         JsonValue row = JsonValue::Object();
         row.Set("preset", std::string(preset->name))
@@ -428,18 +433,20 @@ int RunBenchAttend(int argc, const char* const* argv) {
                         .Set("batch", batch)
                         .Set("bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim))
                         .Set("attend_ms", seconds * 1e3)
-                        .Set("bf16_ms", baseline_seconds[i] * 1e3)
+                        .Set("bf16_ms", baseline_seconds * 1e3)
                         .Set("speedup_vs_bf16", speedup)
                         .Set("tokens_per_second", context * batch / seconds)
-                        .Set("cache_gb_per_second", read_bytes / seconds / 1e9);
-        if (compare_plain) row.Set("plain_ms", paired.a * 1e3).Set("vs_plain", paired.ratio);
+                        .Set("cache_gb_per_second", read_bytes / seconds / 1e9)
+                        .Set("memory_bound_ms", bound_seconds * 1e3)
+                        .Set("fraction_of_memory_bound", bound_seconds / seconds);
+        if (compare_plain) row.Set("plain_ms", plain_seconds * 1e3).Set("vs_plain", vs_plain);
         rows.Append(std::move(row));
       } else {
-        printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f", std::string(preset->name).c_str(),
+        printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f %9.3f %6.0f%%", std::string(preset->name).c_str(),
                static_cast<long long>(context), preset->BytesPerTokenHead(shape->head_dim), seconds * 1e3,
-               baseline_seconds[i] * 1e3, speedup, context * batch / seconds / 1e6,
-               read_bytes / seconds / 1e9);
-        if (compare_plain) printf(" %10.3f %8.3f", paired.a * 1e3, paired.ratio);
+               baseline_seconds * 1e3, speedup, context * batch / seconds / 1e6, read_bytes / seconds / 1e9,
+               bound_seconds * 1e3, 100.0 * bound_seconds / seconds);
+        if (compare_plain) printf(" %10.3f %8.3f", plain_seconds * 1e3, vs_plain);
         printf("\n");
         fflush(stdout);
       }
@@ -449,6 +456,7 @@ int RunBenchAttend(int argc, const char* const* argv) {
     printf("%s\n", JsonValue::Object()
                        .Set("layout", std::string(shape->name))
                        .Set("device", device)
+                       .Set("read_gb_per_second", read_bandwidth / 1e9)
                        .Set("batch", batch)
                        .Set("page_tokens", page_tokens)
                        .Set("results", rows)

@@ -50,6 +50,9 @@ check "capacity" "$tqkv" capacity --memory-gib 1 --layout llama3-70b --json
 contains '"ratio_to_bf16"' "$work/out"
 check "bench attend" "$tqkv" bench attend --preset tqkv_k3v3,turboquant_3bit_nc --context 64,200 --min-seconds 0.01 --json
 contains '"speedup_vs_bf16"' "$work/out"
+contains '"fraction_of_memory_bound"' "$work/out"
+check "bench attend plain" "$tqkv" bench attend --preset tqkv_k3v4u_csw --context 200 --min-seconds 0.01 --compare-plain
+contains "vs_plain" "$work/out"
 check "bench store" "$tqkv" bench store --preset turboquant_k3v4_nc --tokens 256 --json
 contains '"tokens_per_second"' "$work/out"
 check "bench transport" "$tqkv" bench transport --batch 2 --wire-dtype bf16 --messages 20 --json
