@@ -143,23 +143,33 @@ class CpuBackend final : public Backend {
     // Without exact tokens `length` may be left 0: the range decides then.
     const int num_segments =
         Segments(layout, p.block_table, p.exact_block_table, std::max(p.length, p.token_end), segments);
-    std::vector<float> state;
-    for (int h = 0; h < layout.num_query_heads(); ++h) {
-      const float* query = p.queries + static_cast<size_t>(h) * d;
-      const AddBackTerms terms = Terms(layout, p.key_mean, h / group, query, p.scale);
+    // Per KV head, the group's queries score each token in turn: a token's
+    // bytes come from memory once per group, not once per query head.
+    std::vector<float> states;
+    std::vector<AddBackTerms> terms(group);
+    for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
+      for (int g = 0; g < group; ++g) {
+        terms[g] = Terms(layout, p.key_mean, kv, p.queries + static_cast<size_t>(kv * group + g) * d, p.scale);
+      }
       for (int k = 0; k < num_segments; ++k) {
         const Segment& seg = segments[k];
         const int64_t begin = std::max(seg.begin, p.token_begin), end = std::min(seg.end, p.token_end);
         if (begin >= end) continue;
-        const HeadView view = View(*seg.layout, p.layer, h / group);
-        state.resize(view.key->query_state_floats());
-        view.key->PrepareQuery(query, state.data());
+        const HeadView view = View(*seg.layout, p.layer, kv);
+        const size_t state_floats = view.key->query_state_floats();
+        states.resize(state_floats * group);
+        for (int g = 0; g < group; ++g) {
+          view.key->PrepareQuery(p.queries + static_cast<size_t>(kv * group + g) * d, states.data() + g * state_floats);
+        }
         for (int64_t t = begin; t < end; ++t) {
           const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
-          const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot),
-                                                        view.key_scalars(at.page, at.slot));
-          p.logits[h * count + t - p.token_begin] =
-              static_cast<float>(score + (terms.pairs.empty() ? terms.constant : terms.At(t)));
+          const uint8_t* codes = view.key_codes(at.page, at.slot);
+          const uint16_t* scalars = view.key_scalars(at.page, at.slot);
+          for (int g = 0; g < group; ++g) {
+            const float score = p.scale * view.key->Score(states.data() + g * state_floats, codes, scalars);
+            p.logits[(kv * group + g) * count + t - p.token_begin] =
+                static_cast<float>(score + (terms[g].pairs.empty() ? terms[g].constant : terms[g].At(t)));
+          }
         }
       }
     }
