@@ -6,7 +6,10 @@
 // with one transpose-add. Values: each row keeps its 8 weights in registers,
 // and each 8-coordinate chunk of its accumulator takes 8 FMAs between a load
 // and a store. Codes become floats with vpermps on an 8-entry table
-// (two tables and a blend for 4-bit centroids).
+// (two tables and a blend for 4-bit centroids); fp8 through its fp16 bits.
+// Split keys score their hot and cold parts as two dot products, each times
+// its own scale. fp8 and split keys have no AVX-512 twin: on an AVX-512
+// machine the dispatch falls back to this kernel for them.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -70,6 +73,15 @@ inline float Max(__m256 v) {
   const __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 y = _mm_max_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_max_ss(y, _mm_movehdup_ps(y)));
+}
+
+// 8 tokens' pairs of fp16 scalars [a, b] -> 8 floats a and 8 floats b.
+inline void ScalarPairs(const uint8_t* scalars, float* a, float* b) {
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 16)));
+  // shuffle_ps leaves tokens in the order 0 1 4 5 2 3 6 7.
+  _mm256_storeu_ps(a, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8)));
+  _mm256_storeu_ps(b, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8)));
 }
 
 inline int Load32(const uint8_t* p) {
@@ -151,13 +163,7 @@ class Decoder {
       if constexpr (kFormat == FieldFormat::kCentroids) {
         _mm256_storeu_ps(scale + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 2 * k))));
       } else if constexpr (kFormat == FieldFormat::kUniform) {  // [scale, zero] per token
-        const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 4 * k)));
-        const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 4 * k + 16)));
-        // shuffle_ps leaves tokens in the order 0 1 4 5 2 3 6 7.
-        _mm256_storeu_ps(scale + k, _mm256_castpd_ps(_mm256_permute4x64_pd(
-                                        _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8)));
-        _mm256_storeu_ps(zero + k, _mm256_castpd_ps(_mm256_permute4x64_pd(
-                                       _mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8)));
+        ScalarPairs(scalars + 4 * k, scale + k, zero + k);
       } else {
         _mm256_storeu_ps(scale + k, _mm256_set1_ps(kUnitScale));
       }
@@ -194,6 +200,60 @@ class Decoder {
   __m256i shift_[2];
 };
 
+// Split TurboQuant keys: the hot part's codes, then the cold part's, each
+// read by its own centroid Decoder. The query's first hot_dims coordinates
+// are the hot part's (PrepareQuery's order); blocks [0, hot_blocks()) of a
+// token are hot. Scales(): the hot scale and the cold one.
+template <int kHotBits, int kColdBits>
+class SplitDecoder {
+ public:
+  explicit SplitDecoder(const FieldReader& field)
+      : hot_(field), cold_(ColdPart(field)), hot_blocks_(field.hot_dims / 16), cold_offset_(field.cold_code_offset) {}
+
+  static int Position(int j) { return j; }
+  int hot_blocks() const { return hot_blocks_; }
+
+  void Block(const uint8_t* codes, int block, __m256* first, __m256* second) const {
+    if (block < hot_blocks_) {
+      hot_.Block(codes, block, first, second);
+    } else {
+      cold_.Block(codes + cold_offset_, block - hot_blocks_, first, second);
+    }
+  }
+
+  static void Scalars(const uint8_t* scalars, int n, float* hot_scale, float* cold_scale) {
+    int k = 0;
+    for (; k + 8 <= n; k += 8) ScalarPairs(scalars + 4 * k, hot_scale + k, cold_scale + k);
+    for (; k < n; ++k) {
+      uint16_t s[2];
+      memcpy(s, scalars + 4 * k, 4);
+      hot_scale[k] = _cvtsh_ss(s[0]);
+      cold_scale[k] = _cvtsh_ss(s[1]);
+    }
+  }
+
+ private:
+  static FieldReader ColdPart(FieldReader field) {
+    field.bits = kColdBits;
+    field.centroids = field.cold_centroids;
+    return field;
+  }
+
+  Decoder<FieldFormat::kCentroids, kHotBits> hot_;
+  Decoder<FieldFormat::kCentroids, kColdBits> cold_;
+  int hot_blocks_;
+  int cold_offset_;
+};
+
+template <FieldFormat kKey, int kKeyBits>
+struct KeyDecoderFor {
+  using type = Decoder<kKey, kKeyBits>;
+};
+template <int kKeyBits>
+struct KeyDecoderFor<FieldFormat::kSplitCentroids, kKeyBits> {  // kKeyBits = 10 * hot + cold
+  using type = SplitDecoder<kKeyBits / 10, kKeyBits % 10>;
+};
+
 // Room for n floats, per thread (rows x head_dim is up to 128 KiB: too much
 // for the stack of an arbitrary caller's thread).
 float* QueryScratch(size_t n) {
@@ -207,6 +267,7 @@ struct BlockTokens {
   const uint8_t* key_codes[kBlock];
   const uint8_t* value_codes[kBlock];
   alignas(32) float key_scale[kBlock];
+  alignas(32) float key_cold_scale[kBlock];  // split keys
   alignas(32) float value_scale[kBlock];
   alignas(32) float value_zero[kBlock];
 };
@@ -225,7 +286,8 @@ inline __m256 AddBack(const HeadAttendParams& p, const AddBackTable& table, int 
 
 template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
 void AttendHead(const HeadAttendParams& p) {
-  using KeyDecoder = Decoder<kKey, kKeyBits>;
+  constexpr bool kSplit = kKey == FieldFormat::kSplitCentroids;
+  using KeyDecoder = typename KeyDecoderFor<kKey, kKeyBits>::type;
   using ValueDecoder = Decoder<kValue, kValueBits>;
   const int d = p.head_dim;
   const int blocks = d / 16;
@@ -275,6 +337,7 @@ void AttendHead(const HeadAttendParams& p) {
   for (int64_t t0 = first; t0 < end; t0 += kBlock) {
     addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
+    PrefetchTokens(p, std::min(t0 + kBlock, max_visible), std::min(t0 + 2 * kBlock, max_visible));
     const int groups = (count + kGroup - 1) / kGroup;
     for (int i = 0; i < count;) {  // per run of tokens in one page
       const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
@@ -286,7 +349,7 @@ void AttendHead(const HeadAttendParams& p) {
         tokens.value_codes[i + k] = value_codes + k * p.value.code_bytes;
       }
       KeyDecoder::Scalars(page + p.key.scalars_offset + 2 * slot * p.key.num_scalars, n, tokens.key_scale + i,
-                          nullptr);
+                          tokens.key_cold_scale + i);
       ValueDecoder::Scalars(page + p.value.scalars_offset + 2 * slot * p.value.num_scalars, n,
                             tokens.value_scale + i, tokens.value_zero + i);
       i += n;
@@ -299,14 +362,14 @@ void AttendHead(const HeadAttendParams& p) {
     for (int i = 0; i < p.token_begin - t0; ++i) {  // before token_begin: as padding
       tokens.key_codes[i] = tokens.key_codes[p.token_begin - t0];
       tokens.value_codes[i] = tokens.value_codes[p.token_begin - t0];
-      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+      tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
     }
     // Pad the last group with copies of a real token: the padding's scores
     // are masked and its weights are zero.
     for (int i = count; i < groups * kGroup; ++i) {
       tokens.key_codes[i] = tokens.key_codes[0];
       tokens.value_codes[i] = tokens.value_codes[0];
-      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+      tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
     }
 
     // Scores.
@@ -322,19 +385,31 @@ void AttendHead(const HeadAttendParams& p) {
           continue;
         }
         const float* q = queries + r * d;
-        __m256 acc[kGroup];
-        for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_setzero_ps();
-        for (int m = 0; m < 2 * blocks; ++m) {
-          const __m256 qm = _mm256_loadu_ps(q + kLanes * m);
-          const float* k = lines + kGroup * kLanes * m;
-          for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_fmadd_ps(qm, _mm256_load_ps(k + kLanes * i), acc[i]);
-        }
+        // The 8 tokens' dot products over 8-coordinate chunks [m0, m1).
+        const auto dot = [&](int m0, int m1) {
+          __m256 acc[kGroup];
+          for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_setzero_ps();
+          for (int m = m0; m < m1; ++m) {
+            const __m256 qm = _mm256_loadu_ps(q + kLanes * m);
+            const float* k = lines + kGroup * kLanes * m;
+            for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_fmadd_ps(qm, _mm256_load_ps(k + kLanes * i), acc[i]);
+          }
+          return SumEach(acc);
+        };
         // Lanes before token_begin and from the row's visible end on are masked.
         const int before = static_cast<int>(std::clamp<int64_t>(p.token_begin - group_start, 0, kGroup));
         const __m256 live = _mm256_castsi256_ps(_mm256_and_si256(
             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index),
             _mm256_cmpgt_epi32(lane_index, _mm256_set1_epi32(before - 1))));
-        __m256 score = _mm256_mul_ps(SumEach(acc), scale);
+        __m256 score;
+        if constexpr (kSplit) {
+          const int hot_chunks = 2 * key.hot_blocks();
+          score = _mm256_fmadd_ps(dot(0, hot_chunks), scale,
+                                  _mm256_mul_ps(dot(hot_chunks, 2 * blocks),
+                                                _mm256_load_ps(tokens.key_cold_scale + kGroup * g)));
+        } else {
+          score = _mm256_mul_ps(dot(0, 2 * blocks), scale);
+        }
         if (addback.pairs() > 0) score = _mm256_add_ps(score, AddBack(p, addback, r, kGroup * g));
         _mm256_store_ps(w, _mm256_blendv_ps(neg_inf, score, live));
       }
@@ -412,6 +487,7 @@ void AttendHead(const HeadAttendParams& p) {
 
 struct Avx2Kernels {
   static constexpr bool kReadsFp8 = true;
+  static constexpr bool kReadsSplit = true;
   template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
   static void Run(const HeadAttendParams& params) {
     AttendHead<kKey, kKeyBits, kValue, kValueBits>(params);
@@ -421,6 +497,7 @@ struct Avx2Kernels {
 }  // namespace
 
 bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, int head_dim) {
+  if (key.format == FieldFormat::kSplitCentroids && key.hot_dims % 16 != 0) return false;
   return head_dim % 16 == 0 && PickAttendKernel<Avx2Kernels>(key, value) != nullptr;
 }
 

@@ -312,6 +312,7 @@ void AttendHead(const HeadAttendParams& p) {
   for (int64_t t0 = first; t0 < end; t0 += kBlock) {
     addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
+    PrefetchTokens(p, std::min(t0 + kBlock, max_visible), std::min(t0 + 2 * kBlock, max_visible));
     const int groups = (count + kGroup - 1) / kGroup;
     for (int i = 0; i < count;) {  // per run of tokens in one page
       const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
@@ -477,6 +478,7 @@ void AttendHead(const HeadAttendParams& p) {
 struct Avx512Kernels {
   // fp8 fields take the AVX2 kernel (the dispatch in cpu_backend.cc falls back).
   static constexpr bool kReadsFp8 = false;
+  static constexpr bool kReadsSplit = false;
   template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
   static void Run(const HeadAttendParams& params) {
     AttendHead<kKey, kKeyBits, kValue, kValueBits>(params);

@@ -3,7 +3,8 @@
 // kernel. Each ISA file instantiates it with its own kernel template:
 //
 //   struct Avx512Kernels {
-//     static constexpr bool kReadsFp8 = false;  // whether Run takes kFp8 fields
+//     static constexpr bool kReadsFp8 = false;    // whether Run takes kFp8 fields
+//     static constexpr bool kReadsSplit = false;  // and kSplitCentroids keys
 //     template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
 //     static void Run(const HeadAttendParams& params);
 //   };
@@ -68,6 +69,16 @@ AttendKernel PickAttendKernel(const FieldReader& key, const FieldReader& value) 
       return PickAttendKernelForValue<Kernels, FieldFormat::kBf16, 16>(value);
     case FieldFormat::kFp8:
       if constexpr (Kernels::kReadsFp8) return PickAttendKernelForValue<Kernels, FieldFormat::kFp8, 8>(value);
+      return nullptr;
+    case FieldFormat::kSplitCentroids:
+      // kKeyBits packs both parts: 10 * hot bits + cold bits.
+      if constexpr (Kernels::kReadsSplit) {
+        switch (10 * key.bits + key.cold_bits) {
+          case 43: return PickAttendKernelForValue<Kernels, FieldFormat::kSplitCentroids, 43>(value);
+          case 42: return PickAttendKernelForValue<Kernels, FieldFormat::kSplitCentroids, 42>(value);
+          case 32: return PickAttendKernelForValue<Kernels, FieldFormat::kSplitCentroids, 32>(value);
+        }
+      }
       return nullptr;
     default:
       return nullptr;

@@ -5,6 +5,7 @@
 #ifndef TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
 #define TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -21,6 +22,8 @@ enum class FieldFormat {
   kFp16,         // raw fp16
   kBf16,         // raw bf16
   kFp8,          // raw fp8 E4M3 (AVX2 kernel only; the AVX-512 dispatch falls back to it)
+  kSplitCentroids,  // split TurboQuant: hot part, then cold part, each with its
+                    // own codebook and fp16 scale [hot, cold] (AVX2 only, as fp8)
 };
 
 struct FieldReader {
@@ -31,10 +34,16 @@ struct FieldReader {
   size_t scalars_offset = 0;
   int code_bytes = 0;                // per token
   int num_scalars = 0;               // per token
+  // kSplitCentroids: `bits` and `centroids` are the hot part's; the hot part
+  // covers the first hot_dims coordinates of the (rotated) query.
+  int hot_dims = 0;
+  int cold_bits = 0;
+  const float* cold_centroids = nullptr;
+  int cold_code_offset = 0;          // bytes from a token's codes to its cold codes
 };
 
-// The format a codec's field has for the fast kernels (kUnsupported for
-// split and QJL, which use the reference path).
+// The format a codec's field has for the fast kernels (kUnsupported for QJL,
+// which uses the reference path).
 FieldReader DescribeField(const VectorCodec& codec);
 
 // Rows are the query vectors that share this KV head: (query token, query
@@ -73,6 +82,29 @@ struct HeadAttendParams {
 inline int64_t RunBlockStart(const HeadAttendParams& p, int block) {
   const int64_t step = p.page_tokens < block ? p.page_tokens : block;
   return p.token_begin - p.token_begin % step;
+}
+
+// Asks the memory system for the four planes of tokens [begin, end) ahead of
+// their use (a kernel calls it one block ahead). Each page's planes start
+// cold, and the hardware prefetchers do not follow a block table into the
+// next page, so without it every page begins with a DRAM round trip.
+inline void PrefetchTokens(const HeadAttendParams& p, int64_t begin, int64_t end) {
+  const auto lines = [](const uint8_t* from, size_t bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63};
+    for (uintptr_t at = first; at < reinterpret_cast<uintptr_t>(from) + bytes; at += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 3);
+    }
+  };
+  for (int64_t t = begin; t < end;) {
+    const int64_t slot = t % p.page_tokens;
+    const int64_t n = std::min<int64_t>(end - t, p.page_tokens - slot);
+    const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[t / p.page_tokens]) * p.page_bytes;
+    for (const FieldReader* f : {&p.key, &p.value}) {
+      lines(page + f->codes_offset + slot * f->code_bytes, n * f->code_bytes);
+      lines(page + f->scalars_offset + slot * 2 * f->num_scalars, n * 2 * f->num_scalars);
+    }
+    t += n;
+  }
 }
 
 // A fused kernel: fills params.out and params.lse.

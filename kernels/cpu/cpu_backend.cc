@@ -496,6 +496,17 @@ FieldReader DescribeField(const VectorCodec& codec) {
       field.format = FieldFormat::kFp8;
       field.bits = 8;
       break;
+    case CodecKind::kOutlierSplit: {
+      const std::vector<TurboQuantPart>& parts = codec.turboquant_parts();
+      field.format = FieldFormat::kSplitCentroids;
+      field.bits = spec.hot_bits;
+      field.centroids = parts[0].codebook->centroids.data();
+      field.hot_dims = static_cast<int>(parts[0].channels.size());
+      field.cold_bits = spec.bits;
+      field.cold_centroids = parts[1].codebook->centroids.data();
+      field.cold_code_offset = parts[1].code_offset;
+      break;
+    }
     default:
       field.format = FieldFormat::kUnsupported;
   }

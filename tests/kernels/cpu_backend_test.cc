@@ -190,11 +190,11 @@ TEST(CpuBackend, SeveralQueryTokensAreCausalAmongThemselves) {
 }
 
 // The presets' formats take the fused kernels (so the tests above exercise
-// them): at both SIMD widths, but fp8 at AVX2 only (an AVX-512 machine runs
-// the AVX2 kernel for it); split keys take the reference path.
+// them): at both SIMD widths, but fp8 and split keys at AVX2 only (an AVX-512
+// machine runs the AVX2 kernel for them).
 TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
   for (const char* name : {"bf16", "fp16", "fp8", "turboquant_k8v4", "turboquant_3bit_nc", "turboquant_4bit_nc",
-                           "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4", "tqkv_k4v4", "tqkv_k2p5v3"}) {
+                           "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4", "tqkv_k4v4", "tqkv_k3p5v3", "tqkv_k2p5v3"}) {
     SCOPED_TRACE(name);
     KvLayoutOptions options;
     options.num_layers = 1;
@@ -212,10 +212,10 @@ TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
     ASSERT_TRUE(layout.ok()) << layout.status();
     const cpu_internal::FieldReader key = cpu_internal::DescribeField((*layout)->key_codec(0, 0));
     const cpu_internal::FieldReader value = cpu_internal::DescribeField((*layout)->value_codec(0, 0));
-    const bool split = std::string(name) == "tqkv_k2p5v3";
+    const bool split = key.format == cpu_internal::FieldFormat::kSplitCentroids;
     const bool fp8 = key.format == cpu_internal::FieldFormat::kFp8;
     EXPECT_EQ(cpu_internal::AttendHeadAvx512Supported(key, value, 128), !split && !fp8);
-    EXPECT_EQ(cpu_internal::AttendHeadAvx2Supported(key, value, 128), !split);
+    EXPECT_TRUE(cpu_internal::AttendHeadAvx2Supported(key, value, 128));
   }
 }
 
@@ -223,11 +223,19 @@ TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
 struct SyntheticField {
   cpu_internal::FieldFormat format;
   int bits;
-  std::vector<float> centroids;  // kCentroids: 2^bits
+  std::vector<float> centroids;  // kCentroids, kSplitCentroids (hot part): 2^bits
+  int cold_bits = 0;             // kSplitCentroids: the cold part, on the last d - d/2 coordinates
+  std::vector<float> cold_centroids;
 
-  int CodeBytes(int d) const { return bits == 16 ? 2 * d : bits == 8 ? d : PackedBytes(d, bits); }
+  bool split() const { return format == cpu_internal::FieldFormat::kSplitCentroids; }
+  int CodeBytes(int d) const {
+    if (split()) return PackedBytes(d / 2, bits) + PackedBytes(d - d / 2, cold_bits);
+    return bits == 16 ? 2 * d : bits == 8 ? d : PackedBytes(d, bits);
+  }
   int NumScalars() const {
-    return format == cpu_internal::FieldFormat::kUniform ? 2 : format == cpu_internal::FieldFormat::kCentroids ? 1 : 0;
+    return format == cpu_internal::FieldFormat::kUniform || split()        ? 2
+           : format == cpu_internal::FieldFormat::kCentroids ? 1
+                                                             : 0;
   }
   // Random valid bytes for one token.
   void Fill(Random& rng, int d, uint8_t* codes, uint16_t* scalars) const {
@@ -244,6 +252,15 @@ struct SyntheticField {
       return;
     }
     std::vector<uint8_t> raw(d);
+    if (split()) {
+      const int hot = d / 2;
+      for (int j = 0; j < d; ++j) raw[j] = static_cast<uint8_t>(rng.NextBelow(1u << (j < hot ? bits : cold_bits)));
+      PackBits(raw.data(), hot, bits, codes);
+      PackBits(raw.data() + hot, d - hot, cold_bits, codes + PackedBytes(hot, bits));
+      scalars[0] = FloatToHalf(static_cast<float>(0.5 + rng.NextDouble()));
+      scalars[1] = FloatToHalf(static_cast<float>(0.5 + rng.NextDouble()));
+      return;
+    }
     for (int j = 0; j < d; ++j) raw[j] = static_cast<uint8_t>(rng.NextBelow(1u << bits));
     PackBits(raw.data(), d, bits, codes);
     if (format == cpu_internal::FieldFormat::kCentroids) {
@@ -253,9 +270,15 @@ struct SyntheticField {
       scalars[1] = FloatToHalf(static_cast<float>(rng.NextDouble() - 0.5));
     }
   }
-  // What the bytes stand for.
-  double Decode(const uint8_t* codes, const uint16_t* scalars, int j) const {
+  // What the bytes stand for (coordinate j of a d-dim vector).
+  double Decode(const uint8_t* codes, const uint16_t* scalars, int j, int d) const {
     switch (format) {
+      case cpu_internal::FieldFormat::kSplitCentroids: {
+        const int hot = d / 2;
+        if (j < hot) return static_cast<double>(HalfToFloat(scalars[0])) * centroids[PackedCodeAt(codes, j, bits)];
+        return static_cast<double>(HalfToFloat(scalars[1])) *
+               cold_centroids[PackedCodeAt(codes + PackedBytes(hot, bits), j - hot, cold_bits)];
+      }
       case cpu_internal::FieldFormat::kFp16: {
         uint16_t h;
         memcpy(&h, codes + 2 * j, 2);
@@ -294,10 +317,14 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
   }
   if (kernels.empty()) GTEST_SKIP() << "no AVX2";
   Random rng(11);
-  const auto field = [&](FieldFormat format, int bits) {
+  const auto field = [&](FieldFormat format, int bits, int cold_bits = 0) {
     SyntheticField f{format, bits, {}};
-    if (format == FieldFormat::kCentroids) {
+    if (format == FieldFormat::kCentroids || format == FieldFormat::kSplitCentroids) {
       for (int i = 0; i < (1 << bits); ++i) f.centroids.push_back(static_cast<float>(rng.NextGaussian()));
+    }
+    f.cold_bits = cold_bits;
+    for (int i = 0; i < (cold_bits > 0 ? 1 << cold_bits : 0); ++i) {
+      f.cold_centroids.push_back(static_cast<float>(rng.NextGaussian()));
     }
     return f;
   };
@@ -306,6 +333,7 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
   keys.push_back(field(FieldFormat::kFp16, 16));
   keys.push_back(field(FieldFormat::kBf16, 16));
   keys.push_back(field(FieldFormat::kFp8, 8));
+  for (auto [hot, cold] : {std::pair{4, 3}, {4, 2}, {3, 2}}) keys.push_back(field(FieldFormat::kSplitCentroids, hot, cold));
   for (int bits : {2, 3, 4}) values.push_back(field(FieldFormat::kCentroids, bits));
   for (int bits : {2, 3, 4, 8}) values.push_back(field(FieldFormat::kUniform, bits));
   values.push_back(field(FieldFormat::kFp16, 16));
@@ -328,6 +356,12 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           key.centroids = kf.centroids.data();
           key.code_bytes = kf.CodeBytes(d);
           key.num_scalars = kf.NumScalars();
+          if (kf.split()) {
+            key.hot_dims = d / 2;
+            key.cold_bits = kf.cold_bits;
+            key.cold_centroids = kf.cold_centroids.data();
+            key.cold_code_offset = PackedBytes(d / 2, kf.bits);
+          }
           value.format = vf.format;
           value.bits = vf.bits;
           value.centroids = vf.centroids.data();
@@ -374,8 +408,12 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           for (const auto& [name, kernel] : kernels) {
             SCOPED_TRACE(name);
             const bool fp8 = key.format == FieldFormat::kFp8 || value.format == FieldFormat::kFp8;
-            if (name == "avx512" && fp8) {  // the AVX2 kernel serves fp8 on AVX-512 machines
+            if (name == "avx512" && (fp8 || kf.split())) {  // the AVX2 kernel serves these on AVX-512 machines
               EXPECT_FALSE(cpu_internal::AttendHeadAvx512Supported(key, value, d));
+              continue;
+            }
+            if (kf.split() && (d / 2) % 16 != 0) {  // parts of whole 16-coordinate blocks only
+              EXPECT_FALSE(cpu_internal::AttendHeadAvx2Supported(key, value, d));
               continue;
             }
             ASSERT_TRUE(name == "avx2" ? cpu_internal::AttendHeadAvx2Supported(key, value, d)
@@ -390,7 +428,7 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
               for (int t = 0; t < visible[r]; ++t) {
                 double dot = 0;
                 for (int j = 0; j < d; ++j) {
-                  dot += queries[static_cast<size_t>(r) * d + j] * kf.Decode(at(key, t, false), scalars_at(key, t), j);
+                  dot += queries[static_cast<size_t>(r) * d + j] * kf.Decode(at(key, t, false), scalars_at(key, t), j, d);
                 }
                 logits[t] = dot;
                 max_logit = std::max(max_logit, dot);
@@ -401,7 +439,7 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
               for (int j = 0; j < d; ++j) {
                 double expected = 0;
                 for (int t = 0; t < visible[r]; ++t) {
-                  expected += logits[t] / denominator * vf.Decode(at(value, t, false), scalars_at(value, t), j);
+                  expected += logits[t] / denominator * vf.Decode(at(value, t, false), scalars_at(value, t), j, d);
                 }
                 const double got = out[static_cast<size_t>(r) * d + j];
                 error += (got - expected) * (got - expected);
