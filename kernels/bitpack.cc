@@ -7,8 +7,8 @@
 namespace tqkv {
 
 void PackBits(const uint8_t* codes, int n, int bits, uint8_t* out) {
-  if (encode_internal::EncodeAvx512Usable()) {
-    encode_internal::PackBitsAvx512(codes, n, bits, out);
+  if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+    simd->pack_bits(codes, n, bits, out);
     return;
   }
   const uint32_t mask = (1u << bits) - 1u;

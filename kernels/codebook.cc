@@ -417,8 +417,8 @@ absl::StatusOr<const Codebook*> GetCodebook(int dim, int bits) {
 void QuantizeToLevels(const Codebook& codebook, const float* y, int n, uint8_t* levels) {
   const float* boundaries = codebook.boundaries.data();
   const int num_boundaries = static_cast<int>(codebook.boundaries.size());
-  if (encode_internal::EncodeAvx512Usable()) {
-    encode_internal::QuantizeToLevelsAvx512(boundaries, codebook.bits, y, n, levels);
+  if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+    simd->quantize_to_levels(boundaries, codebook.bits, y, n, levels);
     return;
   }
   if (codebook.bits > 4) {

@@ -33,10 +33,11 @@ bool SumOfSquares(const float* x, int n, double* sum) {
 
 absl::Status NonFiniteError(const float* x, int n);
 
-// OK if every coordinate is finite, else NonFiniteError.
-absl::Status CheckAllFinite(const float* x, int n, bool simd) {
+// OK if every coordinate is finite, else NonFiniteError. `simd`: the store
+// kernels to use, or nullptr.
+absl::Status CheckAllFinite(const float* x, int n, const encode_internal::EncodeKernels* simd) {
   if (simd) {
-    if (encode_internal::AllFiniteWithinAvx512(x, n, __builtin_inff())) return absl::OkStatus();
+    if (simd->all_finite_within(x, n, __builtin_inff())) return absl::OkStatus();
     return NonFiniteError(x, n);
   }
   for (int i = 0; i < n; ++i) {
@@ -56,9 +57,9 @@ absl::Status NonFiniteError(const float* x, int n) {
 }
 
 absl::Status CheckFiniteAndInRange(const float* x, int n, float limit, const char* format,
-                                   bool simd = false) {
+                                   const encode_internal::EncodeKernels* simd = nullptr) {
   // The vector check only answers "all fine"; the loop below finds the error.
-  if (simd && encode_internal::AllFiniteWithinAvx512(x, n, limit)) return absl::OkStatus();
+  if (simd && simd->all_finite_within(x, n, limit)) return absl::OkStatus();
   for (int i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NonFiniteError(x, n);
     if (std::fabs(x[i]) > limit) {
@@ -85,7 +86,7 @@ class Float16Codec final : public VectorCodec {
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
     // fp16: values in [65504, 65520) still round to the largest half; beyond
     // is infinity, which the cache must never hold. bf16 has float's range.
-    const bool simd = encode_internal::EncodeAvx512Usable();
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
     if (kBrain) {
       RETURN_IF_ERROR(CheckAllFinite(x, head_dim_, simd));
     } else {
@@ -93,9 +94,9 @@ class Float16Codec final : public VectorCodec {
     }
     if (simd) {
       if (kBrain) {
-        encode_internal::FloatToBf16Avx512(x, head_dim_, codes);
+        simd->float_to_bf16(x, head_dim_, codes);
       } else {
-        encode_internal::FloatToHalfAvx512(x, head_dim_, codes);
+        simd->float_to_half(x, head_dim_, codes);
       }
       return absl::OkStatus();
     }
@@ -146,10 +147,10 @@ class Fp8Codec final : public VectorCodec {
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t*) const override {
     // Saturating: finite values beyond +-448 become +-448.
-    const bool simd = encode_internal::EncodeAvx512Usable();
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
     RETURN_IF_ERROR(CheckAllFinite(x, head_dim_, simd));
     if (simd) {
-      encode_internal::FloatToFp8E4m3Avx512(x, head_dim_, codes);
+      simd->float_to_fp8(x, head_dim_, codes);
       return absl::OkStatus();
     }
     for (int i = 0; i < head_dim_; ++i) codes[i] = FloatToFp8E4m3(x[i]);
@@ -195,11 +196,11 @@ class UniformCodec final : public VectorCodec {
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
-    const bool simd = encode_internal::EncodeAvx512Usable();
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
     RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, kHalfMax, "fp16 scale/zero", simd));
     float lo = x[0], hi = x[0];
     if (simd) {
-      encode_internal::MinMaxAvx512(x, head_dim_, &lo, &hi);
+      simd->min_max(x, head_dim_, &lo, &hi);
     } else {
       for (int i = 1; i < head_dim_; ++i) {
         lo = std::min(lo, x[i]);
@@ -215,7 +216,7 @@ class UniformCodec final : public VectorCodec {
     uint8_t unpacked[kMaxHeadDim];
     const float inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
     if (simd) {
-      encode_internal::UniformLevelsAvx512(x, head_dim_, zero, inv_scale, max_code, unpacked);
+      simd->uniform_levels(x, head_dim_, zero, inv_scale, max_code, unpacked);
     } else {
       for (int i = 0; i < head_dim_; ++i) {
         const float level = std::floor((x[i] - zero) * inv_scale + 0.5f);
@@ -301,8 +302,8 @@ class TurboQuantQuantizer {
     }
     float y[kMaxHeadDim];
     const float inv_norm = static_cast<float>(1.0 / norm);
-    if (encode_internal::EncodeAvx512Usable()) {
-      encode_internal::ScaleAvx512(x, dim_, inv_norm, y);
+    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+      simd->scale(x, dim_, inv_norm, y);
     } else {
       for (int i = 0; i < dim_; ++i) y[i] = x[i] * inv_norm;
     }
@@ -440,7 +441,7 @@ class OutlierSplitCodec final : public VectorCodec {
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
-    RETURN_IF_ERROR(CheckAllFinite(x, head_dim_, encode_internal::EncodeAvx512Usable()));
+    RETURN_IF_ERROR(CheckAllFinite(x, head_dim_, encode_internal::ActiveEncodeKernels()));
     float gathered[kMaxHeadDim];
     Gather(x, hot_, gathered);
     RETURN_IF_ERROR(hot_part_.Encode(gathered, codes, &scalars[0]));

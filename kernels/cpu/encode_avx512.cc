@@ -1,12 +1,11 @@
 // AVX-512 kernels of the store path; see kernels/cpu/encode_kernels.h.
-// Compiled with -mavx512f -mavx512bw -mavx512vl -mbmi2 -ffp-contract=off: the
+// Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off: the
 // float operations must be exactly those of the portable code (no FMA).
 #include <immintrin.h>
 
 #include <cstring>
 
 #include "kernels/cpu/encode_kernels.h"
-#include "kernels/cpu_features.h"
 
 namespace tqkv {
 namespace encode_internal {
@@ -22,11 +21,6 @@ inline void StoreBytes16(uint8_t* out, __m512i v32, __mmask16 m) {
 }
 
 }  // namespace
-
-bool EncodeAvx512Usable() {
-  static const bool bmi2 = __builtin_cpu_supports("bmi2");
-  return bmi2 && ActiveSimdLevel() == SimdLevel::kAvx512;
-}
 
 bool AllFiniteWithinAvx512(const float* x, int n, float limit) {
   const __m512 vlimit = _mm512_set1_ps(limit);
@@ -88,36 +82,6 @@ void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, i
       lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
     }
     StoreBytes16(levels + i, lo, m);
-  }
-}
-
-void PackBitsAvx512(const uint8_t* codes, int n, int bits, uint8_t* out) {
-  if (bits == 8) {
-    memcpy(out, codes, n);
-    return;
-  }
-  // Eight codes of b bits are b bytes: pext gathers the low b bits of each
-  // byte of a 64-bit word into one LSB-first stream (masking higher bits).
-  const uint64_t mask = 0x0101010101010101ull * ((1u << bits) - 1u);
-  const int total = (n * bits + 7) / 8;
-  int j = 0;
-  int written = 0;
-  for (; j + 8 <= n; j += 8) {
-    uint64_t word;
-    memcpy(&word, codes + j, 8);
-    const uint64_t packed = _pext_u64(word, mask);
-    if (written + 8 <= total) {
-      memcpy(out + written, &packed, 8);  // the excess is overwritten next
-    } else {
-      for (int k = 0; k < bits; ++k) out[written + k] = static_cast<uint8_t>(packed >> (8 * k));
-    }
-    written += bits;
-  }
-  if (j < n) {
-    uint64_t word = 0;
-    memcpy(&word, codes + j, n - j);
-    const uint64_t packed = _pext_u64(word, mask);
-    for (int k = 0; written < total; ++k) out[written++] = static_cast<uint8_t>(packed >> (8 * k));
   }
 }
 

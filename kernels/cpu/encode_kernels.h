@@ -1,9 +1,9 @@
-// Internal to the codecs: AVX-512 kernels of the store path (VectorCodec::
-// Encode), defined in kernels/encode_avx512.cc and dispatched to from
-// codec.cc, codebook.cc and bitpack.cc on ActiveSimdLevel() (and
-// EncodeAvx512Usable()). Every kernel returns exactly the bytes / floats of
-// the portable code it replaces (same float operations, no FMA), so the
-// stored format does not depend on the SIMD level.
+// Internal to the codecs: the SIMD kernels of the store path (VectorCodec::
+// Encode), AVX-512 (kernels/cpu/encode_avx512.cc) and AVX2
+// (kernels/cpu/encode_avx2.cc), reached from codec.cc, codebook.cc and
+// bitpack.cc through ActiveEncodeKernels(). Every kernel returns exactly the
+// bytes / floats of the portable code it replaces (same float operations, no
+// FMA), so the stored format does not depend on the SIMD level.
 #ifndef TQKV_KERNELS_CPU_ENCODE_KERNELS_H_
 #define TQKV_KERNELS_CPU_ENCODE_KERNELS_H_
 
@@ -12,9 +12,24 @@
 namespace tqkv {
 namespace encode_internal {
 
-// Whether the AVX-512 store kernels may run: ActiveSimdLevel() is kAvx512 and
-// the CPU has BMI2 (used for bit packing).
-bool EncodeAvx512Usable();
+// One ISA's store kernels; each has the contract of the AVX-512 function of
+// the same name below.
+struct EncodeKernels {
+  const char* isa;
+  bool (*all_finite_within)(const float* x, int n, float limit);
+  void (*scale)(const float* x, int n, float s, float* y);
+  void (*quantize_to_levels)(const float* boundaries, int bits, const float* y, int n, uint8_t* levels);
+  void (*pack_bits)(const uint8_t* codes, int n, int bits, uint8_t* out);
+  void (*float_to_half)(const float* x, int n, uint8_t* out);
+  void (*float_to_bf16)(const float* x, int n, uint8_t* out);
+  void (*float_to_fp8)(const float* x, int n, uint8_t* out);
+  void (*min_max)(const float* x, int n, float* lo, float* hi);
+  void (*uniform_levels)(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels);
+};
+
+// The widest set that ActiveSimdLevel() allows and the CPU runs (both need
+// BMI2, for bit packing; AVX2 also F16C), or nullptr: the portable code.
+const EncodeKernels* ActiveEncodeKernels();
 
 // All n floats finite and |x[i]| <= limit (limit = +inf: finite only).
 bool AllFiniteWithinAvx512(const float* x, int n, float limit);
@@ -24,8 +39,9 @@ void ScaleAvx512(const float* x, int n, float s, float* y);
 // ascending boundaries).
 void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, int n,
                             uint8_t* levels);
-// PackBits (bitpack.h) for 1 <= bits <= 8.
-void PackBitsAvx512(const uint8_t* codes, int n, int bits, uint8_t* out);
+// PackBits (bitpack.h) for 1 <= bits <= 8, with BMI2's pext (the AVX2 file
+// holds it; both sets use it).
+void PackBitsBmi2(const uint8_t* codes, int n, int bits, uint8_t* out);
 // Little-endian 16-bit / 8-bit codes of FloatToHalf, FloatToBf16,
 // FloatToFp8E4m3 (float_formats.h) for finite inputs.
 void FloatToHalfAvx512(const float* x, int n, uint8_t* out);
@@ -37,6 +53,16 @@ void MinMaxAvx512(const float* x, int n, float* lo, float* hi);
 // levels[i] = clamp(floor((x[i] - zero) * inv_scale + 0.5f), 0, max_code).
 void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code,
                          uint8_t* levels);
+
+// The same at 8 lanes (AVX2, F16C); the tail in the portable expressions.
+bool AllFiniteWithinAvx2(const float* x, int n, float limit);
+void ScaleAvx2(const float* x, int n, float s, float* y);
+void QuantizeToLevelsAvx2(const float* boundaries, int bits, const float* y, int n, uint8_t* levels);
+void FloatToHalfAvx2(const float* x, int n, uint8_t* out);
+void FloatToBf16Avx2(const float* x, int n, uint8_t* out);
+void FloatToFp8E4m3Avx2(const float* x, int n, uint8_t* out);
+void MinMaxAvx2(const float* x, int n, float* lo, float* hi);
+void UniformLevelsAvx2(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels);
 
 }  // namespace encode_internal
 }  // namespace tqkv
