@@ -326,6 +326,85 @@ class TurboQuantQuantizer {
     return absl::OkStatus();
   }
 
+  // EncodeWithSumOfSquares for n vectors, bit for bit, with their two
+  // sequential sums (the squared norm in double, the codeword's in float: the
+  // orders that fix the stored scale) run 16 vectors side by side: each is a
+  // chain of dim dependent adds, latency-bound when run one vector at a time.
+  absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scale_out,
+                          int* failed) const {
+    constexpr int kBatch = 16;
+    for (int k0 = 0; k0 < n; k0 += kBatch) {
+      const int m = std::min(kBatch, n - k0);
+      // Short batches repeat their first vector; its repeats are not written.
+      const float* in[kBatch];
+      for (int v = 0; v < kBatch; ++v) in[v] = x[k0 + (v < m ? v : 0)];
+      const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
+      double sum_sq[kBatch] = {};
+      if (simd) {
+        simd->sums_of_squares16(in, dim_, sum_sq);
+      } else {
+        for (int i = 0; i < dim_; ++i) {
+          for (int v = 0; v < kBatch; ++v) sum_sq[v] += static_cast<double>(in[v][i]) * in[v][i];
+        }
+      }
+      alignas(64) uint8_t levels[kBatch][kMaxHeadDim];
+      double norm[kBatch];
+      for (int v = 0; v < m; ++v) {
+        if (!std::isfinite(sum_sq[v])) {
+          *failed = k0 + v;
+          return NonFiniteError(in[v], dim_);
+        }
+        norm[v] = std::sqrt(sum_sq[v]);
+        if (norm[v] == 0.0) {  // written as zeros below; its levels only feed a discarded sum
+          std::fill_n(levels[v], dim_, 0);
+          continue;
+        }
+        float y[kMaxHeadDim];
+        const float inv_norm = static_cast<float>(1.0 / norm[v]);
+        if (simd) {
+          simd->scale(in[v], dim_, inv_norm, y);
+        } else {
+          for (int i = 0; i < dim_; ++i) y[i] = in[v][i] * inv_norm;
+        }
+        rotation_->Forward(y, y);
+        QuantizeToLevels(*codebook_, y, dim_, levels[v]);
+      }
+      for (int v = m; v < kBatch; ++v) std::copy_n(levels[0], dim_, levels[v]);
+      float codeword_sq[kBatch] = {};
+      if (norm_correction_) {
+        const float* centroids = codebook_->centroids.data();
+        if (simd) {
+          const uint8_t* rows[kBatch];
+          for (int v = 0; v < kBatch; ++v) rows[v] = levels[v];
+          simd->codeword_sums8(centroids, bits_, rows, dim_, codeword_sq);
+          simd->codeword_sums8(centroids, bits_, rows + 8, dim_, codeword_sq + 8);
+        } else {
+          for (int i = 0; i < dim_; ++i) {
+            for (int v = 0; v < kBatch; ++v) codeword_sq[v] += centroids[levels[v][i]] * centroids[levels[v][i]];
+          }
+        }
+      }
+      for (int v = 0; v < m; ++v) {
+        uint8_t* out = codes[k0 + v];
+        if (norm[v] == 0.0) {
+          std::fill(out, out + code_bytes(), 0);
+          *scale_out[k0 + v] = 0;
+          continue;
+        }
+        double scale = norm[v];
+        if (norm_correction_) scale /= std::sqrt(static_cast<double>(codeword_sq[v]));
+        if (!(scale <= kHalfMax)) {
+          *failed = k0 + v;
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm[v], kHalfMax));
+        }
+        PackBits(levels[v], dim_, bits_, out);
+        *scale_out[k0 + v] = FloatToHalf(static_cast<float>(scale));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   // Rotated-domain decode: y[i] = scale * centroid[code_i].
   void DecodeRotated(const uint8_t* codes, uint16_t scale_h, float* y) const {
     const float scale = HalfToFloat(scale_h);
@@ -390,6 +469,11 @@ class TurboQuantCodec final : public VectorCodec {
     double sum_sq;
     if (!SumOfSquares(x, head_dim_, &sum_sq)) return NonFiniteError(x, head_dim_);
     return quantizer_.EncodeWithSumOfSquares(x, sum_sq, codes, &scalars[0]);
+  }
+
+  absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scalars,
+                          int* failed) const override {
+    return quantizer_.EncodeMany(n, x, codes, scalars, failed);  // one scalar per vector: the scale
   }
 
   void Decode(const uint8_t* codes, const uint16_t* scalars, float* x) const override {
@@ -653,6 +737,18 @@ absl::Status ValidateHotChannels(const std::vector<int>& hot, int expected, int 
 }
 
 }  // namespace
+
+absl::Status VectorCodec::EncodeMany(int n, const float* const* x, uint8_t* const* codes,
+                                     uint16_t* const* scalars, int* failed) const {
+  for (int k = 0; k < n; ++k) {
+    absl::Status status = Encode(x[k], codes[k], scalars[k]);
+    if (!status.ok()) {
+      *failed = k;
+      return status;
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::string CodecSpec::Name() const {
   switch (kind) {

@@ -133,6 +133,13 @@ class VectorCodec {
   // infinity, or a norm / range that the fp16 side values cannot hold.
   virtual absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const = 0;
 
+  // Encode of n vectors: x[k] into codes[k] and scalars[k], the same bytes as
+  // n Encode calls (codecs with sequential sums run several vectors' sums side
+  // by side). On failure returns the error of the first failing vector and
+  // sets *failed to its index; what any vector's bytes are then is unspecified.
+  virtual absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scalars,
+                                  int* failed) const;
+
   // Writes what attention sees for this vector (norm correction applied) to
   // x[head_dim].
   virtual void Decode(const uint8_t* codes, const uint16_t* scalars, float* x) const = 0;

@@ -110,25 +110,42 @@ class CpuBackend final : public Backend {
       const int head = task % heads;
       const int64_t layer_offset = static_cast<int64_t>(layer - p.layer_begin) * p.num_tokens;
       const HeadView view = View(layout, layer, head);
-      for (int64_t i = 0; i < p.num_tokens; ++i) {
-        const int32_t slot_index = p.slots[i];
-        uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
-        const int slot = slot_index % page_tokens;
-        const size_t row = static_cast<size_t>((layer_offset + i) * heads + head) * d;
-        absl::Status status = view.key->Encode(p.keys + row, const_cast<uint8_t*>(view.key_codes(page, slot)),
-                                               const_cast<uint16_t*>(view.key_scalars(page, slot)));
-        if (status.ok()) {
-          status = view.value->Encode(p.values + row, const_cast<uint8_t*>(view.value_codes(page, slot)),
-                                      const_cast<uint16_t*>(view.value_scalars(page, slot)));
+      // Tokens go to the codecs in runs (EncodeMany), keys then values.
+      constexpr int kRun = 64;
+      const float* key_in[kRun];
+      const float* value_in[kRun];
+      uint8_t* key_codes[kRun];
+      uint8_t* value_codes[kRun];
+      uint16_t* key_scalars[kRun];
+      uint16_t* value_scalars[kRun];
+      for (int64_t i0 = 0; i0 < p.num_tokens; i0 += kRun) {
+        const int n = static_cast<int>(std::min<int64_t>(kRun, p.num_tokens - i0));
+        for (int k = 0; k < n; ++k) {
+          const int32_t slot_index = p.slots[i0 + k];
+          const uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
+          const int slot = slot_index % page_tokens;
+          const size_t row = static_cast<size_t>((layer_offset + i0 + k) * heads + head) * d;
+          key_in[k] = p.keys + row;
+          value_in[k] = p.values + row;
+          key_codes[k] = const_cast<uint8_t*>(view.key_codes(page, slot));
+          value_codes[k] = const_cast<uint8_t*>(view.value_codes(page, slot));
+          key_scalars[k] = const_cast<uint16_t*>(view.key_scalars(page, slot));
+          value_scalars[k] = const_cast<uint16_t*>(view.value_scalars(page, slot));
         }
-        if (!status.ok()) {
-          absl::MutexLock lock(&error_mu);
-          if (first_error.ok()) {
-            first_error = absl::InvalidArgumentError(absl::StrFormat(
-                "layer %d, token %d, KV head %d: %s", layer, i, head, status.message()));
-          }
-          return;
+        int key_failed = n, value_failed = n;
+        absl::Status key_status = view.key->EncodeMany(n, key_in, key_codes, key_scalars, &key_failed);
+        absl::Status value_status = view.value->EncodeMany(n, value_in, value_codes, value_scalars, &value_failed);
+        if (key_status.ok() && value_status.ok()) continue;
+        // The first failing token, its key's error before its value's.
+        const bool key_first = !key_status.ok() && (value_status.ok() || key_failed <= value_failed);
+        const absl::Status& status = key_first ? key_status : value_status;
+        const int64_t token = i0 + (key_first ? key_failed : value_failed);
+        absl::MutexLock lock(&error_mu);
+        if (first_error.ok()) {
+          first_error = absl::InvalidArgumentError(
+              absl::StrFormat("layer %d, token %d, KV head %d: %s", layer, token, head, status.message()));
         }
+        return;
       }
     });
     return first_error;

@@ -25,6 +25,9 @@ struct EncodeKernels {
   void (*float_to_fp8)(const float* x, int n, uint8_t* out);
   void (*min_max)(const float* x, int n, float* lo, float* hi);
   void (*uniform_levels)(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels);
+  // Vectors' sequential sums side by side, 16 and 8 (the AVX2 ones in both sets).
+  void (*sums_of_squares16)(const float* const* x, int n, double* sums);
+  void (*codeword_sums8)(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
 };
 
 // The widest set that ActiveSimdLevel() allows and the CPU runs (both need
@@ -53,6 +56,13 @@ void MinMaxAvx512(const float* x, int n, float* lo, float* hi);
 // levels[i] = clamp(floor((x[i] - zero) * inv_scale + 0.5f), 0, max_code).
 void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code,
                          uint8_t* levels);
+
+// For 16 (8) vectors at once, each in the portable sequential order:
+// sums[v] = sum over i of (double)x[v][i] * x[v][i] (the squared norm), and
+// sums[v] = sum over i of c * c in float, c = centroids[levels[v][i]] (the
+// codeword's squared norm, for norm correction). AVX2.
+void SumsOfSquaresAvx2(const float* const* x, int n, double* sums);
+void CodewordSumsAvx2(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
 
 // The same at 8 lanes (AVX2, F16C); the tail in the portable expressions.
 bool AllFiniteWithinAvx2(const float* x, int n, float limit);

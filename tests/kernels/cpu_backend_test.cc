@@ -318,7 +318,7 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
   if (kernels.empty()) GTEST_SKIP() << "no AVX2";
   Random rng(11);
   const auto field = [&](FieldFormat format, int bits, int cold_bits = 0) {
-    SyntheticField f{format, bits, {}};
+    SyntheticField f{format, bits, {}, 0, {}};
     if (format == FieldFormat::kCentroids || format == FieldFormat::kSplitCentroids) {
       for (int i = 0; i < (1 << bits); ++i) f.centroids.push_back(static_cast<float>(rng.NextGaussian()));
     }

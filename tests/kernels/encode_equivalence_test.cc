@@ -164,10 +164,29 @@ struct SpecAndDims {
   std::vector<int> dims;
 };
 
-TEST(EncodeEquivalenceTest, EveryCodecEveryLevelMatchesScalar) {
-  const std::vector<SimdLevel> levels = NonScalarLevels();
-  if (levels.empty()) GTEST_SKIP() << "no SIMD level beyond scalar on this CPU";
-  SimdLevelGuard guard;
+// The codec of a case, with hot channels chosen without data for split ones.
+absl::StatusOr<std::unique_ptr<VectorCodec>> MakeTestCodec(const CodecSpec& spec, int d) {
+  CodecOptions options;
+  options.head_dim = d;
+  options.seed = 11 + d;
+  if (spec.NeedsCalibration()) {
+    const int hot = spec.HotChannels(d);
+    for (int i = 0; i < hot; ++i) options.hot_channels.push_back((i * 7 + 3) % d);
+    std::sort(options.hot_channels.begin(), options.hot_channels.end());
+    options.hot_channels.erase(std::unique(options.hot_channels.begin(), options.hot_channels.end()),
+                               options.hot_channels.end());
+    for (int ch = 0; static_cast<int>(options.hot_channels.size()) < hot; ++ch) {
+      if (!std::binary_search(options.hot_channels.begin(), options.hot_channels.end(), ch)) {
+        options.hot_channels.push_back(ch);
+        std::sort(options.hot_channels.begin(), options.hot_channels.end());
+      }
+    }
+  }
+  return MakeCodec(spec, options);
+}
+
+// Every codec, at dims each must support.
+std::vector<SpecAndDims> AllCases() {
   // Free dims for the per-coordinate codecs; Hadamard dims (bit-identical
   // rotations at every level) for the rotated ones.
   const std::vector<int> any_dims = {4, 5, 13, 16, 17, 33, 64, 100, 128, 130, 256, 512};
@@ -185,27 +204,18 @@ TEST(EncodeEquivalenceTest, EveryCodecEveryLevelMatchesScalar) {
   cases.push_back({CodecSpec::Qjl(3), {64, 128}});
   cases.push_back({CodecSpec::Qjl(4), {128}});
 
+  return cases;
+}
+
+TEST(EncodeEquivalenceTest, EveryCodecEveryLevelMatchesScalar) {
+  const std::vector<SimdLevel> levels = NonScalarLevels();
+  if (levels.empty()) GTEST_SKIP() << "no SIMD level beyond scalar on this CPU";
+  SimdLevelGuard guard;
+  const std::vector<SpecAndDims> cases = AllCases();
   int compared = 0;
   for (const SpecAndDims& c : cases) {
     for (int d : c.dims) {
-      CodecOptions options;
-      options.head_dim = d;
-      options.seed = 11 + d;
-      if (c.spec.NeedsCalibration()) {
-        const int hot = c.spec.HotChannels(d);
-        for (int i = 0; i < hot; ++i) options.hot_channels.push_back((i * 7 + 3) % d);
-        std::sort(options.hot_channels.begin(), options.hot_channels.end());
-        options.hot_channels.erase(
-            std::unique(options.hot_channels.begin(), options.hot_channels.end()),
-            options.hot_channels.end());
-        for (int ch = 0; static_cast<int>(options.hot_channels.size()) < hot; ++ch) {
-          if (!std::binary_search(options.hot_channels.begin(), options.hot_channels.end(), ch)) {
-            options.hot_channels.push_back(ch);
-            std::sort(options.hot_channels.begin(), options.hot_channels.end());
-          }
-        }
-      }
-      auto codec = MakeCodec(c.spec, options);
+      auto codec = MakeTestCodec(c.spec, d);
       ASSERT_TRUE(codec.ok()) << c.spec.Name() << " d=" << d << ": " << codec.status();
       const std::vector<std::vector<float>> inputs = TestVectors(d, 1000 + d);
       std::vector<Encoded> reference;
@@ -228,6 +238,64 @@ TEST(EncodeEquivalenceTest, EveryCodecEveryLevelMatchesScalar) {
     }
   }
   EXPECT_GT(compared, 0);
+}
+
+// EncodeMany (the store path's batched form) writes what Encode writes, in
+// runs of every length around its internal batch, and names the first
+// failing vector of a run.
+TEST(EncodeEquivalenceTest, EncodeManyMatchesEncodeAtEveryLevel) {
+  SimdLevelGuard guard;
+  for (SimdLevel level : SupportedSimdLevels()) {
+    ASSERT_EQ(SetActiveSimdLevel(level), level);
+    for (const SpecAndDims& c : AllCases()) {
+      for (int d : c.dims) {
+        SCOPED_TRACE(c.spec.Name() + " d=" + std::to_string(d) + " level " + std::string(SimdLevelName(level)));
+        auto codec = MakeTestCodec(c.spec, d);
+        ASSERT_TRUE(codec.ok()) << codec.status();
+        const VectorCodec& k = **codec;
+        std::vector<std::vector<float>> good, bad;
+        for (auto& x : TestVectors(d, 2000 + d)) (EncodeOnce(k, x).status == "OK" ? good : bad).push_back(x);
+        const size_t vb = k.bytes_per_vector();
+        std::vector<uint8_t> codes(good.size() * vb, 0xa5);
+        std::vector<uint16_t> scalars(good.size() * (k.num_scalars() + 1), 0xa5a5);
+        std::vector<const float*> in;
+        std::vector<uint8_t*> code_at;
+        std::vector<uint16_t*> scalar_at;
+        for (size_t v = 0; v < good.size(); ++v) {
+          in.push_back(good[v].data());
+          code_at.push_back(codes.data() + v * vb);
+          scalar_at.push_back(scalars.data() + v * (k.num_scalars() + 1));
+        }
+        // Runs of 1, 2, ..., so that every length up to 20 is seen.
+        for (size_t at = 0, run = 1; at < good.size(); at += run, run = run % 20 + 1) {
+          const int n = static_cast<int>(std::min(run, good.size() - at));
+          int failed = -1;
+          ASSERT_TRUE(k.EncodeMany(n, in.data() + at, code_at.data() + at, scalar_at.data() + at, &failed).ok());
+        }
+        for (size_t v = 0; v < good.size(); ++v) {
+          const Encoded want = EncodeOnce(k, good[v]);
+          ASSERT_EQ(std::vector<uint8_t>(code_at[v], code_at[v] + k.code_bytes()), want.codes) << "vector " << v;
+          for (int j = 0; j < k.num_scalars(); ++j) ASSERT_EQ(scalar_at[v][j], want.scalars[j]) << "vector " << v;
+        }
+        // A run with a bad vector third: its error, its index.
+        for (const auto& x : bad) {
+          const float* run_in[5] = {good[0].data(), good[1].data(), x.data(), good[2].data(), good[3].data()};
+          std::vector<uint8_t> scratch(5 * vb);
+          std::vector<uint16_t> scratch_scalars(5 * (k.num_scalars() + 1));
+          uint8_t* run_codes[5];
+          uint16_t* run_scalars[5];
+          for (int v = 0; v < 5; ++v) {
+            run_codes[v] = scratch.data() + v * vb;
+            run_scalars[v] = scratch_scalars.data() + v * (k.num_scalars() + 1);
+          }
+          int failed = -1;
+          const absl::Status status = k.EncodeMany(5, run_in, run_codes, run_scalars, &failed);
+          EXPECT_EQ(status.ToString(), EncodeOnce(k, x).status);
+          EXPECT_EQ(failed, 2);
+        }
+      }
+    }
+  }
 }
 
 // Values exactly on codebook boundaries and their float neighbours.
