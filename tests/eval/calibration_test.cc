@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -45,14 +46,24 @@ std::vector<LayerCapture> SyntheticLayers(const CaptureMeta& m) {
   return layers;
 }
 
-// A fresh directory under TEST_TMPDIR or /tmp.
-std::string TempDir() {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string templ = std::string(base ? base : "/tmp") + "/calibration_test_XXXXXX";
-  char* made = mkdtemp(templ.data());
-  EXPECT_NE(made, nullptr);
-  return templ;
-}
+// A fresh directory under TEST_TMPDIR or /tmp, removed with what it holds
+// when the test ends.
+class ScopedTempDir {
+ public:
+  ScopedTempDir() {
+    const char* base = std::getenv("TEST_TMPDIR");
+    path_ = std::string(base ? base : "/tmp") + "/calibration_test_XXXXXX";
+    EXPECT_NE(mkdtemp(path_.data()), nullptr);
+  }
+  ~ScopedTempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 void WriteText(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
 
@@ -123,7 +134,8 @@ TEST(CaptureMeta, NamesWhatIsWrong) {
 TEST(Capture, WriteThenReadGivesTheSameTensors) {
   const CaptureMeta m = SmallMeta();
   const std::vector<LayerCapture> layers = SyntheticLayers(m);
-  const std::string dir = TempDir();
+  const ScopedTempDir temp;
+  const std::string& dir = temp.path();
   ASSERT_TRUE(WriteCapture(dir, m, layers).ok());
   absl::StatusOr<CaptureMeta> meta = ReadCaptureMeta(dir);
   ASSERT_TRUE(meta.ok()) << meta.status();
@@ -136,7 +148,8 @@ TEST(Capture, WriteThenReadGivesTheSameTensors) {
 }
 
 TEST(Capture, MissingFilesAreNamed) {
-  const std::string dir = TempDir();
+  const ScopedTempDir temp;
+  const std::string& dir = temp.path();
   absl::StatusOr<CaptureMeta> meta = ReadCaptureMeta(dir);
   EXPECT_EQ(meta.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(meta.status().message().find(dir + "/meta.json"), std::string::npos) << meta.status();
@@ -150,7 +163,8 @@ TEST(Capture, MissingFilesAreNamed) {
 }
 
 TEST(Capture, AShapeOtherThanMetaSaysIsRejectedWithBoth) {
-  const std::string dir = TempDir();
+  const ScopedTempDir temp;
+  const std::string& dir = temp.path();
   const CaptureMeta m = SmallMeta();
   ASSERT_TRUE(WriteCapture(dir, m, SyntheticLayers(m)).ok());
   // Keys with 3 KV heads instead of 2.
@@ -167,7 +181,8 @@ TEST(Capture, AShapeOtherThanMetaSaysIsRejectedWithBoth) {
 }
 
 TEST(Capture, AHeadDimThatDiffersFromMetaIsRejected) {
-  const std::string dir = TempDir();
+  const ScopedTempDir temp;
+  const std::string& dir = temp.path();
   const CaptureMeta m = SmallMeta();
   ASSERT_TRUE(WriteCapture(dir, m, SyntheticLayers(m)).ok());
   WriteText(dir + "/meta.json", R"({"layers": 3, "num_query_heads": 4, "num_kv_heads": 2,
@@ -183,7 +198,8 @@ TEST(Capture, AHeadDimThatDiffersFromMetaIsRejected) {
 }
 
 TEST(Capture, NonFiniteEntriesAreRejected) {
-  const std::string dir = TempDir();
+  const ScopedTempDir temp;
+  const std::string& dir = temp.path();
   CaptureMeta m = SmallMeta();
   std::vector<LayerCapture> layers = SyntheticLayers(m);
   layers[0].values[5] = NAN;
