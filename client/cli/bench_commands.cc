@@ -237,6 +237,9 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
   absl::StatusOr<PagePool> pool = stored->backend->AllocatePool(**layout, pages + exact_pages);
   if (!pool.ok()) return pool.status();
   stored->pool = *pool;
+  // A warm pool, as a running server's: the first touch of fresh pages (page
+  // faults, zeroing) is not the store path's cost.
+  memset(stored->pool.base, 0, stored->pool.page_bytes * static_cast<size_t>(stored->pool.num_pages));
   stored->block_table.resize(pages);
   std::iota(stored->block_table.begin(), stored->block_table.end(), 0);
   // Store in chunks so that the float inputs stay small.
