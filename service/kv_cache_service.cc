@@ -807,6 +807,13 @@ void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
     c->set_stored_bytes(static_cast<int64_t>(stats.stored_bytes));
     c->set_stored_bytes_bf16(static_cast<int64_t>(stats.stored_bytes_bf16));
     c->set_evictions(static_cast<int64_t>(stats.evictions));
+    const KvLayout& layout = cache->layout();
+    if (absl::StatusOr<const Preset*> preset = FindPreset(layout.options().preset); preset.ok()) {
+      c->set_bytes_per_token_head((*preset)->BytesPerTokenHead(layout.head_dim()));
+    }
+    int64_t per_token = 0;
+    for (int l = 0; l < layout.num_layers(); ++l) per_token += static_cast<int64_t>(layout.token_bytes(l));
+    c->set_bytes_per_token(per_token);
   }
   if (metrics_ != nullptr) {
     for (const Metrics::Total& t : metrics_->KernelTotals()) {

@@ -122,7 +122,9 @@ int RunInfoImpl(int argc, const char* const* argv) {
                         .Set("tokens", ci.tokens())
                         .Set("stored_bytes", ci.stored_bytes())
                         .Set("stored_bytes_bf16", ci.stored_bytes_bf16())
-                        .Set("evictions", ci.evictions()));
+                        .Set("evictions", ci.evictions())
+                        .Set("bytes_per_token_head", ci.bytes_per_token_head())
+                        .Set("bytes_per_token", ci.bytes_per_token()));
     }
     JsonValue presets = JsonValue::Array();
     for (const v1::PresetInfo& p : info->presets()) {
@@ -153,6 +155,8 @@ int RunInfoImpl(int argc, const char* const* argv) {
            "preset %s (%d boundary layers %s)\n",
            k.name().c_str(), k.num_layers(), k.num_kv_heads(), k.num_query_heads(), k.head_dim(),
            k.page_tokens(), k.preset().c_str(), k.boundary_layers(), k.boundary_preset().c_str());
+    printf("  %lld bytes per token (%d per token and KV head in a compressed layer)\n",
+           static_cast<long long>(ci.bytes_per_token()), ci.bytes_per_token_head());
     printf("  pages %d / %d used (%lld bytes each), %lld sequences, %lld tokens\n",
            ci.pages_used(), ci.pages_total(), static_cast<long long>(ci.page_bytes()),
            static_cast<long long>(ci.sequences()), static_cast<long long>(ci.tokens()));

@@ -231,6 +231,10 @@ TEST_F(ServiceTest, GetServerInfoDescribesBackendCachesAndPresets) {
   EXPECT_EQ(c.page_bytes(), static_cast<int64_t>(page_bytes_));
   EXPECT_EQ(c.pages_total(), static_cast<int>((4u << 20) / page_bytes_));
   EXPECT_EQ(info->caches(1).pages_total(), 3);
+  // At the cache's own head dim (64): 3-bit keys 24 + 2 bytes, 4-bit uniform
+  // values 32 + 4; a token: 2 fp16 boundary layers and 2 compressed ones.
+  EXPECT_EQ(c.bytes_per_token_head(), 62);
+  EXPECT_EQ(c.bytes_per_token(), kKvHeads * (2 * 4 * kHeadDim + 2 * 62));
   bool found = false;
   for (const v1::PresetInfo& p : info->presets()) {
     if (p.name() == "turboquant_k3v4_nc") {
@@ -239,6 +243,61 @@ TEST_F(ServiceTest, GetServerInfoDescribesBackendCachesAndPresets) {
     }
   }
   EXPECT_TRUE(found);
+}
+
+// The proto's rules for zero sizes and open layer ranges (its "Zero sizes"
+// convention and AppendRequest.layer_end).
+TEST_F(ServiceTest, ZeroSizesAndOpenLayerRangesFollowTheProto) {
+  // layer_end 0 with layer_begin 1: layers [1, kLayers).
+  const Kv kv = MakeKv(2, 5, kLayers - 1);
+  v1::AppendRequest append;
+  append.set_sequence_id("open");
+  append.set_layer_begin(1);
+  for (auto [t, data] : {std::pair{append.mutable_keys(), &kv.keys}, {append.mutable_values(), &kv.values}}) {
+    t->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : {kLayers - 1, 2, kKvHeads, kHeadDim}) t->add_shape(d);
+    t->set_data(reinterpret_cast<const char*>(data->data()), data->size() * 4);
+  }
+  {
+    grpc::ClientContext context;
+    v1::AppendResponse response;
+    ASSERT_TRUE(stub_->Append(&context, append, &response).ok());
+  }
+  std::vector<int64_t> want(kLayers, 2);
+  want[0] = 0;
+  EXPECT_EQ(MustGet("open").layer_tokens, want);
+
+  // Empty lists: OK with no results.
+  {
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    const grpc::Status status = stub_->Attend(&context, v1::AttendRequest(), &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.results_size(), 0);
+  }
+  {
+    grpc::ClientContext context;
+    v1::AppendAttendResponse response;
+    v1::AppendAttendRequest request;
+    request.set_layer(1);
+    const grpc::Status status = stub_->AppendAttend(&context, request, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.results_size(), 0);
+  }
+  // A tensor of the call's own data may not be empty: 0 query tokens.
+  {
+    grpc::ClientContext context;
+    v1::AttendResponse response;
+    v1::AttendRequest request;
+    v1::AttendItem* item = request.add_items();
+    item->set_sequence_id("open");
+    item->set_layer(1);
+    item->mutable_queries()->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : {0, kQueryHeads, kHeadDim}) item->mutable_queries()->add_shape(d);
+    const grpc::Status status = stub_->Attend(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr("query_tokens is 0, want at least 1"));
+  }
 }
 
 TEST_F(ServiceTest, AppendCreatesTheSequenceAndReportsItsBytes) {
@@ -563,6 +622,12 @@ TEST_F(ServiceTest, MalformedRequestsGetCanonicalCodesAndChangeNothing) {
   bad.set_start_position(0);
   bad.set_do_not_create(true);
   expect_append_error("do_not_create", bad, grpc::StatusCode::NOT_FOUND, "other");
+  bad = good;
+  for (v1::Tensor* t : {bad.mutable_keys(), bad.mutable_values()}) {
+    t->set_shape(1, 0);
+    t->clear_data();
+  }
+  expect_append_error("0 tokens", bad, grpc::StatusCode::INVALID_ARGUMENT, "axis tokens is 0, want at least 1");
   EXPECT_EQ(client_->GetSequence("", "other").status().code(), absl::StatusCode::kNotFound);
 
   // Oversized: more than the server's 1 MiB limit.
