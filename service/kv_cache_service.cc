@@ -52,6 +52,9 @@ absl::Status CheckOutputDType(v1::DType dtype) {
   return absl::OkStatus();
 }
 
+// Bytes per output element of an output_dtype (unspecified: f32).
+int OutputBytes(v1::DType dtype) { return dtype == v1::DTYPE_UNSPECIFIED ? 4 : DTypeBytes(dtype); }
+
 absl::Status CheckScale(float scale) {
   if (!std::isfinite(scale) || scale < 0.0f) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -471,6 +474,15 @@ absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
   return absl::OkStatus();
 }
 
+absl::Status KvCacheService::CheckResponseBytes(int64_t bytes, const char* advice) const {
+  // Protobuf framing: field tags, lengths, shapes; a few dozen bytes per tensor.
+  constexpr int64_t kFraming = 4096;
+  if (max_response_bytes_ <= 0 || bytes + kFraming <= max_response_bytes_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "the response would be about %d bytes, above the server's limit of %d (--max_message_bytes); %s",
+      bytes + kFraming, max_response_bytes_, advice));
+}
+
 absl::Status KvCacheService::DoScoreQuery(const v1::ScoreQueryRequest& request,
                                           v1::ScoreQueryResponse* response) {
   ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
@@ -511,6 +523,9 @@ absl::Status KvCacheService::DoScoreQuery(const v1::ScoreQueryRequest& request,
         end, request.sequence_id(), request.layer(), length));
   }
   const int64_t n = end - begin;
+  const int64_t kept = request.top_k() > 0 ? std::min<int64_t>(request.top_k(), n) : n;
+  RETURN_IF_ERROR(CheckResponseBytes(heads * kept * (request.top_k() > 0 ? 4 + 10 : 4),
+                                     "ask for a shorter token range or a top_k"));
   if (n == 0) {  // an empty range: no logits, no positions
     return EncodeTensor({}, {heads, 0}, v1::DTYPE_F32, response->mutable_logits());
   }
@@ -582,6 +597,11 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
       item.lse = lses[i].data();
     }
   }
+  int64_t response_bytes = 0;
+  for (int i = 0; i < num_items; ++i) {
+    response_bytes += query_tokens[i] * heads * (dim * OutputBytes(request.output_dtype()) + (want_lse ? 4 : 0));
+  }
+  RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
   RETURN_IF_ERROR(cache->Attend(items, request.scale()));
 
   for (int i = 0; i < num_items; ++i) {
@@ -657,6 +677,12 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
     RETURN_IF_ERROR(
         DecodeTensorView(in.queries(), prefix + "queries", query_axes, &item.queries));
   }
+
+  int64_t response_bytes = 0;
+  for (const Item& item : items) {
+    response_bytes += item.tokens * heads * (dim * OutputBytes(request.output_dtype()) + (want_lse ? 4 : 0));
+  }
+  RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
 
   // Appends, each all-or-nothing on its own.
   for (int i = 0; i < num_items; ++i) {

@@ -64,6 +64,12 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   CallExecutor* executor() const { return executor_; }
   ~KvCacheService() override;
 
+  // The largest response the server may send (its max message size; 0: no
+  // limit). A call whose response would be larger is RESOURCE_EXHAUSTED
+  // before any work is done, from the sizes the request fixes. Set before
+  // serving.
+  void set_max_response_bytes(int64_t bytes) { max_response_bytes_ = bytes; }
+
   // The cache named `name` ("" means "default"); NOT_FOUND listing the names.
   absl::StatusOr<KvCache*> Find(const std::string& name) const;
 
@@ -135,6 +141,11 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   Metrics* metrics_;
   const Authenticator auth_;
   CallExecutor* executor_;
+  int64_t max_response_bytes_ = 0;
+
+  // RESOURCE_EXHAUSTED when a response of about `bytes` (its tensors' bytes;
+  // framing is allowed for) would exceed max_response_bytes_.
+  absl::Status CheckResponseBytes(int64_t bytes, const char* advice) const;
 };
 
 }  // namespace service

@@ -65,6 +65,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   server->service_ = std::make_unique<KvCacheService>(
       std::move(caches), server->backend_.get(), server->metrics_.get(),
       Authenticator(options.auth_tokens), server->executor_.get());
+  server->service_->set_max_response_bytes(options.max_message_bytes);
   server->cache_collector_ = MakeCacheCollector(server->service_->caches());
   server->executor_collector_ = MakeExecutorCollector(server->executor_.get());
 

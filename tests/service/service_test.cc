@@ -699,6 +699,33 @@ TEST_F(ServiceTest, MalformedRequestsGetCanonicalCodesAndChangeNothing) {
   expect_unchanged("reads");
 }
 
+// A response above the server's message limit (1 MiB here) is refused from
+// the sizes the request fixes, before any work: f16 queries asking for f32
+// outputs double in size on the way back.
+TEST_F(ServiceTest, AnOversizedResponseIsRefusedBeforeTheWork) {
+  const Kv kv = MakeKv(4, 80);
+  ASSERT_TRUE(client_->Append(MakeAppend("big", 0, kv)).ok());
+  const int64_t query_tokens = 1100;  // 1100 x 4 x 64 x 2 = 563 KB in, 1.1 MB out
+  v1::AttendRequest request;
+  request.set_output_dtype(v1::DTYPE_F32);
+  v1::AttendItem* item = request.add_items();
+  item->set_sequence_id("big");
+  item->mutable_queries()->set_dtype(v1::DTYPE_F16);
+  for (int64_t d : {query_tokens, int64_t{kQueryHeads}, int64_t{kHeadDim}}) item->mutable_queries()->add_shape(d);
+  item->mutable_queries()->mutable_data()->assign(query_tokens * kQueryHeads * kHeadDim * 2, '\0');
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  const grpc::Status status = stub_->Attend(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("the response would be about"));
+  EXPECT_THAT(status.error_message(), HasSubstr("--max_message_bytes"));
+  // The same in f16 fits.
+  request.set_output_dtype(v1::DTYPE_F16);
+  grpc::ClientContext again;
+  const grpc::Status fits = stub_->Attend(&again, request, &response);
+  EXPECT_NE(fits.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << fits.error_message();
+}
+
 TEST_F(ServiceTest, AFullPoolIsResourceExhaustedAndChangesNothing) {
   // "tiny" holds three 4-token pages.
   const Kv ten = MakeKv(10, 70), two = MakeKv(2, 72);
