@@ -135,19 +135,38 @@ absl::Status RunGuarded(const Work& work) {
   }
 }
 
+// The message `bytes` hold, or INVALID_ARGUMENT naming `what` (gRPC's own
+// parse would answer UNIMPLEMENTED and count nothing).
+template <typename Message>
+absl::Status ParseMessage(const grpc::ByteBuffer& bytes, Message* message, const std::string& what) {
+  message->Clear();
+  grpc::ByteBuffer shared(bytes);  // shares the slices; Deserialize consumes its buffer
+  if (grpc::SerializationTraits<Message>::Deserialize(&shared, message).ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s is not a valid %s: %d bytes that do not parse as protobuf, or a string field that is not UTF-8",
+      what, Message::descriptor()->full_name(), bytes.Length()));
+}
+
+template <typename Message>
+absl::Status SerializeMessage(const Message& message, grpc::ByteBuffer* out) {
+  bool own_buffer = false;
+  const grpc::Status s = grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
+  if (s.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("cannot serialize the response: ", s.error_message()));
+}
+
 // A long prefill in chunks: every chunk is one Append, stored as it arrives.
-class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
+class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
   // `auth`: the call's authentication; when not OK the stream ends with it
   // before any chunk is read.
-  AppendStreamReactor(KvCacheService* service, v1::AppendResponse* response,
-                      const absl::Status& auth)
-      : service_(service), response_(response), start_(Clock::now()) {
+  AppendStreamReactor(KvCacheService* service, grpc::ByteBuffer* response, const absl::Status& auth)
+      : service_(service), out_(response), start_(Clock::now()) {
     if (!auth.ok()) {
       Finish(ToGrpcStatus(auth));
       return;
     }
-    StartRead(&request_);
+    StartRead(&buffer_);
   }
 
   void OnReadDone(bool ok) override {
@@ -156,9 +175,9 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
         Finish(ToGrpcStatus(absl::InvalidArgumentError(
             "AppendStream carried no AppendRequest; want at least one chunk")));
       } else {
-        response_->set_stored_bytes(stored_bytes_);
-        response_->set_stored_bytes_bf16(stored_bytes_bf16_);
-        Finish(grpc::Status::OK);
+        response_.set_stored_bytes(stored_bytes_);
+        response_.set_stored_bytes_bf16(stored_bytes_bf16_);
+        Finish(ToGrpcStatus(SerializeMessage(response_, out_)));
       }
       return;
     }
@@ -168,8 +187,7 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
       return;
     }
     // No read is started until this chunk is stored: one chunk in flight.
-    const absl::Status queued =
-        executor->Submit(request_.ByteSizeLong(), [this] { StoreChunk(); });
+    const absl::Status queued = executor->Submit(buffer_.Length(), [this] { StoreChunk(); });
     if (!queued.ok()) {
       Finish(ToGrpcStatus(
           absl::Status(queued.code(), absl::StrCat("chunk ", chunks_, ": ", queued.message()))));
@@ -181,6 +199,10 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
  private:
   // Stores request_ as the next chunk, then reads the next one or finishes.
   void StoreChunk() {
+    if (absl::Status parsed = ParseMessage(buffer_, &request_, absl::StrCat("chunk ", chunks_)); !parsed.ok()) {
+      Finish(ToGrpcStatus(parsed));
+      return;
+    }
     if (chunks_ > 0 && (request_.cache() != cache_ || request_.sequence_id() != sequence_id_)) {
       Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrFormat(
           "chunk %d is for cache '%s' sequence '%s'; want the stream's cache '%s' sequence '%s'",
@@ -202,18 +224,20 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
     ++chunks_;
     stored_bytes_ += chunk.stored_bytes();
     stored_bytes_bf16_ += chunk.stored_bytes_bf16();
-    *response_->mutable_sequence() = std::move(*chunk.mutable_sequence());
-    StartRead(&request_);
+    *response_.mutable_sequence() = std::move(*chunk.mutable_sequence());
+    StartRead(&buffer_);
   }
 
   void Finish(grpc::Status status) {
-    grpc::ServerReadReactor<v1::AppendRequest>::Finish(
+    grpc::ServerReadReactor<grpc::ByteBuffer>::Finish(
         Record(service_->metrics(), Rpc::kAppendStream, start_, std::move(status)));
   }
 
   KvCacheService* const service_;
-  v1::AppendResponse* const response_;
+  grpc::ByteBuffer* const out_;
+  grpc::ByteBuffer buffer_;  // the read buffer; StoreChunk parses it
   v1::AppendRequest request_;
+  v1::AppendResponse response_;
   std::string cache_;
   std::string sequence_id_;
   int chunks_ = 0;
@@ -227,8 +251,7 @@ class AppendStreamReactor : public grpc::ServerReadReactor<v1::AppendRequest> {
 // the writes to drain below kMaxQueuedResponses); writes go out one at a
 // time from `responses_`. Start* are called without mu_ held, after the
 // state that licenses them was claimed under it.
-class DecodeStreamReactor
-    : public grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse> {
+class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   static constexpr size_t kMaxQueuedResponses = 4;
 
@@ -239,7 +262,7 @@ class DecodeStreamReactor
       return;
     }
     reading_ = true;
-    StartRead(&request_);
+    StartRead(&buffer_);
   }
 
   void OnReadDone(bool ok) override {
@@ -262,9 +285,11 @@ class DecodeStreamReactor
       Compute(start);
       return;
     }
-    const absl::Status queued =
-        executor->Submit(request_.ByteSizeLong(), [this, start] { Compute(start); });
+    const absl::Status queued = executor->Submit(buffer_.Length(), [this, start] { Compute(start); });
     if (!queued.ok()) {
+      // Unparsed: the id is read from the bytes only to answer (0 if they do not parse).
+      (void)ParseMessage(buffer_, &request_, "");
+      ++messages_;
       v1::DecodeStreamResponse response;
       response.set_request_id(request_.request_id());
       response.set_code(static_cast<int>(queued.code()));
@@ -287,6 +312,23 @@ class DecodeStreamReactor
 
  private:
   void Compute(Clock::time_point start) {
+    if (absl::Status parsed = ParseMessage(buffer_, &request_, absl::StrCat("message ", messages_)); !parsed.ok()) {
+      // No id to answer with: the stream ends with the error once the
+      // answers before it are written.
+      if (Metrics* metrics = service_->metrics()) {
+        metrics->ObserveRpc(Rpc::kDecodeStreamStep, grpc::StatusCode::INVALID_ARGUMENT,
+                            std::chrono::duration<double>(Clock::now() - start).count());
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        computing_ = false;
+        read_closed_ = true;
+        end_status_ = ToGrpcStatus(parsed);
+      }
+      Advance();
+      return;
+    }
+    ++messages_;
     v1::DecodeStreamResponse response;
     response.set_request_id(request_.request_id());
     const absl::Status status = RunGuarded(
@@ -304,10 +346,17 @@ class DecodeStreamReactor
       metrics->ObserveRpc(Rpc::kDecodeStreamStep, static_cast<grpc::StatusCode>(response.code()),
                           std::chrono::duration<double>(Clock::now() - start).count());
     }
+    grpc::ByteBuffer bytes;
+    if (!SerializeMessage(response, &bytes).ok()) {
+      response.clear_step();
+      response.set_code(static_cast<int>(absl::StatusCode::kInternal));
+      response.set_message("cannot serialize the answer");
+      (void)SerializeMessage(response, &bytes);
+    }
     {
       absl::MutexLock lock(&mu_);
       computing_ = false;
-      responses_.push_back(std::move(response));
+      responses_.push_back(std::move(bytes));
     }
     Advance();
   }
@@ -315,7 +364,7 @@ class DecodeStreamReactor
   // Starts whatever the state allows: the next write, the next read, or the
   // end of the call.
   void Advance() {
-    const v1::DecodeStreamResponse* write = nullptr;
+    const grpc::ByteBuffer* write = nullptr;
     bool read = false;
     bool finish = false;
     bool cancelled = false;
@@ -340,17 +389,24 @@ class DecodeStreamReactor
       }
     }
     if (write != nullptr) StartWrite(write);
-    if (read) StartRead(&request_);
+    if (read) StartRead(&buffer_);
     if (finish) {
-      Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
-                     : grpc::Status::OK);
+      grpc::Status end;
+      {
+        absl::MutexLock lock(&mu_);
+        end = end_status_;
+      }
+      Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : end);
     }
   }
 
   KvCacheService* const service_;
-  v1::DecodeStreamRequest request_;  // the read buffer; the step computing reads it
+  grpc::ByteBuffer buffer_;          // the read buffer; the step computing parses it
+  v1::DecodeStreamRequest request_;  // the step computing
+  int64_t messages_ = 0;             // parsed so far (only Compute touches it)
   absl::Mutex mu_;
-  std::deque<v1::DecodeStreamResponse> responses_ ABSL_GUARDED_BY(mu_);
+  std::deque<grpc::ByteBuffer> responses_ ABSL_GUARDED_BY(mu_);
+  grpc::Status end_status_ ABSL_GUARDED_BY(mu_) = grpc::Status::OK;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool computing_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -420,6 +476,21 @@ grpc::ServerUnaryReactor* KvCacheService::RunUnary(grpc::CallbackServerContext* 
   });
   if (!status.ok()) reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(status)));
   return reactor;
+}
+
+template <typename Request, typename Response, typename Do>
+grpc::ServerUnaryReactor* KvCacheService::RunRaw(grpc::CallbackServerContext* context, Rpc rpc,
+                                                 const grpc::ByteBuffer* in, grpc::ByteBuffer* out, Do do_work) {
+  struct Call {
+    Request request;
+    Response response;
+  };
+  auto call = std::make_shared<Call>();
+  return RunUnary(context, rpc, in->Length(), [call, in, out, do_work]() -> absl::Status {
+    RETURN_IF_ERROR(ParseMessage(*in, &call->request, "the request"));
+    RETURN_IF_ERROR(do_work(call->request, &call->response));
+    return SerializeMessage(call->response, out);
+  });
 }
 
 absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
@@ -877,78 +948,86 @@ void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
   }
 }
 
-grpc::ServerUnaryReactor* KvCacheService::Append(grpc::CallbackServerContext* context,
-                                                 const v1::AppendRequest* request,
-                                                 v1::AppendResponse* response) {
-  return RunUnary(context, Rpc::kAppend, request->ByteSizeLong(),
-                  [this, request, response] { return DoAppend(*request, response); });
+grpc::ServerUnaryReactor* KvCacheService::Append(grpc::CallbackServerContext* context, const Raw* request,
+                                                 Raw* response) {
+  return RunRaw<v1::AppendRequest, v1::AppendResponse>(
+      context, Rpc::kAppend, request, response,
+      [this](const v1::AppendRequest& r, v1::AppendResponse* out) { return DoAppend(r, out); });
 }
 
-grpc::ServerReadReactor<v1::AppendRequest>* KvCacheService::AppendStream(
-    grpc::CallbackServerContext* context, v1::AppendResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::AppendStream(grpc::CallbackServerContext* context,
+                                                                        Raw* response) {
   return new AppendStreamReactor(this, response, auth_.Check(*context));
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ScoreQuery(grpc::CallbackServerContext* context,
-                                                     const v1::ScoreQueryRequest* request,
-                                                     v1::ScoreQueryResponse* response) {
-  return RunUnary(context, Rpc::kScoreQuery, request->ByteSizeLong(),
-                  [this, request, response] { return DoScoreQuery(*request, response); });
+grpc::ServerUnaryReactor* KvCacheService::ScoreQuery(grpc::CallbackServerContext* context, const Raw* request,
+                                                     Raw* response) {
+  return RunRaw<v1::ScoreQueryRequest, v1::ScoreQueryResponse>(
+      context, Rpc::kScoreQuery, request, response,
+      [this](const v1::ScoreQueryRequest& r, v1::ScoreQueryResponse* out) { return DoScoreQuery(r, out); });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::Attend(grpc::CallbackServerContext* context,
-                                                 const v1::AttendRequest* request,
-                                                 v1::AttendResponse* response) {
-  return RunUnary(context, Rpc::kAttend, request->ByteSizeLong(),
-                  [this, request, response] { return DoAttend(*request, response); });
+grpc::ServerUnaryReactor* KvCacheService::Attend(grpc::CallbackServerContext* context, const Raw* request,
+                                                 Raw* response) {
+  return RunRaw<v1::AttendRequest, v1::AttendResponse>(
+      context, Rpc::kAttend, request, response,
+      [this](const v1::AttendRequest& r, v1::AttendResponse* out) { return DoAttend(r, out); });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::AppendAttend(grpc::CallbackServerContext* context,
-                                                       const v1::AppendAttendRequest* request,
-                                                       v1::AppendAttendResponse* response) {
-  return RunUnary(context, Rpc::kAppendAttend, request->ByteSizeLong(),
-                  [this, request, response] { return DoAppendAttend(*request, response); });
+grpc::ServerUnaryReactor* KvCacheService::AppendAttend(grpc::CallbackServerContext* context, const Raw* request,
+                                                       Raw* response) {
+  return RunRaw<v1::AppendAttendRequest, v1::AppendAttendResponse>(
+      context, Rpc::kAppendAttend, request, response,
+      [this](const v1::AppendAttendRequest& r, v1::AppendAttendResponse* out) { return DoAppendAttend(r, out); });
 }
 
-grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>*
-KvCacheService::DecodeStream(grpc::CallbackServerContext* context) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::DecodeStream(
+    grpc::CallbackServerContext* context) {
   return new DecodeStreamReactor(this, auth_.Check(*context));
 }
 
-grpc::ServerUnaryReactor* KvCacheService::CreateSequence(
-    grpc::CallbackServerContext* context, const v1::CreateSequenceRequest* request,
-    v1::SequenceInfo* response) {
-  return RunUnary(context, Rpc::kCreateSequence, request->ByteSizeLong(),
-                  [this, request, response] { return DoCreateSequence(*request, response); });
+grpc::ServerUnaryReactor* KvCacheService::CreateSequence(grpc::CallbackServerContext* context,
+                                                         const Raw* request, Raw* response) {
+  return RunRaw<v1::CreateSequenceRequest, v1::SequenceInfo>(
+      context, Rpc::kCreateSequence, request, response,
+      [this](const v1::CreateSequenceRequest& r, v1::SequenceInfo* out) { return DoCreateSequence(r, out); });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerContext* context,
-                                                       const v1::ForkSequenceRequest* request,
-                                                       v1::SequenceInfo* response) {
-  return RunUnary(context, Rpc::kForkSequence, request->ByteSizeLong(),
-                  [this, request, response] { return DoForkSequence(*request, response); });
+grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                                       Raw* response) {
+  return RunRaw<v1::ForkSequenceRequest, v1::SequenceInfo>(
+      context, Rpc::kForkSequence, request, response,
+      [this](const v1::ForkSequenceRequest& r, v1::SequenceInfo* out) { return DoForkSequence(r, out); });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::DropSequence(grpc::CallbackServerContext* context,
-                                                       const v1::DropSequenceRequest* request,
-                                                       v1::DropSequenceResponse* response) {
-  return RunUnary(context, Rpc::kDropSequence, request->ByteSizeLong(),
-                  [this, request] { return DoDropSequence(*request); });
+grpc::ServerUnaryReactor* KvCacheService::DropSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                                       Raw* response) {
+  return RunRaw<v1::DropSequenceRequest, v1::DropSequenceResponse>(
+      context, Rpc::kDropSequence, request, response,
+      [this](const v1::DropSequenceRequest& r, v1::DropSequenceResponse*) { return DoDropSequence(r); });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* context,
-                                                      const v1::GetSequenceRequest* request,
-                                                      v1::SequenceInfo* response) {
-  return RunUnary(context, Rpc::kGetSequence, request->ByteSizeLong(),
-                  [this, request, response] { return DoGetSequence(*request, response); });
+grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                                      Raw* response) {
+  return RunRaw<v1::GetSequenceRequest, v1::SequenceInfo>(
+      context, Rpc::kGetSequence, request, response,
+      [this](const v1::GetSequenceRequest& r, v1::SequenceInfo* out) { return DoGetSequence(r, out); });
 }
 
-grpc::ServerUnaryReactor* KvCacheService::GetServerInfo(grpc::CallbackServerContext* context,
-                                                        const v1::GetServerInfoRequest* request,
-                                                        v1::ServerInfo* response) {
+grpc::ServerUnaryReactor* KvCacheService::GetServerInfo(grpc::CallbackServerContext* context, const Raw* request,
+                                                        Raw* response) {
+  // Inline: no sequence lock, no kernel.
   const auto start = Clock::now();
-  const absl::Status status = auth_.Check(*context);
-  if (status.ok()) DoGetServerInfo(response);
+  absl::Status status = auth_.Check(*context);
+  if (status.ok()) {
+    v1::GetServerInfoRequest parsed;
+    status = ParseMessage(*request, &parsed, "the request");
+  }
+  if (status.ok()) {
+    v1::ServerInfo info;
+    DoGetServerInfo(&info);
+    status = SerializeMessage(info, response);
+  }
   return FinishUnary(context, metrics_, Rpc::kGetServerInfo, start, status);
 }
 

@@ -46,7 +46,21 @@ namespace service {
 // Longest accepted sequence id, in bytes.
 inline constexpr size_t kMaxSequenceIdBytes = 256;
 
-class KvCacheService final : public v1::KvCache::CallbackService {
+// Every method takes its messages as raw bytes (grpc::ByteBuffer) and parses
+// them itself, after the auth check: bytes that are not a valid message (or
+// a string field that is not UTF-8) are INVALID_ARGUMENT and counted, where
+// gRPC's own parsing answers UNIMPLEMENTED and counts nothing, and where a
+// stream would have taken a malformed message for its end (an AppendStream
+// then answered OK with the chunks before it).
+using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<
+    v1::KvCache::WithRawCallbackMethod_AppendStream<v1::KvCache::WithRawCallbackMethod_ScoreQuery<
+        v1::KvCache::WithRawCallbackMethod_Attend<v1::KvCache::WithRawCallbackMethod_AppendAttend<
+            v1::KvCache::WithRawCallbackMethod_DecodeStream<v1::KvCache::WithRawCallbackMethod_CreateSequence<
+                v1::KvCache::WithRawCallbackMethod_ForkSequence<v1::KvCache::WithRawCallbackMethod_DropSequence<
+                    v1::KvCache::WithRawCallbackMethod_GetSequence<
+                        v1::KvCache::WithRawCallbackMethod_GetServerInfo<v1::KvCache::Service>>>>>>>>>>>;
+
+class KvCacheService final : public RawKvCacheService {
  public:
   // `caches` by name (the first one's name, or "default", answers the empty
   // name: see Find). REQUIRES: `backend` is the backend the caches were
@@ -92,38 +106,28 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   absl::Status DoGetSequence(const v1::GetSequenceRequest& request, v1::SequenceInfo* info);
   void DoGetServerInfo(v1::ServerInfo* info);
 
-  // v1::KvCache::CallbackService.
-  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
-                                   const v1::AppendRequest* request,
-                                   v1::AppendResponse* response) override;
-  grpc::ServerReadReactor<v1::AppendRequest>* AppendStream(
-      grpc::CallbackServerContext* context, v1::AppendResponse* response) override;
-  grpc::ServerUnaryReactor* ScoreQuery(grpc::CallbackServerContext* context,
-                                       const v1::ScoreQueryRequest* request,
-                                       v1::ScoreQueryResponse* response) override;
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
-  grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* context,
-                                         const v1::AppendAttendRequest* request,
-                                         v1::AppendAttendResponse* response) override;
-  grpc::ServerBidiReactor<v1::DecodeStreamRequest, v1::DecodeStreamResponse>* DecodeStream(
-      grpc::CallbackServerContext* context) override;
-  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
-                                           const v1::CreateSequenceRequest* request,
-                                           v1::SequenceInfo* response) override;
-  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* context,
-                                         const v1::ForkSequenceRequest* request,
-                                         v1::SequenceInfo* response) override;
-  grpc::ServerUnaryReactor* DropSequence(grpc::CallbackServerContext* context,
-                                         const v1::DropSequenceRequest* request,
-                                         v1::DropSequenceResponse* response) override;
-  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* context,
-                                        const v1::GetSequenceRequest* request,
-                                        v1::SequenceInfo* response) override;
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* request,
-                                          v1::ServerInfo* response) override;
+  // The raw callback methods (RawKvCacheService).
+  using Raw = grpc::ByteBuffer;
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context, const Raw* request,
+                                   Raw* response) override;
+  grpc::ServerReadReactor<Raw>* AppendStream(grpc::CallbackServerContext* context, Raw* response) override;
+  grpc::ServerUnaryReactor* ScoreQuery(grpc::CallbackServerContext* context, const Raw* request,
+                                       Raw* response) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context, const Raw* request,
+                                   Raw* response) override;
+  grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* context, const Raw* request,
+                                         Raw* response) override;
+  grpc::ServerBidiReactor<Raw, Raw>* DecodeStream(grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                           Raw* response) override;
+  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                         Raw* response) override;
+  grpc::ServerUnaryReactor* DropSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                         Raw* response) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                        Raw* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context, const Raw* request,
+                                          Raw* response) override;
 
  private:
   absl::Status FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info);
@@ -133,6 +137,12 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   template <typename Work>
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context, Rpc rpc,
                                      size_t request_bytes, Work work);
+  // RunUnary over raw bytes: parses a Request (INVALID_ARGUMENT when the
+  // bytes are not one), runs do_work(request, &response), serializes the
+  // response into `out` when it succeeds.
+  template <typename Request, typename Response, typename Do>
+  grpc::ServerUnaryReactor* RunRaw(grpc::CallbackServerContext* context, Rpc rpc, const grpc::ByteBuffer* in,
+                                   grpc::ByteBuffer* out, Do do_work);
 
   // Immutable after construction: read without a lock.
   std::map<std::string, std::unique_ptr<KvCache>> caches_;

@@ -1,6 +1,8 @@
 #include "service/server.h"
 
+#include <cstdio>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -10,12 +12,46 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "google/protobuf/stubs/logging.h"
 #include "kernels/backend_factory.h"
 #include "kernels/status_macros.h"
 #include "service/config.h"
 
 namespace tqkv {
 namespace service {
+namespace {
+
+// libprotobuf logs one line per string field with invalid UTF-8 that it
+// parses: a client sending such requests (INVALID_ARGUMENT each) could flood
+// the log. The first kBurst lines pass; after that one line a minute says how
+// many were dropped and repeats the last.
+void ThrottledProtobufLog(google::protobuf::LogLevel level, const char* filename, int line,
+                          const std::string& message) {
+  constexpr int64_t kBurst = 10;
+  static absl::Mutex mu(absl::kConstInit);
+  static int64_t seen ABSL_GUARDED_BY(mu) = 0;
+  static int64_t dropped ABSL_GUARDED_BY(mu) = 0;
+  static absl::Time last_summary ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+  static const char* const kLevels[] = {"INFO", "WARNING", "ERROR", "FATAL"};
+  const char* name = level >= 0 && level <= 3 ? kLevels[level] : "LOG";
+  absl::MutexLock lock(&mu);
+  if (++seen <= kBurst || level == google::protobuf::LOGLEVEL_FATAL) {
+    fprintf(stderr, "[libprotobuf %s %s:%d] %s\n", name, filename, line, message.c_str());
+    return;
+  }
+  ++dropped;
+  const absl::Time now = absl::Now();
+  if (now - last_summary < absl::Minutes(1)) return;
+  last_summary = now;
+  fprintf(stderr, "[libprotobuf %s %s:%d] %s (%lld similar lines dropped; at most one a minute from now on)\n",
+          name, filename, line, message.c_str(), static_cast<long long>(dropped));
+  dropped = 0;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (options.port < 0 || options.port > 65535) {
@@ -74,6 +110,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   std::call_once(process_setup, [] {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    google::protobuf::SetLogHandler(&ThrottledProtobufLog);
   });
 
   grpc::ServerBuilder builder;

@@ -470,3 +470,41 @@ def test_auth_and_tls(secure_server):
     with pytest.raises(tqkv.Unavailable):           # plaintext to a TLS port
         plain.info()
     plain.close()
+
+
+def test_malformed_messages_are_invalid_argument_and_change_nothing(server, client):
+    """Bytes that are not a valid message (or a string that is not UTF-8) get
+    INVALID_ARGUMENT naming the message type, on unary calls and mid-stream;
+    an AppendStream does not take a malformed chunk for its end."""
+    from tqkv.v1 import kvcache_pb2 as pb
+    channel = grpc.insecure_channel(server.target)
+    raw = lambda x: x  # noqa: E731
+    append = channel.unary_unary("/tqkv.v1.KvCache/Append", request_serializer=raw, response_deserializer=raw)
+    get = channel.unary_unary("/tqkv.v1.KvCache/GetSequence", request_serializer=raw, response_deserializer=raw)
+    for call, payload, name in [(append, b"\xff\xff\xff\xff", "AppendRequest"),
+                                (append, b"\x12\x10ab", "AppendRequest"),
+                                (get, b"\x12\x02\xff\xfe", "GetSequenceRequest")]:
+        with pytest.raises(grpc.RpcError) as e:
+            call(payload, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "is not a valid tqkv.v1.%s" % name in e.value.details()
+    # A valid chunk, then garbage: the stream fails naming chunk 1; chunk 0 stays.
+    sid = new_id()
+    k, v = kv(3, 11)
+    tensor = lambda a: pb.Tensor(dtype=pb.DTYPE_F32, shape=list(a.shape), data=a.tobytes())  # noqa: E731
+    first = pb.AppendRequest(sequence_id=sid, keys=tensor(k), values=tensor(v)).SerializeToString()
+    stream = channel.stream_unary("/tqkv.v1.KvCache/AppendStream", request_serializer=raw,
+                                  response_deserializer=raw)
+    with pytest.raises(grpc.RpcError) as e:
+        stream(iter([first, b"\xff\xff\xff"]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chunk 1 is not a valid tqkv.v1.AppendRequest" in e.value.details()
+    assert client.get_sequence(sid).layer_tokens == [3] * LAYERS
+    decode = channel.stream_stream("/tqkv.v1.KvCache/DecodeStream", request_serializer=raw,
+                                   response_deserializer=raw)
+    with pytest.raises(grpc.RpcError) as e:
+        list(decode(iter([b"\xff\xff\xff"]), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "message 0 is not a valid tqkv.v1.DecodeStreamRequest" in e.value.details()
+    client.drop(sid)
+    channel.close()
