@@ -133,7 +133,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
   }
   if (options.metrics_port >= 0) {
-    const std::string metrics_address = absl::StrCat(host, ":", options.metrics_port);
+    const std::string& raw_metrics_host = options.metrics_host.empty() ? options.host : options.metrics_host;
+    const std::string metrics_host = raw_metrics_host.find(':') != std::string::npos
+                                         ? absl::StrCat("[", raw_metrics_host, "]")
+                                         : raw_metrics_host;
+    const std::string metrics_address = absl::StrCat(metrics_host, ":", options.metrics_port);
     try {
       server->exposer_ = std::make_unique<prometheus::Exposer>(metrics_address);
     } catch (const std::exception& e) {

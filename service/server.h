@@ -48,8 +48,12 @@ struct ServerOptions {
   int max_message_bytes = 64 << 20;
   // Split equally among caches whose config gives memory_budget_bytes 0.
   uint64_t memory_budget_bytes = uint64_t{4} << 30;
-  // Prometheus /metrics on host:metrics_port; 0 picks a free port, -1 serves
-  // none (the metrics are still kept: Server::MetricsText()).
+  // Prometheus /metrics on metrics_host:metrics_port; 0 picks a free port,
+  // -1 serves none (the metrics are still kept: Server::MetricsText()).
+  // /metrics is plain HTTP without auth, so it listens on loopback unless
+  // told otherwise (a Prometheus in another container or host needs
+  // "0.0.0.0" or the interface it scrapes; empty: `host`).
+  std::string metrics_host = "127.0.0.1";
   int metrics_port = 9464;
   // Bearer tokens (see service/auth.h); empty: no authentication. Health and
   // reflection stay open either way.

@@ -27,6 +27,9 @@
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
 ABSL_FLAG(int, port, 50051, "gRPC port (0: any free port, printed at start-up).");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port (0: any free port; -1: none).");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
+          "Address /metrics listens on: plain HTTP without auth, so loopback by default; "
+          "0.0.0.0 for a Prometheus elsewhere (empty: --host).");
 ABSL_FLAG(std::string, config, "",
           "Text-format tqkv.v1.ServerConfig file; the embedded default (one Llama-3.1-8B "
           "cache) when empty.");
@@ -115,6 +118,7 @@ int main(int argc, char** argv) {
   options.executor.max_pending_bytes = static_cast<size_t>(pending_gib * (uint64_t{1} << 30));
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.memory_budget_bytes = static_cast<uint64_t>(budget_gib * (uint64_t{1} << 30));
 
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
