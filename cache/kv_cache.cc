@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -14,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -222,6 +224,44 @@ struct KvCache::State {
   uint64_t stored_bytes_bf16 ABSL_GUARDED_BY(mu) = 0;
   uint64_t evictions ABSL_GUARDED_BY(mu) = 0;
   uint64_t copy_on_writes ABSL_GUARDED_BY(mu) = 0;
+  uint64_t evicted_lookups ABSL_GUARDED_BY(mu) = 0;
+
+  // The last kEvictedMemory sequences evicted, so that NOT_FOUND can tell an
+  // evicted sequence from one that never existed. Forgotten when the id is
+  // used again.
+  static constexpr size_t kEvictedMemory = 4096;
+  struct Evicted {
+    absl::Time at;
+    const char* reason;
+    uint64_t serial;  // matches evicted_order's entry while it is the latest
+  };
+  absl::flat_hash_map<std::string, Evicted> evicted ABSL_GUARDED_BY(mu);
+  std::deque<std::pair<std::string, uint64_t>> evicted_order ABSL_GUARDED_BY(mu);
+  uint64_t next_evicted_serial ABSL_GUARDED_BY(mu) = 1;
+
+  void RecordEvicted(const std::string& id, absl::Time now, const char* reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const uint64_t serial = next_evicted_serial++;
+    evicted[id] = Evicted{now, reason, serial};
+    evicted_order.emplace_back(id, serial);
+    while (evicted_order.size() > kEvictedMemory) {
+      auto it = evicted.find(evicted_order.front().first);
+      if (it != evicted.end() && it->second.serial == evicted_order.front().second) evicted.erase(it);
+      evicted_order.pop_front();
+    }
+  }
+
+  // NOT_FOUND for sequence `id`: `message`, and when this cache evicted it,
+  // when and why.
+  absl::Status SequenceNotFound(const std::string& id, std::string message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = evicted.find(id);
+    if (it != evicted.end()) {
+      ++evicted_lookups;
+      const absl::Duration age = absl::Trunc(clock() - it->second.at, absl::Milliseconds(1));
+      absl::StrAppend(&message, "; it was evicted ", age == absl::ZeroDuration() ? "0s" : absl::FormatDuration(age),
+                      " ago (", it->second.reason, ")");
+    }
+    return absl::NotFoundError(message);
+  }
 
   void Touch(Sequence* seq, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     seq->last_access = now;
@@ -250,6 +290,7 @@ struct KvCache::State {
     if (!pending) ++num_sequences;
     Sequence* raw = seq.get();
     sequences[id] = std::move(seq);
+    evicted.erase(id);
     return raw;
   }
 
@@ -296,7 +337,10 @@ struct KvCache::State {
       if (keep != nullptr && id == *keep) continue;
       if (now - seq->last_access > idle_ttl) expired.push_back(seq.get());
     }
-    for (Sequence* seq : expired) DropLocked(seq);
+    for (Sequence* seq : expired) {
+      RecordEvicted(seq->id, now, "idle longer than the cache's idle TTL");
+      DropLocked(seq);
+    }
     evictions += expired.size();
     return static_cast<int>(expired.size());
   }
@@ -543,7 +587,7 @@ absl::Status KvCache::Append(const AppendRequest& request) {
     auto it = s.sequences.find(id);
     seq = it == s.sequences.end() ? nullptr : it->second.get();
     if (seq == nullptr && !request.create_if_missing) {
-      return absl::NotFoundError(absl::StrFormat(
+      return s.SequenceNotFound(id, absl::StrFormat(
           "sequence '%s' not found in cache '%s'; create it first (CreateSequence), or append "
           "without do_not_create",
           id, s.name));
@@ -594,7 +638,10 @@ absl::Status KvCache::Append(const AppendRequest& request) {
                                           reachable - free_before)
                         : std::string()));
       }
-      for (Sequence* victim : victims) s.DropLocked(victim);
+      for (Sequence* victim : victims) {
+        s.RecordEvicted(victim->id, now, "least recently used, to make room in a full pool");
+        s.DropLocked(victim);
+      }
       s.evictions += victims.size();
     }
     const bool allocated_ok = s.pages.Allocate(need, &allocated);
@@ -787,8 +834,8 @@ absl::Status KvCache::Fork(const std::string& parent_id, const std::string& chil
   s.AwaitNoWriter(parent_id, &child_id);
   Sequence* parent = s.FindVisible(parent_id);
   if (parent == nullptr) {
-    return absl::NotFoundError(
-        absl::StrFormat("parent sequence '%s' not found in cache '%s'", parent_id, s.name));
+    return s.SequenceNotFound(parent_id,
+                              absl::StrFormat("parent sequence '%s' not found in cache '%s'", parent_id, s.name));
   }
   if (s.sequences.contains(child_id)) {
     return absl::AlreadyExistsError(
@@ -819,8 +866,7 @@ absl::Status KvCache::Drop(const std::string& id) {
   s.AwaitNoWriter(id);
   Sequence* seq = s.FindVisible(id);
   if (seq == nullptr) {
-    return absl::NotFoundError(
-        absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+    return s.SequenceNotFound(id, absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
   }
   s.DropLocked(seq);
   return absl::OkStatus();
@@ -831,8 +877,7 @@ absl::StatusOr<SequenceInfo> KvCache::GetSequence(const std::string& id) {
   absl::MutexLock lock(&s.mu);
   const Sequence* seq = s.FindVisible(id);
   if (seq == nullptr) {
-    return absl::NotFoundError(
-        absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+    return s.SequenceNotFound(id, absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
   }
   SequenceInfo info;
   info.id = seq->id;
@@ -895,8 +940,8 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
       const AttendRequestItem& item = items[i];
       const Sequence* seq = s.FindVisible(item.sequence_id);
       if (seq == nullptr) {
-        return absl::NotFoundError(absl::StrFormat("item %d: sequence '%s' not found in cache '%s'",
-                                                   i, item.sequence_id, s.name));
+        return s.SequenceNotFound(item.sequence_id, absl::StrFormat("item %d: sequence '%s' not found in cache '%s'",
+                                                                    i, item.sequence_id, s.name));
       }
       const int64_t length = seq->layer_tokens[item.layer];
       if (item.num_query_tokens > length) {
@@ -979,8 +1024,7 @@ absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begi
     absl::MutexLock lock(&s.mu);
     Sequence* seq = s.FindVisible(id);
     if (seq == nullptr) {
-      return absl::NotFoundError(
-          absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+      return s.SequenceNotFound(id, absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
     }
     const int64_t length = seq->layer_tokens[layer];
     end = token_end == -1 ? length : token_end;
@@ -1043,6 +1087,7 @@ CacheStats KvCache::Stats() {
   stats.stored_bytes_bf16 = s.stored_bytes_bf16;
   stats.evictions = s.evictions;
   stats.copy_on_writes = s.copy_on_writes;
+  stats.evicted_lookups = s.evicted_lookups;
   return stats;
 }
 

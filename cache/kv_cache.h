@@ -129,6 +129,9 @@ struct CacheStats {
   uint64_t stored_bytes_bf16 = 0;
   uint64_t evictions = 0;      // sequences dropped by LRU or TTL, ever
   uint64_t copy_on_writes = 0; // pages copied for copy-on-write, ever
+  // Calls that named a sequence this cache had evicted (their NOT_FOUND says
+  // so: "... it was evicted 12s ago (idle TTL)"), ever.
+  uint64_t evicted_lookups = 0;
 };
 
 struct AppendRequest {

@@ -57,6 +57,9 @@ class CacheCollector : public prometheus::Collectable {
          MetricType::Counter},
         {"tqkv_cache_copy_on_writes_total", "Shared pages copied before a write.",
          MetricType::Counter},
+        {"tqkv_cache_evicted_lookups_total",
+         "Calls that named a sequence the cache had evicted (NOT_FOUND says when and why).",
+         MetricType::Counter},
     };
     constexpr int kDefsCount = sizeof(kDefs) / sizeof(kDefs[0]);
     std::vector<prometheus::MetricFamily> families(kDefsCount);
@@ -78,7 +81,8 @@ class CacheCollector : public prometheus::Collectable {
                                          static_cast<double>(s.sequences),
                                          static_cast<double>(s.tokens),
                                          static_cast<double>(s.evictions),
-                                         static_cast<double>(s.copy_on_writes)};
+                                         static_cast<double>(s.copy_on_writes),
+                                         static_cast<double>(s.evicted_lookups)};
       for (int i = 0; i < kDefsCount; ++i) {
         prometheus::ClientMetric m;
         m.label.push_back({"cache", cache->options().name});

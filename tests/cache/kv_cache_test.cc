@@ -20,6 +20,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing_util::CountMismatches;
 using testing_util::FakeClock;
 using testing_util::GatedBackend;
@@ -461,6 +462,22 @@ TEST_F(KvCacheTest, LruEvictsTheLeastRecentlyUsedIdleSequence) {
   EXPECT_THAT(cache->ListSequences(), ElementsAre("c"));
   EXPECT_EQ(cache->Stats().evictions, 3u);
   ExpectAttendMatchesReference(*cache, "c", 1);
+
+  // An evicted sequence is NOT_FOUND saying when and why; one that never
+  // existed is not; reusing the id forgets the eviction.
+  clock.Advance(absl::Seconds(2));
+  absl::StatusOr<SequenceInfo> gone = cache->GetSequence("a");
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(gone.status().message()), HasSubstr("it was evicted 2s ago (least recently used"));
+  EXPECT_EQ(cache->Stats().evicted_lookups, 1u);
+  absl::StatusOr<SequenceInfo> never = cache->GetSequence("never");
+  EXPECT_EQ(never.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(never.status().message(), Not(HasSubstr("evicted")));
+  EXPECT_EQ(cache->Fork("b", "b2").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache->Stats().evicted_lookups, 2u);
+  ASSERT_TRUE(cache->CreateSequence("a").ok());
+  ASSERT_TRUE(cache->Drop("a").ok());
+  EXPECT_THAT(cache->GetSequence("a").status().message(), Not(HasSubstr("evicted")));
 }
 
 TEST_F(KvCacheTest, LruNeverEvictsTheTargetAndEvictsNothingWhenItCannotFit) {
@@ -545,6 +562,7 @@ TEST_F(KvCacheTest, EvictExpiredDropsOnlySequencesIdleLongerThanTheTtl) {
   EXPECT_EQ(cache->EvictExpired(), 1);
   EXPECT_THAT(cache->ListSequences(), ElementsAre("mid", "young"));
   EXPECT_EQ(cache->Stats().evictions, 1u);
+  EXPECT_THAT(std::string(cache->GetSequence("old").status().message()), HasSubstr("evicted 0s ago (idle longer than"));
   EXPECT_EQ(cache->Stats().pages_used, 1);
 
   // A read keeps mid alive; an append sweeps the expired ones first.
