@@ -125,6 +125,16 @@ struct Sequence {
   uint64_t access_order = 0;
   uint64_t stored_bytes = 0;
   uint64_t stored_bytes_bf16 = 0;
+  // The last kRememberedAppends appends that carried a request_id, oldest
+  // first (AppendRequest::request_id).
+  struct RememberedAppend {
+    std::string request_id;
+    int64_t start;
+    int64_t tokens;
+    int layer_begin;
+    int layer_end;
+  };
+  std::deque<RememberedAppend> recent_appends;
   // An append is between its two critical sections. Only that append changes
   // the block table then; Drop and Fork wait, eviction skips the sequence.
   bool writer_active = false;
@@ -510,7 +520,8 @@ absl::Status KvCache::CreateSequence(const std::string& id) {
   return absl::OkStatus();
 }
 
-absl::Status KvCache::Append(const AppendRequest& request) {
+absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcome) {
+  if (outcome != nullptr) *outcome = AppendOutcome();
   const KvLayout& layout = *layout_;
   const std::string& id = request.sequence_id;
   const int64_t start = request.start_position;
@@ -591,6 +602,22 @@ absl::Status KvCache::Append(const AppendRequest& request) {
           "sequence '%s' not found in cache '%s'; create it first (CreateSequence), or append "
           "without do_not_create",
           id, s.name));
+    }
+    if (seq != nullptr && !request.request_id.empty()) {
+      for (const Sequence::RememberedAppend& r : seq->recent_appends) {
+        if (r.request_id != request.request_id) continue;
+        if (r.start == start && r.tokens == n && r.layer_begin == request.layer_begin &&
+            r.layer_end == request.layer_end) {
+          if (outcome != nullptr) outcome->already_stored = true;
+          s.Touch(seq, s.clock());
+          return absl::OkStatus();
+        }
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "request_id '%s' already named an append to sequence '%s' (tokens [%d, %d) of layers [%d, "
+            "%d)); this one is tokens [%d, %d) of layers [%d, %d): give every append its own request_id",
+            request.request_id, id, r.start, r.start + r.tokens, r.layer_begin, r.layer_end, start, start + n,
+            request.layer_begin, request.layer_end));
+      }
     }
     for (int layer = request.layer_begin; layer < request.layer_end; ++layer) {
       const int64_t have = seq == nullptr ? 0 : seq->layer_tokens[layer];
@@ -754,6 +781,10 @@ absl::Status KvCache::Append(const AppendRequest& request) {
   if (seq->pending) {
     seq->pending = false;
     ++s.num_sequences;
+  }
+  if (!request.request_id.empty()) {
+    seq->recent_appends.push_back({request.request_id, start, n, request.layer_begin, request.layer_end});
+    if (seq->recent_appends.size() > kRememberedAppends) seq->recent_appends.pop_front();
   }
   s.Touch(seq, s.clock());
   seq->writer_active = false;

@@ -145,6 +145,20 @@ struct AppendRequest {
   const float* values = nullptr;
   // Create the sequence if it does not exist (NOT_FOUND otherwise).
   bool create_if_missing = true;
+  // The client's idempotency key for this append ("" for none). The cache
+  // remembers the last kRememberedAppends keys of each sequence with what
+  // they appended: the same key again with the same start, token count and
+  // layers is answered OK without storing (AppendOutcome::already_stored);
+  // with anything else INVALID_ARGUMENT. A key the sequence does not
+  // remember is an ordinary append (a retry whose first try failed).
+  std::string request_id;
+};
+
+inline constexpr int kRememberedAppends = 64;
+
+// What an OK Append did.
+struct AppendOutcome {
+  bool already_stored = false;  // request_id named an append that had landed: nothing stored
 };
 
 struct AttendRequestItem {
@@ -177,7 +191,7 @@ class KvCache {
   // null tensors, non-finite values), FAILED_PRECONDITION (start_position is
   // not the current length of every layer in the range; the message names the
   // expected position), RESOURCE_EXHAUSTED (pool full, nothing evictable).
-  absl::Status Append(const AppendRequest& request);
+  absl::Status Append(const AppendRequest& request, AppendOutcome* outcome = nullptr);
 
   // The child gets the parent's tokens, sharing its pages. NOT_FOUND for the
   // parent, ALREADY_EXISTS for the child.

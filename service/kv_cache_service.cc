@@ -55,6 +55,15 @@ absl::Status CheckOutputDType(v1::DType dtype) {
 // Bytes per output element of an output_dtype (unspecified: f32).
 int OutputBytes(v1::DType dtype) { return dtype == v1::DTYPE_UNSPECIFIED ? 4 : DTypeBytes(dtype); }
 
+// An optional idempotency key: empty, or 1..64 bytes.
+absl::Status CheckRequestId(const std::string& id) {
+  if (id.size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("request_id has %d bytes; want at most 64 (or none)", id.size()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckScale(float scale) {
   if (!std::isfinite(scale) || scale < 0.0f) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -497,6 +506,7 @@ absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
                                       v1::AppendResponse* response) {
   ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckId(request.sequence_id(), "sequence_id"));
+  RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   const KvLayout& layout = cache->layout();
   const int layers = layout.num_layers();
   const int layer_begin = request.layer_begin();
@@ -532,13 +542,19 @@ absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
   append.keys = keys.values.data();
   append.values = values.values.data();
   append.create_if_missing = !request.do_not_create();
-  RETURN_IF_ERROR(cache->Append(append));
+  append.request_id = request.request_id();
+  AppendOutcome outcome;
+  RETURN_IF_ERROR(cache->Append(append, &outcome));
 
-  int64_t stored = 0;
-  for (int l = layer_begin; l < layer_end; ++l) stored += layout.token_bytes(l) * tokens;
-  response->set_stored_bytes(stored);
-  response->set_stored_bytes_bf16(static_cast<int64_t>(layout.token_bytes_bf16()) *
-                                  (layer_end - layer_begin) * tokens);
+  if (outcome.already_stored) {
+    response->set_already_stored(true);
+  } else {
+    int64_t stored = 0;
+    for (int l = layer_begin; l < layer_end; ++l) stored += layout.token_bytes(l) * tokens;
+    response->set_stored_bytes(stored);
+    response->set_stored_bytes_bf16(static_cast<int64_t>(layout.token_bytes_bf16()) *
+                                    (layer_end - layer_begin) * tokens);
+  }
   // The append landed; a concurrent Drop may already have removed the
   // sequence, in which case the response carries no sequence state.
   (void)FillSequenceInfo(*cache, request.sequence_id(), response->mutable_sequence());
@@ -724,6 +740,7 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
       return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
     };
     if (absl::Status s = CheckId(in.sequence_id(), "sequence_id"); !s.ok()) return at(s);
+    if (absl::Status s = CheckRequestId(in.request_id()); !s.ok()) return at(s);
     if (auto [it, inserted] = first_item.emplace(in.sequence_id(), i); !inserted) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "item %d: sequence '%s' is also item %d; want at most one item per sequence (send "
@@ -768,8 +785,11 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
     append.keys = item.keys.values.data();
     append.values = item.values.values.data();
     append.create_if_missing = !in.do_not_create();
-    item.status = cache->Append(append);
-    if (absl::IsFailedPrecondition(item.status)) {
+    append.request_id = in.request_id();
+    AppendOutcome outcome;
+    item.status = cache->Append(append, &outcome);
+    item.already_stored = outcome.already_stored;
+    if (absl::IsFailedPrecondition(item.status) && in.request_id().empty()) {
       // A retry of an append that landed: the layer ends exactly where this
       // one would have.
       absl::StatusOr<SequenceInfo> seq = cache->GetSequence(in.sequence_id());

@@ -10,6 +10,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -103,6 +104,17 @@ SequenceState FromProto(const v1::SequenceInfo& info) {
   return s;
 }
 
+// The default idempotency key of an append: a 64-bit hash of what it
+// appends (sequence, position, layers and the encoded K/V), so that a resend
+// of the same append, by this client's retries or by its caller, carries the
+// same key, and another writer's append at the same position does not.
+std::string ContentRequestId(const std::string& sequence_id, int64_t start, int layer_begin, int layer_end,
+                             const v1::Tensor& keys, const v1::Tensor& values) {
+  const size_t h = absl::HashOf(sequence_id, start, layer_begin, layer_end, std::string_view(keys.data()),
+                                std::string_view(values.data()), static_cast<int>(keys.dtype()));
+  return absl::StrFormat("c%016x", static_cast<uint64_t>(h));
+}
+
 absl::Status FillAppendRequest(const AppendArgs& args, v1::AppendRequest* request) {
   if (absl::Status s = CheckSize("keys", args.keys, args.shape); !s.ok()) return s;
   if (absl::Status s = CheckSize("values", args.values, args.shape); !s.ok()) return s;
@@ -114,6 +126,10 @@ absl::Status FillAppendRequest(const AppendArgs& args, v1::AppendRequest* reques
   request->set_do_not_create(!args.create_if_missing);
   Encode(args.keys, args.shape, args.wire_dtype, request->mutable_keys());
   Encode(args.values, args.shape, args.wire_dtype, request->mutable_values());
+  request->set_request_id(!args.request_id.empty()
+                              ? args.request_id
+                              : ContentRequestId(args.sequence_id, args.start_position, args.layer_begin,
+                                                 args.layer_end, request->keys(), request->values()));
   return absl::OkStatus();
 }
 
@@ -122,6 +138,7 @@ AppendResult FromProto(const v1::AppendResponse& response) {
   r.sequence = FromProto(response.sequence());
   r.stored_bytes = response.stored_bytes();
   r.stored_bytes_bf16 = response.stored_bytes_bf16();
+  r.already_stored = response.already_stored();
   return r;
 }
 
@@ -172,6 +189,9 @@ absl::Status FillAppendAttendRequest(const AppendAttendArgs& args,
     out->set_do_not_create(!item.create_if_missing);
     Encode(item.keys, item.kv_shape, args.wire_dtype, out->mutable_keys());
     Encode(item.values, item.kv_shape, args.wire_dtype, out->mutable_values());
+    out->set_request_id(!item.request_id.empty() ? item.request_id
+                                                 : ContentRequestId(item.sequence_id, item.start_position, args.layer,
+                                                                    args.layer + 1, out->keys(), out->values()));
     Encode(item.queries, item.query_shape, args.wire_dtype, out->mutable_queries());
   }
   return absl::OkStatus();
@@ -399,24 +419,9 @@ absl::StatusOr<AppendResult> Client::Append(const AppendArgs& args) {
   const grpc::Status status = WithRetries(
       args.sequence_id,
       [&](grpc::ClientContext* c) { return stub_->Append(c, request, &response); }, &attempts);
+  // A retry of an append that had landed is answered already_stored (the
+  // request carries its request_id), so nothing needs reading back here.
   if (status.ok()) return FromProto(response);
-  if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION && attempts > 1) {
-    // An earlier attempt may have landed before its answer was lost.
-    absl::StatusOr<SequenceState> state = GetSequence(args.cache, args.sequence_id);
-    if (state.ok()) {
-      const int layer_end =
-          args.layer_end == 0 ? static_cast<int>(state->layer_tokens.size()) : args.layer_end;
-      bool landed = layer_end <= static_cast<int>(state->layer_tokens.size());
-      for (int l = args.layer_begin; landed && l < layer_end; ++l) {
-        landed = state->layer_tokens[l] >= args.start_position + args.shape[1];
-      }
-      if (landed) {
-        AppendResult r;
-        r.sequence = *std::move(state);
-        return r;
-      }
-    }
-  }
   return FromGrpcStatus(status);
 }
 

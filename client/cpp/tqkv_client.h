@@ -129,12 +129,21 @@ struct AppendArgs {
   bool create_if_missing = true;
   // Wire dtype: f16 / bf16 halve the bytes sent (rounded to nearest even).
   v1::DType wire_dtype = v1::DTYPE_F32;
+  // Idempotency key sent with every attempt (AppendRequest.request_id). ""
+  // derives one from the append's content (sequence, position, layers, the
+  // encoded K/V): a resend of the same append, by the client's retries or by
+  // the caller, is then answered already_stored, and another writer's append
+  // at the same position is not mistaken for this one.
+  std::string request_id;
 };
 
 struct AppendResult {
   SequenceState sequence;
   int64_t stored_bytes = 0;       // compressed bytes this call stored
   int64_t stored_bytes_bf16 = 0;  // the same tokens in bf16
+  // A retry found this call's append already stored (by its request_id):
+  // nothing was stored again, and the byte counts are 0.
+  bool already_stored = false;
 };
 
 struct ScoreArgs {
@@ -194,6 +203,8 @@ struct AppendAttendItemArgs {
   absl::Span<const float> values;
   absl::Span<const float> queries;
   bool create_if_missing = true;
+  // As AppendArgs::request_id ("" derives one from the item's content).
+  std::string request_id;
 };
 
 struct AppendAttendArgs {

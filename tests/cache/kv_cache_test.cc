@@ -542,6 +542,45 @@ TEST_F(KvCacheTest, LruCountsSharedPagesOnlyWhenTheirLastHolderGoes) {
   EXPECT_EQ(cache->Stats().pages_used, 2);
 }
 
+// request_id: a key the sequence remembers answers the same append
+// already_stored (after another writer's append too) and refuses another one;
+// a sequence remembers its last kRememberedAppends keys.
+TEST_F(KvCacheTest, RequestIdsMakeRetriedAppendsIdempotent) {
+  std::unique_ptr<KvCache> cache = NewCache(SmallCacheOptions(64));
+  ASSERT_NE(cache, nullptr);
+  const int layers = cache->layout().num_layers();
+  const std::vector<float> keys = RandomTensor(layers, 1, cache->layout(), 7);
+  const auto append = [&](const std::string& request_id, int64_t start, AppendOutcome* outcome) {
+    AppendRequest request;
+    request.sequence_id = "s";
+    request.start_position = start;
+    request.layer_end = layers;
+    request.num_tokens = 1;
+    request.keys = keys.data();
+    request.values = keys.data();
+    request.request_id = request_id;
+    return cache->Append(request, outcome);
+  };
+  AppendOutcome outcome;
+  ASSERT_TRUE(append("r0", 0, &outcome).ok());
+  EXPECT_FALSE(outcome.already_stored);
+  ASSERT_TRUE(append("", 1, &outcome).ok());  // another writer, no key
+  ASSERT_TRUE(append("r0", 0, &outcome).ok());
+  EXPECT_TRUE(outcome.already_stored);
+  EXPECT_EQ(cache->GetSequence("s")->layer_tokens, std::vector<int64_t>(layers, 2));
+  absl::Status status = append("r0", 2, &outcome);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("request_id 'r0' already named an append"));
+  EXPECT_EQ(append("r-unknown", 0, &outcome).code(), absl::StatusCode::kFailedPrecondition);
+  for (int i = 0; i < kRememberedAppends; ++i) {
+    ASSERT_TRUE(append("n" + std::to_string(i), 2 + i, &outcome).ok());
+  }
+  // r0 is forgotten now: a resend is refused by position, like any stale append.
+  EXPECT_EQ(append("r0", 0, &outcome).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(append("n1", 3, &outcome).ok());
+  EXPECT_TRUE(outcome.already_stored);
+}
+
 TEST_F(KvCacheTest, EvictExpiredDropsOnlySequencesIdleLongerThanTheTtl) {
   FakeClock clock;
   CacheOptions options = SmallCacheOptions(8);

@@ -227,8 +227,12 @@ def test_failed_calls_raise_typed_errors_and_change_nothing(client):
     q = queries(1, 13)
     before = snapshot(client, sid, q)
 
-    with pytest.raises(tqkv.FailedPrecondition) as e:        # retry of a landed append
-        client.append(sid, k, v, start=0)
+    again = client.append(sid, k, v, start=0)                # the same append resent: stored once
+    assert again.already_stored and again.stored_bytes == 0
+    assert_unchanged(client, sid, q, before)
+    k_other, v_other = kv(10, 14)
+    with pytest.raises(tqkv.FailedPrecondition) as e:        # another append at a taken position
+        client.append(sid, k_other, v_other, start=0)
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and isinstance(e.value, tqkv.TqkvError)
     assert_unchanged(client, sid, q, before)
 
@@ -413,8 +417,9 @@ def test_retry_after_a_lost_append_answer_reports_success(server):
         sid = new_id()
         k, v = kv(6, 20)
         rec.lose_answers["Append"] = 1
-        result = client.append(sid, k, v)         # landed; answer lost; retry is refused
+        result = client.append(sid, k, v)         # landed; answer lost; the retry learns it landed
         assert result.sequence.layer_tokens == [6] * LAYERS and result.stored_bytes == 0
+        assert result.already_stored
         assert [m for m, _ in rec.calls].count("Append") == 2
         rec.lose_answers["CreateSequence"] = 1
         assert client.create_sequence(sid + "-c").layer_tokens == [0] * LAYERS

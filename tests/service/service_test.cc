@@ -524,9 +524,11 @@ TEST_F(ServiceTest, AppendStreamStoresALongPrefillInChunks) {
 }
 
 TEST_F(ServiceTest, AppendStreamStopsAtTheFirstBadChunkAndKeepsTheOnesBefore) {
-  const Kv kv = MakeKv(4, 50);
+  const Kv kv = MakeKv(4, 50), other = MakeKv(4, 51);
+  // Chunk 2 starts where chunk 1 did with other tokens: a wrong position.
+  // (The same tokens again would be the same append, answered already_stored.)
   std::vector<AppendArgs> args = {MakeAppend("t", 0, kv), MakeAppend("t", 4, kv),
-                                  MakeAppend("t", 4, kv), MakeAppend("t", 8, kv)};
+                                  MakeAppend("t", 4, other), MakeAppend("t", 8, kv)};
   absl::StatusOr<AppendResult> r = client_->AppendStream(args);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(r.status().message(), HasSubstr("chunk 2"));
@@ -724,6 +726,50 @@ TEST_F(ServiceTest, AnOversizedResponseIsRefusedBeforeTheWork) {
   grpc::ClientContext again;
   const grpc::Status fits = stub_->Attend(&again, request, &response);
   EXPECT_NE(fits.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << fits.error_message();
+}
+
+// Appends carry an idempotency key (the client derives it from their
+// content): a resend of one that landed is answered already_stored, even
+// after another writer appended; another append under a used key is
+// INVALID_ARGUMENT; without a key a resend is FAILED_PRECONDITION.
+TEST_F(ServiceTest, ARetriedAppendLearnsWhetherItsOwnAppendLanded) {
+  const Kv first = MakeKv(3, 90), second = MakeKv(2, 91), third = MakeKv(2, 92);
+  absl::StatusOr<AppendResult> r = client_->Append(MakeAppend("idem", 0, first));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->already_stored);
+  const int64_t bytes = CacheStats("default").stored_bytes();
+  ASSERT_TRUE(client_->Append(MakeAppend("idem", 3, second)).ok());  // someone else's append
+  r = client_->Append(MakeAppend("idem", 0, first));                  // the first one, resent
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->already_stored);
+  EXPECT_EQ(r->stored_bytes, 0);
+  EXPECT_EQ(r->sequence.layer_tokens, std::vector<int64_t>(kLayers, 5));
+  EXPECT_GT(CacheStats("default").stored_bytes(), bytes);
+  // An append at the landed one's position that it never sent: not landed.
+  r = client_->Append(MakeAppend("idem", 0, third));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  // The same key for another append.
+  AppendArgs reused = MakeAppend("idem", 5, third);
+  reused.request_id = "mine";
+  ASSERT_TRUE(client_->Append(reused).ok());
+  AppendArgs clash = MakeAppend("idem", 7, third);
+  clash.request_id = "mine";
+  r = client_->Append(clash);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("request_id 'mine' already named an append"));
+  // Raw, without a key: a resend is refused by position.
+  v1::AppendRequest raw;
+  raw.set_sequence_id("idem");
+  raw.set_start_position(5);
+  for (auto [t, data] : {std::pair{raw.mutable_keys(), &third.keys}, {raw.mutable_values(), &third.values}}) {
+    t->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : {kLayers, 2, kKvHeads, kHeadDim}) t->add_shape(d);
+    t->set_data(reinterpret_cast<const char*>(data->data()), data->size() * 4);
+  }
+  grpc::ClientContext context;
+  v1::AppendResponse response;
+  EXPECT_EQ(stub_->Append(&context, raw, &response).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(MustGet("idem").layer_tokens, std::vector<int64_t>(kLayers, 7));
 }
 
 TEST_F(ServiceTest, AFullPoolIsResourceExhaustedAndChangesNothing) {

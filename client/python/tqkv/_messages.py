@@ -5,6 +5,7 @@ tqkv.v1 message or a message into result objects, and raises InvalidArgument
 (before anything is sent) for arguments the server would refuse for their
 shape alone.
 """
+import hashlib
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
@@ -123,7 +124,22 @@ def append_request(cache, sequence_id, keys, values, start, layer_begin, layer_e
                               % (list(v.shape), list(k.shape)))
     return pb.AppendRequest(cache=cache, sequence_id=sequence_id, start_position=start,
                             layer_begin=layer_begin, layer_end=layer_end, keys=k, values=v,
-                            do_not_create=not create)
+                            do_not_create=not create,
+                            request_id=content_request_id(sequence_id, start, layer_begin,
+                                                          layer_end, k, v))
+
+
+def content_request_id(sequence_id, start, layer_begin, layer_end, keys, values) -> str:
+    """The default idempotency key of an append (AppendRequest.request_id): a
+    hash of what it appends, so that a resend of the same append (a retry, or
+    the caller sending it again) carries the same key and another writer's
+    append at the same position does not."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(("%s\0%d\0%d\0%d\0%d\0" % (sequence_id, start, layer_begin, layer_end,
+                                           keys.dtype)).encode("utf-8", "surrogatepass"))
+    h.update(keys.data)
+    h.update(values.data)
+    return "p" + h.hexdigest()
 
 
 @dataclass
@@ -155,14 +171,6 @@ def chunk_requests(chunks, start, build, state):
             return
         position += int(request.keys.shape[1])
         yield request
-
-
-def append_landed(state, start, tokens, layer_begin, layer_end) -> bool:
-    """Whether a sequence's state shows an append of `tokens` tokens at `start`
-    over [layer_begin, layer_end) as stored (every layer long enough)."""
-    end = layer_end or len(state.layer_tokens)
-    return end <= len(state.layer_tokens) and all(
-        state.layer_tokens[l] >= start + tokens for l in range(layer_begin, end))
 
 
 def attend_request(cache, items, scale, return_lse, output_dtype, sink_logits, item_type):
@@ -207,7 +215,9 @@ def append_attend_request(cache, layer, items: Sequence, scale=0.0, return_lse=F
             raise InvalidArgument("item %d: %d query tokens for %d new tokens, want one "
                                   "query per new token" % (index, q.shape[0], k.shape[0]))
         request.items.add(sequence_id=item.sequence_id, start_position=item.start_position,
-                          keys=k, values=v, queries=q, do_not_create=item.do_not_create)
+                          keys=k, values=v, queries=q, do_not_create=item.do_not_create,
+                          request_id=content_request_id(item.sequence_id, item.start_position,
+                                                        layer, layer + 1, k, v))
     return request, request.items[0].sequence_id
 
 

@@ -108,18 +108,11 @@ class AsyncClient:
                      cache: Optional[str] = None) -> AppendResult:
         request = _messages.append_request(self._cache(cache), sequence_id, keys, values, start,
                                            layer_begin, layer_end, create, wire_dtype)
-        response, attempts, error = await self._call(self._stub.Append, request, sequence_id)
+        response, _, error = await self._call(self._stub.Append, request, sequence_id)
         if error is None:
             return AppendResult(SequenceInfo.from_proto(response.sequence),
-                                response.stored_bytes, response.stored_bytes_bf16)
-        if isinstance(error, FailedPrecondition) and attempts > 1:
-            try:
-                state = await self.get_sequence(sequence_id, cache=cache)
-            except TqkvError:
-                raise error
-            if _messages.append_landed(state, start, int(request.keys.shape[1]), layer_begin,
-                                       layer_end):
-                return AppendResult(state, 0, 0)
+                                response.stored_bytes, response.stored_bytes_bf16,
+                                response.already_stored)
         raise error
 
     async def append_stream(self, sequence_id: str, chunks: Iterable, *, start: int = 0,

@@ -4,14 +4,13 @@ Mirrors the C++ client (client/cpp/tqkv_client.h):
 
 Retries. A call that fails with UNAVAILABLE is retried with exponential
 backoff and +-20% jitter, up to `max_attempts` tries. That is safe for every
-rpc: reads change nothing; Append carries its start position, so an append
-that landed before the connection broke is refused on retry with
-FAILED_PRECONDITION, and the client then reads the sequence and reports
-success when every layer of the range holds at least start + tokens tokens
-(stored_bytes are then 0: the first attempt's bytes are unknown);
+rpc: reads change nothing; every Append (and AppendAttend item) carries an
+idempotency key derived from its content (sequence, position, layers, K/V),
+so an append that landed before the connection broke is answered
+already_stored on retry (stored_bytes 0), and another writer's append at the
+same position is not mistaken for it (that one is FAILED_PRECONDITION);
 CreateSequence / ForkSequence answered ALREADY_EXISTS, and DropSequence
-answered NOT_FOUND, on a retry count as success. AppendAttend is retried
-too: an item whose append had landed is answered already_stored. append_stream
+answered NOT_FOUND, on a retry count as success. append_stream
 is not retried: resend the missing tail with append, from get_sequence's
 lengths. A decode stream reopens itself on UNAVAILABLE and resends what was
 not answered (tqkv/_stream.py).
@@ -78,8 +77,9 @@ class SequenceInfo:
 @dataclass
 class AppendResult:
     sequence: SequenceInfo
-    stored_bytes: int       # compressed bytes this call stored (0 after a retried landing)
+    stored_bytes: int       # compressed bytes this call stored (0 when already_stored)
     stored_bytes_bf16: int  # the same tokens in bf16
+    already_stored: bool = False  # this append had landed (a retry or a resend): stored once
 
 
 @dataclass
@@ -196,19 +196,11 @@ class Client:
         create=False. All-or-nothing."""
         request = self._append_request(sequence_id, keys, values, start, layer_begin,
                                        layer_end, create, wire_dtype, cache)
-        response, attempts, error = self._call(self._stub.Append, request, sequence_id)
+        response, _, error = self._call(self._stub.Append, request, sequence_id)
         if error is None:
             return AppendResult(SequenceInfo.from_proto(response.sequence),
-                                response.stored_bytes, response.stored_bytes_bf16)
-        if isinstance(error, FailedPrecondition) and attempts > 1:
-            # An earlier attempt may have landed before its answer was lost.
-            try:
-                state = self.get_sequence(sequence_id, cache=cache)
-            except TqkvError:
-                raise error
-            if _messages.append_landed(state, start, int(request.keys.shape[1]), layer_begin,
-                                       layer_end):
-                return AppendResult(state, 0, 0)
+                                response.stored_bytes, response.stored_bytes_bf16,
+                                response.already_stored)
         raise error
 
     def append_stream(self, sequence_id: str, chunks: Iterable, *, start: int = 0,
