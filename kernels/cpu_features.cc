@@ -6,8 +6,21 @@
 #include <cstdlib>
 #include <string>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace tqkv {
 namespace {
+
+#if defined(__x86_64__) || defined(__i386__)
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does
+// not know "f16c". The AVX2 check below already covers the OS state (XCR0).
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+}
+#endif
 
 SimdLevel Detect() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -18,8 +31,7 @@ SimdLevel Detect() {
       __builtin_cpu_supports("avx512vl")) {
     return SimdLevel::kAvx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c()) {
     return SimdLevel::kAvx2;
   }
 #endif

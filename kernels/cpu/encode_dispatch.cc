@@ -19,14 +19,14 @@ constexpr EncodeKernels kAvx2{"avx2",           AllFiniteWithinAvx2, ScaleAvx2, 
 
 const EncodeKernels* ActiveEncodeKernels() {
   static const bool bmi2 = __builtin_cpu_supports("bmi2");
-  static const bool f16c = __builtin_cpu_supports("f16c");
   if (!bmi2) return nullptr;
-  // ActiveSimdLevel() never exceeds what the CPU has (cpu_features.h).
+  // ActiveSimdLevel() never exceeds what the CPU has (cpu_features.h); kAvx2
+  // includes FMA and F16C.
   switch (ActiveSimdLevel()) {
     case SimdLevel::kAvx512:
       return &kAvx512;
     case SimdLevel::kAvx2:
-      return f16c ? &kAvx2 : nullptr;
+      return &kAvx2;
     default:
       return nullptr;
   }

@@ -31,7 +31,7 @@ struct EncodeKernels {
 };
 
 // The widest set that ActiveSimdLevel() allows and the CPU runs (both need
-// BMI2, for bit packing; AVX2 also F16C), or nullptr: the portable code.
+// BMI2, for bit packing), or nullptr: the portable code.
 const EncodeKernels* ActiveEncodeKernels();
 
 // All n floats finite and |x[i]| <= limit (limit = +inf: finite only).
