@@ -7,9 +7,10 @@
 #
 #   scripts/fuzz.sh [RUNS]       # default 1000000 executions; 0: until stopped
 #
-# Needs clang and its runtime (Debian: clang, libclang-rt-14-dev). New inputs
-# go to build-fuzz/corpus (the repo's tests/fuzz/corpus stays the seed set);
-# a crash writes build-fuzz/crash-* and exits non-zero.
+# Needs clang and its runtime (Debian: clang, libclang-rt-14-dev). The seeds
+# are generated into build-fuzz/seeds (request_fuzz_driver --write-seeds); new
+# inputs go to build-fuzz/corpus; a crash writes build-fuzz/crash-* and exits
+# non-zero.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,9 +27,10 @@ if [ ! -f "$dir/build.ninja" ]; then
     -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags" \
     -DTQKV_CUDA=OFF -DTQKV_BUILD_BENCHMARKS=OFF -DTQKV_LIBFUZZER=ON >/dev/null
 fi
-cmake --build "$dir" --target request_fuzzer -j "$(nproc)"
+cmake --build "$dir" --target request_fuzzer request_fuzz_driver -j "$(nproc)"
 mkdir -p "$dir/corpus"
 cd "$dir"
 # Leaks are not findings here: the harness keeps one service for the run.
-ASAN_OPTIONS=detect_leaks=0 exec ./bin/request_fuzzer -runs="$runs" -max_len=8192 -print_final_stats=1 \
-  corpus ../tests/fuzz/corpus
+export ASAN_OPTIONS=detect_leaks=0
+./bin/request_fuzz_driver --write-seeds seeds >&2
+exec ./bin/request_fuzzer -runs="$runs" -max_len=8192 -print_final_stats=1 corpus seeds

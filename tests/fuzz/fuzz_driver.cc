@@ -3,7 +3,10 @@
 //
 //   request_fuzz_driver [--seconds S] [--seed N] CORPUS_DIR...   replay, then mutate for S s
 //   request_fuzz_driver --write-seeds DIR                        write the seed corpus
+//   request_fuzz_driver --write-config FILE                      the caches' server config
 //
+// The seeds are generated, not kept in git: valid requests of every method
+// for the harness's caches.
 // After replaying every corpus file it runs seeded random mutations of them
 // (bit flips, random bytes, inserted, deleted and repeated runs, splices
 // with another entry, another method byte) until S seconds have passed, and
@@ -191,6 +194,10 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--write-seeds" && i + 1 < argc) return WriteSeeds(argv[++i]);
+    if (arg == "--write-config" && i + 1 < argc) {
+      std::ofstream(argv[++i]) << tqkv::fuzz::HarnessConfig();
+      return 0;
+    }
     if (arg == "--seconds" && i + 1 < argc) {
       seconds = std::atof(argv[++i]);
     } else if (arg == "--seed" && i + 1 < argc) {
@@ -202,7 +209,7 @@ int main(int argc, char** argv) {
     }
   }
   if (corpus.empty()) {
-    fprintf(stderr, "usage: request_fuzz_driver [--seconds S] [--seed N] CORPUS_DIR... | --write-seeds DIR\n");
+    fprintf(stderr, "usage: request_fuzz_driver [--seconds S] [--seed N] CORPUS_DIR... | --write-seeds DIR | --write-config FILE\n");
     return 2;
   }
   int64_t runs = 0;

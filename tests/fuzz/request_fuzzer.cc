@@ -7,8 +7,8 @@
 //
 // Built two ways (tests/fuzz/CMakeLists.txt): with clang's libFuzzer
 // (scripts/fuzz.sh: coverage-guided, ASan + UBSan), and with any compiler as
-// a plain program (fuzz_driver.cc) that replays the corpus and runs seeded
-// random mutations of it for a bounded time (the CTest entry).
+// a plain program (fuzz_driver.cc) that writes the seed corpus, replays it
+// and runs seeded random mutations of it for a bounded time (the CTest entry).
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -80,6 +80,8 @@ void Run(const std::string& bytes, Do do_call) {
 }
 
 }  // namespace
+
+const char* HarnessConfig() { return kConfig; }
 
 int RunOneInput(const uint8_t* data, size_t size) {
   static Harness* const h = new Harness();

@@ -21,6 +21,11 @@ enum Method : uint8_t {
   kMethods,
 };
 
+// The server config (text-format tqkv.v1.ServerConfig) of the caches the
+// target runs against; the seed corpus is made for them, and the gRPC-level
+// fuzz test starts a server with it.
+const char* HarnessConfig();
+
 // Runs one input; never fails (a crash, a sanitizer report or a hang is the
 // finding). Returns 0.
 int RunOneInput(const uint8_t* data, size_t size);

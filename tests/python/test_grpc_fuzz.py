@@ -1,34 +1,24 @@
-"""gRPC-level fuzz and soak, bounded: the request fuzzer's seed corpus
-(tests/fuzz/corpus: a method byte, then a valid request for the caches below),
-mutated and sent as raw bytes through real gRPC to a real tqkv-server for a
-few seconds, unary calls and streams. Every call must end with a precise
-status (never UNKNOWN, INTERNAL, UNIMPLEMENTED or a hang), and the server
-must still serve valid calls afterwards. scripts/fuzz.sh is the long,
-coverage-guided run below gRPC."""
+"""gRPC-level fuzz and soak, bounded: the request fuzzer's seed corpus (a
+method byte, then a valid request; written by request_fuzz_driver
+--write-seeds, next to the server binary), mutated and sent as raw bytes
+through real gRPC to a real tqkv-server started with the fuzzer's own cache
+config (--write-config), for a few seconds, unary calls and streams. Every
+call must end with a precise status (never UNKNOWN, INTERNAL, UNIMPLEMENTED
+or a hang), and the server must still serve valid calls afterwards.
+scripts/fuzz.sh is the long, coverage-guided run below gRPC."""
 import collections
 import os
+import pathlib
 import random
+import subprocess
 import time
 
 import grpc
 
 from tqkv.testing import LocalServer
 
-from conftest import ROOT, server_binary
+from conftest import server_binary
 
-# The same caches as tests/fuzz/request_fuzzer.cc (the corpus is made for them).
-CONFIG = """
-caches {
-  name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 32
-  page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 1 memory_budget_bytes: 262144
-  rope { base: 10000 }
-}
-caches {
-  name: "plain" num_layers: 2 num_kv_heads: 1 num_query_heads: 2 head_dim: 16
-  page_tokens: 8 preset: "fp16" memory_budget_bytes: 65536
-  sliding_window_layers { layers: [1] window: 8 }
-}
-"""
 # tests/fuzz/request_fuzzer.h's method order.
 METHODS = ["Append", "ScoreQuery", "Attend", "AppendAttend", "CreateSequence",
            "ForkSequence", "DropSequence", "GetSequence"]
@@ -37,9 +27,14 @@ NOT_PRECISE = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCod
 SECONDS = float(os.environ.get("TQKV_GRPC_FUZZ_SECONDS", "8"))
 
 
-def corpus():
-    files = sorted((ROOT / "tests" / "fuzz" / "corpus").iterdir())
-    return [f.read_bytes() for f in files if f.is_file()]
+def seeds_and_config(directory):
+    """The seed corpus and the caches' config, from the fuzz driver built next
+    to the server."""
+    driver = pathlib.Path(server_binary()).parent / "request_fuzz_driver"
+    seeds, config = directory / "seeds", directory / "config.txt"
+    subprocess.run([str(driver), "--write-seeds", str(seeds)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([str(driver), "--write-config", str(config)], check=True)
+    return [f.read_bytes() for f in sorted(seeds.iterdir())], config.read_text()
 
 
 def mutate(seeds, rng):
@@ -65,12 +60,12 @@ def mutate(seeds, rng):
     return bytes(x)
 
 
-def test_mutated_requests_over_grpc_get_precise_statuses_and_leave_the_server_serving():
-    seeds = corpus()
+def test_mutated_requests_over_grpc_get_precise_statuses_and_leave_the_server_serving(tmp_path):
+    seeds, config = seeds_and_config(tmp_path)
     assert len(seeds) >= 16
     rng = random.Random(7)
     raw = lambda b: b  # noqa: E731
-    with LocalServer(server_binary(), CONFIG) as server:
+    with LocalServer(server_binary(), config) as server:
         channel = grpc.insecure_channel(server.target)
         unary = {m: channel.unary_unary("/tqkv.v1.KvCache/" + m, request_serializer=raw,
                                         response_deserializer=raw) for m in METHODS}
