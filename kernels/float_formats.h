@@ -106,6 +106,41 @@ TQKV_HOST_DEVICE float Fp8E4m3ToFloat(uint8_t code) {
 // Decoded value of every fp8 E4M3 code, for table-driven decoding.
 const float* Fp8E4m3Table();
 
+// Bulk conversions between floats and little-endian 16-bit bytes (the wire
+// form of f16 / bf16 tensors), element by element as FloatToHalf /
+// FloatToBf16 / HalfToFloat / Bf16ToFloat; one loop per format, which the
+// compiler vectorizes. `bf16` picks bfloat16, else IEEE half.
+// Inline: the clients use them without linking the codec library.
+inline void FloatsToHalfBytes(const float* x, size_t n, bool bf16, char* out) {
+  if (bf16) {
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t v = FloatToBf16(x[i]);
+      memcpy(out + 2 * i, &v, 2);
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const uint16_t v = FloatToHalf(x[i]);
+      memcpy(out + 2 * i, &v, 2);
+    }
+  }
+}
+
+inline void HalfBytesToFloats(const char* bytes, size_t n, bool bf16, float* out) {
+  if (bf16) {
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t v;
+      memcpy(&v, bytes + 2 * i, 2);
+      out[i] = Bf16ToFloat(v);
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      uint16_t v;
+      memcpy(&v, bytes + 2 * i, 2);
+      out[i] = HalfToFloat(v);
+    }
+  }
+}
+
 // Largest finite fp16 value.
 inline constexpr float kHalfMax = 65504.0f;
 

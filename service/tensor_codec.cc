@@ -113,19 +113,7 @@ absl::Status CheckTensor(const v1::Tensor& tensor, std::string_view name,
 
 // Widens f16 / bf16 elements to float32.
 void WidenHalves(const char* src, v1::DType dtype, int64_t count, float* dst) {
-  if (dtype == v1::DTYPE_F16) {
-    for (int64_t i = 0; i < count; ++i) {
-      uint16_t h;
-      std::memcpy(&h, src + 2 * i, 2);
-      dst[i] = HalfToFloat(h);
-    }
-  } else {
-    for (int64_t i = 0; i < count; ++i) {
-      uint16_t b;
-      std::memcpy(&b, src + 2 * i, 2);
-      dst[i] = Bf16ToFloat(b);
-    }
-  }
+  HalfBytesToFloats(src, static_cast<size_t>(count), dtype == v1::DTYPE_BF16, dst);
 }
 
 // INVALID_ARGUMENT naming the first NaN/Inf element, if any.
@@ -210,16 +198,8 @@ absl::Status EncodeTensor(absl::Span<const float> data, absl::Span<const int64_t
   char* dst = bytes->data();
   if (dtype == v1::DTYPE_F32) {
     if (!data.empty()) std::memcpy(dst, data.data(), data.size() * sizeof(float));
-  } else if (dtype == v1::DTYPE_F16) {
-    for (size_t i = 0; i < data.size(); ++i) {
-      const uint16_t v = FloatToHalf(data[i]);
-      std::memcpy(dst + 2 * i, &v, 2);
-    }
   } else {
-    for (size_t i = 0; i < data.size(); ++i) {
-      const uint16_t v = FloatToBf16(data[i]);
-      std::memcpy(dst + 2 * i, &v, 2);
-    }
+    FloatsToHalfBytes(data.data(), data.size(), dtype == v1::DTYPE_BF16, dst);
   }
   return absl::OkStatus();
 }

@@ -46,18 +46,7 @@ void Encode(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::D
   }
   bytes->resize(data.size() * 2);
   char* dst = bytes->data();
-  // One loop per format, so that the compiler vectorizes each.
-  if (dtype == v1::DTYPE_F16) {
-    for (size_t i = 0; i < data.size(); ++i) {
-      const uint16_t v = FloatToHalf(data[i]);
-      std::memcpy(dst + 2 * i, &v, 2);
-    }
-  } else {
-    for (size_t i = 0; i < data.size(); ++i) {
-      const uint16_t v = FloatToBf16(data[i]);
-      std::memcpy(dst + 2 * i, &v, 2);
-    }
-  }
+  FloatsToHalfBytes(data.data(), data.size(), dtype == v1::DTYPE_BF16, dst);
 }
 
 // Server responses are trusted to be consistent, but a short buffer must not
@@ -78,19 +67,7 @@ absl::StatusOr<std::vector<float>> Decode(const v1::Tensor& t) {
     if (n > 0) std::memcpy(out.data(), src, static_cast<size_t>(n) * 4);
     return out;
   }
-  if (t.dtype() == v1::DTYPE_F16) {
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t v;
-      std::memcpy(&v, src + 2 * i, 2);
-      out[i] = HalfToFloat(v);
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      uint16_t v;
-      std::memcpy(&v, src + 2 * i, 2);
-      out[i] = Bf16ToFloat(v);
-    }
-  }
+  HalfBytesToFloats(src, static_cast<size_t>(n), t.dtype() == v1::DTYPE_BF16, out.data());
   return out;
 }
 

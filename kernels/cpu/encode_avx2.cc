@@ -145,34 +145,25 @@ void ScaleAvx2(const float* x, int n, float s, float* y) {
 
 void QuantizeToLevelsAvx2(const float* boundaries, int bits, const float* y, int n, uint8_t* levels) {
   const int num_boundaries = (1 << bits) - 1;
+  float table[16];
+  for (int k = 0; k < 16; ++k) table[k] = k < num_boundaries ? boundaries[k] : 0.0f;
+  const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8);
+  // boundaries[idx]: from registers up to 4 bits, else a gather.
+  const auto boundary = [&](__m256i idx) {
+    if (bits <= 3) return _mm256_permutevar8x32_ps(low, idx);
+    if (bits == 4) return Lookup16(low, high, idx);
+    return _mm256_i32gather_ps(boundaries, idx, 4);
+  };
   int i = 0;
-  if (bits <= 4) {
-    float table[16];
-    for (int k = 0; k < 16; ++k) table[k] = k < num_boundaries ? boundaries[k] : 0.0f;
-    const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(y + i);
-      __m256i lo = _mm256_setzero_si256();
-      for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
-        const __m256i idx = _mm256_add_epi32(lo, _mm256_set1_epi32(step - 1));
-        const __m256 b = bits <= 3 ? _mm256_permutevar8x32_ps(low, idx) : Lookup16(low, high, idx);
-        const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(v, b, _CMP_GT_OQ));
-        lo = _mm256_add_epi32(lo, _mm256_and_si256(gt, _mm256_set1_epi32(step)));
-      }
-      StoreLowBytes8(levels + i, lo);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(y + i);
+    __m256i lo = _mm256_setzero_si256();
+    for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
+      const __m256i idx = _mm256_add_epi32(lo, _mm256_set1_epi32(step - 1));
+      const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(v, boundary(idx), _CMP_GT_OQ));
+      lo = _mm256_add_epi32(lo, _mm256_and_si256(gt, _mm256_set1_epi32(step)));
     }
-  } else {
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(y + i);
-      __m256i lo = _mm256_setzero_si256();
-      for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
-        const __m256i idx = _mm256_add_epi32(lo, _mm256_set1_epi32(step - 1));
-        const __m256 b = _mm256_i32gather_ps(boundaries, idx, 4);
-        const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(v, b, _CMP_GT_OQ));
-        lo = _mm256_add_epi32(lo, _mm256_and_si256(gt, _mm256_set1_epi32(step)));
-      }
-      StoreLowBytes8(levels + i, lo);
-    }
+    StoreLowBytes8(levels + i, lo);
   }
   for (; i < n; ++i) levels[i] = static_cast<uint8_t>(LevelOf(boundaries, num_boundaries, y[i]));
 }
