@@ -143,6 +143,12 @@ struct Sequence {
   bool pending = false;
   // Attend / Score calls in flight; a sequence with readers is not idle.
   int readers = 0;
+  // The account it is charged to (null: none), and what is charged there
+  // now: pool pages in bytes (including pages an append in flight has
+  // reserved) and tokens.
+  std::shared_ptr<UsageAccount> account;
+  uint64_t charged_bytes = 0;
+  int64_t charged_tokens = 0;
 };
 
 // Calls f(page) for every page a sequence holds, in all its tables.
@@ -309,6 +315,11 @@ struct KvCache::State {
   // REQUIRES: !seq->writer_active.
   void DropLocked(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     ForEachPage(*seq, [&](int32_t page) { pages.Release(page); });
+    if (seq->account != nullptr) {
+      seq->account->AdjustBytes(-static_cast<int64_t>(seq->charged_bytes));
+      seq->account->AddTokens(-seq->charged_tokens);
+      seq->account->RemoveSequence();
+    }
     --num_sequences;
     tokens -= seq->max_tokens;
     stored_bytes -= seq->stored_bytes;
@@ -384,6 +395,18 @@ struct KvCache::State {
     if (free_pages >= need) return true;
     victims->clear();
     return false;
+  }
+
+  // Brings what `seq` is charged to its account to what it holds now.
+  void Recharge(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (seq->account == nullptr) return;
+    int64_t held = 0;
+    ForEachPage(*seq, [&](int32_t) { ++held; });
+    const uint64_t bytes = static_cast<uint64_t>(held) * layout->page_bytes();
+    seq->account->AdjustBytes(static_cast<int64_t>(bytes) - static_cast<int64_t>(seq->charged_bytes));
+    seq->account->AddTokens(seq->max_tokens - seq->charged_tokens);
+    seq->charged_bytes = bytes;
+    seq->charged_tokens = seq->max_tokens;
   }
 
   // The oldest token any layer of `chunk` still holds or will write.
@@ -506,7 +529,7 @@ KvCache::KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> la
 
 KvCache::~KvCache() { backend_->FreePool(pool_); }
 
-absl::Status KvCache::CreateSequence(const std::string& id) {
+absl::Status KvCache::CreateSequence(const std::string& id, std::shared_ptr<UsageAccount> account) {
   if (id.empty()) return absl::InvalidArgumentError("sequence id is empty; want a non-empty id");
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
@@ -516,7 +539,8 @@ absl::Status KvCache::CreateSequence(const std::string& id) {
     return absl::AlreadyExistsError(
         absl::StrFormat("sequence '%s' already exists in cache '%s'", id, s.name));
   }
-  s.AddSequence(id, /*pending=*/false, s.clock());
+  if (account != nullptr) RETURN_IF_ERROR(account->TryAddSequence());
+  s.AddSequence(id, /*pending=*/false, s.clock())->account = std::move(account);
   return absl::OkStatus();
 }
 
@@ -590,6 +614,7 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
   // Key means of the layers in range: taken from the sequence, or (first
   // append, start 0) estimated from this append's keys below.
   std::vector<std::shared_ptr<const std::vector<float>>> means(layers);
+  uint64_t reserved = 0;  // bytes charged to the account for fresh pages
   {
     absl::MutexLock lock(&s.mu);
     // Appends to one sequence are serialized; the winner's result decides
@@ -653,11 +678,30 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
       need += main_plans[chunk].pages_needed() + exact_plans[chunk].pages_needed();
     }
 
+    // The account's limits before the pool's: a sequence at its quota
+    // evicts nobody. Copies replace pages the sequence holds already.
+    UsageAccount* const account = seq != nullptr ? seq->account.get() : request.account.get();
+    int64_t fresh = 0;
+    for (int chunk : chunks) fresh += main_plans[chunk].fresh.size() + exact_plans[chunk].fresh.size();
+    reserved = static_cast<uint64_t>(fresh) * layout.page_bytes();
+    if (account != nullptr) {
+      if (seq == nullptr) RETURN_IF_ERROR(account->TryAddSequence());
+      if (absl::Status charged = account->TryChargeBytes(reserved, "this append"); !charged.ok()) {
+        if (seq == nullptr) account->RemoveSequence();
+        return charged;
+      }
+    }
+    const auto unreserve = [&] {
+      if (account == nullptr) return;
+      account->AdjustBytes(-static_cast<int64_t>(reserved));
+      if (seq == nullptr) account->RemoveSequence();
+    };
     if (need > s.pages.num_free()) {
       const int32_t free_before = s.pages.num_free();
       std::vector<Sequence*> victims;
       int32_t reachable = free_before;
       if (!s.evict_lru || !s.PlanLruEviction(need, id, &victims, &reachable)) {
+        unreserve();
         return absl::ResourceExhaustedError(absl::StrFormat(
             "cache '%s' is full: need %d pages, %d free of %d%s", s.name, need, free_before,
             s.pages.num_pages(),
@@ -684,7 +728,11 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
       }
     }
 
-    if (seq == nullptr) seq = s.AddSequence(id, /*pending=*/true, now);
+    if (seq == nullptr) {
+      seq = s.AddSequence(id, /*pending=*/true, now);
+      seq->account = request.account;
+    }
+    seq->charged_bytes += reserved;
     seq->writer_active = true;
     const int exact_tokens = layout.exact_page_tokens();
     for (int chunk : chunks) {
@@ -744,7 +792,10 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
   absl::MutexLock lock(&s.mu);
   if (!status.ok()) {
     for (int32_t page : allocated) s.pages.Release(page);
+    if (seq->account != nullptr) seq->account->AdjustBytes(-static_cast<int64_t>(reserved));
+    seq->charged_bytes -= reserved;
     if (seq->pending) {
+      if (seq->account != nullptr) seq->account->RemoveSequence();
       s.sequences.erase(id);
     } else {
       seq->writer_active = false;
@@ -778,6 +829,7 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
   seq->stored_bytes_bf16 = bytes_bf16;
   seq->max_tokens = std::max(old_max, start + n);
   s.tokens += seq->max_tokens - old_max;
+  s.Recharge(seq);
   if (seq->pending) {
     seq->pending = false;
     ++s.num_sequences;
@@ -854,7 +906,8 @@ absl::Status KvCache::StoreExact(const StoreParams& stored, int64_t start,
   return backend_->Store(params);
 }
 
-absl::Status KvCache::Fork(const std::string& parent_id, const std::string& child_id) {
+absl::Status KvCache::Fork(const std::string& parent_id, const std::string& child_id,
+                           std::shared_ptr<UsageAccount> child_account) {
   if (child_id.empty()) {
     return absl::InvalidArgumentError("child sequence id is empty; want a non-empty id");
   }
@@ -872,8 +925,22 @@ absl::Status KvCache::Fork(const std::string& parent_id, const std::string& chil
     return absl::AlreadyExistsError(
         absl::StrFormat("child sequence '%s' already exists in cache '%s'", child_id, s.name));
   }
+  int64_t shared_pages = 0;
+  ForEachPage(*parent, [&](int32_t) { ++shared_pages; });
+  const uint64_t charged = static_cast<uint64_t>(shared_pages) * layout_->page_bytes();
+  if (child_account != nullptr) {
+    RETURN_IF_ERROR(child_account->TryAddSequence());
+    if (absl::Status fits = child_account->TryChargeBytes(charged, "this fork"); !fits.ok()) {
+      child_account->RemoveSequence();
+      return fits;
+    }
+    child_account->AddTokens(parent->max_tokens);
+  }
   const absl::Time now = s.clock();
   Sequence* child = s.AddSequence(child_id, /*pending=*/false, now);
+  child->account = std::move(child_account);
+  child->charged_bytes = child->account != nullptr ? charged : 0;
+  child->charged_tokens = child->account != nullptr ? parent->max_tokens : 0;
   child->layer_tokens = parent->layer_tokens;
   child->held_begin = parent->held_begin;
   child->max_tokens = parent->max_tokens;

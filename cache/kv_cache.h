@@ -55,6 +55,12 @@
 // are dropped by EvictExpired() (the service calls it periodically) and before
 // any allocation.
 //
+// Accounts. A sequence may be charged to a UsageAccount (usage_account.h:
+// the server's tenants): its pages, itself and its tokens count there from
+// creation to drop or eviction, and an append, fork or create past the
+// account's limits is RESOURCE_EXHAUSTED before anything is allocated or
+// evicted (an account at its limit does not evict others' sequences).
+//
 // Details the tests pin down: copy-on-write copies every shared page an append
 // writes into (with per-layer lengths a page can be full in one layer and open
 // in another); Drop, Fork and CreateSequence on an id wait for an append in
@@ -84,6 +90,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "cache/usage_account.h"
 #include "kernels/backend.h"
 #include "kernels/kv_layout.h"
 
@@ -152,6 +159,11 @@ struct AppendRequest {
   // with anything else INVALID_ARGUMENT. A key the sequence does not
   // remember is an ordinary append (a retry whose first try failed).
   std::string request_id;
+  // The account (usage_account.h) a sequence this append creates is charged
+  // to, from then until it is dropped; null: none. An existing sequence
+  // keeps the account it was created with. An append past its sequence's
+  // account limits is RESOURCE_EXHAUSTED and changes nothing.
+  std::shared_ptr<UsageAccount> account;
 };
 
 inline constexpr int kRememberedAppends = 64;
@@ -183,8 +195,10 @@ class KvCache {
   const KvLayout& layout() const { return *layout_; }
   const CacheOptions& options() const { return options_; }
 
-  // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id.
-  absl::Status CreateSequence(const std::string& id);
+  // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for an empty id;
+  // RESOURCE_EXHAUSTED past `account`'s max_sequences. The sequence is
+  // charged to `account` (null: none).
+  absl::Status CreateSequence(const std::string& id, std::shared_ptr<UsageAccount> account = nullptr);
 
   // Errors: NOT_FOUND (unknown sequence and !create_if_missing),
   // INVALID_ARGUMENT (empty layer range or one beyond the layout, no tokens,
@@ -194,8 +208,11 @@ class KvCache {
   absl::Status Append(const AppendRequest& request, AppendOutcome* outcome = nullptr);
 
   // The child gets the parent's tokens, sharing its pages. NOT_FOUND for the
-  // parent, ALREADY_EXISTS for the child.
-  absl::Status Fork(const std::string& parent_id, const std::string& child_id);
+  // parent, ALREADY_EXISTS for the child. The child is charged to
+  // `child_account` (null: none) for every page it shares: RESOURCE_EXHAUSTED
+  // when they do not fit its limits.
+  absl::Status Fork(const std::string& parent_id, const std::string& child_id,
+                    std::shared_ptr<UsageAccount> child_account = nullptr);
 
   // NOT_FOUND if unknown.
   absl::Status Drop(const std::string& id);

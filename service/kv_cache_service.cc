@@ -167,14 +167,15 @@ absl::Status SerializeMessage(const Message& message, grpc::ByteBuffer* out) {
 // A long prefill in chunks: every chunk is one Append, stored as it arrives.
 class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  // `auth`: the call's authentication; when not OK the stream ends with it
-  // before any chunk is read.
-  AppendStreamReactor(KvCacheService* service, grpc::ByteBuffer* response, const absl::Status& auth)
+  // `caller`: the call's authentication; when not OK the stream ends with
+  // it before any chunk is read.
+  AppendStreamReactor(KvCacheService* service, grpc::ByteBuffer* response, const absl::StatusOr<Caller>& caller)
       : service_(service), out_(response), start_(Clock::now()) {
-    if (!auth.ok()) {
-      Finish(ToGrpcStatus(auth));
+    if (!caller.ok()) {
+      Finish(ToGrpcStatus(caller.status()));
       return;
     }
+    caller_ = *caller;
     StartRead(&buffer_);
   }
 
@@ -220,7 +221,7 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     v1::AppendResponse chunk;
     const absl::Status status =
-        RunGuarded([this, &chunk] { return service_->DoAppend(request_, &chunk); });
+        RunGuarded([this, &chunk] { return service_->DoAppend(caller_, request_, &chunk); });
     if (!status.ok()) {
       Finish(ToGrpcStatus(
           absl::Status(status.code(), absl::StrCat("chunk ", chunks_, ": ", status.message()))));
@@ -238,11 +239,13 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void Finish(grpc::Status status) {
+    if (caller_.tenant != nullptr) caller_.tenant->CountCall(status.error_code());
     grpc::ServerReadReactor<grpc::ByteBuffer>::Finish(
         Record(service_->metrics(), Rpc::kAppendStream, start_, std::move(status)));
   }
 
   KvCacheService* const service_;
+  Caller caller_;
   grpc::ByteBuffer* const out_;
   grpc::ByteBuffer buffer_;  // the read buffer; StoreChunk parses it
   v1::AppendRequest request_;
@@ -264,12 +267,13 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
  public:
   static constexpr size_t kMaxQueuedResponses = 4;
 
-  DecodeStreamReactor(KvCacheService* service, const absl::Status& auth) : service_(service) {
-    if (!auth.ok()) {
+  DecodeStreamReactor(KvCacheService* service, const absl::StatusOr<Caller>& caller) : service_(service) {
+    if (!caller.ok()) {
       finished_ = true;
-      Finish(ToGrpcStatus(auth));
+      Finish(ToGrpcStatus(caller.status()));
       return;
     }
+    caller_ = *caller;
     reading_ = true;
     StartRead(&buffer_);
   }
@@ -341,7 +345,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     v1::DecodeStreamResponse response;
     response.set_request_id(request_.request_id());
     const absl::Status status = RunGuarded(
-        [this, &response] { return service_->DoAppendAttend(request_.step(), response.mutable_step()); });
+        [this, &response] { return service_->DoAppendAttend(caller_, request_.step(), response.mutable_step()); });
     if (!status.ok()) {
       response.clear_step();
       response.set_code(static_cast<int>(status.code()));
@@ -351,6 +355,9 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void Deliver(v1::DecodeStreamResponse response, Clock::time_point start) {
+    if (caller_.tenant != nullptr) {
+      caller_.tenant->CountCall(static_cast<grpc::StatusCode>(response.code()));
+    }
     if (Metrics* metrics = service_->metrics()) {
       metrics->ObserveRpc(Rpc::kDecodeStreamStep, static_cast<grpc::StatusCode>(response.code()),
                           std::chrono::duration<double>(Clock::now() - start).count());
@@ -410,6 +417,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   KvCacheService* const service_;
+  Caller caller_;
   grpc::ByteBuffer buffer_;          // the read buffer; the step computing parses it
   v1::DecodeStreamRequest request_;  // the step computing
   int64_t messages_ = 0;             // parsed so far (only Compute touches it)
@@ -472,18 +480,25 @@ grpc::ServerUnaryReactor* KvCacheService::RunUnary(grpc::CallbackServerContext* 
                                                    size_t request_bytes, Work work) {
   const Clock::time_point start = Clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = auth_.Check(*context);
-  if (!status.ok() || executor_ == nullptr) {
-    if (status.ok()) status = RunGuarded(work);
-    reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(status)));
+  const absl::StatusOr<Caller> caller = auth_.Authenticate(*context);
+  if (!caller.ok()) {
+    reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(caller.status())));
     return reactor;
   }
   Metrics* metrics = metrics_;
-  status = executor_->Submit(request_bytes, [reactor, metrics, rpc, start, work]() {
-    const absl::Status done = RunGuarded(work);
-    reactor->Finish(Record(metrics, rpc, start, ToGrpcStatus(done)));
-  });
-  if (!status.ok()) reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(status)));
+  // Every call a tenant's token made is counted for it, by status code.
+  const auto finish = [reactor, metrics, rpc, start, tenant = caller->tenant](const absl::Status& status) {
+    grpc::Status done = ToGrpcStatus(status);
+    if (tenant != nullptr) tenant->CountCall(done.error_code());
+    reactor->Finish(Record(metrics, rpc, start, std::move(done)));
+  };
+  if (executor_ == nullptr) {
+    finish(RunGuarded([&] { return work(*caller); }));
+    return reactor;
+  }
+  const absl::Status queued = executor_->Submit(
+      request_bytes, [finish, work, who = *caller]() { finish(RunGuarded([&] { return work(who); })); });
+  if (!queued.ok()) finish(queued);
   return reactor;
 }
 
@@ -495,17 +510,18 @@ grpc::ServerUnaryReactor* KvCacheService::RunRaw(grpc::CallbackServerContext* co
     Response response;
   };
   auto call = std::make_shared<Call>();
-  return RunUnary(context, rpc, in->Length(), [call, in, out, do_work]() -> absl::Status {
+  return RunUnary(context, rpc, in->Length(), [call, in, out, do_work](const Caller& caller) -> absl::Status {
     RETURN_IF_ERROR(ParseMessage(*in, &call->request, "the request"));
-    RETURN_IF_ERROR(do_work(call->request, &call->response));
+    RETURN_IF_ERROR(do_work(caller, call->request, &call->response));
     return SerializeMessage(call->response, out);
   });
 }
 
-absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
+absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequest& request,
                                       v1::AppendResponse* response) {
-  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckId(request.sequence_id(), "sequence_id"));
+  RETURN_IF_ERROR(Authenticator::Authorize(caller, request.sequence_id(), "sequence_id"));
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckRequestId(request.request_id()));
   const KvLayout& layout = cache->layout();
   const int layers = layout.num_layers();
@@ -543,6 +559,7 @@ absl::Status KvCacheService::DoAppend(const v1::AppendRequest& request,
   append.values = values.values.data();
   append.create_if_missing = !request.do_not_create();
   append.request_id = request.request_id();
+  append.account = auth_.AccountOf(request.sequence_id());
   AppendOutcome outcome;
   RETURN_IF_ERROR(cache->Append(append, &outcome));
 
@@ -570,10 +587,11 @@ absl::Status KvCacheService::CheckResponseBytes(int64_t bytes, const char* advic
       bytes + kFraming, max_response_bytes_, advice));
 }
 
-absl::Status KvCacheService::DoScoreQuery(const v1::ScoreQueryRequest& request,
+absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQueryRequest& request,
                                           v1::ScoreQueryResponse* response) {
-  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckId(request.sequence_id(), "sequence_id"));
+  RETURN_IF_ERROR(Authenticator::Authorize(caller, request.sequence_id(), "sequence_id"));
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   const KvLayout& layout = cache->layout();
   RETURN_IF_ERROR(CheckLayer(request.layer(), layout, "layer"));
   if (request.token_begin() < 0 || request.token_end() < 0) {
@@ -641,8 +659,16 @@ absl::Status KvCacheService::DoScoreQuery(const v1::ScoreQueryRequest& request,
   return EncodeTensor(top, {heads, k}, v1::DTYPE_F32, response->mutable_logits());
 }
 
-absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
+absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequest& request,
                                       v1::AttendResponse* response) {
+  // Every item's id is authorized before anything else: a batch naming a
+  // sequence outside the caller's namespace is refused whole.
+  for (int i = 0; i < request.items_size(); ++i) {
+    const std::string& id = request.items(i).sequence_id();
+    if (absl::Status s = Authenticator::Authorize(caller, id, "sequence_id"); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
+    }
+  }
   ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckOutputDType(request.output_dtype()));
   const KvLayout& layout = cache->layout();
@@ -706,8 +732,15 @@ absl::Status KvCacheService::DoAttend(const v1::AttendRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& request,
+absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::AppendAttendRequest& request,
                                             v1::AppendAttendResponse* response) {
+  // As in Attend: one item outside the caller's namespace refuses the batch.
+  for (int i = 0; i < request.items_size(); ++i) {
+    const std::string& id = request.items(i).sequence_id();
+    if (absl::Status s = Authenticator::Authorize(caller, id, "sequence_id"); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
+    }
+  }
   ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   const KvLayout& layout = cache->layout();
   const int layer = request.layer();
@@ -786,6 +819,7 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
     append.values = item.values.values.data();
     append.create_if_missing = !in.do_not_create();
     append.request_id = in.request_id();
+    append.account = auth_.AccountOf(in.sequence_id());
     AppendOutcome outcome;
     item.status = cache->Append(append, &outcome);
     item.already_stored = outcome.already_stored;
@@ -876,37 +910,58 @@ absl::Status KvCacheService::DoAppendAttend(const v1::AppendAttendRequest& reque
   return absl::OkStatus();
 }
 
-absl::Status KvCacheService::DoCreateSequence(const v1::CreateSequenceRequest& request,
+absl::Status KvCacheService::DoCreateSequence(const Caller& caller, const v1::CreateSequenceRequest& request,
                                               v1::SequenceInfo* info) {
-  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckId(request.sequence_id(), "sequence_id"));
-  RETURN_IF_ERROR(cache->CreateSequence(request.sequence_id()));
+  RETURN_IF_ERROR(Authenticator::Authorize(caller, request.sequence_id(), "sequence_id"));
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
+  RETURN_IF_ERROR(cache->CreateSequence(request.sequence_id(), auth_.AccountOf(request.sequence_id())));
   return FillSequenceInfo(*cache, request.sequence_id(), info);
 }
 
-absl::Status KvCacheService::DoForkSequence(const v1::ForkSequenceRequest& request,
+absl::Status KvCacheService::DoForkSequence(const Caller& caller, const v1::ForkSequenceRequest& request,
                                             v1::SequenceInfo* info) {
-  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckId(request.parent_id(), "parent_id"));
   RETURN_IF_ERROR(CheckId(request.child_id(), "child_id"));
-  RETURN_IF_ERROR(cache->Fork(request.parent_id(), request.child_id()));
+  RETURN_IF_ERROR(Authenticator::Authorize(caller, request.parent_id(), "parent_id"));
+  RETURN_IF_ERROR(Authenticator::Authorize(caller, request.child_id(), "child_id"));
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
+  RETURN_IF_ERROR(cache->Fork(request.parent_id(), request.child_id(), auth_.AccountOf(request.child_id())));
   return FillSequenceInfo(*cache, request.child_id(), info);
 }
 
-absl::Status KvCacheService::DoDropSequence(const v1::DropSequenceRequest& request) {
-  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
+absl::Status KvCacheService::DoDropSequence(const Caller& caller, const v1::DropSequenceRequest& request) {
   RETURN_IF_ERROR(CheckId(request.sequence_id(), "sequence_id"));
+  RETURN_IF_ERROR(Authenticator::Authorize(caller, request.sequence_id(), "sequence_id"));
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   return cache->Drop(request.sequence_id());
 }
 
-absl::Status KvCacheService::DoGetSequence(const v1::GetSequenceRequest& request,
+absl::Status KvCacheService::DoGetSequence(const Caller& caller, const v1::GetSequenceRequest& request,
                                            v1::SequenceInfo* info) {
-  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckId(request.sequence_id(), "sequence_id"));
+  RETURN_IF_ERROR(Authenticator::Authorize(caller, request.sequence_id(), "sequence_id"));
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   return FillSequenceInfo(*cache, request.sequence_id(), info);
 }
 
-void KvCacheService::DoGetServerInfo(v1::ServerInfo* info) {
+void KvCacheService::DoGetServerInfo(const Caller& caller, v1::ServerInfo* info) {
+  const auto fill_tenant = [](const Tenant& tenant, v1::TenantInfo* out) {
+    const UsageAccount& account = *tenant.account();
+    out->set_name(tenant.name());
+    out->set_sequence_prefix(tenant.prefix());
+    out->set_max_bytes(static_cast<int64_t>(account.max_bytes()));
+    out->set_max_sequences(account.max_sequences());
+    out->set_bytes(static_cast<int64_t>(account.bytes()));
+    out->set_sequences(account.sequences());
+    out->set_tokens(account.tokens());
+    out->set_quota_refusals(static_cast<int64_t>(account.refusals()));
+  };
+  if (caller.admin()) {
+    for (const Tenant* tenant : auth_.tenants()) fill_tenant(*tenant, info->add_tenants());
+  } else {
+    fill_tenant(*caller.tenant, info->mutable_tenant());
+  }
   info->set_version(TQKV_VERSION);
   info->set_backend(backend_->name());
   info->set_device(backend_->device());
@@ -972,81 +1027,85 @@ grpc::ServerUnaryReactor* KvCacheService::Append(grpc::CallbackServerContext* co
                                                  Raw* response) {
   return RunRaw<v1::AppendRequest, v1::AppendResponse>(
       context, Rpc::kAppend, request, response,
-      [this](const v1::AppendRequest& r, v1::AppendResponse* out) { return DoAppend(r, out); });
+      [this](const Caller& c, const v1::AppendRequest& r, v1::AppendResponse* out) { return DoAppend(c, r, out); });
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::AppendStream(grpc::CallbackServerContext* context,
                                                                         Raw* response) {
-  return new AppendStreamReactor(this, response, auth_.Check(*context));
+  return new AppendStreamReactor(this, response, auth_.Authenticate(*context));
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ScoreQuery(grpc::CallbackServerContext* context, const Raw* request,
                                                      Raw* response) {
   return RunRaw<v1::ScoreQueryRequest, v1::ScoreQueryResponse>(
       context, Rpc::kScoreQuery, request, response,
-      [this](const v1::ScoreQueryRequest& r, v1::ScoreQueryResponse* out) { return DoScoreQuery(r, out); });
+      [this](const Caller& c, const v1::ScoreQueryRequest& r, v1::ScoreQueryResponse* out) { return DoScoreQuery(c, r, out); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::Attend(grpc::CallbackServerContext* context, const Raw* request,
                                                  Raw* response) {
   return RunRaw<v1::AttendRequest, v1::AttendResponse>(
       context, Rpc::kAttend, request, response,
-      [this](const v1::AttendRequest& r, v1::AttendResponse* out) { return DoAttend(r, out); });
+      [this](const Caller& c, const v1::AttendRequest& r, v1::AttendResponse* out) { return DoAttend(c, r, out); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::AppendAttend(grpc::CallbackServerContext* context, const Raw* request,
                                                        Raw* response) {
   return RunRaw<v1::AppendAttendRequest, v1::AppendAttendResponse>(
       context, Rpc::kAppendAttend, request, response,
-      [this](const v1::AppendAttendRequest& r, v1::AppendAttendResponse* out) { return DoAppendAttend(r, out); });
+      [this](const Caller& c, const v1::AppendAttendRequest& r, v1::AppendAttendResponse* out) { return DoAppendAttend(c, r, out); });
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::DecodeStream(
     grpc::CallbackServerContext* context) {
-  return new DecodeStreamReactor(this, auth_.Check(*context));
+  return new DecodeStreamReactor(this, auth_.Authenticate(*context));
 }
 
 grpc::ServerUnaryReactor* KvCacheService::CreateSequence(grpc::CallbackServerContext* context,
                                                          const Raw* request, Raw* response) {
   return RunRaw<v1::CreateSequenceRequest, v1::SequenceInfo>(
       context, Rpc::kCreateSequence, request, response,
-      [this](const v1::CreateSequenceRequest& r, v1::SequenceInfo* out) { return DoCreateSequence(r, out); });
+      [this](const Caller& c, const v1::CreateSequenceRequest& r, v1::SequenceInfo* out) { return DoCreateSequence(c, r, out); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerContext* context, const Raw* request,
                                                        Raw* response) {
   return RunRaw<v1::ForkSequenceRequest, v1::SequenceInfo>(
       context, Rpc::kForkSequence, request, response,
-      [this](const v1::ForkSequenceRequest& r, v1::SequenceInfo* out) { return DoForkSequence(r, out); });
+      [this](const Caller& c, const v1::ForkSequenceRequest& r, v1::SequenceInfo* out) { return DoForkSequence(c, r, out); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::DropSequence(grpc::CallbackServerContext* context, const Raw* request,
                                                        Raw* response) {
   return RunRaw<v1::DropSequenceRequest, v1::DropSequenceResponse>(
       context, Rpc::kDropSequence, request, response,
-      [this](const v1::DropSequenceRequest& r, v1::DropSequenceResponse*) { return DoDropSequence(r); });
+      [this](const Caller& c, const v1::DropSequenceRequest& r, v1::DropSequenceResponse*) { return DoDropSequence(c, r); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* context, const Raw* request,
                                                       Raw* response) {
   return RunRaw<v1::GetSequenceRequest, v1::SequenceInfo>(
       context, Rpc::kGetSequence, request, response,
-      [this](const v1::GetSequenceRequest& r, v1::SequenceInfo* out) { return DoGetSequence(r, out); });
+      [this](const Caller& c, const v1::GetSequenceRequest& r, v1::SequenceInfo* out) { return DoGetSequence(c, r, out); });
 }
 
 grpc::ServerUnaryReactor* KvCacheService::GetServerInfo(grpc::CallbackServerContext* context, const Raw* request,
                                                         Raw* response) {
   // Inline: no sequence lock, no kernel.
   const auto start = Clock::now();
-  absl::Status status = auth_.Check(*context);
+  const absl::StatusOr<Caller> caller = auth_.Authenticate(*context);
+  absl::Status status = caller.status();
   if (status.ok()) {
     v1::GetServerInfoRequest parsed;
     status = ParseMessage(*request, &parsed, "the request");
   }
   if (status.ok()) {
     v1::ServerInfo info;
-    DoGetServerInfo(&info);
+    DoGetServerInfo(*caller, &info);
     status = SerializeMessage(info, response);
+  }
+  if (caller.ok() && caller->tenant != nullptr) {
+    caller->tenant->CountCall(ToGrpcStatus(status).error_code());
   }
   return FinishUnary(context, metrics_, Rpc::kGetServerInfo, start, status);
 }

@@ -66,7 +66,9 @@ class KvCacheService final : public RawKvCacheService {
   // name: see Find). REQUIRES: `backend` is the backend the caches were
   // created on and outlives the service; so does `metrics` (null: none).
   // `auth` (no tokens: open) is checked first in every handler: a call
-  // without a valid bearer token is UNAUTHENTICATED and its request unread.
+  // without a valid bearer token is UNAUTHENTICATED and its request unread;
+  // a tenant's token reaches only the tenant's sequences, charged to its
+  // account (PERMISSION_DENIED / RESOURCE_EXHAUSTED otherwise).
   // `executor` (null: run inline) must outlive the service.
   KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
                  Metrics* metrics = nullptr, Authenticator auth = Authenticator(),
@@ -92,19 +94,27 @@ class KvCacheService final : public RawKvCacheService {
   int EvictExpired();
 
   // The handlers' logic, without gRPC: what each rpc does, for the reactors
-  // and for tests.
-  absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
-  absl::Status DoScoreQuery(const v1::ScoreQueryRequest& request,
+  // and for tests. `caller` is who the call's token says is calling
+  // (service/auth.h): a tenant may name only its own sequences.
+  absl::Status DoAppend(const Caller& caller, const v1::AppendRequest& request, v1::AppendResponse* response);
+  absl::Status DoScoreQuery(const Caller& caller, const v1::ScoreQueryRequest& request,
                             v1::ScoreQueryResponse* response);
-  absl::Status DoAttend(const v1::AttendRequest& request, v1::AttendResponse* response);
+  absl::Status DoAttend(const Caller& caller, const v1::AttendRequest& request, v1::AttendResponse* response);
   // Call-level errors as the return value; per-item ones in the results.
-  absl::Status DoAppendAttend(const v1::AppendAttendRequest& request,
+  absl::Status DoAppendAttend(const Caller& caller, const v1::AppendAttendRequest& request,
                               v1::AppendAttendResponse* response);
-  absl::Status DoCreateSequence(const v1::CreateSequenceRequest& request, v1::SequenceInfo* info);
-  absl::Status DoForkSequence(const v1::ForkSequenceRequest& request, v1::SequenceInfo* info);
-  absl::Status DoDropSequence(const v1::DropSequenceRequest& request);
-  absl::Status DoGetSequence(const v1::GetSequenceRequest& request, v1::SequenceInfo* info);
-  void DoGetServerInfo(v1::ServerInfo* info);
+  absl::Status DoCreateSequence(const Caller& caller, const v1::CreateSequenceRequest& request,
+                                v1::SequenceInfo* info);
+  absl::Status DoForkSequence(const Caller& caller, const v1::ForkSequenceRequest& request,
+                              v1::SequenceInfo* info);
+  absl::Status DoDropSequence(const Caller& caller, const v1::DropSequenceRequest& request);
+  absl::Status DoGetSequence(const Caller& caller, const v1::GetSequenceRequest& request,
+                             v1::SequenceInfo* info);
+  // A tenant's call gets its own TenantInfo; an admin's every tenant's.
+  void DoGetServerInfo(const Caller& caller, v1::ServerInfo* info);
+
+  // The authenticator: its tenants, for the metrics.
+  const Authenticator& auth() const { return auth_; }
 
   // The raw callback methods (RawKvCacheService).
   using Raw = grpc::ByteBuffer;
@@ -131,15 +141,15 @@ class KvCacheService final : public RawKvCacheService {
 
  private:
   absl::Status FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info);
-  // Checks auth, then runs `work` (returning absl::Status) on the executor
-  // and finishes the call with its status; `request_bytes` is charged to the
-  // executor's byte bound.
+  // Checks auth, then runs `work(caller)` (returning absl::Status) on the
+  // executor and finishes the call with its status; `request_bytes` is
+  // charged to the executor's byte bound.
   template <typename Work>
   grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context, Rpc rpc,
                                      size_t request_bytes, Work work);
   // RunUnary over raw bytes: parses a Request (INVALID_ARGUMENT when the
   // bytes are not one), runs do_work(request, &response), serializes the
-  // response into `out` when it succeeds.
+  // response into `out` when it succeeds.  do_work(caller, request, &response).
   template <typename Request, typename Response, typename Do>
   grpc::ServerUnaryReactor* RunRaw(grpc::CallbackServerContext* context, Rpc rpc, const grpc::ByteBuffer* in,
                                    grpc::ByteBuffer* out, Do do_work);

@@ -301,5 +301,82 @@ std::string SerializeMetrics(
   return prometheus::TextSerializer().Serialize(families);
 }
 
+namespace {
+
+class TenantCollector : public prometheus::Collectable {
+ public:
+  explicit TenantCollector(std::vector<const Tenant*> tenants) : tenants_(std::move(tenants)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    if (tenants_.empty()) return {};
+    struct Def {
+      const char* name;
+      const char* help;
+      MetricType type;
+      double (*value)(const UsageAccount&);
+    };
+    static constexpr Def kDefs[] = {
+        {"tqkv_tenant_bytes", "Bytes of pool pages the tenant's sequences hold, over every cache.",
+         MetricType::Gauge, [](const UsageAccount& a) { return static_cast<double>(a.bytes()); }},
+        {"tqkv_tenant_max_bytes", "The tenant's max_bytes quota (0: no limit).", MetricType::Gauge,
+         [](const UsageAccount& a) { return static_cast<double>(a.max_bytes()); }},
+        {"tqkv_tenant_sequences", "Sequences the tenant holds.", MetricType::Gauge,
+         [](const UsageAccount& a) { return static_cast<double>(a.sequences()); }},
+        {"tqkv_tenant_max_sequences", "The tenant's max_sequences quota (0: no limit).", MetricType::Gauge,
+         [](const UsageAccount& a) { return static_cast<double>(a.max_sequences()); }},
+        {"tqkv_tenant_tokens", "Tokens the tenant's sequences hold (each in its longest layer).",
+         MetricType::Gauge, [](const UsageAccount& a) { return static_cast<double>(a.tokens()); }},
+        {"tqkv_tenant_quota_refusals_total", "Calls refused with RESOURCE_EXHAUSTED for the tenant's quota.",
+         MetricType::Counter, [](const UsageAccount& a) { return static_cast<double>(a.refusals()); }},
+    };
+    std::vector<prometheus::MetricFamily> families;
+    for (const Def& d : kDefs) {
+      prometheus::MetricFamily f;
+      f.name = d.name;
+      f.help = d.help;
+      f.type = d.type;
+      for (const Tenant* tenant : tenants_) {
+        prometheus::ClientMetric m;
+        m.label.push_back({"tenant", tenant->name()});
+        const double value = d.value(*tenant->account());
+        if (d.type == MetricType::Counter) {
+          m.counter.value = value;
+        } else {
+          m.gauge.value = value;
+        }
+        f.metric.push_back(std::move(m));
+      }
+      families.push_back(std::move(f));
+    }
+    prometheus::MetricFamily calls;
+    calls.name = "tqkv_tenant_requests_total";
+    calls.help = "Calls made with the tenant's tokens, by gRPC status code (errors: code != OK).";
+    calls.type = MetricType::Counter;
+    for (const Tenant* tenant : tenants_) {
+      const std::array<uint64_t, 17> counts = tenant->Calls();
+      for (int code = 0; code < 17; ++code) {
+        if (counts[code] == 0 && code != 0) continue;
+        prometheus::ClientMetric m;
+        m.label.push_back({"code", kCodeNames[code]});
+        m.label.push_back({"tenant", tenant->name()});
+        m.counter.value = static_cast<double>(counts[code]);
+        calls.metric.push_back(std::move(m));
+      }
+    }
+    families.push_back(std::move(calls));
+    return families;
+  }
+
+ private:
+  std::vector<const Tenant*> tenants_;
+};
+
+}  // namespace
+
+std::shared_ptr<prometheus::Collectable> MakeTenantCollector(std::vector<const Tenant*> tenants) {
+  return std::make_shared<TenantCollector>(std::move(tenants));
+}
+
 }  // namespace service
 }  // namespace tqkv

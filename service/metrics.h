@@ -21,8 +21,14 @@
 //   tqkv_executor_max_pending                    the bound on running + queued
 //   tqkv_executor_rejected_total                 calls refused, queue full
 //   tqkv_executor_completed_total                calls run
-// The tqkv_cache_* families are read from KvCache::Stats() at scrape time, so
-// they cost nothing between scrapes.
+//   tqkv_tenant_bytes{tenant}, tqkv_tenant_max_bytes{tenant}   pages held, quota
+//   tqkv_tenant_sequences{tenant}, tqkv_tenant_max_sequences{tenant}
+//   tqkv_tenant_tokens{tenant}
+//   tqkv_tenant_quota_refusals_total{tenant}     calls refused for a quota
+//   tqkv_tenant_requests_total{tenant,code}      calls by the tenant's tokens
+// The tqkv_cache_* and tqkv_tenant_* families are read from KvCache::Stats()
+// and the tenants' counters at scrape time, so they cost nothing between
+// scrapes.
 //
 // Thread safety: all methods are thread-safe.
 #ifndef TQKV_SERVICE_METRICS_H_
@@ -45,6 +51,7 @@
 #include "absl/synchronization/mutex.h"
 #include "cache/kv_cache.h"
 #include "kernels/backend.h"
+#include "service/auth.h"
 #include "service/executor.h"
 
 namespace tqkv {
@@ -114,6 +121,10 @@ std::shared_ptr<prometheus::Collectable> MakeCacheCollector(std::vector<KvCache*
 // The tqkv_executor_* families, read from the executor's stats when
 // collected. REQUIRES: `executor` outlives the collector's last Collect().
 std::shared_ptr<prometheus::Collectable> MakeExecutorCollector(const CallExecutor* executor);
+
+// The tqkv_tenant_* families (none without tenants). REQUIRES: the tenants
+// outlive the collector's last Collect().
+std::shared_ptr<prometheus::Collectable> MakeTenantCollector(std::vector<const Tenant*> tenants);
 
 // A Backend that forwards to `inner` and records each kernel's wall time in
 // `metrics` (which must outlive it).

@@ -100,10 +100,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   server->executor_ = std::make_unique<CallExecutor>(options.executor);
   server->service_ = std::make_unique<KvCacheService>(
       std::move(caches), server->backend_.get(), server->metrics_.get(),
-      Authenticator(options.auth_tokens), server->executor_.get());
+      Authenticator(options.auth), server->executor_.get());
   server->service_->set_max_response_bytes(options.max_message_bytes);
   server->cache_collector_ = MakeCacheCollector(server->service_->caches());
   server->executor_collector_ = MakeExecutorCollector(server->executor_.get());
+  server->tenant_collector_ = MakeTenantCollector(server->service_->auth().tenants());
 
   // Process-wide switches; both must be set before the builder is created.
   static std::once_flag process_setup;
@@ -147,6 +148,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     server->exposer_->RegisterCollectable(server->metrics_->registry());
     server->exposer_->RegisterCollectable(server->cache_collector_);
     server->exposer_->RegisterCollectable(server->executor_collector_);
+    server->exposer_->RegisterCollectable(server->tenant_collector_);
     const std::vector<int> ports = server->exposer_->GetListeningPorts();
     server->metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
   }
@@ -176,7 +178,7 @@ void Server::Shutdown(absl::Time deadline) {
 void Server::Wait() { server_->Wait(); }
 
 std::string Server::MetricsText() const {
-  return SerializeMetrics({metrics_->registry(), cache_collector_, executor_collector_});
+  return SerializeMetrics({metrics_->registry(), cache_collector_, executor_collector_, tenant_collector_});
 }
 
 }  // namespace service

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "service/auth.h"
 #include "service/executor.h"
 #include "service/kv_cache_service.h"
 #include "service/metrics.h"
@@ -55,9 +56,9 @@ struct ServerOptions {
   // "0.0.0.0" or the interface it scrapes; empty: `host`).
   std::string metrics_host = "127.0.0.1";
   int metrics_port = 9464;
-  // Bearer tokens (see service/auth.h); empty: no authentication. Health and
-  // reflection stay open either way.
-  std::vector<std::string> auth_tokens;
+  // Bearer tokens, tenants and quotas (see service/auth.h); no tokens: no
+  // authentication. Health and reflection stay open either way.
+  AuthConfig auth;
   // TLS: the server's PEM certificate chain and private key (contents, not
   // paths). Both empty: plaintext; exactly one set is INVALID_ARGUMENT.
   std::string tls_cert_chain_pem;
@@ -106,6 +107,7 @@ class Server {
   std::string why_not_cuda_;
   std::unique_ptr<KvCacheService> service_;
   std::shared_ptr<prometheus::Collectable> cache_collector_;
+  std::shared_ptr<prometheus::Collectable> tenant_collector_;  // reads the service's tenants
   // After service_ (its work calls the service) and before server_ (the
   // grpc::Server waits for the reactors the executor finishes).
   std::unique_ptr<CallExecutor> executor_;

@@ -19,6 +19,7 @@
 #include "kernels/malloc_tuning.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "service/auth.h"
 #include "service/config.h"
@@ -52,8 +53,10 @@ ABSL_FLAG(double, memory_budget_gib, 4.0,
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
           "On SIGTERM/SIGINT, how long calls in flight may take to finish.");
 ABSL_FLAG(std::string, auth_token_file, "",
-          "File of bearer tokens, one per line ('#' comments and blank lines ignored); when "
-          "set, every KvCache rpc needs `authorization: Bearer <token>`.");
+          "File of bearer tokens, one per line ('#' comments and blank lines ignored), each "
+          "optionally with tenant=NAME max_bytes=SIZE max_sequences=N (service/auth.h); when set, "
+          "every KvCache rpc needs `authorization: Bearer <token>`, and a tenant's token reaches "
+          "only ids starting with 'NAME:'.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; with --tls_key_file, serve TLS.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
 ABSL_FLAG(bool, print_default_config, false, "Print the embedded default config and exit.");
@@ -122,9 +125,9 @@ int main(int argc, char** argv) {
   options.memory_budget_bytes = static_cast<uint64_t>(budget_gib * (uint64_t{1} << 30));
 
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
-    absl::StatusOr<std::vector<std::string>> tokens = tqkv::service::LoadAuthTokens(path);
-    if (!tokens.ok()) return Fail("--auth_token_file: " + tokens.status().ToString());
-    options.auth_tokens = *std::move(tokens);
+    absl::StatusOr<tqkv::service::AuthConfig> auth = tqkv::service::LoadAuthConfig(path);
+    if (!auth.ok()) return Fail("--auth_token_file: " + auth.status().ToString());
+    options.auth = *std::move(auth);
   }
   const std::string cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   const std::string key_file = absl::GetFlag(FLAGS_tls_key_file);
@@ -155,10 +158,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "tqkv-server: using the CPU backend; CUDA not used: %s\n",
                  s.why_not_cuda().c_str());
   }
+  std::string auth;
+  if (options.auth.enabled()) {
+    auth = options.auth.tenants.empty()
+               ? ", bearer-token auth"
+               : absl::StrCat(", bearer-token auth, ", options.auth.tenants.size(), " tenants");
+  }
   std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)%s%s\n",
               options.host.c_str(), s.port(), s.metrics_port(), s.backend().name().c_str(),
               s.backend().device().c_str(), options.tls_cert_chain_pem.empty() ? "" : ", TLS",
-              options.auth_tokens.empty() ? "" : ", bearer-token auth");
+              auth.c_str());
   std::fflush(stdout);
 
   // Wait for a signal; meanwhile drop sequences past their idle TTL.

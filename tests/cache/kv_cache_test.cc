@@ -89,7 +89,7 @@ class KvCacheTest : public ::testing::Test {
   // Appends n random tokens to layers [begin, end) of `id` at `start` and, on
   // success, records their decoded vectors in the reference.
   absl::Status AppendRandom(KvCache& cache, const std::string& id, int64_t start, int begin,
-                            int end, int64_t n) {
+                            int end, int64_t n, std::shared_ptr<UsageAccount> account = nullptr) {
     const std::vector<float> keys = RandomTensor(end - begin, n, cache.layout(), ++seed_);
     const std::vector<float> values = RandomTensor(end - begin, n, cache.layout(), ++seed_);
     AppendRequest request;
@@ -100,12 +100,14 @@ class KvCacheTest : public ::testing::Test {
     request.num_tokens = n;
     request.keys = keys.data();
     request.values = values.data();
+    request.account = std::move(account);
     absl::Status status = cache.Append(request);
     if (status.ok()) Ref(cache, id).Append(begin, end, n, keys.data(), values.data());
     return status;
   }
-  absl::Status AppendAll(KvCache& cache, const std::string& id, int64_t start, int64_t n) {
-    return AppendRandom(cache, id, start, 0, cache.layout().num_layers(), n);
+  absl::Status AppendAll(KvCache& cache, const std::string& id, int64_t start, int64_t n,
+                         std::shared_ptr<UsageAccount> account = nullptr) {
+    return AppendRandom(cache, id, start, 0, cache.layout().num_layers(), n, std::move(account));
   }
 
   std::vector<float> Queries(const KvCache& cache, int num_query_tokens) {
@@ -540,6 +542,93 @@ TEST_F(KvCacheTest, LruCountsSharedPagesOnlyWhenTheirLastHolderGoes) {
   EXPECT_THAT(cache->ListSequences(), ElementsAre("x"));
   EXPECT_EQ(cache->Stats().evictions, 3u);
   EXPECT_EQ(cache->Stats().pages_used, 2);
+}
+
+// Accounts (usage_account.h): a sequence's pages, itself and its tokens are
+// charged to the account it was created with, until it is dropped or
+// evicted; a call past the account's limits is refused before anything is
+// allocated and changes nothing, whatever the pool has free.
+TEST_F(KvCacheTest, AccountsChargeWhatTheirSequencesHoldAndRefuseBeyondTheirLimits) {
+  std::unique_ptr<KvCache> cache = NewCache(SmallCacheOptions(16));
+  ASSERT_NE(cache, nullptr);
+  const uint64_t page = cache->layout().page_bytes();
+  auto a = std::make_shared<UsageAccount>("tenant 'a'", 3 * page, 2);
+  auto b = std::make_shared<UsageAccount>("tenant 'b'", 0, 0);
+
+  ASSERT_TRUE(AppendAll(*cache, "a:1", 0, 6, a).ok());  // 2 pages
+  EXPECT_EQ(a->bytes(), 2 * page);
+  EXPECT_EQ(a->sequences(), 1);
+  EXPECT_EQ(a->tokens(), 6);
+
+  // 8 more tokens need 2 more pages: 4 > 3.
+  Snapshot before = Take(*cache);
+  absl::Status status = AppendAll(*cache, "a:1", 6, 8);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("tenant 'a' is at its quota"));
+  ExpectSame(before, Take(*cache));
+  EXPECT_EQ(a->bytes(), 2 * page);
+  EXPECT_EQ(a->refusals(), 1u);
+  // An existing sequence keeps its own account, whatever the call passes.
+  EXPECT_EQ(AppendAll(*cache, "a:1", 6, 8, b).code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(AppendAll(*cache, "a:1", 6, 6).ok());  // 3 pages: at the limit
+  EXPECT_EQ(a->bytes(), 3 * page);
+  EXPECT_EQ(a->tokens(), 12);
+
+  // A fork is charged for every page it shares.
+  EXPECT_EQ(cache->Fork("a:1", "a:2", a).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(a->sequences(), 1);
+  EXPECT_EQ(cache->GetSequence("a:2").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(cache->Fork("a:1", "b:1", b).ok());
+  refs_.emplace("b:1", Ref(*cache, "a:1"));
+  EXPECT_EQ(b->bytes(), 3 * page);
+  EXPECT_EQ(b->sequences(), 1);
+  EXPECT_EQ(b->tokens(), 12);
+
+  // max_sequences counts creations, forks and first appends alike.
+  ASSERT_TRUE(cache->CreateSequence("a:empty", a).ok());
+  EXPECT_EQ(a->sequences(), 2);
+  EXPECT_EQ(cache->CreateSequence("a:3", a).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(AppendAll(*cache, "a:4", 0, 1, a).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache->GetSequence("a:4").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(a->sequences(), 2);
+
+  // Dropping gives everything back; pages shared with b stay b's.
+  ASSERT_TRUE(cache->Drop("a:1").ok());
+  EXPECT_EQ(a->bytes(), 0u);
+  EXPECT_EQ(a->sequences(), 1);
+  EXPECT_EQ(a->tokens(), 0);
+  EXPECT_EQ(b->bytes(), 3 * page);
+  ASSERT_TRUE(AppendAll(*cache, "b:1", 12, 4).ok());  // one fresh page, no copy (b:1 holds them alone)
+  EXPECT_EQ(b->bytes(), 4 * page);
+  EXPECT_EQ(b->tokens(), 16);
+  ExpectAttendMatchesReference(*cache, "b:1", 1);
+  ASSERT_TRUE(cache->Drop("b:1").ok());
+  ASSERT_TRUE(cache->Drop("a:empty").ok());
+  EXPECT_EQ(b->bytes(), 0u);
+  EXPECT_EQ(a->sequences(), 0);
+  EXPECT_EQ(cache->Stats().pages_used, 0);
+}
+
+TEST_F(KvCacheTest, AFullPoolOrAnEvictionGivesTheAccountItsBytesBack) {
+  FakeClock clock;
+  CacheOptions options = SmallCacheOptions(3);
+  options.evict_lru = true;
+  options.clock = clock.AsFunction();
+  std::unique_ptr<KvCache> cache = NewCache(options);
+  ASSERT_NE(cache, nullptr);
+  auto account = std::make_shared<UsageAccount>("tenant 'x'", 0, 0);
+  // 4 pages never fit: refused, nothing charged.
+  EXPECT_EQ(AppendAll(*cache, "x:big", 0, 16, account).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(account->bytes(), 0u);
+  EXPECT_EQ(account->sequences(), 0);
+  ASSERT_TRUE(AppendAll(*cache, "x:old", 0, 8, account).ok());
+  EXPECT_EQ(account->bytes(), 2 * cache->layout().page_bytes());
+  clock.Advance(absl::Seconds(1));
+  ASSERT_TRUE(AppendAll(*cache, "other", 0, 8).ok());  // evicts x:old
+  EXPECT_EQ(cache->GetSequence("x:old").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(account->bytes(), 0u);
+  EXPECT_EQ(account->sequences(), 0);
+  EXPECT_EQ(account->tokens(), 0);
 }
 
 // request_id: a key the sequence remembers answers the same append

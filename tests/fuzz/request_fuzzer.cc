@@ -4,6 +4,9 @@
 // a method selector byte, then the message's bytes. The service keeps its
 // state across inputs (sequences, pages), so sequences of calls are fuzzed
 // too; every 4096 inputs it drops every sequence, so memory stays bounded.
+// The selector byte also picks the caller: an admin (selector < kMethods, as
+// the seeds are), or one of two tenants with small quotas (service/auth.h),
+// so authorization and quota accounting are fuzzed with the rest.
 //
 // Built two ways (tests/fuzz/CMakeLists.txt): with clang's libFuzzer
 // (scripts/fuzz.sh: coverage-guided, ASan + UBSan), and with any compiler as
@@ -45,6 +48,7 @@ struct Harness {
   std::unique_ptr<Backend> backend = MakeCpuBackend(1);
   std::unique_ptr<service::KvCacheService> service;
   int64_t inputs = 0;
+  std::vector<const service::Tenant*> tenants;  // t, u
 
   Harness() {
     // Malformed strings make libprotobuf log a line each: silence it (the
@@ -60,7 +64,14 @@ struct Harness {
       if (!cache.ok()) abort();
       caches.push_back(*std::move(cache));
     }
-    service = std::make_unique<service::KvCacheService>(std::move(caches), backend.get());
+    absl::StatusOr<service::AuthConfig> auth = service::ParseAuthConfig(
+        "admin-token\n"
+        "t-token tenant=t max_bytes=64KiB max_sequences=8\n"
+        "u-token tenant=u max_sequences=3\n");
+    if (!auth.ok()) abort();
+    service = std::make_unique<service::KvCacheService>(std::move(caches), backend.get(), nullptr,
+                                                        service::Authenticator(*auth));
+    tenants = service->auth().tenants();
     service->set_max_response_bytes(1 << 20);
   }
 
@@ -72,11 +83,11 @@ struct Harness {
 };
 
 template <typename Request, typename Response, typename Do>
-void Run(const std::string& bytes, Do do_call) {
+void Run(const service::Caller& caller, const std::string& bytes, Do do_call) {
   Request request;
   if (!request.ParseFromString(bytes)) return;  // the handler answers INVALID_ARGUMENT
   Response response;
-  (void)do_call(request, &response);
+  (void)do_call(caller, request, &response);
 }
 
 }  // namespace
@@ -89,38 +100,40 @@ int RunOneInput(const uint8_t* data, size_t size) {
   if (++h->inputs % 4096 == 0) h->Reset();
   const std::string bytes(reinterpret_cast<const char*>(data) + 1, size - 1);
   service::KvCacheService& s = *h->service;
+  const int who = (data[0] / kMethods) % 3;
+  const service::Caller caller{who == 0 ? nullptr : h->tenants[who - 1]};
   switch (data[0] % kMethods) {
     case kAppend:
       Run<v1::AppendRequest, v1::AppendResponse>(
-          bytes, [&](const auto& r, auto* out) { return s.DoAppend(r, out); });
+          caller, bytes, [&](const auto& c, const auto& r, auto* out) { return s.DoAppend(c, r, out); });
       break;
     case kScoreQuery:
       Run<v1::ScoreQueryRequest, v1::ScoreQueryResponse>(
-          bytes, [&](const auto& r, auto* out) { return s.DoScoreQuery(r, out); });
+          caller, bytes, [&](const auto& c, const auto& r, auto* out) { return s.DoScoreQuery(c, r, out); });
       break;
     case kAttend:
       Run<v1::AttendRequest, v1::AttendResponse>(
-          bytes, [&](const auto& r, auto* out) { return s.DoAttend(r, out); });
+          caller, bytes, [&](const auto& c, const auto& r, auto* out) { return s.DoAttend(c, r, out); });
       break;
     case kAppendAttend:
       Run<v1::AppendAttendRequest, v1::AppendAttendResponse>(
-          bytes, [&](const auto& r, auto* out) { return s.DoAppendAttend(r, out); });
+          caller, bytes, [&](const auto& c, const auto& r, auto* out) { return s.DoAppendAttend(c, r, out); });
       break;
     case kCreateSequence:
       Run<v1::CreateSequenceRequest, v1::SequenceInfo>(
-          bytes, [&](const auto& r, auto* out) { return s.DoCreateSequence(r, out); });
+          caller, bytes, [&](const auto& c, const auto& r, auto* out) { return s.DoCreateSequence(c, r, out); });
       break;
     case kForkSequence:
       Run<v1::ForkSequenceRequest, v1::SequenceInfo>(
-          bytes, [&](const auto& r, auto* out) { return s.DoForkSequence(r, out); });
+          caller, bytes, [&](const auto& c, const auto& r, auto* out) { return s.DoForkSequence(c, r, out); });
       break;
     case kDropSequence:
       Run<v1::DropSequenceRequest, v1::DropSequenceResponse>(
-          bytes, [&](const auto& r, auto*) { return s.DoDropSequence(r); });
+          caller, bytes, [&](const auto& c, const auto& r, auto*) { return s.DoDropSequence(c, r); });
       break;
     case kGetSequence:
       Run<v1::GetSequenceRequest, v1::SequenceInfo>(
-          bytes, [&](const auto& r, auto* out) { return s.DoGetSequence(r, out); });
+          caller, bytes, [&](const auto& c, const auto& r, auto* out) { return s.DoGetSequence(c, r, out); });
       break;
   }
   return 0;

@@ -13,6 +13,7 @@
 #include <grpcpp/impl/codegen/rpc_method.h>
 #include <grpcpp/security/credentials.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/cpp/tqkv_client.h"
 #include "gtest/gtest.h"
@@ -41,7 +42,7 @@ std::unique_ptr<service::Server> StartServer(std::vector<std::string> tokens,
   absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
   EXPECT_TRUE(config.ok()) << config.status();
   options.config = *config;
-  options.auth_tokens = std::move(tokens);
+  options.auth = service::AuthConfig::AdminTokens(tokens);
   options.tls_cert_chain_pem = std::move(cert);
   options.tls_private_key_pem = std::move(key);
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
@@ -70,16 +71,52 @@ grpc::Status HealthCheck(grpc::Channel* channel) {
 }
 
 TEST(AuthTokens, FileSyntaxIgnoresCommentsAndBlankLines) {
-  absl::StatusOr<std::vector<std::string>> tokens =
-      service::ParseAuthTokens("# ops team\n\n  alpha  \r\nbeta\n#gamma\n");
-  ASSERT_TRUE(tokens.ok()) << tokens.status();
-  EXPECT_EQ(*tokens, (std::vector<std::string>{"alpha", "beta"}));
-  EXPECT_EQ(service::ParseAuthTokens("# only a comment\n\n").status().code(),
+  absl::StatusOr<service::AuthConfig> config =
+      service::ParseAuthConfig("# ops team\n\n  alpha  \r\nbeta\n#gamma\n");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->tokens.size(), 2u);
+  EXPECT_EQ(config->tokens[0].token, "alpha");
+  EXPECT_EQ(config->tokens[1].token, "beta");
+  EXPECT_TRUE(config->tokens[0].tenant.empty());  // no tenant=: an admin token
+  EXPECT_TRUE(config->tenants.empty());
+  EXPECT_EQ(service::ParseAuthConfig("# only a comment\n\n").status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(service::ParseAuthTokens("two words\n").status().code(),
+  EXPECT_EQ(service::ParseAuthConfig("two words\n").status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(service::LoadAuthTokens("/nonexistent/tokens").status().code(),
+  EXPECT_EQ(service::LoadAuthConfig("/nonexistent/tokens").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+TEST(AuthTokens, TenantLinesGiveTenantsAndQuotas) {
+  absl::StatusOr<service::AuthConfig> config = service::ParseAuthConfig(
+      "ops\n"
+      "a1\ttenant=team-a max_bytes=8GiB max_sequences=100\n"
+      "a2 tenant=team-a\n"
+      "b1 tenant=team.b max_bytes=1.5MiB\n");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_EQ(config->tokens.size(), 4u);
+  EXPECT_EQ(config->tokens[2].tenant, "team-a");
+  ASSERT_EQ(config->tenants.size(), 2u);
+  EXPECT_EQ(config->tenants[0].name, "team-a");
+  EXPECT_EQ(config->tenants[0].max_bytes, uint64_t{8} << 30);
+  EXPECT_EQ(config->tenants[0].max_sequences, 100);
+  EXPECT_EQ(config->tenants[1].name, "team.b");
+  EXPECT_EQ(config->tenants[1].max_bytes, uint64_t{3} << 19);
+  EXPECT_EQ(config->tenants[1].max_sequences, 0);
+
+  // Each malformed line is refused, naming its line.
+  for (const char* bad : {"a tenant=\n", "a tenant=x:y\n", "a tenant=x max_bytes=lots\n",
+                          "a tenant=x max_sequences=-1\n", "a colour=blue\n", "a max_bytes=1GiB\n",
+                          "a\na\n", "tenant=x\n", "a tenant=x max_bytes=1\nb tenant=x max_bytes=2\n",
+                          "a\x01b\n"}) {
+    absl::StatusOr<service::AuthConfig> refused = service::ParseAuthConfig(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), "line ")) << refused.status();
+  }
+  EXPECT_EQ(*service::ParseByteSize("512MiB"), uint64_t{512} << 20);
+  EXPECT_EQ(*service::ParseByteSize("4096"), 4096u);
+  EXPECT_FALSE(service::ParseByteSize("GiB").ok());
+  EXPECT_FALSE(service::ParseByteSize("-1KiB").ok());
 }
 
 TEST(AuthTokens, ConstantTimeEqualsComparesWholeStrings) {

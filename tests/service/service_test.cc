@@ -861,7 +861,7 @@ TEST_F(ServiceTest, GracefulShutdownFinishesACallInFlight) {
     v1::GetSequenceRequest get;
     get.set_sequence_id("inflight");
     v1::SequenceInfo info;
-    if (server_->service().DoGetSequence(get, &info).ok()) break;
+    if (server_->service().DoGetSequence(service::Caller::Admin(), get, &info).ok()) break;
     absl::SleepFor(absl::Milliseconds(5));
   }
   std::thread shutdown([&] { server_->Shutdown(absl::Now() + absl::Seconds(10)); });
