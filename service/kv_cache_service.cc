@@ -4,11 +4,13 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <functional>
 #include <new>
 #include <numeric>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "google/protobuf/descriptor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -123,14 +125,6 @@ grpc::Status Record(Metrics* metrics, Rpc rpc, Clock::time_point start, grpc::St
   return status;
 }
 
-grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, Metrics* metrics,
-                                      Rpc rpc, Clock::time_point start,
-                                      const absl::Status& status) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(Record(metrics, rpc, start, ToGrpcStatus(status)));
-  return reactor;
-}
-
 // No exception reaches gRPC, which would answer UNIMPLEMENTED and count
 // nothing: a failed allocation is RESOURCE_EXHAUSTED, anything else INTERNAL.
 template <typename Work>
@@ -163,6 +157,75 @@ absl::Status SerializeMessage(const Message& message, grpc::ByteBuffer* out) {
   if (s.ok()) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("cannot serialize the response: ", s.error_message()));
 }
+
+// A unary rpc, served as a stream of one request and one response. gRPC
+// reads a unary request whole before it calls the handler; a stream's
+// handler runs when the call's headers arrive, so the token is checked
+// before a byte of the body is read, and a refused call's body is never
+// taken in (HTTP/2 flow control holds the sender at the stream's window).
+// On the wire nothing changes: clients call it as the unary rpc it is.
+class UnaryCallReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  // work(caller, request bytes, response bytes) -> status, run on
+  // `executor` (null: inline) after the request is read.
+  using Work = std::function<absl::Status(const Caller&, const grpc::ByteBuffer&, grpc::ByteBuffer*)>;
+
+  UnaryCallReactor(const absl::StatusOr<Caller>& caller, Rpc rpc, Metrics* metrics, CallExecutor* executor,
+                   const Work* work)
+      : rpc_(rpc), metrics_(metrics), executor_(executor), work_(work), start_(Clock::now()) {
+    if (!caller.ok()) {
+      Finish(ToGrpcStatus(caller.status()));
+      return;
+    }
+    caller_ = *caller;
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // half-closed without a message, or gone
+      End(absl::InvalidArgumentError("the call carried no request message"));
+      return;
+    }
+    if (executor_ == nullptr) {
+      Run();
+      return;
+    }
+    const absl::Status queued = executor_->Submit(request_.Length(), [this] { Run(); });
+    if (!queued.ok()) End(queued);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Run() {
+    const absl::Status status = RunGuarded([this] { return (*work_)(caller_, request_, &response_); });
+    request_.Clear();
+    End(status);
+  }
+
+  void End(const absl::Status& status) {
+    grpc::Status done = ToGrpcStatus(status);
+    // Every call a tenant's token made is counted for it, by status code.
+    if (caller_.tenant != nullptr) caller_.tenant->CountCall(done.error_code());
+    done = Record(metrics_, rpc_, start_, std::move(done));
+    if (done.ok()) {
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), done);
+    } else {
+      Finish(done);
+    }
+  }
+
+  void Finish(grpc::Status status) { grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>::Finish(status); }
+
+  const Rpc rpc_;
+  Metrics* const metrics_;
+  CallExecutor* const executor_;
+  const Work* const work_;  // the service's, which outlives its calls
+  const Clock::time_point start_;
+  Caller caller_;
+  grpc::ByteBuffer request_;
+  grpc::ByteBuffer response_;
+};
 
 // A long prefill in chunks: every chunk is one Append, stored as it arrives.
 class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
@@ -442,6 +505,33 @@ KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Bac
     const std::string name = cache->options().name;
     caches_.emplace(name, std::move(cache));
   }
+  ServeUnary<v1::AppendRequest, v1::AppendResponse>("Append", Rpc::kAppend, [this](const Caller& c, const auto& r, auto* out) {
+    return DoAppend(c, r, out);
+  });
+  ServeUnary<v1::ScoreQueryRequest, v1::ScoreQueryResponse>(
+      "ScoreQuery", Rpc::kScoreQuery, [this](const Caller& c, const auto& r, auto* out) { return DoScoreQuery(c, r, out); });
+  ServeUnary<v1::AttendRequest, v1::AttendResponse>("Attend", Rpc::kAttend, [this](const Caller& c, const auto& r, auto* out) {
+    return DoAttend(c, r, out);
+  });
+  ServeUnary<v1::AppendAttendRequest, v1::AppendAttendResponse>(
+      "AppendAttend", Rpc::kAppendAttend,
+      [this](const Caller& c, const auto& r, auto* out) { return DoAppendAttend(c, r, out); });
+  ServeUnary<v1::CreateSequenceRequest, v1::SequenceInfo>(
+      "CreateSequence", Rpc::kCreateSequence,
+      [this](const Caller& c, const auto& r, auto* out) { return DoCreateSequence(c, r, out); });
+  ServeUnary<v1::ForkSequenceRequest, v1::SequenceInfo>(
+      "ForkSequence", Rpc::kForkSequence,
+      [this](const Caller& c, const auto& r, auto* out) { return DoForkSequence(c, r, out); });
+  ServeUnary<v1::DropSequenceRequest, v1::DropSequenceResponse>(
+      "DropSequence", Rpc::kDropSequence, [this](const Caller& c, const auto& r, auto*) { return DoDropSequence(c, r); });
+  ServeUnary<v1::GetSequenceRequest, v1::SequenceInfo>(
+      "GetSequence", Rpc::kGetSequence,
+      [this](const Caller& c, const auto& r, auto* out) { return DoGetSequence(c, r, out); });
+  ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>("GetServerInfo", Rpc::kGetServerInfo,
+                                               [this](const Caller& c, const auto&, v1::ServerInfo* out) {
+                                                 DoGetServerInfo(c, out);
+                                                 return absl::OkStatus();
+                                               });
 }
 
 KvCacheService::~KvCacheService() = default;
@@ -475,46 +565,29 @@ absl::Status KvCacheService::FillSequenceInfo(KvCache& cache, const std::string&
   return absl::OkStatus();
 }
 
-template <typename Work>
-grpc::ServerUnaryReactor* KvCacheService::RunUnary(grpc::CallbackServerContext* context, Rpc rpc,
-                                                   size_t request_bytes, Work work) {
-  const Clock::time_point start = Clock::now();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const absl::StatusOr<Caller> caller = auth_.Authenticate(*context);
-  if (!caller.ok()) {
-    reactor->Finish(Record(metrics_, rpc, start, ToGrpcStatus(caller.status())));
-    return reactor;
-  }
-  Metrics* metrics = metrics_;
-  // Every call a tenant's token made is counted for it, by status code.
-  const auto finish = [reactor, metrics, rpc, start, tenant = caller->tenant](const absl::Status& status) {
-    grpc::Status done = ToGrpcStatus(status);
-    if (tenant != nullptr) tenant->CountCall(done.error_code());
-    reactor->Finish(Record(metrics, rpc, start, std::move(done)));
-  };
-  if (executor_ == nullptr) {
-    finish(RunGuarded([&] { return work(*caller); }));
-    return reactor;
-  }
-  const absl::Status queued = executor_->Submit(
-      request_bytes, [finish, work, who = *caller]() { finish(RunGuarded([&] { return work(who); })); });
-  if (!queued.ok()) finish(queued);
-  return reactor;
-}
-
 template <typename Request, typename Response, typename Do>
-grpc::ServerUnaryReactor* KvCacheService::RunRaw(grpc::CallbackServerContext* context, Rpc rpc,
-                                                 const grpc::ByteBuffer* in, grpc::ByteBuffer* out, Do do_work) {
-  struct Call {
+void KvCacheService::ServeUnary(const char* method, Rpc rpc, Do do_work) {
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("tqkv.v1.KvCache");
+  const int index = service->FindMethodByName(method)->index();  // the generated code's method order
+  // Parses a Request (INVALID_ARGUMENT when the bytes are not one), runs
+  // do_work(caller, request, &response), serializes the response.
+  unary_work_[index] = [do_work](const Caller& caller, const grpc::ByteBuffer& in,
+                                 grpc::ByteBuffer* out) -> absl::Status {
     Request request;
     Response response;
+    RETURN_IF_ERROR(ParseMessage(in, &request, "the request"));
+    RETURN_IF_ERROR(do_work(caller, request, &response));
+    return SerializeMessage(response, out);
   };
-  auto call = std::make_shared<Call>();
-  return RunUnary(context, rpc, in->Length(), [call, in, out, do_work](const Caller& caller) -> absl::Status {
-    RETURN_IF_ERROR(ParseMessage(*in, &call->request, "the request"));
-    RETURN_IF_ERROR(do_work(caller, call->request, &call->response));
-    return SerializeMessage(call->response, out);
-  });
+  // GetServerInfo takes no sequence lock and runs no kernel: inline.
+  CallExecutor* executor = rpc == Rpc::kGetServerInfo ? nullptr : executor_;
+  const UnaryCallReactor::Work* work = &unary_work_[index];
+  MarkMethodStreamed(index, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                                [this, rpc, executor, work](grpc::CallbackServerContext* context) {
+                                  return new UnaryCallReactor(auth_.Authenticate(*context), rpc, metrics_,
+                                                              executor, work);
+                                }));
 }
 
 absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequest& request,
@@ -1023,91 +1096,14 @@ void KvCacheService::DoGetServerInfo(const Caller& caller, v1::ServerInfo* info)
   }
 }
 
-grpc::ServerUnaryReactor* KvCacheService::Append(grpc::CallbackServerContext* context, const Raw* request,
-                                                 Raw* response) {
-  return RunRaw<v1::AppendRequest, v1::AppendResponse>(
-      context, Rpc::kAppend, request, response,
-      [this](const Caller& c, const v1::AppendRequest& r, v1::AppendResponse* out) { return DoAppend(c, r, out); });
-}
-
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::AppendStream(grpc::CallbackServerContext* context,
                                                                         Raw* response) {
   return new AppendStreamReactor(this, response, auth_.Authenticate(*context));
 }
 
-grpc::ServerUnaryReactor* KvCacheService::ScoreQuery(grpc::CallbackServerContext* context, const Raw* request,
-                                                     Raw* response) {
-  return RunRaw<v1::ScoreQueryRequest, v1::ScoreQueryResponse>(
-      context, Rpc::kScoreQuery, request, response,
-      [this](const Caller& c, const v1::ScoreQueryRequest& r, v1::ScoreQueryResponse* out) { return DoScoreQuery(c, r, out); });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::Attend(grpc::CallbackServerContext* context, const Raw* request,
-                                                 Raw* response) {
-  return RunRaw<v1::AttendRequest, v1::AttendResponse>(
-      context, Rpc::kAttend, request, response,
-      [this](const Caller& c, const v1::AttendRequest& r, v1::AttendResponse* out) { return DoAttend(c, r, out); });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::AppendAttend(grpc::CallbackServerContext* context, const Raw* request,
-                                                       Raw* response) {
-  return RunRaw<v1::AppendAttendRequest, v1::AppendAttendResponse>(
-      context, Rpc::kAppendAttend, request, response,
-      [this](const Caller& c, const v1::AppendAttendRequest& r, v1::AppendAttendResponse* out) { return DoAppendAttend(c, r, out); });
-}
-
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::DecodeStream(
     grpc::CallbackServerContext* context) {
   return new DecodeStreamReactor(this, auth_.Authenticate(*context));
-}
-
-grpc::ServerUnaryReactor* KvCacheService::CreateSequence(grpc::CallbackServerContext* context,
-                                                         const Raw* request, Raw* response) {
-  return RunRaw<v1::CreateSequenceRequest, v1::SequenceInfo>(
-      context, Rpc::kCreateSequence, request, response,
-      [this](const Caller& c, const v1::CreateSequenceRequest& r, v1::SequenceInfo* out) { return DoCreateSequence(c, r, out); });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::ForkSequence(grpc::CallbackServerContext* context, const Raw* request,
-                                                       Raw* response) {
-  return RunRaw<v1::ForkSequenceRequest, v1::SequenceInfo>(
-      context, Rpc::kForkSequence, request, response,
-      [this](const Caller& c, const v1::ForkSequenceRequest& r, v1::SequenceInfo* out) { return DoForkSequence(c, r, out); });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::DropSequence(grpc::CallbackServerContext* context, const Raw* request,
-                                                       Raw* response) {
-  return RunRaw<v1::DropSequenceRequest, v1::DropSequenceResponse>(
-      context, Rpc::kDropSequence, request, response,
-      [this](const Caller& c, const v1::DropSequenceRequest& r, v1::DropSequenceResponse*) { return DoDropSequence(c, r); });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::GetSequence(grpc::CallbackServerContext* context, const Raw* request,
-                                                      Raw* response) {
-  return RunRaw<v1::GetSequenceRequest, v1::SequenceInfo>(
-      context, Rpc::kGetSequence, request, response,
-      [this](const Caller& c, const v1::GetSequenceRequest& r, v1::SequenceInfo* out) { return DoGetSequence(c, r, out); });
-}
-
-grpc::ServerUnaryReactor* KvCacheService::GetServerInfo(grpc::CallbackServerContext* context, const Raw* request,
-                                                        Raw* response) {
-  // Inline: no sequence lock, no kernel.
-  const auto start = Clock::now();
-  const absl::StatusOr<Caller> caller = auth_.Authenticate(*context);
-  absl::Status status = caller.status();
-  if (status.ok()) {
-    v1::GetServerInfoRequest parsed;
-    status = ParseMessage(*request, &parsed, "the request");
-  }
-  if (status.ok()) {
-    v1::ServerInfo info;
-    DoGetServerInfo(*caller, &info);
-    status = SerializeMessage(info, response);
-  }
-  if (caller.ok() && caller->tenant != nullptr) {
-    caller->tenant->CountCall(ToGrpcStatus(status).error_code());
-  }
-  return FinishUnary(context, metrics_, Rpc::kGetServerInfo, start, status);
 }
 
 }  // namespace service

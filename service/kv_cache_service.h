@@ -26,6 +26,8 @@
 #ifndef TQKV_SERVICE_KV_CACHE_SERVICE_H_
 #define TQKV_SERVICE_KV_CACHE_SERVICE_H_
 
+#include <array>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,7 +53,10 @@ inline constexpr size_t kMaxSequenceIdBytes = 256;
 // a string field that is not UTF-8) are INVALID_ARGUMENT and counted, where
 // gRPC's own parsing answers UNIMPLEMENTED and counts nothing, and where a
 // stream would have taken a malformed message for its end (an AppendStream
-// then answered OK with the chunks before it).
+// then answered OK with the chunks before it). The unary rpcs are served as
+// streams of one message (KvCacheService::ServeUnary), so that a call
+// without a valid token is refused when its headers arrive, before its
+// body is read: gRPC reads a unary request whole before its handler runs.
 using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<
     v1::KvCache::WithRawCallbackMethod_AppendStream<v1::KvCache::WithRawCallbackMethod_ScoreQuery<
         v1::KvCache::WithRawCallbackMethod_Attend<v1::KvCache::WithRawCallbackMethod_AppendAttend<
@@ -116,43 +121,28 @@ class KvCacheService final : public RawKvCacheService {
   // The authenticator: its tenants, for the metrics.
   const Authenticator& auth() const { return auth_; }
 
-  // The raw callback methods (RawKvCacheService).
+  // The streams (RawKvCacheService). The unary rpcs are served as streams
+  // of one message each (see the class comment), registered in the
+  // constructor.
   using Raw = grpc::ByteBuffer;
-  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context, const Raw* request,
-                                   Raw* response) override;
   grpc::ServerReadReactor<Raw>* AppendStream(grpc::CallbackServerContext* context, Raw* response) override;
-  grpc::ServerUnaryReactor* ScoreQuery(grpc::CallbackServerContext* context, const Raw* request,
-                                       Raw* response) override;
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context, const Raw* request,
-                                   Raw* response) override;
-  grpc::ServerUnaryReactor* AppendAttend(grpc::CallbackServerContext* context, const Raw* request,
-                                         Raw* response) override;
   grpc::ServerBidiReactor<Raw, Raw>* DecodeStream(grpc::CallbackServerContext* context) override;
-  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context, const Raw* request,
-                                           Raw* response) override;
-  grpc::ServerUnaryReactor* ForkSequence(grpc::CallbackServerContext* context, const Raw* request,
-                                         Raw* response) override;
-  grpc::ServerUnaryReactor* DropSequence(grpc::CallbackServerContext* context, const Raw* request,
-                                         Raw* response) override;
-  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* context, const Raw* request,
-                                        Raw* response) override;
-  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context, const Raw* request,
-                                          Raw* response) override;
 
  private:
   absl::Status FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info);
-  // Checks auth, then runs `work(caller)` (returning absl::Status) on the
-  // executor and finishes the call with its status; `request_bytes` is
-  // charged to the executor's byte bound.
-  template <typename Work>
-  grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* context, Rpc rpc,
-                                     size_t request_bytes, Work work);
-  // RunUnary over raw bytes: parses a Request (INVALID_ARGUMENT when the
-  // bytes are not one), runs do_work(request, &response), serializes the
-  // response into `out` when it succeeds.  do_work(caller, request, &response).
+  // Serves unary rpc `method` (its name in the proto) as a stream of one
+  // request and one response: the call's token is checked when its headers
+  // arrive, before its request is read; then the request is parsed as a
+  // Request (INVALID_ARGUMENT when the bytes are not one) and
+  // do_work(caller, request, &response) runs on the executor (inline for
+  // GetServerInfo), its status finishing the call.
   template <typename Request, typename Response, typename Do>
-  grpc::ServerUnaryReactor* RunRaw(grpc::CallbackServerContext* context, Rpc rpc, const grpc::ByteBuffer* in,
-                                   grpc::ByteBuffer* out, Do do_work);
+  void ServeUnary(const char* method, Rpc rpc, Do do_work);
+
+  // What each unary method does with its bytes, by method index; set in the
+  // constructor, read by the calls.
+  std::array<std::function<absl::Status(const Caller&, const grpc::ByteBuffer&, grpc::ByteBuffer*)>, 16>
+      unary_work_;
 
   // Immutable after construction: read without a lock.
   std::map<std::string, std::unique_ptr<KvCache>> caches_;

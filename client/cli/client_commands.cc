@@ -126,6 +126,21 @@ int RunInfoImpl(int argc, const char* const* argv) {
                         .Set("bytes_per_token_head", ci.bytes_per_token_head())
                         .Set("bytes_per_token", ci.bytes_per_token()));
     }
+    JsonValue tenants = JsonValue::Array();
+    std::vector<const v1::TenantInfo*> shown;
+    if (info->has_tenant()) shown.push_back(&info->tenant());
+    for (const v1::TenantInfo& t : info->tenants()) shown.push_back(&t);
+    for (const v1::TenantInfo* t : shown) {
+      tenants.Append(JsonValue::Object()
+                         .Set("name", t->name())
+                         .Set("sequence_prefix", t->sequence_prefix())
+                         .Set("bytes", t->bytes())
+                         .Set("max_bytes", t->max_bytes())
+                         .Set("sequences", t->sequences())
+                         .Set("max_sequences", t->max_sequences())
+                         .Set("tokens", t->tokens())
+                         .Set("quota_refusals", t->quota_refusals()));
+    }
     JsonValue presets = JsonValue::Array();
     for (const v1::PresetInfo& p : info->presets()) {
       presets.Append(JsonValue::Object()
@@ -139,6 +154,7 @@ int RunInfoImpl(int argc, const char* const* argv) {
                        .Set("backend", info->backend())
                        .Set("device", info->device())
                        .Set("caches", caches)
+                       .Set("tenants", tenants)
                        .Set("presets", presets)
                        .Serialize()
                        .c_str());
@@ -164,6 +180,17 @@ int RunInfoImpl(int argc, const char* const* argv) {
            static_cast<long long>(ci.stored_bytes()), static_cast<long long>(ci.stored_bytes_bf16()),
            ratio, static_cast<long long>(ci.evictions()));
   }
+  // A tenant's token sees itself; an admin's every tenant.
+  const auto limit = [](int64_t max) { return max == 0 ? std::string("no limit") : absl::StrCat(max); };
+  const auto print_tenant = [&limit](const char* what, const v1::TenantInfo& t) {
+    printf("%s '%s' (ids '%s...'): %lld bytes of pages (max %s), %lld sequences (max %s), %lld tokens, "
+           "%lld quota refusals\n",
+           what, t.name().c_str(), t.sequence_prefix().c_str(), static_cast<long long>(t.bytes()),
+           limit(t.max_bytes()).c_str(), static_cast<long long>(t.sequences()), limit(t.max_sequences()).c_str(),
+           static_cast<long long>(t.tokens()), static_cast<long long>(t.quota_refusals()));
+  };
+  if (info->has_tenant()) print_tenant("you are tenant", info->tenant());
+  for (const v1::TenantInfo& t : info->tenants()) print_tenant("tenant", t);
   std::vector<std::string> names;
   for (const v1::PresetInfo& p : info->presets()) names.push_back(p.name());
   printf("presets: %s\n", absl::StrJoin(names, ", ").c_str());

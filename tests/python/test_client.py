@@ -1,5 +1,7 @@
 """tqkv.Client against a real tqkv-server: every call, dtypes, error codes,
 state unchanged after a failed call, retries, sharding header, auth and TLS."""
+import os
+import threading
 import time
 import uuid
 
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import tqkv
+from tqkv.testing import LocalServer
 
 LAYERS, KV_HEADS, Q_HEADS, D = 4, 2, 4, 64
 
@@ -513,3 +516,73 @@ def test_malformed_messages_are_invalid_argument_and_change_nothing(server, clie
     assert "message 0 is not a valid tqkv.v1.DecodeStreamRequest" in e.value.details()
     client.drop(sid)
     channel.close()
+
+
+def _rss_mib(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def test_tenants_and_unread_unauthenticated_bodies(tmp_path):
+    """Tenant tokens reach only their own namespace (PermissionDenied), an
+    over-quota append is ResourceExhausted, and large requests without a
+    valid token are refused before their bodies are read: four concurrent
+    54 MiB appends grow the server by a few MiB (it grew by 260 MiB when
+    gRPC read unary requests whole before the token was checked)."""
+    from conftest import CONFIG, server_binary
+    (tmp_path / "tokens").write_text(
+        "ops-token\nalpha-token tenant=alpha max_sequences=1\nbeta-token tenant=beta\n")
+    args = ["--auth_token_file", str(tmp_path / "tokens"), "--max_message_bytes", str(64 << 20)]
+    with LocalServer(server_binary(), CONFIG, args=args) as s:
+        alpha = tqkv.Client(s.target, auth_token="alpha-token", timeout=10, max_attempts=1)
+        beta = tqkv.Client(s.target, auth_token="beta-token", timeout=10, max_attempts=1)
+        k, v = kv(3, 5)
+        alpha.append("alpha:one", k, v)
+        with pytest.raises(tqkv.PermissionDenied):
+            beta.get_sequence("alpha:one")
+        with pytest.raises(tqkv.PermissionDenied):
+            alpha.append("one", k, v)
+        with pytest.raises(tqkv.ResourceExhausted) as e:
+            alpha.append("alpha:two", k, v)
+        assert "tenant 'alpha' is at its quota" in str(e.value)
+        mine = alpha.info().tenant
+        assert (mine.name, mine.sequence_prefix, mine.sequences, mine.tokens) == ("alpha", "alpha:", 1, 3)
+        alpha.close()
+        beta.close()
+
+        body = os.urandom(54 << 20)
+        codes = []
+        before = _rss_mib(s.process.pid)
+        peak = [before]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_mib(s.process.pid))
+                time.sleep(0.005)
+
+        def send():
+            channel = grpc.insecure_channel(s.target, options=[("grpc.max_send_message_length", 64 << 20)])
+            call = channel.unary_unary("/tqkv.v1.KvCache/Append")
+            try:
+                call(body, timeout=30)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as err:
+                codes.append(err.code())
+            channel.close()
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        senders = [threading.Thread(target=send) for _ in range(4)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        time.sleep(0.2)
+        done.set()
+        sampler.join()
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
+        assert peak[0] - before < 64, "the server grew by %.0f MiB" % (peak[0] - before)

@@ -12,9 +12,12 @@
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/impl/codegen/rpc_method.h>
 #include <grpcpp/security/credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "client/cpp/tqkv_client.h"
 #include "gtest/gtest.h"
 #include "grpc_std.pb.h"
@@ -211,6 +214,44 @@ TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
   EXPECT_EQ(code_with("bearer first-token"), grpc::StatusCode::OK);
   EXPECT_EQ(code_with("BEARER first-token"), grpc::StatusCode::OK);
   EXPECT_EQ(code_with("Bearer FIRST-TOKEN"), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// A call without a valid token is refused when its headers arrive, before a
+// byte of its request is read: the request below is never sent (the call
+// stays open, not half-closed), and the answer still comes. A server that
+// read unary requests whole first would wait for it until the deadline.
+TEST(Auth, AnUnauthenticatedCallIsRefusedBeforeItsRequestIsRead) {
+  std::unique_ptr<service::Server> server = StartServer({"token"});
+  ASSERT_NE(server, nullptr);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials());
+  const auto open_call = [&channel](const char* method, const char* header) {
+    const grpc::internal::RpcMethod stream(method, grpc::internal::RpcMethod::BIDI_STREAMING);
+    auto context = std::make_unique<grpc::ClientContext>();
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    if (header != nullptr) context->AddMetadata("authorization", header);
+    std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> call(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+            channel.get(), stream, context.get()));
+    return std::make_pair(std::move(context), std::move(call));
+  };
+  for (const char* method : {"/tqkv.v1.KvCache/Append", "/tqkv.v1.KvCache/Attend",
+                             "/tqkv.v1.KvCache/GetServerInfo", "/tqkv.v1.KvCache/AppendStream"}) {
+    for (const char* header : {static_cast<const char*>(nullptr), "Bearer wrong"}) {
+      auto [context, call] = open_call(method, header);
+      const absl::Time start = absl::Now();
+      const grpc::Status status = call->Finish();
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << method << ": " << status.error_message();
+      EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << method;
+    }
+  }
+  // With the token, a unary call that half-closes without its message is
+  // told so.
+  auto [context, call] = open_call("/tqkv.v1.KvCache/GetSequence", "Bearer token");
+  ASSERT_TRUE(call->WritesDone());
+  const grpc::Status status = call->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(), "the call carried no request message");
 }
 
 TEST(Auth, HealthStaysOpenWithoutAToken) {
