@@ -140,6 +140,13 @@ class Backend {
   // Copies one whole page (copy-on-write of a shared partial page).
   virtual absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) = 0;
 
+  // Copies whole pages out of the pool into host memory (pages[i] to
+  // host + i * page_bytes), or back in: how sequences move between servers
+  // and to disk at their compressed size. INVALID_ARGUMENT for a page outside
+  // the pool (nothing copied).
+  virtual absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) = 0;
+  virtual absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) = 0;
+
   // Fails with INVALID_ARGUMENT on non-finite input (nothing is guaranteed
   // about the destination slots then; the cache never publishes them).
   // Store writes the tokens into the pages of params.layout, which is the

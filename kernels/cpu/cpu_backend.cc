@@ -59,6 +59,16 @@ HeadView View(const KvLayout& layout, int layer, int head) {
           &layout.planes(layer, head)};
 }
 
+absl::Status CheckPages(const PagePool& pool, absl::Span<const int32_t> pages) {
+  for (int32_t page : pages) {
+    if (page < 0 || page >= pool.num_pages) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("page %d is outside a %d-page pool", page, pool.num_pages));
+    }
+  }
+  return absl::OkStatus();
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int num_threads)
@@ -93,6 +103,22 @@ class CpuBackend final : public Backend {
     }
     memcpy(pool.base + static_cast<size_t>(to) * pool.page_bytes,
            pool.base + static_cast<size_t>(from) * pool.page_bytes, pool.page_bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
+    RETURN_IF_ERROR(CheckPages(pool, pages));
+    for (size_t i = 0; i < pages.size(); ++i) {
+      memcpy(host + i * pool.page_bytes, pool.base + static_cast<size_t>(pages[i]) * pool.page_bytes, pool.page_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
+    RETURN_IF_ERROR(CheckPages(pool, pages));
+    for (size_t i = 0; i < pages.size(); ++i) {
+      memcpy(pool.base + static_cast<size_t>(pages[i]) * pool.page_bytes, host + i * pool.page_bytes, pool.page_bytes);
+    }
     return absl::OkStatus();
   }
 

@@ -570,6 +570,37 @@ class CudaBackend final : public Backend {
     return CudaStatus(cudaStreamSynchronize(w.stream), "copy page (sync)");
   }
 
+  // Pages between the pool and host memory, one copy per page on a
+  // workspace's stream (pages of a sequence are rarely adjacent).
+  absl::Status CopyPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host,
+                         cudaMemcpyKind kind) {
+    for (int32_t page : pages) {
+      if (page < 0 || page >= pool.num_pages) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("page %d is outside a %d-page pool", page, pool.num_pages));
+      }
+    }
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
+    WorkspaceLease lease(this);
+    Workspace& w = lease.get();
+    for (size_t i = 0; i < pages.size(); ++i) {
+      uint8_t* device = pool.base + static_cast<size_t>(pages[i]) * pool.page_bytes;
+      uint8_t* near = host + i * pool.page_bytes;
+      RETURN_IF_ERROR(CudaStatus(kind == cudaMemcpyDeviceToHost
+                                     ? cudaMemcpyAsync(near, device, pool.page_bytes, kind, w.stream)
+                                     : cudaMemcpyAsync(device, near, pool.page_bytes, kind, w.stream),
+                                 "copy pages"));
+    }
+    return CudaStatus(cudaStreamSynchronize(w.stream), "copy pages (sync)");
+  }
+
+  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
+    return CopyPages(pool, pages, host, cudaMemcpyDeviceToHost);
+  }
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
+    return CopyPages(pool, pages, const_cast<uint8_t*>(host), cudaMemcpyHostToDevice);
+  }
+
   absl::Status Store(const StoreParams& p) override {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;

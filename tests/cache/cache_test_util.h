@@ -248,6 +248,12 @@ class GatedBackend : public Backend {
   absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
     return inner_->CopyPage(pool, from, to);
   }
+  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
+    return inner_->ReadPages(pool, pages, host);
+  }
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
+    return inner_->WritePages(pool, pages, host);
+  }
   absl::Status Store(const StoreParams& params) override {
     if (store_delay_ > absl::ZeroDuration()) absl::SleepFor(store_delay_);
     return inner_->Store(params);
