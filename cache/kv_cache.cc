@@ -970,6 +970,246 @@ absl::Status KvCache::Drop(const std::string& id) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<SequenceImage> KvCache::ExportSequence(const std::string& id) {
+  State& s = *state_;
+  SequenceImage image;
+  std::vector<int32_t> physical;  // pages[i] of the image is pool page physical[i]
+  Sequence* seq = nullptr;
+  {
+    absl::MutexLock lock(&s.mu);
+    s.AwaitNoWriter(id);
+    seq = s.FindVisible(id);
+    if (seq == nullptr) {
+      return s.SequenceNotFound(id, absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+    }
+    image.id = seq->id;
+    image.layer_tokens = seq->layer_tokens;
+    image.held_begin = seq->held_begin;
+    const auto number = [&physical](const std::vector<int32_t>& table) {
+      std::vector<int32_t> out(table.size(), -1);
+      for (size_t k = 0; k < table.size(); ++k) {
+        if (table[k] < 0) continue;
+        out[k] = static_cast<int32_t>(physical.size());
+        physical.push_back(table[k]);
+      }
+      return out;
+    };
+    for (const std::vector<int32_t>& table : seq->tables) image.tables.push_back(number(table));
+    for (const std::vector<int32_t>& table : seq->exact_tables) image.exact_tables.push_back(number(table));
+    for (const auto& mean : seq->key_means) image.key_means.push_back(mean ? *mean : std::vector<float>());
+    for (const Sequence::RememberedAppend& r : seq->recent_appends) {
+      image.recent_appends.push_back({r.request_id, r.start, r.tokens, r.layer_begin, r.layer_end});
+    }
+    // Held like an append: nothing writes these pages or frees them meanwhile.
+    seq->writer_active = true;
+  }
+  image.num_pages = static_cast<int64_t>(physical.size());
+  absl::Status status;
+  try {
+    image.pages.resize(physical.size() * layout_->page_bytes());
+  } catch (const std::bad_alloc&) {
+    status = absl::ResourceExhaustedError(
+        absl::StrFormat("cannot allocate %d bytes to export sequence '%s'", physical.size() * layout_->page_bytes(), id));
+  }
+  if (status.ok()) status = backend_->ReadPages(pool_, physical, image.pages.data());
+  {
+    absl::MutexLock lock(&s.mu);
+    seq->writer_active = false;
+  }
+  if (!status.ok()) return status;
+  return image;
+}
+
+absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr<UsageAccount> account) {
+  const KvLayout& layout = *layout_;
+  const int layers = layout.num_layers();
+  const std::string& id = image.id;
+  // Everything a read or a later append relies on is checked first: a
+  // malformed image must not make a kernel read outside the pool.
+  const auto bad = [&id](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrFormat("sequence '%s' does not fit this cache: %s", id, why));
+  };
+  if (id.empty()) return absl::InvalidArgumentError("sequence id is empty; want a non-empty id");
+  if (static_cast<int>(image.layer_tokens.size()) != layers || static_cast<int>(image.held_begin.size()) != layers ||
+      static_cast<int>(image.key_means.size()) != layers) {
+    return bad(absl::StrFormat("it has %d layers (%d oldest-token entries, %d means); the cache has %d",
+                               image.layer_tokens.size(), image.held_begin.size(), image.key_means.size(), layers));
+  }
+  if (static_cast<int>(image.tables.size()) != layout.num_chunks() ||
+      static_cast<int>(image.exact_tables.size()) != layout.num_chunks()) {
+    return bad(absl::StrFormat("it has %d block tables and %d exact ones; the cache has %d layer chunks",
+                               image.tables.size(), image.exact_tables.size(), layout.num_chunks()));
+  }
+  if (image.num_pages < 0 || image.pages.size() != static_cast<size_t>(image.num_pages) * layout.page_bytes()) {
+    return bad(absl::StrFormat("%d pages in %d bytes; want pages of %d bytes", image.num_pages, image.pages.size(),
+                               layout.page_bytes()));
+  }
+  if (image.num_pages > pool_.num_pages) {
+    return absl::ResourceExhaustedError(absl::StrFormat("cache '%s' cannot hold sequence '%s': %d pages, the pool has %d",
+                                                        options_.name, id, image.num_pages, pool_.num_pages));
+  }
+  for (int l = 0; l < layers; ++l) {
+    const int64_t length = image.layer_tokens[l], held = image.held_begin[l];
+    if (length < 0 || length > (int64_t{1} << 40) || held < 0 || held > length ||
+        (layout.layer_window(l) == 0 && held != 0)) {
+      return bad(absl::StrFormat("layer %d holds tokens [%d, %d)", l, held, length));
+    }
+    const bool wants_mean = layout.key_centering() != KeyCentering::kNone && length > 0;
+    const size_t mean_size = image.key_means[l].size();
+    if (wants_mean ? mean_size != static_cast<size_t>(layout.mean_floats()) : mean_size != 0) {
+      return bad(absl::StrFormat("layer %d has a key mean of %d floats; want %d", l, mean_size,
+                                 wants_mean ? layout.mean_floats() : 0));
+    }
+    for (float x : image.key_means[l]) {
+      if (!std::isfinite(x)) return bad(absl::StrFormat("layer %d's key mean is not finite", l));
+    }
+  }
+  // Every page index once; every table exactly as long as its chunk's
+  // tokens need; every page a read needs present.
+  std::vector<bool> seen(static_cast<size_t>(image.num_pages), false);
+  const auto check_table = [&](const std::vector<int32_t>& table, int64_t want_size, const char* what,
+                               int chunk) -> absl::Status {
+    if (static_cast<int64_t>(table.size()) != want_size) {
+      return bad(absl::StrFormat("chunk %d's %s has %d entries; its tokens need %d", chunk, what, table.size(),
+                                 want_size));
+    }
+    for (int32_t page : table) {
+      if (page < -1 || page >= image.num_pages || (page >= 0 && seen[page])) {
+        return bad(absl::StrFormat("chunk %d's %s names page %d twice or outside its %d pages", chunk, what, page,
+                                   image.num_pages));
+      }
+      if (page >= 0) seen[page] = true;
+    }
+    return absl::OkStatus();
+  };
+  const auto need_pages = [&](const std::vector<int32_t>& table, int64_t page_tokens, int64_t begin, int64_t end,
+                              const char* what, int layer) -> absl::Status {
+    for (int64_t k = begin / page_tokens; k < CeilDiv(end, page_tokens); ++k) {
+      if (table[k] < 0) {
+        return bad(absl::StrFormat("layer %d reads tokens [%d, %d) from its %s, whose entry %d holds no page", layer,
+                                   begin, end, what, k));
+      }
+    }
+    return absl::OkStatus();
+  };
+  for (int chunk = 0; chunk < layout.num_chunks(); ++chunk) {
+    int64_t chunk_max = 0;
+    for (int l : layout.chunk_layers(chunk)) chunk_max = std::max(chunk_max, image.layer_tokens[l]);
+    RETURN_IF_ERROR(check_table(image.tables[chunk], CeilDiv(chunk_max, layout.page_tokens()), "block table", chunk));
+    const int64_t exact_size = layout.has_exact_tokens() && chunk_max > 0
+                                   ? CeilDiv(chunk_max, layout.exact_page_tokens()) : 0;
+    RETURN_IF_ERROR(check_table(image.exact_tables[chunk], exact_size, "exact block table", chunk));
+    for (int l : layout.chunk_layers(chunk)) {
+      const int64_t length = image.layer_tokens[l];
+      RETURN_IF_ERROR(need_pages(image.tables[chunk], layout.page_tokens(), image.held_begin[l], length,
+                                 "block table", l));
+      if (layout.has_exact_tokens() && length > 0) {
+        const ExactRanges r = layout.exact_ranges(length);
+        RETURN_IF_ERROR(need_pages(image.exact_tables[chunk], layout.exact_page_tokens(),
+                                   std::max(image.held_begin[l], int64_t{0}), std::max(r.sink_end, image.held_begin[l]),
+                                   "exact block table", l));
+        RETURN_IF_ERROR(need_pages(image.exact_tables[chunk], layout.exact_page_tokens(),
+                                   std::max(r.window_begin, image.held_begin[l]), length, "exact block table", l));
+      }
+    }
+  }
+  for (int64_t i = 0; i < image.num_pages; ++i) {
+    if (!seen[i]) return bad(absl::StrFormat("page %d is in no table", i));
+  }
+  if (image.recent_appends.size() > static_cast<size_t>(kRememberedAppends)) {
+    return bad(absl::StrFormat("it remembers %d request ids; want at most %d", image.recent_appends.size(),
+                               kRememberedAppends));
+  }
+  for (const SequenceImage::RememberedAppend& r : image.recent_appends) {
+    if (r.request_id.empty() || r.request_id.size() > 64) return bad("a remembered request id is not 1..64 bytes");
+  }
+
+  State& s = *state_;
+  const int32_t need = static_cast<int32_t>(image.num_pages);
+  const uint64_t charged = static_cast<uint64_t>(need) * layout.page_bytes();
+  std::vector<int32_t> allocated;
+  Sequence* seq = nullptr;
+  {
+    absl::MutexLock lock(&s.mu);
+    s.AwaitNoWriter(id);
+    if (s.sequences.contains(id)) {
+      return absl::AlreadyExistsError(absl::StrFormat("sequence '%s' already exists in cache '%s'", id, s.name));
+    }
+    const absl::Time now = s.clock();
+    s.EvictExpiredLocked(now, &id);
+    if (account != nullptr) {
+      RETURN_IF_ERROR(account->TryAddSequence());
+      if (absl::Status fits = account->TryChargeBytes(charged, "this import"); !fits.ok()) {
+        account->RemoveSequence();
+        return fits;
+      }
+    }
+    if (need > s.pages.num_free()) {
+      const int32_t free_before = s.pages.num_free();
+      std::vector<Sequence*> victims;
+      int32_t reachable = free_before;
+      if (!s.evict_lru || !s.PlanLruEviction(need, id, &victims, &reachable)) {
+        if (account != nullptr) {
+          account->AdjustBytes(-static_cast<int64_t>(charged));
+          account->RemoveSequence();
+        }
+        return absl::ResourceExhaustedError(absl::StrFormat("cache '%s' is full: need %d pages, %d free of %d", s.name,
+                                                            need, free_before, s.pages.num_pages()));
+      }
+      for (Sequence* victim : victims) {
+        s.RecordEvicted(victim->id, now, "least recently used, to make room in a full pool");
+        s.DropLocked(victim);
+      }
+      s.evictions += victims.size();
+    }
+    (void)s.pages.Allocate(need, &allocated);
+    seq = s.AddSequence(id, /*pending=*/true, now);
+    seq->account = std::move(account);
+    seq->charged_bytes = seq->account != nullptr ? charged : 0;
+    seq->writer_active = true;
+  }
+  const absl::Status written = backend_->WritePages(pool_, allocated, image.pages.data());
+  absl::MutexLock lock(&s.mu);
+  if (!written.ok()) {
+    for (int32_t page : allocated) s.pages.Release(page);
+    if (seq->account != nullptr) {
+      seq->account->AdjustBytes(-static_cast<int64_t>(seq->charged_bytes));
+      seq->account->RemoveSequence();
+    }
+    s.sequences.erase(id);
+    return absl::Status(written.code(), absl::StrFormat("import of sequence '%s' into cache '%s': %s", id, s.name,
+                                                        written.message()));
+  }
+  const auto map = [&allocated](const std::vector<int32_t>& table) {
+    std::vector<int32_t> out(table.size(), -1);
+    for (size_t k = 0; k < table.size(); ++k) out[k] = table[k] < 0 ? -1 : allocated[table[k]];
+    return out;
+  };
+  for (int chunk = 0; chunk < layout.num_chunks(); ++chunk) {
+    seq->tables[chunk] = map(image.tables[chunk]);
+    seq->exact_tables[chunk] = map(image.exact_tables[chunk]);
+  }
+  seq->layer_tokens = image.layer_tokens;
+  seq->held_begin = image.held_begin;
+  for (int l = 0; l < layers; ++l) {
+    if (!image.key_means[l].empty()) seq->key_means[l] = std::make_shared<const std::vector<float>>(image.key_means[l]);
+  }
+  seq->max_tokens = *std::max_element(image.layer_tokens.begin(), image.layer_tokens.end());
+  for (const SequenceImage::RememberedAppend& r : image.recent_appends) {
+    seq->recent_appends.push_back({r.request_id, r.start, r.tokens, r.layer_begin, r.layer_end});
+  }
+  CountBytes(layout, seq->layer_tokens, seq->held_begin, &seq->stored_bytes, &seq->stored_bytes_bf16);
+  s.stored_bytes += seq->stored_bytes;
+  s.stored_bytes_bf16 += seq->stored_bytes_bf16;
+  s.tokens += seq->max_tokens;
+  ++s.num_sequences;
+  seq->pending = false;
+  seq->writer_active = false;
+  s.Recharge(seq);
+  s.Touch(seq, s.clock());
+  return absl::OkStatus();
+}
+
 absl::StatusOr<SequenceInfo> KvCache::GetSequence(const std::string& id) {
   State& s = *state_;
   absl::MutexLock lock(&s.mu);

@@ -182,6 +182,35 @@ struct AttendRequestItem {
   float* lse = nullptr;            // optional [num_query_tokens, num_query_heads]
 };
 
+// A sequence as it is stored, for moving it between caches of the same
+// layout (export and import, snapshots): its state and the bytes of every
+// page it holds, unchanged. Imported into a cache of the same layout, it
+// reads exactly as it did (bit-identical Attend and Score) and can grow.
+struct SequenceImage {
+  std::string id;
+  std::vector<int64_t> layer_tokens;  // per layer
+  std::vector<int64_t> held_begin;    // per layer (see SequenceInfo)
+  // Per chunk (KvLayout::chunk_layers), the block table and the exact block
+  // table, each entry the index of its page in `pages`, or -1 (given back,
+  // released or never written).
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<std::vector<int32_t>> exact_tables;
+  // Per layer, the key mean (KvLayout::mean_floats() floats), or empty
+  // where the layer has none yet (no centering, or no tokens).
+  std::vector<std::vector<float>> key_means;
+  // The idempotency keys the sequence remembers, oldest first.
+  struct RememberedAppend {
+    std::string request_id;
+    int64_t start = 0;
+    int64_t tokens = 0;
+    int layer_begin = 0;
+    int layer_end = 0;
+  };
+  std::vector<RememberedAppend> recent_appends;
+  int64_t num_pages = 0;
+  std::vector<uint8_t> pages;  // num_pages * page_bytes: page i at i * page_bytes
+};
+
 class KvCache {
  public:
   // Allocates the pool from `backend` (which must outlive the cache).
@@ -216,6 +245,22 @@ class KvCache {
 
   // NOT_FOUND if unknown.
   absl::Status Drop(const std::string& id);
+
+  // The sequence's state and page bytes. Holds the sequence as an append
+  // does while its pages are copied (appends, drops and forks wait; an
+  // append in flight is waited for first), so the image is one consistent
+  // state. Does not count as a use for LRU and TTL. NOT_FOUND if unknown.
+  absl::StatusOr<SequenceImage> ExportSequence(const std::string& id);
+
+  // Recreates an exported sequence under image.id, charged to `account`
+  // (null: none). The image is checked against this cache's layout before
+  // anything is allocated: INVALID_ARGUMENT naming what does not fit (table
+  // sizes, a page a read would need and the image lacks, means, lengths).
+  // ALREADY_EXISTS if the id is taken; RESOURCE_EXHAUSTED when the pages do
+  // not fit the pool (after LRU eviction, when on) or the account. All or
+  // nothing. REQUIRES: the image comes from a cache of the same layout (the
+  // caller compares layouts: ExportSequence does not record one).
+  absl::Status ImportSequence(const SequenceImage& image, std::shared_ptr<UsageAccount> account = nullptr);
 
   absl::StatusOr<SequenceInfo> GetSequence(const std::string& id);
   std::vector<std::string> ListSequences();

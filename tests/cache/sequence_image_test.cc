@@ -1,0 +1,213 @@
+// ExportSequence / ImportSequence: a sequence moved to another cache of the
+// same layout reads bit for bit as it did, keeps growing the same way, keeps
+// its idempotency keys; a malformed image is refused before anything is
+// allocated.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cache/kv_cache.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/key_centering.h"
+#include "tests/cache/cache_test_util.h"
+
+namespace tqkv {
+namespace {
+
+using ::testing::HasSubstr;
+using testing_util::RandomQueries;
+using testing_util::RandomTensor;
+
+struct Case {
+  const char* name;
+  KvLayoutOptions layout;
+};
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  cases.push_back({"plain", testing_util::SmallLayout("tqkv_k3v3")});
+  KvLayoutOptions centered = testing_util::SmallLayout("turboquant_k3v4_nc");
+  centered.key_centering = KeyCentering::kPreRope;
+  centered.rope.base = 10000.0;
+  centered.exact_sink_tokens = 4;
+  centered.exact_window_tokens = 9;
+  cases.push_back({"centered_exact", centered});
+  KvLayoutOptions windowed = testing_util::SmallLayout("turboquant_k3v4_nc");
+  windowed.boundary_layers = 0;
+  windowed.layer_windows = {10, 0, 10, 10};
+  windowed.exact_sink_tokens = 2;
+  windowed.exact_window_tokens = 4;
+  cases.push_back({"windowed", windowed});
+  return cases;
+}
+
+class SequenceImageTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    backend_ = MakeCpuBackend(1);
+    a_ = NewCache(256);
+    b_ = NewCache(256);
+  }
+
+  std::unique_ptr<KvCache> NewCache(int pages) {
+    CacheOptions o;
+    o.layout = GetParam().layout;
+    o.memory_budget_bytes = testing_util::PageBytes(o.layout) * pages;
+    absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(o, backend_.get());
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    return cache.ok() ? *std::move(cache) : nullptr;
+  }
+
+  absl::Status Append(KvCache& cache, const std::string& id, int64_t start, int64_t n, uint32_t seed,
+                      const std::string& request_id = "", AppendOutcome* outcome = nullptr) {
+    const int layers = cache.layout().num_layers();
+    const std::vector<float> k = RandomTensor(layers, n, cache.layout(), seed);
+    const std::vector<float> v = RandomTensor(layers, n, cache.layout(), seed + 1);
+    AppendRequest r;
+    r.sequence_id = id;
+    r.start_position = start;
+    r.layer_begin = 0;
+    r.layer_end = layers;
+    r.num_tokens = n;
+    r.keys = k.data();
+    r.values = v.data();
+    r.request_id = request_id;
+    return cache.Append(r, outcome);
+  }
+
+  // Attend and Score of every layer, as raw bytes.
+  std::string Reads(KvCache& cache, const std::string& id, uint32_t seed) {
+    std::string bytes;
+    const KvLayout& layout = cache.layout();
+    for (int layer = 0; layer < layout.num_layers(); ++layer) {
+      const std::vector<float> q = RandomQueries(1, layout, seed + layer);
+      std::vector<float> out(q.size()), lse(layout.num_query_heads());
+      AttendRequestItem item;
+      item.sequence_id = id;
+      item.layer = layer;
+      item.num_query_tokens = 1;
+      item.queries = q.data();
+      item.output = out.data();
+      item.lse = lse.data();
+      const absl::Status attended = cache.Attend({item});
+      EXPECT_TRUE(attended.ok()) << attended;
+      bytes.append(reinterpret_cast<const char*>(out.data()), out.size() * 4);
+      bytes.append(reinterpret_cast<const char*>(lse.data()), lse.size() * 4);
+      absl::StatusOr<SequenceInfo> info = cache.GetSequence(id);
+      const int64_t begin = info->layer_held_begin[layer], end = info->layer_tokens[layer];
+      std::vector<float> logits(static_cast<size_t>(layout.num_query_heads() * (end - begin)));
+      const absl::Status scored = cache.Score(id, layer, begin, end, q.data(), logits.data());
+      EXPECT_TRUE(scored.ok()) << scored;
+      bytes.append(reinterpret_cast<const char*>(logits.data()), logits.size() * 4);
+    }
+    return bytes;
+  }
+
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<KvCache> a_, b_;
+};
+
+TEST_P(SequenceImageTest, AMovedSequenceReadsBitForBitAndKeepsGrowing) {
+  ASSERT_TRUE(Append(*a_, "p", 0, 23, 1, "prefill").ok());
+  for (int64_t t = 23; t < 30; ++t) ASSERT_TRUE(Append(*a_, "p", t, 1, 100 + t).ok());
+  ASSERT_TRUE(a_->Fork("p", "p/child").ok());  // shares every page
+  for (int64_t t = 30; t < 33; ++t) ASSERT_TRUE(Append(*a_, "p/child", t, 1, 200 + t, absl::StrCat("c", t)).ok());
+
+  for (const std::string id : {"p", "p/child"}) {
+    SCOPED_TRACE(id);
+    absl::StatusOr<SequenceImage> image = a_->ExportSequence(id);
+    ASSERT_TRUE(image.ok()) << image.status();
+    const SequenceInfo before = *a_->GetSequence(id);
+    EXPECT_EQ(image->num_pages, before.pages + before.exact_pages);
+    EXPECT_EQ(image->pages.size(), image->num_pages * a_->layout().page_bytes());
+    ASSERT_TRUE(b_->ImportSequence(*image).ok());
+    const SequenceInfo after = *b_->GetSequence(id);
+    EXPECT_EQ(after.layer_tokens, before.layer_tokens);
+    EXPECT_EQ(after.layer_held_begin, before.layer_held_begin);
+    EXPECT_EQ(after.pages, before.pages);
+    EXPECT_EQ(after.exact_pages, before.exact_pages);
+    EXPECT_EQ(after.stored_bytes, before.stored_bytes);
+    EXPECT_TRUE(Reads(*a_, id, 7) == Reads(*b_, id, 7)) << "reads differ after the move";
+
+    // Both grow the same way; a retry of an append the source remembered is
+    // already stored at the destination too.
+    const int64_t length = before.max_tokens;
+    for (int64_t t = length; t < length + 6; ++t) {
+      ASSERT_TRUE(Append(*a_, id, t, 1, 300 + t).ok());
+      ASSERT_TRUE(Append(*b_, id, t, 1, 300 + t).ok());
+    }
+    EXPECT_TRUE(Reads(*a_, id, 9) == Reads(*b_, id, 9)) << "reads differ after growing";
+    if (id == "p") {
+      AppendOutcome outcome;
+      ASSERT_TRUE(Append(*b_, id, 0, 23, 1, "prefill", &outcome).ok());
+      EXPECT_TRUE(outcome.already_stored);
+    }
+    EXPECT_EQ(b_->ImportSequence(*image).code(), absl::StatusCode::kAlreadyExists);
+  }
+  EXPECT_EQ(a_->ExportSequence("nope").status().code(), absl::StatusCode::kNotFound);
+
+  // A pool too small for the pages refuses the import and changes nothing;
+  // the account is charged only for what lands.
+  std::unique_ptr<KvCache> small = NewCache(3);
+  auto account = std::make_shared<UsageAccount>("tenant 't'", 0, 0);
+  absl::StatusOr<SequenceImage> image = a_->ExportSequence("p");
+  ASSERT_TRUE(image.ok());
+  EXPECT_EQ(small->ImportSequence(*image, account).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(small->Stats().pages_used, 0);
+  EXPECT_EQ(small->Stats().sequences, 0);
+  EXPECT_EQ(account->bytes(), 0u);
+  EXPECT_EQ(account->sequences(), 0);
+  image->id = "t:p";
+  ASSERT_TRUE(b_->ImportSequence(*image, account).ok());
+  EXPECT_EQ(account->bytes(), image->num_pages * b_->layout().page_bytes());
+  EXPECT_EQ(account->sequences(), 1);
+}
+
+TEST_P(SequenceImageTest, AMalformedImageIsRefusedAndChangesNothing) {
+  ASSERT_TRUE(Append(*a_, "s", 0, 27, 1).ok());
+  absl::StatusOr<SequenceImage> good = a_->ExportSequence("s");
+  ASSERT_TRUE(good.ok()) << good.status();
+  const auto broken = [&](const char* what, auto mutate) {
+    SequenceImage image = *good;
+    mutate(image);
+    const absl::Status status = b_->ImportSequence(image);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << what << ": " << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("does not fit this cache")) << what;
+    EXPECT_EQ(b_->Stats().pages_used, 0) << what;
+    EXPECT_EQ(b_->Stats().sequences, 0) << what;
+  };
+  broken("a layer short", [](SequenceImage& i) { i.layer_tokens.pop_back(); });
+  broken("a negative length", [](SequenceImage& i) { i.layer_tokens[1] = -1; });
+  broken("more tokens than the tables hold", [](SequenceImage& i) { i.layer_tokens[1] += 64; });
+  broken("a missing page", [](SequenceImage& i) { i.tables[0].back() = -1; });
+  broken("a page named twice", [](SequenceImage& i) { i.tables[0][1] = i.tables[0][0]; });
+  broken("a page outside the image", [](SequenceImage& i) { i.tables[0][0] = static_cast<int32_t>(i.num_pages); });
+  broken("page bytes cut short", [](SequenceImage& i) { i.pages.pop_back(); });
+  broken("an unreferenced page", [](SequenceImage& i) {
+    i.pages.resize(i.pages.size() + i.pages.size() / i.num_pages);
+    ++i.num_pages;
+  });
+  broken("a chunk missing", [](SequenceImage& i) { i.tables.pop_back(); });
+  broken("a mean of the wrong size", [](SequenceImage& i) { i.key_means[1].push_back(1.0f); });
+  if (a_->layout().has_exact_tokens()) {
+    broken("a missing exact page", [](SequenceImage& i) {
+      for (std::vector<int32_t>& t : i.exact_tables) {
+        if (!t.empty()) t.back() = -1;
+      }
+    });
+  }
+  if (a_->layout().key_centering() != KeyCentering::kNone) {
+    broken("a missing mean", [](SequenceImage& i) { i.key_means[1].clear(); });
+  }
+  ASSERT_TRUE(b_->ImportSequence(*good).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, SequenceImageTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace tqkv
