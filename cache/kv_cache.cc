@@ -970,57 +970,81 @@ absl::Status KvCache::Drop(const std::string& id) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<SequenceImage> KvCache::ExportSequence(const std::string& id) {
+absl::StatusOr<std::unique_ptr<SequenceExport>> KvCache::BeginExport(const std::string& id) {
   State& s = *state_;
-  SequenceImage image;
-  std::vector<int32_t> physical;  // pages[i] of the image is pool page physical[i]
-  Sequence* seq = nullptr;
-  {
-    absl::MutexLock lock(&s.mu);
-    s.AwaitNoWriter(id);
-    seq = s.FindVisible(id);
-    if (seq == nullptr) {
-      return s.SequenceNotFound(id, absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+  std::unique_ptr<SequenceExport> e(new SequenceExport());
+  e->cache_ = this;
+  SequenceImage& image = e->state_;
+  absl::MutexLock lock(&s.mu);
+  s.AwaitNoWriter(id);
+  Sequence* seq = s.FindVisible(id);
+  if (seq == nullptr) {
+    return s.SequenceNotFound(id, absl::StrFormat("sequence '%s' not found in cache '%s'", id, s.name));
+  }
+  image.id = seq->id;
+  image.layer_tokens = seq->layer_tokens;
+  image.held_begin = seq->held_begin;
+  std::vector<int32_t>& physical = e->physical_;
+  const auto number = [&physical](const std::vector<int32_t>& table) {
+    std::vector<int32_t> out(table.size(), -1);
+    for (size_t k = 0; k < table.size(); ++k) {
+      if (table[k] < 0) continue;
+      out[k] = static_cast<int32_t>(physical.size());
+      physical.push_back(table[k]);
     }
-    image.id = seq->id;
-    image.layer_tokens = seq->layer_tokens;
-    image.held_begin = seq->held_begin;
-    const auto number = [&physical](const std::vector<int32_t>& table) {
-      std::vector<int32_t> out(table.size(), -1);
-      for (size_t k = 0; k < table.size(); ++k) {
-        if (table[k] < 0) continue;
-        out[k] = static_cast<int32_t>(physical.size());
-        physical.push_back(table[k]);
-      }
-      return out;
-    };
-    for (const std::vector<int32_t>& table : seq->tables) image.tables.push_back(number(table));
-    for (const std::vector<int32_t>& table : seq->exact_tables) image.exact_tables.push_back(number(table));
-    for (const auto& mean : seq->key_means) image.key_means.push_back(mean ? *mean : std::vector<float>());
-    for (const Sequence::RememberedAppend& r : seq->recent_appends) {
-      image.recent_appends.push_back({r.request_id, r.start, r.tokens, r.layer_begin, r.layer_end});
-    }
-    // Held like an append: nothing writes these pages or frees them meanwhile.
-    seq->writer_active = true;
+    return out;
+  };
+  for (const std::vector<int32_t>& table : seq->tables) image.tables.push_back(number(table));
+  for (const std::vector<int32_t>& table : seq->exact_tables) image.exact_tables.push_back(number(table));
+  for (const auto& mean : seq->key_means) image.key_means.push_back(mean ? *mean : std::vector<float>());
+  for (const Sequence::RememberedAppend& r : seq->recent_appends) {
+    image.recent_appends.push_back({r.request_id, r.start, r.tokens, r.layer_begin, r.layer_end});
   }
   image.num_pages = static_cast<int64_t>(physical.size());
-  absl::Status status;
+  // Pinned as a reader pins: the pages stay allocated and their tokens
+  // unchanged (appends write only later slots), and eviction skips it.
+  for (int32_t page : physical) s.pages.Pin(page);
+  ++seq->readers;
+  e->serial_ = seq->serial;
+  return e;
+}
+
+void KvCache::EndExport(const SequenceExport& e) {
+  State& s = *state_;
+  ReadSnapshot held;
+  held.serial = e.serial_;
+  held.table = e.physical_;
+  absl::MutexLock lock(&s.mu);
+  s.EndRead(e.state_.id, held);
+}
+
+SequenceExport::~SequenceExport() {
+  if (cache_ != nullptr) cache_->EndExport(*this);
+}
+
+absl::Status SequenceExport::ReadPages(int64_t first, int64_t count, uint8_t* out) const {
+  if (first < 0 || count < 0 || first > state_.num_pages || count > state_.num_pages - first) {
+    return absl::InvalidArgumentError(absl::StrFormat("pages [%d, %d) are outside sequence '%s''s %d pages", first,
+                                                      first + count, state_.id, state_.num_pages));
+  }
+  return cache_->backend_->ReadPages(cache_->pool_, absl::MakeConstSpan(physical_.data() + first, count), out);
+}
+
+absl::StatusOr<SequenceImage> KvCache::ExportSequence(const std::string& id) {
+  ASSIGN_OR_RETURN(std::unique_ptr<SequenceExport> e, BeginExport(id));
+  SequenceImage image = e->state();
   try {
-    image.pages.resize(physical.size() * layout_->page_bytes());
+    image.pages.resize(static_cast<size_t>(image.num_pages) * layout_->page_bytes());
   } catch (const std::bad_alloc&) {
-    status = absl::ResourceExhaustedError(
-        absl::StrFormat("cannot allocate %d bytes to export sequence '%s'", physical.size() * layout_->page_bytes(), id));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("cannot allocate %d bytes to export sequence '%s'", image.num_pages * layout_->page_bytes(), id));
   }
-  if (status.ok()) status = backend_->ReadPages(pool_, physical, image.pages.data());
-  {
-    absl::MutexLock lock(&s.mu);
-    seq->writer_active = false;
-  }
-  if (!status.ok()) return status;
+  RETURN_IF_ERROR(e->ReadPages(0, image.num_pages, image.pages.data()));
   return image;
 }
 
-absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr<UsageAccount> account) {
+absl::StatusOr<std::unique_ptr<SequenceImport>> KvCache::BeginImport(const SequenceImage& image,
+                                                                     std::shared_ptr<UsageAccount> account) {
   const KvLayout& layout = *layout_;
   const int layers = layout.num_layers();
   const std::string& id = image.id;
@@ -1040,10 +1064,7 @@ absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr
     return bad(absl::StrFormat("it has %d block tables and %d exact ones; the cache has %d layer chunks",
                                image.tables.size(), image.exact_tables.size(), layout.num_chunks()));
   }
-  if (image.num_pages < 0 || image.pages.size() != static_cast<size_t>(image.num_pages) * layout.page_bytes()) {
-    return bad(absl::StrFormat("%d pages in %d bytes; want pages of %d bytes", image.num_pages, image.pages.size(),
-                               layout.page_bytes()));
-  }
+  if (image.num_pages < 0) return bad(absl::StrFormat("it has %d pages", image.num_pages));
   if (image.num_pages > pool_.num_pages) {
     return absl::ResourceExhaustedError(absl::StrFormat("cache '%s' cannot hold sequence '%s': %d pages, the pool has %d",
                                                         options_.name, id, image.num_pages, pool_.num_pages));
@@ -1127,58 +1148,86 @@ absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr
   State& s = *state_;
   const int32_t need = static_cast<int32_t>(image.num_pages);
   const uint64_t charged = static_cast<uint64_t>(need) * layout.page_bytes();
-  std::vector<int32_t> allocated;
-  Sequence* seq = nullptr;
-  {
-    absl::MutexLock lock(&s.mu);
-    s.AwaitNoWriter(id);
-    if (s.sequences.contains(id)) {
-      return absl::AlreadyExistsError(absl::StrFormat("sequence '%s' already exists in cache '%s'", id, s.name));
-    }
-    const absl::Time now = s.clock();
-    s.EvictExpiredLocked(now, &id);
-    if (account != nullptr) {
-      RETURN_IF_ERROR(account->TryAddSequence());
-      if (absl::Status fits = account->TryChargeBytes(charged, "this import"); !fits.ok()) {
-        account->RemoveSequence();
-        return fits;
-      }
-    }
-    if (need > s.pages.num_free()) {
-      const int32_t free_before = s.pages.num_free();
-      std::vector<Sequence*> victims;
-      int32_t reachable = free_before;
-      if (!s.evict_lru || !s.PlanLruEviction(need, id, &victims, &reachable)) {
-        if (account != nullptr) {
-          account->AdjustBytes(-static_cast<int64_t>(charged));
-          account->RemoveSequence();
-        }
-        return absl::ResourceExhaustedError(absl::StrFormat("cache '%s' is full: need %d pages, %d free of %d", s.name,
-                                                            need, free_before, s.pages.num_pages()));
-      }
-      for (Sequence* victim : victims) {
-        s.RecordEvicted(victim->id, now, "least recently used, to make room in a full pool");
-        s.DropLocked(victim);
-      }
-      s.evictions += victims.size();
-    }
-    (void)s.pages.Allocate(need, &allocated);
-    seq = s.AddSequence(id, /*pending=*/true, now);
-    seq->account = std::move(account);
-    seq->charged_bytes = seq->account != nullptr ? charged : 0;
-    seq->writer_active = true;
-  }
-  const absl::Status written = backend_->WritePages(pool_, allocated, image.pages.data());
+  std::unique_ptr<SequenceImport> import(new SequenceImport());
+  import->cache_ = this;
+  import->state_ = image;
+  import->state_.pages.clear();
   absl::MutexLock lock(&s.mu);
-  if (!written.ok()) {
+  s.AwaitNoWriter(id);
+  if (s.sequences.contains(id)) {
+    return absl::AlreadyExistsError(absl::StrFormat("sequence '%s' already exists in cache '%s'", id, s.name));
+  }
+  const absl::Time now = s.clock();
+  s.EvictExpiredLocked(now, &id);
+  if (account != nullptr) {
+    RETURN_IF_ERROR(account->TryAddSequence());
+    if (absl::Status fits = account->TryChargeBytes(charged, "this import"); !fits.ok()) {
+      account->RemoveSequence();
+      return fits;
+    }
+  }
+  if (need > s.pages.num_free()) {
+    const int32_t free_before = s.pages.num_free();
+    std::vector<Sequence*> victims;
+    int32_t reachable = free_before;
+    if (!s.evict_lru || !s.PlanLruEviction(need, id, &victims, &reachable)) {
+      if (account != nullptr) {
+        account->AdjustBytes(-static_cast<int64_t>(charged));
+        account->RemoveSequence();
+      }
+      return absl::ResourceExhaustedError(absl::StrFormat("cache '%s' is full: need %d pages, %d free of %d", s.name,
+                                                          need, free_before, s.pages.num_pages()));
+    }
+    for (Sequence* victim : victims) {
+      s.RecordEvicted(victim->id, now, "least recently used, to make room in a full pool");
+      s.DropLocked(victim);
+    }
+    s.evictions += victims.size();
+  }
+  (void)s.pages.Allocate(need, &import->allocated_);
+  // Reserved, invisible, held: calls naming the id wait for the commit or
+  // the abort, as for a first append in flight.
+  Sequence* seq = s.AddSequence(id, /*pending=*/true, now);
+  seq->account = std::move(account);
+  seq->charged_bytes = seq->account != nullptr ? charged : 0;
+  seq->writer_active = true;
+  return import;
+}
+
+absl::Status SequenceImport::WritePages(int64_t first, int64_t count, const uint8_t* data) {
+  if (finished_) return absl::FailedPreconditionError("the import has ended");
+  if (first < 0 || count < 0 || first > num_pages() || count > num_pages() - first) {
+    return absl::InvalidArgumentError(absl::StrFormat("pages [%d, %d) are outside sequence '%s''s %d pages", first,
+                                                      first + count, state_.id, num_pages()));
+  }
+  return cache_->backend_->WritePages(cache_->pool_, absl::MakeConstSpan(allocated_.data() + first, count), data);
+}
+
+absl::Status SequenceImport::Commit() {
+  if (finished_) return absl::FailedPreconditionError("the import has ended");
+  return cache_->EndImport(*this, /*commit=*/true);
+}
+
+SequenceImport::~SequenceImport() {
+  if (!finished_ && cache_ != nullptr) (void)cache_->EndImport(*this, /*commit=*/false);
+}
+
+absl::Status KvCache::EndImport(SequenceImport& import, bool commit) {
+  import.finished_ = true;
+  const KvLayout& layout = *layout_;
+  const SequenceImage& image = import.state_;
+  const std::vector<int32_t>& allocated = import.allocated_;
+  State& s = *state_;
+  absl::MutexLock lock(&s.mu);
+  Sequence* seq = s.sequences.at(image.id).get();
+  if (!commit) {
     for (int32_t page : allocated) s.pages.Release(page);
     if (seq->account != nullptr) {
       seq->account->AdjustBytes(-static_cast<int64_t>(seq->charged_bytes));
       seq->account->RemoveSequence();
     }
-    s.sequences.erase(id);
-    return absl::Status(written.code(), absl::StrFormat("import of sequence '%s' into cache '%s': %s", id, s.name,
-                                                        written.message()));
+    s.sequences.erase(image.id);
+    return absl::OkStatus();
   }
   const auto map = [&allocated](const std::vector<int32_t>& table) {
     std::vector<int32_t> out(table.size(), -1);
@@ -1191,7 +1240,7 @@ absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr
   }
   seq->layer_tokens = image.layer_tokens;
   seq->held_begin = image.held_begin;
-  for (int l = 0; l < layers; ++l) {
+  for (int l = 0; l < layout.num_layers(); ++l) {
     if (!image.key_means[l].empty()) seq->key_means[l] = std::make_shared<const std::vector<float>>(image.key_means[l]);
   }
   seq->max_tokens = *std::max_element(image.layer_tokens.begin(), image.layer_tokens.end());
@@ -1208,6 +1257,17 @@ absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr
   s.Recharge(seq);
   s.Touch(seq, s.clock());
   return absl::OkStatus();
+}
+
+absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr<UsageAccount> account) {
+  if (image.num_pages < 0 || image.pages.size() != static_cast<size_t>(image.num_pages) * layout_->page_bytes()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "sequence '%s' does not fit this cache: %d pages in %d bytes; want pages of %d bytes", image.id,
+        image.num_pages, image.pages.size(), layout_->page_bytes()));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<SequenceImport> import, BeginImport(image, std::move(account)));
+  RETURN_IF_ERROR(import->WritePages(0, import->num_pages(), image.pages.data()));
+  return import->Commit();
 }
 
 absl::StatusOr<SequenceInfo> KvCache::GetSequence(const std::string& id) {

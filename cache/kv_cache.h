@@ -211,6 +211,60 @@ struct SequenceImage {
   std::vector<uint8_t> pages;  // num_pages * page_bytes: page i at i * page_bytes
 };
 
+class KvCache;
+
+// An export in progress (KvCache::BeginExport): the sequence's state as of
+// that call, its pages pinned (kept allocated, their tokens unchanged) until
+// this object is destroyed. The sequence stays live meanwhile: appends go
+// on, writing only slots past the exported lengths (which an import never
+// reads), and a drop frees the pages when the export lets go.
+// REQUIRES: destroyed before its cache.
+class SequenceExport {
+ public:
+  ~SequenceExport();
+  SequenceExport(const SequenceExport&) = delete;
+  SequenceExport& operator=(const SequenceExport&) = delete;
+
+  // The image without its page bytes (`pages` empty, `num_pages` set).
+  const SequenceImage& state() const { return state_; }
+  // Copies pages [first, first + count) of the image to `out` (count *
+  // page_bytes bytes). INVALID_ARGUMENT outside [0, num_pages).
+  absl::Status ReadPages(int64_t first, int64_t count, uint8_t* out) const;
+
+ private:
+  friend class KvCache;
+  SequenceExport() = default;
+  KvCache* cache_ = nullptr;
+  SequenceImage state_;
+  std::vector<int32_t> physical_;  // the image's page i is pool page physical_[i]
+  uint64_t serial_ = 0;
+};
+
+// An import in progress (KvCache::BeginImport): the pages are allocated and
+// charged, the id reserved (calls naming it wait, as for an append in
+// flight), nothing visible until Commit. Destroyed without a commit, it
+// gives everything back. REQUIRES: destroyed before its cache.
+class SequenceImport {
+ public:
+  ~SequenceImport();
+  SequenceImport(const SequenceImport&) = delete;
+  SequenceImport& operator=(const SequenceImport&) = delete;
+
+  int64_t num_pages() const { return static_cast<int64_t>(allocated_.size()); }
+  // Writes pages [first, first + count) of the image from `data`.
+  absl::Status WritePages(int64_t first, int64_t count, const uint8_t* data);
+  // Publishes the sequence. FAILED_PRECONDITION when called twice.
+  absl::Status Commit();
+
+ private:
+  friend class KvCache;
+  SequenceImport() = default;
+  KvCache* cache_ = nullptr;
+  SequenceImage state_;
+  std::vector<int32_t> allocated_;
+  bool finished_ = false;
+};
+
 class KvCache {
  public:
   // Allocates the pool from `backend` (which must outlive the cache).
@@ -246,20 +300,26 @@ class KvCache {
   // NOT_FOUND if unknown.
   absl::Status Drop(const std::string& id);
 
-  // The sequence's state and page bytes. Holds the sequence as an append
-  // does while its pages are copied (appends, drops and forks wait; an
-  // append in flight is waited for first), so the image is one consistent
-  // state. Does not count as a use for LRU and TTL. NOT_FOUND if unknown.
+  // Starts exporting a sequence: its state now (an append in flight is
+  // waited for first) with its pages pinned; see SequenceExport. Does not
+  // count as a use for LRU and TTL, and an exported sequence is not idle
+  // (eviction skips it). NOT_FOUND if unknown.
+  absl::StatusOr<std::unique_ptr<SequenceExport>> BeginExport(const std::string& id);
+  // The whole image at once: BeginExport, then every page.
   absl::StatusOr<SequenceImage> ExportSequence(const std::string& id);
 
-  // Recreates an exported sequence under image.id, charged to `account`
-  // (null: none). The image is checked against this cache's layout before
-  // anything is allocated: INVALID_ARGUMENT naming what does not fit (table
-  // sizes, a page a read would need and the image lacks, means, lengths).
-  // ALREADY_EXISTS if the id is taken; RESOURCE_EXHAUSTED when the pages do
-  // not fit the pool (after LRU eviction, when on) or the account. All or
-  // nothing. REQUIRES: the image comes from a cache of the same layout (the
-  // caller compares layouts: ExportSequence does not record one).
+  // Starts recreating an exported sequence under state.id (state.pages is
+  // not read; state.num_pages pages follow through SequenceImport), charged
+  // to `account` (null: none). The state is checked against this cache's
+  // layout before anything is allocated: INVALID_ARGUMENT naming what does
+  // not fit (table sizes, a page a read would need and the image lacks,
+  // means, lengths). ALREADY_EXISTS if the id is taken; RESOURCE_EXHAUSTED
+  // when the pages do not fit the pool (after LRU eviction, when on) or the
+  // account. REQUIRES: the image comes from a cache of the same layout (the
+  // caller compares layouts: an image does not record one).
+  absl::StatusOr<std::unique_ptr<SequenceImport>> BeginImport(const SequenceImage& state,
+                                                              std::shared_ptr<UsageAccount> account = nullptr);
+  // The whole image at once: BeginImport, every page, Commit. All or nothing.
   absl::Status ImportSequence(const SequenceImage& image, std::shared_ptr<UsageAccount> account = nullptr);
 
   absl::StatusOr<SequenceInfo> GetSequence(const std::string& id);
@@ -300,6 +360,11 @@ class KvCache {
                   std::vector<float>* centered) const;
   // Stores the exact copies of the tokens in `runs` (positions) of a Store
   // of tokens [start, start + stored.num_tokens) (one chunk's layers).
+  friend class SequenceExport;
+  friend class SequenceImport;
+  // SequenceExport's and SequenceImport's ends.
+  void EndExport(const SequenceExport& e);
+  absl::Status EndImport(SequenceImport& import, bool commit);
   absl::Status StoreExact(const StoreParams& stored, int64_t start,
                           const std::vector<std::pair<int64_t, int64_t>>& runs,
                           const std::vector<int32_t>& exact_slots);

@@ -206,6 +206,41 @@ TEST_P(SequenceImageTest, AMalformedImageIsRefusedAndChangesNothing) {
   ASSERT_TRUE(b_->ImportSequence(*good).ok());
 }
 
+// Streaming ends: an export pins its pages while the sequence goes on
+// growing (and outlives a drop); an import not committed gives its pages,
+// its account charge and its id back.
+TEST_P(SequenceImageTest, ExportsPinAndUncommittedImportsGiveEverythingBack) {
+  ASSERT_TRUE(Append(*a_, "s", 0, 13, 1).ok());
+  const std::string before = Reads(*a_, "s", 3);
+  absl::StatusOr<std::unique_ptr<SequenceExport>> e = a_->BeginExport("s");
+  ASSERT_TRUE(e.ok()) << e.status();
+  SequenceImage image = (*e)->state();
+  for (int64_t t = 13; t < 30; ++t) ASSERT_TRUE(Append(*a_, "s", t, 1, 50 + t).ok());
+  ASSERT_TRUE(a_->Drop("s").ok());
+  image.pages.resize(image.num_pages * a_->layout().page_bytes());
+  ASSERT_TRUE((*e)->ReadPages(0, image.num_pages, image.pages.data()).ok());
+  EXPECT_EQ((*e)->ReadPages(image.num_pages, 1, image.pages.data()).code(), absl::StatusCode::kInvalidArgument);
+  e->reset();
+  EXPECT_EQ(a_->Stats().pages_used, 0);  // the drop's pages went back with the export
+  ASSERT_TRUE(b_->ImportSequence(image).ok());
+  EXPECT_TRUE(Reads(*b_, "s", 3) == before) << "the export is the state it began with";
+
+  auto account = std::make_shared<UsageAccount>("tenant 't'", 0, 0);
+  image.id = "t:s";
+  {
+    absl::StatusOr<std::unique_ptr<SequenceImport>> import = b_->BeginImport(image, account);
+    ASSERT_TRUE(import.ok()) << import.status();
+    EXPECT_EQ(b_->GetSequence("t:s").status().code(), absl::StatusCode::kNotFound);  // invisible until committed
+    EXPECT_GT(account->bytes(), 0u);
+    ASSERT_TRUE((*import)->WritePages(0, 1, image.pages.data()).ok());
+  }  // abandoned
+  EXPECT_EQ(account->bytes(), 0u);
+  EXPECT_EQ(account->sequences(), 0);
+  EXPECT_EQ(b_->ListSequences(), std::vector<std::string>{"s"});
+  ASSERT_TRUE(b_->ImportSequence(image, account).ok());
+  EXPECT_TRUE(Reads(*b_, "t:s", 3) == before);
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, SequenceImageTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
