@@ -17,6 +17,8 @@
 #include "kernels/preset.h"
 #include "kernels/status_macros.h"
 #include "service/config.h"
+#include "service/raw_message.h"
+#include "service/sequence_transfer.h"
 #include "service/status_util.h"
 #include "service/tensor_codec.h"
 
@@ -123,39 +125,6 @@ grpc::Status Record(Metrics* metrics, Rpc rpc, Clock::time_point start, grpc::St
                         std::chrono::duration<double>(Clock::now() - start).count());
   }
   return status;
-}
-
-// No exception reaches gRPC, which would answer UNIMPLEMENTED and count
-// nothing: a failed allocation is RESOURCE_EXHAUSTED, anything else INTERNAL.
-template <typename Work>
-absl::Status RunGuarded(const Work& work) {
-  try {
-    return work();
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError("the server could not allocate memory for this request");
-  } catch (const std::exception& e) {
-    return absl::InternalError(absl::StrCat("unexpected error serving this request: ", e.what()));
-  }
-}
-
-// The message `bytes` hold, or INVALID_ARGUMENT naming `what` (gRPC's own
-// parse would answer UNIMPLEMENTED and count nothing).
-template <typename Message>
-absl::Status ParseMessage(const grpc::ByteBuffer& bytes, Message* message, const std::string& what) {
-  message->Clear();
-  grpc::ByteBuffer shared(bytes);  // shares the slices; Deserialize consumes its buffer
-  if (grpc::SerializationTraits<Message>::Deserialize(&shared, message).ok()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "%s is not a valid %s: %d bytes that do not parse as protobuf, or a string field that is not UTF-8",
-      what, Message::descriptor()->full_name(), bytes.Length()));
-}
-
-template <typename Message>
-absl::Status SerializeMessage(const Message& message, grpc::ByteBuffer* out) {
-  bool own_buffer = false;
-  const grpc::Status s = grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
-  if (s.ok()) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("cannot serialize the response: ", s.error_message()));
 }
 
 // A unary rpc, served as a stream of one request and one response. gRPC
@@ -527,6 +496,14 @@ KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Bac
   ServeUnary<v1::GetSequenceRequest, v1::SequenceInfo>(
       "GetSequence", Rpc::kGetSequence,
       [this](const Caller& c, const auto& r, auto* out) { return DoGetSequence(c, r, out); });
+  // ExportSequences: one request, then a stream of chunks; like the unary
+  // rpcs, served so that the token is checked before the request is read.
+  MarkMethodStreamed(google::protobuf::DescriptorPool::generated_pool()
+                         ->FindServiceByName("tqkv.v1.KvCache")
+                         ->FindMethodByName("ExportSequences")
+                         ->index(),
+                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
+                         [this](grpc::CallbackServerContext* context) { return NewExportReactor(this, context); }));
   ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>("GetServerInfo", Rpc::kGetServerInfo,
                                                [this](const Caller& c, const auto&, v1::ServerInfo* out) {
                                                  DoGetServerInfo(c, out);
@@ -1104,6 +1081,11 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::AppendStream(grpc::Ca
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::DecodeStream(
     grpc::CallbackServerContext* context) {
   return new DecodeStreamReactor(this, auth_.Authenticate(*context));
+}
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::ImportSequences(grpc::CallbackServerContext* context,
+                                                                           Raw* response) {
+  return NewImportReactor(this, context, response);
 }
 
 }  // namespace service

@@ -63,7 +63,9 @@ using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<
             v1::KvCache::WithRawCallbackMethod_DecodeStream<v1::KvCache::WithRawCallbackMethod_CreateSequence<
                 v1::KvCache::WithRawCallbackMethod_ForkSequence<v1::KvCache::WithRawCallbackMethod_DropSequence<
                     v1::KvCache::WithRawCallbackMethod_GetSequence<
-                        v1::KvCache::WithRawCallbackMethod_GetServerInfo<v1::KvCache::Service>>>>>>>>>>>;
+                        v1::KvCache::WithRawCallbackMethod_GetServerInfo<
+                            v1::KvCache::WithRawCallbackMethod_ExportSequences<
+                                v1::KvCache::WithRawCallbackMethod_ImportSequences<v1::KvCache::Service>>>>>>>>>>>>>;
 
 class KvCacheService final : public RawKvCacheService {
  public:
@@ -90,6 +92,7 @@ class KvCacheService final : public RawKvCacheService {
   // before any work is done, from the sizes the request fixes. Set before
   // serving.
   void set_max_response_bytes(int64_t bytes) { max_response_bytes_ = bytes; }
+  int64_t max_response_bytes() const { return max_response_bytes_; }
 
   // The cache named `name` ("" means "default"); NOT_FOUND listing the names.
   absl::StatusOr<KvCache*> Find(const std::string& name) const;
@@ -127,6 +130,10 @@ class KvCacheService final : public RawKvCacheService {
   using Raw = grpc::ByteBuffer;
   grpc::ServerReadReactor<Raw>* AppendStream(grpc::CallbackServerContext* context, Raw* response) override;
   grpc::ServerBidiReactor<Raw, Raw>* DecodeStream(grpc::CallbackServerContext* context) override;
+  // service/sequence_transfer.h. ExportSequences is served as a stream of
+  // one request (registered in the constructor) so its token is checked
+  // before its request is read.
+  grpc::ServerReadReactor<Raw>* ImportSequences(grpc::CallbackServerContext* context, Raw* response) override;
 
  private:
   absl::Status FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info);

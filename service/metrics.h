@@ -71,8 +71,10 @@ enum class Rpc {
   // One DecodeStream message (request read to response queued), not the
   // stream: a stream lives for many steps.
   kDecodeStreamStep,
+  kExportSequences,
+  kImportSequences,
 };
-inline constexpr int kNumRpcs = 11;
+inline constexpr int kNumRpcs = 13;
 
 enum class Kernel { kStore, kScore, kAttend, kCopyPage };
 inline constexpr int kNumKernels = 4;

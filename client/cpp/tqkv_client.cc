@@ -12,6 +12,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "kernels/float_formats.h"
@@ -423,6 +424,115 @@ absl::StatusOr<AppendResult> Client::AppendStream(absl::Span<const AppendArgs> c
   const grpc::Status status = writer->Finish();
   if (!status.ok()) return FromGrpcStatus(status);
   return FromProto(response);
+}
+
+absl::Status Client::ExportSequences(const v1::ExportRequest& request,
+                                     const std::function<absl::Status(v1::ExportChunk&)>& sink) {
+  grpc::ClientContext context;
+  Prepare(&context, request.sequence_ids_size() > 0 ? absl::string_view(request.sequence_ids(0))
+                                                    : absl::string_view(request.id_prefix()));
+  context.set_deadline(options_.stream_timeout == absl::InfiniteDuration()
+                           ? std::chrono::system_clock::time_point::max()
+                           : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = stub_->ExportSequences(&context, request);
+  v1::ExportChunk chunk;
+  absl::Status sunk;
+  while (reader->Read(&chunk)) {
+    sunk = sink(chunk);
+    if (!sunk.ok()) {
+      context.TryCancel();
+      break;
+    }
+  }
+  const grpc::Status status = reader->Finish();
+  if (!sunk.ok()) return sunk;
+  return FromGrpcStatus(status);
+}
+
+absl::StatusOr<v1::ImportResponse> Client::ImportSequences(
+    const std::function<absl::StatusOr<bool>(v1::ExportChunk*)>& next) {
+  grpc::ClientContext context;
+  Prepare(&context, absl::string_view());
+  context.set_deadline(options_.stream_timeout == absl::InfiniteDuration()
+                           ? std::chrono::system_clock::time_point::max()
+                           : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  v1::ImportResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ExportChunk>> writer = stub_->ImportSequences(&context, &response);
+  v1::ExportChunk chunk;
+  absl::Status source;
+  for (;;) {
+    chunk.Clear();
+    absl::StatusOr<bool> more = next(&chunk);
+    if (!more.ok()) {
+      source = more.status();
+      context.TryCancel();
+      break;
+    }
+    if (!*more) break;
+    // A failed write means the server ended the stream: Finish has its status.
+    if (!writer->Write(chunk)) break;
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  if (!source.ok()) return source;
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+namespace {
+
+// One message handed from the exporting thread to the importing one.
+struct Mailbox {
+  absl::Mutex mu;
+  v1::ExportChunk chunk ABSL_GUARDED_BY(mu);
+  bool full ABSL_GUARDED_BY(mu) = false;
+  bool import_ended ABSL_GUARDED_BY(mu) = false;
+  bool export_ended ABSL_GUARDED_BY(mu) = false;
+  absl::Status export_status ABSL_GUARDED_BY(mu);
+
+  bool CanPut() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return !full || import_ended; }
+  bool CanTake() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return full || export_ended; }
+};
+
+}  // namespace
+
+absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const v1::ExportRequest& request,
+                                                 const std::string& target_cache) {
+  Mailbox box;
+  std::thread exporter([&] {
+    const absl::Status s = from.ExportSequences(request, [&](v1::ExportChunk& chunk) -> absl::Status {
+      if (chunk.has_header() && !target_cache.empty()) chunk.mutable_header()->set_cache(target_cache);
+      absl::MutexLock lock(&box.mu);
+      box.mu.Await(absl::Condition(&box, &Mailbox::CanPut));
+      if (box.import_ended) return absl::CancelledError("the import ended");
+      box.chunk.Swap(&chunk);
+      box.full = true;
+      return absl::OkStatus();
+    });
+    absl::MutexLock lock(&box.mu);
+    box.export_status = s;
+    box.export_ended = true;
+  });
+  absl::StatusOr<v1::ImportResponse> imported = to.ImportSequences([&](v1::ExportChunk* out) -> absl::StatusOr<bool> {
+    absl::MutexLock lock(&box.mu);
+    box.mu.Await(absl::Condition(&box, &Mailbox::CanTake));
+    if (box.full) {
+      out->Swap(&box.chunk);
+      box.full = false;
+      return true;
+    }
+    if (!box.export_status.ok()) return box.export_status;
+    return false;
+  });
+  {
+    absl::MutexLock lock(&box.mu);
+    box.import_ended = true;
+  }
+  exporter.join();
+  absl::MutexLock lock(&box.mu);
+  // The export's own error explains an import cut short by it.
+  if (!box.export_status.ok() && !absl::IsCancelled(box.export_status)) return box.export_status;
+  return imported;
 }
 
 absl::StatusOr<ScoreResult> Client::Score(const ScoreArgs& args) {

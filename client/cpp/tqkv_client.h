@@ -44,6 +44,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -287,6 +288,16 @@ class DecodeStream {
   absl::Status final_status_;
 };
 
+class Client;
+
+// Moves sequences between servers at their compressed size: exports
+// `request` from `from` and imports it into `to` (into `target_cache`; empty:
+// the exported cache's name), relaying message by message (one message in
+// memory). The sequences stay on `from`: drop them there once the move is
+// confirmed.
+absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const v1::ExportRequest& request,
+                                                 const std::string& target_cache = "");
+
 class Client {
  public:
   explicit Client(ClientOptions options);
@@ -311,6 +322,16 @@ class Client {
   absl::Status DropSequence(const std::string& cache, const std::string& id);
   absl::StatusOr<SequenceState> GetSequence(const std::string& cache, const std::string& id);
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
+
+  // ExportSequences: `sink` gets every message of the stream in order (a
+  // header, per sequence its state and pages, a trailer); an error from the
+  // sink cancels the stream and is returned. Under stream_timeout.
+  absl::Status ExportSequences(const v1::ExportRequest& request,
+                               const std::function<absl::Status(v1::ExportChunk&)>& sink);
+  // ImportSequences fed by `next`, which fills the next message and returns
+  // true, or returns false at the end of the stream. Under stream_timeout.
+  absl::StatusOr<v1::ImportResponse> ImportSequences(
+      const std::function<absl::StatusOr<bool>(v1::ExportChunk*)>& next);
 
   v1::KvCache::Stub& stub() { return *stub_; }
 

@@ -1,0 +1,290 @@
+// ExportSequences / ImportSequences end to end: two real servers on
+// loopback, the real client. A moved sequence answers Attend and ScoreQuery
+// bit for bit as before and keeps growing; a stream that is cut, corrupted
+// or meant for another layout is refused precisely, keeping what landed.
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/cpp/tqkv_client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "service/auth.h"
+#include "service/config.h"
+#include "service/server.h"
+
+namespace tqkv {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Centering and exact tokens, so that means and exact pages move too.
+constexpr char kConfig[] = R"pb(
+  caches {
+    name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+    page_tokens: 8 preset: "tqkv_k3v4u_csw" boundary_layers: 1 memory_budget_bytes: 4194304
+    rope { base: 10000 }
+  }
+  caches {
+    name: "other" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+    page_tokens: 8 preset: "turboquant_3bit_nc" boundary_layers: 1 memory_budget_bytes: 4194304
+  }
+)pb";
+constexpr int kLayers = 3, kKvHeads = 2, kQueryHeads = 4, kDim = 64;
+
+std::vector<float> Random(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+std::unique_ptr<service::Server> Start(const std::string& tokens = "") {
+  service::ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.threads = 1;
+  options.config = *service::ParseServerConfig(kConfig);
+  if (!tokens.empty()) options.auth = *service::ParseAuthConfig(tokens);
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+Client ClientOf(const service::Server& server, const std::string& token = "") {
+  ClientOptions options;
+  options.target = absl::StrCat("127.0.0.1:", server.port());
+  options.max_attempts = 1;
+  options.timeout = absl::Seconds(20);
+  options.stream_timeout = absl::Seconds(60);
+  options.auth_token = token;
+  return Client(options);
+}
+
+class TransferTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    a_ = Start();
+    b_ = Start();
+    ASSERT_NE(a_, nullptr);
+    ASSERT_NE(b_, nullptr);
+  }
+
+  absl::Status Append(Client& c, const std::string& id, int64_t start, int64_t tokens, uint32_t seed,
+                      const std::string& cache = "") {
+    kv_.push_back(Random(static_cast<size_t>(kLayers * tokens * kKvHeads * kDim), seed));
+    AppendArgs args;
+    args.cache = cache;
+    args.sequence_id = id;
+    args.start_position = start;
+    args.shape = {kLayers, tokens, kKvHeads, kDim};
+    args.keys = kv_.back();
+    args.values = kv_.back();
+    return c.Append(args).status();
+  }
+
+  // Every layer's Attend output and lse and ScoreQuery logits, as bytes.
+  std::string Reads(Client& c, const std::string& id, const std::string& cache = "") {
+    std::string bytes;
+    for (int layer = 0; layer < kLayers; ++layer) {
+      AttendArgs attend;
+      attend.cache = cache;
+      attend.return_lse = true;
+      AttendItemArgs item;
+      item.sequence_id = id;
+      item.layer = layer;
+      item.shape = {1, kQueryHeads, kDim};
+      item.queries = queries_;
+      attend.items = {item};
+      absl::StatusOr<std::vector<AttendOutput>> out = c.Attend(attend);
+      EXPECT_TRUE(out.ok()) << out.status();
+      if (!out.ok()) return "";
+      bytes.append(reinterpret_cast<const char*>((*out)[0].output.data()), (*out)[0].output.size() * 4);
+      bytes.append(reinterpret_cast<const char*>((*out)[0].lse.data()), (*out)[0].lse.size() * 4);
+      ScoreArgs score;
+      score.cache = cache;
+      score.sequence_id = id;
+      score.layer = layer;
+      score.shape = {kQueryHeads, kDim};
+      score.queries = absl::MakeConstSpan(queries_.data(), kQueryHeads * kDim);
+      absl::StatusOr<ScoreResult> logits = c.Score(score);
+      EXPECT_TRUE(logits.ok()) << logits.status();
+      if (logits.ok()) bytes.append(reinterpret_cast<const char*>(logits->logits.data()), logits->logits.size() * 4);
+    }
+    return bytes;
+  }
+
+  std::vector<v1::ExportChunk> ExportAll(Client& c, v1::ExportRequest request) {
+    std::vector<v1::ExportChunk> chunks;
+    const absl::Status status = c.ExportSequences(request, [&](v1::ExportChunk& chunk) {
+      chunks.push_back(chunk);
+      return absl::OkStatus();
+    });
+    EXPECT_TRUE(status.ok()) << status;
+    return chunks;
+  }
+
+  absl::StatusOr<v1::ImportResponse> ImportAll(Client& c, const std::vector<v1::ExportChunk>& chunks) {
+    size_t next = 0;
+    return c.ImportSequences([&](v1::ExportChunk* out) -> absl::StatusOr<bool> {
+      if (next == chunks.size()) return false;
+      *out = chunks[next++];
+      return true;
+    });
+  }
+
+  std::unique_ptr<service::Server> a_, b_;
+  std::vector<std::vector<float>> kv_;
+  std::vector<float> queries_ = Random(kQueryHeads * kDim, 5);
+};
+
+TEST_F(TransferTest, MovedSequencesReadBitForBitAndKeepGrowing) {
+  Client a = ClientOf(*a_), b = ClientOf(*b_);
+  ASSERT_TRUE(Append(a, "chat-1", 0, 150, 1).ok());
+  for (int64_t t = 150; t < 160; ++t) ASSERT_TRUE(Append(a, "chat-1", t, 1, 100 + t).ok());
+  ASSERT_TRUE(a.ForkSequence("", "chat-1", "chat-1/beam").ok());
+  ASSERT_TRUE(Append(a, "chat-1/beam", 160, 3, 7).ok());
+  ASSERT_TRUE(Append(a, "chat-2", 0, 5, 2).ok());
+  ASSERT_TRUE(Append(a, "solo", 0, 20, 3).ok());
+
+  v1::ExportRequest request;
+  request.set_id_prefix("chat-");
+  absl::StatusOr<v1::ImportResponse> moved = CopySequences(a, b, request);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_THAT(moved->sequence_ids(), ElementsAre("chat-1", "chat-1/beam", "chat-2"));
+  EXPECT_EQ(b.GetSequence("", "solo").status().code(), absl::StatusCode::kNotFound);
+  for (const std::string id : {"chat-1", "chat-1/beam", "chat-2"}) {
+    EXPECT_EQ(b.GetSequence("", id)->layer_tokens, a.GetSequence("", id)->layer_tokens) << id;
+    EXPECT_TRUE(Reads(a, id) == Reads(b, id)) << id << ": reads differ after the move";
+  }
+  // The pages moved as stored: exactly the pages the copies hold (shared
+  // ones once per sequence), page_bytes each.
+  absl::StatusOr<v1::ServerInfo> info = b.GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(moved->bytes(), moved->pages() * info->caches(0).page_bytes());
+  EXPECT_EQ(moved->pages(), info->caches(0).pages_used());
+
+  // Both copies grow alike; the move can be repeated into another cache of
+  // the same layout only.
+  ASSERT_TRUE(Append(a, "chat-1", 160, 2, 9).ok());
+  ASSERT_TRUE(Append(b, "chat-1", 160, 2, 9).ok());
+  EXPECT_TRUE(Reads(a, "chat-1") == Reads(b, "chat-1"));
+  request.clear_id_prefix();
+  request.add_sequence_ids("solo");
+  const absl::StatusOr<v1::ImportResponse> wrong = CopySequences(a, b, request, "other");
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(wrong.status().message()), HasSubstr("preset"));
+  EXPECT_EQ(b.GetSequence("other", "solo").status().code(), absl::StatusCode::kNotFound);
+  // Twice into the same cache: the id is taken.
+  request.clear_sequence_ids();
+  request.add_sequence_ids("chat-2");
+  EXPECT_EQ(CopySequences(a, b, request).status().code(), absl::StatusCode::kAlreadyExists);
+  // Unknown names and empty requests.
+  request.clear_sequence_ids();
+  request.add_sequence_ids("nope");
+  EXPECT_EQ(CopySequences(a, b, request).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(CopySequences(a, b, v1::ExportRequest()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(TransferTest, ACutOrCorruptedStreamKeepsOnlyTheSequencesThatLandedWhole) {
+  Client a = ClientOf(*a_), b = ClientOf(*b_);
+  ASSERT_TRUE(Append(a, "s1", 0, 40, 1).ok());
+  ASSERT_TRUE(Append(a, "s2", 0, 90, 2).ok());
+  v1::ExportRequest request;
+  request.set_all(true);
+  const std::vector<v1::ExportChunk> chunks = ExportAll(a, request);
+  ASSERT_GE(chunks.size(), 6u);  // header, s1 + pages, s2 + pages, trailer
+  ASSERT_TRUE(chunks.front().has_header());
+  ASSERT_TRUE(chunks.back().has_trailer());
+  size_t s2 = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (chunks[i].has_sequence() && chunks[i].sequence().sequence_id() == "s2") s2 = i;
+  }
+  ASSERT_GT(s2, 0u);
+
+  // A flipped byte in s2's pages: DATA_LOSS naming s2; s1 landed.
+  std::vector<v1::ExportChunk> corrupt = chunks;
+  (*corrupt[s2 + 1].mutable_pages()->mutable_data())[100] ^= 1;
+  absl::StatusOr<v1::ImportResponse> r = ImportAll(b, corrupt);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("sequence 's2'"));
+  EXPECT_TRUE(b.GetSequence("", "s1").ok());
+  EXPECT_EQ(b.GetSequence("", "s2").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(b.DropSequence("", "s1").ok());
+
+  // Cut after s2's state, before its pages: DATA_LOSS, s2 absent and its
+  // pages given back.
+  std::vector<v1::ExportChunk> cut(chunks.begin(), chunks.begin() + s2 + 1);
+  r = ImportAll(b, cut);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(b.GetSequence("", "s2").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(b.DropSequence("", "s1").ok());
+  EXPECT_EQ(b.GetServerInfo()->caches(0).pages_used(), 0);
+
+  // Without the trailer: everything lands, but the call says it was cut.
+  std::vector<v1::ExportChunk> untrailed(chunks.begin(), chunks.end() - 1);
+  r = ImportAll(b, untrailed);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("without its trailer"));
+  ASSERT_TRUE(b.DropSequence("", "s1").ok());
+  ASSERT_TRUE(b.DropSequence("", "s2").ok());
+
+  // Pages out of order, a sequence before the header: INVALID_ARGUMENT.
+  std::vector<v1::ExportChunk> reordered = chunks;
+  reordered[s2 + 1].mutable_pages()->set_first_page(1);
+  EXPECT_EQ(ImportAll(b, reordered).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(b.DropSequence("", "s1").ok());
+  std::vector<v1::ExportChunk> headless(chunks.begin() + 1, chunks.end());
+  EXPECT_EQ(ImportAll(b, headless).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // The whole stream lands, and reads as the source does.
+  r = ImportAll(b, chunks);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_THAT(r->sequence_ids(), ElementsAre("s1", "s2"));
+  EXPECT_TRUE(Reads(a, "s2") == Reads(b, "s2"));
+}
+
+TEST(TransferTenants, ATenantMovesOnlyItsOwnSequencesAndIsChargedForThem) {
+  const std::string tokens = "ops\nta tenant=team-a max_sequences=2\ntb tenant=team-b\n";
+  std::unique_ptr<service::Server> a = Start(tokens), b = Start(tokens);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  Client ops_a = ClientOf(*a, "ops"), ta_a = ClientOf(*a, "ta"), ta_b = ClientOf(*b, "ta"), tb_a = ClientOf(*a, "tb");
+  std::vector<float> kv = Random(kLayers * 4 * kKvHeads * kDim, 3);
+  for (const std::string id : {"team-a:x", "team-a:y", "team-b:z"}) {
+    AppendArgs args;
+    args.sequence_id = id;
+    args.shape = {kLayers, 4, kKvHeads, kDim};
+    args.keys = kv;
+    args.values = kv;
+    ASSERT_TRUE(ops_a.Append(args).ok()) << id;
+  }
+  v1::ExportRequest request;
+  request.add_sequence_ids("team-a:x");
+  EXPECT_EQ(CopySequences(tb_a, ta_b, request).status().code(), absl::StatusCode::kPermissionDenied);
+  request.clear_sequence_ids();
+  request.set_id_prefix("team-");
+  EXPECT_EQ(CopySequences(ta_a, ta_b, request).status().code(), absl::StatusCode::kPermissionDenied);
+  // `all` from a tenant means its own namespace.
+  request.clear_id_prefix();
+  request.set_all(true);
+  absl::StatusOr<v1::ImportResponse> moved = CopySequences(ta_a, ta_b, request);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_THAT(moved->sequence_ids(), ElementsAre("team-a:x", "team-a:y"));
+  absl::StatusOr<v1::ServerInfo> info = ta_b.GetServerInfo();
+  EXPECT_EQ(info->tenant().sequences(), 2);
+  EXPECT_EQ(info->tenant().bytes(), moved->bytes());
+  // team-b's sequence, moved by the admin into team-a's hands? Not on the
+  // import side: a tenant's import names only its own ids.
+  request.set_all(false);
+  request.add_sequence_ids("team-b:z");
+  EXPECT_EQ(CopySequences(ops_a, ta_b, request).status().code(), absl::StatusCode::kPermissionDenied);
+}
+
+}  // namespace
+}  // namespace tqkv
