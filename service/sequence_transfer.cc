@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <grpcpp/support/slice.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -42,6 +45,75 @@ grpc::Status Account(KvCacheService* service, const Caller& caller, Rpc rpc, Clo
   }
   return done;
 }
+
+// Protobuf wire encoding, for the one message framed by hand.
+void AppendVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+void AppendTag(std::string* out, int field, int wire_type) {
+  AppendVarint(out, static_cast<uint64_t>(field) << 3 | wire_type);
+}
+
+// Reads a message's bytes across its slices, in order.
+class SliceReader {
+ public:
+  explicit SliceReader(const std::vector<grpc::Slice>& slices) : slices_(slices) {
+    for (const grpc::Slice& slice : slices) remaining_ += slice.size();
+    Skip();
+  }
+  uint64_t remaining() const { return remaining_; }
+  // Bytes left in the current slice.
+  size_t contiguous() const { return index_ < slices_.size() ? slices_[index_].size() - offset_ : 0; }
+
+  bool Varint(uint64_t* out) {
+    *out = 0;
+    for (int shift = 0; shift < 64 && remaining_ > 0; shift += 7) {
+      const uint8_t byte = slices_[index_].begin()[offset_];
+      Advance(1);
+      *out |= static_cast<uint64_t>(byte & 0x7f) << shift;
+      if ((byte & 0x80) == 0) return true;
+    }
+    return false;
+  }
+  // The next n bytes when one slice holds them all (then consumed), or null.
+  const uint8_t* Contiguous(size_t n) {
+    if (n > remaining_ || index_ == slices_.size() || slices_[index_].size() - offset_ < n) return nullptr;
+    const uint8_t* p = slices_[index_].begin() + offset_;
+    Advance(n);
+    return p;
+  }
+  // REQUIRES: n <= remaining().
+  void Copy(uint8_t* out, size_t n) {
+    while (n > 0) {
+      const size_t take = std::min(n, slices_[index_].size() - offset_);
+      std::memcpy(out, slices_[index_].begin() + offset_, take);
+      out += take;
+      n -= take;
+      Advance(take);
+    }
+  }
+
+ private:
+  void Advance(size_t n) {
+    offset_ += n;
+    remaining_ -= n;
+    Skip();
+  }
+  void Skip() {  // past finished (and empty) slices
+    while (index_ < slices_.size() && offset_ == slices_[index_].size()) {
+      ++index_;
+      offset_ = 0;
+    }
+  }
+  const std::vector<grpc::Slice>& slices_;
+  size_t index_ = 0;
+  size_t offset_ = 0;
+  uint64_t remaining_ = 0;
+};
 
 // Runs `step` on the service's executor (inline without one); a full
 // executor ends the call through `fail`.
@@ -150,17 +222,33 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     v1::ExportChunk chunk;
     if (current_ != nullptr && pages_sent_ < current_->state().num_pages) {
       const int64_t count = std::min(pages_per_message_, current_->state().num_pages - pages_sent_);
-      const size_t page_bytes = cache_->layout().page_bytes();
-      v1::ExportPages* pages = chunk.mutable_pages();
-      pages->set_first_page(pages_sent_);
-      std::string* data = pages->mutable_data();
-      data->resize(static_cast<size_t>(count) * page_bytes);
-      RETURN_IF_ERROR(current_->ReadPages(pages_sent_, count, reinterpret_cast<uint8_t*>(data->data())));
-      pages->set_crc32c(Crc32c(0, data->data(), data->size()));
+      const size_t size = static_cast<size_t>(count) * cache_->layout().page_bytes();
+      // The pages go from the pool straight into the message's own slice,
+      // framed by hand: an ExportChunk holding ExportPages {first_page,
+      // data, crc32c} (the same bytes protobuf would write), so they are
+      // copied once and never zero-filled first.
+      grpc::Slice data(size);
+      uint8_t* bytes = const_cast<uint8_t*>(data.begin());
+      RETURN_IF_ERROR(current_->ReadPages(pages_sent_, count, bytes));
+      const uint32_t crc = Crc32c(0, bytes, size);
+      std::string inner;
+      AppendTag(&inner, v1::ExportPages::kFirstPageFieldNumber, 0);
+      AppendVarint(&inner, static_cast<uint64_t>(pages_sent_));
+      AppendTag(&inner, v1::ExportPages::kDataFieldNumber, 2);
+      AppendVarint(&inner, size);
+      std::string suffix;
+      AppendTag(&suffix, v1::ExportPages::kCrc32CFieldNumber, 5);
+      for (int i = 0; i < 4; ++i) suffix.push_back(static_cast<char>(crc >> (8 * i)));
+      std::string prefix;
+      AppendTag(&prefix, v1::ExportChunk::kPagesFieldNumber, 2);
+      AppendVarint(&prefix, inner.size() + size + suffix.size());
+      prefix += inner;
+      grpc::Slice slices[] = {grpc::Slice(prefix), std::move(data), grpc::Slice(suffix)};
+      out_ = grpc::ByteBuffer(slices, 3);
       pages_sent_ += count;
       total_pages_ += count;
-      total_bytes_ += static_cast<int64_t>(data->size());
-      return SerializeMessage(chunk, &out_);
+      total_bytes_ += static_cast<int64_t>(size);
+      return absl::OkStatus();
     }
     current_.reset();  // lets go of the pins
     while (next_ < ids_.size()) {
@@ -243,6 +331,17 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  private:
   // One message of the stream.
   absl::Status Take() {
+    // Pages, the bulk of a stream, go from the message's slices to the pool
+    // without being copied into a parsed message first.
+    if (import_ != nullptr) {
+      bool taken = false;
+      RETURN_IF_ERROR(TakePagesInPlace(&taken));
+      if (taken) {
+        in_.Clear();
+        ++messages_;
+        return absl::OkStatus();
+      }
+    }
     v1::ExportChunk chunk;
     RETURN_IF_ERROR(ParseMessage(in_, &chunk, absl::StrCat("message ", messages_)));
     in_.Clear();
@@ -308,6 +407,63 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     RETURN_IF_ERROR(import_->WritePages(pages_received_, count, reinterpret_cast<const uint8_t*>(pages.data().data())));
     pages_received_ += count;
     total_bytes_ += size;
+    return MaybeCommit();
+  }
+
+  // The fast path of TakePages: when in_ is an ExportChunk holding only
+  // ExportPages {first_page, data, crc32c} in field order (what an export
+  // writes), checks and writes it straight from the slices and sets *taken;
+  // anything else is left to the parser (*taken false).
+  absl::Status TakePagesInPlace(bool* taken) {
+    *taken = false;
+    std::vector<grpc::Slice> slices;
+    if (!in_.Dump(&slices).ok() || slices.empty()) return absl::OkStatus();
+    SliceReader reader(slices);
+    uint64_t tag = 0, outer = 0, first_page = 0, size = 0;
+    if (!reader.Varint(&tag) || tag != (v1::ExportChunk::kPagesFieldNumber << 3 | 2) || !reader.Varint(&outer) ||
+        outer != reader.remaining() || !reader.Varint(&tag)) {
+      return absl::OkStatus();
+    }
+    if (tag == (v1::ExportPages::kFirstPageFieldNumber << 3 | 0)) {
+      if (!reader.Varint(&first_page) || !reader.Varint(&tag)) return absl::OkStatus();
+    }
+    if (tag != (v1::ExportPages::kDataFieldNumber << 3 | 2) || !reader.Varint(&size) || size + 5 != reader.remaining()) {
+      return absl::OkStatus();
+    }
+    const uint64_t page_bytes = cache_->layout().page_bytes();
+    const int64_t count = static_cast<int64_t>(size / page_bytes);
+    if (static_cast<int64_t>(first_page) != pages_received_ || size % page_bytes != 0 || count == 0 ||
+        count > import_->num_pages() - pages_received_) {
+      return absl::OkStatus();  // the parser's path reports it
+    }
+    *taken = true;
+    uint32_t crc = 0;
+    std::vector<uint8_t> bounce;
+    for (int64_t i = 0; i < count;) {
+      // As many whole pages as the current slice holds, in one write; a
+      // page that straddles two slices goes through a bounce buffer.
+      const int64_t run = std::min<int64_t>(count - i, static_cast<int64_t>(reader.contiguous() / page_bytes));
+      const uint8_t* pages = run > 0 ? reader.Contiguous(run * page_bytes) : nullptr;
+      if (pages == nullptr) {
+        bounce.resize(page_bytes);
+        reader.Copy(bounce.data(), page_bytes);
+        pages = bounce.data();
+      }
+      const int64_t n = std::max<int64_t>(run, 1);
+      crc = Crc32c(crc, pages, n * page_bytes);
+      RETURN_IF_ERROR(import_->WritePages(pages_received_ + i, n, pages));
+      i += n;
+    }
+    uint8_t tail[5];
+    reader.Copy(tail, 5);
+    const uint32_t want = static_cast<uint32_t>(tail[1]) | static_cast<uint32_t>(tail[2]) << 8 |
+                          static_cast<uint32_t>(tail[3]) << 16 | static_cast<uint32_t>(tail[4]) << 24;
+    if (tail[0] != (v1::ExportPages::kCrc32CFieldNumber << 3 | 5) || crc != want) {
+      return absl::DataLossError(
+          absl::StrFormat("pages [%d, %d): the bytes do not match their CRC-32C", pages_received_, pages_received_ + count));
+    }
+    pages_received_ += count;
+    total_bytes_ += static_cast<int64_t>(size);
     return MaybeCommit();
   }
 

@@ -622,7 +622,8 @@ int RunBench(int argc, const char* const* argv) {
   if (what == "attend") return RunBenchAttend(argc - 1, argv + 1);
   if (what == "store") return RunBenchStore(argc - 1, argv + 1);
   if (what == "transport") return RunBenchTransport(argc - 1, argv + 1);
-  fprintf(stderr, "usage: tqkv bench attend|store|transport [flags]  (--help for each)\n");
+  if (what == "move") return RunBenchMove(argc - 1, argv + 1);
+  fprintf(stderr, "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
   return what == "--help" || what == "-h" ? 0 : kExitUsage;
 }
 

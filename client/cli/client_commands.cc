@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
@@ -445,6 +447,220 @@ int RunDropImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+// bf16 bytes of what a sequence holds: K and V of its held tokens per layer.
+int64_t Bf16BytesOf(const SequenceState& s, const v1::CacheConfig& layout) {
+  int64_t tokens = 0;
+  for (size_t l = 0; l < s.layer_tokens.size(); ++l) {
+    tokens += s.layer_tokens[l] - (l < s.layer_oldest_token.size() ? s.layer_oldest_token[l] : 0);
+  }
+  return tokens * layout.num_kv_heads() * layout.head_dim() * 2 * 2;
+}
+
+struct MoveFlags {
+  Connection to;
+  std::string to_cache;
+};
+
+void AddDestinationFlags(FlagSet& flags, MoveFlags* m) {
+  flags.AddRequiredString("to", &m->to.target, "host:port of the destination tqkv-server");
+  flags.AddString("to-cache", &m->to_cache, "destination cache (empty: the source cache's name)");
+  flags.AddString("to-auth-token-file", &m->to.auth_token_file, "bearer token file for the destination");
+  flags.AddString("to-tls-ca-file", &m->to.tls_ca_file, "PEM CA certificate of the destination: TLS");
+}
+
+absl::StatusOr<v1::CacheConfig> CacheLayout(Client& client, const std::string& cache) {
+  absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
+  if (!info.ok()) return info.status();
+  for (const v1::CacheInfo& c : info->caches()) {
+    if (c.config().name() == cache || (cache.empty() && &c == &info->caches(0))) return c.config();
+  }
+  return absl::NotFoundError(absl::StrCat("cache '", cache, "' not found on the server"));
+}
+
+int RunMoveImpl(int argc, const char* const* argv) {
+  FlagSet flags("move",
+                "Moves sequences to another server at their compressed size (ExportSequences into\n"
+                "ImportSequences, relayed message by message), then drops them from the source\n"
+                "unless --keep-source. A moved sequence reads bit for bit as before.");
+  Connection c;
+  MoveFlags m;
+  std::string sequences, prefix;
+  bool all = false, keep_source = false, json = false;
+  AddConnectionFlags(flags, &c);
+  AddDestinationFlags(flags, &m);
+  flags.AddString("sequences", &sequences, "comma-separated sequence ids");
+  flags.AddString("prefix", &prefix, "also every sequence whose id starts with this");
+  flags.AddBool("all", &all, "every sequence of the cache");
+  flags.AddBool("keep-source", &keep_source, "copy: leave the sequences on the source");
+  flags.AddBool("json", &json, "print JSON");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (sequences.empty() && prefix.empty() && !all) return UsageError("name --sequences, --prefix or --all");
+  absl::StatusOr<ClientOptions> from_options = MakeClientOptions(c);
+  if (!from_options.ok()) return Fail(from_options.status());
+  absl::StatusOr<ClientOptions> to_options = MakeClientOptions(m.to);
+  if (!to_options.ok()) return Fail(to_options.status());
+  Client from(*from_options), to(*to_options);
+  v1::ExportRequest request;
+  request.set_cache(c.cache);
+  for (absl::string_view id : absl::StrSplit(sequences, ',', absl::SkipEmpty())) request.add_sequence_ids(std::string(id));
+  request.set_id_prefix(prefix);
+  request.set_all(all);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::ImportResponse> moved = CopySequences(from, to, request, m.to_cache);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!moved.ok()) return Fail(moved.status());
+  int dropped = 0;
+  if (!keep_source) {
+    for (const std::string& id : moved->sequence_ids()) {
+      if (absl::Status s = from.DropSequence(c.cache, id); !s.ok()) return Fail(s);
+      ++dropped;
+    }
+  }
+  const double gbps = seconds > 0 ? moved->bytes() / seconds / 1e9 : 0;
+  if (json) {
+    JsonValue ids = JsonValue::Array();
+    for (const std::string& id : moved->sequence_ids()) ids.Append(JsonValue(id));
+    printf("%s\n", JsonValue::Object()
+                       .Set("sequences", ids)
+                       .Set("pages", moved->pages())
+                       .Set("bytes", moved->bytes())
+                       .Set("seconds", seconds)
+                       .Set("gb_per_s", gbps)
+                       .Set("dropped_from_source", dropped)
+                       .Serialize()
+                       .c_str());
+  } else {
+    printf("moved %d sequences (%lld pages, %lld bytes) in %.3f s (%.2f GB/s)%s\n", moved->sequence_ids_size(),
+           static_cast<long long>(moved->pages()), static_cast<long long>(moved->bytes()), seconds, gbps,
+           keep_source ? "; kept on the source" : "; dropped from the source");
+  }
+  return 0;
+}
+
+int RunBenchMoveImpl(int argc, const char* const* argv) {
+  FlagSet flags("bench move",
+                "Prefills one sequence of --context tokens on the source server (random K/V, bf16 on\n"
+                "the wire), then times moving it to the destination (export + import, relayed by this\n"
+                "process) --rounds times, dropping the copy between rounds. Checks that the copy's\n"
+                "Attend equals the source's bit for bit; prints the bytes moved next to the same\n"
+                "tokens in bf16, and GB/s of compressed bytes (median round).");
+  Connection c;
+  MoveFlags m;
+  int64_t context = 32768, rounds = 3;
+  bool json = false;
+  AddConnectionFlags(flags, &c);
+  AddDestinationFlags(flags, &m);
+  flags.AddInt("context", &context, "tokens of the sequence moved");
+  flags.AddInt("rounds", &rounds, "timed moves");
+  flags.AddBool("json", &json, "print JSON");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  if (!InIntRange(context, 1, int64_t{1} << 22) || !InIntRange(rounds, 1, 100)) {
+    return UsageError("--context wants 1..2^22 and --rounds 1..100");
+  }
+  absl::StatusOr<ClientOptions> from_options = MakeClientOptions(c);
+  if (!from_options.ok()) return Fail(from_options.status());
+  absl::StatusOr<ClientOptions> to_options = MakeClientOptions(m.to);
+  if (!to_options.ok()) return Fail(to_options.status());
+  Client from(*from_options), to(*to_options);
+  absl::StatusOr<v1::CacheConfig> layout = CacheLayout(from, c.cache);
+  if (!layout.ok()) return Fail(layout.status());
+  const int64_t layers = layout->num_layers(), heads = layout->num_kv_heads(), dim = layout->head_dim();
+  const std::string id = absl::StrCat("bench-move-", absl::ToUnixMicros(absl::Now()));
+
+  // Prefill in chunks of at most ~32 MiB on the wire, the same random chunk
+  // each time (what the bytes are does not change what moving them costs).
+  const int64_t chunk_tokens = std::max<int64_t>(1, (int64_t{32} << 20) / (layers * heads * dim * 2 * 2));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> kv(static_cast<size_t>(layers * std::min(chunk_tokens, context) * heads * dim));
+  for (float& x : kv) x = normal(rng);
+  fprintf(stderr, "prefilling %lld tokens of '%s'...\n", static_cast<long long>(context), id.c_str());
+  std::vector<AppendArgs> chunks;
+  for (int64_t t = 0; t < context; t += chunk_tokens) {
+    const int64_t n = std::min(chunk_tokens, context - t);
+    AppendArgs a;
+    a.cache = c.cache;
+    a.sequence_id = id;
+    a.start_position = t;
+    a.shape = {layers, n, heads, dim};
+    a.keys = absl::MakeConstSpan(kv.data(), static_cast<size_t>(layers * n * heads * dim));
+    a.values = a.keys;
+    a.wire_dtype = v1::DTYPE_BF16;
+    chunks.push_back(a);
+  }
+  if (absl::StatusOr<AppendResult> r = from.AppendStream(chunks); !r.ok()) return Fail(r.status());
+  absl::StatusOr<SequenceState> state = from.GetSequence(c.cache, id);
+  if (!state.ok()) return Fail(state.status());
+  const int64_t bf16_bytes = Bf16BytesOf(*state, *layout);
+
+  v1::ExportRequest request;
+  request.set_cache(c.cache);
+  request.add_sequence_ids(id);
+  std::vector<double> seconds;
+  int64_t bytes = 0;
+  bool identical = true;
+  const std::string dest_cache = m.to_cache.empty() ? c.cache : m.to_cache;
+  for (int64_t r = 0; r < rounds; ++r) {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<v1::ImportResponse> moved = CopySequences(from, to, request, m.to_cache);
+    seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+    if (!moved.ok()) return Fail(moved.status());
+    bytes = moved->bytes();
+    if (r == 0) {
+      // The copy answers exactly as the source: first and last layer.
+      std::vector<float> q(static_cast<size_t>(layout->num_query_heads() * dim));
+      for (float& x : q) x = normal(rng);
+      for (int64_t layer : {int64_t{0}, layers - 1}) {
+        AttendItemArgs item;
+        item.sequence_id = id;
+        item.layer = static_cast<int>(layer);
+        item.shape = {1, layout->num_query_heads(), dim};
+        item.queries = q;
+        AttendArgs args;
+        args.items = {item};
+        args.cache = c.cache;
+        absl::StatusOr<std::vector<AttendOutput>> a = from.Attend(args);
+        args.cache = dest_cache;
+        absl::StatusOr<std::vector<AttendOutput>> b = to.Attend(args);
+        if (!a.ok()) return Fail(a.status());
+        if (!b.ok()) return Fail(b.status());
+        identical = identical && (*a)[0].output == (*b)[0].output;
+      }
+    }
+    if (absl::Status s = to.DropSequence(dest_cache, id); !s.ok()) return Fail(s);
+  }
+  (void)from.DropSequence(c.cache, id);
+  std::vector<double> sorted = seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const double gbps = bytes / median / 1e9;
+  const double ratio = static_cast<double>(bytes) / bf16_bytes;
+  if (json) {
+    JsonValue rounds_json = JsonValue::Array();
+    for (double s : seconds) rounds_json.Append(JsonValue(s));
+    printf("%s\n", JsonValue::Object()
+                       .Set("context", context)
+                       .Set("preset", layout->preset())
+                       .Set("bytes_moved", bytes)
+                       .Set("bf16_bytes", bf16_bytes)
+                       .Set("ratio_to_bf16", ratio)
+                       .Set("seconds", rounds_json)
+                       .Set("median_seconds", median)
+                       .Set("gb_per_s", gbps)
+                       .Set("identical_attend", identical)
+                       .Serialize()
+                       .c_str());
+  } else {
+    printf("moved %lld tokens (%lld layers, preset %s): %lld bytes = %.3fx their %lld bf16 bytes\n",
+           static_cast<long long>(context), static_cast<long long>(layers), layout->preset().c_str(),
+           static_cast<long long>(bytes), ratio, static_cast<long long>(bf16_bytes));
+    printf("median of %zu rounds %.3f s: %.2f GB/s of compressed bytes (bf16 at that rate: %.3f s); attend on "
+           "the copy %s\n",
+           seconds.size(), median, gbps, bf16_bytes / (gbps * 1e9), identical ? "identical" : "DIFFERS");
+  }
+  return identical ? 0 : kExitFailure;
+}
+
 int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet) {
   absl::StatusOr<DecodeLoadReport> report = RunDecodeLoad(options);
   if (!quiet) fprintf(stderr, "\n");
@@ -707,6 +923,8 @@ int RunAttend(int argc, const char* const* argv) { return RunAttendImpl(argc, ar
 int RunScore(int argc, const char* const* argv) { return RunScoreImpl(argc, argv); }
 int RunFork(int argc, const char* const* argv) { return RunForkImpl(argc, argv); }
 int RunDrop(int argc, const char* const* argv) { return RunDropImpl(argc, argv); }
+int RunMove(int argc, const char* const* argv) { return RunMoveImpl(argc, argv); }
+int RunBenchMove(int argc, const char* const* argv) { return RunBenchMoveImpl(argc, argv); }
 int RunLoad(int argc, const char* const* argv) { return RunLoadImpl(argc, argv); }
 
 }  // namespace cli

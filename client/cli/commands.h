@@ -40,6 +40,9 @@ int RunAttend(int argc, const char* const* argv);
 int RunScore(int argc, const char* const* argv);
 int RunFork(int argc, const char* const* argv);
 int RunDrop(int argc, const char* const* argv);
+// Moves sequences between servers; `bench move` times it (client_commands.cc).
+int RunMove(int argc, const char* const* argv);
+int RunBenchMove(int argc, const char* const* argv);
 int RunLoad(int argc, const char* const* argv);
 
 // Every subcommand, in the order `tqkv --help` lists them.

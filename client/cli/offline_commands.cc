@@ -453,6 +453,7 @@ const std::vector<Command>& AllCommands() {
       {"sequence", "tokens per layer and pages of one sequence", RunSequence},
       {"fork", "new sequence sharing a parent's tokens (copy-on-write)", RunFork},
       {"drop", "drop a sequence and free its pages", RunDrop},
+      {"move", "move sequences to another server at their compressed size", RunMove},
       {"load", "load generator: layer-by-layer decode (unary, fused, stream side by side) or mixed traffic", RunLoad},
   };
   return commands;

@@ -9,6 +9,9 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/sync_stream.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
@@ -484,7 +487,7 @@ namespace {
 // One message handed from the exporting thread to the importing one.
 struct Mailbox {
   absl::Mutex mu;
-  v1::ExportChunk chunk ABSL_GUARDED_BY(mu);
+  grpc::ByteBuffer message ABSL_GUARDED_BY(mu);
   bool full ABSL_GUARDED_BY(mu) = false;
   bool import_ended ABSL_GUARDED_BY(mu) = false;
   bool export_ended ABSL_GUARDED_BY(mu) = false;
@@ -498,32 +501,89 @@ struct Mailbox {
 
 absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const v1::ExportRequest& request,
                                                  const std::string& target_cache) {
+  // The messages are relayed as raw bytes (only the header is parsed, when
+  // the target cache is renamed): the pages are never decoded here. The
+  // export is read on a second thread and handed over one message at a time.
+  const grpc::internal::RpcMethod export_method("/tqkv.v1.KvCache/ExportSequences",
+                                                grpc::internal::RpcMethod::SERVER_STREAMING);
+  const grpc::internal::RpcMethod import_method("/tqkv.v1.KvCache/ImportSequences",
+                                                grpc::internal::RpcMethod::CLIENT_STREAMING);
+  const auto stream_deadline = [](const ClientOptions& o) {
+    return o.stream_timeout == absl::InfiniteDuration() ? std::chrono::system_clock::time_point::max()
+                                                        : absl::ToChronoTime(absl::Now() + o.stream_timeout);
+  };
   Mailbox box;
+  grpc::ClientContext export_context;
+  from.Prepare(&export_context, request.sequence_ids_size() > 0 ? absl::string_view(request.sequence_ids(0))
+                                                                : absl::string_view(request.id_prefix()));
+  export_context.set_deadline(stream_deadline(from.options_));
   std::thread exporter([&] {
-    const absl::Status s = from.ExportSequences(request, [&](v1::ExportChunk& chunk) -> absl::Status {
-      if (chunk.has_header() && !target_cache.empty()) chunk.mutable_header()->set_cache(target_cache);
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(from.channel_.get(), export_method,
+                                                                      &export_context, request));
+    grpc::ByteBuffer message;
+    bool first = true;
+    absl::Status relay;
+    while (relay.ok() && reader->Read(&message)) {
+      if (first && !target_cache.empty()) {
+        v1::ExportChunk header;
+        if (!grpc::SerializationTraits<v1::ExportChunk>::Deserialize(&message, &header).ok() ||
+            !header.has_header()) {
+          relay = absl::DataLossError("the export's first message is not its header");
+          break;
+        }
+        header.mutable_header()->set_cache(target_cache);
+        bool own = false;
+        (void)grpc::SerializationTraits<v1::ExportChunk>::Serialize(header, &message, &own);
+      }
+      first = false;
       absl::MutexLock lock(&box.mu);
       box.mu.Await(absl::Condition(&box, &Mailbox::CanPut));
-      if (box.import_ended) return absl::CancelledError("the import ended");
-      box.chunk.Swap(&chunk);
+      if (box.import_ended) {
+        relay = absl::CancelledError("the import ended");
+        break;
+      }
+      box.message.Swap(&message);
       box.full = true;
-      return absl::OkStatus();
-    });
+    }
+    if (!relay.ok()) export_context.TryCancel();
+    const grpc::Status status = reader->Finish();
     absl::MutexLock lock(&box.mu);
-    box.export_status = s;
+    box.export_status = relay.ok() ? FromGrpcStatus(status) : relay;
     box.export_ended = true;
   });
-  absl::StatusOr<v1::ImportResponse> imported = to.ImportSequences([&](v1::ExportChunk* out) -> absl::StatusOr<bool> {
-    absl::MutexLock lock(&box.mu);
-    box.mu.Await(absl::Condition(&box, &Mailbox::CanTake));
-    if (box.full) {
-      out->Swap(&box.chunk);
+
+  grpc::ClientContext import_context;
+  to.Prepare(&import_context, absl::string_view());
+  import_context.set_deadline(stream_deadline(to.options_));
+  grpc::ByteBuffer response_bytes;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(to.channel_.get(), import_method,
+                                                                    &import_context, &response_bytes));
+  absl::Status export_failed;
+  for (;;) {
+    grpc::ByteBuffer message;
+    {
+      absl::MutexLock lock(&box.mu);
+      box.mu.Await(absl::Condition(&box, &Mailbox::CanTake));
+      if (!box.full) {
+        export_failed = box.export_status;
+        break;
+      }
+      message.Swap(&box.message);
       box.full = false;
-      return true;
     }
-    if (!box.export_status.ok()) return box.export_status;
-    return false;
-  });
+    // A failed write means the server ended the stream: Finish has its status.
+    if (!writer->Write(message)) break;
+  }
+  // An export that failed must not look like a complete stream: cancel
+  // instead of half-closing.
+  if (!export_failed.ok()) {
+    import_context.TryCancel();
+  } else {
+    writer->WritesDone();
+  }
+  const grpc::Status status = writer->Finish();
   {
     absl::MutexLock lock(&box.mu);
     box.import_ended = true;
@@ -532,7 +592,12 @@ absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const
   absl::MutexLock lock(&box.mu);
   // The export's own error explains an import cut short by it.
   if (!box.export_status.ok() && !absl::IsCancelled(box.export_status)) return box.export_status;
-  return imported;
+  if (!status.ok()) return FromGrpcStatus(status);
+  v1::ImportResponse response;
+  if (!grpc::SerializationTraits<v1::ImportResponse>::Deserialize(&response_bytes, &response).ok()) {
+    return absl::DataLossError("the import's response does not parse");
+  }
+  return response;
 }
 
 absl::StatusOr<ScoreResult> Client::Score(const ScoreArgs& args) {

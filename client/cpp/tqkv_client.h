@@ -336,6 +336,8 @@ class Client {
   v1::KvCache::Stub& stub() { return *stub_; }
 
  private:
+  friend absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const v1::ExportRequest& request,
+                                                          const std::string& target_cache);
   // Deadline, auth and routing metadata of every call; `route_id` is the
   // sequence id whose routing key the call carries ("" for none).
   void Prepare(grpc::ClientContext* context, absl::string_view route_id) const;
