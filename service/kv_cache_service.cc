@@ -504,6 +504,9 @@ KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Bac
                          ->index(),
                      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
                          [this](grpc::CallbackServerContext* context) { return NewExportReactor(this, context); }));
+  ServeUnary<v1::SaveSnapshotRequest, v1::SaveSnapshotResponse>(
+      "SaveSnapshot", Rpc::kSaveSnapshot,
+      [this](const Caller& c, const auto&, v1::SaveSnapshotResponse* out) { return DoSaveSnapshot(c, out); });
   ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>("GetServerInfo", Rpc::kGetServerInfo,
                                                [this](const Caller& c, const auto&, v1::ServerInfo* out) {
                                                  DoGetServerInfo(c, out);
@@ -1081,6 +1084,19 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::AppendStream(grpc::Ca
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::DecodeStream(
     grpc::CallbackServerContext* context) {
   return new DecodeStreamReactor(this, auth_.Authenticate(*context));
+}
+
+absl::Status KvCacheService::DoSaveSnapshot(const Caller& caller, v1::SaveSnapshotResponse* response) {
+  if (!caller.admin()) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "SaveSnapshot writes every tenant's sequences: it takes an admin token, not tenant '%s''s",
+        caller.tenant->name()));
+  }
+  if (snapshotter_ == nullptr) {
+    return absl::FailedPreconditionError("this server has no data directory (start it with --data_dir)");
+  }
+  ASSIGN_OR_RETURN(*response, snapshotter_->SaveAll());
+  return absl::OkStatus();
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::ImportSequences(grpc::CallbackServerContext* context,

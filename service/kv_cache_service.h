@@ -40,6 +40,7 @@
 #include "service/auth.h"
 #include "service/executor.h"
 #include "service/metrics.h"
+#include "service/snapshot.h"
 #include "tqkv/v1/kvcache.grpc.pb.h"
 
 namespace tqkv {
@@ -65,7 +66,8 @@ using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<
                     v1::KvCache::WithRawCallbackMethod_GetSequence<
                         v1::KvCache::WithRawCallbackMethod_GetServerInfo<
                             v1::KvCache::WithRawCallbackMethod_ExportSequences<
-                                v1::KvCache::WithRawCallbackMethod_ImportSequences<v1::KvCache::Service>>>>>>>>>>>>>;
+                                v1::KvCache::WithRawCallbackMethod_ImportSequences<
+                                    v1::KvCache::WithRawCallbackMethod_SaveSnapshot<v1::KvCache::Service>>>>>>>>>>>>>>;
 
 class KvCacheService final : public RawKvCacheService {
  public:
@@ -93,6 +95,9 @@ class KvCacheService final : public RawKvCacheService {
   // serving.
   void set_max_response_bytes(int64_t bytes) { max_response_bytes_ = bytes; }
   int64_t max_response_bytes() const { return max_response_bytes_; }
+  // Serves SaveSnapshot (null: FAILED_PRECONDITION, no data directory). Set
+  // before serving; must outlive the service's calls.
+  void set_snapshotter(Snapshotter* snapshotter) { snapshotter_ = snapshotter; }
 
   // The cache named `name` ("" means "default"); NOT_FOUND listing the names.
   absl::StatusOr<KvCache*> Find(const std::string& name) const;
@@ -120,6 +125,7 @@ class KvCacheService final : public RawKvCacheService {
                              v1::SequenceInfo* info);
   // A tenant's call gets its own TenantInfo; an admin's every tenant's.
   void DoGetServerInfo(const Caller& caller, v1::ServerInfo* info);
+  absl::Status DoSaveSnapshot(const Caller& caller, v1::SaveSnapshotResponse* response);
 
   // The authenticator: its tenants, for the metrics.
   const Authenticator& auth() const { return auth_; }
@@ -159,6 +165,7 @@ class KvCacheService final : public RawKvCacheService {
   const Authenticator auth_;
   CallExecutor* executor_;
   int64_t max_response_bytes_ = 0;
+  Snapshotter* snapshotter_ = nullptr;
 
   // RESOURCE_EXHAUSTED when a response of about `bytes` (its tensors' bytes;
   // framing is allowed for) would exceed max_response_bytes_.

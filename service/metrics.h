@@ -73,8 +73,9 @@ enum class Rpc {
   kDecodeStreamStep,
   kExportSequences,
   kImportSequences,
+  kSaveSnapshot,
 };
-inline constexpr int kNumRpcs = 13;
+inline constexpr int kNumRpcs = 14;
 
 enum class Kernel { kStore, kScore, kAttend, kCopyPage };
 inline constexpr int kNumKernels = 4;

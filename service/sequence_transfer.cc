@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "kernels/status_macros.h"
 #include "service/auth.h"
@@ -230,19 +231,8 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       grpc::Slice data(size);
       uint8_t* bytes = const_cast<uint8_t*>(data.begin());
       RETURN_IF_ERROR(current_->ReadPages(pages_sent_, count, bytes));
-      const uint32_t crc = Crc32c(0, bytes, size);
-      std::string inner;
-      AppendTag(&inner, v1::ExportPages::kFirstPageFieldNumber, 0);
-      AppendVarint(&inner, static_cast<uint64_t>(pages_sent_));
-      AppendTag(&inner, v1::ExportPages::kDataFieldNumber, 2);
-      AppendVarint(&inner, size);
-      std::string suffix;
-      AppendTag(&suffix, v1::ExportPages::kCrc32CFieldNumber, 5);
-      for (int i = 0; i < 4; ++i) suffix.push_back(static_cast<char>(crc >> (8 * i)));
-      std::string prefix;
-      AppendTag(&prefix, v1::ExportChunk::kPagesFieldNumber, 2);
-      AppendVarint(&prefix, inner.size() + size + suffix.size());
-      prefix += inner;
+      std::string prefix, suffix;
+      FramePagesChunk(pages_sent_, size, Crc32c(0, bytes, size), &prefix, &suffix);
       grpc::Slice slices[] = {grpc::Slice(prefix), std::move(data), grpc::Slice(suffix)};
       out_ = grpc::ByteBuffer(slices, 3);
       pages_sent_ += count;
@@ -555,6 +545,21 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* NewImportReactor(KvCacheService* serv
   return new ImportReactor(service, service->auth().Authenticate(*context), response);
 }
 
+void FramePagesChunk(int64_t first_page, size_t size, uint32_t crc, std::string* prefix, std::string* suffix) {
+  std::string inner;
+  AppendTag(&inner, v1::ExportPages::kFirstPageFieldNumber, 0);
+  AppendVarint(&inner, static_cast<uint64_t>(first_page));
+  AppendTag(&inner, v1::ExportPages::kDataFieldNumber, 2);
+  AppendVarint(&inner, size);
+  suffix->clear();
+  AppendTag(suffix, v1::ExportPages::kCrc32CFieldNumber, 5);
+  for (int i = 0; i < 4; ++i) suffix->push_back(static_cast<char>(crc >> (8 * i)));
+  prefix->clear();
+  AppendTag(prefix, v1::ExportChunk::kPagesFieldNumber, 2);
+  AppendVarint(prefix, inner.size() + size + suffix->size());
+  *prefix += inner;
+}
+
 v1::ExportHeader MakeExportHeader(const KvCache& cache) {
   v1::ExportHeader header;
   header.set_format_version(kExportFormatVersion);
@@ -582,6 +587,7 @@ absl::Status CheckImportable(const v1::ExportHeader& header, const KvCache& cach
       absl::StrAppend(&differences, "page_bytes: ", header.page_bytes(), " -> ", mine.page_bytes(), "\n");
     }
     absl::StripTrailingAsciiWhitespace(&differences);
+    absl::StrReplaceAll({{"\n", "; "}}, &differences);
     return absl::FailedPreconditionError(absl::StrFormat(
         "the export's layout differs from cache '%s' (export -> this cache): %s", cache.options().name, differences));
   }

@@ -16,6 +16,7 @@
 #define TQKV_SERVICE_SEQUENCE_TRANSFER_H_
 
 #include <cstdint>
+#include <string>
 
 #include <grpcpp/server_context.h>
 #include <grpcpp/support/byte_buffer.h>
@@ -41,6 +42,11 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewExportReactor(Kv
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewImportReactor(KvCacheService* service,
                                                            grpc::CallbackServerContext* context,
                                                            grpc::ByteBuffer* response);
+
+// The protobuf bytes before and after `size` page bytes that make them an
+// ExportChunk holding ExportPages {first_page, data, crc32c}: how page
+// messages are written without copying the pages into a message first.
+void FramePagesChunk(int64_t first_page, size_t size, uint32_t crc, std::string* prefix, std::string* suffix);
 
 // A cache's header: its resolved config, page bytes, the format version.
 v1::ExportHeader MakeExportHeader(const KvCache& cache);

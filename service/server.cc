@@ -1,5 +1,11 @@
 #include "service/server.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -102,6 +108,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
       std::move(caches), server->backend_.get(), server->metrics_.get(),
       Authenticator(options.auth), server->executor_.get());
   server->service_->set_max_response_bytes(options.max_message_bytes);
+  if (!options.data_dir.empty()) {
+    if (mkdir(options.data_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot create the data directory '", options.data_dir, "': ", std::strerror(errno)));
+    }
+    if (!(options.snapshot_interval_seconds >= 0)) {
+      return absl::InvalidArgumentError("snapshot_interval_seconds must be >= 0 (0: only on shutdown and on demand)");
+    }
+    server->snapshotter_ = std::make_unique<Snapshotter>(options.data_dir, server->service_->caches(),
+                                                         &server->service_->auth());
+    for (const std::string& line : server->snapshotter_->LoadAll()) {
+      std::fprintf(stderr, "tqkv-server: %s\n", line.c_str());
+    }
+    server->service_->set_snapshotter(server->snapshotter_.get());
+  }
   server->cache_collector_ = MakeCacheCollector(server->service_->caches());
   server->executor_collector_ = MakeExecutorCollector(server->executor_.get());
   server->tenant_collector_ = MakeTenantCollector(server->service_->auth().tenants());
@@ -152,6 +173,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     const std::vector<int> ports = server->exposer_->GetListeningPorts();
     server->metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
   }
+  if (server->snapshotter_ != nullptr && options.snapshot_interval_seconds > 0) {
+    Server* s = server.get();
+    const absl::Duration every = absl::Seconds(options.snapshot_interval_seconds);
+    server->snapshot_thread_ = std::thread([s, every] {
+      while (!s->stop_snapshots_.WaitForNotificationWithTimeout(every)) {
+        absl::StatusOr<v1::SaveSnapshotResponse> saved = s->snapshotter_->SaveAll();
+        if (!saved.ok()) std::fprintf(stderr, "tqkv-server: periodic snapshot failed: %s\n", saved.status().ToString().c_str());
+      }
+    });
+  }
   // Health: "" (the whole server) and the service by name are SERVING until
   // Shutdown.
   if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
@@ -173,6 +204,23 @@ void Server::Shutdown(absl::Time deadline) {
     health->SetServingStatus(false);
   }
   server_->Shutdown(absl::ToChronoTime(deadline));
+  if (snapshot_thread_.joinable()) {
+    stop_snapshots_.Notify();
+    snapshot_thread_.join();
+  }
+  // No call is in flight now: the snapshot is every acknowledged append.
+  if (snapshotter_ != nullptr) {
+    absl::StatusOr<v1::SaveSnapshotResponse> saved = snapshotter_->SaveAll();
+    if (!saved.ok()) {
+      std::fprintf(stderr, "tqkv-server: the shutdown snapshot failed: %s\n", saved.status().ToString().c_str());
+    } else {
+      for (const v1::SnapshotFileInfo& f : saved->files()) {
+        std::fprintf(stderr, "tqkv-server: saved %lld sequences of cache '%s' to %s (%lld bytes, %.2f s)\n",
+                     static_cast<long long>(f.sequences()), f.cache().c_str(), f.path().c_str(),
+                     static_cast<long long>(f.bytes()), f.seconds());
+      }
+    }
+  }
 }
 
 void Server::Wait() { server_->Wait(); }

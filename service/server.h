@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/server.h>
@@ -15,12 +16,14 @@
 #include <prometheus/exposer.h>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "service/auth.h"
 #include "service/executor.h"
 #include "service/kv_cache_service.h"
 #include "service/metrics.h"
+#include "service/snapshot.h"
 #include "tqkv/v1/kvcache.pb.h"
 
 namespace tqkv {
@@ -59,6 +62,13 @@ struct ServerOptions {
   // Bearer tokens, tenants and quotas (see service/auth.h); no tokens: no
   // authentication. Health and reflection stay open either way.
   AuthConfig auth;
+  // Snapshots (service/snapshot.h): with a data directory, every cache's
+  // sequences are loaded from it at start-up and written to it on Shutdown,
+  // on SaveSnapshot and every snapshot_interval_seconds (0: not
+  // periodically). Empty: nothing is written or read. The directory is
+  // created if missing (its parent must exist).
+  std::string data_dir;
+  double snapshot_interval_seconds = 0;
   // TLS: the server's PEM certificate chain and private key (contents, not
   // paths). Both empty: plaintext; exactly one set is INVALID_ARGUMENT.
   std::string tls_cert_chain_pem;
@@ -106,6 +116,11 @@ class Server {
   std::unique_ptr<Backend> backend_;
   std::string why_not_cuda_;
   std::unique_ptr<KvCacheService> service_;
+  // Reads the service's caches and tenants: after service_. The periodic
+  // snapshot thread stops in Shutdown.
+  std::unique_ptr<Snapshotter> snapshotter_;
+  std::thread snapshot_thread_;
+  absl::Notification stop_snapshots_;
   std::shared_ptr<prometheus::Collectable> cache_collector_;
   std::shared_ptr<prometheus::Collectable> tenant_collector_;  // reads the service's tenants
   // After service_ (its work calls the service) and before server_ (the

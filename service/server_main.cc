@@ -59,6 +59,13 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "only ids starting with 'NAME:'.");
 ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; with --tls_key_file, serve TLS.");
 ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file.");
+ABSL_FLAG(std::string, data_dir, "",
+          "Directory of snapshots: sequences are loaded from it at start-up and written to it on "
+          "SIGTERM/SIGINT, on SaveSnapshot and every --snapshot_interval_seconds (empty: memory only; a "
+          "restart loses every sequence).");
+ABSL_FLAG(double, snapshot_interval_seconds, 0,
+          "With --data_dir, also snapshot every this many seconds (0: only on shutdown and on demand). A "
+          "crash loses what was appended since the last snapshot.");
 ABSL_FLAG(bool, print_default_config, false, "Print the embedded default config and exit.");
 
 namespace {
@@ -123,6 +130,8 @@ int main(int argc, char** argv) {
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.memory_budget_bytes = static_cast<uint64_t>(budget_gib * (uint64_t{1} << 30));
+  options.data_dir = absl::GetFlag(FLAGS_data_dir);
+  options.snapshot_interval_seconds = absl::GetFlag(FLAGS_snapshot_interval_seconds);
 
   if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
     absl::StatusOr<tqkv::service::AuthConfig> auth = tqkv::service::LoadAuthConfig(path);
