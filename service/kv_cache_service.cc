@@ -7,10 +7,12 @@
 #include <functional>
 #include <new>
 #include <numeric>
+#include <random>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "google/protobuf/descriptor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -469,6 +471,8 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
                                Metrics* metrics, Authenticator auth, CallExecutor* executor)
     : backend_(backend), metrics_(metrics), auth_(std::move(auth)), executor_(executor) {
+  std::random_device random;
+  instance_id_ = absl::StrFormat("%08x%08x", random(), random());
   for (auto& cache : caches) {
     order_.push_back(cache.get());
     const std::string name = cache->options().name;
@@ -504,6 +508,9 @@ KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Bac
                          ->index(),
                      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
                          [this](grpc::CallbackServerContext* context) { return NewExportReactor(this, context); }));
+  ServeUnary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
+      "ListSequences", Rpc::kListSequences,
+      [this](const Caller& c, const auto& r, auto* out) { return DoListSequences(c, r, out); });
   ServeUnary<v1::SaveSnapshotRequest, v1::SaveSnapshotResponse>(
       "SaveSnapshot", Rpc::kSaveSnapshot,
       [this](const Caller& c, const auto&, v1::SaveSnapshotResponse* out) { return DoSaveSnapshot(c, out); });
@@ -1016,6 +1023,7 @@ void KvCacheService::DoGetServerInfo(const Caller& caller, v1::ServerInfo* info)
     fill_tenant(*caller.tenant, info->mutable_tenant());
   }
   info->set_version(TQKV_VERSION);
+  info->set_instance_id(instance_id_);
   info->set_backend(backend_->name());
   info->set_device(backend_->device());
   for (KvCache* cache : order_) {
@@ -1084,6 +1092,30 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::AppendStream(grpc::Ca
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::DecodeStream(
     grpc::CallbackServerContext* context) {
   return new DecodeStreamReactor(this, auth_.Authenticate(*context));
+}
+
+absl::Status KvCacheService::DoListSequences(const Caller& caller, const v1::ListSequencesRequest& request,
+                                             v1::ListSequencesResponse* response) {
+  if (request.max_ids() < 0 || request.max_ids() > 100000) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("max_ids is %d; want 0..100000 (0: 1000)", request.max_ids()));
+  }
+  std::string prefix = request.id_prefix();
+  if (!caller.admin()) {
+    if (prefix.empty()) prefix = caller.tenant->prefix();
+    RETURN_IF_ERROR(Authenticator::Authorize(caller, prefix, "id_prefix"));
+  }
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
+  const size_t limit = request.max_ids() == 0 ? 1000 : static_cast<size_t>(request.max_ids());
+  for (const std::string& id : cache->ListSequences()) {  // sorted
+    if (!absl::StartsWith(id, prefix) || (!request.start_after().empty() && id <= request.start_after())) continue;
+    if (static_cast<size_t>(response->sequence_ids_size()) == limit) {
+      response->set_more(true);
+      break;
+    }
+    response->add_sequence_ids(id);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status KvCacheService::DoSaveSnapshot(const Caller& caller, v1::SaveSnapshotResponse* response) {

@@ -67,7 +67,8 @@ using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<
                         v1::KvCache::WithRawCallbackMethod_GetServerInfo<
                             v1::KvCache::WithRawCallbackMethod_ExportSequences<
                                 v1::KvCache::WithRawCallbackMethod_ImportSequences<
-                                    v1::KvCache::WithRawCallbackMethod_SaveSnapshot<v1::KvCache::Service>>>>>>>>>>>>>>;
+                                    v1::KvCache::WithRawCallbackMethod_SaveSnapshot<
+                                        v1::KvCache::WithRawCallbackMethod_ListSequences<v1::KvCache::Service>>>>>>>>>>>>>>>;
 
 class KvCacheService final : public RawKvCacheService {
  public:
@@ -126,6 +127,10 @@ class KvCacheService final : public RawKvCacheService {
   // A tenant's call gets its own TenantInfo; an admin's every tenant's.
   void DoGetServerInfo(const Caller& caller, v1::ServerInfo* info);
   absl::Status DoSaveSnapshot(const Caller& caller, v1::SaveSnapshotResponse* response);
+  absl::Status DoListSequences(const Caller& caller, const v1::ListSequencesRequest& request,
+                               v1::ListSequencesResponse* response);
+  // Random at construction (ServerInfo.instance_id).
+  const std::string& instance_id() const { return instance_id_; }
 
   // The authenticator: its tenants, for the metrics.
   const Authenticator& auth() const { return auth_; }
@@ -166,6 +171,7 @@ class KvCacheService final : public RawKvCacheService {
   CallExecutor* executor_;
   int64_t max_response_bytes_ = 0;
   Snapshotter* snapshotter_ = nullptr;
+  std::string instance_id_;
 
   // RESOURCE_EXHAUSTED when a response of about `bytes` (its tensors' bytes;
   // framing is allowed for) would exceed max_response_bytes_.

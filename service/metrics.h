@@ -74,8 +74,9 @@ enum class Rpc {
   kExportSequences,
   kImportSequences,
   kSaveSnapshot,
+  kListSequences,
 };
-inline constexpr int kNumRpcs = 14;
+inline constexpr int kNumRpcs = 15;
 
 enum class Kernel { kStore, kScore, kAttend, kCopyPage };
 inline constexpr int kNumKernels = 4;

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -537,6 +539,126 @@ int RunMoveImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+int RunRebalanceImpl(int argc, const char* const* argv) {
+  FlagSet flags("rebalance",
+                "After the router's shard set changed: moves every sequence to the server the router\n"
+                "now sends its routing key to. The router itself says where a key goes (a\n"
+                "GetServerInfo routed by the key names its server's instance_id), so any router\n"
+                "with any hash works; --servers lists every server that may hold sequences (the\n"
+                "old set and the new). To drain a server before removing it: take it out of the\n"
+                "router, then rebalance with it still in --servers (--from limits the moves to it).\n"
+                "Forks move as separate sequences (their shared pages are copied per sequence).");
+  Connection c;
+  std::string router, servers, only_from;
+  bool dry_run = false, json = false;
+  AddConnectionFlags(flags, &c);
+  flags.AddRequiredString("router", &router, "host:port of the router (haproxy)");
+  flags.AddRequiredString("servers", &servers, "comma-separated host:port of every tqkv-server behind it");
+  flags.AddString("from", &only_from, "only move sequences off this server (host:port, one of --servers)");
+  flags.AddBool("dry-run", &dry_run, "say what would move, move nothing");
+  flags.AddBool("json", &json, "print JSON");
+  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
+  const auto options_for = [&c](const std::string& target) {
+    Connection to = c;
+    to.target = target;
+    return MakeClientOptions(to);
+  };
+  struct Shard {
+    std::string target;
+    std::unique_ptr<Client> client;
+    std::string instance;
+  };
+  std::vector<Shard> shards;
+  std::map<std::string, size_t> by_instance;
+  for (absl::string_view t : absl::StrSplit(servers, ',', absl::SkipEmpty())) {
+    absl::StatusOr<ClientOptions> o = options_for(std::string(t));
+    if (!o.ok()) return Fail(o.status());
+    Shard shard{std::string(t), std::make_unique<Client>(*o), ""};
+    absl::StatusOr<v1::ServerInfo> info = shard.client->GetServerInfo();
+    if (!info.ok()) return Fail(absl::Status(info.status().code(), absl::StrCat(t, ": ", info.status().message())));
+    shard.instance = info->instance_id();
+    by_instance[shard.instance] = shards.size();
+    shards.push_back(std::move(shard));
+  }
+  if (!only_from.empty() &&
+      std::none_of(shards.begin(), shards.end(), [&](const Shard& s) { return s.target == only_from; })) {
+    return UsageError("--from must be one of --servers");
+  }
+  absl::StatusOr<ClientOptions> router_options = options_for(router);
+  if (!router_options.ok()) return Fail(router_options.status());
+  Client via(*router_options);
+  std::map<std::string, size_t> owner_of_key;  // routing key -> shard
+  int64_t moved = 0, kept = 0, bytes = 0;
+  JsonValue moves = JsonValue::Array();
+  const absl::Time start = absl::Now();
+  for (size_t from = 0; from < shards.size(); ++from) {
+    if (!only_from.empty() && shards[from].target != only_from) continue;
+    absl::StatusOr<std::vector<std::string>> ids = shards[from].client->ListSequences(c.cache);
+    if (!ids.ok()) return Fail(ids.status());
+    // The ids of each routing key move together, to one server.
+    std::map<std::string, std::vector<std::string>> groups;
+    for (const std::string& id : *ids) groups[RouteKey(id)].push_back(id);
+    for (const auto& [key, group] : groups) {
+      auto it = owner_of_key.find(key);
+      if (it == owner_of_key.end()) {
+        absl::StatusOr<std::string> instance = via.InstanceFor(group.front());
+        if (!instance.ok()) return Fail(instance.status());
+        auto shard = by_instance.find(*instance);
+        if (shard == by_instance.end()) {
+          return Fail(absl::FailedPreconditionError(absl::StrFormat(
+              "the router sends key '%s' to a server not in --servers (instance %s)", key, *instance)));
+        }
+        it = owner_of_key.emplace(key, shard->second).first;
+      }
+      const size_t to = it->second;
+      if (to == from) {
+        kept += static_cast<int64_t>(group.size());
+        continue;
+      }
+      for (const std::string& id : group) {
+        moves.Append(JsonValue::Object().Set("sequence", id).Set("from", shards[from].target).Set("to", shards[to].target));
+        if (!json) printf("%s %s: %s -> %s\n", dry_run ? "would move" : "moving", id.c_str(), shards[from].target.c_str(),
+                          shards[to].target.c_str());
+      }
+      if (dry_run) {
+        moved += static_cast<int64_t>(group.size());
+        continue;
+      }
+      v1::ExportRequest request;
+      request.set_cache(c.cache);
+      for (const std::string& id : group) request.add_sequence_ids(id);
+      absl::StatusOr<v1::ImportResponse> copied = CopySequences(*shards[from].client, *shards[to].client, request);
+      if (!copied.ok()) {
+        return Fail(absl::Status(copied.status().code(), absl::StrCat("moving key '", key, "' from ", shards[from].target,
+                                                                      " to ", shards[to].target, ": ",
+                                                                      copied.status().message())));
+      }
+      // Dropped from the old home only once the new one holds them all.
+      for (const std::string& id : group) {
+        if (absl::Status s = shards[from].client->DropSequence(c.cache, id); !s.ok()) return Fail(s);
+      }
+      moved += static_cast<int64_t>(group.size());
+      bytes += copied->bytes();
+    }
+  }
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (json) {
+    printf("%s\n", JsonValue::Object()
+                       .Set("moved", moved)
+                       .Set("kept", kept)
+                       .Set("bytes", bytes)
+                       .Set("seconds", seconds)
+                       .Set("dry_run", dry_run)
+                       .Set("moves", moves)
+                       .Serialize()
+                       .c_str());
+  } else {
+    printf("%s %lld sequences (%lld bytes), %lld already home, in %.2f s\n", dry_run ? "would move" : "moved",
+           static_cast<long long>(moved), static_cast<long long>(bytes), static_cast<long long>(kept), seconds);
+  }
+  return 0;
+}
+
 int RunBenchMoveImpl(int argc, const char* const* argv) {
   FlagSet flags("bench move",
                 "Prefills one sequence of --context tokens on the source server (random K/V, bf16 on\n"
@@ -924,6 +1046,7 @@ int RunScore(int argc, const char* const* argv) { return RunScoreImpl(argc, argv
 int RunFork(int argc, const char* const* argv) { return RunForkImpl(argc, argv); }
 int RunDrop(int argc, const char* const* argv) { return RunDropImpl(argc, argv); }
 int RunMove(int argc, const char* const* argv) { return RunMoveImpl(argc, argv); }
+int RunRebalance(int argc, const char* const* argv) { return RunRebalanceImpl(argc, argv); }
 int RunBenchMove(int argc, const char* const* argv) { return RunBenchMoveImpl(argc, argv); }
 int RunLoad(int argc, const char* const* argv) { return RunLoadImpl(argc, argv); }
 

@@ -42,6 +42,7 @@ int RunFork(int argc, const char* const* argv);
 int RunDrop(int argc, const char* const* argv);
 // Moves sequences between servers; `bench move` times it (client_commands.cc).
 int RunMove(int argc, const char* const* argv);
+int RunRebalance(int argc, const char* const* argv);
 int RunBenchMove(int argc, const char* const* argv);
 int RunLoad(int argc, const char* const* argv);
 

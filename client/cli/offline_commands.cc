@@ -454,6 +454,8 @@ const std::vector<Command>& AllCommands() {
       {"fork", "new sequence sharing a parent's tokens (copy-on-write)", RunFork},
       {"drop", "drop a sequence and free its pages", RunDrop},
       {"move", "move sequences to another server at their compressed size", RunMove},
+      {"rebalance", "after the router's shards changed, move every sequence to the server its key now goes to",
+       RunRebalance},
       {"load", "load generator: layer-by-layer decode (unary, fused, stream side by side) or mixed traffic", RunLoad},
   };
   return commands;

@@ -754,4 +754,33 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   return response;
 }
 
+absl::StatusOr<std::string> Client::InstanceFor(absl::string_view route_id) {
+  v1::GetServerInfoRequest request;
+  v1::ServerInfo response;
+  int attempts = 0;
+  const grpc::Status status = WithRetries(
+      route_id, [&](grpc::ClientContext* c) { return stub_->GetServerInfo(c, request, &response); }, &attempts);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.instance_id();
+}
+
+absl::StatusOr<std::vector<std::string>> Client::ListSequences(const std::string& cache, const std::string& prefix) {
+  std::vector<std::string> ids;
+  v1::ListSequencesRequest request;
+  request.set_cache(cache);
+  request.set_id_prefix(prefix);
+  request.set_max_ids(10000);
+  for (;;) {
+    v1::ListSequencesResponse response;
+    int attempts = 0;
+    const grpc::Status status = WithRetries(
+        absl::string_view(), [&](grpc::ClientContext* c) { return stub_->ListSequences(c, request, &response); },
+        &attempts);
+    if (!status.ok()) return FromGrpcStatus(status);
+    ids.insert(ids.end(), response.sequence_ids().begin(), response.sequence_ids().end());
+    if (!response.more() || response.sequence_ids_size() == 0) return ids;
+    request.set_start_after(ids.back());
+  }
+}
+
 }  // namespace tqkv

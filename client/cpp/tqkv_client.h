@@ -322,6 +322,12 @@ class Client {
   absl::Status DropSequence(const std::string& cache, const std::string& id);
   absl::StatusOr<SequenceState> GetSequence(const std::string& cache, const std::string& id);
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
+  // GetServerInfo routed by `route_id`'s routing key: behind a router, the
+  // instance_id of the server that key goes to.
+  absl::StatusOr<std::string> InstanceFor(absl::string_view route_id);
+  // Every sequence id of `cache` starting with `prefix`, in byte order
+  // (ListSequences, page by page).
+  absl::StatusOr<std::vector<std::string>> ListSequences(const std::string& cache, const std::string& prefix = "");
 
   // ExportSequences: `sink` gets every message of the stream in order (a
   // header, per sequence its state and pages, a trailer); an error from the
