@@ -1148,10 +1148,7 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> KvCache::BeginImport(const Seque
   State& s = *state_;
   const int32_t need = static_cast<int32_t>(image.num_pages);
   const uint64_t charged = static_cast<uint64_t>(need) * layout.page_bytes();
-  std::unique_ptr<SequenceImport> import(new SequenceImport());
-  import->cache_ = this;
-  import->state_ = image;
-  import->state_.pages.clear();
+  std::vector<int32_t> allocated;
   absl::MutexLock lock(&s.mu);
   s.AwaitNoWriter(id);
   if (s.sequences.contains(id)) {
@@ -1184,13 +1181,20 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> KvCache::BeginImport(const Seque
     }
     s.evictions += victims.size();
   }
-  (void)s.pages.Allocate(need, &import->allocated_);
+  (void)s.pages.Allocate(need, &allocated);
   // Reserved, invisible, held: calls naming the id wait for the commit or
   // the abort, as for a first append in flight.
   Sequence* seq = s.AddSequence(id, /*pending=*/true, now);
   seq->account = std::move(account);
   seq->charged_bytes = seq->account != nullptr ? charged : 0;
   seq->writer_active = true;
+  // Made only now: its destructor gives back what is reserved above, so no
+  // refused import may own one.
+  std::unique_ptr<SequenceImport> import(new SequenceImport());
+  import->cache_ = this;
+  import->state_ = image;
+  import->state_.pages.clear();
+  import->allocated_ = std::move(allocated);
   return import;
 }
 
@@ -1219,7 +1223,7 @@ absl::Status KvCache::EndImport(SequenceImport& import, bool commit) {
   const std::vector<int32_t>& allocated = import.allocated_;
   State& s = *state_;
   absl::MutexLock lock(&s.mu);
-  Sequence* seq = s.sequences.at(image.id).get();
+  Sequence* seq = s.sequences.at(image.id).get();  // reserved by BeginImport: only this import removes it
   if (!commit) {
     for (int32_t page : allocated) s.pages.Release(page);
     if (seq->account != nullptr) {

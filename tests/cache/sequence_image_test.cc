@@ -146,7 +146,12 @@ TEST_P(SequenceImageTest, AMovedSequenceReadsBitForBitAndKeepsGrowing) {
       ASSERT_TRUE(Append(*b_, id, 0, 23, 1, "prefill", &outcome).ok());
       EXPECT_TRUE(outcome.already_stored);
     }
+    // Refused, the sequence already there is untouched.
+    const std::string held = Reads(*b_, id, 11);
+    const int32_t used = b_->Stats().pages_used;
     EXPECT_EQ(b_->ImportSequence(*image).code(), absl::StatusCode::kAlreadyExists);
+    EXPECT_TRUE(Reads(*b_, id, 11) == held);
+    EXPECT_EQ(b_->Stats().pages_used, used);
   }
   EXPECT_EQ(a_->ExportSequence("nope").status().code(), absl::StatusCode::kNotFound);
 

@@ -189,10 +189,15 @@ TEST_F(TransferTest, MovedSequencesReadBitForBitAndKeepGrowing) {
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(wrong.status().message()), HasSubstr("preset"));
   EXPECT_EQ(b.GetSequence("other", "solo").status().code(), absl::StatusCode::kNotFound);
-  // Twice into the same cache: the id is taken.
+  // Twice into the same cache: the id is taken, and the copy there is
+  // untouched.
   request.clear_sequence_ids();
   request.add_sequence_ids("chat-2");
+  const std::string chat_2 = Reads(b, "chat-2");
+  const int pages_used = b.GetServerInfo()->caches(0).pages_used();
   EXPECT_EQ(CopySequences(a, b, request).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_TRUE(Reads(b, "chat-2") == chat_2);
+  EXPECT_EQ(b.GetServerInfo()->caches(0).pages_used(), pages_used);
   // Unknown names and empty requests.
   request.clear_sequence_ids();
   request.add_sequence_ids("nope");
