@@ -205,6 +205,50 @@ TEST_F(TransferTest, MovedSequencesReadBitForBitAndKeepGrowing) {
   EXPECT_EQ(CopySequences(a, b, v1::ExportRequest()).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// The disaggregated path: a prefill server takes the prompt (one
+// AppendStream), the decode server imports it, and the decode loop goes on
+// there, layer by layer, exactly as it would have on the prefill server.
+TEST_F(TransferTest, PrefillThenMoveThenDecodeGivesTheDecodeTheSourceWouldHave) {
+  Client prefill = ClientOf(*a_), decode = ClientOf(*b_);
+  std::vector<float> kv = Random(kLayers * 200 * kKvHeads * kDim, 21);
+  std::vector<AppendArgs> chunks(2);
+  for (int c = 0; c < 2; ++c) {
+    chunks[c].sequence_id = "req-9";
+    chunks[c].start_position = 100 * c;
+    chunks[c].shape = {kLayers, 100, kKvHeads, kDim};
+    chunks[c].keys = absl::MakeConstSpan(kv.data() + c * kLayers * 100 * kKvHeads * kDim, kLayers * 100 * kKvHeads * kDim);
+    chunks[c].values = chunks[c].keys;
+    chunks[c].wire_dtype = v1::DTYPE_BF16;
+  }
+  ASSERT_TRUE(prefill.AppendStream(chunks).ok());
+  v1::ExportRequest request;
+  request.add_sequence_ids("req-9");
+  ASSERT_TRUE(CopySequences(prefill, decode, request).ok());
+  for (int step = 0; step < 3; ++step) {
+    for (int layer = 0; layer < kLayers; ++layer) {
+      const std::vector<float> token = Random(kKvHeads * kDim, 100 * step + layer);
+      AppendAttendArgs args;
+      args.layer = layer;
+      args.return_lse = true;
+      args.items.resize(1);
+      args.items[0].sequence_id = "req-9";
+      args.items[0].start_position = 200 + step;
+      args.items[0].kv_shape = {1, kKvHeads, kDim};
+      args.items[0].query_shape = {1, kQueryHeads, kDim};
+      args.items[0].keys = token;
+      args.items[0].values = token;
+      args.items[0].queries = queries_;
+      absl::StatusOr<AppendAttendResult> there = decode.AppendAttend(args);
+      absl::StatusOr<AppendAttendResult> here = prefill.AppendAttend(args);
+      ASSERT_TRUE(there.ok()) << there.status();
+      ASSERT_TRUE(here.ok()) << here.status();
+      ASSERT_TRUE(there->items[0].status.ok()) << there->items[0].status;
+      EXPECT_EQ(there->items[0].attention.output, here->items[0].attention.output) << "step " << step << " layer " << layer;
+      EXPECT_EQ(there->items[0].attention.lse, here->items[0].attention.lse);
+    }
+  }
+}
+
 TEST_F(TransferTest, ACutOrCorruptedStreamKeepsOnlyTheSequencesThatLandedWhole) {
   Client a = ClientOf(*a_), b = ClientOf(*b_);
   ASSERT_TRUE(Append(a, "s1", 0, 40, 1).ok());
