@@ -291,50 +291,30 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   bool finished_ = false;
 };
 
-class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+// The import of one stream of ExportChunk messages, message by message:
+// what ImportSequences' reactor and PullSequences run.
+class ImportSession {
  public:
-  ImportReactor(KvCacheService* service, const absl::StatusOr<Caller>& caller, grpc::ByteBuffer* response)
-      : service_(service), response_bytes_(response), start_(Clock::now()) {
-    if (!caller.ok()) {
-      End(caller.status());
-      return;
-    }
-    caller_ = *caller;
-    StartRead(&in_);
-  }
+  ImportSession(KvCacheService* service, const Caller& caller) : service_(service), caller_(caller) {}
 
-  void OnReadDone(bool ok) override {
-    Schedule(service_,
-             [this, ok] {
-               const absl::Status status = RunGuarded([this, ok] { return ok ? Take() : EndOfStream(); });
-               if (!status.ok() || !ok) {
-                 End(status);
-               } else {
-                 StartRead(&in_);
-               }
-             },
-             [this](const absl::Status& s) { End(s); });
-  }
-
-  void OnDone() override { delete this; }
-
- private:
   // One message of the stream.
-  absl::Status Take() {
+  // One message of the stream (consumed).
+  absl::Status Take(grpc::ByteBuffer& in) {
+    in_ = &in;
     // Pages, the bulk of a stream, go from the message's slices to the pool
     // without being copied into a parsed message first.
     if (import_ != nullptr) {
       bool taken = false;
       RETURN_IF_ERROR(TakePagesInPlace(&taken));
       if (taken) {
-        in_.Clear();
+        in_->Clear();
         ++messages_;
         return absl::OkStatus();
       }
     }
     v1::ExportChunk chunk;
-    RETURN_IF_ERROR(ParseMessage(in_, &chunk, absl::StrCat("message ", messages_)));
-    in_.Clear();
+    RETURN_IF_ERROR(ParseMessage(*in_, &chunk, absl::StrCat("message ", messages_)));
+    in_->Clear();
     ++messages_;
     if (trailer_) return absl::InvalidArgumentError("a message after the trailer");
     switch (chunk.part_case()) {
@@ -407,7 +387,7 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   absl::Status TakePagesInPlace(bool* taken) {
     *taken = false;
     std::vector<grpc::Slice> slices;
-    if (!in_.Dump(&slices).ok() || slices.empty()) return absl::OkStatus();
+    if (!in_->Dump(&slices).ok() || slices.empty()) return absl::OkStatus();
     SliceReader reader(slices);
     uint64_t tag = 0, outer = 0, first_page = 0, size = 0;
     if (!reader.Varint(&tag) || tag != (v1::ExportChunk::kPagesFieldNumber << 3 | 2) || !reader.Varint(&outer) ||
@@ -482,7 +462,8 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     return absl::OkStatus();
   }
 
-  absl::Status EndOfStream() {
+  // The end of the stream: the response, or why the stream was incomplete.
+  absl::Status EndOfStream(grpc::ByteBuffer* response_bytes) {
     if (import_ != nullptr) {
       return absl::DataLossError(absl::StrFormat("the stream ended with %d of sequence '%s''s %d pages",
                                                  pages_received_, id_, import_->num_pages()));
@@ -494,23 +475,24 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     response_.set_pages(total_pages_);
     response_.set_bytes(total_bytes_);
-    return SerializeMessage(response_, response_bytes_);
+    return SerializeMessage(response_, response_bytes);
   }
 
-  void End(const absl::Status& status) {
+  // Names the sequence in progress in an error and gives back what it had
+  // reserved; the sequences completed stay.
+  absl::Status Abandon(const absl::Status& status) {
     absl::Status named = status;
     if (!status.ok() && import_ != nullptr) {
       named = absl::Status(status.code(), absl::StrCat("sequence '", id_, "': ", status.message()));
     }
-    import_.reset();  // an incomplete sequence gives everything back
-    Finish(Account(service_, caller_, Rpc::kImportSequences, start_, named));
+    import_.reset();
+    return named;
   }
 
+ private:
   KvCacheService* const service_;
-  grpc::ByteBuffer* const response_bytes_;
-  const Clock::time_point start_;
-  Caller caller_;
-  grpc::ByteBuffer in_;
+  const Caller caller_;
+  grpc::ByteBuffer* in_ = nullptr;  // the message Take is taking
   int64_t messages_ = 0;
   KvCache* cache_ = nullptr;
   std::unique_ptr<SequenceImport> import_;
@@ -520,6 +502,50 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   int64_t total_bytes_ = 0;
   bool trailer_ = false;
   v1::ImportResponse response_;
+};
+
+class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  ImportReactor(KvCacheService* service, const absl::StatusOr<Caller>& caller, grpc::ByteBuffer* response)
+      : service_(service), response_bytes_(response), start_(Clock::now()) {
+    if (!caller.ok()) {
+      End(caller.status());
+      return;
+    }
+    caller_ = *caller;
+    session_ = std::make_unique<ImportSession>(service, caller_);
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    Schedule(service_,
+             [this, ok] {
+               const absl::Status status =
+                   RunGuarded([this, ok] { return ok ? session_->Take(in_) : session_->EndOfStream(response_bytes_); });
+               if (!status.ok() || !ok) {
+                 End(status);
+               } else {
+                 StartRead(&in_);
+               }
+             },
+             [this](const absl::Status& s) { End(s); });
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void End(const absl::Status& status) {
+    const absl::Status named = session_ != nullptr ? session_->Abandon(status) : status;
+    session_.reset();  // an incomplete sequence gives everything back
+    Finish(Account(service_, caller_, Rpc::kImportSequences, start_, named));
+  }
+
+  KvCacheService* const service_;
+  grpc::ByteBuffer* const response_bytes_;
+  const Clock::time_point start_;
+  Caller caller_;
+  grpc::ByteBuffer in_;
+  std::unique_ptr<ImportSession> session_;
 };
 
 // The config fields that fix how pages are laid out and read: everything
