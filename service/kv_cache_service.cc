@@ -508,6 +508,9 @@ KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Bac
                          ->index(),
                      new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
                          [this](grpc::CallbackServerContext* context) { return NewExportReactor(this, context); }));
+  ServeUnary<v1::PullSequencesRequest, v1::ImportResponse>(
+      "PullSequences", Rpc::kPullSequences,
+      [this](const Caller& c, const auto& r, auto* out) { return service::PullSequences(this, c, r, out); });
   ServeUnary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
       "ListSequences", Rpc::kListSequences,
       [this](const Caller& c, const auto& r, auto* out) { return DoListSequences(c, r, out); });

@@ -68,7 +68,8 @@ using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<
                             v1::KvCache::WithRawCallbackMethod_ExportSequences<
                                 v1::KvCache::WithRawCallbackMethod_ImportSequences<
                                     v1::KvCache::WithRawCallbackMethod_SaveSnapshot<
-                                        v1::KvCache::WithRawCallbackMethod_ListSequences<v1::KvCache::Service>>>>>>>>>>>>>>>;
+                                        v1::KvCache::WithRawCallbackMethod_ListSequences<
+                                            v1::KvCache::WithRawCallbackMethod_PullSequences<v1::KvCache::Service>>>>>>>>>>>>>>>>;
 
 class KvCacheService final : public RawKvCacheService {
  public:

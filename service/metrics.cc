@@ -13,7 +13,7 @@ namespace {
 constexpr const char* kRpcNames[kNumRpcs] = {
     "Append",         "AppendStream", "ScoreQuery",  "Attend",       "CreateSequence",
     "ForkSequence",   "DropSequence", "GetSequence", "GetServerInfo", "AppendAttend",
-    "DecodeStreamStep", "ExportSequences", "ImportSequences", "SaveSnapshot", "ListSequences"};
+    "DecodeStreamStep", "ExportSequences", "ImportSequences", "SaveSnapshot", "ListSequences", "PullSequences"};
 constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page"};
 constexpr const char* kCodeNames[17] = {
     "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",

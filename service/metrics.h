@@ -75,8 +75,9 @@ enum class Rpc {
   kImportSequences,
   kSaveSnapshot,
   kListSequences,
+  kPullSequences,
 };
-inline constexpr int kNumRpcs = 15;
+inline constexpr int kNumRpcs = 16;
 
 enum class Kernel { kStore, kScore, kAttend, kCopyPage };
 inline constexpr int kNumKernels = 4;

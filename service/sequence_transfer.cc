@@ -9,7 +9,11 @@
 #include <utility>
 #include <vector>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/slice.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -463,6 +467,8 @@ class ImportSession {
   }
 
   // The end of the stream: the response, or why the stream was incomplete.
+  const v1::ImportResponse& response() const { return response_; }
+
   absl::Status EndOfStream(grpc::ByteBuffer* response_bytes) {
     if (import_ != nullptr) {
       return absl::DataLossError(absl::StrFormat("the stream ended with %d of sequence '%s''s %d pages",
@@ -475,7 +481,7 @@ class ImportSession {
     }
     response_.set_pages(total_pages_);
     response_.set_bytes(total_bytes_);
-    return SerializeMessage(response_, response_bytes);
+    return response_bytes == nullptr ? absl::OkStatus() : SerializeMessage(response_, response_bytes);
   }
 
   // Names the sequence in progress in an error and gives back what it had
@@ -559,6 +565,64 @@ v1::CacheConfig LayoutOnly(v1::CacheConfig config) {
 }
 
 }  // namespace
+
+absl::Status PullSequences(KvCacheService* service, const Caller& caller, const v1::PullSequencesRequest& request,
+                           v1::ImportResponse* response) {
+  if (!caller.admin()) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "PullSequences opens a connection from the server: it takes an admin token, not tenant '%s''s",
+        caller.tenant->name()));
+  }
+  if (request.source().empty()) return absl::InvalidArgumentError("source is empty; want the exporting server's host:port");
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);  // page messages are sized by the exporter
+  const std::shared_ptr<grpc::ChannelCredentials> credentials =
+      request.source_tls_root_certs().empty()
+          ? grpc::InsecureChannelCredentials()
+          : grpc::SslCredentials(grpc::SslCredentialsOptions{request.source_tls_root_certs(), "", ""});
+  const std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(request.source(), credentials, args);
+  grpc::ClientContext context;
+  if (!request.source_auth_token().empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", request.source_auth_token()));
+  }
+  const grpc::internal::RpcMethod method("/tqkv.v1.KvCache/ExportSequences",
+                                         grpc::internal::RpcMethod::SERVER_STREAMING);
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), method, &context,
+                                                                    request.export_request()));
+  ImportSession session(service, caller);
+  grpc::ByteBuffer message;
+  bool first = true;
+  absl::Status status;
+  while (status.ok() && reader->Read(&message)) {
+    if (first && !request.target_cache().empty()) {
+      v1::ExportChunk header;
+      status = ParseMessage(message, &header, "the source's first message");
+      if (status.ok() && !header.has_header()) status = absl::DataLossError("the source's first message is not a header");
+      if (!status.ok()) break;
+      header.mutable_header()->set_cache(request.target_cache());
+      message.Clear();  // serializing needs an empty buffer
+      status = SerializeMessage(header, &message);
+      if (!status.ok()) break;
+    }
+    first = false;
+    status = session.Take(message);
+  }
+  if (!status.ok()) {
+    context.TryCancel();
+    (void)reader->Finish();
+    return session.Abandon(status);
+  }
+  const grpc::Status source = reader->Finish();
+  if (!source.ok()) {
+    return session.Abandon(absl::Status(static_cast<absl::StatusCode>(source.error_code()),
+                                        absl::StrCat("the export from ", request.source(), " failed: ",
+                                                     source.error_message())));
+  }
+  RETURN_IF_ERROR(session.Abandon(session.EndOfStream(nullptr)));
+  *response = session.response();
+  return absl::OkStatus();
+}
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewExportReactor(KvCacheService* service,
                                                                              grpc::CallbackServerContext* context) {

@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "cache/kv_cache.h"
+#include "service/auth.h"
 #include "tqkv/v1/kvcache.pb.h"
 
 namespace tqkv {
@@ -47,6 +48,12 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* NewImportReactor(KvCacheService* serv
 // ExportChunk holding ExportPages {first_page, data, crc32c}: how page
 // messages are written without copying the pages into a message first.
 void FramePagesChunk(int64_t first_page, size_t size, uint32_t crc, std::string* prefix, std::string* suffix);
+
+// PullSequences: runs ExportSequences against request.source and imports
+// the stream here (on the calling thread, an executor thread, for the whole
+// transfer). Admins only.
+absl::Status PullSequences(KvCacheService* service, const Caller& caller, const v1::PullSequencesRequest& request,
+                           v1::ImportResponse* response);
 
 // A cache's header: its resolved config, page bytes, the format version.
 v1::ExportHeader MakeExportHeader(const KvCache& cache);

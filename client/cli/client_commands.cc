@@ -458,6 +458,18 @@ int64_t Bf16BytesOf(const SequenceState& s, const v1::CacheConfig& layout) {
   return tokens * layout.num_kv_heads() * layout.head_dim() * 2 * 2;
 }
 
+// What a destination needs to pull `request` from the source at `target`.
+v1::PullSequencesRequest PullRequest(const std::string& target, const ClientOptions& source,
+                                     const v1::ExportRequest& request, const std::string& target_cache) {
+  v1::PullSequencesRequest pull;
+  pull.set_source(target);
+  pull.set_source_auth_token(source.auth_token);
+  pull.set_source_tls_root_certs(source.tls_root_certs_pem);
+  *pull.mutable_export_request() = request;
+  pull.set_target_cache(target_cache);
+  return pull;
+}
+
 struct MoveFlags {
   Connection to;
   std::string to_cache;
@@ -494,6 +506,8 @@ int RunMoveImpl(int argc, const char* const* argv) {
   flags.AddString("prefix", &prefix, "also every sequence whose id starts with this");
   flags.AddBool("all", &all, "every sequence of the cache");
   flags.AddBool("keep-source", &keep_source, "copy: leave the sequences on the source");
+  bool pull = false;
+  flags.AddBool("pull", &pull, "the destination pulls from the source itself (PullSequences, admin): no relay here");
   flags.AddBool("json", &json, "print JSON");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   if (sequences.empty() && prefix.empty() && !all) return UsageError("name --sequences, --prefix or --all");
@@ -508,7 +522,9 @@ int RunMoveImpl(int argc, const char* const* argv) {
   request.set_id_prefix(prefix);
   request.set_all(all);
   const absl::Time start = absl::Now();
-  absl::StatusOr<v1::ImportResponse> moved = CopySequences(from, to, request, m.to_cache);
+  absl::StatusOr<v1::ImportResponse> moved =
+      pull ? to.PullSequences(PullRequest(c.target, *from_options, request, m.to_cache))
+           : CopySequences(from, to, request, m.to_cache);
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!moved.ok()) return Fail(moved.status());
   int dropped = 0;
@@ -674,6 +690,8 @@ int RunBenchMoveImpl(int argc, const char* const* argv) {
   AddDestinationFlags(flags, &m);
   flags.AddInt("context", &context, "tokens of the sequence moved");
   flags.AddInt("rounds", &rounds, "timed moves");
+  bool pull = false;
+  flags.AddBool("pull", &pull, "the destination pulls from the source (PullSequences): no relay process");
   flags.AddBool("json", &json, "print JSON");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   if (!InIntRange(context, 1, int64_t{1} << 22) || !InIntRange(rounds, 1, 100)) {
@@ -724,7 +742,9 @@ int RunBenchMoveImpl(int argc, const char* const* argv) {
   const std::string dest_cache = m.to_cache.empty() ? c.cache : m.to_cache;
   for (int64_t r = 0; r < rounds; ++r) {
     const absl::Time start = absl::Now();
-    absl::StatusOr<v1::ImportResponse> moved = CopySequences(from, to, request, m.to_cache);
+    absl::StatusOr<v1::ImportResponse> moved =
+        pull ? to.PullSequences(PullRequest(c.target, *from_options, request, m.to_cache))
+             : CopySequences(from, to, request, m.to_cache);
     seconds.push_back(absl::ToDoubleSeconds(absl::Now() - start));
     if (!moved.ok()) return Fail(moved.status());
     bytes = moved->bytes();
@@ -776,9 +796,10 @@ int RunBenchMoveImpl(int argc, const char* const* argv) {
     printf("moved %lld tokens (%lld layers, preset %s): %lld bytes = %.3fx their %lld bf16 bytes\n",
            static_cast<long long>(context), static_cast<long long>(layers), layout->preset().c_str(),
            static_cast<long long>(bytes), ratio, static_cast<long long>(bf16_bytes));
-    printf("median of %zu rounds %.3f s: %.2f GB/s of compressed bytes (bf16 at that rate: %.3f s); attend on "
-           "the copy %s\n",
-           seconds.size(), median, gbps, bf16_bytes / (gbps * 1e9), identical ? "identical" : "DIFFERS");
+    printf("median of %zu rounds %.3f s (%s): %.2f GB/s of compressed bytes (bf16 at that rate: %.3f s); attend "
+           "on the copy %s\n",
+           seconds.size(), median, pull ? "pulled by the destination" : "relayed by this process", gbps,
+           bf16_bytes / (gbps * 1e9), identical ? "identical" : "DIFFERS");
   }
   return identical ? 0 : kExitFailure;
 }

@@ -534,6 +534,7 @@ absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const
         }
         header.mutable_header()->set_cache(target_cache);
         bool own = false;
+        message.Clear();
         (void)grpc::SerializationTraits<v1::ExportChunk>::Serialize(header, &message, &own);
       }
       first = false;
@@ -781,6 +782,18 @@ absl::StatusOr<std::vector<std::string>> Client::ListSequences(const std::string
     if (!response.more() || response.sequence_ids_size() == 0) return ids;
     request.set_start_after(ids.back());
   }
+}
+
+absl::StatusOr<v1::ImportResponse> Client::PullSequences(const v1::PullSequencesRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context, absl::string_view());
+  context.set_deadline(options_.stream_timeout == absl::InfiniteDuration()
+                           ? std::chrono::system_clock::time_point::max()
+                           : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  v1::ImportResponse response;
+  const grpc::Status status = stub_->PullSequences(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
 }
 
 }  // namespace tqkv

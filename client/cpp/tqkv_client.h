@@ -322,6 +322,9 @@ class Client {
   absl::Status DropSequence(const std::string& cache, const std::string& id);
   absl::StatusOr<SequenceState> GetSequence(const std::string& cache, const std::string& id);
   absl::StatusOr<v1::ServerInfo> GetServerInfo();
+  // PullSequences: this client's server exports from request.source and
+  // imports it, with no relay (admin token). Under stream_timeout.
+  absl::StatusOr<v1::ImportResponse> PullSequences(const v1::PullSequencesRequest& request);
   // GetServerInfo routed by `route_id`'s routing key: behind a router, the
   // instance_id of the server that key goes to.
   absl::StatusOr<std::string> InstanceFor(absl::string_view route_id);

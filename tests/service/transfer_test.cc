@@ -249,6 +249,35 @@ TEST_F(TransferTest, PrefillThenMoveThenDecodeGivesTheDecodeTheSourceWouldHave) 
   }
 }
 
+// PullSequences: the destination dials the source itself.
+TEST_F(TransferTest, ADestinationPullsSequencesFromTheSourceWithNoRelay) {
+  Client a = ClientOf(*a_), b = ClientOf(*b_);
+  ASSERT_TRUE(Append(a, "p-1", 0, 70, 1).ok());
+  ASSERT_TRUE(Append(a, "p-2", 0, 9, 2).ok());
+  v1::PullSequencesRequest pull;
+  pull.set_source(absl::StrCat("127.0.0.1:", a_->port()));
+  pull.mutable_export_request()->set_id_prefix("p-");
+  absl::StatusOr<v1::ImportResponse> pulled = b.PullSequences(pull);
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  EXPECT_THAT(pulled->sequence_ids(), ElementsAre("p-1", "p-2"));
+  EXPECT_TRUE(Reads(a, "p-1") == Reads(b, "p-1"));
+  EXPECT_TRUE(Reads(a, "p-2") == Reads(b, "p-2"));
+  // The source's errors come back named; a source that is not there is
+  // UNAVAILABLE; a layout that differs is refused as for an import.
+  pull.mutable_export_request()->clear_id_prefix();
+  pull.mutable_export_request()->add_sequence_ids("nope");
+  absl::StatusOr<v1::ImportResponse> missing = b.PullSequences(pull);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("the export from"));
+  pull.mutable_export_request()->clear_sequence_ids();
+  pull.mutable_export_request()->add_sequence_ids("p-2");
+  pull.set_target_cache("other");
+  EXPECT_EQ(b.PullSequences(pull).status().code(), absl::StatusCode::kFailedPrecondition);
+  pull.set_target_cache("");
+  pull.set_source("127.0.0.1:1");
+  EXPECT_EQ(b.PullSequences(pull).status().code(), absl::StatusCode::kUnavailable);
+}
+
 TEST_F(TransferTest, ACutOrCorruptedStreamKeepsOnlyTheSequencesThatLandedWhole) {
   Client a = ClientOf(*a_), b = ClientOf(*b_);
   ASSERT_TRUE(Append(a, "s1", 0, 40, 1).ok());
@@ -448,6 +477,12 @@ TEST(TransferTenants, ATenantMovesOnlyItsOwnSequencesAndIsChargedForThem) {
   request.set_all(false);
   request.add_sequence_ids("team-b:z");
   EXPECT_EQ(CopySequences(ops_a, ta_b, request).status().code(), absl::StatusCode::kPermissionDenied);
+  // A pull makes the server dial out: admins only.
+  v1::PullSequencesRequest pull;
+  pull.set_source(absl::StrCat("127.0.0.1:", a->port()));
+  pull.set_source_auth_token("ta");
+  pull.mutable_export_request()->set_all(true);
+  EXPECT_EQ(ta_b.PullSequences(pull).status().code(), absl::StatusCode::kPermissionDenied);
 }
 
 }  // namespace
