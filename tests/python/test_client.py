@@ -586,3 +586,35 @@ def test_tenants_and_unread_unauthenticated_bodies(tmp_path):
         sampler.join()
         assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 4
         assert peak[0] - before < 64, "the server grew by %.0f MiB" % (peak[0] - before)
+
+
+def test_export_import_pull_and_snapshot_through_the_python_client(tmp_path):
+    """Sequences moved between two servers by export + import and by a pull
+    read as before; a snapshot brings them back after a restart."""
+    from conftest import CONFIG, server_binary
+    args = ["--data_dir", str(tmp_path / "data")]
+    with LocalServer(server_binary(), CONFIG) as a, LocalServer(server_binary(), CONFIG, args=args) as b:
+        src = tqkv.Client(a.target, timeout=20)
+        dst = tqkv.Client(b.target, timeout=20)
+        k, v = kv(40, 31)
+        for sid in ("move/a", "move/b", "pull/c"):
+            src.append(sid, k, v, cache="tq")
+        q = np.random.default_rng(3).standard_normal((1, Q_HEADS, D)).astype(np.float32)
+        want = {sid: src.attend([tqkv.AttendItem(sid, 1, q)], cache="tq")[0].output
+                for sid in ("move/a", "move/b", "pull/c")}
+        assert src.list_sequences(prefix="move/", cache="tq") == ["move/a", "move/b"]
+        moved = dst.import_sequences(src.export_sequences(prefix="move/", cache="tq"))
+        assert list(moved.sequence_ids) == ["move/a", "move/b"]
+        pulled = dst.pull_sequences(a.target, sequence_ids=["pull/c"], cache="tq")
+        assert list(pulled.sequence_ids) == ["pull/c"]
+        for sid, out in want.items():
+            assert np.array_equal(dst.attend([tqkv.AttendItem(sid, 1, q)], cache="tq")[0].output, out)
+        saved = dst.save_snapshot()
+        assert [f.sequences for f in saved.files if f.cache == "tq"] == [3]
+        src.close()
+        dst.close()
+    with LocalServer(server_binary(), CONFIG, args=args) as b:
+        dst = tqkv.Client(b.target, timeout=20)
+        for sid, out in want.items():
+            assert np.array_equal(dst.attend([tqkv.AttendItem(sid, 1, q)], cache="tq")[0].output, out)
+        dst.close()

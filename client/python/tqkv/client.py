@@ -26,7 +26,7 @@ Thread safety: a Client may be shared by threads (gRPC channels are).
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -342,6 +342,66 @@ class Client:
         if error is not None:
             raise error
         return SequenceInfo.from_proto(response)
+
+    def list_sequences(self, *, prefix: str = "", cache: Optional[str] = None) -> List[str]:
+        """Every sequence id of the cache starting with `prefix`, in byte order
+        (ListSequences, page by page; a tenant's token sees its namespace)."""
+        ids: List[str] = []
+        request = pb.ListSequencesRequest(cache=self._cache(cache), id_prefix=prefix, max_ids=10000)
+        while True:
+            response, _, error = self._call(self._stub.ListSequences, request, None)
+            if error is not None:
+                raise error
+            ids.extend(response.sequence_ids)
+            if not response.more or not response.sequence_ids:
+                return ids
+            request.start_after = ids[-1]
+
+    def export_sequences(self, *, sequence_ids: Sequence[str] = (), prefix: str = "",
+                         all: bool = False, cache: Optional[str] = None,
+                         timeout: Optional[float] = None) -> Iterator["pb.ExportChunk"]:
+        """ExportSequences: yields the stream's messages (a header, per sequence
+        its state and pages, a trailer; docs/export_format.md). Feed them to
+        import_sequences on another client to move the sequences."""
+        request = pb.ExportRequest(cache=self._cache(cache), sequence_ids=list(sequence_ids),
+                                   id_prefix=prefix, all=all)
+        route = sequence_ids[0] if sequence_ids else (prefix or None)
+        try:
+            yield from self._stub.ExportSequences(request, timeout=timeout,
+                                                  metadata=self._metadata(route))
+        except grpc.RpcError as error:
+            raise from_rpc_error(error)
+
+    def import_sequences(self, chunks: Iterable["pb.ExportChunk"], *,
+                         timeout: Optional[float] = None) -> "pb.ImportResponse":
+        """ImportSequences from an export's messages (from export_sequences, or
+        read back from storage). Each sequence lands whole or not at all."""
+        try:
+            return self._stub.ImportSequences(iter(chunks), timeout=timeout, metadata=self._auth)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error)
+
+    def pull_sequences(self, source: str, *, sequence_ids: Sequence[str] = (), prefix: str = "",
+                       all: bool = False, source_auth_token: str = "", cache: Optional[str] = None,
+                       target_cache: str = "", timeout: Optional[float] = None) -> "pb.ImportResponse":
+        """PullSequences (admin token): this client's server exports from
+        `source` (host:port) and imports the stream itself, with no relay."""
+        request = pb.PullSequencesRequest(
+            source=source, source_auth_token=source_auth_token, target_cache=target_cache,
+            export_request=pb.ExportRequest(cache=self._cache(cache), sequence_ids=list(sequence_ids),
+                                            id_prefix=prefix, all=all))
+        try:
+            return self._stub.PullSequences(request, timeout=timeout, metadata=self._auth)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error)
+
+    def save_snapshot(self) -> "pb.SaveSnapshotResponse":
+        """SaveSnapshot (admin token): writes every sequence to the server's
+        --data_dir now."""
+        response, _, error = self._call(self._stub.SaveSnapshot, pb.SaveSnapshotRequest(), None)
+        if error is not None:
+            raise error
+        return response
 
     def info(self) -> "pb.ServerInfo":
         """GetServerInfo: backend, device, caches (layout and usage), presets,
