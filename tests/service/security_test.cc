@@ -236,7 +236,9 @@ TEST(Auth, AnUnauthenticatedCallIsRefusedBeforeItsRequestIsRead) {
     return std::make_pair(std::move(context), std::move(call));
   };
   for (const char* method : {"/tqkv.v1.KvCache/Append", "/tqkv.v1.KvCache/Attend",
-                             "/tqkv.v1.KvCache/GetServerInfo", "/tqkv.v1.KvCache/AppendStream"}) {
+                             "/tqkv.v1.KvCache/GetServerInfo", "/tqkv.v1.KvCache/AppendStream",
+                             "/tqkv.v1.KvCache/ExportSequences", "/tqkv.v1.KvCache/ImportSequences",
+                             "/tqkv.v1.KvCache/PullSequences", "/tqkv.v1.KvCache/ListSequences"}) {
     for (const char* header : {static_cast<const char*>(nullptr), "Bearer wrong"}) {
       auto [context, call] = open_call(method, header);
       const absl::Time start = absl::Now();
