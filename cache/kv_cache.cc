@@ -366,6 +366,28 @@ struct KvCache::State {
     return static_cast<int>(expired.size());
   }
 
+  // Ensures `need` free pages for a call on `keep`: at once, or by LRU
+  // eviction when the cache evicts (all or nothing); RESOURCE_EXHAUSTED,
+  // evicting nobody, otherwise.
+  absl::Status MakeRoom(int32_t need, const std::string& keep, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (need <= pages.num_free()) return absl::OkStatus();
+    const int32_t free_before = pages.num_free();
+    std::vector<Sequence*> victims;
+    int32_t reachable = free_before;
+    if (!evict_lru || !PlanLruEviction(need, keep, &victims, &reachable)) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "cache '%s' is full: need %d pages, %d free of %d%s", name, need, free_before, pages.num_pages(),
+          evict_lru ? absl::StrFormat("; evicting every idle sequence would free only %d", reachable - free_before)
+                    : std::string()));
+    }
+    for (Sequence* victim : victims) {
+      RecordEvicted(victim->id, now, "least recently used, to make room in a full pool");
+      DropLocked(victim);
+    }
+    evictions += victims.size();
+    return absl::OkStatus();
+  }
+
   // Picks idle sequences, least recently used first, whose dropping brings
   // the free pages to `need`. Simulates the releases first so that eviction
   // is all-or-nothing: returns false, choosing none, when even dropping every
@@ -684,36 +706,10 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
     int64_t fresh = 0;
     for (int chunk : chunks) fresh += main_plans[chunk].fresh.size() + exact_plans[chunk].fresh.size();
     reserved = static_cast<uint64_t>(fresh) * layout.page_bytes();
-    if (account != nullptr) {
-      if (seq == nullptr) RETURN_IF_ERROR(account->TryAddSequence());
-      if (absl::Status charged = account->TryChargeBytes(reserved, "this append"); !charged.ok()) {
-        if (seq == nullptr) account->RemoveSequence();
-        return charged;
-      }
-    }
-    const auto unreserve = [&] {
-      if (account == nullptr) return;
-      account->AdjustBytes(-static_cast<int64_t>(reserved));
-      if (seq == nullptr) account->RemoveSequence();
-    };
-    if (need > s.pages.num_free()) {
-      const int32_t free_before = s.pages.num_free();
-      std::vector<Sequence*> victims;
-      int32_t reachable = free_before;
-      if (!s.evict_lru || !s.PlanLruEviction(need, id, &victims, &reachable)) {
-        unreserve();
-        return absl::ResourceExhaustedError(absl::StrFormat(
-            "cache '%s' is full: need %d pages, %d free of %d%s", s.name, need, free_before,
-            s.pages.num_pages(),
-            s.evict_lru ? absl::StrFormat("; evicting every idle sequence would free only %d",
-                                          reachable - free_before)
-                        : std::string()));
-      }
-      for (Sequence* victim : victims) {
-        s.RecordEvicted(victim->id, now, "least recently used, to make room in a full pool");
-        s.DropLocked(victim);
-      }
-      s.evictions += victims.size();
+    if (account != nullptr) RETURN_IF_ERROR(account->TryReserve(seq == nullptr, reserved, "this append"));
+    if (absl::Status room = s.MakeRoom(need, id, now); !room.ok()) {
+      if (account != nullptr) account->Unreserve(seq == nullptr, reserved);
+      return room;
     }
     const bool allocated_ok = s.pages.Allocate(need, &allocated);
     (void)allocated_ok;  // `need` free pages were ensured above.
@@ -792,10 +788,9 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
   absl::MutexLock lock(&s.mu);
   if (!status.ok()) {
     for (int32_t page : allocated) s.pages.Release(page);
-    if (seq->account != nullptr) seq->account->AdjustBytes(-static_cast<int64_t>(reserved));
+    if (seq->account != nullptr) seq->account->Unreserve(seq->pending, reserved);
     seq->charged_bytes -= reserved;
     if (seq->pending) {
-      if (seq->account != nullptr) seq->account->RemoveSequence();
       s.sequences.erase(id);
     } else {
       seq->writer_active = false;
@@ -929,11 +924,7 @@ absl::Status KvCache::Fork(const std::string& parent_id, const std::string& chil
   ForEachPage(*parent, [&](int32_t) { ++shared_pages; });
   const uint64_t charged = static_cast<uint64_t>(shared_pages) * layout_->page_bytes();
   if (child_account != nullptr) {
-    RETURN_IF_ERROR(child_account->TryAddSequence());
-    if (absl::Status fits = child_account->TryChargeBytes(charged, "this fork"); !fits.ok()) {
-      child_account->RemoveSequence();
-      return fits;
-    }
+    RETURN_IF_ERROR(child_account->TryReserve(/*new_sequence=*/true, charged, "this fork"));
     child_account->AddTokens(parent->max_tokens);
   }
   const absl::Time now = s.clock();
@@ -1156,30 +1147,10 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> KvCache::BeginImport(const Seque
   }
   const absl::Time now = s.clock();
   s.EvictExpiredLocked(now, &id);
-  if (account != nullptr) {
-    RETURN_IF_ERROR(account->TryAddSequence());
-    if (absl::Status fits = account->TryChargeBytes(charged, "this import"); !fits.ok()) {
-      account->RemoveSequence();
-      return fits;
-    }
-  }
-  if (need > s.pages.num_free()) {
-    const int32_t free_before = s.pages.num_free();
-    std::vector<Sequence*> victims;
-    int32_t reachable = free_before;
-    if (!s.evict_lru || !s.PlanLruEviction(need, id, &victims, &reachable)) {
-      if (account != nullptr) {
-        account->AdjustBytes(-static_cast<int64_t>(charged));
-        account->RemoveSequence();
-      }
-      return absl::ResourceExhaustedError(absl::StrFormat("cache '%s' is full: need %d pages, %d free of %d", s.name,
-                                                          need, free_before, s.pages.num_pages()));
-    }
-    for (Sequence* victim : victims) {
-      s.RecordEvicted(victim->id, now, "least recently used, to make room in a full pool");
-      s.DropLocked(victim);
-    }
-    s.evictions += victims.size();
+  if (account != nullptr) RETURN_IF_ERROR(account->TryReserve(/*new_sequence=*/true, charged, "this import"));
+  if (absl::Status room = s.MakeRoom(need, id, now); !room.ok()) {
+    if (account != nullptr) account->Unreserve(/*new_sequence=*/true, charged);
+    return room;
   }
   (void)s.pages.Allocate(need, &allocated);
   // Reserved, invisible, held: calls naming the id wait for the commit or
@@ -1226,10 +1197,7 @@ absl::Status KvCache::EndImport(SequenceImport& import, bool commit) {
   Sequence* seq = s.sequences.at(image.id).get();  // reserved by BeginImport: only this import removes it
   if (!commit) {
     for (int32_t page : allocated) s.pages.Release(page);
-    if (seq->account != nullptr) {
-      seq->account->AdjustBytes(-static_cast<int64_t>(seq->charged_bytes));
-      seq->account->RemoveSequence();
-    }
+    if (seq->account != nullptr) seq->account->Unreserve(/*new_sequence=*/true, seq->charged_bytes);
     s.sequences.erase(image.id);
     return absl::OkStatus();
   }

@@ -78,6 +78,22 @@ class UsageAccount {
   }
   void RemoveSequence() { sequences_.fetch_sub(1, std::memory_order_relaxed); }
 
+  // What a call reserves before it allocates: `bytes` and, when it creates
+  // one, a sequence. All or nothing: on a refusal nothing stays reserved.
+  absl::Status TryReserve(bool new_sequence, uint64_t bytes, const char* what) {
+    if (new_sequence) {
+      if (absl::Status added = TryAddSequence(); !added.ok()) return added;
+    }
+    absl::Status charged = TryChargeBytes(bytes, what);
+    if (!charged.ok() && new_sequence) RemoveSequence();
+    return charged;
+  }
+  // Gives back what TryReserve reserved.
+  void Unreserve(bool new_sequence, uint64_t bytes) {
+    AdjustBytes(-static_cast<int64_t>(bytes));
+    if (new_sequence) RemoveSequence();
+  }
+
   // Tokens are counted, not limited.
   void AddTokens(int64_t delta) { tokens_.fetch_add(delta, std::memory_order_relaxed); }
 

@@ -119,15 +119,7 @@ void ToProto(const std::string& cache, const SequenceInfo& in, v1::SequenceInfo*
   for (int64_t t : in.layer_held_begin) out->add_layer_oldest_token(t);
 }
 
-using Clock = std::chrono::steady_clock;
-
-grpc::Status Record(Metrics* metrics, Rpc rpc, Clock::time_point start, grpc::Status status) {
-  if (metrics != nullptr) {
-    metrics->ObserveRpc(rpc, status.error_code(),
-                        std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  return status;
-}
+using Clock = CallClock;
 
 // A unary rpc, served as a stream of one request and one response. gRPC
 // reads a unary request whole before it calls the handler; a stream's
@@ -175,10 +167,8 @@ class UnaryCallReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
   }
 
   void End(const absl::Status& status) {
-    grpc::Status done = ToGrpcStatus(status);
-    // Every call a tenant's token made is counted for it, by status code.
-    if (caller_.tenant != nullptr) caller_.tenant->CountCall(done.error_code());
-    done = Record(metrics_, rpc_, start_, std::move(done));
+    const grpc::Status done = ToGrpcStatus(status);
+    AccountCall(metrics_, caller_, rpc_, start_, done.error_code());
     if (done.ok()) {
       StartWriteAndFinish(&response_, grpc::WriteOptions(), done);
     } else {
@@ -273,9 +263,8 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void Finish(grpc::Status status) {
-    if (caller_.tenant != nullptr) caller_.tenant->CountCall(status.error_code());
-    grpc::ServerReadReactor<grpc::ByteBuffer>::Finish(
-        Record(service_->metrics(), Rpc::kAppendStream, start_, std::move(status)));
+    AccountCall(service_->metrics(), caller_, Rpc::kAppendStream, start_, status.error_code());
+    grpc::ServerReadReactor<grpc::ByteBuffer>::Finish(std::move(status));
   }
 
   KvCacheService* const service_;
@@ -389,13 +378,8 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void Deliver(v1::DecodeStreamResponse response, Clock::time_point start) {
-    if (caller_.tenant != nullptr) {
-      caller_.tenant->CountCall(static_cast<grpc::StatusCode>(response.code()));
-    }
-    if (Metrics* metrics = service_->metrics()) {
-      metrics->ObserveRpc(Rpc::kDecodeStreamStep, static_cast<grpc::StatusCode>(response.code()),
-                          std::chrono::duration<double>(Clock::now() - start).count());
-    }
+    AccountCall(service_->metrics(), caller_, Rpc::kDecodeStreamStep, start,
+                static_cast<grpc::StatusCode>(response.code()));
     grpc::ByteBuffer bytes;
     if (!SerializeMessage(response, &bytes).ok()) {
       response.clear_step();

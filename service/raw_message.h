@@ -1,12 +1,14 @@
 // Helpers of the raw handlers (kv_cache_service.cc, sequence_transfer.cc):
 // parsing and serializing messages from and to grpc::ByteBuffer with precise
-// errors, and running a call's work so that no exception reaches gRPC.
+// errors, running a call's work so that no exception reaches gRPC, and
+// accounting for a finished call.
 #ifndef TQKV_SERVICE_RAW_MESSAGE_H_
 #define TQKV_SERVICE_RAW_MESSAGE_H_
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
 
+#include <chrono>
 #include <exception>
 #include <new>
 #include <string>
@@ -14,6 +16,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "service/auth.h"
+#include "service/metrics.h"
 
 namespace tqkv {
 namespace service {
@@ -49,6 +53,18 @@ inline absl::Status SerializeMessage(const Message& message, grpc::ByteBuffer* o
   const grpc::Status s = grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
   if (s.ok()) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("cannot serialize the response: ", s.error_message()));
+}
+
+using CallClock = std::chrono::steady_clock;
+
+// A call (or a stream's message) ends with `code`: counted for the tenant
+// whose token made it, and in the rpc's metrics (null: none) since `start`.
+inline void AccountCall(Metrics* metrics, const Caller& caller, Rpc rpc, CallClock::time_point start,
+                        grpc::StatusCode code) {
+  if (caller.tenant != nullptr) caller.tenant->CountCall(code);
+  if (metrics != nullptr) {
+    metrics->ObserveRpc(rpc, code, std::chrono::duration<double>(CallClock::now() - start).count());
+  }
 }
 
 }  // namespace service

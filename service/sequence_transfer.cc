@@ -38,16 +38,13 @@ namespace tqkv {
 namespace service {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Clock = CallClock;
 
-// Ends a call's accounting: the rpc's metrics and the tenant's count.
+// Ends a call's accounting (AccountCall) and gives its status.
 grpc::Status Account(KvCacheService* service, const Caller& caller, Rpc rpc, Clock::time_point start,
                      const absl::Status& status) {
   grpc::Status done = ToGrpcStatus(status);
-  if (caller.tenant != nullptr) caller.tenant->CountCall(done.error_code());
-  if (Metrics* metrics = service->metrics()) {
-    metrics->ObserveRpc(rpc, done.error_code(), std::chrono::duration<double>(Clock::now() - start).count());
-  }
+  AccountCall(service->metrics(), caller, rpc, start, done.error_code());
   return done;
 }
 
@@ -363,13 +360,25 @@ class ImportSession {
     return MaybeCommit();
   }
 
+  // The number of pages `size` bytes from `first` hold when they are the
+  // sequence's next whole pages, at least one and no more than it lacks;
+  // 0 otherwise.
+  int64_t PagesIfNext(int64_t first, int64_t size) const {
+    const int64_t page_bytes = static_cast<int64_t>(cache_->layout().page_bytes());
+    const int64_t count = size / page_bytes;
+    if (first != pages_received_ || size % page_bytes != 0 || count == 0 ||
+        count > import_->num_pages() - pages_received_) {
+      return 0;
+    }
+    return count;
+  }
+
   absl::Status TakePages(const v1::ExportPages& pages) {
     if (import_ == nullptr) return absl::InvalidArgumentError("pages outside a sequence");
     const int64_t page_bytes = static_cast<int64_t>(cache_->layout().page_bytes());
     const int64_t size = static_cast<int64_t>(pages.data().size());
-    const int64_t count = size / page_bytes;
-    if (pages.first_page() != pages_received_ || size % page_bytes != 0 || count == 0 ||
-        count > import_->num_pages() - pages_received_) {
+    const int64_t count = PagesIfNext(pages.first_page(), size);
+    if (count == 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "pages from %d in %d bytes; want whole %d-byte pages from page %d, at most %d of them", pages.first_page(),
           size, page_bytes, pages_received_, import_->num_pages() - pages_received_));
@@ -405,11 +414,8 @@ class ImportSession {
       return absl::OkStatus();
     }
     const uint64_t page_bytes = cache_->layout().page_bytes();
-    const int64_t count = static_cast<int64_t>(size / page_bytes);
-    if (static_cast<int64_t>(first_page) != pages_received_ || size % page_bytes != 0 || count == 0 ||
-        count > import_->num_pages() - pages_received_) {
-      return absl::OkStatus();  // the parser's path reports it
-    }
+    const int64_t count = PagesIfNext(static_cast<int64_t>(first_page), static_cast<int64_t>(size));
+    if (count == 0) return absl::OkStatus();  // the parser's path reports it
     *taken = true;
     uint32_t crc = 0;
     std::vector<uint8_t> bounce;

@@ -289,10 +289,7 @@ absl::Status DecodeStream::Close() {
 std::unique_ptr<DecodeStream> Client::OpenDecodeStream(absl::string_view route_id) {
   std::unique_ptr<DecodeStream> stream(new DecodeStream());
   stream->context_ = std::make_unique<grpc::ClientContext>();
-  Prepare(stream->context_.get(), route_id);
-  stream->context_->set_deadline(options_.stream_timeout == absl::InfiniteDuration()
-                                     ? std::chrono::system_clock::time_point::max()
-                                     : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  PrepareStream(stream->context_.get(), route_id);
   stream->stream_ = stub_->DecodeStream(stream->context_.get());
   return stream;
 }
@@ -372,6 +369,13 @@ void Client::Prepare(grpc::ClientContext* context, absl::string_view route_id) c
   }
 }
 
+void Client::PrepareStream(grpc::ClientContext* context, absl::string_view route_id) const {
+  Prepare(context, route_id);
+  context->set_deadline(options_.stream_timeout == absl::InfiniteDuration()
+                            ? std::chrono::system_clock::time_point::max()
+                            : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+}
+
 template <typename Rpc>
 grpc::Status Client::WithRetries(absl::string_view route_id, Rpc rpc, int* attempts) {
   thread_local std::minstd_rand jitter(std::random_device{}());
@@ -432,11 +436,8 @@ absl::StatusOr<AppendResult> Client::AppendStream(absl::Span<const AppendArgs> c
 absl::Status Client::ExportSequences(const v1::ExportRequest& request,
                                      const std::function<absl::Status(v1::ExportChunk&)>& sink) {
   grpc::ClientContext context;
-  Prepare(&context, request.sequence_ids_size() > 0 ? absl::string_view(request.sequence_ids(0))
-                                                    : absl::string_view(request.id_prefix()));
-  context.set_deadline(options_.stream_timeout == absl::InfiniteDuration()
-                           ? std::chrono::system_clock::time_point::max()
-                           : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  PrepareStream(&context, request.sequence_ids_size() > 0 ? absl::string_view(request.sequence_ids(0))
+                                                          : absl::string_view(request.id_prefix()));
   std::unique_ptr<grpc::ClientReader<v1::ExportChunk>> reader = stub_->ExportSequences(&context, request);
   v1::ExportChunk chunk;
   absl::Status sunk;
@@ -455,10 +456,7 @@ absl::Status Client::ExportSequences(const v1::ExportRequest& request,
 absl::StatusOr<v1::ImportResponse> Client::ImportSequences(
     const std::function<absl::StatusOr<bool>(v1::ExportChunk*)>& next) {
   grpc::ClientContext context;
-  Prepare(&context, absl::string_view());
-  context.set_deadline(options_.stream_timeout == absl::InfiniteDuration()
-                           ? std::chrono::system_clock::time_point::max()
-                           : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  PrepareStream(&context, absl::string_view());
   v1::ImportResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::ExportChunk>> writer = stub_->ImportSequences(&context, &response);
   v1::ExportChunk chunk;
@@ -508,15 +506,10 @@ absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const
                                                 grpc::internal::RpcMethod::SERVER_STREAMING);
   const grpc::internal::RpcMethod import_method("/tqkv.v1.KvCache/ImportSequences",
                                                 grpc::internal::RpcMethod::CLIENT_STREAMING);
-  const auto stream_deadline = [](const ClientOptions& o) {
-    return o.stream_timeout == absl::InfiniteDuration() ? std::chrono::system_clock::time_point::max()
-                                                        : absl::ToChronoTime(absl::Now() + o.stream_timeout);
-  };
   Mailbox box;
   grpc::ClientContext export_context;
-  from.Prepare(&export_context, request.sequence_ids_size() > 0 ? absl::string_view(request.sequence_ids(0))
-                                                                : absl::string_view(request.id_prefix()));
-  export_context.set_deadline(stream_deadline(from.options_));
+  from.PrepareStream(&export_context, request.sequence_ids_size() > 0 ? absl::string_view(request.sequence_ids(0))
+                                                                      : absl::string_view(request.id_prefix()));
   std::thread exporter([&] {
     std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
         grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(from.channel_.get(), export_method,
@@ -555,8 +548,7 @@ absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const
   });
 
   grpc::ClientContext import_context;
-  to.Prepare(&import_context, absl::string_view());
-  import_context.set_deadline(stream_deadline(to.options_));
+  to.PrepareStream(&import_context, absl::string_view());
   grpc::ByteBuffer response_bytes;
   std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
       grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(to.channel_.get(), import_method,
@@ -786,10 +778,7 @@ absl::StatusOr<std::vector<std::string>> Client::ListSequences(const std::string
 
 absl::StatusOr<v1::ImportResponse> Client::PullSequences(const v1::PullSequencesRequest& request) {
   grpc::ClientContext context;
-  Prepare(&context, absl::string_view());
-  context.set_deadline(options_.stream_timeout == absl::InfiniteDuration()
-                           ? std::chrono::system_clock::time_point::max()
-                           : absl::ToChronoTime(absl::Now() + options_.stream_timeout));
+  PrepareStream(&context, absl::string_view());
   v1::ImportResponse response;
   const grpc::Status status = stub_->PullSequences(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);

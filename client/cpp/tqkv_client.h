@@ -350,6 +350,8 @@ class Client {
   // Deadline, auth and routing metadata of every call; `route_id` is the
   // sequence id whose routing key the call carries ("" for none).
   void Prepare(grpc::ClientContext* context, absl::string_view route_id) const;
+  // Prepare, with stream_timeout as the deadline (streams live long).
+  void PrepareStream(grpc::ClientContext* context, absl::string_view route_id) const;
   // Runs `rpc(context)` up to max_attempts times while it returns
   // UNAVAILABLE; *attempts receives the number of tries.
   template <typename Rpc>

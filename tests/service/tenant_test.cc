@@ -2,7 +2,6 @@
 // with admin and tenant tokens, the real client. A tenant's token reaches
 // only ids in its namespace on every rpc, and its quotas bound what it holds.
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -15,6 +14,7 @@
 #include "service/auth.h"
 #include "service/config.h"
 #include "service/server.h"
+#include "tests/service/random_floats.h"
 
 namespace tqkv {
 namespace {
@@ -28,14 +28,6 @@ constexpr char kConfig[] = R"pb(
   }
 )pb";
 constexpr int kLayers = 2, kKvHeads = 1, kQueryHeads = 2, kDim = 64;
-
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
 
 class TenantTest : public ::testing::Test {
  protected:
@@ -78,7 +70,7 @@ class TenantTest : public ::testing::Test {
 
   // `tokens` tokens of every layer, appended at `start`.
   absl::StatusOr<AppendResult> Append(Client& client, const std::string& id, int64_t start, int64_t tokens) {
-    kv_.push_back(Random(static_cast<size_t>(kLayers * tokens * kKvHeads * kDim), ++seed_));
+    kv_.push_back(RandomFloats(static_cast<size_t>(kLayers * tokens * kKvHeads * kDim), ++seed_));
     AppendArgs args;
     args.sequence_id = id;
     args.start_position = start;
@@ -129,7 +121,7 @@ class TenantTest : public ::testing::Test {
     };
     denied(Append(client, id, 0, 2).status(), "Append");
     {
-      std::vector<float> kv = Random(kLayers * 2 * kKvHeads * kDim, ++seed_);
+      std::vector<float> kv = RandomFloats(kLayers * 2 * kKvHeads * kDim, ++seed_);
       AppendArgs chunk;
       chunk.sequence_id = id;
       chunk.shape = {kLayers, 2, kKvHeads, kDim};
@@ -161,7 +153,7 @@ class TenantTest : public ::testing::Test {
   std::unique_ptr<service::Server> server_;
   size_t page_bytes_ = 0;
   std::vector<std::vector<float>> kv_;
-  std::vector<float> queries_ = Random(kQueryHeads * kDim, 7);
+  std::vector<float> queries_ = RandomFloats(kQueryHeads * kDim, 7);
   uint32_t seed_ = 100;
 };
 

@@ -7,7 +7,6 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -21,6 +20,7 @@
 #include "service/auth.h"
 #include "service/config.h"
 #include "service/server.h"
+#include "tests/service/random_floats.h"
 
 namespace tqkv {
 namespace {
@@ -41,14 +41,6 @@ constexpr char kConfig[] = R"pb(
   }
 )pb";
 constexpr int kLayers = 3, kKvHeads = 2, kQueryHeads = 4, kDim = 64;
-
-std::vector<float> Random(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
 
 std::unique_ptr<service::Server> Start(const std::string& tokens = "", const std::string& data_dir = "",
                                        const char* config = kConfig) {
@@ -86,7 +78,7 @@ class TransferTest : public ::testing::Test {
 
   absl::Status Append(Client& c, const std::string& id, int64_t start, int64_t tokens, uint32_t seed,
                       const std::string& cache = "") {
-    kv_.push_back(Random(static_cast<size_t>(kLayers * tokens * kKvHeads * kDim), seed));
+    kv_.push_back(RandomFloats(static_cast<size_t>(kLayers * tokens * kKvHeads * kDim), seed));
     AppendArgs args;
     args.cache = cache;
     args.sequence_id = id;
@@ -149,7 +141,7 @@ class TransferTest : public ::testing::Test {
 
   std::unique_ptr<service::Server> a_, b_;
   std::vector<std::vector<float>> kv_;
-  std::vector<float> queries_ = Random(kQueryHeads * kDim, 5);
+  std::vector<float> queries_ = RandomFloats(kQueryHeads * kDim, 5);
 };
 
 TEST_F(TransferTest, MovedSequencesReadBitForBitAndKeepGrowing) {
@@ -210,7 +202,7 @@ TEST_F(TransferTest, MovedSequencesReadBitForBitAndKeepGrowing) {
 // there, layer by layer, exactly as it would have on the prefill server.
 TEST_F(TransferTest, PrefillThenMoveThenDecodeGivesTheDecodeTheSourceWouldHave) {
   Client prefill = ClientOf(*a_), decode = ClientOf(*b_);
-  std::vector<float> kv = Random(kLayers * 200 * kKvHeads * kDim, 21);
+  std::vector<float> kv = RandomFloats(kLayers * 200 * kKvHeads * kDim, 21);
   std::vector<AppendArgs> chunks(2);
   for (int c = 0; c < 2; ++c) {
     chunks[c].sequence_id = "req-9";
@@ -226,7 +218,7 @@ TEST_F(TransferTest, PrefillThenMoveThenDecodeGivesTheDecodeTheSourceWouldHave) 
   ASSERT_TRUE(CopySequences(prefill, decode, request).ok());
   for (int step = 0; step < 3; ++step) {
     for (int layer = 0; layer < kLayers; ++layer) {
-      const std::vector<float> token = Random(kKvHeads * kDim, 100 * step + layer);
+      const std::vector<float> token = RandomFloats(kKvHeads * kDim, 100 * step + layer);
       AppendAttendArgs args;
       args.layer = layer;
       args.return_lse = true;
@@ -448,7 +440,7 @@ TEST(TransferTenants, ATenantMovesOnlyItsOwnSequencesAndIsChargedForThem) {
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   Client ops_a = ClientOf(*a, "ops"), ta_a = ClientOf(*a, "ta"), ta_b = ClientOf(*b, "ta"), tb_a = ClientOf(*a, "tb");
-  std::vector<float> kv = Random(kLayers * 4 * kKvHeads * kDim, 3);
+  std::vector<float> kv = RandomFloats(kLayers * 4 * kKvHeads * kDim, 3);
   for (const std::string id : {"team-a:x", "team-a:y", "team-b:z"}) {
     AppendArgs args;
     args.sequence_id = id;
