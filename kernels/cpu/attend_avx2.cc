@@ -1,14 +1,15 @@
-// AVX2 fused attention for one (item, KV head): the structure of the AVX-512
-// kernel (attend_avx512.cc) with 8-lane vectors and 16 registers.
-//
-// Tokens go in groups of 8, expanded into an 8 x d scratch block in L1.
-// Scores: each row keeps 8 dot-product vectors in registers and reduces them
-// with one transpose-add. Values: each row keeps its 8 weights in registers,
-// and each 8-coordinate chunk of its accumulator takes 8 FMAs between a load
-// and a store. Codes become floats with vpermps on an 8-entry table
-// (two tables and a blend for 4-bit centroids); fp8 through its fp16 bits.
-// Split keys score their hot and cold parts as two dot products, each times
-// its own scale. fp8 and split keys have no AVX-512 twin: on an AVX-512
+// AVX2 fused attention for one (item, KV head), with 8-lane vectors and 16
+// registers. Tokens go in blocks of 64 (one online-softmax step), rows (the
+// query vectors sharing the head) in tiles of 4, 2 or 1, and every tile keeps
+// 8 accumulators in registers while it reads codes straight from the page:
+// scores take 2 tokens x 4 rows (4 x 2, 8 x 1) and reduce the 8 dot products
+// with one transpose-add; values take 4 rows x 16 coordinates (2 x 32, 1 x 64)
+// across the block's tokens, the weight of each token broadcast once per
+// tile. Each code is decoded once per tile, not once per row, and nothing
+// goes through a scratch copy. Codes become floats with vpermps on an 8-entry
+// table (two tables and a blend for 4-bit centroids); fp8 through its fp16
+// bits. Split keys score their hot and cold parts as two dot products, each
+// times its own scale. fp8 and split keys have no AVX-512 twin: on an AVX-512
 // machine the dispatch falls back to this kernel for them.
 #include <immintrin.h>
 
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/addback_table.h"
@@ -284,6 +286,94 @@ inline __m256 AddBack(const HeadAttendParams& p, const AddBackTable& table, int 
   return _mm256_add_ps(sum, sum2);
 }
 
+// Row tiles: rows go in tiles of 4, then 2, then 1, so that a tile's
+// accumulators fill 8 registers whatever the row count.
+template <typename F>
+inline void ForRowTiles(int rows, F&& tile) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) tile(std::integral_constant<int, 4>{}, r);
+  if (rows - r >= 2) {
+    tile(std::integral_constant<int, 2>{}, r);
+    r += 2;
+  }
+  if (r < rows) tile(std::integral_constant<int, 1>{}, r);
+}
+
+// The raw dot products (before the token's scale) of kTokens tokens with
+// kRows rows over the 16-coordinate blocks [b0, b1) of each token: 8
+// accumulators in registers, each code decoded once for all rows, no scratch.
+// raw[r * kBlock + t] gets row r's product with token t.
+template <int kRows, typename KeyDecoder>
+inline void ScoreTile(const KeyDecoder& key, const uint8_t* const* codes, const float* q, int d, int b0, int b1,
+                      float* raw) {
+  constexpr int kTokens = 8 / kRows;
+  __m256 acc[8];
+  for (__m256& a : acc) a = _mm256_setzero_ps();
+  for (int b = b0; b < b1; ++b) {
+    if constexpr (kTokens <= 2) {
+      // Both tokens decoded first, then each query half loaded once.
+      __m256 k0[kTokens], k1[kTokens];
+      for (int t = 0; t < kTokens; ++t) key.Block(codes[t], b, &k0[t], &k1[t]);
+      for (int r = 0; r < kRows; ++r) {
+        const __m256 qa = _mm256_loadu_ps(q + r * d + 16 * b), qb = _mm256_loadu_ps(q + r * d + 16 * b + 8);
+        for (int t = 0; t < kTokens; ++t) {
+          acc[r * kTokens + t] = _mm256_fmadd_ps(qb, k1[t], _mm256_fmadd_ps(qa, k0[t], acc[r * kTokens + t]));
+        }
+      }
+    } else {
+      // One token at a time: the query halves stay in registers.
+      __m256 qa[kRows], qb[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        qa[r] = _mm256_loadu_ps(q + r * d + 16 * b);
+        qb[r] = _mm256_loadu_ps(q + r * d + 16 * b + 8);
+      }
+      for (int t = 0; t < kTokens; ++t) {
+        __m256 k0, k1;
+        key.Block(codes[t], b, &k0, &k1);
+        for (int r = 0; r < kRows; ++r) {
+          acc[r * kTokens + t] = _mm256_fmadd_ps(qb[r], k1, _mm256_fmadd_ps(qa[r], k0, acc[r * kTokens + t]));
+        }
+      }
+    }
+  }
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, SumEach(acc));
+  for (int r = 0; r < kRows; ++r) {
+    for (int t = 0; t < kTokens; ++t) raw[r * kBlock + t] = sums[r * kTokens + t];
+  }
+}
+
+// Adds sum_i w[r][i] v_i over the block's `count` tokens to kRows rows of
+// out, for the 16-coordinate blocks [b, b + kBlocks): up to 8 accumulators in
+// registers for the whole block, each code decoded once for all rows.
+template <int kRows, int kBlocks, typename ValueDecoder>
+inline void ValueTile(const ValueDecoder& value, const uint8_t* const* codes, int count, const float* w, int b,
+                      float* out, int d) {
+  static_assert(kRows * kBlocks <= 4, "8 accumulators");
+  __m256 acc[kRows][2 * kBlocks];
+  for (auto& row : acc) {
+    for (__m256& a : row) a = _mm256_setzero_ps();
+  }
+  for (int i = 0; i < count; ++i) {
+    __m256 wi[kRows];
+    for (int r = 0; r < kRows; ++r) wi[r] = _mm256_broadcast_ss(w + r * kBlock + i);
+    for (int c = 0; c < kBlocks; ++c) {
+      __m256 v0, v1;
+      value.Block(codes[i], b + c, &v0, &v1);
+      for (int r = 0; r < kRows; ++r) {
+        acc[r][2 * c] = _mm256_fmadd_ps(wi[r], v0, acc[r][2 * c]);
+        acc[r][2 * c + 1] = _mm256_fmadd_ps(wi[r], v1, acc[r][2 * c + 1]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int j = 0; j < 2 * kBlocks; ++j) {
+      float* o = out + r * d + 16 * b + kLanes * j;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[r][j]));
+    }
+  }
+}
+
 template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
 void AttendHead(const HeadAttendParams& p) {
   constexpr bool kSplit = kKey == FieldFormat::kSplitCentroids;
@@ -301,10 +391,10 @@ void AttendHead(const HeadAttendParams& p) {
       queries[r * d + j / 16 * 16 + KeyDecoder::Position(j % 16)] = p.queries[static_cast<size_t>(r) * d + j];
     }
   }
-  // The group's expanded keys, then its values: [d / 8][token][8].
-  alignas(32) float lines[kGroup * kMaxHeadDim];
-  alignas(32) float weights[kMaxRows * kBlock];        // per block: scores, then weights
-  alignas(32) float group_weights[kMaxRows * kGroup];  // weight * value scale
+  // Per block and row: raw scores, then scores, then weights times the
+  // token's value scale. Split keys keep their cold part's raw scores apart.
+  alignas(32) float weights[kMaxRows * kBlock];
+  alignas(32) float cold_raw[kSplit ? kMaxRows * kBlock : 1];
   BlockTokens tokens;
   float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
   const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
@@ -317,15 +407,7 @@ void AttendHead(const HeadAttendParams& p) {
   const float kNegInf = -std::numeric_limits<float>::infinity();
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  // Expands a group's 8 tokens of one field into lines.
-  const auto expand = [&](const auto& decoder, const uint8_t* const* codes) {
-    for (int i = 0; i < kGroup; ++i) {
-      for (int b = 0; b < blocks; ++b) {
-        decoder.Block(codes[i], b, reinterpret_cast<__m256*>(lines + (16 * b + i) * kLanes),
-                      reinterpret_cast<__m256*>(lines + (16 * b + 8 + i) * kLanes));
-      }
-    }
-  };
+  const int hot_blocks = kSplit ? p.key.hot_dims / 16 : blocks;
 
   static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
   const int64_t first = RunBlockStart(p, kBlock);
@@ -372,55 +454,47 @@ void AttendHead(const HeadAttendParams& p) {
       tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
     }
 
-    // Scores.
-    for (int g = 0; g < groups; ++g) {
-      const int64_t group_start = t0 + kGroup * g;
-      expand(key, tokens.key_codes + kGroup * g);
-      const __m256 scale = _mm256_load_ps(tokens.key_scale + kGroup * g);
-      for (int r = 0; r < rows; ++r) {
-        float* w = weights + r * kBlock + kGroup * g;
+    // Raw scores, tile by tile; rows that see none of the block are skipped.
+    ForRowTiles(rows, [&](auto tile_rows, int r0) {
+      constexpr int kRows = decltype(tile_rows)::value;
+      if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
+      const float* q = queries + r0 * d;
+      for (int i = 0; i < groups * kGroup; i += 8 / kRows) {
+        ScoreTile<kRows>(key, tokens.key_codes + i, q, d, 0, hot_blocks, weights + r0 * kBlock + i);
+        if constexpr (kSplit) {
+          ScoreTile<kRows>(key, tokens.key_codes + i, q, d, hot_blocks, blocks, cold_raw + r0 * kBlock + i);
+        }
+      }
+    });
+
+    // Scores (times the token's scales, plus the add-back, masked), then the
+    // online softmax: rescale what came before, turn scores into weights.
+    for (int r = 0; r < rows; ++r) {
+      if (p.visible[r] <= t0) continue;
+      float* w = weights + r * kBlock;
+      __m256 m = neg_inf;
+      for (int g = 0; g < groups; ++g) {
+        const int64_t group_start = t0 + kGroup * g;
         const int64_t seen = p.visible[r] - group_start;
         if (seen <= 0) {
-          _mm256_store_ps(w, neg_inf);
+          _mm256_store_ps(w + kGroup * g, neg_inf);
           continue;
         }
-        const float* q = queries + r * d;
-        // The 8 tokens' dot products over 8-coordinate chunks [m0, m1).
-        const auto dot = [&](int m0, int m1) {
-          __m256 acc[kGroup];
-          for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_setzero_ps();
-          for (int m = m0; m < m1; ++m) {
-            const __m256 qm = _mm256_loadu_ps(q + kLanes * m);
-            const float* k = lines + kGroup * kLanes * m;
-            for (int i = 0; i < kGroup; ++i) acc[i] = _mm256_fmadd_ps(qm, _mm256_load_ps(k + kLanes * i), acc[i]);
-          }
-          return SumEach(acc);
-        };
         // Lanes before token_begin and from the row's visible end on are masked.
         const int before = static_cast<int>(std::clamp<int64_t>(p.token_begin - group_start, 0, kGroup));
         const __m256 live = _mm256_castsi256_ps(_mm256_and_si256(
             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index),
             _mm256_cmpgt_epi32(lane_index, _mm256_set1_epi32(before - 1))));
-        __m256 score;
+        __m256 score = _mm256_mul_ps(_mm256_load_ps(w + kGroup * g), _mm256_load_ps(tokens.key_scale + kGroup * g));
         if constexpr (kSplit) {
-          const int hot_chunks = 2 * key.hot_blocks();
-          score = _mm256_fmadd_ps(dot(0, hot_chunks), scale,
-                                  _mm256_mul_ps(dot(hot_chunks, 2 * blocks),
-                                                _mm256_load_ps(tokens.key_cold_scale + kGroup * g)));
-        } else {
-          score = _mm256_mul_ps(dot(0, 2 * blocks), scale);
+          score = _mm256_fmadd_ps(_mm256_load_ps(cold_raw + r * kBlock + kGroup * g),
+                                  _mm256_load_ps(tokens.key_cold_scale + kGroup * g), score);
         }
         if (addback.pairs() > 0) score = _mm256_add_ps(score, AddBack(p, addback, r, kGroup * g));
-        _mm256_store_ps(w, _mm256_blendv_ps(neg_inf, score, live));
+        score = _mm256_blendv_ps(neg_inf, score, live);
+        _mm256_store_ps(w + kGroup * g, score);
+        m = _mm256_max_ps(m, score);
       }
-    }
-
-    // Online softmax: rescale what came before, turn scores into weights.
-    for (int r = 0; r < rows; ++r) {
-      if (p.visible[r] <= t0) continue;
-      float* w = weights + r * kBlock;
-      __m256 m = neg_inf;
-      for (int g = 0; g < groups; ++g) m = _mm256_max_ps(m, _mm256_load_ps(w + kGroup * g));
       const float new_max = std::max(row_max[r], Max(m));
       const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
       row_max[r] = new_max;
@@ -429,7 +503,7 @@ void AttendHead(const HeadAttendParams& p) {
         const __m256 s = _mm256_load_ps(w + kGroup * g);
         const __m256 live = _mm256_cmp_ps(s, neg_inf, _CMP_NEQ_OQ);
         const __m256 e = _mm256_and_ps(live, Exp(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
-        _mm256_store_ps(w + kGroup * g, e);
+        _mm256_store_ps(w + kGroup * g, _mm256_mul_ps(e, _mm256_load_ps(tokens.value_scale + kGroup * g)));
         sum = _mm256_add_ps(sum, e);
         if constexpr (kValue == FieldFormat::kUniform) {
           zero_sum = _mm256_fmadd_ps(e, _mm256_load_ps(tokens.value_zero + kGroup * g), zero_sum);
@@ -444,40 +518,29 @@ void AttendHead(const HeadAttendParams& p) {
       }
     }
 
-    // Values.
-    for (int g = 0; g < groups; ++g) {
-      const int64_t group_start = t0 + kGroup * g;
-      const __m256 scale = _mm256_load_ps(tokens.value_scale + kGroup * g);
-      for (int r = 0; r < rows; ++r) {
-        const __m256 w = _mm256_load_ps(weights + r * kBlock + kGroup * g);
-        _mm256_store_ps(group_weights + r * kGroup, _mm256_mul_ps(w, scale));
+    // Values, tile by tile; a row that sees none of the block has zero
+    // weights there (or stale ones, for a row skipped above: skip the tile).
+    ForRowTiles(rows, [&](auto tile_rows, int r0) {
+      constexpr int kRows = decltype(tile_rows)::value;
+      if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
+      for (int r = r0; r < r0 + kRows; ++r) {
+        if (p.visible[r] <= t0) memset(weights + r * kBlock, 0, sizeof(float) * kBlock);
       }
-      expand(value, tokens.value_codes + kGroup * g);
-      for (int r = 0; r < rows; ++r) {
-        if (p.visible[r] <= group_start) continue;
-        // The weights stay in registers and the values come from L1 as FMA
-        // operands: one instruction per FMA (AVX2 has no broadcast operand).
-        __m256 w[kGroup];
-        for (int i = 0; i < kGroup; ++i) w[i] = _mm256_broadcast_ss(group_weights + r * kGroup + i);
-        float* out = p.out + static_cast<size_t>(r) * d;
-        // Two chunks at a time, each over two chains (even and odd tokens):
-        // four chains of 4 FMAs instead of one of 8, which left the FMA units
-        // waiting on latency.
-        for (int m = 0; m < 2 * blocks; m += 2) {
-          const float* v = lines + kGroup * kLanes * m;
-          __m256 a0 = _mm256_loadu_ps(out + kLanes * m), a1 = _mm256_loadu_ps(out + kLanes * (m + 1));
-          __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-          for (int i = 0; i < kGroup; i += 2) {
-            a0 = _mm256_fmadd_ps(w[i], _mm256_load_ps(v + kLanes * i), a0);
-            a1 = _mm256_fmadd_ps(w[i], _mm256_load_ps(v + kGroup * kLanes + kLanes * i), a1);
-            b0 = _mm256_fmadd_ps(w[i + 1], _mm256_load_ps(v + kLanes * (i + 1)), b0);
-            b1 = _mm256_fmadd_ps(w[i + 1], _mm256_load_ps(v + kGroup * kLanes + kLanes * (i + 1)), b1);
-          }
-          _mm256_storeu_ps(out + kLanes * m, _mm256_add_ps(a0, b0));
-          _mm256_storeu_ps(out + kLanes * (m + 1), _mm256_add_ps(a1, b1));
+      float* out = p.out + static_cast<size_t>(r0) * d;
+      const float* w = weights + r0 * kBlock;
+      constexpr int kBlocks = 4 / kRows;
+      int b = 0;
+      for (; b + kBlocks <= blocks; b += kBlocks) ValueTile<kRows, kBlocks>(value, tokens.value_codes, count, w, b, out, d);
+      if constexpr (kBlocks == 4) {
+        if (blocks - b >= 2) {
+          ValueTile<kRows, 2>(value, tokens.value_codes, count, w, b, out, d);
+          b += 2;
         }
       }
-    }
+      if constexpr (kBlocks >= 2) {
+        if (b < blocks) ValueTile<kRows, 1>(value, tokens.value_codes, count, w, b, out, d);
+      }
+    });
   }
   float line[kMaxHeadDim];
   for (int r = 0; r < rows; ++r) {

@@ -340,7 +340,7 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
   values.push_back(field(FieldFormat::kBf16, 16));
   values.push_back(field(FieldFormat::kFp8, 8));
 
-  const int tokens = 150, rows = 5;
+  const int tokens = 150, rows = 7;  // row tiles of 4, 2 and 1
   for (int d : {64, 80, 128}) {
     for (int page_tokens : {7, 16}) {
       for (const SyntheticField& kf : keys) {
@@ -392,7 +392,7 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           }
           std::vector<float> queries = Gaussian(static_cast<size_t>(rows) * d, rng.NextU64());
           for (float& q : queries) q *= 0.3f;
-          const std::vector<int64_t> visible = {tokens, tokens - 1, 1, 64, 17};
+          const std::vector<int64_t> visible = {tokens, tokens - 1, 1, 64, 17, 100, 65};
 
           cpu_internal::HeadAttendParams params;
           params.head_dim = d;
