@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <sys/mman.h>
 #include <thread>
 #include <vector>
 
@@ -18,6 +19,40 @@
 
 namespace tqkv {
 namespace {
+
+// Pool memory. A decode step reads every page of a sequence through its block
+// table, so with 4 KiB pages a long context misses the TLB on nearly every
+// cache page (one 32k-token Llama-3.1-8B layer spans about 6,500 of them).
+// Pools of 2 MiB or more are therefore mapped 2 MiB-aligned and advised as
+// transparent huge pages; where THP is off the advice is ignored. Smaller
+// pools come from the heap.
+constexpr size_t kHugePage = size_t{2} << 20;
+
+size_t PoolMappingBytes(size_t bytes) { return (bytes + kHugePage - 1) / kHugePage * kHugePage; }
+
+void* MapPoolMemory(size_t bytes) {
+  if (bytes < kHugePage) return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  const size_t mapped = PoolMappingBytes(bytes);
+  // Map one huge page more than needed, then trim both ends to alignment.
+  void* raw = mmap(nullptr, mapped + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  if (aligned > start) munmap(raw, aligned - start);
+  const uintptr_t tail = start + mapped + kHugePage - (aligned + mapped);
+  if (tail > 0) munmap(reinterpret_cast<void*>(aligned + mapped), tail);
+  madvise(reinterpret_cast<void*>(aligned), mapped, MADV_HUGEPAGE);
+  return reinterpret_cast<void*>(aligned);
+}
+
+void UnmapPoolMemory(void* memory, size_t bytes) {
+  if (memory == nullptr) return;
+  if (bytes < kHugePage) {
+    std::free(memory);
+  } else {
+    munmap(memory, PoolMappingBytes(bytes));
+  }
+}
 
 // Where token t of a sequence lives, given its block table.
 struct SlotAddress {
@@ -86,7 +121,7 @@ class CpuBackend final : public Backend {
   absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
     if (num_pages < 1) return absl::InvalidArgumentError("a pool needs at least one page");
     const size_t bytes = layout.page_bytes() * static_cast<size_t>(num_pages);
-    void* memory = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    void* memory = MapPoolMemory(bytes);
     if (memory == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrFormat("cannot allocate a %d-page pool (%d bytes)", num_pages, bytes));
@@ -94,7 +129,9 @@ class CpuBackend final : public Backend {
     return PagePool{static_cast<uint8_t*>(memory), layout.page_bytes(), num_pages};
   }
 
-  void FreePool(PagePool pool) override { std::free(pool.base); }
+  void FreePool(PagePool pool) override {
+    UnmapPoolMemory(pool.base, pool.page_bytes * static_cast<size_t>(pool.num_pages));
+  }
 
   absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
     if (from < 0 || from >= pool.num_pages || to < 0 || to >= pool.num_pages) {
