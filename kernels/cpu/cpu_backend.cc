@@ -164,25 +164,32 @@ class CpuBackend final : public Backend {
     const int heads = layout.num_kv_heads();
     const int d = layout.head_dim();
     const int page_tokens = layout.page_tokens();
-    // One task per (layer, head): they write disjoint planes.
+    // One task per (layer, run of kRun tokens), each storing every KV head
+    // of its run: tasks write disjoint slots. Heads go inside a run, not
+    // across the whole call, so that the run's input rows (one per token,
+    // every head side by side) stay in L2 and its TLB entries stay warm
+    // while each head reads its slice: a task per head swept the whole
+    // input once per head, a 4 KiB page per token each time.
+    // Within a run the codecs take the tokens together (EncodeMany), keys
+    // then values.
+    constexpr int kRun = 32;
     absl::Mutex error_mu;
     absl::Status first_error;
     const int64_t work = static_cast<int64_t>(p.layer_end - p.layer_begin) * heads * p.num_tokens * d;
-    RunTasks((p.layer_end - p.layer_begin) * heads, work, [&](int task) {
-      const int layer = p.layer_begin + task / heads;
-      const int head = task % heads;
+    const int runs = static_cast<int>((p.num_tokens + kRun - 1) / kRun);
+    RunTasks((p.layer_end - p.layer_begin) * runs, work, [&](int task) {
+      const int layer = p.layer_begin + task / runs;
+      const int64_t i0 = static_cast<int64_t>(task % runs) * kRun;
+      const int n = static_cast<int>(std::min<int64_t>(kRun, p.num_tokens - i0));
       const int64_t layer_offset = static_cast<int64_t>(layer - p.layer_begin) * p.num_tokens;
-      const HeadView view = View(layout, layer, head);
-      // Tokens go to the codecs in runs (EncodeMany), keys then values.
-      constexpr int kRun = 64;
       const float* key_in[kRun];
       const float* value_in[kRun];
       uint8_t* key_codes[kRun];
       uint8_t* value_codes[kRun];
       uint16_t* key_scalars[kRun];
       uint16_t* value_scalars[kRun];
-      for (int64_t i0 = 0; i0 < p.num_tokens; i0 += kRun) {
-        const int n = static_cast<int>(std::min<int64_t>(kRun, p.num_tokens - i0));
+      for (int head = 0; head < heads; ++head) {
+        const HeadView view = View(layout, layer, head);
         for (int k = 0; k < n; ++k) {
           const int32_t slot_index = p.slots[i0 + k];
           const uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
