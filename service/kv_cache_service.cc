@@ -23,10 +23,7 @@
 #include "service/sequence_transfer.h"
 #include "service/status_util.h"
 #include "service/tensor_codec.h"
-
-#ifndef TQKV_VERSION
-#define TQKV_VERSION "unknown"
-#endif
+#include "version/version.h"
 
 namespace tqkv {
 namespace service {
@@ -1009,7 +1006,7 @@ void KvCacheService::DoGetServerInfo(const Caller& caller, v1::ServerInfo* info)
   } else {
     fill_tenant(*caller.tenant, info->mutable_tenant());
   }
-  info->set_version(TQKV_VERSION);
+  info->set_version(VersionLine());
   info->set_instance_id(instance_id_);
   info->set_backend(backend_->name());
   info->set_device(backend_->device());

@@ -29,10 +29,7 @@
 #include "service/kv_cache_service.h"
 #include "service/raw_message.h"
 #include "service/status_util.h"
-
-#ifndef TQKV_VERSION
-#define TQKV_VERSION "unknown"
-#endif
+#include "version/version.h"
 
 namespace tqkv {
 namespace service {
@@ -664,7 +661,7 @@ v1::ExportHeader MakeExportHeader(const KvCache& cache) {
   options.layout = cache.layout().options();  // resolved
   *header.mutable_layout() = ToCacheConfig(options);
   header.set_page_bytes(static_cast<int64_t>(cache.layout().page_bytes()));
-  header.set_server_version(TQKV_VERSION);
+  header.set_server_version(VersionLine());
   return header;
 }
 
