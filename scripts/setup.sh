@@ -29,8 +29,9 @@ if [ "$build_only" -eq 0 ]; then
     libgtest-dev libgmock-dev
     libbenchmark-dev
     # tests/deploy: compose and Prometheus config checks, a real Prometheus
-    # and haproxy on loopback, curl and python3 to drive them.
-    docker-compose prometheus haproxy curl python3 python3-yaml
+    # and haproxy on loopback, curl and python3 to drive them; amtool
+    # (prometheus-alertmanager) checks the Alertmanager config.
+    docker-compose prometheus prometheus-alertmanager haproxy curl python3 python3-yaml
     # The Python client's venv and tests; openssl for the TLS tests.
     python3-venv openssl
   )
