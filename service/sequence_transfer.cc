@@ -287,6 +287,7 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   int64_t total_bytes_ = 0;
   bool trailer_sent_ = false;
   bool finished_ = false;
+  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kExportSequences};
 };
 
 // The import of one stream of ExportChunk messages, message by message:
@@ -555,6 +556,7 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   Caller caller_;
   grpc::ByteBuffer in_;
   std::unique_ptr<ImportSession> session_;
+  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kImportSequences};
 };
 
 // The config fields that fix how pages are laid out and read: everything

@@ -94,6 +94,12 @@ absl::Status CheckPortFree(const std::string& host, int port, const char* what, 
                                              "or choose another port with ", flag));
 }
 
+// process_* (metrics.h): one per process, shared by every Server in it.
+const std::shared_ptr<prometheus::Collectable>& ProcessCollector() {
+  static const auto* const collector = new std::shared_ptr<prometheus::Collectable>(MakeProcessCollector());
+  return *collector;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
@@ -213,6 +219,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     server->exposer_->RegisterCollectable(server->cache_collector_);
     server->exposer_->RegisterCollectable(server->executor_collector_);
     server->exposer_->RegisterCollectable(server->tenant_collector_);
+    server->exposer_->RegisterCollectable(ProcessCollector());
     const std::vector<int> ports = server->exposer_->GetListeningPorts();
     server->metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
     // The wildcard addresses are reached on loopback.
@@ -305,7 +312,8 @@ void Server::Shutdown(absl::Time deadline) {
 void Server::Wait() { server_->Wait(); }
 
 std::string Server::MetricsText() const {
-  return SerializeMetrics({metrics_->registry(), cache_collector_, executor_collector_, tenant_collector_});
+  return SerializeMetrics(
+      {metrics_->registry(), cache_collector_, executor_collector_, tenant_collector_, ProcessCollector()});
 }
 
 }  // namespace service
