@@ -47,19 +47,24 @@ std::string WithDefaultPort(const std::string& target) {
 
 std::string UnreachableMessage(const absl::Status& status, const std::string& target) {
   if (status.code() != absl::StatusCode::kUnavailable) return "";
+  // gRPC's own channel errors, which start the message; an UNAVAILABLE the
+  // server sent (a lost device, "the export from <source> failed: failed to
+  // connect ..." from a pull) starts otherwise and is shown as it is.
   const absl::string_view m = status.message();
-  std::string why;
+  const bool channel = absl::StartsWith(m, "failed to connect to all addresses") ||
+                       absl::StartsWith(m, "DNS resolution failed") || absl::StartsWith(m, "Socket closed") ||
+                       absl::StartsWith(m, "Connection reset") || absl::StartsWith(m, "Broken pipe") ||
+                       absl::StartsWith(m, "empty address list") ||
+                       absl::StartsWith(m, "connections to all backends failing");
+  if (!channel) return "";
+  std::string why = "no connection";
   if (absl::StrContains(m, "Connection refused")) {
     why = "connection refused";
-  } else if (absl::StrContains(m, "DNS resolution failed") || absl::StrContains(m, "Name or service not known") ||
-             absl::StrContains(m, "name resolution")) {
+  } else if (absl::StartsWith(m, "DNS resolution failed")) {
     why = "the host name does not resolve";
-  } else if (absl::StrContains(m, "failed to connect") || absl::StrContains(m, "Failed to connect") ||
-             absl::StrContains(m, "Connection reset") || absl::StrContains(m, "Socket closed") ||
-             absl::StrContains(m, "connect") || absl::StrContains(m, "Broken pipe")) {
-    why = "no connection";
-  } else {
-    return "";  // the server answered UNAVAILABLE itself (e.g. a lost device)
+  } else if (absl::StartsWith(m, "Socket closed") || absl::StartsWith(m, "Connection reset") ||
+             absl::StartsWith(m, "Broken pipe")) {
+    why = "the connection was closed";
   }
   return absl::StrCat("cannot reach ", target, " (", why, "): is tqkv-server running at ", target, "?");
 }

@@ -34,9 +34,10 @@ inline constexpr int kDefaultServerPort = 50051;
 std::string WithDefaultPort(const std::string& target);
 
 // Like Fail(), for the status of a call to the server at `target`: when the
-// server could not be reached at all (UNAVAILABLE from the channel: refused,
-// unresolvable, timed out connecting), one line that says so and asks
-// "is tqkv-server running at <target>?" instead of gRPC's text.
+// server could not be reached at all (UNAVAILABLE from gRPC's channel:
+// refused, unresolvable, connection closed), one line that says so and asks
+// "is tqkv-server running at <target>?" instead of gRPC's text. An
+// UNAVAILABLE the server itself sent is printed as Fail() does.
 int FailRpc(const absl::Status& status, const std::string& target);
 
 // The FailRpc() text for an unreachable server, or "" when `status` is not

@@ -43,7 +43,12 @@ TEST(UnreachableMessage, NamesTheTargetWhenNothingAnswered) {
 TEST(UnreachableMessage, LeavesTheServersOwnErrorsAlone) {
   // The server answered: its message is the one to show.
   EXPECT_THAT(UnreachableMessage(absl::UnavailableError("the CUDA device was lost"), "h:1"), IsEmpty());
-  EXPECT_THAT(UnreachableMessage(absl::NotFoundError("failed to connect the dots"), "h:1"), IsEmpty());
+  EXPECT_THAT(UnreachableMessage(absl::NotFoundError("failed to connect to all addresses"), "h:1"), IsEmpty());
+  // A pull whose source is down: the destination answered, naming the source.
+  EXPECT_THAT(UnreachableMessage(absl::UnavailableError("the export from src:50051 failed: failed to connect to all "
+                                                        "addresses; ... Connection refused"),
+                                 "dest:50051"),
+              IsEmpty());
   EXPECT_THAT(UnreachableMessage(absl::OkStatus(), "h:1"), IsEmpty());
 }
 
