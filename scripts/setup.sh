@@ -29,8 +29,10 @@ if [ "$build_only" -eq 0 ]; then
     libgtest-dev libgmock-dev
     libbenchmark-dev
     # tests/deploy: compose and Prometheus config checks, a real Prometheus
-    # and haproxy on loopback, curl and python3 to drive them.
-    docker-compose prometheus haproxy curl python3 python3-yaml
+    # and haproxy on loopback, curl and python3 to drive them; amtool
+    # (prometheus-alertmanager) checks the Alertmanager config, yamllint the
+    # Kubernetes manifests.
+    docker-compose prometheus prometheus-alertmanager haproxy curl python3 python3-yaml yamllint
     # The Python client's venv and tests; openssl for the TLS tests.
     python3-venv openssl
   )

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, builds, makes the Python venv
 # (scripts/python_env.sh: the Python client, pytest, the SmolLM2 test model),
-# runs every test suite (ctest, the pytest suite included).
+# runs every test suite (ctest, the pytest suite included), then prints
+# pytest's count and the reason of every test it skipped.
 # GPU tests skip cleanly on machines without a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,4 +10,16 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh
 scripts/python_env.sh
-ctest --test-dir "${TQKV_BUILD_DIR:-build}" --output-on-failure -j "$(nproc)"
+build_dir=${TQKV_BUILD_DIR:-build}
+summary="$build_dir/Testing/pytest-summary.txt"
+rm -f "$summary"
+code=0
+ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" || code=$?
+# ctest shows a passing test's output nowhere: what pytest ran and skipped.
+if [ -s "$summary" ]; then
+  echo "pytest (Python.PytestSuite): $(tail -n 1 "$summary")"
+  grep '^SKIPPED' "$summary" | sed 's/^/  /' || true
+else
+  echo "pytest (Python.PytestSuite): no summary; it did not run (see its ctest line above)"
+fi
+exit "$code"

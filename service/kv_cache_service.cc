@@ -23,10 +23,7 @@
 #include "service/sequence_transfer.h"
 #include "service/status_util.h"
 #include "service/tensor_codec.h"
-
-#ifndef TQKV_VERSION
-#define TQKV_VERSION "unknown"
-#endif
+#include "version/version.h"
 
 namespace tqkv {
 namespace service {
@@ -186,6 +183,7 @@ class UnaryCallReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
   Caller caller_;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
+  Metrics::InFlight in_flight_{metrics_, rpc_};  // after the members it reads
 };
 
 // A long prefill in chunks: every chunk is one Append, stored as it arrives.
@@ -279,6 +277,7 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   int64_t stored_bytes_ = 0;
   int64_t stored_bytes_bf16_ = 0;
   const Clock::time_point start_;
+  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kAppendStream};
 };
 
 // DecodeStream: one AppendAttend per message, in order (see the proto).
@@ -448,6 +447,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kDecodeStreamStep};
 };
 
 }  // namespace
@@ -460,6 +460,7 @@ KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Bac
   for (auto& cache : caches) {
     order_.push_back(cache.get());
     const std::string name = cache->options().name;
+    if (metrics_ != nullptr) metrics_->AddCache(name, cache->layout().num_layers());
     caches_.emplace(name, std::move(cache));
   }
   ServeUnary<v1::AppendRequest, v1::AppendResponse>("Append", Rpc::kAppend, [this](const Caller& c, const auto& r, auto* out) {
@@ -613,6 +614,7 @@ absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequ
   if (outcome.already_stored) {
     response->set_already_stored(true);
   } else {
+    if (metrics_ != nullptr) metrics_->CountStored(cache->options().name, tokens * (layer_end - layer_begin));
     int64_t stored = 0;
     for (int l = layer_begin; l < layer_end; ++l) stored += layout.token_bytes(l) * tokens;
     response->set_stored_bytes(stored);
@@ -763,6 +765,11 @@ absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequ
   }
   RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
   RETURN_IF_ERROR(cache->Attend(items, request.scale()));
+  if (metrics_ != nullptr) {
+    int64_t attended = 0;
+    for (int i = 0; i < num_items; ++i) attended += query_tokens[i];
+    metrics_->CountAttended(cache->options().name, attended);
+  }
 
   for (int i = 0; i < num_items; ++i) {
     if (!sinks.empty()) {
@@ -925,6 +932,7 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
 
   int64_t stored = 0;
   int64_t stored_bf16 = 0;
+  int64_t stored_tokens = 0, attended_tokens = 0;  // in this one layer
   for (int i = 0; i < num_items; ++i) {
     Item& item = items[i];
     v1::AppendAttendItemResult* result = response->mutable_results(i);
@@ -947,6 +955,8 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
     }
     result->set_layer_tokens(request.items(i).start_position() + item.tokens);
     result->set_already_stored(item.already_stored);
+    stored_tokens += item.already_stored ? 0 : item.tokens;
+    attended_tokens += item.tokens;
     if (!item.already_stored) {
       stored += static_cast<int64_t>(layout.token_bytes(layer)) * item.tokens;
       stored_bf16 += static_cast<int64_t>(layout.token_bytes_bf16()) * item.tokens;
@@ -954,6 +964,10 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
   }
   response->set_stored_bytes(stored);
   response->set_stored_bytes_bf16(stored_bf16);
+  if (metrics_ != nullptr) {
+    metrics_->CountStored(cache->options().name, stored_tokens);
+    metrics_->CountAttended(cache->options().name, attended_tokens);
+  }
   return absl::OkStatus();
 }
 
@@ -1009,7 +1023,7 @@ void KvCacheService::DoGetServerInfo(const Caller& caller, v1::ServerInfo* info)
   } else {
     fill_tenant(*caller.tenant, info->mutable_tenant());
   }
-  info->set_version(TQKV_VERSION);
+  info->set_version(VersionLine());
   info->set_instance_id(instance_id_);
   info->set_backend(backend_->name());
   info->set_device(backend_->device());

@@ -1,10 +1,22 @@
 #include "service/metrics.h"
 
+#include <dirent.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <utility>
 
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
+
+#include "version/version.h"
 
 namespace tqkv {
 namespace service {
@@ -171,6 +183,25 @@ Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<promet
     kernel_duration_[i] =
         &kernel_duration.Add({{"kernel", kKernelNames[i]}, {"backend", backend}}, LatencyBuckets());
   }
+  tokens_stored_ = &prometheus::BuildCounter()
+                        .Name("tqkv_tokens_stored_total")
+                        .Help("Tokens stored, by cache: T tokens appended to k of L layers count T*k/L.")
+                        .Register(*registry_);
+  tokens_attended_ = &prometheus::BuildCounter()
+                          .Name("tqkv_tokens_attended_total")
+                          .Help("Query tokens attended, by cache: T queries in one of L layers count T/L.")
+                          .Register(*registry_);
+  auto& in_flight = prometheus::BuildGauge()
+                        .Name("tqkv_rpc_in_flight")
+                        .Help("Calls started and not yet finished, by method (an open stream counts).")
+                        .Register(*registry_);
+  for (int i = 0; i < kNumRpcs; ++i) in_flight_[i] = &in_flight.Add({{"method", kRpcNames[i]}});
+  prometheus::BuildGauge()
+      .Name("tqkv_build_info")
+      .Help("Always 1: the version, git revision and compute backend of this server.")
+      .Register(*registry_)
+      .Add({{"version", ProjectVersion()}, {"revision", GitRevision()}, {"backend", backend}})
+      .Set(1);
   // Successful calls of every method show from the start.
   for (int i = 0; i < kNumRpcs; ++i) {
     CodeCounter(*requests_, &request_counters_[i][0], static_cast<Rpc>(i), grpc::StatusCode::OK);
@@ -190,6 +221,32 @@ prometheus::Counter& Metrics::CodeCounter(prometheus::Family<prometheus::Counter
     slot->store(counter, std::memory_order_release);
   }
   return *counter;
+}
+
+void Metrics::AddCache(const std::string& cache, int layers) {
+  TokenCounters& c = token_counters_[cache];
+  c.layers = layers > 0 ? layers : 1;
+  c.stored = &tokens_stored_->Add({{"cache", cache}});
+  c.attended = &tokens_attended_->Add({{"cache", cache}});
+}
+
+void Metrics::CountStored(const std::string& cache, int64_t layer_tokens) {
+  auto it = token_counters_.find(cache);
+  if (it != token_counters_.end()) it->second.stored->Increment(layer_tokens / it->second.layers);
+}
+
+void Metrics::CountAttended(const std::string& cache, int64_t layer_tokens) {
+  auto it = token_counters_.find(cache);
+  if (it != token_counters_.end()) it->second.attended->Increment(layer_tokens / it->second.layers);
+}
+
+Metrics::InFlight::InFlight(Metrics* metrics, Rpc rpc)
+    : gauge_(metrics == nullptr ? nullptr : metrics->in_flight_[static_cast<int>(rpc)]) {
+  if (gauge_ != nullptr) gauge_->Increment();
+}
+
+Metrics::InFlight::~InFlight() {
+  if (gauge_ != nullptr) gauge_->Decrement();
 }
 
 void Metrics::ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds) {
@@ -291,6 +348,93 @@ class ExecutorCollector : public prometheus::Collectable {
 std::shared_ptr<prometheus::Collectable> MakeExecutorCollector(const CallExecutor* executor) {
   return std::make_shared<ExecutorCollector>(executor);
 }
+
+namespace {
+
+// /proc/self/stat fields after the command (which may hold spaces and
+// parentheses: split after its last ')'); empty when unreadable.
+std::vector<std::string> ProcStatFields() {
+  std::ifstream in("/proc/self/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return {};
+  std::istringstream rest(text.substr(close + 1));
+  std::vector<std::string> fields;
+  for (std::string f; rest >> f;) fields.push_back(f);
+  return fields;  // fields[0] is field 3 of proc(5): the state
+}
+
+class ProcessCollector : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    const std::vector<std::string> f = ProcStatFields();
+    // proc(5): utime 14, stime 15, num_threads 20, starttime 22, vsize 23,
+    // rss 24 (pages); fields[i] is field i + 3.
+    if (f.size() < 22) return {};
+    const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+    const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
+    const auto field = [&f](int n) { return std::strtod(f[n - 3].c_str(), nullptr); };
+    struct Def {
+      const char* name;
+      const char* help;
+      MetricType type;
+      double value;
+    };
+    std::vector<Def> defs = {
+        {"process_cpu_seconds_total", "User and system CPU time of the process, in seconds.", MetricType::Counter,
+         (field(14) + field(15)) / ticks},
+        {"process_resident_memory_bytes", "Resident memory of the process, in bytes.", MetricType::Gauge,
+         field(24) * page},
+        {"process_virtual_memory_bytes", "Virtual memory size of the process, in bytes.", MetricType::Gauge,
+         field(23)},
+        {"process_threads", "Threads of the process.", MetricType::Gauge, field(20)},
+    };
+    // Start time: boot time (btime in /proc/stat) + starttime ticks.
+    std::ifstream stat("/proc/stat");
+    for (std::string line; std::getline(stat, line);) {
+      if (line.rfind("btime ", 0) == 0) {
+        defs.push_back({"process_start_time_seconds", "Start time of the process since the Unix epoch, in seconds.",
+                        MetricType::Gauge, std::strtod(line.c_str() + 6, nullptr) + field(22) / ticks});
+        break;
+      }
+    }
+    if (DIR* dir = opendir("/proc/self/fd")) {
+      int64_t fds = 0;
+      while (dirent* e = readdir(dir)) {
+        if (e->d_name[0] != '.') ++fds;
+      }
+      closedir(dir);
+      defs.push_back({"process_open_fds", "Open file descriptors (one of them counting them).", MetricType::Gauge,
+                      static_cast<double>(fds)});
+    }
+    rlimit limit = {};
+    if (getrlimit(RLIMIT_NOFILE, &limit) == 0) {
+      defs.push_back({"process_max_fds", "The limit on open file descriptors.", MetricType::Gauge,
+                      static_cast<double>(limit.rlim_cur)});
+    }
+    std::vector<prometheus::MetricFamily> families;
+    for (const Def& d : defs) {
+      prometheus::MetricFamily family;
+      family.name = d.name;
+      family.help = d.help;
+      family.type = d.type;
+      prometheus::ClientMetric m;
+      if (d.type == MetricType::Counter) {
+        m.counter.value = d.value;
+      } else {
+        m.gauge.value = d.value;
+      }
+      family.metric.push_back(std::move(m));
+      families.push_back(std::move(family));
+    }
+    return families;
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<prometheus::Collectable> MakeProcessCollector() { return std::make_shared<ProcessCollector>(); }
 
 std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics) {
   return std::make_unique<TimedBackend>(std::move(inner), metrics);

@@ -3,9 +3,20 @@
 // handles: histogram and counter pointers created at start-up (or once per
 // (method, code) pair, on first use), never a family lookup.
 //
+//   tqkv_build_info{version,revision,backend}   1; the labels say what runs
+//   tqkv_rpc_in_flight{method}                  calls started, not finished
+//                                                (a stream counts while open)
 //   tqkv_rpc_duration_seconds{method}           histogram, every call
 //   tqkv_rpc_requests_total{method,code}        counter, every call by code
 //   tqkv_rpc_errors_total{method,code}          counter, non-OK calls
+//   tqkv_tokens_stored_total{cache}             tokens stored: an append of T
+//                                                tokens to k of the cache's L
+//                                                layers adds T * k / L, so a
+//                                                token counts 1 once every layer
+//                                                holds it (rate(): tokens/s)
+//   tqkv_tokens_attended_total{cache}           query tokens attended, the
+//                                                same way (T queries in one
+//                                                layer add T / L)
 //   tqkv_kernel_duration_seconds{kernel,backend} histogram: store, score,
 //                                                attend, copy_page
 //   tqkv_cache_stored_bytes{cache}              compressed bytes held
@@ -28,7 +39,11 @@
 //   tqkv_tenant_requests_total{tenant,code}      calls by the tenant's tokens
 // The tqkv_cache_* and tqkv_tenant_* families are read from KvCache::Stats()
 // and the tenants' counters at scrape time, so they cost nothing between
-// scrapes.
+// scrapes. The process itself is described by the standard names every
+// Prometheus client library uses (MakeProcessCollector, read from /proc at
+// scrape time): process_cpu_seconds_total, process_resident_memory_bytes,
+// process_virtual_memory_bytes, process_open_fds, process_max_fds,
+// process_threads, process_start_time_seconds.
 //
 // Thread safety: all methods are thread-safe.
 #ifndef TQKV_SERVICE_METRICS_H_
@@ -37,6 +52,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,6 +61,7 @@
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
+#include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
@@ -87,6 +104,29 @@ class Metrics {
   // `backend`: the label of the kernel histograms ("cpu", "cuda").
   explicit Metrics(const std::string& backend);
 
+  // Holds one call of `rpc` in tqkv_rpc_in_flight from construction to
+  // destruction: a member of each call's reactor. `metrics` may be null
+  // (nothing is counted); it must outlive the InFlight.
+  class InFlight {
+   public:
+    InFlight(Metrics* metrics, Rpc rpc);
+    ~InFlight();
+    InFlight(const InFlight&) = delete;
+    InFlight& operator=(const InFlight&) = delete;
+
+   private:
+    prometheus::Gauge* gauge_;
+  };
+
+  // Creates the tqkv_tokens_* counters of a cache of `layers` layers.
+  // REQUIRES: called for every cache before calls are served (the counters
+  // are looked up without a lock afterwards); layers > 0.
+  void AddCache(const std::string& cache, int layers);
+  // Counts `layer_tokens` (tokens x layers) stored into, or query tokens x
+  // layers attended in, `cache`; nothing for a cache AddCache never saw.
+  void CountStored(const std::string& cache, int64_t layer_tokens);
+  void CountAttended(const std::string& cache, int64_t layer_tokens);
+
   void ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds);
   void ObserveKernel(Kernel kernel, double seconds);
 
@@ -113,6 +153,15 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* errors_;
   std::array<prometheus::Histogram*, kNumRpcs> rpc_duration_{};
   std::array<prometheus::Histogram*, kNumKernels> kernel_duration_{};
+  std::array<prometheus::Gauge*, kNumRpcs> in_flight_{};
+  struct TokenCounters {
+    double layers = 1;
+    prometheus::Counter* stored = nullptr;
+    prometheus::Counter* attended = nullptr;
+  };
+  prometheus::Family<prometheus::Counter>* tokens_stored_;
+  prometheus::Family<prometheus::Counter>* tokens_attended_;
+  std::map<std::string, TokenCounters> token_counters_;  // by cache; fixed once serving
   // [rpc][code], created on first use.
   absl::Mutex create_mu_;
   std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> request_counters_{};
@@ -130,6 +179,10 @@ std::shared_ptr<prometheus::Collectable> MakeExecutorCollector(const CallExecuto
 // The tqkv_tenant_* families (none without tenants). REQUIRES: the tenants
 // outlive the collector's last Collect().
 std::shared_ptr<prometheus::Collectable> MakeTenantCollector(std::vector<const Tenant*> tenants);
+
+// The process_* families (see the top of this file), from /proc/self at
+// collection time; none where /proc is missing.
+std::shared_ptr<prometheus::Collectable> MakeProcessCollector();
 
 // A Backend that forwards to `inner` and records each kernel's wall time in
 // `metrics` (which must outlive it).

@@ -29,10 +29,7 @@
 #include "service/kv_cache_service.h"
 #include "service/raw_message.h"
 #include "service/status_util.h"
-
-#ifndef TQKV_VERSION
-#define TQKV_VERSION "unknown"
-#endif
+#include "version/version.h"
 
 namespace tqkv {
 namespace service {
@@ -290,6 +287,7 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   int64_t total_bytes_ = 0;
   bool trailer_sent_ = false;
   bool finished_ = false;
+  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kExportSequences};
 };
 
 // The import of one stream of ExportChunk messages, message by message:
@@ -558,6 +556,7 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   Caller caller_;
   grpc::ByteBuffer in_;
   std::unique_ptr<ImportSession> session_;
+  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kImportSequences};
 };
 
 // The config fields that fix how pages are laid out and read: everything
@@ -664,7 +663,7 @@ v1::ExportHeader MakeExportHeader(const KvCache& cache) {
   options.layout = cache.layout().options();  // resolved
   *header.mutable_layout() = ToCacheConfig(options);
   header.set_page_bytes(static_cast<int64_t>(cache.layout().page_bytes()));
-  header.set_server_version(TQKV_VERSION);
+  header.set_server_version(VersionLine());
   return header;
 }
 

@@ -1,13 +1,16 @@
 #include "service/server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-
-#include <cstdio>
 #include <mutex>
+#include <thread>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +60,46 @@ void ThrottledProtobufLog(google::protobuf::LogLevel level, const char* filename
   dropped = 0;
 }
 
+// UNAVAILABLE with one clear line when something already listens on
+// host:port (EADDRINUSE); OK otherwise, including when the probe itself
+// cannot tell (the real bind then reports). Run before gRPC binds, which on a
+// busy port logs about a kilobyte of its internals before failing. The probe
+// binds with SO_REUSEADDR and closes at once, so a port in TIME_WAIT, which
+// gRPC would take, is not reported busy; gRPC's SO_REUSEPORT is deliberately
+// not set, so a port another server listens on is.
+absl::Status CheckPortFree(const std::string& host, int port, const char* what, const char* flag) {
+  if (port <= 0) return absl::OkStatus();
+  addrinfo hints = {};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* addresses = nullptr;
+  const std::string service = std::to_string(port);
+  if (getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &addresses) != 0) {
+    return absl::OkStatus();
+  }
+  bool in_use = false;
+  for (addrinfo* a = addresses; a != nullptr && !in_use; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE) in_use = true;
+    close(fd);
+  }
+  freeaddrinfo(addresses);
+  if (!in_use) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(what, " port ", port, " on ", host,
+                                             " is already in use (another tqkv-server?); stop that process "
+                                             "or choose another port with ", flag));
+}
+
+// process_* (metrics.h): one per process, shared by every Server in it.
+const std::shared_ptr<prometheus::Collectable>& ProcessCollector() {
+  static const auto* const collector = new std::shared_ptr<prometheus::Collectable>(MakeProcessCollector());
+  return *collector;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
@@ -83,6 +126,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   if (options.tls_cert_chain_pem.empty() != options.tls_private_key_pem.empty()) {
     return absl::InvalidArgumentError(
         "TLS needs both a certificate chain and a private key, or neither");
+  }
+  // Before the backend and the page pools: a busy port fails in a moment.
+  RETURN_IF_ERROR(CheckPortFree(options.host, options.port, "the gRPC", "--port"));
+  if (options.metrics_port > 0) {
+    RETURN_IF_ERROR(CheckPortFree(options.metrics_host.empty() ? options.host : options.metrics_host,
+                                  options.metrics_port, "the /metrics", "--metrics_port"));
   }
   std::unique_ptr<Server> server(new Server());
   BackendOptions backend_options;
@@ -170,8 +219,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     server->exposer_->RegisterCollectable(server->cache_collector_);
     server->exposer_->RegisterCollectable(server->executor_collector_);
     server->exposer_->RegisterCollectable(server->tenant_collector_);
+    server->exposer_->RegisterCollectable(ProcessCollector());
     const std::vector<int> ports = server->exposer_->GetListeningPorts();
     server->metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
+    // The wildcard addresses are reached on loopback.
+    server->metrics_connect_host_ = raw_metrics_host == "0.0.0.0" || raw_metrics_host.empty() ? "127.0.0.1"
+                                    : raw_metrics_host == "::"                               ? "::1"
+                                                                                             : raw_metrics_host;
   }
   if (server->snapshotter_ != nullptr && options.snapshot_interval_seconds > 0) {
     Server* s = server.get();
@@ -195,6 +249,38 @@ Server::~Server() {
   if (server_ == nullptr) return;  // Start failed before listening
   Shutdown(absl::Now() + absl::Seconds(5));
   server_->Wait();
+  StopMetrics();
+}
+
+void Server::StopMetrics() {
+  if (exposer_ == nullptr) return;
+  std::atomic<bool> stopped{false};
+  const std::string host = metrics_connect_host_;
+  const std::string port = std::to_string(metrics_port_);
+  // Connects only once the stop has begun (the stop flag is set first
+  // thing), so the connection wakes the listener rather than being served.
+  std::thread wake([&stopped, host, port] {
+    for (int i = 0; i < 400 && !stopped.load(); ++i) {
+      absl::SleepFor(absl::Milliseconds(i == 0 ? 20 : 5));
+      if (stopped.load()) break;
+      addrinfo hints = {};
+      hints.ai_socktype = SOCK_STREAM;
+      hints.ai_flags = AI_NUMERICSERV;
+      addrinfo* addresses = nullptr;
+      if (getaddrinfo(host.c_str(), port.c_str(), &hints, &addresses) != 0) return;
+      for (addrinfo* a = addresses; a != nullptr; a = a->ai_next) {
+        const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        const bool connected = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        close(fd);
+        if (connected) break;
+      }
+      freeaddrinfo(addresses);
+    }
+  });
+  exposer_.reset();
+  stopped.store(true);
+  wake.join();
 }
 
 void Server::Shutdown(absl::Time deadline) {
@@ -226,7 +312,8 @@ void Server::Shutdown(absl::Time deadline) {
 void Server::Wait() { server_->Wait(); }
 
 std::string Server::MetricsText() const {
-  return SerializeMetrics({metrics_->registry(), cache_collector_, executor_collector_, tenant_collector_});
+  return SerializeMetrics(
+      {metrics_->registry(), cache_collector_, executor_collector_, tenant_collector_, ProcessCollector()});
 }
 
 }  // namespace service

@@ -2,28 +2,36 @@
 // Runs with no arguments: the embedded default config, port 50051.
 // SIGTERM / SIGINT shut it down gracefully: no new calls, calls in flight
 // finish (up to --shutdown_grace_seconds), then exit 0.
+// Flags are spelled --snake_case (absl flags); --kebab-case names are the
+// same flags. --help lists them, --version prints the build's version.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
-#include "kernels/malloc_tuning.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/malloc_tuning.h"
 #include "service/auth.h"
 #include "service/config.h"
 #include "service/server.h"
+#include "version/version.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
 ABSL_FLAG(int, port, 50051, "gRPC port (0: any free port, printed at start-up).");
@@ -92,12 +100,104 @@ int Fail(const std::string& what) {
   return 1;
 }
 
+// Rewrites --kebab-case flag names to the --snake_case absl knows
+// ("--metrics-port=9" -> "--metrics_port=9"); values, positional arguments
+// and everything after "--" are left alone.
+std::vector<std::string> NormalizeFlagNames(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& arg = args[i];
+    if (arg == "--") break;
+    if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) continue;
+    const size_t end = std::min(arg.find('='), arg.size());
+    std::replace(arg.begin() + 2, arg.begin() + end, '-', '_');
+  }
+  return args;
+}
+
+// True when `args` (before any "--") holds one of `names`.
+bool HasArg(const std::vector<std::string>& args, std::initializer_list<const char*> names) {
+  for (size_t i = 1; i < args.size() && args[i] != "--"; ++i) {
+    for (const char* name : names) {
+      if (args[i] == name) return true;
+    }
+  }
+  return false;
+}
+
+// `text` as lines of at most `width` characters (words longer than that stay
+// whole), each starting with `indent`.
+std::string Wrap(const std::string& text, size_t width, const std::string& indent) {
+  std::string out, line;
+  std::istringstream words(text);
+  for (std::string word; words >> word;) {
+    if (!line.empty() && line.size() + 1 + word.size() > width) {
+      absl::StrAppend(&out, indent, line, "\n");
+      line.clear();
+    }
+    absl::StrAppend(&line, line.empty() ? "" : " ", word);
+  }
+  if (!line.empty()) absl::StrAppend(&out, indent, line, "\n");
+  return out;
+}
+
+// The --help text: this file's flags (absl's own --help lists only flags
+// defined in a file named like the binary, which tqkv-server's are not),
+// sorted, each with its help and default.
+std::string Usage() {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!flag->IsRetired() && absl::StrContains(flag->Filename(), "server_main")) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](const absl::CommandLineFlag* a, const absl::CommandLineFlag* b) { return a->Name() < b->Name(); });
+  std::string out = absl::StrCat(
+      "usage: tqkv-server [flags]\n\n"
+      "The tqkv KV-cache service: gRPC (tqkv.v1.KvCache, health, reflection) on --port,\n"
+      "Prometheus metrics on --metrics_port. With no flags: the embedded default config\n"
+      "(--print_default_config), gRPC on 0.0.0.0:50051, metrics on 127.0.0.1:9464.\n"
+      "SIGINT/SIGTERM: calls in flight finish (--shutdown_grace_seconds), then exit 0.\n\n"
+      "flags (--name=value or --name value; --kebab-case spellings work too):\n");
+  for (const absl::CommandLineFlag* flag : flags) {
+    std::string default_value = flag->DefaultValue();
+    if (flag->IsOfType<std::string>()) default_value = absl::StrCat("\"", default_value, "\"");
+    absl::StrAppend(&out, "  --", flag->Name(), "\n",
+                    Wrap(absl::StrCat(flag->Help(), " (default: ", default_value, ")"), 74, "      "));
+  }
+  absl::StrAppend(&out, "  --help\n      Print this help and exit.\n  --version\n      Print the version and exit.\n");
+  return out;
+}
+
+// What to say when the CPU backend was taken because CUDA was not usable.
+// With no NVIDIA device node at all, the CUDA runtime's reason ("CUDA driver
+// version is insufficient for CUDA runtime version" where no driver is
+// installed) is misleading: there is simply no GPU.
+std::string WhyNotCuda(const std::string& why) {
+  bool any_device = false;
+  for (const char* node : {"/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"}) {
+    if (access(node, F_OK) == 0) any_device = true;
+  }
+  if (!any_device) return "no GPU found (no /dev/nvidia* device); using the CPU backend";
+  return "using the CPU backend; CUDA not usable: " + why;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   tqkv::TuneMallocForLargeMessages();  // before any thread: see the header
-  absl::SetProgramUsageMessage("tqkv-server [--port=50051] [--config=FILE] [--backend=auto]");
-  absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> args = NormalizeFlagNames(argc, argv);
+  if (HasArg(args, {"--help", "-h", "--helpshort", "--helpfull", "-help"})) {
+    std::fputs(Usage().c_str(), stdout);
+    return 0;
+  }
+  if (HasArg(args, {"--version", "-version"})) {
+    std::printf("tqkv-server %s\n", tqkv::VersionLine());
+    return 0;
+  }
+  absl::SetProgramUsageMessage("tqkv-server [flags]; tqkv-server --help lists them");
+  std::vector<char*> arg_pointers;
+  for (std::string& arg : args) arg_pointers.push_back(arg.data());
+  absl::ParseCommandLine(static_cast<int>(arg_pointers.size()), arg_pointers.data());
   if (absl::GetFlag(FLAGS_print_default_config)) {
     std::fputs(tqkv::service::DefaultServerConfigText(), stdout);
     return 0;
@@ -164,8 +264,7 @@ int main(int argc, char** argv) {
   if (!server.ok()) return Fail(server.status().ToString());
   tqkv::service::Server& s = **server;
   if (!s.why_not_cuda().empty()) {
-    std::fprintf(stderr, "tqkv-server: using the CPU backend; CUDA not used: %s\n",
-                 s.why_not_cuda().c_str());
+    std::fprintf(stderr, "tqkv-server: %s\n", WhyNotCuda(s.why_not_cuda()).c_str());
   }
   std::string auth;
   if (options.auth.enabled()) {

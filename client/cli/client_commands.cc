@@ -1,7 +1,9 @@
 // The CLI subcommands that talk to a tqkv-server through tqkv::Client: info,
 // sequence, append, attend, score, fork, drop, load. Every one takes
-// --target (default localhost:50051), --cache, --auth-token-file and
-// --tls-ca-file; a failed rpc prints "tqkv: CODE: message" and exits 1.
+// --target (default localhost:50051; a host without a port means port 50051),
+// --cache, --auth-token-file and --tls-ca-file, and --json; a failed rpc
+// prints "tqkv: CODE: message" (or "cannot reach ...: is tqkv-server running
+// at ...?" when nothing answered) and exits 1.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -43,7 +45,7 @@ struct Connection {
 };
 
 void AddConnectionFlags(FlagSet& flags, Connection* c) {
-  flags.AddString("target", &c->target, "host:port of the tqkv-server");
+  flags.AddString("target", &c->target, "host[:port] of the tqkv-server (port 50051 when none)");
   flags.AddString("cache", &c->cache, "cache name (empty: the server's default)");
   flags.AddString("auth-token-file", &c->auth_token_file,
                   "file whose first token is sent as the bearer token");
@@ -74,7 +76,7 @@ absl::StatusOr<std::string> ReadFirstToken(const std::string& path) {
 
 absl::StatusOr<ClientOptions> MakeClientOptions(const Connection& c) {
   ClientOptions options;
-  options.target = c.target;
+  options.target = WithDefaultPort(c.target);
   options.max_attempts = 2;
   options.timeout = absl::Seconds(60);
   if (!c.auth_token_file.empty()) {
@@ -104,7 +106,21 @@ int RunInfoImpl(int argc, const char* const* argv) {
   absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
   if (!options.ok()) return Fail(options.status());
   absl::StatusOr<v1::ServerInfo> info = Client(*options).GetServerInfo();
-  if (!info.ok()) return Fail(info.status());
+  if (!info.ok()) return FailRpc(info.status(), c.target);
+  if (!c.cache.empty()) {  // only that cache; an unknown name is an error
+    std::vector<std::string> names;
+    v1::CacheInfo only;
+    for (const v1::CacheInfo& ci : info->caches()) {
+      names.push_back(absl::StrCat("'", ci.config().name(), "'"));
+      if (ci.config().name() == c.cache) only = ci;
+    }
+    if (only.config().name() != c.cache) {
+      return Fail(absl::NotFoundError(absl::StrCat("the server at ", c.target, " has no cache '", c.cache,
+                                                   "'; its caches: ", absl::StrJoin(names, ", "))));
+    }
+    info->clear_caches();
+    *info->add_caches() = std::move(only);
+  }
   if (json) {
     JsonValue caches = JsonValue::Array();
     for (const v1::CacheInfo& ci : info->caches()) {
@@ -164,7 +180,7 @@ int RunInfoImpl(int argc, const char* const* argv) {
                        .c_str());
     return 0;
   }
-  printf("tqkv-server %s at %s\nbackend: %s (%s)\n", info->version().c_str(), c.target.c_str(),
+  printf("tqkv-server %s at %s\nbackend: %s (%s)\n", info->version().c_str(), WithDefaultPort(c.target).c_str(),
          info->backend().c_str(), info->device().c_str());
   for (const v1::CacheInfo& ci : info->caches()) {
     const v1::CacheConfig& k = ci.config();
@@ -206,18 +222,39 @@ void PrintSequence(const SequenceState& s) {
          s.cache.c_str(), s.pages, absl::StrJoin(s.layer_tokens, ", ").c_str());
 }
 
+JsonValue SequenceJson(const SequenceState& s) {
+  JsonValue layer_tokens = JsonValue::Array();
+  for (int64_t t : s.layer_tokens) layer_tokens.Append(JsonValue(t));
+  return JsonValue::Object()
+      .Set("sequence", s.sequence_id)
+      .Set("cache", s.cache)
+      .Set("pages", s.pages)
+      .Set("layer_tokens", layer_tokens);
+}
+
+// The sequence as text, or as one JSON object.
+void PrintSequence(const SequenceState& s, bool json) {
+  if (json) {
+    printf("%s\n", SequenceJson(s).Serialize().c_str());
+  } else {
+    PrintSequence(s);
+  }
+}
+
 int RunSequenceImpl(int argc, const char* const* argv) {
   FlagSet flags("sequence", "Shows one sequence: tokens per layer and pages (GetSequence).");
   Connection c;
   std::string id;
+  bool json = false;
   AddConnectionFlags(flags, &c);
   flags.AddRequiredString("sequence", &id, "sequence id");
+  flags.AddBool("json", &json, "print JSON");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
   if (!options.ok()) return Fail(options.status());
   absl::StatusOr<SequenceState> s = Client(*options).GetSequence(c.cache, id);
-  if (!s.ok()) return Fail(s.status());
-  PrintSequence(*s);
+  if (!s.ok()) return FailRpc(s.status(), c.target);
+  PrintSequence(*s, json);
   return 0;
 }
 
@@ -228,6 +265,7 @@ int RunAppendImpl(int argc, const char* const* argv) {
   Connection c;
   std::string id, keys_path, values_path;
   int64_t start = -1, layer_begin = 0, layer_end = 0;
+  bool json = false;
   AddConnectionFlags(flags, &c);
   flags.AddRequiredString("sequence", &id, "sequence id");
   flags.AddRequiredString("keys", &keys_path, "keys .npy [layers, tokens, kv_heads, head_dim]");
@@ -235,6 +273,7 @@ int RunAppendImpl(int argc, const char* const* argv) {
   flags.AddInt("start", &start, "position of the first token (-1: the current length)");
   flags.AddInt("layer-begin", &layer_begin, "first layer of the range");
   flags.AddInt("layer-end", &layer_end, "end of the layer range (0: all layers)");
+  flags.AddBool("json", &json, "print JSON");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   if (!InIntRange(layer_begin, 0, 1 << 20) || !InIntRange(layer_end, 0, 1 << 20)) {
     return UsageError("--layer-begin and --layer-end must be in [0, 2^20]");
@@ -258,14 +297,19 @@ int RunAppendImpl(int argc, const char* const* argv) {
   if (!options.ok()) return Fail(options.status());
   Client client(*options);
   if (start < 0) {
-    absl::StatusOr<SequenceState> s = client.GetSequence(c.cache, id);
-    if (s.ok()) {
-      start = s->layer_tokens.empty() ? 0 : s->layer_tokens[layer_begin < static_cast<int64_t>(s->layer_tokens.size()) ? layer_begin : 0];
-    } else if (s.status().code() == absl::StatusCode::kNotFound &&
-               absl::StrContains(s.status().message(), "sequence")) {
-      start = 0;
-    } else {
-      return Fail(s.status());
+    // The current length. A new sequence starts at 0: ask whether the id
+    // exists (ListSequences by prefix, which never fails for a missing id)
+    // rather than calling GetSequence and counting a NOT_FOUND on the server
+    // for every new sequence.
+    absl::StatusOr<std::vector<std::string>> ids = client.ListSequences(c.cache, id);
+    if (!ids.ok()) return FailRpc(ids.status(), c.target);
+    start = 0;
+    if (std::find(ids->begin(), ids->end(), id) != ids->end()) {
+      absl::StatusOr<SequenceState> s = client.GetSequence(c.cache, id);
+      if (!s.ok()) return FailRpc(s.status(), c.target);
+      if (!s->layer_tokens.empty()) {
+        start = s->layer_tokens[layer_begin < static_cast<int64_t>(s->layer_tokens.size()) ? layer_begin : 0];
+      }
     }
   }
   AppendArgs args;
@@ -278,7 +322,18 @@ int RunAppendImpl(int argc, const char* const* argv) {
   args.keys = keys->data;
   args.values = values->data;
   absl::StatusOr<AppendResult> r = client.Append(args);
-  if (!r.ok()) return Fail(r.status());
+  if (!r.ok()) return FailRpc(r.status(), c.target);
+  if (json) {
+    printf("%s\n", JsonValue::Object()
+                       .Set("tokens", keys->shape[1])
+                       .Set("start", start)
+                       .Set("stored_bytes", r->stored_bytes)
+                       .Set("stored_bytes_bf16", r->stored_bytes_bf16)
+                       .Set("sequence", SequenceJson(r->sequence))
+                       .Serialize()
+                       .c_str());
+    return 0;
+  }
   printf("appended %lld tokens at %lld: stored %lld bytes (%lld as bf16)\n",
          static_cast<long long>(keys->shape[1]), static_cast<long long>(start),
          static_cast<long long>(r->stored_bytes), static_cast<long long>(r->stored_bytes_bf16));
@@ -293,12 +348,14 @@ int RunAttendImpl(int argc, const char* const* argv) {
   Connection c;
   std::string id, queries_path, out_path, lse_path;
   int64_t layer = 0;
+  bool json = false;
   AddConnectionFlags(flags, &c);
   flags.AddRequiredString("sequence", &id, "sequence id");
   flags.AddRequiredInt("layer", &layer, "layer");
   flags.AddRequiredString("queries", &queries_path, "queries .npy");
   flags.AddRequiredString("out", &out_path, "output .npy, [query_tokens, query_heads, head_dim]");
   flags.AddString("lse-out", &lse_path, "also write log-sum-exp .npy [query_tokens, query_heads]");
+  flags.AddBool("json", &json, "print JSON (the files written and the output's shape)");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   if (!InIntRange(layer, 0, 1 << 20)) return UsageError("--layer must be in [0, 2^20]");
   absl::StatusOr<NpyArray> q = ReadNpy(queries_path);
@@ -321,7 +378,7 @@ int RunAttendImpl(int argc, const char* const* argv) {
   item.queries = q->data;
   args.items.push_back(item);
   absl::StatusOr<std::vector<AttendOutput>> out = Client(*options).Attend(args);
-  if (!out.ok()) return Fail(out.status());
+  if (!out.ok()) return FailRpc(out.status(), c.target);
   const AttendOutput& o = out->front();
   const std::vector<int64_t> shape(o.shape.begin(), o.shape.end());
   if (absl::Status s = WriteNpy(out_path, shape, o.output.data()); !s.ok()) return Fail(s);
@@ -329,6 +386,14 @@ int RunAttendImpl(int argc, const char* const* argv) {
     if (absl::Status s = WriteNpy(lse_path, {shape[0], shape[1]}, o.lse.data()); !s.ok()) {
       return Fail(s);
     }
+  }
+  if (json) {
+    JsonValue shape_json = JsonValue::Array();
+    for (int64_t d : shape) shape_json.Append(JsonValue(d));
+    JsonValue out_json = JsonValue::Object().Set("out", out_path).Set("shape", shape_json);
+    out_json.Set("lse_out", lse_path.empty() ? JsonValue() : JsonValue(lse_path));
+    printf("%s\n", out_json.Serialize().c_str());
+    return 0;
   }
   printf("wrote %s [%s]\n", out_path.c_str(), absl::StrJoin(shape, ", ").c_str());
   return 0;
@@ -372,7 +437,7 @@ int RunScoreImpl(int argc, const char* const* argv) {
   args.token_begin = token_begin;
   args.token_end = token_end;
   absl::StatusOr<ScoreResult> r = Client(*options).Score(args);
-  if (!r.ok()) return Fail(r.status());
+  if (!r.ok()) return FailRpc(r.status(), c.target);
   if (!out_path.empty()) {
     if (absl::Status s = WriteNpy(out_path, {r->query_heads, r->columns}, r->logits.data());
         !s.ok()) {
@@ -423,15 +488,17 @@ int RunForkImpl(int argc, const char* const* argv) {
   FlagSet flags("fork", "Creates --child sharing --parent's tokens (copy-on-write pages).");
   Connection c;
   std::string parent, child;
+  bool json = false;
   AddConnectionFlags(flags, &c);
   flags.AddRequiredString("parent", &parent, "parent sequence id");
   flags.AddRequiredString("child", &child, "new sequence id");
+  flags.AddBool("json", &json, "print JSON (the child)");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
   if (!options.ok()) return Fail(options.status());
   absl::StatusOr<SequenceState> s = Client(*options).ForkSequence(c.cache, parent, child);
-  if (!s.ok()) return Fail(s.status());
-  PrintSequence(*s);
+  if (!s.ok()) return FailRpc(s.status(), c.target);
+  PrintSequence(*s, json);
   return 0;
 }
 
@@ -439,12 +506,18 @@ int RunDropImpl(int argc, const char* const* argv) {
   FlagSet flags("drop", "Drops a sequence and frees its pages.");
   Connection c;
   std::string id;
+  bool json = false;
   AddConnectionFlags(flags, &c);
   flags.AddRequiredString("sequence", &id, "sequence id");
+  flags.AddBool("json", &json, "print JSON");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
   if (!options.ok()) return Fail(options.status());
-  if (absl::Status s = Client(*options).DropSequence(c.cache, id); !s.ok()) return Fail(s);
+  if (absl::Status s = Client(*options).DropSequence(c.cache, id); !s.ok()) return FailRpc(s, c.target);
+  if (json) {
+    printf("%s\n", JsonValue::Object().Set("dropped", id).Serialize().c_str());
+    return 0;
+  }
   printf("dropped '%s'\n", id.c_str());
   return 0;
 }
@@ -462,7 +535,7 @@ int64_t Bf16BytesOf(const SequenceState& s, const v1::CacheConfig& layout) {
 v1::PullSequencesRequest PullRequest(const std::string& target, const ClientOptions& source,
                                      const v1::ExportRequest& request, const std::string& target_cache) {
   v1::PullSequencesRequest pull;
-  pull.set_source(target);
+  pull.set_source(WithDefaultPort(target));
   pull.set_source_auth_token(source.auth_token);
   pull.set_source_tls_root_certs(source.tls_root_certs_pem);
   *pull.mutable_export_request() = request;
@@ -804,10 +877,10 @@ int RunBenchMoveImpl(int argc, const char* const* argv) {
   return identical ? 0 : kExitFailure;
 }
 
-int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet) {
+int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet, const std::string& target) {
   absl::StatusOr<DecodeLoadReport> report = RunDecodeLoad(options);
   if (!quiet) fprintf(stderr, "\n");
-  if (!report.ok()) return Fail(report.status());
+  if (!report.ok()) return FailRpc(report.status(), target);
   const DecodeLoadReport& r = *report;
   int64_t errors = 0;
   if (json) {
@@ -904,7 +977,7 @@ int RunLoadImpl(int argc, const char* const* argv) {
   std::string mode = "decode", variants = "unary,fused,stream", wire = "f32";
   int64_t clients = 0, requests = 0, prefill = 512, chunk = 0, steps = 0, per_client = 0,
           layers = 0, score_every = 16, top_k = 8, seed = 1, batch = 8, context = 1024;
-  double duration = 10, max_seconds = 0;
+  double duration = 10, max_seconds = 0, give_up = 10;
   bool json = false, quiet = false;
   AddConnectionFlags(flags, &c);
   flags.AddString("mode", &mode, "decode (layer by layer) or mixed");
@@ -925,6 +998,9 @@ int RunLoadImpl(int argc, const char* const* argv) {
   flags.AddInt("score-every", &score_every, "mixed: a ScoreQuery every this many steps (0: never)");
   flags.AddInt("top-k", &top_k, "mixed: top_k of the ScoreQuery calls");
   flags.AddInt("seed", &seed, "data seed");
+  flags.AddDouble("give-up-seconds", &give_up,
+                  "mixed: stop when the server has answered nothing (every call UNAVAILABLE) this long; "
+                  "meanwhile each client backs off, 50 ms doubling to 1 s");
   flags.AddBool("json", &json, "print JSON instead of a table");
   flags.AddBool("quiet", &quiet, "no live progress line");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
@@ -976,12 +1052,13 @@ int RunLoadImpl(int argc, const char* const* argv) {
         fflush(stderr);
       };
     }
-    return RunDecodeLoadTable(options, json, quiet);
+    return RunDecodeLoadTable(options, json, quiet, c.target);
   }
   if (!(duration >= 0) || duration > 86400) {
     return UsageError("--duration-seconds must be in [0, 86400]");
   }
   if (requests < 0) return UsageError("--requests must be >= 0");
+  if (!(give_up > 0) || give_up > 86400) return UsageError("--give-up-seconds must be in (0, 86400]");
   if (duration == 0 && requests == 0) {
     return UsageError("give --duration-seconds or --requests: the run must end");
   }
@@ -999,6 +1076,7 @@ int RunLoadImpl(int argc, const char* const* argv) {
   options.score_every = static_cast<int>(score_every);
   options.top_k = static_cast<int>(top_k);
   options.seed = static_cast<uint64_t>(seed);
+  options.give_up_seconds = give_up;
   if (!quiet) {
     options.progress = [](double elapsed, int64_t calls, int64_t errors) {
       fprintf(stderr, "\r%6.1f s  %9lld calls  %9.1f calls/s  %lld errors ", elapsed,
@@ -1009,7 +1087,7 @@ int RunLoadImpl(int argc, const char* const* argv) {
   }
   absl::StatusOr<LoadReport> report = RunLoad(options);
   if (!quiet) fprintf(stderr, "\n");
-  if (!report.ok()) return Fail(report.status());
+  if (!report.ok()) return FailRpc(report.status(), c.target);
   const LoadReport& r = *report;
   if (json) {
     JsonValue methods = JsonValue::Array();
@@ -1034,6 +1112,7 @@ int RunLoadImpl(int argc, const char* const* argv) {
     out.Set("attend_kernel_share",
             r.attend_kernel_share >= 0 ? JsonValue(r.attend_kernel_share) : JsonValue());
     if (!r.first_error.empty()) out.Set("first_error", r.first_error);
+    if (!r.server_lost.ok()) out.Set("server_lost", r.server_lost.ToString());
     printf("%s\n", out.Serialize().c_str());
   } else {
     printf("%lld clients, %.2f s, %lld calls, %lld errors, %lld tokens appended\n",
@@ -1053,6 +1132,11 @@ int RunLoadImpl(int argc, const char* const* argv) {
              100 * (1 - r.attend_kernel_share));
     }
     if (!r.first_error.empty()) printf("first error: %s\n", r.first_error.c_str());
+  }
+  if (!r.server_lost.ok()) {
+    std::string why = UnreachableMessage(r.server_lost, WithDefaultPort(c.target));
+    if (why.empty()) why = r.server_lost.ToString();
+    fprintf(stderr, "tqkv load: stopped after %.1f s of failed calls: %s\n", give_up, why.c_str());
   }
   return r.errors > 0 ? kExitFailure : 0;
 }

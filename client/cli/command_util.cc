@@ -1,6 +1,11 @@
 #include "client/cli/command_util.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 namespace tqkv {
 namespace cli {
@@ -24,6 +29,51 @@ int Fail(const absl::Status& status) {
 int UsageError(const std::string& message) {
   fprintf(stderr, "tqkv: %s\n", message.c_str());
   return kExitUsage;
+}
+
+std::string WithDefaultPort(const std::string& target) {
+  if (target.empty() || absl::StrContains(target, "://") || absl::StartsWith(target, "unix:") ||
+      absl::StartsWith(target, "unix-abstract:") || absl::StartsWith(target, "ipv4:") ||
+      absl::StartsWith(target, "ipv6:") || absl::StartsWith(target, "vsock:")) {
+    return target;
+  }
+  if (target.front() == '[') {  // [v6] or [v6]:port
+    return target.back() == ']' ? absl::StrCat(target, ":", kDefaultServerPort) : target;
+  }
+  const size_t colons = static_cast<size_t>(std::count(target.begin(), target.end(), ':'));
+  if (colons == 0) return absl::StrCat(target, ":", kDefaultServerPort);
+  return target;  // host:port, or a bare IPv6 address
+}
+
+std::string UnreachableMessage(const absl::Status& status, const std::string& target) {
+  if (status.code() != absl::StatusCode::kUnavailable) return "";
+  // gRPC's own channel errors, which start the message; an UNAVAILABLE the
+  // server sent (a lost device, "the export from <source> failed: failed to
+  // connect ..." from a pull) starts otherwise and is shown as it is.
+  const absl::string_view m = status.message();
+  const bool channel = absl::StartsWith(m, "failed to connect to all addresses") ||
+                       absl::StartsWith(m, "DNS resolution failed") || absl::StartsWith(m, "Socket closed") ||
+                       absl::StartsWith(m, "Connection reset") || absl::StartsWith(m, "Broken pipe") ||
+                       absl::StartsWith(m, "empty address list") ||
+                       absl::StartsWith(m, "connections to all backends failing");
+  if (!channel) return "";
+  std::string why = "no connection";
+  if (absl::StrContains(m, "Connection refused")) {
+    why = "connection refused";
+  } else if (absl::StartsWith(m, "DNS resolution failed")) {
+    why = "the host name does not resolve";
+  } else if (absl::StartsWith(m, "Socket closed") || absl::StartsWith(m, "Connection reset") ||
+             absl::StartsWith(m, "Broken pipe")) {
+    why = "the connection was closed";
+  }
+  return absl::StrCat("cannot reach ", target, " (", why, "): is tqkv-server running at ", target, "?");
+}
+
+int FailRpc(const absl::Status& status, const std::string& target) {
+  const std::string unreachable = UnreachableMessage(status, WithDefaultPort(target));
+  if (unreachable.empty()) return Fail(status);
+  fprintf(stderr, "tqkv: %s\n", unreachable.c_str());
+  return kExitFailure;
 }
 
 }  // namespace cli

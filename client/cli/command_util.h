@@ -24,6 +24,26 @@ int Fail(const absl::Status& status);
 // Prints the message to stderr; returns kExitUsage.
 int UsageError(const std::string& message);
 
+// The port a target without one goes to: tqkv-server's default gRPC port.
+inline constexpr int kDefaultServerPort = 50051;
+
+// `target` with ":50051" added when it names a host without a port
+// ("localhost", "10.0.0.7", "[::1]"); gRPC would otherwise dial the https
+// port 443. Targets with a port, with a scheme ("dns:///h:1", "unix:/p") and
+// bare IPv6 addresses ("::1", ambiguous) are returned unchanged.
+std::string WithDefaultPort(const std::string& target);
+
+// Like Fail(), for the status of a call to the server at `target`: when the
+// server could not be reached at all (UNAVAILABLE from gRPC's channel:
+// refused, unresolvable, connection closed), one line that says so and asks
+// "is tqkv-server running at <target>?" instead of gRPC's text. An
+// UNAVAILABLE the server itself sent is printed as Fail() does.
+int FailRpc(const absl::Status& status, const std::string& target);
+
+// The FailRpc() text for an unreachable server, or "" when `status` is not
+// one (exposed for the load generator's final message).
+std::string UnreachableMessage(const absl::Status& status, const std::string& target);
+
 }  // namespace cli
 }  // namespace tqkv
 

@@ -96,8 +96,15 @@ size_t EditDistance(std::string_view a, std::string_view b) {
 bool ValidName(std::string_view name) {
   if (name.empty() || name.front() == '-') return false;
   return std::all_of(name.begin(), name.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '_';
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
   });
+}
+
+// "head_dim" -> "head-dim": snake_case spellings name the same flags.
+std::string Kebab(std::string_view name) {
+  std::string out(name);
+  std::replace(out.begin(), out.end(), '_', '-');
+  return out;
 }
 
 }  // namespace
@@ -108,7 +115,7 @@ FlagSet::FlagSet(std::string subcommand, std::string description)
 void FlagSet::Add(std::string name, Type type, void* target, std::string help, bool required) {
   std::string problem;
   if (!ValidName(name)) {
-    problem = "is not a valid flag name; want [a-z0-9_-]+ without leading dashes";
+    problem = "is not a valid flag name; want [a-z0-9-]+ without leading dashes";
   } else if (name == "help") {
     problem = "is reserved";
   } else if (Find(name) != nullptr) {
@@ -167,15 +174,17 @@ void FlagSet::AddRequiredInt(std::string name, int64_t* target, std::string help
 }
 
 FlagSet::Flag* FlagSet::Find(std::string_view name) {
+  const std::string kebab = Kebab(name);
   for (Flag& flag : flags_) {
-    if (flag.name == name) return &flag;
+    if (flag.name == kebab) return &flag;
   }
   return nullptr;
 }
 
 bool FlagSet::IsSet(std::string_view name) const {
+  const std::string kebab = Kebab(name);
   for (const Flag& flag : flags_) {
-    if (flag.name == name) return flag.set;
+    if (flag.name == kebab) return flag.set;
   }
   return false;
 }
@@ -258,7 +267,7 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
       const Flag* best = nullptr;
       size_t best_distance = 3;  // suggest only close matches
       for (const Flag& candidate : flags_) {
-        const size_t d = EditDistance(name, candidate.name);
+        const size_t d = EditDistance(Kebab(name), candidate.name);
         if (d < best_distance) {
           best = &candidate;
           best_distance = d;

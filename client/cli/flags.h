@@ -20,7 +20,9 @@
 // missing value); `--name` for a switch, which sets it to true, and
 // `--name=true|false|1|0` to set it explicitly. A flag given twice takes the
 // last value. `--help` or `-h` anywhere asks for help. Positional arguments
-// are not accepted.
+// are not accepted. Flags are registered in kebab-case; the snake_case
+// spelling names the same flag (`--head_dim 64` is `--head-dim 64`), so a
+// flag can be written the way tqkv-server spells its own.
 //
 // Thread safety: none; a FlagSet is built and used by one thread.
 #ifndef TQKV_CLIENT_CLI_FLAGS_H_
@@ -45,7 +47,8 @@ class FlagSet {
   FlagSet& operator=(const FlagSet&) = delete;
 
   // Registers `--name`. `name` is given without the leading dashes and uses
-  // lowercase words joined by '-' (e.g. "head-dim"). `target` is not owned,
+  // lowercase words joined by '-' (e.g. "head-dim"; "head_dim" on the command
+  // line is the same flag). `target` is not owned,
   // must outlive Parse(), and is written only when the flag is given; its
   // value at registration is shown in Usage() as the default. Registering a
   // name twice, a name that is not [a-z0-9-]+, "help", or a null target is a

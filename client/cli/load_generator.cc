@@ -36,11 +36,16 @@ struct Shared {
   std::string run_tag;
   absl::Time deadline;
   std::atomic<bool> stop{false};
+  // Since when (steady clock, ns) every call has failed with UNAVAILABLE; 0
+  // while the server answers.
+  std::atomic<int64_t> unavailable_since_ns{0};
+  std::atomic<bool> lost{false};
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> errors{0};
   std::atomic<int64_t> tokens{0};
   absl::Mutex mu;
   std::string first_error ABSL_GUARDED_BY(mu);
+  absl::Status server_lost ABSL_GUARDED_BY(mu);
   // Latencies (seconds) and error counts, merged from the clients at the end.
   std::vector<double> latencies[kNumMethods] ABSL_GUARDED_BY(mu);
   int64_t method_errors[kNumMethods] ABSL_GUARDED_BY(mu) = {};
@@ -101,14 +106,43 @@ class LoadClient {
     latencies_[method].push_back(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     shared_->calls.fetch_add(1, std::memory_order_relaxed);
-    if (status.ok()) return true;
+    if (status.ok()) {
+      backoff_ = absl::ZeroDuration();
+      shared_->unavailable_since_ns.store(0, std::memory_order_relaxed);
+      return true;
+    }
     ++errors_[method];
     shared_->errors.fetch_add(1, std::memory_order_relaxed);
-    absl::MutexLock lock(&shared_->mu);
-    if (shared_->first_error.empty()) {
-      shared_->first_error = absl::StrCat(kMethodNames[method], ": ", status.ToString());
+    {
+      absl::MutexLock lock(&shared_->mu);
+      if (shared_->first_error.empty()) {
+        shared_->first_error = absl::StrCat(kMethodNames[method], ": ", status.ToString());
+      }
     }
+    if (absl::IsUnavailable(status)) BackOff(status);
     return false;
+  }
+
+  // After an UNAVAILABLE: stops the run when the server has answered nothing
+  // for give_up_seconds, else waits (50 ms doubling to 1 s) before the next
+  // call, waking early when the run stops.
+  void BackOff(const absl::Status& status) {
+    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch())
+                            .count();
+    int64_t since = 0;
+    if (!shared_->unavailable_since_ns.compare_exchange_strong(since, now)) {
+      if (now - since >= static_cast<int64_t>(shared_->options->give_up_seconds * 1e9)) {
+        absl::MutexLock lock(&shared_->mu);
+        if (!shared_->lost.exchange(true)) shared_->server_lost = status;
+        shared_->stop.store(true);
+        return;
+      }
+    }
+    backoff_ = backoff_ == absl::ZeroDuration() ? absl::Milliseconds(50)
+                                                : std::min(2 * backoff_, absl::Seconds(1));
+    const absl::Time until = absl::Now() + backoff_;
+    while (!Stopped() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
   }
 
   AppendArgs MakeAppend(const std::string& id, int64_t start, int64_t tokens) {
@@ -177,7 +211,9 @@ class LoadClient {
       }
     }
     // Always clean up, even after a stop or an error (a failed prefill may
-    // have created nothing: NOT_FOUND then is not an error of the run).
+    // have created nothing: NOT_FOUND then is not an error of the run);
+    // except when the server is gone.
+    if (shared_->lost.load()) return;
     const auto start = std::chrono::steady_clock::now();
     const absl::Status dropped = client_->DropSequence(o.cache, id);
     if (length > 0 || dropped.code() != absl::StatusCode::kNotFound) {
@@ -198,6 +234,7 @@ class LoadClient {
   std::vector<float> pool_;
   std::vector<double> latencies_[kNumMethods];
   int64_t errors_[kNumMethods] = {};
+  absl::Duration backoff_ = absl::ZeroDuration();  // the wait after the last UNAVAILABLE
 };
 
 // name -> (calls, seconds)
@@ -216,6 +253,9 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& options) {
   }
   if (!(options.duration_seconds > 0) && options.requests <= 0) {
     return absl::InvalidArgumentError("give a duration or a request count: the run must end");
+  }
+  if (!(options.give_up_seconds > 0) || options.give_up_seconds > 86400) {
+    return absl::InvalidArgumentError("give_up_seconds must be in (0, 86400]");
   }
   if (options.prefill_tokens < 0 || options.decode_steps < 0 || options.prefill_chunk_tokens < 1 ||
       options.sequences_per_client < 0 || options.score_every < 0 || options.top_k < 1) {
@@ -279,6 +319,7 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& options) {
   {
     absl::MutexLock lock(&shared.mu);
     report.first_error = shared.first_error;
+    report.server_lost = shared.server_lost;
     for (int m = 0; m < kNumMethods; ++m) {
       std::vector<double>& l = shared.latencies[m];
       if (l.empty()) continue;

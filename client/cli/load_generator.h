@@ -13,6 +13,12 @@
 // or `requests` calls in total (0: that bound is off; at least one must be on).
 // A sequence interrupted by the stop is still dropped.
 //
+// A server that goes away does not get hammered: after a call fails with
+// UNAVAILABLE (nothing answered, or the server said it cannot serve), that
+// client waits before its next call, 50 ms doubling to 1 s, until a call
+// succeeds. When no call has succeeded for give_up_seconds since the first
+// such failure, the run stops and LoadReport::server_lost says why.
+//
 // Thread safety: RunLoad is reentrant; it blocks until the run is over.
 #ifndef TQKV_CLIENT_CLI_LOAD_GENERATOR_H_
 #define TQKV_CLIENT_CLI_LOAD_GENERATOR_H_
@@ -48,6 +54,9 @@ struct LoadOptions {
   int score_every = 16;
   int top_k = 8;
   uint64_t seed = 1;
+  // Stop the run once calls have failed with UNAVAILABLE, and none has
+  // succeeded, for this long (> 0).
+  double give_up_seconds = 10;
   // Called about once a second from the calling thread with the elapsed
   // seconds, calls and errors so far (the live progress line). May be empty.
   std::function<void(double elapsed, int64_t calls, int64_t errors)> progress;
@@ -69,6 +78,9 @@ struct LoadReport {
   int64_t tokens_appended = 0;
   std::vector<MethodStats> methods;  // only methods that were called
   std::string first_error;           // "" when none
+  // Set when the run stopped because the server stopped answering (see
+  // give_up_seconds): the last UNAVAILABLE status; OK otherwise.
+  absl::Status server_lost;
   // Server-side, over the run (from GetServerInfo before and after): summed
   // Attend rpc seconds and the attend kernel's share of them; -1 when the
   // server did not report timings.

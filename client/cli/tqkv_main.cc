@@ -1,9 +1,11 @@
-// tqkv: the command-line client. `tqkv <subcommand> --help` documents each.
+// tqkv: the command-line client. `tqkv <subcommand> --help` documents each;
+// `tqkv --version` prints the build's version.
 #include <cstdio>
 #include <string_view>
 
 #include "client/cli/commands.h"
 #include "kernels/malloc_tuning.h"
+#include "version/version.h"
 
 namespace {
 
@@ -16,7 +18,9 @@ void PrintUsage(FILE* out) {
     fprintf(out, "  %-12.*s %.*s\n", static_cast<int>(command.name.size()), command.name.data(),
             static_cast<int>(command.summary.size()), command.summary.data());
   }
-  fprintf(out, "\n`tqkv <subcommand> --help` lists a subcommand's flags.\n");
+  fprintf(out,
+          "\n`tqkv <subcommand> --help` lists a subcommand's flags (kebab-case, e.g. --head-dim;\n"
+          "the snake_case spelling --head_dim is the same flag). `tqkv --version` prints the version.\n");
 }
 
 }  // namespace
@@ -30,6 +34,10 @@ int main(int argc, char** argv) {
   const std::string_view name = argv[1];
   if (name == "--help" || name == "-h" || name == "help") {
     PrintUsage(stdout);
+    return 0;
+  }
+  if (name == "--version" || name == "version") {
+    printf("tqkv %s\n", tqkv::VersionLine());
     return 0;
   }
   for (const tqkv::cli::Command& command : tqkv::cli::AllCommands()) {

@@ -143,9 +143,12 @@ TEST(FlagSet, RejectsUnknownFlagAndSuggestsACloseOne) {
   FlagSet flags("encode");
   EncodeFlags f;
   f.Register(flags);
-  absl::Status status = Parse(flags, {"--keys=k", "--head_dim", "64"});
+  absl::Status status = Parse(flags, {"--keys=k", "--head-dmi", "64"});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(Message(status), HasSubstr("unknown flag --head_dim for 'tqkv encode'"));
+  EXPECT_THAT(Message(status), HasSubstr("unknown flag --head-dmi for 'tqkv encode'"));
+  EXPECT_THAT(Message(status), HasSubstr("did you mean --head-dim?"));
+  status = Parse(flags, {"--keys=k", "--head_dmi", "64"});
+  EXPECT_THAT(Message(status), HasSubstr("unknown flag --head_dmi for 'tqkv encode'"));
   EXPECT_THAT(Message(status), HasSubstr("did you mean --head-dim?"));
   status = Parse(flags, {"--keys=k", "--completely-different"});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
@@ -153,6 +156,20 @@ TEST(FlagSet, RejectsUnknownFlagAndSuggestsACloseOne) {
   status = Parse(flags, {"--keys=k", "-v"});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Message(status), HasSubstr("unknown flag '-v'"));
+}
+
+TEST(FlagSet, SnakeCaseSpellingNamesTheSameFlag) {
+  FlagSet flags("encode");
+  EncodeFlags f;
+  f.Register(flags);
+  absl::Status status = Parse(flags, {"--keys=k", "--head_dim", "64"});
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(f.head_dim, 64);
+  EXPECT_TRUE(flags.IsSet("head-dim"));
+  EXPECT_TRUE(flags.IsSet("head_dim"));
+  status = Parse(flags, {"--keys=k", "--head_dim=32", "--head-dim", "16"});
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(f.head_dim, 16);  // one flag: the last value wins
 }
 
 TEST(FlagSet, RejectsMissingValue) {
@@ -267,6 +284,11 @@ TEST(FlagSet, RegistrationMistakesAreInternalErrors) {
   {
     FlagSet flags("encode");
     flags.AddString("--out", &a, "");
+    EXPECT_EQ(Parse(flags, {}).code(), absl::StatusCode::kInternal);
+  }
+  {
+    FlagSet flags("encode");
+    flags.AddString("head_dim", &a, "");  // registered kebab-case only
     EXPECT_EQ(Parse(flags, {}).code(), absl::StatusCode::kInternal);
   }
   {

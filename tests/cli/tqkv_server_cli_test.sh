@@ -2,7 +2,9 @@
 # The server-facing CLI subcommands end to end: starts tqkv-server on a free
 # loopback port with a small config and bearer-token auth, then runs
 # info / append / sequence / attend / score / fork / drop / load through the
-# tqkv binary, checking outputs and exit codes. The server is killed on exit.
+# tqkv binary, checking outputs and exit codes; then --help and --version of
+# both binaries, a busy port, an unreachable server, a server that goes away
+# under `tqkv load`, and a prompt exit on SIGINT. Servers are killed on exit.
 # Usage: tqkv_server_cli_test.sh path/to/tqkv path/to/tqkv-server
 set -u
 TQKV=$1
@@ -10,7 +12,8 @@ SERVER=$2
 WORK=$(mktemp -d)
 SERVER_PID=
 cleanup() {
-  if [[ -n "$SERVER_PID" ]]; then kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; fi
+  local pid
+  for pid in $SERVER_PID ${OTHER_PIDS:-}; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -34,18 +37,37 @@ CFG
 printf '# test token\n\nsecret-token\n' >"$WORK/token"
 printf 'wrong-token\n' >"$WORK/bad_token"
 
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 50981)
-"$SERVER" --host 127.0.0.1 --port "$PORT" --metrics_port -1 --threads 1 \
-  --config "$WORK/config.txt" --auth_token_file "$WORK/token" >"$WORK/server.log" 2>&1 &
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 50981
+}
+PORT=$(free_port)
+METRICS_PORT=$(free_port)
+# Flags in both spellings: --metrics-port and --auth-token-file are the
+# server's --metrics_port and --auth_token_file.
+"$SERVER" --host 127.0.0.1 --port "$PORT" --metrics-port "$METRICS_PORT" --threads 1 \
+  --config "$WORK/config.txt" --auth-token-file "$WORK/token" >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 C=(--target "127.0.0.1:$PORT" --auth-token-file "$WORK/token")
-for _ in $(seq 50); do
+for _ in $(seq 100); do
   "$TQKV" info "${C[@]}" >/dev/null 2>&1 && break
   sleep 0.1
 done
+# not_found_errors: NOT_FOUND errors the server has counted, over every method.
+not_found_errors() {
+  curl -sf "http://127.0.0.1:$METRICS_PORT/metrics" |
+    awk '/^tqkv_rpc_errors_total\{.*code="NOT_FOUND"/ {n += $2} END {print n + 0}'
+}
+if [[ ! -e /dev/nvidiactl && ! -e /dev/nvidia0 && ! -e /dev/dxg ]]; then
+  grep -q "no GPU found" "$WORK/server.log" || { fail "start-up does not say 'no GPU found'"; cat "$WORK/server.log"; }
+fi
 
 expect 0 "$TQKV" info "${C[@]}"; contains "4 layers, 2 kv heads, 4 query heads, head_dim 64"
 expect 0 "$TQKV" info "${C[@]}" --json; contains '"backend": "cpu"'
+expect 0 "$TQKV" info "${C[@]}" --cache default --json; contains '"name": "default"'
+expect 1 "$TQKV" info "${C[@]}" --cache nope; contains "has no cache 'nope'; its caches: 'default'"
+# snake_case spellings of the CLI's flags name the same flags.
+expect 0 "$TQKV" info --target "127.0.0.1:$PORT" --auth_token_file "$WORK/token"
+contains "4 layers, 2 kv heads"
 expect 1 "$TQKV" info --target "127.0.0.1:$PORT"; contains "UNAUTHENTICATED"
 expect 1 "$TQKV" info --target "127.0.0.1:$PORT" --auth-token-file "$WORK/bad_token"
 contains "missing or invalid bearer token"
@@ -55,8 +77,18 @@ contains "missing or invalid bearer token"
 "$TQKV" synth --shape 4,64 --seed 3 --out "$WORK/q.npy" || fail "synth queries"
 "$TQKV" synth --shape 2,4,64 --seed 4 --out "$WORK/q3.npy" || fail "synth queries 3-D"
 
+NOT_FOUND_BEFORE=$(not_found_errors)
 expect 0 "$TQKV" append "${C[@]}" --sequence s1 --keys "$WORK/k.npy" --values "$WORK/v.npy"
 contains "appended 8 tokens at 0"; contains "layer tokens \[8, 8, 8, 8\]"
+# A new sequence without --start: no failed call on the server for it.
+[[ "$(not_found_errors)" == "$NOT_FOUND_BEFORE" ]] ||
+  fail "append of a new sequence counted NOT_FOUND errors ($NOT_FOUND_BEFORE -> $(not_found_errors))"
+expect 0 "$TQKV" append "${C[@]}" --sequence j1 --keys "$WORK/k.npy" --values "$WORK/v.npy" --json
+contains '"start": 0'; contains '"tokens": 8'; contains '"layer_tokens": \[8, 8, 8, 8\]'; contains '"stored_bytes_bf16"'
+expect 0 "$TQKV" sequence "${C[@]}" --sequence j1 --json; contains '"sequence": "j1"'; contains '"pages": '
+expect 0 "$TQKV" fork "${C[@]}" --parent j1 --child j1/b --json; contains '"sequence": "j1/b"'
+expect 0 "$TQKV" drop "${C[@]}" --sequence j1/b --json; contains '"dropped": "j1/b"'
+expect 0 "$TQKV" drop "${C[@]}" --sequence j1 --json; contains '"dropped": "j1"'
 # --start defaults to the current length.
 expect 0 "$TQKV" append "${C[@]}" --sequence s1 --keys "$WORK/k.npy" --values "$WORK/v.npy"
 contains "appended 8 tokens at 8"
@@ -73,6 +105,8 @@ contains "\[1, 4, 64\]"
 [[ -s "$WORK/o.npy" && -s "$WORK/lse.npy" ]] || fail "attend outputs missing"
 expect 0 "$TQKV" attend "${C[@]}" --sequence s1 --layer 1 --queries "$WORK/q3.npy" --out "$WORK/o3.npy"
 contains "\[2, 4, 64\]"
+expect 0 "$TQKV" attend "${C[@]}" --sequence s1 --layer 1 --queries "$WORK/q3.npy" --out "$WORK/o3.npy" --json
+contains '"shape": \[2, 4, 64\]'; contains '"lse_out": null'
 expect 1 "$TQKV" attend "${C[@]}" --sequence s1 --layer 9 --queries "$WORK/q.npy" --out "$WORK/x.npy"
 contains "INVALID_ARGUMENT"
 
@@ -104,6 +138,62 @@ expect 2 "$TQKV" load "${C[@]}" --mode sideways
 expect 2 "$TQKV" info --bogus
 
 expect 0 "$TQKV" info "${C[@]}"; contains "0 sequences"
+
+# --help and --version.
+expect 0 "$SERVER" --help; contains "--port"; contains "--metrics_port"; contains "gRPC port"
+contains "(default: 50051)"
+expect 0 "$SERVER" --version; contains "^tqkv-server [0-9][0-9.]* (git [A-Za-z0-9._+-]*)$"
+expect 0 "$TQKV" --version; contains "^tqkv [0-9][0-9.]* (git [A-Za-z0-9._+-]*)$"
+expect 0 "$TQKV" info "${C[@]}"; contains "tqkv-server [0-9][0-9.]* (git "
+
+# A busy port: one clear line, no gRPC internals.
+expect 1 "$SERVER" --host 127.0.0.1 --port "$PORT" --metrics_port -1 --threads 1 --config "$WORK/config.txt"
+contains "port $PORT on 127.0.0.1 is already in use"
+[[ $(wc -l <"$WORK/out") -le 2 ]] || { fail "a busy port prints $(wc -l <"$WORK/out") lines"; cat "$WORK/out"; }
+grep -qv "already in use\|no GPU found" "$WORK/out" && { fail "a busy port prints more than its line"; cat "$WORK/out"; }
+
+# Nobody listening: the CLI says so in one line.
+DEAD_PORT=$(free_port)
+expect 1 "$TQKV" info --target "127.0.0.1:$DEAD_PORT"
+contains "cannot reach 127.0.0.1:$DEAD_PORT (connection refused): is tqkv-server running at 127.0.0.1:$DEAD_PORT?"
+[[ $(wc -l <"$WORK/out") -eq 1 ]] || { fail "an unreachable server prints more than one line"; cat "$WORK/out"; }
+# (A target without a port goes to 50051: command_util_test.cc.)
+
+# The server goes away under `tqkv load`: it backs off, then stops with a
+# clear message instead of firing calls at nothing.
+SECOND_PORT=$(free_port)
+"$SERVER" --host 127.0.0.1 --port "$SECOND_PORT" --metrics_port -1 --threads 1 --config "$WORK/config.txt" \
+  >"$WORK/second.log" 2>&1 &
+SECOND_PID=$!
+OTHER_PIDS="$SECOND_PID"
+for _ in $(seq 100); do "$TQKV" info --target "127.0.0.1:$SECOND_PORT" >/dev/null 2>&1 && break; sleep 0.1; done
+"$TQKV" load --target "127.0.0.1:$SECOND_PORT" --mode mixed --clients 2 --duration-seconds 60 \
+  --prefill-tokens 8 --decode-steps 2 --give-up-seconds 2 --quiet --json >"$WORK/load.json" 2>"$WORK/load.err" &
+LOAD_PID=$!
+OTHER_PIDS="$SECOND_PID $LOAD_PID"
+sleep 1
+kill -KILL "$SECOND_PID"; wait "$SECOND_PID" 2>/dev/null
+KILLED_AT=$SECONDS
+wait "$LOAD_PID"; LOAD_CODE=$?
+OTHER_PIDS=
+[[ $LOAD_CODE -eq 1 ]] || fail "tqkv load against a dead server exited $LOAD_CODE, want 1"
+[[ $((SECONDS - KILLED_AT)) -le 20 ]] || fail "tqkv load took $((SECONDS - KILLED_AT)) s to give up on a dead server"
+grep -q "is tqkv-server running at 127.0.0.1:$SECOND_PORT?" "$WORK/load.err" ||
+  { fail "tqkv load does not say the server went away"; cat "$WORK/load.err"; }
+grep -q '"server_lost"' "$WORK/load.json" || { fail "the load report lacks server_lost"; cat "$WORK/load.json"; }
+# Backing off, the two clients make a few dozen calls in the 2 s, not hundreds.
+FAILED=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["errors"])' "$WORK/load.json" 2>/dev/null || echo 9999)
+[[ $FAILED -le 60 ]] || fail "tqkv load made $FAILED failed calls at a dead server"
+
+# SIGINT on an idle server: it exits 0, promptly (the drain has nothing to wait for).
+kill -INT "$SERVER_PID"
+INT_AT=$(date +%s%N)
+wait "$SERVER_PID"; INT_CODE=$?
+INT_MS=$(( ($(date +%s%N) - INT_AT) / 1000000 ))
+SERVER_PID=
+[[ $INT_CODE -eq 0 ]] || fail "the server exited $INT_CODE on SIGINT, want 0"
+echo "idle server exit on SIGINT: $INT_MS ms"
+[[ $INT_MS -le 1500 ]] || fail "the idle server took $INT_MS ms to exit on SIGINT"
 
 if [[ $FAILURES -ne 0 ]]; then echo "$FAILURES failure(s)"; exit 1; fi
 echo "all server CLI checks passed"

@@ -9,7 +9,9 @@ profile resolves to must hang together:
     is a service name or network alias started in the profile that needs it;
   * GPU services reserve an NVIDIA device, CPU services none; the images'
     Dockerfiles exist; every bind-mounted path exists in the repository;
-  * Grafana's provisioned dashboard path is where the dashboards are mounted.
+  * Grafana's provisioned dashboard path is where the dashboards are mounted;
+  * Prometheus sends alerts to the Alertmanager service, which every profile
+    starts with its configuration mounted.
 Usage: compose_test.py REPO_ROOT   (exit 77: docker-compose or PyYAML missing)
 """
 import os
@@ -86,14 +88,20 @@ check(len(shard_hosts) == 3, f"haproxy.cfg names {len(shard_hosts)} shards, want
 
 # profile -> (services it starts, the Prometheus deployment label it serves)
 expected = {
-    None: ({"prometheus", "grafana"}, None),
-    "gpu": ({"tqkv", "prometheus", "grafana"}, "single"),
-    "cpu": ({"tqkv-cpu", "prometheus", "grafana"}, "single"),
+    None: ({"prometheus", "alertmanager", "grafana"}, None),
+    "gpu": ({"tqkv", "prometheus", "alertmanager", "grafana"}, "single"),
+    "cpu": ({"tqkv-cpu", "prometheus", "alertmanager", "grafana"}, "single"),
     "sharded": ({"tqkv-shard-0", "tqkv-shard-1", "tqkv-shard-2", "router", "prometheus",
-                 "grafana"}, "sharded"),
+                 "alertmanager", "grafana"}, "sharded"),
     "sharded-cpu": ({"tqkv-cpu-shard-0", "tqkv-cpu-shard-1", "tqkv-cpu-shard-2", "router",
-                     "prometheus", "grafana"}, "sharded"),
+                     "prometheus", "alertmanager", "grafana"}, "sharded"),
 }
+# Where Prometheus sends alerts: a service of every profile, on the port
+# the Alertmanager service listens on.
+alertmanagers = [t for a in prom.get("alerting", {}).get("alertmanagers", [])
+                 for g in a.get("static_configs", []) for t in g["targets"]]
+check(alertmanagers == ["alertmanager:9093"],
+      f"Prometheus sends alerts to {alertmanagers}, want ['alertmanager:9093']")
 
 for profile, (want_services, deployment) in expected.items():
     config = compose_config(profile)
@@ -106,6 +114,14 @@ for profile, (want_services, deployment) in expected.items():
     check(len(published) == len(set(published)),
           f"profile {profile}: host ports published twice: {published}")
     on_network = names_on_network(services)
+    check(all(t.rsplit(":", 1)[0] in on_network for t in alertmanagers),
+          f"profile {profile}: Alertmanager {alertmanagers} not among {sorted(on_network)}")
+    if "alertmanager" in services:
+        mounts = [v.split(":")[:2] for v in services["alertmanager"].get("volumes", [])
+                  if isinstance(v, str)]
+        check(any(src.endswith("deploy/alertmanager") and dst == "/etc/alertmanager"
+                  for src, dst in mounts),
+              f"profile {profile}: deploy/alertmanager is not mounted at /etc/alertmanager: {mounts}")
     if deployment:
         hosts = [t.rsplit(":", 1)[0] for g in target_groups
                  if g.get("labels", {}).get("deployment") == deployment for t in g["targets"]]

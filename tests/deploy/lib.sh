@@ -86,13 +86,14 @@ caches {
 CFG
 }
 
-# start_server NAME SERVER_BINARY CONFIG: starts tqkv-server on loopback with
-# kernel-chosen ports; sets ${NAME}_PORT and ${NAME}_METRICS_PORT from its
-# start-up line. Returns 1 if it did not come up within 20 s.
+# start_server NAME SERVER_BINARY CONFIG [ARGS...]: starts tqkv-server on
+# loopback with kernel-chosen ports (and ARGS); sets ${NAME}_PORT and
+# ${NAME}_METRICS_PORT from its start-up line. Returns 1 if it did not come
+# up within 20 s.
 start_server() {
   local name=$1 binary=$2 config=$3 log="$WORK/$1.log" line=
   start_bg "$log" "$binary" --host 127.0.0.1 --port 0 --metrics_port 0 --threads 1 \
-    --config "$config"
+    --config "$config" "${@:4}"
   local deadline=$((SECONDS + 20))
   until line=$(grep -m1 'listening on' "$log" 2>/dev/null); do
     if [[ $SECONDS -ge $deadline ]] || ! kill -0 "$BG_PID" 2>/dev/null; then

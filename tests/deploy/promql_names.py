@@ -8,7 +8,13 @@ files, with the tqkv metric names and the label names each one uses.
       every tqkv_* name used must be a sample name in METRICS.txt (a scrape of
       a live server), and every label an expression filters or groups by must
       be on one of the metrics it uses (or be a label Prometheus adds).
+  promql_names.py doc METRICS.txt REPO_ROOT PRESETS.json DOC.md...
+      every tqkv_* metric name the documents mention is served: names that
+      are presets (PRESETS.json: `tqkv presets --json`) or CMake targets of
+      REPO_ROOT are not metrics; a name ending in '_' is a prefix that some
+      served name must start with; a histogram may be named by its family.
 """
+import os
 import json
 import re
 import sys
@@ -87,7 +93,40 @@ def scraped_series(path):
     return series
 
 
+def doc_check(metrics_path, repo, presets_path, docs):
+    series = scraped_series(metrics_path)
+    families = set(series)
+    for name in series:  # histogram and summary samples name their family too
+        families.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    not_metrics = set()
+    for text in [json.dumps(json.load(open(presets_path)))]:
+        not_metrics.update(re.findall(r"\b(tqkv_[a-z0-9_]+)", text))
+    for root, dirs, files in os.walk(repo):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "build"))]
+        if "CMakeLists.txt" in files:
+            text = open(os.path.join(root, "CMakeLists.txt")).read()
+            not_metrics.update(re.findall(r"add_(?:library|executable|custom_target)\((tqkv[\w-]*)", text))
+    failures = 0
+    checked = set()
+    for doc in docs:
+        for name in sorted(set(re.findall(r"\b(tqkv_[a-z0-9_]+)", open(doc).read()))):
+            if name in not_metrics:
+                continue
+            checked.add(name)
+            served = any(f.startswith(name) for f in families) if name.endswith("_") else name in families
+            if not served:
+                print(f"FAIL: {doc} names {name}, which the server's /metrics does not serve")
+                failures += 1
+    print(f"{len(checked)} metric names in {', '.join(docs)} checked: {', '.join(sorted(checked))}")
+    if len(checked) < 5:
+        print("FAIL: suspiciously few metric names found in the documents")
+        failures += 1
+    return 1 if failures else 0
+
+
 def main():
+    if sys.argv[1] == "doc":
+        return doc_check(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:])
     if sys.argv[1] == "exprs":
         for where, expr in all_exprs(sys.argv[2:]):
             print(json.dumps({"where": where, "expr": substitute(expr)}))
