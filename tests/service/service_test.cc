@@ -32,6 +32,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "grpc_std.pb.h"
+#include "kernels/backend_factory.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/float_formats.h"
 #include "service/config.h"
@@ -1031,15 +1032,36 @@ TEST_F(ServiceTest, RetriedCallsWhoseFirstAnswerWasLostSucceedOnce) {
   EXPECT_EQ(MustGet("f").layer_tokens, std::vector<int64_t>(kLayers, 6));
 }
 
-TEST(ServerStart, RejectsTheCudaBackendInThisBuild) {
+// service_test links the real CUDA backend (where nvcc was found), so
+// whether `--backend cuda` starts depends on the machine. The factory is
+// asked at run time, as the server asks it, and the server must agree with
+// it either way: no test here assumes a GPU is present or absent.
+TEST(ServerStart, TakesTheCudaBackendExactlyWhereADeviceIsUsable) {
+  BackendOptions probe_options;
+  probe_options.name = "cuda";
+  absl::StatusOr<std::unique_ptr<Backend>> probe = MakeBackend(probe_options);
+  const bool usable = probe.ok();
+  const absl::Status why_not = probe.status();
+  probe = absl::UnavailableError("released");  // frees the probe's device memory first
+
   service::ServerOptions options;
   options.host = "127.0.0.1";
   options.port = 0;
   options.config = *service::ParseServerConfig(kConfig);
   options.metrics_port = -1;
+  options.memory_budget_bytes = uint64_t{64} << 20;  // small on any GPU
   options.backend = "cuda";
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
-  EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
+  if (usable) {
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ((*server)->backend().name(), "cuda");
+    server->reset();
+  } else {
+    // No device, no driver, or a build without CUDA: UNAVAILABLE, as the
+    // factory said.
+    EXPECT_EQ(why_not.code(), absl::StatusCode::kUnavailable) << why_not;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable) << server.status();
+  }
   options.backend = "tpu";
   EXPECT_EQ(service::Server::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
