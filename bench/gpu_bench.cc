@@ -94,10 +94,10 @@ std::vector<int64_t> ParseList(const std::string& text) {
   return out;
 }
 
-// Median of the device and wall seconds of `body` (which sets
-// LastCudaKernelSeconds), after a warm-up call.
+// Median of the device and wall seconds of `body` (one call on `backend`,
+// whose device time LastCallTiming reports), after a warm-up call.
 template <typename Body>
-bool Measure(double min_seconds, Body body, double* kernel, double* wall) {
+bool Measure(const Backend& backend, double min_seconds, Body body, double* kernel, double* wall) {
   if (!body()) return false;
   std::vector<double> kernels, walls;
   const double start = Now();
@@ -105,7 +105,7 @@ bool Measure(double min_seconds, Body body, double* kernel, double* wall) {
     const double t0 = Now();
     if (!body()) return false;
     walls.push_back(Now() - t0);
-    kernels.push_back(LastCudaKernelSeconds());
+    kernels.push_back(backend.LastCallTiming().device_seconds);
   }
   std::nth_element(kernels.begin(), kernels.begin() + kernels.size() / 2, kernels.end());
   std::nth_element(walls.begin(), walls.begin() + walls.size() / 2, walls.end());
@@ -200,7 +200,7 @@ bool RunPreset(Backend& backend, const Preset& preset, const Recipe& recipe, con
   std::iota(slots.begin(), slots.end(), 0);
   const StoreParams store_params{layout->get(), *pool, 0, 1, kTemplateTokens, slots.data(), keys.data(), values.data()};
   double kernel = 0, wall = 0;
-  if (!Measure(0.0, [&] { return backend.Store(store_params).ok(); }, &kernel, &wall)) {
+  if (!Measure(backend, 0.0, [&] { return backend.Store(store_params).ok(); }, &kernel, &wall)) {
     std::fprintf(stderr, "%s: Store failed: %s\n", name.c_str(),
                  backend.Store(store_params).ToString().c_str());
     backend.FreePool(*pool);
@@ -253,7 +253,7 @@ bool RunPreset(Backend& backend, const Preset& preset, const Recipe& recipe, con
       item.key_mean = recipe.centered ? key_mean.data() : nullptr;
     }
     const AttendParams params{layout->get(), *pool, items, scale};
-    if (!Measure(absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
+    if (!Measure(backend, absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
                  &wall)) {
       std::fprintf(stderr, "%s: Attend failed: %s\n", name.c_str(),
                    backend.Attend(params).ToString().c_str());

@@ -108,6 +108,9 @@ class TimedBackend : public Backend {
 
   std::string name() const override { return inner_->name(); }
   std::string device() const override { return inner_->device(); }
+  absl::Status SupportsLayout(const KvLayout& layout) const override { return inner_->SupportsLayout(layout); }
+  absl::Status DeviceStatus() const override { return inner_->DeviceStatus(); }
+  CallTiming LastCallTiming() const override { return inner_->LastCallTiming(); }
   absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
     return inner_->AllocatePool(layout, num_pages);
   }
@@ -138,6 +141,7 @@ class TimedBackend : public Backend {
     absl::Status status = f();
     metrics_->ObserveKernel(
         kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (status.ok()) metrics_->ObserveKernelParts(kernel, inner_->LastCallTiming());
     return status;
   }
 
@@ -167,9 +171,19 @@ Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<promet
                               .Name("tqkv_kernel_duration_seconds")
                               .Help("Wall time of each backend kernel call.")
                               .Register(*registry_);
+  auto& kernel_device = prometheus::BuildHistogram()
+                            .Name("tqkv_kernel_device_seconds")
+                            .Help("Device time of each backend kernel call's kernels (CUDA events; CUDA only).")
+                            .Register(*registry_);
+  auto& kernel_wait = prometheus::BuildHistogram()
+                          .Name("tqkv_kernel_wait_seconds")
+                          .Help("Time each backend kernel call waited for a free workspace (CUDA only).")
+                          .Register(*registry_);
   for (int i = 0; i < kNumKernels; ++i) {
-    kernel_duration_[i] =
-        &kernel_duration.Add({{"kernel", kKernelNames[i]}, {"backend", backend}}, LatencyBuckets());
+    const prometheus::Labels labels = {{"kernel", kKernelNames[i]}, {"backend", backend}};
+    kernel_duration_[i] = &kernel_duration.Add(labels, LatencyBuckets());
+    kernel_device_[i] = &kernel_device.Add(labels, LatencyBuckets());
+    kernel_wait_[i] = &kernel_wait.Add(labels, LatencyBuckets());
   }
   // Successful calls of every method show from the start.
   for (int i = 0; i < kNumRpcs; ++i) {
@@ -207,6 +221,12 @@ void Metrics::ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds) {
 
 void Metrics::ObserveKernel(Kernel kernel, double seconds) {
   kernel_duration_[static_cast<int>(kernel)]->Observe(seconds);
+}
+
+void Metrics::ObserveKernelParts(Kernel kernel, const CallTiming& timing) {
+  if (timing.device_seconds < 0) return;  // nothing measured (the CPU backend)
+  kernel_device_[static_cast<int>(kernel)]->Observe(timing.device_seconds);
+  kernel_wait_[static_cast<int>(kernel)]->Observe(timing.wait_seconds);
 }
 
 namespace {

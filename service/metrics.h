@@ -7,7 +7,15 @@
 //   tqkv_rpc_requests_total{method,code}        counter, every call by code
 //   tqkv_rpc_errors_total{method,code}          counter, non-OK calls
 //   tqkv_kernel_duration_seconds{kernel,backend} histogram: store, score,
-//                                                attend, copy_page
+//                                                attend, copy_page (wall)
+//   tqkv_kernel_device_seconds{kernel,backend}  histogram: device time of the
+//                                                call's kernels (CUDA events;
+//                                                store, score, attend on the
+//                                                CUDA backend only)
+//   tqkv_kernel_wait_seconds{kernel,backend}    histogram: time the call
+//                                                waited for a free workspace
+//                                                (CUDA backend only)
+//   (wall minus device minus wait: host planning, staging and copies)
 //   tqkv_cache_stored_bytes{cache}              compressed bytes held
 //   tqkv_cache_stored_bytes_bf16{cache}         the same tokens in bf16
 //   tqkv_cache_bytes_saved{cache}               bf16 minus compressed
@@ -89,6 +97,10 @@ class Metrics {
 
   void ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds);
   void ObserveKernel(Kernel kernel, double seconds);
+  // The parts of one successful call that its backend measured
+  // (Backend::LastCallTiming): device time when measured (>= 0), and the
+  // wait, by backends that measure device time (they have workspaces).
+  void ObserveKernelParts(Kernel kernel, const CallTiming& timing);
 
   // Calls and summed seconds so far, from the histograms: by kernel name
   // (store, score, attend, copy_page) and by rpc method name.
@@ -113,6 +125,8 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* errors_;
   std::array<prometheus::Histogram*, kNumRpcs> rpc_duration_{};
   std::array<prometheus::Histogram*, kNumKernels> kernel_duration_{};
+  std::array<prometheus::Histogram*, kNumKernels> kernel_device_{};
+  std::array<prometheus::Histogram*, kNumKernels> kernel_wait_{};
   // [rpc][code], created on first use.
   absl::Mutex create_mu_;
   std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> request_counters_{};
@@ -132,7 +146,8 @@ std::shared_ptr<prometheus::Collectable> MakeExecutorCollector(const CallExecuto
 std::shared_ptr<prometheus::Collectable> MakeTenantCollector(std::vector<const Tenant*> tenants);
 
 // A Backend that forwards to `inner` and records each kernel's wall time in
-// `metrics` (which must outlive it).
+// `metrics` (which must outlive it), and, for calls that succeed, the device
+// and wait times `inner` measured (LastCallTiming).
 std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics);
 
 // The text exposition of `collectables`, as /metrics serves it.

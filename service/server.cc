@@ -25,6 +25,7 @@
 #include "kernels/backend_factory.h"
 #include "kernels/status_macros.h"
 #include "service/config.h"
+#include "service/device_watch.h"
 
 namespace tqkv {
 namespace service {
@@ -93,6 +94,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(backend_options, &server->why_not_cuda_));
   server->metrics_ = std::make_unique<Metrics>(backend->name());
+  Server* watched = server.get();
+  backend = WithDeviceWatch(std::move(backend), [watched](const absl::Status& lost) { watched->OnDeviceLost(lost); });
   server->backend_ = WithKernelTimings(std::move(backend), server->metrics_.get());
   std::vector<std::unique_ptr<KvCache>> caches;
   for (const CacheOptions& c : cache_options) {
@@ -184,11 +187,30 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     });
   }
   // Health: "" (the whole server) and the service by name are SERVING until
-  // Shutdown.
-  if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
-    health->SetServingStatus(v1::KvCache::service_full_name(), true);
+  // Shutdown, or until the device is lost (OnDeviceLost), which may happen
+  // as soon as calls arrive.
+  {
+    absl::MutexLock lock(&server->health_mu_);
+    server->health_ = server->server_->GetHealthCheckService();
+    if (server->health_ != nullptr) {
+      if (server->device_lost_) {
+        server->health_->SetServingStatus(false);
+      } else {
+        server->health_->SetServingStatus(v1::KvCache::service_full_name(), true);
+      }
+    }
   }
   return server;
+}
+
+void Server::OnDeviceLost(const absl::Status& lost) {
+  std::fprintf(stderr,
+               "tqkv-server: %s; health is NOT_SERVING, and every call that needs the device fails "
+               "UNAVAILABLE until the server restarts\n",
+               lost.ToString().c_str());
+  absl::MutexLock lock(&health_mu_);
+  device_lost_ = true;
+  if (health_ != nullptr) health_->SetServingStatus(false);
 }
 
 Server::~Server() {

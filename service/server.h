@@ -2,6 +2,9 @@
 // from a ServerConfig, registers the KvCache service, the standard health
 // service (grpc.health.v1.Health) and server reflection, and listens. Both
 // server_main.cc and the integration tests start the server through this.
+// When the backend reports its device lost (Backend::DeviceStatus, a sticky
+// CUDA error), health turns NOT_SERVING for good and the loss is logged; the
+// calls that need the device fail UNAVAILABLE.
 #ifndef TQKV_SERVICE_SERVER_H_
 #define TQKV_SERVICE_SERVER_H_
 
@@ -11,11 +14,14 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
 #include <prometheus/collectable.h>
 #include <prometheus/exposer.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
@@ -105,6 +111,10 @@ class Server {
  private:
   Server() = default;
 
+  // The backend found the device lost (service/device_watch.h): logs, and
+  // health turns NOT_SERVING for good (the calls fail UNAVAILABLE already).
+  void OnDeviceLost(const absl::Status& lost);
+
   int port_ = 0;
   int metrics_port_ = -1;
   bool shut_down_ = false;
@@ -129,6 +139,10 @@ class Server {
   std::shared_ptr<prometheus::Collectable> executor_collector_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  // Set once listening; OnDeviceLost may run on any call's thread.
+  absl::Mutex health_mu_;
+  grpc::HealthCheckServiceInterface* health_ ABSL_GUARDED_BY(health_mu_) = nullptr;
+  bool device_lost_ ABSL_GUARDED_BY(health_mu_) = false;
 };
 
 }  // namespace service

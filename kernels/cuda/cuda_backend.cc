@@ -3,6 +3,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -34,7 +36,9 @@ using cuda::DeviceRotation;
 using cuda::DeviceRotationKind;
 using cuda::MergeUnit;
 
-thread_local double last_kernel_seconds = 0.0;
+// LastCallTiming: one per thread, shared by the process's CUDA backends (a
+// caller asks the backend it just called, on the same thread).
+thread_local CallTiming last_timing;
 
 // Query tokens of one item handled together; longer items are split (each
 // piece sees its own causal prefix).
@@ -481,6 +485,52 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
+    return Guarded([&] { return DoAllocatePool(layout, num_pages); });
+  }
+  absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
+    return Guarded([&] { return DoCopyPage(pool, from, to); });
+  }
+  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
+    return Guarded([&] { return CopyPages(pool, pages, host, cudaMemcpyDeviceToHost); });
+  }
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
+    return Guarded([&] { return CopyPages(pool, pages, const_cast<uint8_t*>(host), cudaMemcpyHostToDevice); });
+  }
+  absl::Status Store(const StoreParams& p) override {
+    return Guarded([&] { return DoStore(p); });
+  }
+  absl::Status Score(const ScoreParams& p) override {
+    return Guarded([&] { return DoScore(p); });
+  }
+  absl::Status Attend(const AttendParams& p) override {
+    return Guarded([&] { return DoAttend(p); });
+  }
+
+  void FreePool(PagePool pool) override {
+    cudaSetDevice(options_.device);
+    void* tables = nullptr;
+    {
+      absl::MutexLock lock(&pools_mu_);
+      auto it = pools_.find(pool.base);
+      if (it != pools_.end()) {
+        tables = it->second.memory;
+        pools_.erase(it);
+      }
+    }
+    cudaFree(tables);
+    cudaFree(pool.base);
+  }
+
+  CallTiming LastCallTiming() const override { return last_timing; }
+
+  absl::Status DeviceStatus() const override {
+    if (!lost_flag_.load(std::memory_order_acquire)) return absl::OkStatus();
+    absl::MutexLock lock(&lost_mu_);
+    return lost_;
+  }
+
+ private:
+  absl::StatusOr<PagePool> DoAllocatePool(const KvLayout& layout, int32_t num_pages) {
     if (num_pages < 1) return absl::InvalidArgumentError("a pool needs at least one page");
     RETURN_IF_ERROR(SupportsLayout(layout));
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
@@ -540,22 +590,7 @@ class CudaBackend final : public Backend {
     return pool;
   }
 
-  void FreePool(PagePool pool) override {
-    cudaSetDevice(options_.device);
-    void* tables = nullptr;
-    {
-      absl::MutexLock lock(&pools_mu_);
-      auto it = pools_.find(pool.base);
-      if (it != pools_.end()) {
-        tables = it->second.memory;
-        pools_.erase(it);
-      }
-    }
-    cudaFree(tables);
-    cudaFree(pool.base);
-  }
-
-  absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
+  absl::Status DoCopyPage(const PagePool& pool, int32_t from, int32_t to) {
     if (from < 0 || from >= pool.num_pages || to < 0 || to >= pool.num_pages) {
       return absl::InvalidArgumentError(absl::StrFormat("page copy %d -> %d outside a %d-page pool",
                                                         from, to, pool.num_pages));
@@ -594,14 +629,7 @@ class CudaBackend final : public Backend {
     return CudaStatus(cudaStreamSynchronize(w.stream), "copy pages (sync)");
   }
 
-  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
-    return CopyPages(pool, pages, host, cudaMemcpyDeviceToHost);
-  }
-  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
-    return CopyPages(pool, pages, const_cast<uint8_t*>(host), cudaMemcpyHostToDevice);
-  }
-
-  absl::Status Store(const StoreParams& p) override {
+  absl::Status DoStore(const StoreParams& p) {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     const int layers = p.layer_end - p.layer_begin;
@@ -662,11 +690,11 @@ class CudaBackend final : public Backend {
       std::memcpy(&failure, w.host + error, sizeof(failure));
       if (failure != ~0ull) return StoreFailure(failure, layout, p, t0, tokens);
     }
-    last_kernel_seconds = kernel_seconds;
+    last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
   }
 
-  absl::Status Score(const ScoreParams& p) override {
+  absl::Status DoScore(const ScoreParams& p) {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     const int d = layout.head_dim();
@@ -761,11 +789,11 @@ class CudaBackend final : public Backend {
         }
       }
     }
-    last_kernel_seconds = kernel_seconds;
+    last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
   }
 
-  absl::Status Attend(const AttendParams& p) override {
+  absl::Status DoAttend(const AttendParams& p) {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     WorkspaceLease lease(this);
@@ -806,20 +834,46 @@ class CudaBackend final : public Backend {
       RETURN_IF_ERROR(RunBatch(layout, p, *tables, split, w, next, end, &kernel_seconds));
       next = end;
     }
-    last_kernel_seconds = kernel_seconds;
+    last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
   }
 
- private:
+  // Runs one public call: fails fast once the device is lost, and marks it
+  // lost when the call met a sticky error (cuda::IsDeviceLost).
+  template <typename F>
+  auto Guarded(F call) -> decltype(call()) {
+    if (absl::Status lost = DeviceStatus(); !lost.ok()) return lost;
+    last_timing = CallTiming();
+    auto result = call();
+    if (!result.ok()) NoteFailure(StatusOf(result));
+    return result;
+  }
+  static const absl::Status& StatusOf(const absl::Status& status) { return status; }
+  template <typename T>
+  static const absl::Status& StatusOf(const absl::StatusOr<T>& result) {
+    return result.status();
+  }
+  void NoteFailure(const absl::Status& status) {
+    if (!cuda::IsDeviceLost(status)) return;
+    absl::MutexLock lock(&lost_mu_);
+    if (lost_.ok()) lost_ = status;  // the first report names the cause
+    lost_flag_.store(true, std::memory_order_release);
+  }
+
   // Exclusive use of one workspace for a scope.
   class WorkspaceLease {
    public:
+    // The time to get one counts as the call's wait (LastCallTiming).
     explicit WorkspaceLease(CudaBackend* backend) : backend_(backend) {
-      absl::MutexLock lock(&backend_->workspaces_mu_);
-      backend_->workspaces_mu_.Await(absl::Condition(
-          +[](std::vector<Workspace*>* free) { return !free->empty(); }, &backend_->free_workspaces_));
-      workspace_ = backend_->free_workspaces_.back();
-      backend_->free_workspaces_.pop_back();
+      const auto start = std::chrono::steady_clock::now();
+      {
+        absl::MutexLock lock(&backend_->workspaces_mu_);
+        backend_->workspaces_mu_.Await(absl::Condition(
+            +[](std::vector<Workspace*>* free) { return !free->empty(); }, &backend_->free_workspaces_));
+        workspace_ = backend_->free_workspaces_.back();
+        backend_->free_workspaces_.pop_back();
+      }
+      last_timing.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
     ~WorkspaceLease() {
       absl::MutexLock lock(&backend_->workspaces_mu_);
@@ -1216,6 +1270,11 @@ class CudaBackend final : public Backend {
 
   absl::Mutex pools_mu_;
   std::map<uint8_t*, PoolTables> pools_ ABSL_GUARDED_BY(pools_mu_);
+
+  // Set once, by the first call that met a sticky error; never cleared.
+  std::atomic<bool> lost_flag_{false};
+  mutable absl::Mutex lost_mu_;
+  absl::Status lost_ ABSL_GUARDED_BY(lost_mu_);
 };
 
 }  // namespace
@@ -1224,6 +1283,5 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOption
   return CudaBackend::Create(options);
 }
 
-double LastCudaKernelSeconds() { return last_kernel_seconds; }
 
 }  // namespace tqkv

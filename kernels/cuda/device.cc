@@ -2,16 +2,52 @@
 
 #include <cuda_runtime_api.h>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/format_kernels.cuh"
 
 namespace tqkv {
 namespace cuda {
 
+namespace {
+// The payload that marks a status as a lost device (its value is unused).
+constexpr char kDeviceLostPayload[] = "type.googleapis.com/tqkv.cuda.DeviceLost";
+}  // namespace
+
+bool IsStickyError(cudaError_t error) {
+  switch (error) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContextIsDestroyed:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool IsDeviceLost(const absl::Status& status) {
+  return !status.ok() && status.GetPayload(kDeviceLostPayload).has_value();
+}
+
 absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return absl::OkStatus();
   const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
                                            cudaGetErrorString(error), ")");
+  if (IsStickyError(error)) {
+    absl::Status lost = absl::UnavailableError(
+        absl::StrCat("the CUDA device is lost (", message, "); restart the server to recover"));
+    lost.SetPayload(kDeviceLostPayload, absl::Cord());
+    return lost;
+  }
   switch (error) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:

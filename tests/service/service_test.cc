@@ -1055,6 +1055,7 @@ TEST(ServerStart, TakesTheCudaBackendExactlyWhereADeviceIsUsable) {
   if (usable) {
     ASSERT_TRUE(server.ok()) << server.status();
     EXPECT_EQ((*server)->backend().name(), "cuda");
+    EXPECT_TRUE((*server)->backend().DeviceStatus().ok());
     server->reset();
   } else {
     // No device, no driver, or a build without CUDA: UNAVAILABLE, as the
