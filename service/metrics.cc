@@ -103,8 +103,8 @@ class CacheCollector : public prometheus::Collectable {
 
 class TimedBackend : public Backend {
  public:
-  TimedBackend(std::unique_ptr<Backend> inner, Metrics* metrics)
-      : inner_(std::move(inner)), metrics_(metrics) {}
+  TimedBackend(std::unique_ptr<Backend> inner, Metrics* metrics, int backend)
+      : inner_(std::move(inner)), metrics_(metrics), backend_(backend) {}
 
   std::string name() const override { return inner_->name(); }
   std::string device() const override { return inner_->device(); }
@@ -140,18 +140,25 @@ class TimedBackend : public Backend {
     const auto start = std::chrono::steady_clock::now();
     absl::Status status = f();
     metrics_->ObserveKernel(
-        kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    if (status.ok()) metrics_->ObserveKernelParts(kernel, inner_->LastCallTiming());
+        kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), backend_);
+    if (status.ok()) metrics_->ObserveKernelParts(kernel, inner_->LastCallTiming(), backend_);
     return status;
   }
 
   std::unique_ptr<Backend> inner_;
   Metrics* metrics_;
+  int backend_;
 };
 
 }  // namespace
 
-Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(const std::string& backend) : Metrics(std::vector<std::string>{backend}) {}
+
+Metrics::Metrics(const std::vector<std::string>& backends)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      kernel_duration_(backends.size()),
+      kernel_device_(backends.size()),
+      kernel_wait_(backends.size()) {
   auto& rpc_duration = prometheus::BuildHistogram()
                            .Name("tqkv_rpc_duration_seconds")
                            .Help("Wall time of each rpc, from handler start to finish.")
@@ -179,11 +186,13 @@ Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<promet
                           .Name("tqkv_kernel_wait_seconds")
                           .Help("Time each backend kernel call waited for a free workspace (CUDA only).")
                           .Register(*registry_);
-  for (int i = 0; i < kNumKernels; ++i) {
-    const prometheus::Labels labels = {{"kernel", kKernelNames[i]}, {"backend", backend}};
-    kernel_duration_[i] = &kernel_duration.Add(labels, LatencyBuckets());
-    kernel_device_[i] = &kernel_device.Add(labels, LatencyBuckets());
-    kernel_wait_[i] = &kernel_wait.Add(labels, LatencyBuckets());
+  for (size_t b = 0; b < backends.size(); ++b) {
+    for (int i = 0; i < kNumKernels; ++i) {
+      const prometheus::Labels labels = {{"kernel", kKernelNames[i]}, {"backend", backends[b]}};
+      kernel_duration_[b][i] = &kernel_duration.Add(labels, LatencyBuckets());
+      kernel_device_[b][i] = &kernel_device.Add(labels, LatencyBuckets());
+      kernel_wait_[b][i] = &kernel_wait.Add(labels, LatencyBuckets());
+    }
   }
   // Successful calls of every method show from the start.
   for (int i = 0; i < kNumRpcs; ++i) {
@@ -219,14 +228,14 @@ void Metrics::ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds) {
   }
 }
 
-void Metrics::ObserveKernel(Kernel kernel, double seconds) {
-  kernel_duration_[static_cast<int>(kernel)]->Observe(seconds);
+void Metrics::ObserveKernel(Kernel kernel, double seconds, int backend) {
+  kernel_duration_[backend][static_cast<int>(kernel)]->Observe(seconds);
 }
 
-void Metrics::ObserveKernelParts(Kernel kernel, const CallTiming& timing) {
+void Metrics::ObserveKernelParts(Kernel kernel, const CallTiming& timing, int backend) {
   if (timing.device_seconds < 0) return;  // nothing measured (the CPU backend)
-  kernel_device_[static_cast<int>(kernel)]->Observe(timing.device_seconds);
-  kernel_wait_[static_cast<int>(kernel)]->Observe(timing.wait_seconds);
+  kernel_device_[backend][static_cast<int>(kernel)]->Observe(timing.device_seconds);
+  kernel_wait_[backend][static_cast<int>(kernel)]->Observe(timing.wait_seconds);
 }
 
 namespace {
@@ -246,7 +255,15 @@ std::vector<Metrics::Total> Totals(const std::array<prometheus::Histogram*, N>& 
 }  // namespace
 
 std::vector<Metrics::Total> Metrics::KernelTotals() const {
-  return Totals(kernel_duration_, kKernelNames);
+  std::vector<Total> totals = Totals(kernel_duration_[0], kKernelNames);
+  for (size_t b = 1; b < kernel_duration_.size(); ++b) {
+    const std::vector<Total> more = Totals(kernel_duration_[b], kKernelNames);
+    for (size_t i = 0; i < totals.size(); ++i) {
+      totals[i].calls += more[i].calls;
+      totals[i].seconds += more[i].seconds;
+    }
+  }
+  return totals;
 }
 
 std::vector<Metrics::Total> Metrics::RpcTotals() const { return Totals(rpc_duration_, kRpcNames); }
@@ -312,8 +329,8 @@ std::shared_ptr<prometheus::Collectable> MakeExecutorCollector(const CallExecuto
   return std::make_shared<ExecutorCollector>(executor);
 }
 
-std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics) {
-  return std::make_unique<TimedBackend>(std::move(inner), metrics);
+std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics, int backend) {
+  return std::make_unique<TimedBackend>(std::move(inner), metrics, backend);
 }
 
 std::string SerializeMetrics(

@@ -94,16 +94,21 @@ class Metrics {
  public:
   // `backend`: the label of the kernel histograms ("cpu", "cuda").
   explicit Metrics(const std::string& backend);
+  // Several backends (`--backend auto` with some caches on the CPU): kernel
+  // histograms for each label; ObserveKernel's `backend` indexes `backends`.
+  // REQUIRES: backends non-empty.
+  explicit Metrics(const std::vector<std::string>& backends);
 
   void ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds);
-  void ObserveKernel(Kernel kernel, double seconds);
+  void ObserveKernel(Kernel kernel, double seconds, int backend = 0);
   // The parts of one successful call that its backend measured
   // (Backend::LastCallTiming): device time when measured (>= 0), and the
   // wait, by backends that measure device time (they have workspaces).
-  void ObserveKernelParts(Kernel kernel, const CallTiming& timing);
+  void ObserveKernelParts(Kernel kernel, const CallTiming& timing, int backend = 0);
 
   // Calls and summed seconds so far, from the histograms: by kernel name
-  // (store, score, attend, copy_page) and by rpc method name.
+  // (store, score, attend, copy_page; wall time, over every backend) and by
+  // rpc method name.
   struct Total {
     std::string name;
     int64_t calls = 0;
@@ -124,9 +129,11 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* errors_;
   std::array<prometheus::Histogram*, kNumRpcs> rpc_duration_{};
-  std::array<prometheus::Histogram*, kNumKernels> kernel_duration_{};
-  std::array<prometheus::Histogram*, kNumKernels> kernel_device_{};
-  std::array<prometheus::Histogram*, kNumKernels> kernel_wait_{};
+  // [backend][kernel]
+  using KernelHistograms = std::array<prometheus::Histogram*, kNumKernels>;
+  std::vector<KernelHistograms> kernel_duration_;
+  std::vector<KernelHistograms> kernel_device_;
+  std::vector<KernelHistograms> kernel_wait_;
   // [rpc][code], created on first use.
   absl::Mutex create_mu_;
   std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> request_counters_{};
@@ -147,8 +154,9 @@ std::shared_ptr<prometheus::Collectable> MakeTenantCollector(std::vector<const T
 
 // A Backend that forwards to `inner` and records each kernel's wall time in
 // `metrics` (which must outlive it), and, for calls that succeed, the device
-// and wait times `inner` measured (LastCallTiming).
-std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics);
+// and wait times `inner` measured (LastCallTiming), under the label of
+// `metrics`' backend number `backend`.
+std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics, int backend = 0);
 
 // The text exposition of `collectables`, as /metrics serves it.
 std::string SerializeMetrics(

@@ -41,8 +41,12 @@ struct ServerOptions {
   int port = 50051;
   // The caches; ParseServerConfig(DefaultServerConfigText()) for the default.
   v1::ServerConfig config;
-  // "auto" (CUDA when built and a device is usable, else CPU), "cpu", or
-  // "cuda" (UNAVAILABLE without a device); see kernels/backend_factory.h.
+  // "auto" (CUDA when built and a device is usable, else CPU; with CUDA,
+  // each cache whose layout the CUDA backend cannot serve, by
+  // Backend::SupportsLayout, runs on the CPU backend, and the start-up log
+  // says where each cache runs and why), "cpu", or "cuda" (UNAVAILABLE
+  // without a device; a cache it cannot serve fails the start with
+  // UNIMPLEMENTED); see kernels/backend_factory.h.
   std::string backend = "auto";
   // CPU backend worker threads; 0 means the hardware concurrency.
   int threads = 0;
@@ -97,6 +101,8 @@ class Server {
   // What /metrics serves.
   std::string MetricsText() const;
   KvCacheService& service() { return *service_; }
+  // The backend taken (for "auto" on a device: the device's; some caches may
+  // run on the CPU backend, see ServerOptions::backend).
   Backend& backend() { return *backend_; }
   // With backend "auto" on the CPU: why CUDA was not taken; "" otherwise.
   const std::string& why_not_cuda() const { return why_not_cuda_; }
@@ -124,6 +130,9 @@ class Server {
   // the executor joins after the grpc::Server and before the service.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Backend> backend_;
+  // With "auto" on a device: the CPU backend of the caches the device
+  // backend cannot serve; null when every cache is on backend_.
+  std::unique_ptr<Backend> cpu_fallback_;
   std::string why_not_cuda_;
   std::unique_ptr<KvCacheService> service_;
   // Reads the service's caches and tenants: after service_. The periodic

@@ -474,12 +474,24 @@ class CudaBackend final : public Backend {
                            static_cast<double>(info_.total_memory_bytes) / (1ull << 30));
   }
 
+  // Everything AllocatePool would refuse, found on the host alone: the head
+  // dim, then the format description of every (layer, head) of the layout
+  // and of its exact layout (DescribeLayout, the same code AllocatePool
+  // runs), so that a refusal comes before any allocation.
   absl::Status SupportsLayout(const KvLayout& layout) const override {
     const int d = layout.head_dim();
     if (d > cuda::kMaxDeviceHeadDim || d % 8 != 0) {
       return absl::UnimplementedError(absl::StrFormat(
           "the CUDA backend takes head dims that are multiples of 8 up to %d, got %d",
           cuda::kMaxDeviceHeadDim, d));
+    }
+    TableBuilder tables;
+    std::vector<DeviceHead> heads;
+    LayoutTables described;
+    RETURN_IF_ERROR(DescribeLayout(layout, options_.tensor_cores, tables, &heads, &described));
+    if (layout.has_exact_tokens()) {
+      LayoutTables exact;
+      RETURN_IF_ERROR(DescribeLayout(*layout.exact_layout(), options_.tensor_cores, tables, &heads, &exact));
     }
     return absl::OkStatus();
   }

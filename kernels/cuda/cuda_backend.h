@@ -31,10 +31,12 @@
 // with angles reduced in double on the device (exact at any position); its
 // constant part shifts only the lse (Attend) or every logit (Score).
 //
-// What it refuses with UNIMPLEMENTED: head dims above kMaxDeviceHeadDim or
-// not a multiple of 8 (SupportsLayout); at AllocatePool also QJL keys
-// (evaluation only) and key / value format pairs that no preset uses. Use the
-// CPU backend for those.
+// What it refuses with UNIMPLEMENTED, in SupportsLayout (host only, before
+// anything is allocated; AllocatePool refuses the same): head dims above
+// kMaxDeviceHeadDim or not a multiple of 8, QJL keys (evaluation only),
+// TurboQuant parts whose width is not a multiple of 4, multi-part
+// TurboQuant values, and key / value format pairs without a kernel. Use the
+// CPU backend for those (`--backend auto` does, per cache).
 //
 // Timing (Backend::LastCallTiming): Store, Score and Attend report the device
 // time of their kernels (CUDA events, copies excluded) and every call its

@@ -497,8 +497,11 @@ TEST_F(CudaBackendTest, BadInputAndUnsupportedLayoutsAreStatuses) {
     options.boundary_layers = 0;
     auto layout = KvLayout::Create(options);
     ASSERT_TRUE(layout.ok()) << layout.status();
+    // Asked first, on the host: the same refusal, before any allocation.
+    EXPECT_EQ(gpu_->SupportsLayout(**layout).code(), absl::StatusCode::kUnimplemented) << preset;
     EXPECT_EQ(gpu_->AllocatePool(**layout, 4).status().code(), absl::StatusCode::kUnimplemented) << preset;
   }
+  EXPECT_TRUE(gpu_->SupportsLayout(f.layout()).ok());
 }
 
 // The cache's bookkeeping over the CUDA backend: appends in pieces, a fork
