@@ -45,14 +45,6 @@ bool IsDeviceLost(const absl::Status& status);
 // loudly) when the driver or a device is missing, as on build machines.
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices();
 
-// Decodes TurboQuant codes on device 0 into the rotated basis
-// (out[v][j] = scale_v * centroids[code_vj]) from host arrays: copies in,
-// launches, copies back. The kernel reads the stored format through the same
-// headers as the CPU codecs; tests compare the two.
-absl::Status RotatedDecodeOnDevice(const uint8_t* codes, int code_bytes, const uint16_t* scales,
-                                   const std::vector<float>& centroids, int bits, int dim,
-                                   int64_t num_vectors, float* out);
-
 }  // namespace cuda
 }  // namespace tqkv
 
