@@ -26,8 +26,10 @@
 #
 # With the device tool (a GPU machine that has nvcc and CMake but not the
 # Debian packages): here `tests/gpu/device_check.sh --bundle .device-bundle`
-# (git-ignored, about 11 MiB), then run `tests/gpu/device_check.sh --run
-# .device-bundle` there with `.device-bundle` carried.
+# (git-ignored, about 45 MiB: the four binaries and the shared libraries they
+# load), then run `tests/gpu/device_check.sh --run .device-bundle` there with
+# `.device-bundle` carried. --bundle fails when the bundle and the tracked
+# source tree together exceed the device tool's 64 MiB.
 #
 # Everything worth keeping goes to $OUT when it is set (else to
 # build-cuda/device-check/), written as each step ends: the device
@@ -151,6 +153,18 @@ case "$mode" in
       while read -r lib; do cp -L "$lib" "$dir/lib/"; done
     cp tests/gpu/device_check.sh "$dir/"
     du -sh "$dir"
+    # What the device tool carries: the working tree and the bundle, 64 MiB
+    # in all.
+    bundle_kib=$(du -sk "$dir" | cut -f1)
+    source_kib=0
+    if command -v git > /dev/null && git rev-parse --git-dir > /dev/null 2>&1; then
+      source_kib=$(( $(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) / 1024 ))
+    fi
+    echo "bundle ${bundle_kib} KiB + tracked source ${source_kib} KiB (limit 65536 KiB)"
+    if [ $((bundle_kib + source_kib)) -gt 65536 ]; then
+      echo "device_check.sh: the bundle and the source tree exceed 64 MiB" >&2
+      exit 1
+    fi
     ;;
   --run)
     dir=${2:?usage: device_check.sh --run DIR}
