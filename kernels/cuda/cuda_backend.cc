@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -43,10 +45,19 @@ thread_local CallTiming last_timing;
 // Query tokens of one item handled together; longer items are split (each
 // piece sees its own causal prefix).
 constexpr int kMaxQueryTokensPerPiece = 32;
-// The launch key of the tensor-core kernel's blocks (above any fp32 one),
-// and of blocks that read exact pages (above both).
-constexpr int kMmaLaunch = 1 << 10;
-constexpr int kExactLaunch = 1 << 11;
+// Which decode launch runs a block: blocks with equal keys go in one launch.
+// Ordered as the launches are made: fp32 before tensor-core kernels, reads
+// of compressed pages before reads of exact pages, then by variant and rows.
+struct LaunchKey {
+  bool exact = false;  // reads exact pages (the exact layout's view)
+  bool mma = false;    // the tensor-core kernel
+  int variant = 0;     // cuda::AttendVariant of the layer's formats
+  int block_rows = 0;  // the fp32 kernel's rows per block (template argument)
+
+  auto Tied() const { return std::tie(exact, mma, variant, block_rows); }
+  bool operator<(const LaunchKey& o) const { return Tied() < o.Tied(); }
+  bool operator==(const LaunchKey& o) const { return Tied() == o.Tied(); }
+};
 // Arena alignment slack of one Attend batch, beyond its pieces' bytes.
 constexpr size_t kBatchOverhead = 16 * 256;
 // Bytes read past a pool's last page by vectorised loads of a tail group.
@@ -314,7 +325,10 @@ struct Workspace {
   // Host-side plans, reused from call to call.
   std::vector<AttendItemDesc> items;
   std::vector<AttendBlock> blocks;
+  std::vector<LaunchKey> block_keys;  // blocks[i]'s launch
+  std::vector<int32_t> block_order;   // blocks by launch key
   std::vector<AttendBlock> sorted_blocks;
+  std::vector<LaunchKey> sorted_keys;
   std::vector<MergeUnit> units;
   std::vector<int32_t> head_of_row;
   std::vector<int32_t> tables;
@@ -1003,12 +1017,16 @@ class CudaBackend final : public Backend {
            6 * 256;
   }
 
-  // The launch key of a block: kernel (tensor-core or fp32), variant, row
-  // count, and whether it reads exact pages.
-  static int LaunchKey(const PoolTables& tables, int layer, bool exact, int block_rows) {
+  // The launch of a block of `layer` with `block_rows` rows that reads exact
+  // pages or not.
+  static LaunchKey KeyOf(const PoolTables& tables, int layer, bool exact, int block_rows) {
     const LayoutTables& t = exact ? tables.exact : tables.main;
-    return (exact ? kExactLaunch : 0) + (t.layer_mma[layer] ? kMmaLaunch : 0) + t.layer_variant[layer] * 16 +
-           block_rows;
+    LaunchKey key;
+    key.exact = exact;
+    key.mma = t.layer_mma[layer];
+    key.variant = t.layer_variant[layer];
+    key.block_rows = block_rows;
+    return key;
   }
 
   // Adds one piece to w's plan: its item, block tables, rows, add-back,
@@ -1071,9 +1089,8 @@ class CudaBackend final : public Backend {
             b.token_begin = static_cast<int32_t>(t);
             b.token_end = static_cast<int32_t>(std::min({seg.end, visible, t + split}));
             b.partial = unit.first_partial + unit.num_splits;
-            // Kept in pad: the launch key (host only).
-            b.pad = LaunchKey(tables, item.layer, seg.exact, block_rows);
             w.blocks.push_back(b);
+            w.block_keys.push_back(KeyOf(tables, item.layer, seg.exact, block_rows));
             ++unit.num_splits;
             if (!seg.exact) ++unit.basis_splits;
           }
@@ -1134,6 +1151,7 @@ class CudaBackend final : public Backend {
     const int qh = layout.num_query_heads();
     w.items.clear();
     w.blocks.clear();
+    w.block_keys.clear();
     w.units.clear();
     w.head_of_row.clear();
     w.tables.clear();
@@ -1142,9 +1160,16 @@ class CudaBackend final : public Backend {
     int32_t partials = 0;
     for (size_t i = begin; i < end; ++i) PlanPiece(layout, tables, p.scale, split, w.pieces[i], w, &rows_total, &partials);
     // One launch per (variant, block rows): sort the blocks by that key.
-    w.sorted_blocks = w.blocks;
-    std::stable_sort(w.sorted_blocks.begin(), w.sorted_blocks.end(),
-                     [](const AttendBlock& a, const AttendBlock& b) { return a.pad < b.pad; });
+    w.block_order.resize(w.blocks.size());
+    std::iota(w.block_order.begin(), w.block_order.end(), 0);
+    std::stable_sort(w.block_order.begin(), w.block_order.end(),
+                     [&w](int32_t a, int32_t b) { return w.block_keys[a] < w.block_keys[b]; });
+    w.sorted_blocks.resize(w.blocks.size());
+    w.sorted_keys.resize(w.blocks.size());
+    for (size_t i = 0; i < w.block_order.size(); ++i) {
+      w.sorted_blocks[i] = w.blocks[w.block_order[i]];
+      w.sorted_keys[i] = w.block_keys[w.block_order[i]];
+    }
 
     BatchAt at;
     Arena arena(options_.workspace_bytes);
@@ -1242,19 +1267,18 @@ class CudaBackend final : public Backend {
     const AttendBlock* device_blocks = reinterpret_cast<const AttendBlock*>(w.device + at.blocks);
     for (size_t first = 0; first < w.sorted_blocks.size();) {
       size_t last = first;
-      while (last < w.sorted_blocks.size() && w.sorted_blocks[last].pad == w.sorted_blocks[first].pad) ++last;
+      const LaunchKey& key = w.sorted_keys[first];
+      while (last < w.sorted_keys.size() && w.sorted_keys[last] == key) ++last;
       k.blocks = device_blocks + first;
       k.num_blocks = static_cast<int32_t>(last - first);
-      int key = w.sorted_blocks[first].pad;
-      k.exact = key >= kExactLaunch ? 1 : 0;
-      if (k.exact) key -= kExactLaunch;
-      k.view = k.exact ? exact_view : view;
-      k.prepared = reinterpret_cast<const float*>(w.device + (k.exact ? at.prepared_exact : at.prepared));
-      if (key >= kMmaLaunch) {
-        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma((key - kMmaLaunch) / 16, k, w.stream),
-                                   "tensor-core attend kernel launch"));
+      k.exact = key.exact ? 1 : 0;
+      k.view = key.exact ? exact_view : view;
+      k.prepared = reinterpret_cast<const float*>(w.device + (key.exact ? at.prepared_exact : at.prepared));
+      if (key.mma) {
+        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma(key.variant, k, w.stream), "tensor-core attend kernel launch"));
       } else {
-        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttend(key / 16, key % 16, k, w.stream), "attend kernel launch"));
+        RETURN_IF_ERROR(
+            CudaStatus(cuda::LaunchAttend(key.variant, key.block_rows, k, w.stream), "attend kernel launch"));
       }
       first = last;
     }
