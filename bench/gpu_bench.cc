@@ -20,6 +20,9 @@
 // recipe's cost.
 //
 // Prints a table, or JSON with --json. Timings are printed, never asserted.
+// Exits 1 when any run (a preset, or a preset's recipe) failed: every run is
+// still attempted, the failed ones are named on stderr, in the table and in
+// the JSON's "failed" list.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -35,6 +38,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/eval/synthetic.h"
 #include "kernels/cuda/cuda_backend.h"
@@ -90,10 +94,10 @@ std::vector<int64_t> ParseList(const std::string& text) {
   return out;
 }
 
-// Median of the device and wall seconds of `body` (which sets
-// LastCudaKernelSeconds), after a warm-up call.
+// Median of the device and wall seconds of `body` (one call on `backend`,
+// whose device time LastCallTiming reports), after a warm-up call.
 template <typename Body>
-bool Measure(double min_seconds, Body body, double* kernel, double* wall) {
+bool Measure(const Backend& backend, double min_seconds, Body body, double* kernel, double* wall) {
   if (!body()) return false;
   std::vector<double> kernels, walls;
   const double start = Now();
@@ -101,7 +105,7 @@ bool Measure(double min_seconds, Body body, double* kernel, double* wall) {
     const double t0 = Now();
     if (!body()) return false;
     walls.push_back(Now() - t0);
-    kernels.push_back(LastCudaKernelSeconds());
+    kernels.push_back(backend.LastCallTiming().device_seconds);
   }
   std::nth_element(kernels.begin(), kernels.begin() + kernels.size() / 2, kernels.end());
   std::nth_element(walls.begin(), walls.begin() + walls.size() / 2, walls.end());
@@ -196,7 +200,7 @@ bool RunPreset(Backend& backend, const Preset& preset, const Recipe& recipe, con
   std::iota(slots.begin(), slots.end(), 0);
   const StoreParams store_params{layout->get(), *pool, 0, 1, kTemplateTokens, slots.data(), keys.data(), values.data()};
   double kernel = 0, wall = 0;
-  if (!Measure(0.0, [&] { return backend.Store(store_params).ok(); }, &kernel, &wall)) {
+  if (!Measure(backend, 0.0, [&] { return backend.Store(store_params).ok(); }, &kernel, &wall)) {
     std::fprintf(stderr, "%s: Store failed: %s\n", name.c_str(),
                  backend.Store(store_params).ToString().c_str());
     backend.FreePool(*pool);
@@ -249,7 +253,7 @@ bool RunPreset(Backend& backend, const Preset& preset, const Recipe& recipe, con
       item.key_mean = recipe.centered ? key_mean.data() : nullptr;
     }
     const AttendParams params{layout->get(), *pool, items, scale};
-    if (!Measure(absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
+    if (!Measure(backend, absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
                  &wall)) {
       std::fprintf(stderr, "%s: Attend failed: %s\n", name.c_str(),
                    backend.Attend(params).ToString().c_str());
@@ -322,11 +326,23 @@ int Main() {
   }
   std::vector<DecodeRow> rows;
   std::vector<StoreRow> stores;
+  // A failed run is reported and fails the program (after the others ran:
+  // their figures help find why), never skipped silently.
+  std::vector<std::string> failed;
   for (const auto& [preset, recipe] : runs) {
     StoreRow store;
-    if (!RunPreset(**backend, *preset, recipe, points, max_tokens, &rows, &store)) continue;
+    if (!RunPreset(**backend, *preset, recipe, points, max_tokens, &rows, &store)) {
+      failed.push_back(recipe.Name(*preset));
+      std::fprintf(stderr, "  %s FAILED\n", recipe.Name(*preset).c_str());
+      continue;
+    }
     stores.push_back(store);
     std::fprintf(stderr, "  %s done\n", recipe.Name(*preset).c_str());
+  }
+  const int exit_code = failed.empty() ? 0 : 1;
+  if (!failed.empty()) {
+    std::fprintf(stderr, "tqkv_gpu_bench: %zu of %zu runs failed: %s\n", failed.size(), runs.size(),
+                 absl::StrJoin(failed, ", ").c_str());
   }
   // Speedups against bf16 at the same point.
   for (DecodeRow& row : rows) {
@@ -354,8 +370,10 @@ int Main() {
                   stores[i].preset.c_str(), stores[i].kernel_mtokens_per_s, stores[i].wall_mtokens_per_s,
                   i + 1 < stores.size() ? "," : "");
     }
-    std::printf(" ]\n}\n");
-    return 0;
+    std::printf(" ],\n \"failed\": [");
+    for (size_t i = 0; i < failed.size(); ++i) std::printf("%s\"%s\"", i > 0 ? ", " : "", failed[i].c_str());
+    std::printf("]\n}\n");
+    return exit_code;
   }
   std::printf("device: %s; one Llama-3.1-8B layer, one query token per item, kernel time (CUDA events); %s\n\n",
               (*backend)->device().c_str(),
@@ -376,7 +394,8 @@ int Main() {
   for (const StoreRow& s : stores) {
     std::printf("%-20s %18.2f %18.2f\n", s.preset.c_str(), s.kernel_mtokens_per_s, s.wall_mtokens_per_s);
   }
-  return 0;
+  if (!failed.empty()) std::printf("\nFAILED: %s\n", absl::StrJoin(failed, ", ").c_str());
+  return exit_code;
 }
 
 }  // namespace

@@ -119,6 +119,16 @@ struct AttendParams {
   float scale = 0.0f;  // logit scale, usually 1 / sqrt(head_dim)
 };
 
+// Where the calling thread's last call on a backend spent its time, beside
+// the call's wall time (which the caller measures): the device time of its
+// kernels (CUDA events around them; host staging and copies excluded), and
+// the time it waited for a free workspace before it could start. Wall minus
+// both is host work: planning, staging, copies, synchronisation.
+struct CallTiming {
+  double device_seconds = -1.0;  // < 0: not measured (the CPU backend)
+  double wait_seconds = 0.0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -136,6 +146,19 @@ class Backend {
   // saying what it lacks, otherwise. The cache asks before it allocates.
   virtual absl::Status SupportsLayout(const KvLayout& layout) const { return absl::OkStatus(); }
   virtual void FreePool(PagePool pool) = 0;
+
+  // OK while the device can run calls. UNAVAILABLE, for good, once a call
+  // found the device lost (a sticky CUDA error: illegal address, launch
+  // failure, uncorrectable ECC); every compute and copy call then fails fast
+  // with that status, without touching the device. Only a new process
+  // recovers. The CPU backend is never lost. Thread-safe and cheap: the
+  // server asks after each failed call (health turns NOT_SERVING).
+  virtual absl::Status DeviceStatus() const { return absl::OkStatus(); }
+
+  // The timing of the calling thread's last Store, Score, Attend or CopyPage
+  // on this backend (after it returned OK; unspecified after a failure). The
+  // default: nothing measured. Cheap (a thread-local read).
+  virtual CallTiming LastCallTiming() const { return CallTiming(); }
 
   // Copies one whole page (copy-on-write of a shared partial page).
   virtual absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) = 0;

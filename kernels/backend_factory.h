@@ -13,8 +13,10 @@
 namespace tqkv {
 
 struct BackendOptions {
-  // "auto": CUDA when this build has it and a device is usable, else the CPU;
-  // "cpu"; or "cuda" (UNAVAILABLE without a device or a CUDA build).
+  // "auto": CUDA when this build has it and a device is usable, else the CPU
+  // (the server then puts each cache the CUDA backend cannot serve,
+  // Backend::SupportsLayout, on a CPU backend of its own); "cpu"; or "cuda"
+  // (UNAVAILABLE without a device or a CUDA build).
   std::string name = "auto";
   // CPU backend worker threads; 0 means the hardware concurrency.
   int cpu_threads = 0;

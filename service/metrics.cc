@@ -115,11 +115,14 @@ class CacheCollector : public prometheus::Collectable {
 
 class TimedBackend : public Backend {
  public:
-  TimedBackend(std::unique_ptr<Backend> inner, Metrics* metrics)
-      : inner_(std::move(inner)), metrics_(metrics) {}
+  TimedBackend(std::unique_ptr<Backend> inner, Metrics* metrics, int backend)
+      : inner_(std::move(inner)), metrics_(metrics), backend_(backend) {}
 
   std::string name() const override { return inner_->name(); }
   std::string device() const override { return inner_->device(); }
+  absl::Status SupportsLayout(const KvLayout& layout) const override { return inner_->SupportsLayout(layout); }
+  absl::Status DeviceStatus() const override { return inner_->DeviceStatus(); }
+  CallTiming LastCallTiming() const override { return inner_->LastCallTiming(); }
   absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
     return inner_->AllocatePool(layout, num_pages);
   }
@@ -149,17 +152,25 @@ class TimedBackend : public Backend {
     const auto start = std::chrono::steady_clock::now();
     absl::Status status = f();
     metrics_->ObserveKernel(
-        kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), backend_);
+    if (status.ok()) metrics_->ObserveKernelParts(kernel, inner_->LastCallTiming(), backend_);
     return status;
   }
 
   std::unique_ptr<Backend> inner_;
   Metrics* metrics_;
+  int backend_;
 };
 
 }  // namespace
 
-Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<prometheus::Registry>()) {
+Metrics::Metrics(const std::string& backend) : Metrics(std::vector<std::string>{backend}) {}
+
+Metrics::Metrics(const std::vector<std::string>& backends)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      kernel_duration_(backends.size()),
+      kernel_device_(backends.size()),
+      kernel_wait_(backends.size()) {
   auto& rpc_duration = prometheus::BuildHistogram()
                            .Name("tqkv_rpc_duration_seconds")
                            .Help("Wall time of each rpc, from handler start to finish.")
@@ -179,9 +190,21 @@ Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<promet
                               .Name("tqkv_kernel_duration_seconds")
                               .Help("Wall time of each backend kernel call.")
                               .Register(*registry_);
-  for (int i = 0; i < kNumKernels; ++i) {
-    kernel_duration_[i] =
-        &kernel_duration.Add({{"kernel", kKernelNames[i]}, {"backend", backend}}, LatencyBuckets());
+  auto& kernel_device = prometheus::BuildHistogram()
+                            .Name("tqkv_kernel_device_seconds")
+                            .Help("Device time of each backend kernel call's kernels (CUDA events; CUDA only).")
+                            .Register(*registry_);
+  auto& kernel_wait = prometheus::BuildHistogram()
+                          .Name("tqkv_kernel_wait_seconds")
+                          .Help("Time each backend kernel call waited for a free workspace (CUDA only).")
+                          .Register(*registry_);
+  for (size_t b = 0; b < backends.size(); ++b) {
+    for (int i = 0; i < kNumKernels; ++i) {
+      const prometheus::Labels labels = {{"kernel", kKernelNames[i]}, {"backend", backends[b]}};
+      kernel_duration_[b][i] = &kernel_duration.Add(labels, LatencyBuckets());
+      kernel_device_[b][i] = &kernel_device.Add(labels, LatencyBuckets());
+      kernel_wait_[b][i] = &kernel_wait.Add(labels, LatencyBuckets());
+    }
   }
   tokens_stored_ = &prometheus::BuildCounter()
                         .Name("tqkv_tokens_stored_total")
@@ -198,9 +221,9 @@ Metrics::Metrics(const std::string& backend) : registry_(std::make_shared<promet
   for (int i = 0; i < kNumRpcs; ++i) in_flight_[i] = &in_flight.Add({{"method", kRpcNames[i]}});
   prometheus::BuildGauge()
       .Name("tqkv_build_info")
-      .Help("Always 1: the version, git revision and compute backend of this server.")
+      .Help("Always 1: the version, git revision and main compute backend of this server.")
       .Register(*registry_)
-      .Add({{"version", ProjectVersion()}, {"revision", GitRevision()}, {"backend", backend}})
+      .Add({{"version", ProjectVersion()}, {"revision", GitRevision()}, {"backend", backends.front()}})
       .Set(1);
   // Successful calls of every method show from the start.
   for (int i = 0; i < kNumRpcs; ++i) {
@@ -262,8 +285,14 @@ void Metrics::ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds) {
   }
 }
 
-void Metrics::ObserveKernel(Kernel kernel, double seconds) {
-  kernel_duration_[static_cast<int>(kernel)]->Observe(seconds);
+void Metrics::ObserveKernel(Kernel kernel, double seconds, int backend) {
+  kernel_duration_[backend][static_cast<int>(kernel)]->Observe(seconds);
+}
+
+void Metrics::ObserveKernelParts(Kernel kernel, const CallTiming& timing, int backend) {
+  if (timing.device_seconds < 0) return;  // nothing measured (the CPU backend)
+  kernel_device_[backend][static_cast<int>(kernel)]->Observe(timing.device_seconds);
+  kernel_wait_[backend][static_cast<int>(kernel)]->Observe(timing.wait_seconds);
 }
 
 namespace {
@@ -283,7 +312,15 @@ std::vector<Metrics::Total> Totals(const std::array<prometheus::Histogram*, N>& 
 }  // namespace
 
 std::vector<Metrics::Total> Metrics::KernelTotals() const {
-  return Totals(kernel_duration_, kKernelNames);
+  std::vector<Total> totals = Totals(kernel_duration_[0], kKernelNames);
+  for (size_t b = 1; b < kernel_duration_.size(); ++b) {
+    const std::vector<Total> more = Totals(kernel_duration_[b], kKernelNames);
+    for (size_t i = 0; i < totals.size(); ++i) {
+      totals[i].calls += more[i].calls;
+      totals[i].seconds += more[i].seconds;
+    }
+  }
+  return totals;
 }
 
 std::vector<Metrics::Total> Metrics::RpcTotals() const { return Totals(rpc_duration_, kRpcNames); }
@@ -436,8 +473,8 @@ class ProcessCollector : public prometheus::Collectable {
 
 std::shared_ptr<prometheus::Collectable> MakeProcessCollector() { return std::make_shared<ProcessCollector>(); }
 
-std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics) {
-  return std::make_unique<TimedBackend>(std::move(inner), metrics);
+std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics, int backend) {
+  return std::make_unique<TimedBackend>(std::move(inner), metrics, backend);
 }
 
 std::string SerializeMetrics(

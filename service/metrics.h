@@ -18,7 +18,15 @@
 //                                                same way (T queries in one
 //                                                layer add T / L)
 //   tqkv_kernel_duration_seconds{kernel,backend} histogram: store, score,
-//                                                attend, copy_page
+//                                                attend, copy_page (wall)
+//   tqkv_kernel_device_seconds{kernel,backend}  histogram: device time of the
+//                                                call's kernels (CUDA events;
+//                                                store, score, attend on the
+//                                                CUDA backend only)
+//   tqkv_kernel_wait_seconds{kernel,backend}    histogram: time the call
+//                                                waited for a free workspace
+//                                                (CUDA backend only)
+//   (wall minus device minus wait: host planning, staging and copies)
 //   tqkv_cache_stored_bytes{cache}              compressed bytes held
 //   tqkv_cache_stored_bytes_bf16{cache}         the same tokens in bf16
 //   tqkv_cache_bytes_saved{cache}               bf16 minus compressed
@@ -103,6 +111,10 @@ class Metrics {
  public:
   // `backend`: the label of the kernel histograms ("cpu", "cuda").
   explicit Metrics(const std::string& backend);
+  // Several backends (`--backend auto` with some caches on the CPU): kernel
+  // histograms for each label; ObserveKernel's `backend` indexes `backends`.
+  // REQUIRES: backends non-empty.
+  explicit Metrics(const std::vector<std::string>& backends);
 
   // Holds one call of `rpc` in tqkv_rpc_in_flight from construction to
   // destruction: a member of each call's reactor. `metrics` may be null
@@ -128,10 +140,15 @@ class Metrics {
   void CountAttended(const std::string& cache, int64_t layer_tokens);
 
   void ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds);
-  void ObserveKernel(Kernel kernel, double seconds);
+  void ObserveKernel(Kernel kernel, double seconds, int backend = 0);
+  // The parts of one successful call that its backend measured
+  // (Backend::LastCallTiming): device time when measured (>= 0), and the
+  // wait, by backends that measure device time (they have workspaces).
+  void ObserveKernelParts(Kernel kernel, const CallTiming& timing, int backend = 0);
 
   // Calls and summed seconds so far, from the histograms: by kernel name
-  // (store, score, attend, copy_page) and by rpc method name.
+  // (store, score, attend, copy_page; wall time, over every backend) and by
+  // rpc method name.
   struct Total {
     std::string name;
     int64_t calls = 0;
@@ -152,7 +169,6 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Counter>* errors_;
   std::array<prometheus::Histogram*, kNumRpcs> rpc_duration_{};
-  std::array<prometheus::Histogram*, kNumKernels> kernel_duration_{};
   std::array<prometheus::Gauge*, kNumRpcs> in_flight_{};
   struct TokenCounters {
     double layers = 1;
@@ -162,6 +178,11 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* tokens_stored_;
   prometheus::Family<prometheus::Counter>* tokens_attended_;
   std::map<std::string, TokenCounters> token_counters_;  // by cache; fixed once serving
+  // [backend][kernel]
+  using KernelHistograms = std::array<prometheus::Histogram*, kNumKernels>;
+  std::vector<KernelHistograms> kernel_duration_;
+  std::vector<KernelHistograms> kernel_device_;
+  std::vector<KernelHistograms> kernel_wait_;
   // [rpc][code], created on first use.
   absl::Mutex create_mu_;
   std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> request_counters_{};
@@ -185,8 +206,10 @@ std::shared_ptr<prometheus::Collectable> MakeTenantCollector(std::vector<const T
 std::shared_ptr<prometheus::Collectable> MakeProcessCollector();
 
 // A Backend that forwards to `inner` and records each kernel's wall time in
-// `metrics` (which must outlive it).
-std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics);
+// `metrics` (which must outlive it), and, for calls that succeed, the device
+// and wait times `inner` measured (LastCallTiming), under the label of
+// `metrics`' backend number `backend`.
+std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics, int backend = 0);
 
 // The text exposition of `collectables`, as /metrics serves it.
 std::string SerializeMetrics(

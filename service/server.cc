@@ -9,6 +9,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+
+#include <algorithm>
+#include <cstdio>
 #include <mutex>
 #include <thread>
 #include <string>
@@ -26,8 +29,10 @@
 #include "absl/time/time.h"
 #include "google/protobuf/stubs/logging.h"
 #include "kernels/backend_factory.h"
+#include "kernels/kv_layout.h"
 #include "kernels/status_macros.h"
 #include "service/config.h"
+#include "service/device_watch.h"
 
 namespace tqkv {
 namespace service {
@@ -100,6 +105,32 @@ const std::shared_ptr<prometheus::Collectable>& ProcessCollector() {
   return *collector;
 }
 
+// For `--backend auto` when the backend taken is a device's: which caches
+// go to the CPU backend instead, because the device backend cannot serve
+// their layout (Backend::SupportsLayout). Logs one line per cache saying
+// where it runs and why. Other choices: none (a cache the chosen backend
+// refuses fails the start, in KvCache::Create). A layout that does not
+// build stays put: KvCache::Create reports it.
+std::vector<bool> ChooseCpuFallbacks(const std::string& choice, const Backend& backend,
+                                     const std::vector<CacheOptions>& caches) {
+  std::vector<bool> on_cpu(caches.size(), false);
+  if (choice != "auto" || backend.name() == "cpu") return on_cpu;
+  for (size_t i = 0; i < caches.size(); ++i) {
+    absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(caches[i].layout);
+    if (!layout.ok()) continue;
+    const absl::Status supported = backend.SupportsLayout(**layout);
+    on_cpu[i] = !supported.ok();
+    if (on_cpu[i]) {
+      std::fprintf(stderr, "tqkv-server: cache '%s' runs on the CPU backend: the %s backend cannot serve it (%s)\n",
+                   caches[i].name.c_str(), backend.name().c_str(), std::string(supported.message()).c_str());
+    } else {
+      std::fprintf(stderr, "tqkv-server: cache '%s' runs on the %s backend (%s)\n", caches[i].name.c_str(),
+                   backend.name().c_str(), backend.device().c_str());
+    }
+  }
+  return on_cpu;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
@@ -141,11 +172,27 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   backend_options.cuda_tensor_cores = options.cuda_tensor_cores;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(backend_options, &server->why_not_cuda_));
-  server->metrics_ = std::make_unique<Metrics>(backend->name());
-  server->backend_ = WithKernelTimings(std::move(backend), server->metrics_.get());
+  // With "auto" on a device, each cache whose layout the device backend
+  // cannot serve goes to the CPU backend instead (one line each says why).
+  const std::vector<bool> on_cpu = ChooseCpuFallbacks(options.backend, *backend, cache_options);
+  std::unique_ptr<Backend> cpu;
+  std::vector<std::string> labels = {backend->name()};
+  if (std::find(on_cpu.begin(), on_cpu.end(), true) != on_cpu.end()) {
+    BackendOptions cpu_options = backend_options;
+    cpu_options.name = "cpu";
+    ASSIGN_OR_RETURN(cpu, MakeBackend(cpu_options));
+    labels.push_back(cpu->name());
+  }
+  server->metrics_ = std::make_unique<Metrics>(labels);
+  Server* watched = server.get();
+  backend = WithDeviceWatch(std::move(backend), [watched](const absl::Status& lost) { watched->OnDeviceLost(lost); });
+  server->backend_ = WithKernelTimings(std::move(backend), server->metrics_.get(), 0);
+  if (cpu != nullptr) server->cpu_fallback_ = WithKernelTimings(std::move(cpu), server->metrics_.get(), 1);
   std::vector<std::unique_ptr<KvCache>> caches;
-  for (const CacheOptions& c : cache_options) {
-    absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(c, server->backend_.get());
+  for (size_t i = 0; i < cache_options.size(); ++i) {
+    const CacheOptions& c = cache_options[i];
+    Backend* on = on_cpu[i] ? server->cpu_fallback_.get() : server->backend_.get();
+    absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(c, on);
     if (!cache.ok()) {
       return absl::Status(cache.status().code(),
                           absl::StrCat("cache '", c.name, "': ", cache.status().message()));
@@ -238,11 +285,30 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     });
   }
   // Health: "" (the whole server) and the service by name are SERVING until
-  // Shutdown.
-  if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
-    health->SetServingStatus(v1::KvCache::service_full_name(), true);
+  // Shutdown, or until the device is lost (OnDeviceLost), which may happen
+  // as soon as calls arrive.
+  {
+    absl::MutexLock lock(&server->health_mu_);
+    server->health_ = server->server_->GetHealthCheckService();
+    if (server->health_ != nullptr) {
+      if (server->device_lost_) {
+        server->health_->SetServingStatus(false);
+      } else {
+        server->health_->SetServingStatus(v1::KvCache::service_full_name(), true);
+      }
+    }
   }
   return server;
+}
+
+void Server::OnDeviceLost(const absl::Status& lost) {
+  std::fprintf(stderr,
+               "tqkv-server: %s; health is NOT_SERVING, and every call that needs the device fails "
+               "UNAVAILABLE until the server restarts\n",
+               lost.ToString().c_str());
+  absl::MutexLock lock(&health_mu_);
+  device_lost_ = true;
+  if (health_ != nullptr) health_->SetServingStatus(false);
 }
 
 Server::~Server() {

@@ -2,6 +2,9 @@
 // from a ServerConfig, registers the KvCache service, the standard health
 // service (grpc.health.v1.Health) and server reflection, and listens. Both
 // server_main.cc and the integration tests start the server through this.
+// When the backend reports its device lost (Backend::DeviceStatus, a sticky
+// CUDA error), health turns NOT_SERVING for good and the loss is logged; the
+// calls that need the device fail UNAVAILABLE.
 #ifndef TQKV_SERVICE_SERVER_H_
 #define TQKV_SERVICE_SERVER_H_
 
@@ -11,11 +14,14 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
 #include <prometheus/collectable.h>
 #include <prometheus/exposer.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
@@ -35,8 +41,12 @@ struct ServerOptions {
   int port = 50051;
   // The caches; ParseServerConfig(DefaultServerConfigText()) for the default.
   v1::ServerConfig config;
-  // "auto" (CUDA when built and a device is usable, else CPU), "cpu", or
-  // "cuda" (UNAVAILABLE without a device); see kernels/backend_factory.h.
+  // "auto" (CUDA when built and a device is usable, else CPU; with CUDA,
+  // each cache whose layout the CUDA backend cannot serve, by
+  // Backend::SupportsLayout, runs on the CPU backend, and the start-up log
+  // says where each cache runs and why), "cpu", or "cuda" (UNAVAILABLE
+  // without a device; a cache it cannot serve fails the start with
+  // UNIMPLEMENTED); see kernels/backend_factory.h.
   std::string backend = "auto";
   // CPU backend worker threads; 0 means the hardware concurrency.
   int threads = 0;
@@ -91,6 +101,8 @@ class Server {
   // What /metrics serves.
   std::string MetricsText() const;
   KvCacheService& service() { return *service_; }
+  // The backend taken (for "auto" on a device: the device's; some caches may
+  // run on the CPU backend, see ServerOptions::backend).
   Backend& backend() { return *backend_; }
   // With backend "auto" on the CPU: why CUDA was not taken; "" otherwise.
   const std::string& why_not_cuda() const { return why_not_cuda_; }
@@ -109,6 +121,9 @@ class Server {
   // 2 s timeout before it notices a stop, so a connection to it is made
   // meanwhile to wake it (an idle server then exits in milliseconds).
   void StopMetrics();
+  // The backend found the device lost (service/device_watch.h): logs, and
+  // health turns NOT_SERVING for good (the calls fail UNAVAILABLE already).
+  void OnDeviceLost(const absl::Status& lost);
 
   int port_ = 0;
   int metrics_port_ = -1;
@@ -120,6 +135,9 @@ class Server {
   // the executor joins after the grpc::Server and before the service.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Backend> backend_;
+  // With "auto" on a device: the CPU backend of the caches the device
+  // backend cannot serve; null when every cache is on backend_.
+  std::unique_ptr<Backend> cpu_fallback_;
   std::string why_not_cuda_;
   std::unique_ptr<KvCacheService> service_;
   // Reads the service's caches and tenants: after service_. The periodic
@@ -135,6 +153,10 @@ class Server {
   std::shared_ptr<prometheus::Collectable> executor_collector_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  // Set once listening; OnDeviceLost may run on any call's thread.
+  absl::Mutex health_mu_;
+  grpc::HealthCheckServiceInterface* health_ ABSL_GUARDED_BY(health_mu_) = nullptr;
+  bool device_lost_ ABSL_GUARDED_BY(health_mu_) = false;
 };
 
 }  // namespace service

@@ -3,10 +3,14 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <numeric>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,15 +38,26 @@ using cuda::DeviceRotation;
 using cuda::DeviceRotationKind;
 using cuda::MergeUnit;
 
-thread_local double last_kernel_seconds = 0.0;
+// LastCallTiming: one per thread, shared by the process's CUDA backends (a
+// caller asks the backend it just called, on the same thread).
+thread_local CallTiming last_timing;
 
 // Query tokens of one item handled together; longer items are split (each
 // piece sees its own causal prefix).
 constexpr int kMaxQueryTokensPerPiece = 32;
-// The launch key of the tensor-core kernel's blocks (above any fp32 one),
-// and of blocks that read exact pages (above both).
-constexpr int kMmaLaunch = 1 << 10;
-constexpr int kExactLaunch = 1 << 11;
+// Which decode launch runs a block: blocks with equal keys go in one launch.
+// Ordered as the launches are made: fp32 before tensor-core kernels, reads
+// of compressed pages before reads of exact pages, then by variant and rows.
+struct LaunchKey {
+  bool exact = false;  // reads exact pages (the exact layout's view)
+  bool mma = false;    // the tensor-core kernel
+  int variant = 0;     // cuda::AttendVariant of the layer's formats
+  int block_rows = 0;  // the fp32 kernel's rows per block (template argument)
+
+  auto Tied() const { return std::tie(exact, mma, variant, block_rows); }
+  bool operator<(const LaunchKey& o) const { return Tied() < o.Tied(); }
+  bool operator==(const LaunchKey& o) const { return Tied() == o.Tied(); }
+};
 // Arena alignment slack of one Attend batch, beyond its pieces' bytes.
 constexpr size_t kBatchOverhead = 16 * 256;
 // Bytes read past a pool's last page by vectorised loads of a tail group.
@@ -310,7 +325,10 @@ struct Workspace {
   // Host-side plans, reused from call to call.
   std::vector<AttendItemDesc> items;
   std::vector<AttendBlock> blocks;
+  std::vector<LaunchKey> block_keys;  // blocks[i]'s launch
+  std::vector<int32_t> block_order;   // blocks by launch key
   std::vector<AttendBlock> sorted_blocks;
+  std::vector<LaunchKey> sorted_keys;
   std::vector<MergeUnit> units;
   std::vector<int32_t> head_of_row;
   std::vector<int32_t> tables;
@@ -470,6 +488,10 @@ class CudaBackend final : public Backend {
                            static_cast<double>(info_.total_memory_bytes) / (1ull << 30));
   }
 
+  // Everything AllocatePool would refuse, found on the host alone: the head
+  // dim, then the format description of every (layer, head) of the layout
+  // and of its exact layout (DescribeLayout, the same code AllocatePool
+  // runs), so that a refusal comes before any allocation.
   absl::Status SupportsLayout(const KvLayout& layout) const override {
     const int d = layout.head_dim();
     if (d > cuda::kMaxDeviceHeadDim || d % 8 != 0) {
@@ -477,10 +499,64 @@ class CudaBackend final : public Backend {
           "the CUDA backend takes head dims that are multiples of 8 up to %d, got %d",
           cuda::kMaxDeviceHeadDim, d));
     }
+    TableBuilder tables;
+    std::vector<DeviceHead> heads;
+    LayoutTables described;
+    RETURN_IF_ERROR(DescribeLayout(layout, options_.tensor_cores, tables, &heads, &described));
+    if (layout.has_exact_tokens()) {
+      LayoutTables exact;
+      RETURN_IF_ERROR(DescribeLayout(*layout.exact_layout(), options_.tensor_cores, tables, &heads, &exact));
+    }
     return absl::OkStatus();
   }
 
   absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
+    return Guarded([&] { return DoAllocatePool(layout, num_pages); });
+  }
+  absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
+    return Guarded([&] { return DoCopyPage(pool, from, to); });
+  }
+  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
+    return Guarded([&] { return CopyPages(pool, pages, host, cudaMemcpyDeviceToHost); });
+  }
+  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
+    return Guarded([&] { return CopyPages(pool, pages, const_cast<uint8_t*>(host), cudaMemcpyHostToDevice); });
+  }
+  absl::Status Store(const StoreParams& p) override {
+    return Guarded([&] { return DoStore(p); });
+  }
+  absl::Status Score(const ScoreParams& p) override {
+    return Guarded([&] { return DoScore(p); });
+  }
+  absl::Status Attend(const AttendParams& p) override {
+    return Guarded([&] { return DoAttend(p); });
+  }
+
+  void FreePool(PagePool pool) override {
+    cudaSetDevice(options_.device);
+    void* tables = nullptr;
+    {
+      absl::MutexLock lock(&pools_mu_);
+      auto it = pools_.find(pool.base);
+      if (it != pools_.end()) {
+        tables = it->second.memory;
+        pools_.erase(it);
+      }
+    }
+    cudaFree(tables);
+    cudaFree(pool.base);
+  }
+
+  CallTiming LastCallTiming() const override { return last_timing; }
+
+  absl::Status DeviceStatus() const override {
+    if (!lost_flag_.load(std::memory_order_acquire)) return absl::OkStatus();
+    absl::MutexLock lock(&lost_mu_);
+    return lost_;
+  }
+
+ private:
+  absl::StatusOr<PagePool> DoAllocatePool(const KvLayout& layout, int32_t num_pages) {
     if (num_pages < 1) return absl::InvalidArgumentError("a pool needs at least one page");
     RETURN_IF_ERROR(SupportsLayout(layout));
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
@@ -540,22 +616,7 @@ class CudaBackend final : public Backend {
     return pool;
   }
 
-  void FreePool(PagePool pool) override {
-    cudaSetDevice(options_.device);
-    void* tables = nullptr;
-    {
-      absl::MutexLock lock(&pools_mu_);
-      auto it = pools_.find(pool.base);
-      if (it != pools_.end()) {
-        tables = it->second.memory;
-        pools_.erase(it);
-      }
-    }
-    cudaFree(tables);
-    cudaFree(pool.base);
-  }
-
-  absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
+  absl::Status DoCopyPage(const PagePool& pool, int32_t from, int32_t to) {
     if (from < 0 || from >= pool.num_pages || to < 0 || to >= pool.num_pages) {
       return absl::InvalidArgumentError(absl::StrFormat("page copy %d -> %d outside a %d-page pool",
                                                         from, to, pool.num_pages));
@@ -594,14 +655,7 @@ class CudaBackend final : public Backend {
     return CudaStatus(cudaStreamSynchronize(w.stream), "copy pages (sync)");
   }
 
-  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
-    return CopyPages(pool, pages, host, cudaMemcpyDeviceToHost);
-  }
-  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
-    return CopyPages(pool, pages, const_cast<uint8_t*>(host), cudaMemcpyHostToDevice);
-  }
-
-  absl::Status Store(const StoreParams& p) override {
+  absl::Status DoStore(const StoreParams& p) {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     const int layers = p.layer_end - p.layer_begin;
@@ -662,11 +716,11 @@ class CudaBackend final : public Backend {
       std::memcpy(&failure, w.host + error, sizeof(failure));
       if (failure != ~0ull) return StoreFailure(failure, layout, p, t0, tokens);
     }
-    last_kernel_seconds = kernel_seconds;
+    last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
   }
 
-  absl::Status Score(const ScoreParams& p) override {
+  absl::Status DoScore(const ScoreParams& p) {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     const int d = layout.head_dim();
@@ -761,11 +815,11 @@ class CudaBackend final : public Backend {
         }
       }
     }
-    last_kernel_seconds = kernel_seconds;
+    last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
   }
 
-  absl::Status Attend(const AttendParams& p) override {
+  absl::Status DoAttend(const AttendParams& p) {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
     const KvLayout& layout = *p.layout;
     WorkspaceLease lease(this);
@@ -806,20 +860,46 @@ class CudaBackend final : public Backend {
       RETURN_IF_ERROR(RunBatch(layout, p, *tables, split, w, next, end, &kernel_seconds));
       next = end;
     }
-    last_kernel_seconds = kernel_seconds;
+    last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
   }
 
- private:
+  // Runs one public call: fails fast once the device is lost, and marks it
+  // lost when the call met a sticky error (cuda::IsDeviceLost).
+  template <typename F>
+  auto Guarded(F call) -> decltype(call()) {
+    if (absl::Status lost = DeviceStatus(); !lost.ok()) return lost;
+    last_timing = CallTiming();
+    auto result = call();
+    if (!result.ok()) NoteFailure(StatusOf(result));
+    return result;
+  }
+  static const absl::Status& StatusOf(const absl::Status& status) { return status; }
+  template <typename T>
+  static const absl::Status& StatusOf(const absl::StatusOr<T>& result) {
+    return result.status();
+  }
+  void NoteFailure(const absl::Status& status) {
+    if (!cuda::IsDeviceLost(status)) return;
+    absl::MutexLock lock(&lost_mu_);
+    if (lost_.ok()) lost_ = status;  // the first report names the cause
+    lost_flag_.store(true, std::memory_order_release);
+  }
+
   // Exclusive use of one workspace for a scope.
   class WorkspaceLease {
    public:
+    // The time to get one counts as the call's wait (LastCallTiming).
     explicit WorkspaceLease(CudaBackend* backend) : backend_(backend) {
-      absl::MutexLock lock(&backend_->workspaces_mu_);
-      backend_->workspaces_mu_.Await(absl::Condition(
-          +[](std::vector<Workspace*>* free) { return !free->empty(); }, &backend_->free_workspaces_));
-      workspace_ = backend_->free_workspaces_.back();
-      backend_->free_workspaces_.pop_back();
+      const auto start = std::chrono::steady_clock::now();
+      {
+        absl::MutexLock lock(&backend_->workspaces_mu_);
+        backend_->workspaces_mu_.Await(absl::Condition(
+            +[](std::vector<Workspace*>* free) { return !free->empty(); }, &backend_->free_workspaces_));
+        workspace_ = backend_->free_workspaces_.back();
+        backend_->free_workspaces_.pop_back();
+      }
+      last_timing.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
     ~WorkspaceLease() {
       absl::MutexLock lock(&backend_->workspaces_mu_);
@@ -937,12 +1017,16 @@ class CudaBackend final : public Backend {
            6 * 256;
   }
 
-  // The launch key of a block: kernel (tensor-core or fp32), variant, row
-  // count, and whether it reads exact pages.
-  static int LaunchKey(const PoolTables& tables, int layer, bool exact, int block_rows) {
+  // The launch of a block of `layer` with `block_rows` rows that reads exact
+  // pages or not.
+  static LaunchKey KeyOf(const PoolTables& tables, int layer, bool exact, int block_rows) {
     const LayoutTables& t = exact ? tables.exact : tables.main;
-    return (exact ? kExactLaunch : 0) + (t.layer_mma[layer] ? kMmaLaunch : 0) + t.layer_variant[layer] * 16 +
-           block_rows;
+    LaunchKey key;
+    key.exact = exact;
+    key.mma = t.layer_mma[layer];
+    key.variant = t.layer_variant[layer];
+    key.block_rows = block_rows;
+    return key;
   }
 
   // Adds one piece to w's plan: its item, block tables, rows, add-back,
@@ -1005,9 +1089,8 @@ class CudaBackend final : public Backend {
             b.token_begin = static_cast<int32_t>(t);
             b.token_end = static_cast<int32_t>(std::min({seg.end, visible, t + split}));
             b.partial = unit.first_partial + unit.num_splits;
-            // Kept in pad: the launch key (host only).
-            b.pad = LaunchKey(tables, item.layer, seg.exact, block_rows);
             w.blocks.push_back(b);
+            w.block_keys.push_back(KeyOf(tables, item.layer, seg.exact, block_rows));
             ++unit.num_splits;
             if (!seg.exact) ++unit.basis_splits;
           }
@@ -1068,6 +1151,7 @@ class CudaBackend final : public Backend {
     const int qh = layout.num_query_heads();
     w.items.clear();
     w.blocks.clear();
+    w.block_keys.clear();
     w.units.clear();
     w.head_of_row.clear();
     w.tables.clear();
@@ -1076,9 +1160,16 @@ class CudaBackend final : public Backend {
     int32_t partials = 0;
     for (size_t i = begin; i < end; ++i) PlanPiece(layout, tables, p.scale, split, w.pieces[i], w, &rows_total, &partials);
     // One launch per (variant, block rows): sort the blocks by that key.
-    w.sorted_blocks = w.blocks;
-    std::stable_sort(w.sorted_blocks.begin(), w.sorted_blocks.end(),
-                     [](const AttendBlock& a, const AttendBlock& b) { return a.pad < b.pad; });
+    w.block_order.resize(w.blocks.size());
+    std::iota(w.block_order.begin(), w.block_order.end(), 0);
+    std::stable_sort(w.block_order.begin(), w.block_order.end(),
+                     [&w](int32_t a, int32_t b) { return w.block_keys[a] < w.block_keys[b]; });
+    w.sorted_blocks.resize(w.blocks.size());
+    w.sorted_keys.resize(w.blocks.size());
+    for (size_t i = 0; i < w.block_order.size(); ++i) {
+      w.sorted_blocks[i] = w.blocks[w.block_order[i]];
+      w.sorted_keys[i] = w.block_keys[w.block_order[i]];
+    }
 
     BatchAt at;
     Arena arena(options_.workspace_bytes);
@@ -1176,19 +1267,18 @@ class CudaBackend final : public Backend {
     const AttendBlock* device_blocks = reinterpret_cast<const AttendBlock*>(w.device + at.blocks);
     for (size_t first = 0; first < w.sorted_blocks.size();) {
       size_t last = first;
-      while (last < w.sorted_blocks.size() && w.sorted_blocks[last].pad == w.sorted_blocks[first].pad) ++last;
+      const LaunchKey& key = w.sorted_keys[first];
+      while (last < w.sorted_keys.size() && w.sorted_keys[last] == key) ++last;
       k.blocks = device_blocks + first;
       k.num_blocks = static_cast<int32_t>(last - first);
-      int key = w.sorted_blocks[first].pad;
-      k.exact = key >= kExactLaunch ? 1 : 0;
-      if (k.exact) key -= kExactLaunch;
-      k.view = k.exact ? exact_view : view;
-      k.prepared = reinterpret_cast<const float*>(w.device + (k.exact ? at.prepared_exact : at.prepared));
-      if (key >= kMmaLaunch) {
-        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma((key - kMmaLaunch) / 16, k, w.stream),
-                                   "tensor-core attend kernel launch"));
+      k.exact = key.exact ? 1 : 0;
+      k.view = key.exact ? exact_view : view;
+      k.prepared = reinterpret_cast<const float*>(w.device + (key.exact ? at.prepared_exact : at.prepared));
+      if (key.mma) {
+        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma(key.variant, k, w.stream), "tensor-core attend kernel launch"));
       } else {
-        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttend(key / 16, key % 16, k, w.stream), "attend kernel launch"));
+        RETURN_IF_ERROR(
+            CudaStatus(cuda::LaunchAttend(key.variant, key.block_rows, k, w.stream), "attend kernel launch"));
       }
       first = last;
     }
@@ -1216,6 +1306,11 @@ class CudaBackend final : public Backend {
 
   absl::Mutex pools_mu_;
   std::map<uint8_t*, PoolTables> pools_ ABSL_GUARDED_BY(pools_mu_);
+
+  // Set once, by the first call that met a sticky error; never cleared.
+  std::atomic<bool> lost_flag_{false};
+  mutable absl::Mutex lost_mu_;
+  absl::Status lost_ ABSL_GUARDED_BY(lost_mu_);
 };
 
 }  // namespace
@@ -1224,6 +1319,5 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOption
   return CudaBackend::Create(options);
 }
 
-double LastCudaKernelSeconds() { return last_kernel_seconds; }
 
 }  // namespace tqkv

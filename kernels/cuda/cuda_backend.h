@@ -31,15 +31,24 @@
 // with angles reduced in double on the device (exact at any position); its
 // constant part shifts only the lse (Attend) or every logit (Score).
 //
-// What it refuses with UNIMPLEMENTED: head dims above kMaxDeviceHeadDim or
-// not a multiple of 8 (SupportsLayout); at AllocatePool also QJL keys
-// (evaluation only) and key / value format pairs that no preset uses. Use the
-// CPU backend for those.
+// What it refuses with UNIMPLEMENTED, in SupportsLayout (host only, before
+// anything is allocated; AllocatePool refuses the same): head dims above
+// kMaxDeviceHeadDim or not a multiple of 8, QJL keys (evaluation only),
+// TurboQuant parts whose width is not a multiple of 4, multi-part
+// TurboQuant values, and key / value format pairs without a kernel. Use the
+// CPU backend for those (`--backend auto` does, per cache).
+//
+// Timing (Backend::LastCallTiming): Store, Score and Attend report the device
+// time of their kernels (CUDA events, copies excluded) and every call its
+// wait for a free workspace; the server exports both beside the wall time.
 //
 // Errors: CUDA failures become a Status (UNAVAILABLE without a usable device,
 // RESOURCE_EXHAUSTED when device memory is short, INTERNAL for a failed call);
 // nothing aborts. Store reports non-finite or out-of-range input as
-// INVALID_ARGUMENT like the CPU codecs.
+// INVALID_ARGUMENT like the CPU codecs. A sticky error (cuda::IsStickyError:
+// illegal address, launch failure, uncorrectable ECC, ...) marks the backend
+// lost: that call and every later one fail UNAVAILABLE, and DeviceStatus()
+// says why, for the rest of the process (the context cannot be recovered).
 #ifndef TQKV_KERNELS_CUDA_CUDA_BACKEND_H_
 #define TQKV_KERNELS_CUDA_CUDA_BACKEND_H_
 
@@ -69,11 +78,6 @@ struct CudaBackendOptions {
 // UNAVAILABLE when the driver or the device is missing (as on build
 // machines); INVALID_ARGUMENT for bad options.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options = {});
-
-// Seconds of device time (CUDA events around the kernels, transfers
-// excluded) of the calling thread's last Store, Score or Attend on a CUDA
-// backend; 0 before the first. For benchmarks.
-double LastCudaKernelSeconds();
 
 }  // namespace tqkv
 

@@ -24,21 +24,26 @@ struct DeviceInfo {
 };
 
 // A CUDA result as a Status: OK for cudaSuccess; UNAVAILABLE when there is no
-// usable device or driver; RESOURCE_EXHAUSTED when device or pinned memory
-// runs out; INTERNAL otherwise. `what` names the failed call.
+// usable device or driver, and for a sticky error (IsStickyError), which
+// also carries the device-lost payload (IsDeviceLost); RESOURCE_EXHAUSTED
+// when device or pinned memory runs out; INTERNAL otherwise. `what` names the
+// failed call.
 absl::Status CudaStatus(cudaError_t error, const char* what);
+
+// Whether `error` leaves the CUDA context unusable for the rest of the
+// process: an illegal address, a failed or timed-out launch, a device-side
+// assert, a hardware exception (illegal instruction, misaligned address,
+// stack error, bad PC), an uncorrectable ECC or NVLink error, a destroyed
+// context. Every later CUDA call of the process fails the same way; only a
+// restart recovers.
+bool IsStickyError(cudaError_t error);
+
+// Whether `status` came from a sticky error through CudaStatus.
+bool IsDeviceLost(const absl::Status& status);
 
 // The CUDA devices this process can use. UNAVAILABLE (not an error to log
 // loudly) when the driver or a device is missing, as on build machines.
 absl::StatusOr<std::vector<DeviceInfo>> ListDevices();
-
-// Decodes TurboQuant codes on device 0 into the rotated basis
-// (out[v][j] = scale_v * centroids[code_vj]) from host arrays: copies in,
-// launches, copies back. The kernel reads the stored format through the same
-// headers as the CPU codecs; tests compare the two.
-absl::Status RotatedDecodeOnDevice(const uint8_t* codes, int code_bytes, const uint16_t* scales,
-                                   const std::vector<float>& centroids, int bits, int dim,
-                                   int64_t num_vectors, float* out);
 
 }  // namespace cuda
 }  // namespace tqkv

@@ -34,6 +34,9 @@
 #include "kernels/codec.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/device.h"
+#if TQKV_CUDA_EMULATION
+#include "kernels/cuda/emulation/fault_injection.h"
+#endif
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
 #include "kernels/random.h"
@@ -450,6 +453,27 @@ TEST_F(CudaBackendTest, CopyPageCopiesWholePages) {
   EXPECT_EQ(gpu_->CopyPage(f.gpu_pool(), 0, 1 << 20).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Store, Score and Attend report their kernels' device time (CUDA events)
+// and their wait for a workspace, apart; the values are not checked (timing
+// belongs to benchmarks), only that they were measured.
+TEST_F(CudaBackendTest, CallsReportDeviceTimeAndWaitApart) {
+  Fixture f({"turboquant_k3v4_nc", 64, 16, 2, 4}, 40, cpu_, gpu_);
+  f.Build();
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(gpu_->Store(f.Store(f.gpu_pool())).ok());
+  CallTiming timing = gpu_->LastCallTiming();
+  EXPECT_GE(timing.device_seconds, 0.0);
+  EXPECT_GE(timing.wait_seconds, 0.0);
+  std::vector<float> query(4 * 64, 0.5f), output(query.size());
+  AttendItem item{f.block_table().data(), 40, 0, 1, query.data(), output.data(), nullptr};
+  ASSERT_TRUE(gpu_->Attend(AttendParams{&f.layout(), f.gpu_pool(), {&item, 1}, 0.125f}).ok());
+  timing = gpu_->LastCallTiming();
+  EXPECT_GE(timing.device_seconds, 0.0);
+  EXPECT_GE(timing.wait_seconds, 0.0);
+  // Another thread's calls are its own.
+  std::thread([&] { EXPECT_LT(gpu_->LastCallTiming().device_seconds, 0.0); }).join();
+}
+
 TEST_F(CudaBackendTest, BadInputAndUnsupportedLayoutsAreStatuses) {
   Fixture f({"turboquant_k3v4_nc", 64, 16, 2, 4}, 20, cpu_, gpu_);
   f.Build();
@@ -473,8 +497,11 @@ TEST_F(CudaBackendTest, BadInputAndUnsupportedLayoutsAreStatuses) {
     options.boundary_layers = 0;
     auto layout = KvLayout::Create(options);
     ASSERT_TRUE(layout.ok()) << layout.status();
+    // Asked first, on the host: the same refusal, before any allocation.
+    EXPECT_EQ(gpu_->SupportsLayout(**layout).code(), absl::StatusCode::kUnimplemented) << preset;
     EXPECT_EQ(gpu_->AllocatePool(**layout, 4).status().code(), absl::StatusCode::kUnimplemented) << preset;
   }
+  EXPECT_TRUE(gpu_->SupportsLayout(f.layout()).ok());
 }
 
 // The cache's bookkeeping over the CUDA backend: appends in pieces, a fork
@@ -805,6 +832,73 @@ TEST_F(CudaBackendTest, PreRopeAddBackIsExactAtLargePositions) {
     gpu->FreePool(*gpu_pool);
   }
 }
+
+#if TQKV_CUDA_EMULATION
+// A sticky error, injected through the emulated runtime where an illegal
+// address would surface on a device (the next call, its synchronisation),
+// marks the backend lost: that call and every later one are UNAVAILABLE
+// with the first cause, even once the runtime answers again. A failure that
+// is not sticky (out of memory) leaves it usable. Only the emulator can
+// inject; on a device a lost context would end the test process's use of
+// CUDA.
+TEST(CudaBackendFaults, AStickyErrorMarksTheDeviceLostForGood) {
+  std::unique_ptr<Backend> cpu = MakeCpuBackend(1);
+  CudaBackendOptions options;
+  options.workspaces = 1;
+  options.workspace_bytes = size_t{1} << 20;
+  absl::StatusOr<std::unique_ptr<Backend>> made = MakeCudaBackend(options);
+  ASSERT_TRUE(made.ok()) << made.status();
+  Backend& gpu = **made;
+  Fixture f({"turboquant_k3v4_nc", 64, 16, 2, 4}, 20, cpu.get(), &gpu);
+  f.Build();
+  ASSERT_FALSE(HasFatalFailure());
+  ASSERT_TRUE(gpu.Store(f.Store(f.gpu_pool())).ok());
+  EXPECT_TRUE(gpu.DeviceStatus().ok());
+  // Not sticky: a pool far beyond the device's memory.
+  EXPECT_EQ(gpu.AllocatePool(f.layout(), 1 << 30).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(gpu.DeviceStatus().ok());
+
+  cuda::emulation::InjectStickyError(cudaErrorIllegalAddress);
+  const absl::Status failed = gpu.Store(f.Store(f.gpu_pool()));
+  cuda::emulation::InjectStickyError(cudaSuccess);  // the emulator recovers; a device would not
+  EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
+  EXPECT_TRUE(cuda::IsDeviceLost(failed)) << failed;
+  EXPECT_NE(failed.message().find("cudaErrorIllegalAddress"), std::string::npos) << failed;
+  EXPECT_EQ(gpu.DeviceStatus(), failed);
+  // Every later call fails fast with the same status, touching nothing.
+  const int32_t page = f.block_table()[0];
+  std::vector<uint8_t> host(f.gpu_pool().page_bytes);
+  EXPECT_EQ(gpu.Store(f.Store(f.gpu_pool())), failed);
+  EXPECT_EQ(gpu.CopyPage(f.gpu_pool(), page, f.block_table()[1]), failed);
+  EXPECT_EQ(gpu.ReadPages(f.gpu_pool(), {&page, 1}, host.data()), failed);
+  EXPECT_EQ(gpu.WritePages(f.gpu_pool(), {&page, 1}, host.data()), failed);
+  EXPECT_EQ(gpu.AllocatePool(f.layout(), 2).status(), failed);
+  std::vector<float> query(4 * 64, 0.5f), output(query.size());
+  AttendItem item{f.block_table().data(), 20, 0, 1, query.data(), output.data(), nullptr};
+  EXPECT_EQ(gpu.Attend(AttendParams{&f.layout(), f.gpu_pool(), {&item, 1}, 0.125f}), failed);
+  std::vector<float> logits(4 * 20);
+  ScoreParams score;
+  score.layout = &f.layout();
+  score.pool = f.gpu_pool();
+  score.block_table = f.block_table().data();
+  score.token_end = 20;
+  score.queries = query.data();
+  score.scale = 0.125f;
+  score.logits = logits.data();
+  EXPECT_EQ(gpu.Score(score), failed);
+
+  // Each sticky error is recognised; ordinary failures are not.
+  for (cudaError_t e : {cudaErrorIllegalAddress, cudaErrorLaunchFailure, cudaErrorECCUncorrectable,
+                        cudaErrorMisalignedAddress, cudaErrorAssert}) {
+    EXPECT_TRUE(cuda::IsStickyError(e)) << e;
+    EXPECT_TRUE(cuda::IsDeviceLost(cuda::CudaStatus(e, "call"))) << e;
+  }
+  for (cudaError_t e : {cudaErrorMemoryAllocation, cudaErrorInvalidValue, cudaErrorNoDevice}) {
+    EXPECT_FALSE(cuda::IsStickyError(e)) << e;
+    EXPECT_FALSE(cuda::IsDeviceLost(cuda::CudaStatus(e, "call"))) << e;
+  }
+}
+#endif  // TQKV_CUDA_EMULATION
 
 TEST(CudaBackend, NamesItsDeviceOrSaysWhyNot) {
   auto gpu = MakeCudaBackend();

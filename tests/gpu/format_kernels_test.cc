@@ -4,6 +4,7 @@
 #include "gtest/gtest.h"
 #include "kernels/codec.h"
 #include "kernels/cuda/device.h"
+#include "tests/gpu/rotated_decode.h"
 #include "kernels/random.h"
 
 namespace tqkv {

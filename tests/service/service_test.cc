@@ -32,6 +32,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "grpc_std.pb.h"
+#include "kernels/backend_factory.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/float_formats.h"
 #include "service/config.h"
@@ -1031,17 +1032,91 @@ TEST_F(ServiceTest, RetriedCallsWhoseFirstAnswerWasLostSucceedOnce) {
   EXPECT_EQ(MustGet("f").layer_tokens, std::vector<int64_t>(kLayers, 6));
 }
 
-TEST(ServerStart, RejectsTheCudaBackendInThisBuild) {
+// service_test links the real CUDA backend (where nvcc was found), so
+// whether `--backend cuda` starts depends on the machine. The factory is
+// asked at run time, as the server asks it, and the server must agree with
+// it either way: no test here assumes a GPU is present or absent.
+TEST(ServerStart, TakesTheCudaBackendExactlyWhereADeviceIsUsable) {
+  BackendOptions probe_options;
+  probe_options.name = "cuda";
+  absl::StatusOr<std::unique_ptr<Backend>> probe = MakeBackend(probe_options);
+  const bool usable = probe.ok();
+  const absl::Status why_not = probe.status();
+  probe = absl::UnavailableError("released");  // frees the probe's device memory first
+
   service::ServerOptions options;
   options.host = "127.0.0.1";
   options.port = 0;
   options.config = *service::ParseServerConfig(kConfig);
   options.metrics_port = -1;
+  options.memory_budget_bytes = uint64_t{64} << 20;  // small on any GPU
   options.backend = "cuda";
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
-  EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
+  if (usable) {
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ((*server)->backend().name(), "cuda");
+    EXPECT_TRUE((*server)->backend().DeviceStatus().ok());
+    server->reset();
+  } else {
+    // No device, no driver, or a build without CUDA: UNAVAILABLE, as the
+    // factory said.
+    EXPECT_EQ(why_not.code(), absl::StatusCode::kUnavailable) << why_not;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable) << server.status();
+  }
   options.backend = "tpu";
   EXPECT_EQ(service::Server::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// --backend auto, per cache: a head dim of 100 is one the CUDA backend
+// refuses (not a multiple of 8), so that cache runs on the CPU backend
+// wherever a device is usable, and everything does where none is. Either
+// way both caches serve, and the kernel metrics say which backend ran.
+TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
+  service::ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.threads = 2;
+  options.memory_budget_bytes = uint64_t{16} << 20;
+  options.backend = "auto";
+  absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(R"pb(
+    caches {
+      name: "even" num_layers: 2 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+      page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 0
+    }
+    caches {
+      name: "odd" num_layers: 2 num_kv_heads: 2 num_query_heads: 4 head_dim: 100
+      page_tokens: 4 preset: "fp16" boundary_layers: 0
+    }
+  )pb");
+  ASSERT_TRUE(config.ok()) << config.status();
+  options.config = *config;
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string taken = (*server)->backend().name();
+  ClientOptions client_options;
+  client_options.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  Client client(client_options);
+  for (const auto& [cache, d] : {std::pair<const char*, int>{"even", 64}, {"odd", 100}}) {
+    const std::vector<float> keys = RandomFloats(static_cast<size_t>(2) * 3 * 2 * d, 7);
+    AppendArgs append;
+    append.cache = cache;
+    append.sequence_id = "s";
+    append.shape = {2, 3, 2, d};
+    append.keys = keys;
+    append.values = keys;
+    absl::StatusOr<AppendResult> stored = client.Append(append);
+    EXPECT_TRUE(stored.ok()) << cache << ": " << stored.status();
+  }
+  const std::string text = (*server)->MetricsText();
+  const double cpu_stores = Sample(text, "tqkv_kernel_duration_seconds_count", {"kernel=\"store\"", "backend=\"cpu\""});
+  if (taken == "cpu") {
+    EXPECT_EQ(cpu_stores, 2);
+  } else {
+    EXPECT_EQ(taken, "cuda");
+    EXPECT_EQ(cpu_stores, 1) << "the odd cache";
+    EXPECT_EQ(Sample(text, "tqkv_kernel_duration_seconds_count", {"kernel=\"store\"", "backend=\"cuda\""}), 1);
+  }
 }
 
 TEST(ClientRetries, GiveUpWithUnavailableWhenNoServerListens) {

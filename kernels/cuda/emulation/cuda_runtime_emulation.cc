@@ -2,12 +2,16 @@
 // host memory, copies are memcpy, streams run in order at once, events read
 // the host clock, and kernels run through emulated_device.h. One device,
 // "tqkv CUDA emulator", with 4 multiprocessors (so that the decode planner
-// splits even short contexts) and 16 GiB.
+// splits even short contexts) and 16 GiB. Sticky errors on demand:
+// fault_injection.h.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+
+#include "kernels/cuda/emulation/fault_injection.h"
 
 struct CUstream_st {};
 struct CUevent_st {
@@ -19,6 +23,7 @@ namespace {
 constexpr int kMultiprocessors = 4;
 constexpr size_t kDeviceBytes = size_t{16} << 30;
 thread_local cudaError_t last_error = cudaSuccess;
+std::atomic<cudaError_t> sticky_error{cudaSuccess};
 
 cudaError_t Fail(cudaError_t error) {
   last_error = error;
@@ -34,6 +39,24 @@ void* Allocate(size_t bytes) {
 
 }  // namespace
 
+namespace tqkv {
+namespace cuda {
+namespace emulation {
+
+void InjectStickyError(cudaError_t error) { sticky_error.store(error); }
+cudaError_t StickyError() { return sticky_error.load(); }
+
+}  // namespace emulation
+}  // namespace cuda
+}  // namespace tqkv
+
+// What a dead context answers to most calls: the sticky error, if any.
+#define TQKV_RETURN_IF_STICKY()                                        \
+  do {                                                                 \
+    const cudaError_t sticky = sticky_error.load();                    \
+    if (sticky != cudaSuccess) return sticky;                          \
+  } while (0)
+
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int* count) {
@@ -41,9 +64,13 @@ cudaError_t cudaGetDeviceCount(int* count) {
   return cudaSuccess;
 }
 
-cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : Fail(cudaErrorInvalidDevice); }
+cudaError_t cudaSetDevice(int device) {
+  TQKV_RETURN_IF_STICKY();
+  return device == 0 ? cudaSuccess : Fail(cudaErrorInvalidDevice);
+}
 
 cudaError_t cudaGetDevice(int* device) {
+  TQKV_RETURN_IF_STICKY();
   *device = 0;
   return cudaSuccess;
 }
@@ -60,12 +87,14 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
 }
 
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  TQKV_RETURN_IF_STICKY();
   if (device != 0) return Fail(cudaErrorInvalidDevice);
   *value = attr == cudaDevAttrMultiProcessorCount ? kMultiprocessors : 0;
   return cudaSuccess;
 }
 
 cudaError_t cudaMalloc(void** ptr, size_t size) {
+  TQKV_RETURN_IF_STICKY();
   if (size > kDeviceBytes) return Fail(cudaErrorMemoryAllocation);
   *ptr = Allocate(size);
   return *ptr != nullptr ? cudaSuccess : Fail(cudaErrorMemoryAllocation);
@@ -77,6 +106,7 @@ cudaError_t cudaFree(void* ptr) {
 }
 
 cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int) {
+  TQKV_RETURN_IF_STICKY();
   *ptr = Allocate(size);
   return *ptr != nullptr ? cudaSuccess : Fail(cudaErrorMemoryAllocation);
 }
@@ -87,21 +117,25 @@ cudaError_t cudaFreeHost(void* ptr) {
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind) {
+  TQKV_RETURN_IF_STICKY();
   std::memmove(dst, src, count);
   return cudaSuccess;
 }
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind, cudaStream_t) {
+  TQKV_RETURN_IF_STICKY();
   std::memmove(dst, src, count);
   return cudaSuccess;
 }
 
 cudaError_t cudaMemset(void* ptr, int value, size_t count) {
+  TQKV_RETURN_IF_STICKY();
   std::memset(ptr, value, count);
   return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int) {
+  TQKV_RETURN_IF_STICKY();
   *stream = new CUstream_st();
   return cudaSuccess;
 }
@@ -111,10 +145,17 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return cudaSuccess;
 }
 
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  TQKV_RETURN_IF_STICKY();
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) {
+  TQKV_RETURN_IF_STICKY();
+  return cudaSuccess;
+}
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  TQKV_RETURN_IF_STICKY();
   *event = new CUevent_st();
   return cudaSuccess;
 }
@@ -125,17 +166,20 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
+  TQKV_RETURN_IF_STICKY();
   event->seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   return cudaSuccess;
 }
 
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  TQKV_RETURN_IF_STICKY();
   *ms = static_cast<float>((end->seconds - start->seconds) * 1e3);
   return cudaSuccess;
 }
 
 cudaError_t cudaGetLastError(void) {
+  TQKV_RETURN_IF_STICKY();  // not cleared, as on a device
   const cudaError_t error = last_error;
   last_error = cudaSuccess;
   return error;
@@ -151,6 +195,12 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidDevice:
       return "cudaErrorInvalidDevice";
+    case cudaErrorIllegalAddress:
+      return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure:
+      return "cudaErrorLaunchFailure";
+    case cudaErrorECCUncorrectable:
+      return "cudaErrorECCUncorrectable";
     default:
       return "cudaError (emulated)";
   }

@@ -10,6 +10,8 @@
 #include <mutex>
 #include <vector>
 
+#include "kernels/cuda/emulation/fault_injection.h"
+
 namespace tqkv {
 namespace cuda {
 namespace emulation {
@@ -187,6 +189,7 @@ void WarpGather(const void* mine, size_t bytes, void* all) {
 float* DynamicShared() { return State().dynamic_shared.data(); }
 
 void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, const std::function<void()>& body) {
+  if (StickyError() != cudaSuccess) return;  // a dead context runs nothing (fault_injection.h)
   std::lock_guard<std::mutex> lock(LaunchMutex());
   BlockState& s = State();
   const int threads = static_cast<int>(block.x * block.y * block.z);

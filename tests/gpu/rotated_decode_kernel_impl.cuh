@@ -1,11 +1,11 @@
-// Kernel bodies and launchers of kernels/cuda/format_kernels.cuh, written once for two compilers:
-// nvcc (the .cu file of the same name includes this) and the host emulation
-// of tests/gpu (kernels/cuda/emulation/), which runs the same source on CPU
-// fibers. Device features come from device_compat.cuh only.
-#ifndef TQKV_KERNELS_CUDA_FORMAT_KERNELS_IMPL_CUH_
-#define TQKV_KERNELS_CUDA_FORMAT_KERNELS_IMPL_CUH_
+// Kernel body and launcher of rotated_decode_kernel.cuh, written once for two
+// compilers: nvcc (rotated_decode_kernel.cu) and the host emulation
+// (rotated_decode_kernel_emulated.cc, kernels/cuda/emulation/), which runs the
+// same source on CPU fibers. Device features come from device_compat.cuh only.
+#ifndef TQKV_TESTS_GPU_ROTATED_DECODE_KERNEL_IMPL_CUH_
+#define TQKV_TESTS_GPU_ROTATED_DECODE_KERNEL_IMPL_CUH_
 
-#include "kernels/cuda/format_kernels.cuh"
+#include "tests/gpu/rotated_decode_kernel.cuh"
 #include "kernels/cuda/device_compat.cuh"
 
 #include "kernels/bitpack.h"
@@ -39,4 +39,4 @@ cudaError_t LaunchRotatedDecode(const RotatedDecodeParams& params, cudaStream_t 
 }  // namespace cuda
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CUDA_FORMAT_KERNELS_IMPL_CUH_
+#endif  // TQKV_TESTS_GPU_ROTATED_DECODE_KERNEL_IMPL_CUH_

@@ -1,9 +1,11 @@
-// Device kernels over the stored format that the CPU backend writes: the same
-// bit packing (bitpack.h) and number formats (float_formats.h), compiled for
-// the GPU from the same headers. Launchers return cudaError_t; device.h turns
-// that into an absl::Status for callers (nvcc never sees abseil).
-#ifndef TQKV_KERNELS_CUDA_FORMAT_KERNELS_CUH_
-#define TQKV_KERNELS_CUDA_FORMAT_KERNELS_CUH_
+// A test-only device kernel over the stored format that the CPU backend
+// writes: the same bit packing (bitpack.h) and number formats
+// (float_formats.h), compiled for the GPU from the same headers, so that
+// tests/gpu/format_kernels_test.cc can compare the two codes-to-floats paths
+// alone. The product library never links it. The launcher returns
+// cudaError_t (nvcc never sees abseil); rotated_decode.h wraps it.
+#ifndef TQKV_TESTS_GPU_ROTATED_DECODE_KERNEL_CUH_
+#define TQKV_TESTS_GPU_ROTATED_DECODE_KERNEL_CUH_
 
 #include <cstdint>
 
@@ -31,4 +33,4 @@ cudaError_t LaunchRotatedDecode(const RotatedDecodeParams& params, cudaStream_t 
 }  // namespace cuda
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CUDA_FORMAT_KERNELS_CUH_
+#endif  // TQKV_TESTS_GPU_ROTATED_DECODE_KERNEL_CUH_
