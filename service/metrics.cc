@@ -41,6 +41,38 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   return b;
 }
 
+// A counter's or gauge's sample with `value`, in the field its type reads.
+void SetSample(prometheus::MetricType type, double value, prometheus::ClientMetric* m) {
+  if (type == prometheus::MetricType::Counter) {
+    m->counter.value = value;
+  } else {
+    m->gauge.value = value;
+  }
+}
+
+// Families of one unlabelled sample each (the executor's and the process's).
+struct ScalarMetric {
+  const char* name;
+  const char* help;
+  prometheus::MetricType type;
+  double value;
+};
+
+std::vector<prometheus::MetricFamily> ScalarFamilies(const std::vector<ScalarMetric>& metrics) {
+  std::vector<prometheus::MetricFamily> families;
+  for (const ScalarMetric& d : metrics) {
+    prometheus::MetricFamily family;
+    family.name = d.name;
+    family.help = d.help;
+    family.type = d.type;
+    prometheus::ClientMetric m;
+    SetSample(d.type, d.value, &m);
+    family.metric.push_back(std::move(m));
+    families.push_back(std::move(family));
+  }
+  return families;
+}
+
 class CacheCollector : public prometheus::Collectable {
  public:
   explicit CacheCollector(std::vector<KvCache*> caches) : caches_(std::move(caches)) {}
@@ -98,11 +130,7 @@ class CacheCollector : public prometheus::Collectable {
       for (int i = 0; i < kDefsCount; ++i) {
         prometheus::ClientMetric m;
         m.label.push_back({"cache", cache->options().name});
-        if (kDefs[i].type == MetricType::Counter) {
-          m.counter.value = values[i];
-        } else {
-          m.gauge.value = values[i];
-        }
+        SetSample(kDefs[i].type, values[i], &m);
         families[i].metric.push_back(std::move(m));
       }
     }
@@ -338,13 +366,7 @@ class ExecutorCollector : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
     const CallExecutor::Stats s = executor_->GetStats();
-    struct Def {
-      const char* name;
-      const char* help;
-      MetricType type;
-      double value;
-    };
-    const Def defs[] = {
+    const std::vector<ScalarMetric> defs = {
         {"tqkv_executor_running", "Calls running on the executor's threads.", MetricType::Gauge,
          static_cast<double>(s.running)},
         {"tqkv_executor_queued", "Calls waiting for an executor thread.", MetricType::Gauge,
@@ -358,22 +380,7 @@ class ExecutorCollector : public prometheus::Collectable {
         {"tqkv_executor_completed_total", "Calls the executor ran.", MetricType::Counter,
          static_cast<double>(s.completed)},
     };
-    std::vector<prometheus::MetricFamily> families;
-    for (const Def& d : defs) {
-      prometheus::MetricFamily f;
-      f.name = d.name;
-      f.help = d.help;
-      f.type = d.type;
-      prometheus::ClientMetric m;
-      if (d.type == MetricType::Counter) {
-        m.counter.value = d.value;
-      } else {
-        m.gauge.value = d.value;
-      }
-      f.metric.push_back(std::move(m));
-      families.push_back(std::move(f));
-    }
-    return families;
+    return ScalarFamilies(defs);
   }
 
  private:
@@ -412,13 +419,7 @@ class ProcessCollector : public prometheus::Collectable {
     const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
     const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
     const auto field = [&f](int n) { return std::strtod(f[n - 3].c_str(), nullptr); };
-    struct Def {
-      const char* name;
-      const char* help;
-      MetricType type;
-      double value;
-    };
-    std::vector<Def> defs = {
+    std::vector<ScalarMetric> defs = {
         {"process_cpu_seconds_total", "User and system CPU time of the process, in seconds.", MetricType::Counter,
          (field(14) + field(15)) / ticks},
         {"process_resident_memory_bytes", "Resident memory of the process, in bytes.", MetricType::Gauge,
@@ -450,22 +451,7 @@ class ProcessCollector : public prometheus::Collectable {
       defs.push_back({"process_max_fds", "The limit on open file descriptors.", MetricType::Gauge,
                       static_cast<double>(limit.rlim_cur)});
     }
-    std::vector<prometheus::MetricFamily> families;
-    for (const Def& d : defs) {
-      prometheus::MetricFamily family;
-      family.name = d.name;
-      family.help = d.help;
-      family.type = d.type;
-      prometheus::ClientMetric m;
-      if (d.type == MetricType::Counter) {
-        m.counter.value = d.value;
-      } else {
-        m.gauge.value = d.value;
-      }
-      family.metric.push_back(std::move(m));
-      families.push_back(std::move(family));
-    }
-    return families;
+    return ScalarFamilies(defs);
   }
 };
 
@@ -526,12 +512,7 @@ class TenantCollector : public prometheus::Collectable {
       for (const Tenant* tenant : tenants_) {
         prometheus::ClientMetric m;
         m.label.push_back({"tenant", tenant->name()});
-        const double value = d.value(*tenant->account());
-        if (d.type == MetricType::Counter) {
-          m.counter.value = value;
-        } else {
-          m.gauge.value = value;
-        }
+        SetSample(d.type, d.value(*tenant->account()), &m);
         f.metric.push_back(std::move(m));
       }
       families.push_back(std::move(f));
