@@ -17,6 +17,7 @@
 #include "benchmark/benchmark.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu_features.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
 #include "kernels/random.h"
@@ -133,6 +134,8 @@ void Register() {
       {"avx512", cpu_internal::AttendHeadAvx512, cpu_internal::AttendHeadAvx512Supported,
        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")},
+      {"avx512_vnni", cpu_internal::AttendHeadAvx512Vnni, cpu_internal::AttendHeadAvx512VnniSupported,
+       DetectedSimdLevel() >= SimdLevel::kAvx512Vnni},
   };
   for (const Isa& isa : isas) {
     if (!isa.usable) continue;

@@ -29,6 +29,10 @@ SimdLevel Detect() {
   // reports the feature as absent.
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
+        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq")) {
+      return SimdLevel::kAvx512Vnni;
+    }
     return SimdLevel::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c()) {
@@ -52,7 +56,8 @@ SimdLevel InitialLevel() {
   if (value == "scalar") return SimdLevel::kScalar;
   if (value == "avx2") return Clamp(SimdLevel::kAvx2);
   if (value == "avx512") return Clamp(SimdLevel::kAvx512);
-  std::fprintf(stderr, "tqkv: ignoring TQKV_SIMD='%s' (want scalar, avx2 or avx512)\n", env);
+  if (value == "avx512_vnni") return Clamp(SimdLevel::kAvx512Vnni);
+  std::fprintf(stderr, "tqkv: ignoring TQKV_SIMD='%s' (want scalar, avx2, avx512 or avx512_vnni)\n", env);
   return DetectedSimdLevel();
 }
 
@@ -73,6 +78,8 @@ std::string_view SimdLevelName(SimdLevel level) {
       return "avx2";
     case SimdLevel::kAvx512:
       return "avx512";
+    case SimdLevel::kAvx512Vnni:
+      return "avx512_vnni";
   }
   return "unknown";
 }

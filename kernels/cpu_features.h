@@ -14,7 +14,11 @@ namespace tqkv {
 enum class SimdLevel {
   kScalar = 0,  // portable C++ (the compiler may still auto-vectorize for SSE2)
   kAvx2 = 1,    // AVX2 + FMA + F16C
-  kAvx512 = 2,  // AVX-512 F/BW/VL (+ VBMI, VNNI where present)
+  kAvx512 = 2,  // AVX-512 F/BW/VL
+  // AVX-512 with VNNI, BF16 and VBMI: as kAvx512, but TurboQuant attention
+  // takes the integer kernel (int8 scores, bf16 values; its error bound is
+  // in kernels/cpu/attend_kernels.h). kAvx512 keeps fp32 attention.
+  kAvx512Vnni = 3,
 };
 
 std::string_view SimdLevelName(SimdLevel level);
@@ -27,7 +31,7 @@ std::vector<SimdLevel> SupportedSimdLevels();
 
 // The level kernels dispatch on: DetectedSimdLevel() unless overridden by
 // SetActiveSimdLevel() or the TQKV_SIMD environment variable
-// (scalar | avx2 | avx512), read once at first use. Thread-safe (atomic).
+// (scalar | avx2 | avx512 | avx512_vnni), read once at first use. Thread-safe (atomic).
 SimdLevel ActiveSimdLevel();
 
 // Overrides the active level, clamped to DetectedSimdLevel(); returns the level

@@ -214,6 +214,7 @@ void DenseInverseScalar(const float* m, const float* y, float* x, int dim) {
 void DenseForward(const float* m, const float* x, float* y, int dim) {
   switch (ActiveSimdLevel()) {
     case SimdLevel::kAvx512:
+    case SimdLevel::kAvx512Vnni:
       return rotation_internal::DenseForwardAvx512(m, x, y, dim);
     case SimdLevel::kAvx2:
       return rotation_internal::DenseForwardAvx2(m, x, y, dim);
@@ -226,6 +227,7 @@ void DenseForward(const float* m, const float* x, float* y, int dim) {
 void DenseInverse(const float* m, const float* y, float* x, int dim) {
   switch (ActiveSimdLevel()) {
     case SimdLevel::kAvx512:
+    case SimdLevel::kAvx512Vnni:
       return rotation_internal::DenseInverseAvx512(m, y, x, dim);
     case SimdLevel::kAvx2:
       return rotation_internal::DenseInverseAvx2(m, y, x, dim);
@@ -239,6 +241,7 @@ void DenseInverse(const float* m, const float* y, float* x, int dim) {
 void SignedFwht(const float* x, float* y, int n, const float* pre_signs, const float* post_signs) {
   switch (ActiveSimdLevel()) {
     case SimdLevel::kAvx512:
+    case SimdLevel::kAvx512Vnni:
       return rotation_internal::SignedFwhtAvx512(x, y, n, pre_signs, post_signs);
     case SimdLevel::kAvx2:
       return rotation_internal::SignedFwhtAvx2(x, y, n, pre_signs, post_signs);
@@ -330,6 +333,7 @@ void KronHadamard(const float* x, float* y, int rows, int m, const float* column
                   const float* pre_signs, const float* post_signs, float scale) {
   switch (ActiveSimdLevel()) {
     case SimdLevel::kAvx512:
+    case SimdLevel::kAvx512Vnni:
       return rotation_internal::KronHadamardAvx512(x, y, rows, m, columns, pre_signs, post_signs,
                                                    scale);
     case SimdLevel::kAvx2:

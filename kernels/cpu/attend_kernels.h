@@ -114,6 +114,9 @@ using AttendKernel = void (*)(const HeadAttendParams& params);
 // this head dim (both: a multiple of 16).
 bool AttendHeadAvx512Supported(const FieldReader& key, const FieldReader& value, int head_dim);
 bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, int head_dim);
+// AttendHeadAvx512Vnni: centroid keys, centroid or uniform values, 2-4 bits
+// each, head_dim 64 or a multiple of 128.
+bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& value, int head_dim);
 
 // REQUIRES: the matching Supported(...); rows in [1, kMaxRows]; any
 // page_tokens; pages laid out as KvLayout lays them out: the AVX-512 kernel
@@ -124,6 +127,21 @@ bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, i
 // AttendHeadAvx2: a CPU with AVX2, FMA and F16C.
 void AttendHeadAvx512(const HeadAttendParams& params);
 void AttendHeadAvx2(const HeadAttendParams& params);
+
+// The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI, BF16 and
+// VBMI): scores with int8 dot products, values with bf16 ones. It reads no
+// byte outside a token's codes and scalars. Against exact attention over the
+// same bytes it differs by three roundings, each relative 2^-8 or less of
+// what it rounds:
+// - the query, per row, to int8 (step max |q| / 127);
+// - the key codebook to int8 (step max |centroid| / 127);
+// - the value codebook and each weight (softmax weight x the token's value
+//   scale) to bf16 (8 significant bits).
+// A 3-bit codebook's own error is about 18% of a coordinate (4 bits: 10%);
+// these add under 1% in quadrature (tests/kernels/cpu_backend_test.cc states
+// the tolerance, and backend_quality_test holds every preset to the figures
+// of the exact kernels).
+void AttendHeadAvx512Vnni(const HeadAttendParams& params);
 
 }  // namespace cpu_internal
 }  // namespace tqkv

@@ -334,6 +334,7 @@ class CpuBackend final : public Backend {
     const SimdLevel level = ActiveSimdLevel();
     const bool avx512 = level >= SimdLevel::kAvx512 && __builtin_cpu_supports("avx512dq");
     const bool avx2 = level >= SimdLevel::kAvx2;
+    const bool vnni = level >= SimdLevel::kAvx512Vnni;
     const HeadView view = View(layout, layer, kv);
     *key = cpu_internal::DescribeField(*view.key);
     *value = cpu_internal::DescribeField(*view.value);
@@ -341,6 +342,9 @@ class CpuBackend final : public Backend {
     key->scalars_offset = view.planes->key_scalars;
     value->codes_offset = view.planes->value_codes;
     value->scalars_offset = view.planes->value_scalars;
+    if (vnni && cpu_internal::AttendHeadAvx512VnniSupported(*key, *value, layout.head_dim())) {
+      return cpu_internal::AttendHeadAvx512Vnni;
+    }
     if (avx512 && cpu_internal::AttendHeadAvx512Supported(*key, *value, layout.head_dim())) {
       return cpu_internal::AttendHeadAvx512;
     }

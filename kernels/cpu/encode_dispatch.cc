@@ -24,6 +24,7 @@ const EncodeKernels* ActiveEncodeKernels() {
   // includes FMA and F16C.
   switch (ActiveSimdLevel()) {
     case SimdLevel::kAvx512:
+    case SimdLevel::kAvx512Vnni:
       return &kAvx512;
     case SimdLevel::kAvx2:
       return &kAvx2;

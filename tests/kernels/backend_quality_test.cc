@@ -3,6 +3,7 @@
 // `tqkv eval` reports for the same data: the paged kernels add no error of
 // their own that matters.
 #include <cmath>
+#include <cstdio>
 #include <numeric>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "client/eval/synthetic.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu_features.h"
 #include "kernels/kv_layout.h"
 
 namespace tqkv {
@@ -77,6 +79,63 @@ TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
     EXPECT_NEAR(through_backend.tv_distance, expected.tv_distance, 0.15 * expected.tv_distance + 0.005);
     EXPECT_NEAR(through_backend.output_rel_error, expected.output_rel_error,
                 0.2 * expected.output_rel_error + 0.01);
+    backend->FreePool(pool);
+  }
+}
+
+// The integer attention kernel (SimdLevel::kAvx512Vnni) rounds the query and
+// the key codebook to int8 and weights and value codebook to bf16. Over the
+// same stored pages, its output error against exact attention over the
+// original vectors must stay within 2% of the fp32 kernel's (the codec's own
+// error), with GQA 4 so that its 4-row tiles run.
+TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
+  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + BF16 + VBMI on this CPU";
+  const int d = 128, n = 2048, nq = 64, heads = 4;
+  const std::vector<float> keys = eval::OutlierKeys(n, d, 1);
+  const std::vector<float> values = eval::GaussianVectors(n, d, 2);
+  const std::vector<float> queries = eval::Queries(nq * heads, d, 3);
+  const auto exact_logits = *eval::ScaledLogits(nq * heads, n, d, queries, keys);
+  const std::vector<double> exact_values(values.begin(), values.end());
+  const auto exact_outputs = *eval::SoftmaxWeightedOutputs(nq * heads, n, d, exact_logits, exact_values);
+  auto backend = MakeCpuBackend(2);
+  const SimdLevel original = ActiveSimdLevel();
+  for (const char* name : {"turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4"}) {
+    SCOPED_TRACE(name);
+    KvLayoutOptions options;
+    options.num_layers = 1;
+    options.num_kv_heads = 1;
+    options.num_query_heads = heads;
+    options.head_dim = d;
+    options.page_tokens = 16;
+    options.preset = name;
+    options.boundary_layers = 0;
+    auto layout = *KvLayout::Create(options);
+    auto pool = *backend->AllocatePool(*layout, n / 16);
+    std::vector<int32_t> slots(n), block_table(n / 16);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::iota(block_table.begin(), block_table.end(), 0);
+    ASSERT_TRUE(backend->Store({layout.get(), pool, 0, 1, n, slots.data(), keys.data(), values.data()}).ok());
+    double error[2];
+    for (int i = 0; i < 2; ++i) {
+      SetActiveSimdLevel(i == 0 ? SimdLevel::kAvx512 : SimdLevel::kAvx512Vnni);
+      std::vector<double> outputs(static_cast<size_t>(nq) * heads * d);
+      std::vector<float> output(heads * d), lse(heads);
+      for (int q = 0; q < nq; ++q) {
+        AttendItem item{block_table.data(), n, 0, 1, &queries[static_cast<size_t>(q) * heads * d], output.data(),
+                        lse.data()};
+        ASSERT_TRUE(backend->Attend({layout.get(), pool, {&item, 1}, 1.0f / std::sqrt(static_cast<float>(d))}).ok());
+        std::copy(output.begin(), output.end(), outputs.begin() + static_cast<size_t>(q) * heads * d);
+      }
+      double err = 0, norm = 0;
+      for (size_t j = 0; j < outputs.size(); ++j) {
+        err += (outputs[j] - exact_outputs[j]) * (outputs[j] - exact_outputs[j]);
+        norm += exact_outputs[j] * exact_outputs[j];
+      }
+      error[i] = std::sqrt(err / norm);
+    }
+    SetActiveSimdLevel(original);
+    std::printf("%-20s output error: fp32 kernel %.4f, integer kernel %.4f\n", name, error[0], error[1]);
+    EXPECT_LE(error[1], 1.02 * error[0]);
     backend->FreePool(pool);
   }
 }

@@ -746,6 +746,7 @@ TEST(CpuFeatures, NamesEveryLevel) {
   EXPECT_EQ(SimdLevelName(SimdLevel::kScalar), "scalar");
   EXPECT_EQ(SimdLevelName(SimdLevel::kAvx2), "avx2");
   EXPECT_EQ(SimdLevelName(SimdLevel::kAvx512), "avx512");
+  EXPECT_EQ(SimdLevelName(SimdLevel::kAvx512Vnni), "avx512_vnni");
 }
 
 TEST(CpuFeatures, SupportedLevelsAscendFromScalarToDetected) {
@@ -760,7 +761,7 @@ TEST(CpuFeatures, SupportedLevelsAscendFromScalarToDetected) {
 
 TEST(CpuFeatures, SetActiveLevelClampsToDetected) {
   ScopedSimdLevel restore(ActiveSimdLevel());
-  EXPECT_EQ(SetActiveSimdLevel(SimdLevel::kAvx512), DetectedSimdLevel());
+  EXPECT_EQ(SetActiveSimdLevel(SimdLevel::kAvx512Vnni), DetectedSimdLevel());
   EXPECT_EQ(ActiveSimdLevel(), DetectedSimdLevel());
   EXPECT_EQ(SetActiveSimdLevel(SimdLevel::kScalar), SimdLevel::kScalar);
   EXPECT_EQ(ActiveSimdLevel(), SimdLevel::kScalar);

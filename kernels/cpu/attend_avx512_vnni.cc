@@ -1,0 +1,585 @@
+// AVX-512 integer attention for TurboQuant pages (centroid keys; centroid or
+// uniform values; 2-4 bits; head_dim 64 or a multiple of 128), on CPUs with
+// VNNI, BF16 and VBMI. The fp32 kernels spend 2 x rows x head_dim FMA lanes per
+// token and head; this one spends a quarter of that on scores and half on
+// values:
+//
+// - Scores with vpdpbusd (64 byte products per instruction). The codebook is
+//   one table for every coordinate, so a code becomes its centroid as an
+//   unsigned byte with one vpermb; the query is rounded to int8 once per
+//   call. Codes are unpacked in registers: vpermt2b gathers the bytes of
+//   eight codes into each qword, vpmultishiftqb moves each code to its own
+//   byte. A vector holds 32 coordinates of two tokens; the dot products of a
+//   row reduce with one transpose-add per 8 or 16 tokens.
+// - Values with vdpbf16ps (pairs of tokens per instruction): a vector holds
+//   16 coordinates of two tokens as interleaved bf16 centroids (vpermt2b,
+//   vpsrlvw, vpermw), times the pair of softmax weights (times the tokens'
+//   scales) as bf16, broadcast from memory.
+//
+// Its error against exact attention over the same bytes, and why it sits far
+// inside the codec's own error, is stated in attend_kernels.h.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/addback_table.h"
+#include "kernels/cpu/attend_kernels.h"
+
+namespace tqkv {
+namespace cpu_internal {
+namespace {
+
+constexpr int kBlock = 64;     // tokens per online-softmax step
+constexpr int kGroup = 16;     // tokens per score vector
+constexpr int kSegment = 128;  // coordinates whose codes one pair of loads covers
+
+// exp(x) for x <= 0, relative error < 2e-7 (as in the fp32 kernels).
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline float Sum(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+inline float Max(__m512 v) {
+  const __m256 a = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_max_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
+}
+
+// The bytes of one token's codes for segment s (coordinates 128 s ...):
+// a masked load, so it never reads past them.
+inline __m512i LoadSegment(const uint8_t* codes, int offset, __mmask64 mask) {
+  return _mm512_maskz_loadu_epi8(mask, codes + offset);
+}
+
+// The integer dot products of kPairs pairs of tokens with one row, given
+// acc[p] (lanes 0-7: partial sums of the pair's first token, 8-15: of its
+// second), reduced so that lane i holds token i of the tile (tokens p and
+// p + 4 form pair p of a tile of 8; tokens kPairFirst16[p] and that + 4 of a
+// tile of 16).
+template <int kPairs>
+inline __m512i SumPairs(const __m512i* acc) {
+  __m512i a[kPairs / 2];
+  for (int i = 0; i < kPairs / 2; ++i) {
+    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * i], acc[2 * i + 1]),
+                            _mm512_unpackhi_epi32(acc[2 * i], acc[2 * i + 1]));
+  }
+  __m512i b[kPairs / 4];
+  for (int i = 0; i < kPairs / 4; ++i) {
+    b[i] =
+        _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+  }
+  // 128-bit lane j of b[i] holds partial sums (over that lane) of pairs
+  // 4i ... 4i + 3: lanes 0 and 1 belong to the pairs' first tokens.
+  if constexpr (kPairs == 8) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xdd));
+  } else {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[0], 0x88), _mm512_shuffle_i32x4(b[0], b[0], 0xdd));
+  }
+}
+constexpr int kPairFirst16[8] = {0, 1, 2, 3, 8, 9, 10, 11};
+
+// b-bit key codes as unsigned bytes: 32 coordinates of two tokens per
+// vector, each the centroid + 128 in units of key_unit().
+template <int kBits>
+class KeyCodes {
+ public:
+  explicit KeyCodes(const float* centroids) {
+    // Qword k of chunk m gathers the kBits bytes of codes 32 m + 8 (k % 4)
+    // ... + 7 of token k / 4 (table index 64 and up: the second token).
+    alignas(64) uint8_t gather[4][64];
+    alignas(64) uint8_t shift[64];
+    for (int m = 0; m < 4; ++m) {
+      for (int k = 0; k < 8; ++k) {
+        for (int i = 0; i < 8; ++i) {
+          const int from = 4 * kBits * m + kBits * (k % 4) + std::min(i, kBits - 1);
+          gather[m][8 * k + i] = static_cast<uint8_t>(from + (k / 4) * 64);
+        }
+      }
+    }
+    for (int i = 0; i < 64; ++i) shift[i] = static_cast<uint8_t>(kBits * (i % 8));
+    for (int m = 0; m < 4; ++m) gather_[m] = _mm512_load_si512(gather[m]);
+    shift_ = _mm512_load_si512(shift);
+    // vpermb reads index bits [5:0]: repeating the 2^b entries over 64 makes
+    // the bits of the next code above a code irrelevant.
+    float max_abs = 0.0f;
+    for (int i = 0; i < (1 << kBits); ++i) max_abs = std::max(max_abs, std::fabs(centroids[i]));
+    unit_ = max_abs > 0.0f ? max_abs / 127.0f : 1.0f;
+    alignas(64) uint8_t table[64];
+    for (int i = 0; i < 64; ++i) {
+      const float c = centroids[i % (1 << kBits)] / unit_;
+      table[i] = static_cast<uint8_t>(128 + static_cast<int>(std::lrint(std::clamp(c, -127.0f, 127.0f))));
+    }
+    table_ = _mm512_load_si512(table);
+  }
+
+  // What a byte stands for: centroid = unit() * (byte - 128).
+  float unit() const { return unit_; }
+
+  // Chunk m (coordinates 32 m ... + 31 of a segment) of tokens a (bytes
+  // 0-31) and b (bytes 32-63), given the segment's code bytes of each.
+  __m512i Chunk(__m512i a, __m512i b, int m) const {
+    const __m512i gathered = _mm512_permutex2var_epi8(a, gather_[m], b);
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shift_, gathered), table_);
+  }
+
+ private:
+  __m512i gather_[4], shift_, table_;
+  float unit_;
+};
+
+// b-bit value codes as bf16: centroids, or uniform codes as themselves (0-15
+// are exact in bf16). 16 coordinates of two tokens per vector, interleaved
+// (word 2 i + t: coordinate i of token t).
+template <FieldFormat kFormat, int kBits>
+class ValueCodes {
+ public:
+  explicit ValueCodes(const float* centroids) {
+    // Word 2 i + t of block c takes the two bytes in which code 16 c + i of
+    // token t starts; vpsrlvw then moves the code to bit 0.
+    alignas(64) uint16_t words[8][32];
+    alignas(64) uint16_t shift[32];
+    for (int c = 0; c < 8; ++c) {
+      for (int i = 0; i < 16; ++i) {
+        const int bit = kBits * (16 * c + i);
+        for (int t = 0; t < 2; ++t) {
+          const int lo = bit / 8 + 64 * t;
+          const int hi = std::min(bit / 8 + 1, 16 * kBits - 1) + 64 * t;
+          words[c][2 * i + t] = static_cast<uint16_t>(lo | (hi << 8));
+        }
+      }
+    }
+    for (int i = 0; i < 16; ++i) shift[2 * i] = shift[2 * i + 1] = static_cast<uint16_t>((kBits * i) % 8);
+    for (int c = 0; c < 8; ++c) gather_[c] = _mm512_load_si512(words[c]);
+    shift_ = _mm512_load_si512(shift);
+    // vpermw reads index bits [4:0].
+    alignas(64) uint16_t table[32];
+    for (int i = 0; i < 32; ++i) {
+      const int code = i % (1 << kBits);
+      table[i] = RoundToBf16(kFormat == FieldFormat::kCentroids ? centroids[code] : static_cast<float>(code));
+    }
+    table_ = _mm512_load_si512(table);
+  }
+
+  // Block c (coordinates 16 c ... + 15 of a segment) of tokens a and b.
+  __m512bh Block(__m512i a, __m512i b, int c) const {
+    const __m512i gathered = _mm512_permutex2var_epi8(a, gather_[c], b);
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(gathered, shift_), table_);
+  }
+
+ private:
+  static uint16_t RoundToBf16(float x) {  // to nearest even; centroids are finite
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return static_cast<uint16_t>(bits >> 16);
+  }
+
+  __m512i gather_[8], shift_, table_;
+};
+
+// Row tiles of 4, 2 and 1.
+template <typename F>
+inline void ForRowTiles(int rows, F&& tile) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) tile(std::integral_constant<int, 4>{}, r);
+  if (rows - r >= 2) {
+    tile(std::integral_constant<int, 2>{}, r);
+    r += 2;
+  }
+  if (r < rows) tile(std::integral_constant<int, 1>{}, r);
+}
+
+// Where each token of a block lives, and its scalars.
+struct BlockTokens {
+  const uint8_t* key_codes[kBlock];
+  const uint8_t* value_codes[kBlock];
+  alignas(64) float key_scale[kBlock];
+  alignas(64) float value_scale[kBlock];
+  alignas(64) float value_zero[kBlock];  // uniform values: x = scale * code + zero
+};
+
+// The fp16 scales of n <= 64 tokens (one scalar per token), or with
+// `zero`, their [scale, zero] pairs.
+inline void LoadScalars(const uint8_t* scalars, int n, float* scale, float* zero) {
+  for (int k = 0; k < n; k += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
+    if (zero == nullptr) {
+      _mm512_mask_storeu_ps(scale + k, lanes, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scalars + 2 * k)));
+      continue;
+    }
+    const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes), scalars + 4 * k));
+    const __m512 hi =
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes >> 8), scalars + 4 * k + 32));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    _mm512_mask_storeu_ps(scale + k, lanes, _mm512_permutex2var_ps(lo, even, hi));
+    _mm512_mask_storeu_ps(zero + k, lanes,
+                          _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
+  }
+}
+
+inline __m512 AddBack(const HeadAttendParams& p, const AddBackTable& table, int r, int at) {
+  const int pairs = table.pairs();
+  const float* coef = p.addback_coef + static_cast<size_t>(r) * 2 * pairs;
+  __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
+  for (int i = 0; i < pairs; ++i) {
+    sum = _mm512_fmadd_ps(_mm512_set1_ps(coef[i]), _mm512_loadu_ps(table.cos(i) + at), sum);
+    sum2 = _mm512_fmadd_ps(_mm512_set1_ps(coef[pairs + i]), _mm512_loadu_ps(table.sin(i) + at), sum2);
+  }
+  return _mm512_add_ps(sum, sum2);
+}
+
+// Per-thread room for the int8 queries (rows x 2 d bytes).
+uint8_t* QueryBytes(size_t n) {
+  thread_local std::vector<uint8_t> scratch;
+  if (scratch.size() < n + 64) scratch.resize(n + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+}
+
+template <int kKeyBits, FieldFormat kValue, int kValueBits>
+struct Kernel {
+  static constexpr bool kUniform = kValue == FieldFormat::kUniform;
+  // The int8 query: row r, segment s, chunk m is 64 bytes at
+  // q8 + r * 2d + 256 s + 64 m: its 32 coordinates twice.
+  const HeadAttendParams& p;
+  const int d;
+  const int segments;
+  const KeyCodes<kKeyBits> keys;
+  const ValueCodes<kValue, kValueBits> values;
+
+  Kernel(const HeadAttendParams& params)
+      : p(params),
+        d(params.head_dim),
+        segments((params.head_dim + kSegment - 1) / kSegment),
+        keys(params.key.centroids),
+        values(params.value.centroids) {}
+
+  int SegmentCoords(int s) const { return std::min(kSegment, d - kSegment * s); }
+  static __mmask64 Mask(int bytes) { return bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1; }
+
+  // Raw integer scores (before the +128 correction) of kRows rows with a
+  // tile of 2 * kPairs tokens (kPairs = 4 for 4 rows, else 8: 16
+  // accumulators or fewer), into raw[r * kBlock + i]. Every loop but the
+  // segments' has a compile-time count, so the accumulators stay in registers.
+  template <int kRows, int kChunks>
+  void ScoreTile(const uint8_t* const* codes, const uint8_t* q8, int32_t* raw) const {
+    constexpr int kPairs = kRows == 4 ? 4 : 8;
+    __m512i acc[kRows][kPairs];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+      for (int pair = 0; pair < kPairs; ++pair) acc[r][pair] = _mm512_setzero_si512();
+    }
+    const __mmask64 mask = Mask(kChunks * 4 * kKeyBits);
+    for (int s = 0; s < segments; ++s) {
+      const int offset = 16 * kKeyBits * s;
+#pragma GCC unroll 8
+      for (int pair = 0; pair < kPairs; ++pair) {
+        const int first = kPairs == 8 ? kPairFirst16[pair] : pair;
+        const __m512i a = LoadSegment(codes[first], offset, mask);
+        const __m512i b = LoadSegment(codes[first + 4], offset, mask);
+#pragma GCC unroll 4
+        for (int m = 0; m < kChunks; ++m) {
+          const __m512i k = keys.Chunk(a, b, m);
+#pragma GCC unroll 4
+          for (int r = 0; r < kRows; ++r) {
+            const __m512i q = _mm512_load_si512(q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m);
+            acc[r][pair] = _mm512_dpbusd_epi32(acc[r][pair], k, q);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i sums = SumPairs<kPairs>(acc[r]);
+      if constexpr (kPairs == 8) {
+        _mm512_storeu_si512(raw + r * kBlock, sums);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(raw + r * kBlock), _mm512_castsi512_si256(sums));
+      }
+    }
+  }
+
+  // out[r][16 (b + c) + i] += sum over the block's pairs of tokens of
+  // weight x value, for kRows rows and kBlocks 16-coordinate blocks of one
+  // segment.
+  template <int kRows, int kBlocks>
+  void ValueTile(const uint8_t* const* codes, int pairs, const uint16_t* weights, int s, int b, float* out) const {
+    __m512 acc[kRows][kBlocks];
+    for (auto& row : acc) {
+      for (__m512& a : row) a = _mm512_setzero_ps();
+    }
+    const int offset = kSegment * kValueBits / 8 * s;
+    const __mmask64 mask = Mask(SegmentCoords(s) * kValueBits / 8);
+    for (int pair = 0; pair < pairs; ++pair) {
+      const __m512i va = LoadSegment(codes[2 * pair], offset, mask);
+      const __m512i vb = LoadSegment(codes[2 * pair + 1], offset, mask);
+      __m512bh w[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        int both;
+        memcpy(&both, weights + r * kBlock + 2 * pair, 4);
+        w[r] = (__m512bh)_mm512_set1_epi32(both);
+      }
+      for (int c = 0; c < kBlocks; ++c) {
+        const __m512bh v = values.Block(va, vb, b + c);
+        for (int r = 0; r < kRows; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v, w[r]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      for (int c = 0; c < kBlocks; ++c) {
+        float* o = out + static_cast<size_t>(r) * d + kSegment * s + 16 * (b + c);
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[r][c]));
+      }
+    }
+  }
+
+  void Run() {
+    const int rows = p.rows;
+    // Queries to int8, per row: q = unit[r] * q8, |q8| <= 127; their sums
+    // undo the +128 of the key bytes.
+    uint8_t* q8 = QueryBytes(static_cast<size_t>(rows) * 2 * d);
+    float score_unit[kMaxRows];
+    int32_t q8_sum[kMaxRows];
+    for (int r = 0; r < rows; ++r) {
+      const float* q = p.queries + static_cast<size_t>(r) * d;
+      float max_abs = 0.0f;
+      for (int j = 0; j < d; ++j) max_abs = std::max(max_abs, std::fabs(q[j]));
+      const float unit = max_abs > 0.0f ? max_abs / 127.0f : 1.0f;
+      int32_t sum = 0;
+      for (int j = 0; j < d; ++j) {
+        const int v = static_cast<int>(std::lrint(std::clamp(q[j] / unit, -127.0f, 127.0f)));
+        sum += v;
+        const int s = j / kSegment, m = (j % kSegment) / 32, i = j % 32;
+        uint8_t* chunk = q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m;
+        chunk[i] = chunk[32 + i] = static_cast<uint8_t>(static_cast<int8_t>(v));
+      }
+      q8_sum[r] = sum;
+      score_unit[r] = unit * keys.unit();
+    }
+
+    alignas(64) int32_t raw[kMaxRows * kBlock];
+    alignas(64) float scores[kMaxRows * kBlock];
+    alignas(64) uint16_t weights[kMaxRows * kBlock];
+    BlockTokens tokens;
+    float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
+    const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
+    for (int r = 0; r < rows; ++r) {
+      row_max[r] = -std::numeric_limits<float>::infinity();
+      row_sum[r] = 0.0f;
+      row_zero[r] = 0.0f;
+      memset(p.out + static_cast<size_t>(r) * d, 0, sizeof(float) * d);
+    }
+    const float kNegInf = -std::numeric_limits<float>::infinity();
+    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+    const auto seen_lanes = [](int64_t seen) {
+      return static_cast<__mmask16>(seen >= kGroup ? 0xffff : seen <= 0 ? 0 : (1u << seen) - 1);
+    };
+
+    static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
+    const int64_t first = RunBlockStart(p, kBlock);
+    AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
+    int64_t page_index = first / p.page_tokens;
+    int slot = static_cast<int>(first % p.page_tokens);
+    const int64_t end = max_visible > p.token_begin ? max_visible : first;
+    for (int64_t t0 = first; t0 < end; t0 += kBlock) {
+      addback.Next();
+      const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
+      PrefetchTokens(p, std::min(t0 + kBlock, max_visible), std::min(t0 + 2 * kBlock, max_visible));
+      const int groups = (count + kGroup - 1) / kGroup;
+      for (int i = 0; i < count;) {  // per run of tokens in one page
+        const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
+        const int n = std::min(count - i, p.page_tokens - slot);
+        const uint8_t* key_codes = page + p.key.codes_offset + static_cast<size_t>(slot) * p.key.code_bytes;
+        const uint8_t* value_codes = page + p.value.codes_offset + static_cast<size_t>(slot) * p.value.code_bytes;
+        for (int k = 0; k < n; ++k) {
+          tokens.key_codes[i + k] = key_codes + k * p.key.code_bytes;
+          tokens.value_codes[i + k] = value_codes + k * p.value.code_bytes;
+        }
+        LoadScalars(page + p.key.scalars_offset + 2 * slot, n, tokens.key_scale + i, nullptr);
+        LoadScalars(page + p.value.scalars_offset + 2 * slot * p.value.num_scalars, n, tokens.value_scale + i,
+                    kUniform ? tokens.value_zero + i : nullptr);
+        i += n;
+        slot += n;
+        if (slot == p.page_tokens) {
+          slot = 0;
+          ++page_index;
+        }
+      }
+      for (int i = 0; i < p.token_begin - t0; ++i) {  // before token_begin: as padding
+        tokens.key_codes[i] = tokens.key_codes[p.token_begin - t0];
+        tokens.value_codes[i] = tokens.value_codes[p.token_begin - t0];
+        tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+      }
+      for (int i = count; i < groups * kGroup; ++i) {  // masked copies of a real token
+        tokens.key_codes[i] = tokens.key_codes[0];
+        tokens.value_codes[i] = tokens.value_codes[0];
+        tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+      }
+
+      // Raw scores, tile by tile.
+      ForRowTiles(rows, [&](auto tile_rows, int r0) {
+        constexpr int kRows = decltype(tile_rows)::value;
+        constexpr int kTokens = kRows == 4 ? 8 : 16;
+        if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
+        for (int i = 0; i < groups * kGroup; i += kTokens) {
+          if (d == 64) {
+            ScoreTile<kRows, 2>(tokens.key_codes + i, q8 + static_cast<size_t>(r0) * 2 * d, raw + r0 * kBlock + i);
+          } else {
+            ScoreTile<kRows, 4>(tokens.key_codes + i, q8 + static_cast<size_t>(r0) * 2 * d, raw + r0 * kBlock + i);
+          }
+        }
+      });
+
+      // Scores, masked; then the online softmax, and bf16 weights times the
+      // tokens' value scales.
+      for (int r = 0; r < rows; ++r) {
+        if (p.visible[r] <= t0) continue;
+        float* sc = scores + r * kBlock;
+        const __m512 unit = _mm512_set1_ps(score_unit[r]);
+        const __m512i bias = _mm512_set1_epi32(128 * q8_sum[r]);
+        __m512 m = neg_inf;
+        for (int g = 0; g < groups; ++g) {
+          const int64_t group_start = t0 + kGroup * g;
+          const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(raw + r * kBlock + kGroup * g), bias);
+          __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), unit),
+                                   _mm512_load_ps(tokens.key_scale + kGroup * g));
+          if (addback.pairs() > 0) s = _mm512_add_ps(s, AddBack(p, addback, r, kGroup * g));
+          const __mmask16 live =
+              seen_lanes(p.visible[r] - group_start) & static_cast<__mmask16>(~seen_lanes(p.token_begin - group_start));
+          s = _mm512_mask_mov_ps(neg_inf, live, s);
+          _mm512_store_ps(sc + kGroup * g, s);
+          m = _mm512_max_ps(m, s);
+        }
+        const float new_max = std::max(row_max[r], Max(m));
+        const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+        row_max[r] = new_max;
+        __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps();
+        for (int g = 0; g < groups; ++g) {
+          const __m512 s = _mm512_load_ps(sc + kGroup * g);
+          const __mmask16 live = _mm512_cmp_ps_mask(s, neg_inf, _CMP_NEQ_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(live, Exp(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+          sum = _mm512_add_ps(sum, e);
+          if constexpr (kUniform)
+            zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
+          const __m512 w = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g),
+                             (__m256i)_mm512_cvtneps_pbh(w));
+        }
+        row_sum[r] = row_sum[r] * correction + Sum(sum);
+        row_zero[r] = row_zero[r] * correction + Sum(zero_sum);
+        if (correction != 1.0f) {
+          float* out = p.out + static_cast<size_t>(r) * d;
+          const __m512 factor = _mm512_set1_ps(correction);
+          for (int c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(out + c), factor));
+        }
+      }
+
+      // Values, tile by tile; rows that see none of the block weigh zero.
+      const int pairs = groups * kGroup / 2;
+      ForRowTiles(rows, [&](auto tile_rows, int r0) {
+        constexpr int kRows = decltype(tile_rows)::value;
+        if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
+        for (int r = r0; r < r0 + kRows; ++r) {
+          if (p.visible[r] <= t0) memset(weights + r * kBlock, 0, sizeof(uint16_t) * kBlock);
+        }
+        float* out = p.out + static_cast<size_t>(r0) * d;
+        const uint16_t* w = weights + r0 * kBlock;
+        for (int s = 0; s < segments; ++s) {
+          const int blocks = SegmentCoords(s) / 16;
+          int b = 0;
+          if constexpr (kRows <= 2) {
+            for (; b + 8 <= blocks; b += 8) ValueTile<kRows, 8>(tokens.value_codes, pairs, w, s, b, out);
+          }
+          for (; b + 4 <= blocks; b += 4) ValueTile<kRows, 4>(tokens.value_codes, pairs, w, s, b, out);
+        }
+      });
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* out = p.out + static_cast<size_t>(r) * d;
+      if (row_sum[r] == 0.0f) {  // saw no token
+        memset(out, 0, sizeof(float) * d);
+        p.lse[r] = kNegInf;
+        continue;
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / row_sum[r]);
+      const __m512 shift = _mm512_set1_ps(row_zero[r] / row_sum[r]);
+      for (int c = 0; c < d; c += 16) {
+        _mm512_storeu_ps(out + c, _mm512_fmadd_ps(_mm512_loadu_ps(out + c), inv, shift));
+      }
+      p.lse[r] = row_max[r] + std::log(row_sum[r]);
+    }
+  }
+};
+
+template <int kKeyBits, FieldFormat kValue, int kValueBits>
+void Run(const HeadAttendParams& params) {
+  Kernel<kKeyBits, kValue, kValueBits>(params).Run();
+}
+
+template <int kKeyBits, FieldFormat kValue>
+AttendKernel PickForBits(int value_bits) {
+  switch (value_bits) {
+    case 2:
+      return &Run<kKeyBits, kValue, 2>;
+    case 3:
+      return &Run<kKeyBits, kValue, 3>;
+    case 4:
+      return &Run<kKeyBits, kValue, 4>;
+  }
+  return nullptr;
+}
+
+template <int kKeyBits>
+AttendKernel PickForValue(const FieldReader& value) {
+  if (value.format == FieldFormat::kCentroids) return PickForBits<kKeyBits, FieldFormat::kCentroids>(value.bits);
+  if (value.format == FieldFormat::kUniform) return PickForBits<kKeyBits, FieldFormat::kUniform>(value.bits);
+  return nullptr;
+}
+
+AttendKernel Pick(const FieldReader& key, const FieldReader& value, int head_dim) {
+  if (key.format != FieldFormat::kCentroids) return nullptr;
+  if (head_dim % kSegment != 0 && head_dim != 64) return nullptr;  // whole segments
+  switch (key.bits) {
+    case 2:
+      return PickForValue<2>(value);
+    case 3:
+      return PickForValue<3>(value);
+    case 4:
+      return PickForValue<4>(value);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& value, int head_dim) {
+  return Pick(key, value, head_dim) != nullptr;
+}
+
+void AttendHeadAvx512Vnni(const HeadAttendParams& params) { Pick(params.key, params.value, params.head_dim)(params); }
+
+}  // namespace cpu_internal
+}  // namespace tqkv
