@@ -20,6 +20,13 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCuda(const BackendOptions& options)
 #endif
 }
 
+std::unique_ptr<Backend> MakeCpu(const BackendOptions& options) {
+  CpuBackendOptions cpu;
+  cpu.num_threads = options.cpu_threads;
+  cpu.integer_attention = options.cpu_integer_attention;
+  return MakeCpuBackend(cpu);
+}
+
 }  // namespace
 
 bool CudaBackendBuilt() { return TQKV_HAVE_CUDA_BACKEND != 0; }
@@ -27,13 +34,13 @@ bool CudaBackendBuilt() { return TQKV_HAVE_CUDA_BACKEND != 0; }
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options,
                                                      std::string* why_not_cuda) {
   if (why_not_cuda != nullptr) why_not_cuda->clear();
-  if (options.name == "cpu") return MakeCpuBackend(options.cpu_threads);
+  if (options.name == "cpu") return MakeCpu(options);
   if (options.name == "cuda") return MakeCuda(options);
   if (options.name == "auto") {
     absl::StatusOr<std::unique_ptr<Backend>> cuda = MakeCuda(options);
     if (cuda.ok()) return cuda;
     if (why_not_cuda != nullptr) *why_not_cuda = std::string(cuda.status().message());
-    return MakeCpuBackend(options.cpu_threads);
+    return MakeCpu(options);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("backend '", options.name, "' is unknown; want auto, cpu or cuda"));

@@ -20,6 +20,9 @@ struct BackendOptions {
   std::string name = "auto";
   // CPU backend worker threads; 0 means the hardware concurrency.
   int cpu_threads = 0;
+  // CPU TurboQuant attention through the integer kernel where the CPU has
+  // AVX-512 VNNI + BF16 + VBMI (CpuBackendOptions::integer_attention).
+  bool cpu_integer_attention = true;
   // CUDA device ordinal.
   int cuda_device = 0;
   // CUDA decode on the tensor cores where the layout allows (TF32 operands,

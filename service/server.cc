@@ -170,6 +170,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   backend_options.cpu_threads = options.threads;
   backend_options.cuda_device = options.cuda_device;
   backend_options.cuda_tensor_cores = options.cuda_tensor_cores;
+  backend_options.cpu_integer_attention = options.cpu_integer_attention;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
                    MakeBackend(backend_options, &server->why_not_cuda_));
   // With "auto" on a device, each cache whose layout the device backend

@@ -57,6 +57,9 @@ struct ServerOptions {
   int cuda_device = 0;
   // CUDA decode on the tensor cores where the layout allows (BackendOptions).
   bool cuda_tensor_cores = true;
+  // CPU TurboQuant attention through the integer kernel where the CPU has
+  // AVX-512 VNNI + BF16 + VBMI (BackendOptions::cpu_integer_attention).
+  bool cpu_integer_attention = true;
   // Largest request or response, in bytes. A larger request fails with
   // RESOURCE_EXHAUSTED before it reaches a handler.
   int max_message_bytes = 64 << 20;

@@ -48,6 +48,10 @@ ABSL_FLAG(int, cuda_device, 0, "CUDA device ordinal for the CUDA backend.");
 ABSL_FLAG(bool, cuda_tensor_cores, true,
           "CUDA decode on the tensor cores where the layout allows (TF32, outputs within about 2e-3 of "
           "fp32); false: the fp32 kernel.");
+ABSL_FLAG(bool, cpu_integer_attention, true,
+          "CPU TurboQuant attention through the integer kernel (int8 scores, bf16 values) where the CPU has "
+          "AVX-512 VNNI, BF16 and VBMI: about twice as fast, outputs within 2% of the fp32 kernel's error; "
+          "false: fp32 attention everywhere.");
 ABSL_FLAG(int, threads, 0, "CPU backend worker threads (0: hardware concurrency).");
 ABSL_FLAG(int, executor_threads, 0,
           "Threads calls run on, off gRPC's own (0: 2 x hardware concurrency, at least 4).");
@@ -218,6 +222,7 @@ int main(int argc, char** argv) {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   options.cuda_tensor_cores = absl::GetFlag(FLAGS_cuda_tensor_cores);
+  options.cpu_integer_attention = absl::GetFlag(FLAGS_cpu_integer_attention);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.executor.threads = absl::GetFlag(FLAGS_executor_threads);
   options.executor.max_pending = absl::GetFlag(FLAGS_max_pending_calls);

@@ -144,6 +144,8 @@ struct RecipeOverrides {
   int64_t pairs = 8;
 };
 RecipeOverrides g_recipe;
+// CpuBackendOptions::integer_attention of the benches' backends (--integer-attention).
+bool g_integer_attention = true;
 
 absl::Status ApplyRecipeOverrides(KvLayoutOptions* options) {
   if (g_recipe.centering == "none") {
@@ -228,7 +230,10 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
   absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(options);
   if (!layout.ok()) return layout.status();
   stored->layout = *layout;
-  stored->backend = MakeCpuBackend(threads);
+  CpuBackendOptions backend_options;
+  backend_options.num_threads = threads;
+  backend_options.integer_attention = g_integer_attention;
+  stored->backend = MakeCpuBackend(backend_options);
   const int32_t pages = static_cast<int32_t>((tokens + page_tokens - 1) / page_tokens);
   stored->pool.num_pages = pages;
   if (absl::Status status = StoreRecipeState(*stored, shape, contexts, tokens, seed); !status.ok()) return status;
@@ -361,6 +366,10 @@ int RunBenchAttend(int argc, const char* const* argv) {
   flags.AddInt("batch", &batch, "items per Attend call");
   flags.AddDouble("min-seconds", &min_seconds, "measuring time per figure");
   flags.AddInt("threads", &threads, "CPU backend threads (KV heads and items run in parallel)");
+  flags.AddBool("integer-attention", &g_integer_attention,
+                "TurboQuant attention through the CPU's integer kernel where it has AVX-512 VNNI + BF16 +\n"
+                "VBMI, as the server does by default (--integer-attention=false: fp32, the server's\n"
+                "--cpu_integer_attention=false)");
   bool compare_plain = false;
   flags.AddBool("compare-plain", &compare_plain,
                 "also time each preset without centering and exact tokens, alternating calls with the\n"

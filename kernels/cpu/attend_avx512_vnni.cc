@@ -75,6 +75,15 @@ inline __m512i LoadSegment(const uint8_t* codes, int offset, __mmask64 mask) {
   return _mm512_maskz_loadu_epi8(mask, codes + offset);
 }
 
+// acc + the byte dot products (vpdpbusd) of unsigned k with the signed bytes
+// at q, read from memory by the instruction itself: left to the compiler,
+// the 16 query vectors a tile shares would be hoisted into registers and
+// spill the accumulators.
+inline __m512i DotBytes(__m512i acc, __m512i k, const uint8_t* q) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(k), "m"(*reinterpret_cast<const __m512i*>(q)));
+  return acc;
+}
+
 // The integer dot products of kPairs pairs of tokens with one row, given
 // acc[p] (lanes 0-7: partial sums of the pair's first token, 8-15: of its
 // second), reduced so that lane i holds token i of the tile (tokens p and
@@ -306,8 +315,7 @@ struct Kernel {
           const __m512i k = keys.Chunk(a, b, m);
 #pragma GCC unroll 4
           for (int r = 0; r < kRows; ++r) {
-            const __m512i q = _mm512_load_si512(q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m);
-            acc[r][pair] = _mm512_dpbusd_epi32(acc[r][pair], k, q);
+            acc[r][pair] = DotBytes(acc[r][pair], k, q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m);
           }
         }
       }

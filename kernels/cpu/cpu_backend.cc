@@ -106,16 +106,20 @@ absl::Status CheckPages(const PagePool& pool, absl::Span<const int32_t> pages) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int num_threads)
-      : num_threads_(num_threads > 0 ? num_threads
-                                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
+  explicit CpuBackend(const CpuBackendOptions& options)
+      : num_threads_(options.num_threads > 0 ? options.num_threads
+                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
+        integer_attention_(options.integer_attention),
         pool_(num_threads_ - 1) {}
 
   std::string name() const override { return "cpu"; }
 
   std::string device() const override {
-    return absl::StrFormat("x86-64, %d threads, %s", num_threads_,
-                           std::string(SimdLevelName(ActiveSimdLevel())));
+    const SimdLevel level = ActiveSimdLevel();
+    return absl::StrFormat("x86-64, %d threads, %s%s", num_threads_, std::string(SimdLevelName(level)),
+                           level < SimdLevel::kAvx512Vnni ? ""
+                           : integer_attention_           ? ", integer attention"
+                                                          : ", fp32 attention");
   }
 
   absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
@@ -328,13 +332,13 @@ class CpuBackend final : public Backend {
   }
 
   // The fused kernel for one layout's (layer, KV head), or null.
-  static cpu_internal::AttendKernel PickKernel(const KvLayout& layout, int layer, int kv,
+  cpu_internal::AttendKernel PickKernel(const KvLayout& layout, int layer, int kv,
                                                cpu_internal::FieldReader* key,
                                                cpu_internal::FieldReader* value) {
     const SimdLevel level = ActiveSimdLevel();
     const bool avx512 = level >= SimdLevel::kAvx512 && __builtin_cpu_supports("avx512dq");
     const bool avx2 = level >= SimdLevel::kAvx2;
-    const bool vnni = level >= SimdLevel::kAvx512Vnni;
+    const bool vnni = integer_attention_ && level >= SimdLevel::kAvx512Vnni;
     const HeadView view = View(layout, layer, kv);
     *key = cpu_internal::DescribeField(*view.key);
     *value = cpu_internal::DescribeField(*view.value);
@@ -553,6 +557,7 @@ class CpuBackend final : public Backend {
   }
 
   int num_threads_;
+  bool integer_attention_;
   ThreadPool pool_;
 };
 
@@ -606,8 +611,15 @@ FieldReader DescribeField(const VectorCodec& codec) {
 
 }  // namespace cpu_internal
 
+std::unique_ptr<Backend> MakeCpuBackend(const CpuBackendOptions& options) {
+  return std::make_unique<CpuBackend>(options);
+}
+
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads) {
-  return std::make_unique<CpuBackend>(num_threads);
+  CpuBackendOptions options;
+  options.num_threads = num_threads;
+  options.integer_attention = false;
+  return MakeCpuBackend(options);
 }
 
 }  // namespace tqkv

@@ -9,8 +9,22 @@
 
 namespace tqkv {
 
-// num_threads: worker threads for large calls; 0 means the hardware
-// concurrency. Calls from several caller threads run concurrently.
+struct CpuBackendOptions {
+  // Worker threads for large calls; 0 means the hardware concurrency. Calls
+  // from several caller threads run concurrently.
+  int num_threads = 0;
+  // TurboQuant attention (centroid keys, values of 2-4 bits) through the
+  // integer kernel where the CPU has it (SimdLevel::kAvx512Vnni: AVX-512 with
+  // VNNI, BF16 and VBMI): about twice as fast as fp32, at outputs within 2%
+  // of the fp32 kernels' error against exact attention (its rounding is
+  // stated in kernels/cpu/attend_kernels.h). false: fp32 everywhere. As the
+  // CUDA backend's tensor_cores.
+  bool integer_attention = true;
+};
+std::unique_ptr<Backend> MakeCpuBackend(const CpuBackendOptions& options);
+
+// The reference configuration: fp32 attention everywhere (no integer
+// kernel), which the tests hold to float64 within 1e-5.
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads = 0);
 
 }  // namespace tqkv

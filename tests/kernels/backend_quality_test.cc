@@ -97,8 +97,9 @@ TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
   const auto exact_logits = *eval::ScaledLogits(nq * heads, n, d, queries, keys);
   const std::vector<double> exact_values(values.begin(), values.end());
   const auto exact_outputs = *eval::SoftmaxWeightedOutputs(nq * heads, n, d, exact_logits, exact_values);
-  auto backend = MakeCpuBackend(2);
-  const SimdLevel original = ActiveSimdLevel();
+  CpuBackendOptions integer;
+  integer.num_threads = 2;
+  std::unique_ptr<Backend> backends[2] = {MakeCpuBackend(2), MakeCpuBackend(integer)};  // fp32, integer
   for (const char* name : {"turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4"}) {
     SCOPED_TRACE(name);
     KvLayoutOptions options;
@@ -110,14 +111,14 @@ TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
     options.preset = name;
     options.boundary_layers = 0;
     auto layout = *KvLayout::Create(options);
-    auto pool = *backend->AllocatePool(*layout, n / 16);
     std::vector<int32_t> slots(n), block_table(n / 16);
     std::iota(slots.begin(), slots.end(), 0);
     std::iota(block_table.begin(), block_table.end(), 0);
-    ASSERT_TRUE(backend->Store({layout.get(), pool, 0, 1, n, slots.data(), keys.data(), values.data()}).ok());
     double error[2];
     for (int i = 0; i < 2; ++i) {
-      SetActiveSimdLevel(i == 0 ? SimdLevel::kAvx512 : SimdLevel::kAvx512Vnni);
+      Backend* backend = backends[i].get();
+      auto pool = *backend->AllocatePool(*layout, n / 16);
+      ASSERT_TRUE(backend->Store({layout.get(), pool, 0, 1, n, slots.data(), keys.data(), values.data()}).ok());
       std::vector<double> outputs(static_cast<size_t>(nq) * heads * d);
       std::vector<float> output(heads * d), lse(heads);
       for (int q = 0; q < nq; ++q) {
@@ -132,11 +133,10 @@ TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
         norm += exact_outputs[j] * exact_outputs[j];
       }
       error[i] = std::sqrt(err / norm);
+      backend->FreePool(pool);
     }
-    SetActiveSimdLevel(original);
     std::printf("%-20s output error: fp32 kernel %.4f, integer kernel %.4f\n", name, error[0], error[1]);
     EXPECT_LE(error[1], 1.02 * error[0]);
-    backend->FreePool(pool);
   }
 }
 

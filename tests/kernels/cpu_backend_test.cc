@@ -42,7 +42,7 @@ std::vector<float> Gaussian(size_t n, uint64_t seed, float offset_every = 0) {
 // Stores `tokens` tokens of 2 layers into shuffled pages, attends with
 // `num_query` causal query tokens, and compares with float64 attention over
 // the vectors the codecs decode.
-void CheckStoreThenAttend(const Case& c, int tokens, int num_query) {
+void CheckStoreThenAttend(const Case& c, int tokens, int num_query, bool integer_attention = false) {
   SCOPED_TRACE(c.preset + " d=" + std::to_string(c.head_dim) + " page=" +
                std::to_string(c.page_tokens) + " gqa=" + std::to_string(c.query_heads / c.kv_heads));
   KvLayoutOptions options;
@@ -74,7 +74,10 @@ void CheckStoreThenAttend(const Case& c, int tokens, int num_query) {
   ASSERT_TRUE(layout_or.ok()) << layout_or.status();
   const KvLayout& layout = **layout_or;
   // Three threads: the (layer, head) and (item, head) tasks run on the pool.
-  auto backend = MakeCpuBackend(3);
+  CpuBackendOptions backend_options;
+  backend_options.num_threads = 3;
+  backend_options.integer_attention = integer_attention;
+  auto backend = MakeCpuBackend(backend_options);
   const int pages = (tokens + c.page_tokens - 1) / c.page_tokens + 3;
   auto pool = backend->AllocatePool(layout, pages);
   ASSERT_TRUE(pool.ok());
@@ -102,7 +105,7 @@ void CheckStoreThenAttend(const Case& c, int tokens, int num_query) {
   // (attend_kernels.h; AttendKernels below holds it to that model within
   // 1e-2): here it is held to a bound that the plumbing it shares with the
   // exact kernels (pages, segments, rows, the add-back) would break.
-  const bool integer = ActiveSimdLevel() == SimdLevel::kAvx512Vnni &&
+  const bool integer = integer_attention && ActiveSimdLevel() == SimdLevel::kAvx512Vnni &&
                        cpu_internal::AttendHeadAvx512VnniSupported(
                            cpu_internal::DescribeField(layout.key_codec(0, 0)),
                            cpu_internal::DescribeField(layout.value_codec(0, 0)), d);
@@ -189,6 +192,19 @@ TEST(CpuBackend, EveryHeadDimPageSizeAndGqaRatio) {
     for (int gqa : {1, 2, 4, 8}) CheckStoreThenAttend({"tqkv_k2p5v3", 64, 8, 2, 2 * gqa}, 33, 1);
     for (int gqa : {1, 4, 16}) CheckStoreThenAttend({"turboquant_4bit_nc", 64, 8, 1, gqa}, 33, 2);
   });
+}
+
+// The integer kernel through the backend: every preset it takes (and the
+// others, which fall back to fp32), head dims, pages, GQA ratios, several
+// query tokens. Only on a CPU that has it (SimdLevel::kAvx512Vnni).
+TEST(CpuBackend, IntegerAttentionThroughTheBackend) {
+  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + BF16 + VBMI on this CPU";
+  for (const Preset& preset : AllPresets()) CheckStoreThenAttend({std::string(preset.name), 128, 16, 2, 8}, 70, 1, true);
+  for (int d : {64, 128, 256}) {
+    for (int page : {1, 7, 16, 64}) CheckStoreThenAttend({"turboquant_3bit_nc", d, page, 2, 4}, 150, 1, true);
+    CheckStoreThenAttend({"tqkv_k3v3", d, 16, 2, 6}, 90, 3, true);
+  }
+  for (int gqa : {1, 2, 3, 4, 7, 16}) CheckStoreThenAttend({"turboquant_4bit_nc", 128, 16, 1, gqa}, 65, 2, true);
 }
 
 TEST(CpuBackend, SeveralQueryTokensAreCausalAmongThemselves) {
