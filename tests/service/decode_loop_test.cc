@@ -150,7 +150,11 @@ class DecodeLoopTest : public ::testing::Test {
     absl::StatusOr<std::vector<CacheOptions>> options =
         service::ToCacheOptions(*config, uint64_t{1} << 30);
     if (!options.ok()) return nullptr;
-    if (backend_ == nullptr) backend_ = MakeCpuBackend(2);
+    if (backend_ == nullptr) {
+      CpuBackendOptions backend;  // the server's defaults (integer attention where the CPU has it)
+      backend.num_threads = 2;
+      backend_ = MakeCpuBackend(backend);
+    }
     absl::StatusOr<std::unique_ptr<KvCache>> cache =
         KvCache::Create((*options)[index], backend_.get());
     return cache.ok() ? *std::move(cache) : nullptr;

@@ -174,7 +174,11 @@ class ServiceTest : public ::testing::Test {
     absl::StatusOr<std::vector<CacheOptions>> options =
         service::ToCacheOptions(*config, uint64_t{1} << 30);
     if (!options.ok()) return nullptr;
-    if (reference_backend_ == nullptr) reference_backend_ = MakeCpuBackend(kThreads);
+    if (reference_backend_ == nullptr) {
+      CpuBackendOptions backend;  // the server's defaults (integer attention where the CPU has it)
+      backend.num_threads = kThreads;
+      reference_backend_ = MakeCpuBackend(backend);
+    }
     absl::StatusOr<std::unique_ptr<KvCache>> cache =
         KvCache::Create((*options)[0], reference_backend_.get());
     return cache.ok() ? *std::move(cache) : nullptr;
