@@ -134,9 +134,7 @@ class KeyCodes {
     shift_ = _mm512_load_si512(shift);
     // vpermb reads index bits [5:0]: repeating the 2^b entries over 64 makes
     // the bits of the next code above a code irrelevant.
-    float max_abs = 0.0f;
-    for (int i = 0; i < (1 << kBits); ++i) max_abs = std::max(max_abs, std::fabs(centroids[i]));
-    unit_ = max_abs > 0.0f ? max_abs / 127.0f : 1.0f;
+    unit_ = IntegerKeyUnit(centroids, 1 << kBits);
     alignas(64) uint8_t table[64];
     for (int i = 0; i < 64; ++i) {
       const float c = centroids[i % (1 << kBits)] / unit_;
@@ -582,6 +580,32 @@ AttendKernel Pick(const FieldReader& key, const FieldReader& value, int head_dim
 }
 
 }  // namespace
+
+float IntegerKeyUnit(const float* centroids, int count) {
+  float max_abs = 0.0f;
+  for (int i = 0; i < count; ++i) max_abs = std::max(max_abs, std::fabs(centroids[i]));
+  if (!(max_abs > 0.0f)) return 1.0f;
+  // The largest centroid at 96-127 units: the one whose rounding moves the
+  // centroids least, relative to each (a Lloyd-Max codebook's smallest
+  // centroids are its most used; at 127 units the 3-bit one's is 3% off).
+  float best_unit = max_abs / 127.0f;
+  double best_error = std::numeric_limits<double>::infinity();
+  for (int top = 127; top >= 96; --top) {
+    const float unit = max_abs / static_cast<float>(top);
+    double error = 0;
+    for (int i = 0; i < count; ++i) {
+      if (centroids[i] == 0.0f) continue;
+      const double steps = static_cast<double>(centroids[i]) / unit;
+      const double relative = (steps - std::nearbyint(steps)) / steps;
+      error += relative * relative;
+    }
+    if (error < best_error) {
+      best_error = error;
+      best_unit = unit;
+    }
+  }
+  return best_unit;
+}
 
 bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& value, int head_dim) {
   return Pick(key, value, head_dim) != nullptr;

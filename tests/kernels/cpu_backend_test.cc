@@ -442,9 +442,10 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           SyntheticField kf_int = kf, vf_int = vf;
           std::vector<float> queries_int = queries;
           {
-            float max_c = 0;
-            for (float c : kf.centroids) max_c = std::max(max_c, std::fabs(c));
-            for (float& c : kf_int.centroids) c = std::lrint(c / (max_c / 127)) * (max_c / 127);
+            if (!kf.centroids.empty()) {
+              const float unit = cpu_internal::IntegerKeyUnit(kf.centroids.data(), static_cast<int>(kf.centroids.size()));
+              for (float& c : kf_int.centroids) c = std::lrint(c / unit) * unit;
+            }
             for (float& c : vf_int.centroids) c = Bf16ToFloat(FloatToBf16(c));
             for (int r = 0; r < rows; ++r) {
               float max_q = 0;
