@@ -114,27 +114,49 @@ constexpr int kPairFirst16[8] = {0, 1, 2, 3, 8, 9, 10, 11};
 // b-bit key codes as unsigned bytes: 32 coordinates of two tokens per
 // vector, each the centroid + 128 in units of key_unit().
 template <int kBits>
-class KeyCodes {
- public:
-  explicit KeyCodes(const float* centroids) {
-    // Qword k of chunk m gathers the kBits bytes of codes 32 m + 8 (k % 4)
-    // ... + 7 of token k / 4 (table index 64 and up: the second token).
-    alignas(64) uint8_t gather[4][64];
-    alignas(64) uint8_t shift[64];
+struct KeyIndex {
+  // Qword k of chunk m gathers the kBits bytes of codes 32 m + 8 (k % 4)
+  // ... + 7 of token k / 4 (table index 64 and up: the second token);
+  // vpmultishiftqb then takes byte i of a qword from bit kBits * i.
+  alignas(64) uint8_t gather[4][64] = {};
+  alignas(64) uint8_t shift[64] = {};
+  constexpr KeyIndex() {
     for (int m = 0; m < 4; ++m) {
       for (int k = 0; k < 8; ++k) {
         for (int i = 0; i < 8; ++i) {
-          const int from = 4 * kBits * m + kBits * (k % 4) + std::min(i, kBits - 1);
+          const int from = 4 * kBits * m + kBits * (k % 4) + (i < kBits - 1 ? i : kBits - 1);
           gather[m][8 * k + i] = static_cast<uint8_t>(from + (k / 4) * 64);
         }
       }
     }
     for (int i = 0; i < 64; ++i) shift[i] = static_cast<uint8_t>(kBits * (i % 8));
-    for (int m = 0; m < 4; ++m) gather_[m] = _mm512_load_si512(gather[m]);
-    shift_ = _mm512_load_si512(shift);
+  }
+};
+template <int kBits>
+inline constexpr KeyIndex<kBits> kKeyIndex{};
+
+// IntegerKeyUnit for the codebook this thread saw last (every layer and head
+// of a layout shares one codebook per bit width).
+float CachedKeyUnit(const float* centroids, int count) {
+  thread_local float seen[16], unit = 0.0f;
+  thread_local int seen_count = 0;
+  if (count != seen_count || memcmp(seen, centroids, sizeof(float) * count) != 0) {
+    memcpy(seen, centroids, sizeof(float) * count);
+    seen_count = count;
+    unit = IntegerKeyUnit(centroids, count);
+  }
+  return unit;
+}
+
+template <int kBits>
+class KeyCodes {
+ public:
+  explicit KeyCodes(const float* centroids) {
+    for (int m = 0; m < 4; ++m) gather_[m] = _mm512_load_si512(kKeyIndex<kBits>.gather[m]);
+    shift_ = _mm512_load_si512(kKeyIndex<kBits>.shift);
     // vpermb reads index bits [5:0]: repeating the 2^b entries over 64 makes
     // the bits of the next code above a code irrelevant.
-    unit_ = IntegerKeyUnit(centroids, 1 << kBits);
+    unit_ = CachedKeyUnit(centroids, 1 << kBits);
     alignas(64) uint8_t table[64];
     for (int i = 0; i < 64; ++i) {
       const float c = centroids[i % (1 << kBits)] / unit_;
@@ -161,27 +183,35 @@ class KeyCodes {
 // b-bit value codes as bf16: centroids, or uniform codes as themselves (0-15
 // are exact in bf16). 16 coordinates of two tokens per vector, interleaved
 // (word 2 i + t: coordinate i of token t).
-template <FieldFormat kFormat, int kBits>
-class ValueCodes {
- public:
-  explicit ValueCodes(const float* centroids) {
-    // Word 2 i + t of block c takes the two bytes in which code 16 c + i of
-    // token t starts; vpsrlvw then moves the code to bit 0.
-    alignas(64) uint16_t words[8][32];
-    alignas(64) uint16_t shift[32];
+template <int kBits>
+struct ValueIndex {
+  // Word 2 i + t of block c takes the two bytes in which code 16 c + i of
+  // token t starts; vpsrlvw then moves the code to bit 0.
+  alignas(64) uint16_t gather[8][32] = {};
+  alignas(64) uint16_t shift[32] = {};
+  constexpr ValueIndex() {
     for (int c = 0; c < 8; ++c) {
       for (int i = 0; i < 16; ++i) {
         const int bit = kBits * (16 * c + i);
         for (int t = 0; t < 2; ++t) {
           const int lo = bit / 8 + 64 * t;
-          const int hi = std::min(bit / 8 + 1, 16 * kBits - 1) + 64 * t;
-          words[c][2 * i + t] = static_cast<uint16_t>(lo | (hi << 8));
+          const int hi = (bit / 8 + 1 < 16 * kBits - 1 ? bit / 8 + 1 : 16 * kBits - 1) + 64 * t;
+          gather[c][2 * i + t] = static_cast<uint16_t>(lo | (hi << 8));
         }
       }
     }
     for (int i = 0; i < 16; ++i) shift[2 * i] = shift[2 * i + 1] = static_cast<uint16_t>((kBits * i) % 8);
-    for (int c = 0; c < 8; ++c) gather_[c] = _mm512_load_si512(words[c]);
-    shift_ = _mm512_load_si512(shift);
+  }
+};
+template <int kBits>
+inline constexpr ValueIndex<kBits> kValueIndex{};
+
+template <FieldFormat kFormat, int kBits>
+class ValueCodes {
+ public:
+  explicit ValueCodes(const float* centroids) {
+    for (int c = 0; c < 8; ++c) gather_[c] = _mm512_load_si512(kValueIndex<kBits>.gather[c]);
+    shift_ = _mm512_load_si512(kValueIndex<kBits>.shift);
     // vpermw reads index bits [4:0].
     alignas(64) uint16_t table[32];
     for (int i = 0; i < 32; ++i) {
@@ -371,18 +401,24 @@ struct Kernel {
     int32_t q8_sum[kMaxRows];
     for (int r = 0; r < rows; ++r) {
       const float* q = p.queries + static_cast<size_t>(r) * d;
-      float max_abs = 0.0f;
-      for (int j = 0; j < d; ++j) max_abs = std::max(max_abs, std::fabs(q[j]));
-      const float unit = max_abs > 0.0f ? max_abs / 127.0f : 1.0f;
-      int32_t sum = 0;
-      for (int j = 0; j < d; ++j) {
-        const int v = static_cast<int>(std::lrint(std::clamp(q[j] / unit, -127.0f, 127.0f)));
-        sum += v;
-        const int s = j / kSegment, m = (j % kSegment) / 32, i = j % 32;
-        uint8_t* chunk = q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m;
-        chunk[i] = chunk[32 + i] = static_cast<uint8_t>(static_cast<int8_t>(v));
+      __m512 max_abs = _mm512_setzero_ps();
+      for (int j = 0; j < d; j += 16) max_abs = _mm512_max_ps(max_abs, _mm512_abs_ps(_mm512_loadu_ps(q + j)));
+      const float max = Max(max_abs);
+      const float unit = max > 0.0f ? max / 127.0f : 1.0f;
+      // lrint(q / unit) (round to nearest even), at most 127 in magnitude.
+      const __m512 divisor = _mm512_set1_ps(unit);
+      const __m512i limit = _mm512_set1_epi32(127);
+      __m512i sum = _mm512_setzero_si512();
+      for (int j = 0; j < d; j += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(q + j), divisor));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+        sum = _mm512_add_epi32(sum, v);
+        const __m128i bytes = _mm512_cvtepi32_epi8(v);
+        uint8_t* chunk = q8 + static_cast<size_t>(r) * 2 * d + 256 * (j / kSegment) + 64 * ((j % kSegment) / 32) + j % 32;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), bytes);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), bytes);
       }
-      q8_sum[r] = sum;
+      q8_sum[r] = static_cast<int32_t>(Sum(_mm512_cvtepi32_ps(sum)));
       score_unit[r] = unit * keys.unit();
     }
 
