@@ -180,9 +180,10 @@ class KeyCodes {
   float unit_;
 };
 
-// b-bit value codes as bf16: centroids, or uniform codes as themselves (0-15
-// are exact in bf16). 16 coordinates of two tokens per vector, interleaved
-// (word 2 i + t: coordinate i of token t).
+// b-bit value codes, 16 coordinates of two tokens per vector, interleaved
+// (word 2 i + t: coordinate i of token t): centroids as bf16 (for
+// vdpbf16ps), uniform codes as int16 (for vpdpwssd against fixed-point
+// weights: no lookup, and 15-bit weights).
 template <int kBits>
 struct ValueIndex {
   // Word 2 i + t of block c takes the two bytes in which code 16 c + i of
@@ -213,18 +214,22 @@ class ValueCodes {
     for (int c = 0; c < 8; ++c) gather_[c] = _mm512_load_si512(kValueIndex<kBits>.gather[c]);
     shift_ = _mm512_load_si512(kValueIndex<kBits>.shift);
     // vpermw reads index bits [4:0].
-    alignas(64) uint16_t table[32];
-    for (int i = 0; i < 32; ++i) {
-      const int code = i % (1 << kBits);
-      table[i] = RoundToBf16(kFormat == FieldFormat::kCentroids ? centroids[code] : static_cast<float>(code));
+    if constexpr (kFormat == FieldFormat::kCentroids) {
+      alignas(64) uint16_t table[32];
+      for (int i = 0; i < 32; ++i) table[i] = RoundToBf16(centroids[i % (1 << kBits)]);
+      table_ = _mm512_load_si512(table);
     }
-    table_ = _mm512_load_si512(table);
   }
 
-  // Block c (coordinates 16 c ... + 15 of a segment) of tokens a and b.
-  __m512bh Block(__m512i a, __m512i b, int c) const {
-    const __m512i gathered = _mm512_permutex2var_epi8(a, gather_[c], b);
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(gathered, shift_), table_);
+  // Block c (coordinates 16 c ... + 15 of a segment) of tokens a and b:
+  // bf16 centroids, or uniform codes as int16.
+  __m512i Block(__m512i a, __m512i b, int c) const {
+    const __m512i code = _mm512_srlv_epi16(_mm512_permutex2var_epi8(a, gather_[c], b), shift_);
+    if constexpr (kFormat == FieldFormat::kUniform) {
+      return _mm512_and_si512(code, _mm512_set1_epi16((1 << kBits) - 1));
+    } else {
+      return _mm512_permutexvar_epi16(code, table_);
+    }
   }
 
  private:
@@ -362,32 +367,47 @@ struct Kernel {
   // out[r][16 (b + c) + i] += sum over the block's pairs of tokens of
   // weight x value, for kRows rows and kBlocks 16-coordinate blocks of one
   // segment.
+  // Uniform values: int32 accumulators of int16 codes times int16 weights
+  // (in units of weight_unit[r]); centroids: fp32 of bf16 times bf16.
   template <int kRows, int kBlocks>
-  void ValueTile(const uint8_t* const* codes, int pairs, const uint16_t* weights, int s, int b, float* out) const {
-    __m512 acc[kRows][kBlocks];
+  void ValueTile(const uint8_t* const* codes, int pairs, const uint16_t* weights, const float* weight_unit, int s,
+                 int b, float* out) const {
+    using Acc = std::conditional_t<kUniform, __m512i, __m512>;
+    Acc acc[kRows][kBlocks];
     for (auto& row : acc) {
-      for (__m512& a : row) a = _mm512_setzero_ps();
+      for (Acc& a : row) a = Acc{};
     }
     const int offset = kSegment * kValueBits / 8 * s;
     const __mmask64 mask = Mask(SegmentCoords(s) * kValueBits / 8);
     for (int pair = 0; pair < pairs; ++pair) {
       const __m512i va = LoadSegment(codes[2 * pair], offset, mask);
       const __m512i vb = LoadSegment(codes[2 * pair + 1], offset, mask);
-      __m512bh w[kRows];
+      __m512i w[kRows];
       for (int r = 0; r < kRows; ++r) {
         int both;
         memcpy(&both, weights + r * kBlock + 2 * pair, 4);
-        w[r] = (__m512bh)_mm512_set1_epi32(both);
+        w[r] = _mm512_set1_epi32(both);
       }
       for (int c = 0; c < kBlocks; ++c) {
-        const __m512bh v = values.Block(va, vb, b + c);
-        for (int r = 0; r < kRows; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v, w[r]);
+        const __m512i v = values.Block(va, vb, b + c);
+        for (int r = 0; r < kRows; ++r) {
+          if constexpr (kUniform) {
+            acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], v, w[r]);
+          } else {
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)v, (__m512bh)w[r]);
+          }
+        }
       }
     }
     for (int r = 0; r < kRows; ++r) {
       for (int c = 0; c < kBlocks; ++c) {
         float* o = out + static_cast<size_t>(r) * d + kSegment * s + 16 * (b + c);
-        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[r][c]));
+        if constexpr (kUniform) {
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(weight_unit[r]),
+                                              _mm512_loadu_ps(o)));
+        } else {
+          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[r][c]));
+        }
       }
     }
   }
@@ -424,7 +444,8 @@ struct Kernel {
 
     alignas(64) int32_t raw[kMaxRows * kBlock];
     alignas(64) float scores[kMaxRows * kBlock];
-    alignas(64) uint16_t weights[kMaxRows * kBlock];
+    alignas(64) uint16_t weights[kMaxRows * kBlock];  // bf16, or int16 in units of weight_unit
+    float weight_unit[kMaxRows];
     BlockTokens tokens;
     float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
     const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
@@ -518,17 +539,31 @@ struct Kernel {
         const float new_max = std::max(row_max[r], Max(m));
         const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
         row_max[r] = new_max;
-        __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps();
+        __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps(), w_max = _mm512_setzero_ps();
         for (int g = 0; g < groups; ++g) {
           const __m512 s = _mm512_load_ps(sc + kGroup * g);
           const __mmask16 live = _mm512_cmp_ps_mask(s, neg_inf, _CMP_NEQ_OQ);
           const __m512 e = _mm512_maskz_mov_ps(live, Exp(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
           sum = _mm512_add_ps(sum, e);
-          if constexpr (kUniform)
-            zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
           const __m512 w = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g),
-                             (__m256i)_mm512_cvtneps_pbh(w));
+          if constexpr (kUniform) {
+            zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
+            _mm512_store_ps(sc + kGroup * g, w);
+            w_max = _mm512_max_ps(w_max, _mm512_abs_ps(w));
+          } else {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g),
+                               (__m256i)_mm512_cvtneps_pbh(w));
+          }
+        }
+        if constexpr (kUniform) {
+          // Fixed point per row and block: |weight| <= 32767 units.
+          const float top = Max(w_max);
+          weight_unit[r] = top > 0.0f ? top / 32767.0f : 1.0f;
+          const __m512 inverse = _mm512_set1_ps(1.0f / weight_unit[r]);
+          for (int g = 0; g < groups; ++g) {
+            const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(sc + kGroup * g), inverse));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g), _mm512_cvtsepi32_epi16(w));
+          }
         }
         row_sum[r] = row_sum[r] * correction + Sum(sum);
         row_zero[r] = row_zero[r] * correction + Sum(zero_sum);
@@ -549,13 +584,14 @@ struct Kernel {
         }
         float* out = p.out + static_cast<size_t>(r0) * d;
         const uint16_t* w = weights + r0 * kBlock;
+        const float* unit = weight_unit + r0;
         for (int s = 0; s < segments; ++s) {
           const int blocks = SegmentCoords(s) / 16;
           int b = 0;
           if constexpr (kRows <= 2) {
-            for (; b + 8 <= blocks; b += 8) ValueTile<kRows, 8>(tokens.value_codes, pairs, w, s, b, out);
+            for (; b + 8 <= blocks; b += 8) ValueTile<kRows, 8>(tokens.value_codes, pairs, w, unit, s, b, out);
           }
-          for (; b + 4 <= blocks; b += 4) ValueTile<kRows, 4>(tokens.value_codes, pairs, w, s, b, out);
+          for (; b + 4 <= blocks; b += 4) ValueTile<kRows, 4>(tokens.value_codes, pairs, w, unit, s, b, out);
         }
       });
     }
