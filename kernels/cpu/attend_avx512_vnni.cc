@@ -84,6 +84,13 @@ inline __m512i DotBytes(__m512i acc, __m512i k, const uint8_t* q) {
   return acc;
 }
 
+// acc + the word dot products (vpdpwssd) of v and w. GCC 12's intrinsic
+// copies its accumulator at every call, which spilled a tile's 16.
+inline __m512i DotWords(__m512i acc, __m512i v, __m512i w) {
+  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(v), "v"(w));
+  return acc;
+}
+
 // The integer dot products of kPairs pairs of tokens with one row, given
 // acc[p] (lanes 0-7: partial sums of the pair's first token, 8-15: of its
 // second), reduced so that lane i holds token i of the tile (tokens p and
@@ -392,7 +399,7 @@ struct Kernel {
         const __m512i v = values.Block(va, vb, b + c);
         for (int r = 0; r < kRows; ++r) {
           if constexpr (kUniform) {
-            acc[r][c] = _mm512_dpwssd_epi32(acc[r][c], v, w[r]);
+            acc[r][c] = DotWords(acc[r][c], v, w[r]);
           } else {
             acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)v, (__m512bh)w[r]);
           }
