@@ -308,6 +308,16 @@ uint8_t* QueryBytes(size_t n) {
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 
+// A value accumulator: int32 for uniform codes, fp32 for bf16 centroids.
+template <bool kInteger>
+struct ValueAccumulator {
+  using type = __m512;
+};
+template <>
+struct ValueAccumulator<true> {
+  using type = __m512i;
+};
+
 template <int kKeyBits, FieldFormat kValue, int kValueBits>
 struct Kernel {
   static constexpr bool kUniform = kValue == FieldFormat::kUniform;
@@ -379,7 +389,7 @@ struct Kernel {
   template <int kRows, int kBlocks>
   void ValueTile(const uint8_t* const* codes, int pairs, const uint16_t* weights, const float* weight_unit, int s,
                  int b, float* out) const {
-    using Acc = std::conditional_t<kUniform, __m512i, __m512>;
+    using Acc = typename ValueAccumulator<kUniform>::type;
     Acc acc[kRows][kBlocks];
     for (auto& row : acc) {
       for (Acc& a : row) a = Acc{};
