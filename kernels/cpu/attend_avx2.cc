@@ -286,19 +286,6 @@ inline __m256 AddBack(const HeadAttendParams& p, const AddBackTable& table, int 
   return _mm256_add_ps(sum, sum2);
 }
 
-// Row tiles: rows go in tiles of 4, then 2, then 1, so that a tile's
-// accumulators fill 8 registers whatever the row count.
-template <typename F>
-inline void ForRowTiles(int rows, F&& tile) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) tile(std::integral_constant<int, 4>{}, r);
-  if (rows - r >= 2) {
-    tile(std::integral_constant<int, 2>{}, r);
-    r += 2;
-  }
-  if (r < rows) tile(std::integral_constant<int, 1>{}, r);
-}
-
 // The raw dot products (before the token's scale) of kTokens tokens with
 // kRows rows over the 16-coordinate blocks [b0, b1) of each token: 8
 // accumulators in registers, each code decoded once for all rows, no scratch.
@@ -412,8 +399,7 @@ void AttendHead(const HeadAttendParams& p) {
   static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
   const int64_t first = RunBlockStart(p, kBlock);
   AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
-  int64_t page_index = first / p.page_tokens;
-  int slot = static_cast<int>(first % p.page_tokens);
+  BlockWalk walk(p, first);
   // No row sees a token of the run: nothing to read (the padding below needs one).
   const int64_t end = max_visible > p.token_begin ? max_visible : first;
   for (int64_t t0 = first; t0 < end; t0 += kBlock) {
@@ -421,38 +407,13 @@ void AttendHead(const HeadAttendParams& p) {
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
     PrefetchTokens(p, std::min(t0 + kBlock, max_visible), std::min(t0 + 2 * kBlock, max_visible));
     const int groups = (count + kGroup - 1) / kGroup;
-    for (int i = 0; i < count;) {  // per run of tokens in one page
-      const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
-      const int n = std::min(count - i, p.page_tokens - slot);
-      const uint8_t* key_codes = page + p.key.codes_offset + static_cast<size_t>(slot) * p.key.code_bytes;
-      const uint8_t* value_codes = page + p.value.codes_offset + static_cast<size_t>(slot) * p.value.code_bytes;
-      for (int k = 0; k < n; ++k) {
-        tokens.key_codes[i + k] = key_codes + k * p.key.code_bytes;
-        tokens.value_codes[i + k] = value_codes + k * p.value.code_bytes;
-      }
-      KeyDecoder::Scalars(page + p.key.scalars_offset + 2 * slot * p.key.num_scalars, n, tokens.key_scale + i,
-                          tokens.key_cold_scale + i);
-      ValueDecoder::Scalars(page + p.value.scalars_offset + 2 * slot * p.value.num_scalars, n,
-                            tokens.value_scale + i, tokens.value_zero + i);
-      i += n;
-      slot += n;
-      if (slot == p.page_tokens) {
-        slot = 0;
-        ++page_index;
-      }
-    }
-    for (int i = 0; i < p.token_begin - t0; ++i) {  // before token_begin: as padding
-      tokens.key_codes[i] = tokens.key_codes[p.token_begin - t0];
-      tokens.value_codes[i] = tokens.value_codes[p.token_begin - t0];
-      tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
-    }
-    // Pad the last group with copies of a real token: the padding's scores
-    // are masked and its weights are zero.
-    for (int i = count; i < groups * kGroup; ++i) {
-      tokens.key_codes[i] = tokens.key_codes[0];
-      tokens.value_codes[i] = tokens.value_codes[0];
-      tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
-    }
+    walk.Next(
+        t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
+        [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
+          KeyDecoder::Scalars(key_scalars, n, tokens.key_scale + i, tokens.key_cold_scale + i);
+          ValueDecoder::Scalars(value_scalars, n, tokens.value_scale + i, tokens.value_zero + i);
+        },
+        [&](int i) { tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f; });
 
     // Raw scores, tile by tile; rows that see none of the block are skipped.
     ForRowTiles(rows, [&](auto tile_rows, int r0) {

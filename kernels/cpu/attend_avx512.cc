@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/cpu/addback_table.h"
+#include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
 
@@ -29,27 +30,14 @@ namespace tqkv {
 namespace cpu_internal {
 namespace {
 
+using avx512::AddBack;
+using avx512::Exp;
+using avx512::Max;
+using avx512::Sum;
+
 constexpr int kLanes = 16;
 constexpr int kGroup = 16;  // tokens scored and accumulated together
 constexpr int kBlock = 64;  // tokens per online-softmax step
-
-// exp(x) for x <= 0 (softmax arguments), relative error < 2e-7: Cody-Waite
-// range reduction to |r| <= ln2/2 and a degree-6 Taylor polynomial.
-inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Key vector p of a group holds tokens kPairFirst[p] (lanes 0-7) and
 // kPairFirst[p] + 4 (lanes 8-15); with this pairing SumPairs returns the 16
@@ -68,21 +56,6 @@ inline __m512 SumPairs(const __m512 acc[8]) {
     b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
   }
   return _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
-}
-
-// Horizontal sum and max (GCC 12's _mm512_reduce_* trip -Wuninitialized).
-inline float Sum(__m512 v) {
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
-
-inline float Max(__m512 v) {
-  const __m256 a = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_max_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
 }
 
 inline int Load32(const uint8_t* p) {
@@ -211,19 +184,13 @@ class Decoder {
   // The scales of n <= 64 tokens whose scalars follow each other, and for
   // uniform codes their zeros (x = scale * decoded + zero).
   static void Scalars(const uint8_t* scalars, int n, float* scale, float* zero) {
-    for (int k = 0; k < n; k += 16) {
-      const __mmask16 lanes = static_cast<__mmask16>(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
-      if constexpr (kFormat == FieldFormat::kCentroids) {
-        const __m256i halves = _mm256_maskz_loadu_epi16(lanes, scalars + 2 * k);
-        _mm512_mask_storeu_ps(scale + k, lanes, _mm512_cvtph_ps(halves));
-      } else if constexpr (kFormat == FieldFormat::kUniform) {  // [scale, zero] per token
-        const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes), scalars + 4 * k));
-        const __m512 hi = _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes >> 8), scalars + 4 * k + 32));
-        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        _mm512_mask_storeu_ps(scale + k, lanes, _mm512_permutex2var_ps(lo, even, hi));
-        _mm512_mask_storeu_ps(zero + k, lanes,
-                              _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
-      } else {
+    if constexpr (kFormat == FieldFormat::kCentroids) {
+      avx512::LoadScalars(scalars, n, scale, nullptr);
+    } else if constexpr (kFormat == FieldFormat::kUniform) {  // [scale, zero] per token
+      avx512::LoadScalars(scalars, n, scale, zero);
+    } else {
+      for (int k = 0; k < n; k += 16) {
+        const __mmask16 lanes = static_cast<__mmask16>(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
         _mm512_mask_storeu_ps(scale + k, lanes, _mm512_set1_ps(1.0f));
       }
     }
@@ -243,18 +210,6 @@ float* QueryScratch(size_t n) {
   thread_local std::vector<float> scratch;
   if (scratch.size() < n) scratch.resize(n);
   return scratch.data();
-}
-
-// The pre-RoPE add-back of row r for the 16 tokens from `at` in the block.
-inline __m512 AddBack(const HeadAttendParams& p, const AddBackTable& table, int r, int at) {
-  const int pairs = table.pairs();
-  const float* coef = p.addback_coef + static_cast<size_t>(r) * 2 * pairs;
-  __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
-  for (int i = 0; i < pairs; ++i) {
-    sum = _mm512_fmadd_ps(_mm512_set1_ps(coef[i]), _mm512_loadu_ps(table.cos(i) + at), sum);
-    sum2 = _mm512_fmadd_ps(_mm512_set1_ps(coef[pairs + i]), _mm512_loadu_ps(table.sin(i) + at), sum2);
-  }
-  return _mm512_add_ps(sum, sum2);
 }
 
 // Where each token of a block lives, and its scalars.
@@ -305,8 +260,7 @@ void AttendHead(const HeadAttendParams& p) {
   static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
   const int64_t first = RunBlockStart(p, kBlock);
   AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
-  int64_t page_index = first / p.page_tokens;
-  int slot = static_cast<int>(first % p.page_tokens);
+  BlockWalk walk(p, first);
   // No row sees a token of the run: nothing to read (the padding below needs one).
   const int64_t end = max_visible > p.token_begin ? max_visible : first;
   for (int64_t t0 = first; t0 < end; t0 += kBlock) {
@@ -314,38 +268,13 @@ void AttendHead(const HeadAttendParams& p) {
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
     PrefetchTokens(p, std::min(t0 + kBlock, max_visible), std::min(t0 + 2 * kBlock, max_visible));
     const int groups = (count + kGroup - 1) / kGroup;
-    for (int i = 0; i < count;) {  // per run of tokens in one page
-      const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
-      const int n = std::min(count - i, p.page_tokens - slot);
-      const uint8_t* key_codes = page + p.key.codes_offset + static_cast<size_t>(slot) * p.key.code_bytes;
-      const uint8_t* value_codes = page + p.value.codes_offset + static_cast<size_t>(slot) * p.value.code_bytes;
-      for (int k = 0; k < n; ++k) {
-        tokens.key_codes[i + k] = key_codes + k * p.key.code_bytes;
-        tokens.value_codes[i + k] = value_codes + k * p.value.code_bytes;
-      }
-      KeyDecoder::Scalars(page + p.key.scalars_offset + 2 * slot * p.key.num_scalars, n, tokens.key_scale + i,
-                          nullptr);
-      ValueDecoder::Scalars(page + p.value.scalars_offset + 2 * slot * p.value.num_scalars, n,
-                            tokens.value_scale + i, tokens.value_zero + i);
-      i += n;
-      slot += n;
-      if (slot == p.page_tokens) {
-        slot = 0;
-        ++page_index;
-      }
-    }
-    for (int i = 0; i < p.token_begin - t0; ++i) {  // before token_begin: as padding
-      tokens.key_codes[i] = tokens.key_codes[p.token_begin - t0];
-      tokens.value_codes[i] = tokens.value_codes[p.token_begin - t0];
-      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
-    }
-    // Pad the last group with copies of a real token: the padding's scores
-    // are masked and its weights are zero.
-    for (int i = count; i < groups * kGroup; ++i) {
-      tokens.key_codes[i] = tokens.key_codes[0];
-      tokens.value_codes[i] = tokens.value_codes[0];
-      tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
-    }
+    walk.Next(
+        t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
+        [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
+          KeyDecoder::Scalars(key_scalars, n, tokens.key_scale + i, nullptr);
+          ValueDecoder::Scalars(value_scalars, n, tokens.value_scale + i, tokens.value_zero + i);
+        },
+        [&](int i) { tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f; });
 
     // Scores.
     for (int g = 0; g < groups; ++g) {

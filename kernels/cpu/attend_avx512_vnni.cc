@@ -28,46 +28,22 @@
 #include <vector>
 
 #include "kernels/cpu/addback_table.h"
+#include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_kernels.h"
 
 namespace tqkv {
 namespace cpu_internal {
 namespace {
 
+using avx512::AddBack;
+using avx512::Exp;
+using avx512::LoadScalars;
+using avx512::Max;
+using avx512::Sum;
+
 constexpr int kBlock = 64;     // tokens per online-softmax step
 constexpr int kGroup = 16;     // tokens per score vector
 constexpr int kSegment = 128;  // coordinates whose codes one pair of loads covers
-
-// exp(x) for x <= 0, relative error < 2e-7 (as in the fp32 kernels).
-inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline float Sum(__m512 v) {
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
-
-inline float Max(__m512 v) {
-  const __m256 a = _mm256_max_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 b = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_max_ps(b, _mm_movehl_ps(b, b));
-  return _mm_cvtss_f32(_mm_max_ss(c, _mm_movehdup_ps(c)));
-}
 
 // The bytes of one token's codes for segment s (coordinates 128 s ...):
 // a masked load, so it never reads past them.
@@ -250,18 +226,6 @@ class ValueCodes {
   __m512i gather_[8], shift_, table_;
 };
 
-// Row tiles of 4, 2 and 1.
-template <typename F>
-inline void ForRowTiles(int rows, F&& tile) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) tile(std::integral_constant<int, 4>{}, r);
-  if (rows - r >= 2) {
-    tile(std::integral_constant<int, 2>{}, r);
-    r += 2;
-  }
-  if (r < rows) tile(std::integral_constant<int, 1>{}, r);
-}
-
 // Where each token of a block lives, and its scalars.
 struct BlockTokens {
   const uint8_t* key_codes[kBlock];
@@ -270,36 +234,6 @@ struct BlockTokens {
   alignas(64) float value_scale[kBlock];
   alignas(64) float value_zero[kBlock];  // uniform values: x = scale * code + zero
 };
-
-// The fp16 scales of n <= 64 tokens (one scalar per token), or with
-// `zero`, their [scale, zero] pairs.
-inline void LoadScalars(const uint8_t* scalars, int n, float* scale, float* zero) {
-  for (int k = 0; k < n; k += 16) {
-    const __mmask16 lanes = static_cast<__mmask16>(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
-    if (zero == nullptr) {
-      _mm512_mask_storeu_ps(scale + k, lanes, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scalars + 2 * k)));
-      continue;
-    }
-    const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes), scalars + 4 * k));
-    const __m512 hi =
-        _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes >> 8), scalars + 4 * k + 32));
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    _mm512_mask_storeu_ps(scale + k, lanes, _mm512_permutex2var_ps(lo, even, hi));
-    _mm512_mask_storeu_ps(zero + k, lanes,
-                          _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
-  }
-}
-
-inline __m512 AddBack(const HeadAttendParams& p, const AddBackTable& table, int r, int at) {
-  const int pairs = table.pairs();
-  const float* coef = p.addback_coef + static_cast<size_t>(r) * 2 * pairs;
-  __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
-  for (int i = 0; i < pairs; ++i) {
-    sum = _mm512_fmadd_ps(_mm512_set1_ps(coef[i]), _mm512_loadu_ps(table.cos(i) + at), sum);
-    sum2 = _mm512_fmadd_ps(_mm512_set1_ps(coef[pairs + i]), _mm512_loadu_ps(table.sin(i) + at), sum2);
-  }
-  return _mm512_add_ps(sum, sum2);
-}
 
 // Per-thread room for the int8 queries (rows x 2 d bytes).
 uint8_t* QueryBytes(size_t n) {
@@ -420,8 +354,8 @@ struct Kernel {
       for (int c = 0; c < kBlocks; ++c) {
         float* o = out + static_cast<size_t>(r) * d + kSegment * s + 16 * (b + c);
         if constexpr (kUniform) {
-          _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(weight_unit[r]),
-                                              _mm512_loadu_ps(o)));
+          _mm512_storeu_ps(
+              o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(weight_unit[r]), _mm512_loadu_ps(o)));
         } else {
           _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[r][c]));
         }
@@ -451,7 +385,8 @@ struct Kernel {
         v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
         sum = _mm512_add_epi32(sum, v);
         const __m128i bytes = _mm512_cvtepi32_epi8(v);
-        uint8_t* chunk = q8 + static_cast<size_t>(r) * 2 * d + 256 * (j / kSegment) + 64 * ((j % kSegment) / 32) + j % 32;
+        uint8_t* chunk =
+            q8 + static_cast<size_t>(r) * 2 * d + 256 * (j / kSegment) + 64 * ((j % kSegment) / 32) + j % 32;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), bytes);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), bytes);
       }
@@ -481,43 +416,20 @@ struct Kernel {
     static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
     const int64_t first = RunBlockStart(p, kBlock);
     AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
-    int64_t page_index = first / p.page_tokens;
-    int slot = static_cast<int>(first % p.page_tokens);
+    BlockWalk walk(p, first);
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
     for (int64_t t0 = first; t0 < end; t0 += kBlock) {
       addback.Next();
       const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
       PrefetchTokens(p, std::min(t0 + kBlock, max_visible), std::min(t0 + 2 * kBlock, max_visible));
       const int groups = (count + kGroup - 1) / kGroup;
-      for (int i = 0; i < count;) {  // per run of tokens in one page
-        const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[page_index]) * p.page_bytes;
-        const int n = std::min(count - i, p.page_tokens - slot);
-        const uint8_t* key_codes = page + p.key.codes_offset + static_cast<size_t>(slot) * p.key.code_bytes;
-        const uint8_t* value_codes = page + p.value.codes_offset + static_cast<size_t>(slot) * p.value.code_bytes;
-        for (int k = 0; k < n; ++k) {
-          tokens.key_codes[i + k] = key_codes + k * p.key.code_bytes;
-          tokens.value_codes[i + k] = value_codes + k * p.value.code_bytes;
-        }
-        LoadScalars(page + p.key.scalars_offset + 2 * slot, n, tokens.key_scale + i, nullptr);
-        LoadScalars(page + p.value.scalars_offset + 2 * slot * p.value.num_scalars, n, tokens.value_scale + i,
-                    kUniform ? tokens.value_zero + i : nullptr);
-        i += n;
-        slot += n;
-        if (slot == p.page_tokens) {
-          slot = 0;
-          ++page_index;
-        }
-      }
-      for (int i = 0; i < p.token_begin - t0; ++i) {  // before token_begin: as padding
-        tokens.key_codes[i] = tokens.key_codes[p.token_begin - t0];
-        tokens.value_codes[i] = tokens.value_codes[p.token_begin - t0];
-        tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
-      }
-      for (int i = count; i < groups * kGroup; ++i) {  // masked copies of a real token
-        tokens.key_codes[i] = tokens.key_codes[0];
-        tokens.value_codes[i] = tokens.value_codes[0];
-        tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
-      }
+      walk.Next(
+          t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
+          [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
+            LoadScalars(key_scalars, n, tokens.key_scale + i, nullptr);
+            LoadScalars(value_scalars, n, tokens.value_scale + i, kUniform ? tokens.value_zero + i : nullptr);
+          },
+          [&](int i) { tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f; });
 
       // Raw scores, tile by tile.
       ForRowTiles(rows, [&](auto tile_rows, int r0) {
@@ -579,7 +491,8 @@ struct Kernel {
           const __m512 inverse = _mm512_set1_ps(1.0f / weight_unit[r]);
           for (int g = 0; g < groups; ++g) {
             const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(sc + kGroup * g), inverse));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g), _mm512_cvtsepi32_epi16(w));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g),
+                               _mm512_cvtsepi32_epi16(w));
           }
         }
         row_sum[r] = row_sum[r] * correction + Sum(sum);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/codec.h"
 
@@ -118,6 +119,72 @@ inline void PrefetchTokens(const HeadAttendParams& p, int64_t begin, int64_t end
     }
     t += n;
   }
+}
+
+// Walks a kernel's blocks of tokens page by page, from RunBlockStart.
+class BlockWalk {
+ public:
+  BlockWalk(const HeadAttendParams& p, int64_t first)
+      : p_(p), page_index_(first / p.page_tokens), slot_(static_cast<int>(first % p.page_tokens)) {}
+
+  // The next block: `count` tokens from t0, padded to `padded`. Fills
+  // key_codes[0, padded) and value_codes[0, padded) with where each token's
+  // codes live; calls scalars(key_scalars, value_scalars, i, n) for each run
+  // of n tokens from i in one page, with the run's scalars; then zero(i) for
+  // each padding slot, whose scalars the kernel sets to zero: the tokens
+  // before token_begin (copies of the first one the run reads: an exact
+  // page may hold garbage there) and those from count on (copies of the
+  // block's first). Padding scores are masked and its weights are zero.
+  template <typename Scalars, typename Zero>
+  void Next(int64_t t0, int count, int padded, const uint8_t** key_codes, const uint8_t** value_codes,
+            Scalars&& scalars, Zero&& zero) {
+    for (int i = 0; i < count;) {
+      const uint8_t* page = p_.pool_base + static_cast<size_t>(p_.block_table[page_index_]) * p_.page_bytes;
+      const int n = std::min(count - i, p_.page_tokens - slot_);
+      const uint8_t* keys = page + p_.key.codes_offset + static_cast<size_t>(slot_) * p_.key.code_bytes;
+      const uint8_t* values = page + p_.value.codes_offset + static_cast<size_t>(slot_) * p_.value.code_bytes;
+      for (int k = 0; k < n; ++k) {
+        key_codes[i + k] = keys + k * p_.key.code_bytes;
+        value_codes[i + k] = values + k * p_.value.code_bytes;
+      }
+      scalars(page + p_.key.scalars_offset + 2 * slot_ * p_.key.num_scalars,
+              page + p_.value.scalars_offset + 2 * slot_ * p_.value.num_scalars, i, n);
+      i += n;
+      slot_ += n;
+      if (slot_ == p_.page_tokens) {
+        slot_ = 0;
+        ++page_index_;
+      }
+    }
+    for (int i = 0; i < p_.token_begin - t0; ++i) {
+      key_codes[i] = key_codes[p_.token_begin - t0];
+      value_codes[i] = value_codes[p_.token_begin - t0];
+      zero(i);
+    }
+    for (int i = count; i < padded; ++i) {
+      key_codes[i] = key_codes[0];
+      value_codes[i] = value_codes[0];
+      zero(i);
+    }
+  }
+
+ private:
+  const HeadAttendParams& p_;
+  int64_t page_index_;
+  int slot_;
+};
+
+// Row tiles of 4, then 2, then 1: tile(std::integral_constant<int, R>, r0)
+// for each, so that a tile's accumulators are sized at compile time.
+template <typename F>
+inline void ForRowTiles(int rows, F&& tile) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) tile(std::integral_constant<int, 4>{}, r);
+  if (rows - r >= 2) {
+    tile(std::integral_constant<int, 2>{}, r);
+    r += 2;
+  }
+  if (r < rows) tile(std::integral_constant<int, 1>{}, r);
 }
 
 // A fused kernel: fills params.out and params.lse.
