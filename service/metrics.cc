@@ -16,6 +16,7 @@
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
 
+#include "kernels/forwarding_backend.h"
 #include "version/version.h"
 
 namespace tqkv {
@@ -141,37 +142,22 @@ class CacheCollector : public prometheus::Collectable {
   const std::vector<KvCache*> caches_;
 };
 
-class TimedBackend : public Backend {
+class TimedBackend : public ForwardingBackend {
  public:
   TimedBackend(std::unique_ptr<Backend> inner, Metrics* metrics, int backend)
-      : inner_(std::move(inner)), metrics_(metrics), backend_(backend) {}
+      : ForwardingBackend(std::move(inner)), metrics_(metrics), backend_(backend) {}
 
-  std::string name() const override { return inner_->name(); }
-  std::string device() const override { return inner_->device(); }
-  absl::Status SupportsLayout(const KvLayout& layout) const override { return inner_->SupportsLayout(layout); }
-  absl::Status DeviceStatus() const override { return inner_->DeviceStatus(); }
-  CallTiming LastCallTiming() const override { return inner_->LastCallTiming(); }
-  absl::StatusOr<PagePool> AllocatePool(const KvLayout& layout, int32_t num_pages) override {
-    return inner_->AllocatePool(layout, num_pages);
-  }
-  void FreePool(PagePool pool) override { inner_->FreePool(pool); }
   absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
-    return Timed(Kernel::kCopyPage, [&] { return inner_->CopyPage(pool, from, to); });
-  }
-  absl::Status ReadPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host) override {
-    return inner_->ReadPages(pool, pages, host);
-  }
-  absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
-    return inner_->WritePages(pool, pages, host);
+    return Timed(Kernel::kCopyPage, [&] { return inner().CopyPage(pool, from, to); });
   }
   absl::Status Store(const StoreParams& params) override {
-    return Timed(Kernel::kStore, [&] { return inner_->Store(params); });
+    return Timed(Kernel::kStore, [&] { return inner().Store(params); });
   }
   absl::Status Score(const ScoreParams& params) override {
-    return Timed(Kernel::kScore, [&] { return inner_->Score(params); });
+    return Timed(Kernel::kScore, [&] { return inner().Score(params); });
   }
   absl::Status Attend(const AttendParams& params) override {
-    return Timed(Kernel::kAttend, [&] { return inner_->Attend(params); });
+    return Timed(Kernel::kAttend, [&] { return inner().Attend(params); });
   }
 
  private:
@@ -181,11 +167,10 @@ class TimedBackend : public Backend {
     absl::Status status = f();
     metrics_->ObserveKernel(
         kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), backend_);
-    if (status.ok()) metrics_->ObserveKernelParts(kernel, inner_->LastCallTiming(), backend_);
+    if (status.ok()) metrics_->ObserveKernelParts(kernel, inner().LastCallTiming(), backend_);
     return status;
   }
 
-  std::unique_ptr<Backend> inner_;
   Metrics* metrics_;
   int backend_;
 };
