@@ -9,7 +9,7 @@
 // goes through a scratch copy. Codes become floats with vpermps on an 8-entry
 // table (two tables and a blend for 4-bit centroids); fp8 through its fp16
 // bits. Split keys score their hot and cold parts as two dot products, each
-// times its own scale. fp8 and split keys have no AVX-512 twin: on an AVX-512
+// times its own scale. Split keys have no AVX-512 twin: on an AVX-512
 // machine the dispatch falls back to this kernel for them.
 #include <immintrin.h>
 

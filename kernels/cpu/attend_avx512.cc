@@ -128,8 +128,14 @@ class Decoder {
       };
       *first = _mm512_cvtph_ps(halves(32 * block));
       *second = _mm512_cvtph_ps(halves(32 * block + 16));
+    } else if constexpr (kFormat == FieldFormat::kFp8) {
+      // Bytes a0-7 b0-7 and a8-15 b8-15, each then as halves (Fp8Halves).
+      const __m128i ra = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * block));
+      const __m128i rb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * block));
+      *first = _mm512_cvtph_ps(Fp8Halves(_mm_unpacklo_epi64(ra, rb)));
+      *second = _mm512_cvtph_ps(Fp8Halves(_mm_unpackhi_epi64(ra, rb)));
     } else {
-      static_assert(kLookup, "keys are centroids, fp16 or bf16");
+      static_assert(kLookup, "keys are centroids, fp16, bf16 or fp8");
       // 8 codes take kBits bytes; the second dword is placed so that neither
       // read leaves the block's 2 * kBits bytes.
       const int at = 2 * kBits * block, second_at = at + (kBits == 2 ? 0 : kBits == 3 ? 2 : 4);
@@ -166,6 +172,8 @@ class Decoder {
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     } else if constexpr (kFormat == FieldFormat::kFp16) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
+    } else if constexpr (kFormat == FieldFormat::kFp8) {
+      return _mm512_cvtph_ps(Fp8Halves(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c))));
     } else if constexpr (!kLookup) {  // 8-bit uniform
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c));
       return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
@@ -191,12 +199,24 @@ class Decoder {
     } else {
       for (int k = 0; k < n; k += 16) {
         const __mmask16 lanes = static_cast<__mmask16>(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
-        _mm512_mask_storeu_ps(scale + k, lanes, _mm512_set1_ps(1.0f));
+        _mm512_mask_storeu_ps(scale + k, lanes, _mm512_set1_ps(kUnitScale));
       }
     }
   }
 
  private:
+  // The scale of a field without scalars: fp8 is read as 2^-8 times its value.
+  static constexpr float kUnitScale = kFormat == FieldFormat::kFp8 ? 256.0f : 1.0f;
+
+  // 16 fp8 E4M3 bytes as binary16 bits: sign to bit 15, exponent and
+  // mantissa to bits 13-7 (x << 8, an arithmetic shift right by one, a
+  // mask). Each half is the fp8 value times 2^-8, subnormals included, and
+  // vcvtph2ps widens it exactly.
+  static __m256i Fp8Halves(__m128i bytes) {
+    const __m256i x = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+    return _mm256_and_si256(_mm256_srai_epi16(x, 1), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+  }
+
   static constexpr bool kLookup =
       kFormat == FieldFormat::kCentroids || (kFormat == FieldFormat::kUniform && kBits <= 4);
   __m512 table_;
@@ -405,8 +425,8 @@ void AttendHead(const HeadAttendParams& p) {
 }
 
 struct Avx512Kernels {
-  // fp8 fields take the AVX2 kernel (the dispatch in cpu_backend.cc falls back).
-  static constexpr bool kReadsFp8 = false;
+  static constexpr bool kReadsFp8 = true;
+  // Split keys take the AVX2 kernel (the dispatch in cpu_backend.cc falls back).
   static constexpr bool kReadsSplit = false;
   template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
   static void Run(const HeadAttendParams& params) {

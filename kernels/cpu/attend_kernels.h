@@ -22,9 +22,9 @@ enum class FieldFormat {
   kUniform,      // packed b-bit uniform codes, fp16 [scale, zero]
   kFp16,         // raw fp16
   kBf16,         // raw bf16
-  kFp8,          // raw fp8 E4M3 (AVX2 kernel only; the AVX-512 dispatch falls back to it)
+  kFp8,          // raw fp8 E4M3, no scalars
   kSplitCentroids,  // split TurboQuant: hot part, then cold part, each with its
-                    // own codebook and fp16 scale [hot, cold] (AVX2 only, as fp8)
+                    // own codebook and fp16 scale [hot, cold] (AVX2 kernel only)
 };
 
 struct FieldReader {

@@ -216,7 +216,7 @@ TEST(CpuBackend, SeveralQueryTokensAreCausalAmongThemselves) {
 }
 
 // The presets' formats take the fused kernels (so the tests above exercise
-// them): at both SIMD widths, but fp8 and split keys at AVX2 only (an AVX-512
+// them): at both SIMD widths, but split keys at AVX2 only (an AVX-512
 // machine runs the AVX2 kernel for them).
 TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
   for (const char* name : {"bf16", "fp16", "fp8", "turboquant_k8v4", "turboquant_3bit_nc", "turboquant_4bit_nc",
@@ -239,8 +239,7 @@ TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
     const cpu_internal::FieldReader key = cpu_internal::DescribeField((*layout)->key_codec(0, 0));
     const cpu_internal::FieldReader value = cpu_internal::DescribeField((*layout)->value_codec(0, 0));
     const bool split = key.format == cpu_internal::FieldFormat::kSplitCentroids;
-    const bool fp8 = key.format == cpu_internal::FieldFormat::kFp8;
-    EXPECT_EQ(cpu_internal::AttendHeadAvx512Supported(key, value, 128), !split && !fp8);
+    EXPECT_EQ(cpu_internal::AttendHeadAvx512Supported(key, value, 128), !split);
     EXPECT_TRUE(cpu_internal::AttendHeadAvx2Supported(key, value, 128));
   }
 }
@@ -455,8 +454,7 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           }
           for (const auto& [name, kernel] : kernels) {
             SCOPED_TRACE(name);
-            const bool fp8 = key.format == FieldFormat::kFp8 || value.format == FieldFormat::kFp8;
-            if (name == "avx512" && (fp8 || kf.split())) {  // the AVX2 kernel serves these on AVX-512 machines
+            if (name == "avx512" && kf.split()) {  // the AVX2 kernel serves these on AVX-512 machines
               EXPECT_FALSE(cpu_internal::AttendHeadAvx512Supported(key, value, d));
               continue;
             }
