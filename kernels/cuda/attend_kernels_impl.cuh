@@ -1217,13 +1217,6 @@ bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int he
   }
 }
 
-int BlockRowsFor(int rows) {
-  if (rows <= 1) return 1;
-  if (rows <= 2) return 2;
-  if (rows <= 4) return 4;
-  return kMaxBlockRows;
-}
-
 cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream) {
   if (params.num_rows == 0) return cudaSuccess;
   const int64_t blocks = (params.num_rows + kWarps - 1) / kWarps;
