@@ -139,6 +139,12 @@ cudaError_t LaunchAttend(int variant, int block_rows, const AttendKernelParams& 
 // one warp per block of params.blocks.
 cudaError_t LaunchAttendMma(int variant, const AttendKernelParams& params, cudaStream_t stream);
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
+// AttendBlocks of `variant` that one SM runs at once, from
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor: the fp32 kernel's thread
+// blocks with `block_rows` rows at `head_dim` (one AttendBlock each), or with
+// `mma` the tensor-core kernel's thread blocks times their warps (one
+// AttendBlock per warp). The planner's DeviceFigures::blocks_per_sm.
+cudaError_t AttendBlocksPerSm(int variant, bool mma, int block_rows, int head_dim, int* blocks);
 cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream);
 
 }  // namespace cuda

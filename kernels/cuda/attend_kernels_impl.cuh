@@ -1097,22 +1097,27 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
   }
 }
 
+using AttendKernelFunction = void (*)(AttendKernelParams);
+
+// The tensor-core kernel's instance for a head dim; null for other dims.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+AttendKernelFunction AttendMmaKernelFor(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return AttendMmaKernel<kKey, kValue, 64>;
+    case 128:
+      return AttendMmaKernel<kKey, kValue, 128>;
+    case 256:
+      return AttendMmaKernel<kKey, kValue, 256>;
+    default:
+      return nullptr;
+  }
+}
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 cudaError_t LaunchAttendMmaDims(const AttendKernelParams& params, cudaStream_t stream) {
-  void (*kernel)(AttendKernelParams) = nullptr;
-  switch (params.view.head_dim) {
-    case 64:
-      kernel = AttendMmaKernel<kKey, kValue, 64>;
-      break;
-    case 128:
-      kernel = AttendMmaKernel<kKey, kValue, 128>;
-      break;
-    case 256:
-      kernel = AttendMmaKernel<kKey, kValue, 256>;
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  const AttendKernelFunction kernel = AttendMmaKernelFor<kKey, kValue>(params.view.head_dim);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((params.num_blocks + kMmaWarps - 1) / kMmaWarps));
   TQKV_LAUNCH(kernel, grid, kMmaWarps * 32, 0, stream, params);
   return cudaGetLastError();
@@ -1133,27 +1138,29 @@ constexpr VariantFormats kVariants[] = {
 };
 constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
 
+// The fp32 kernel's instance for a block row count; null for other counts.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+AttendKernelFunction AttendKernelFor(int block_rows) {
+  switch (block_rows) {
+    case 1:
+      return AttendKernel<kKey, kValue, 1>;
+    case 2:
+      return AttendKernel<kKey, kValue, 2>;
+    case 4:
+      return AttendKernel<kKey, kValue, 4>;
+    case 8:
+      return AttendKernel<kKey, kValue, 8>;
+    default:
+      return nullptr;
+  }
+}
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 cudaError_t LaunchAttendRows(int block_rows, const AttendKernelParams& params, cudaStream_t stream) {
   const size_t shared = AttendSharedBytes(block_rows, params.view.head_dim);
   const dim3 grid(static_cast<unsigned>(params.num_blocks));
-  void (*kernel)(AttendKernelParams) = nullptr;
-  switch (block_rows) {
-    case 1:
-      kernel = AttendKernel<kKey, kValue, 1>;
-      break;
-    case 2:
-      kernel = AttendKernel<kKey, kValue, 2>;
-      break;
-    case 4:
-      kernel = AttendKernel<kKey, kValue, 4>;
-      break;
-    case 8:
-      kernel = AttendKernel<kKey, kValue, 8>;
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  const AttendKernelFunction kernel = AttendKernelFor<kKey, kValue>(block_rows);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   TQKV_LAUNCH(kernel, grid, kAttendThreads, shared, stream, params);
   return cudaGetLastError();
 }
@@ -1186,6 +1193,27 @@ cudaError_t LaunchScoreRows(int block_rows, const ScoreKernelParams& params, cud
   }
   TQKV_LAUNCH(kernel, grid, kAttendThreads, shared, stream, params);
   return cudaGetLastError();
+}
+
+// AttendBlocks of one (key, value) instance resident per SM, from the
+// occupancy API; kHasMma: the pair has a tensor-core instance.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, bool kHasMma>
+cudaError_t AttendInstanceBlocksPerSm(bool mma, int block_rows, int head_dim, int* blocks) {
+  AttendKernelFunction kernel = nullptr;
+  if (!mma) {
+    kernel = AttendKernelFor<kKey, kValue>(block_rows);
+  } else if constexpr (kHasMma) {
+    kernel = AttendMmaKernelFor<kKey, kValue>(head_dim);
+  }
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const int threads = mma ? kMmaWarps * 32 : kAttendThreads;
+  const size_t shared = mma ? 0 : AttendSharedBytes(block_rows, head_dim);
+  int thread_blocks = 0;
+  const cudaError_t error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &thread_blocks, reinterpret_cast<const void*>(kernel), threads, shared);
+  if (error != cudaSuccess) return error;
+  *blocks = thread_blocks * (mma ? kMmaWarps : 1);
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -1258,6 +1286,25 @@ cudaError_t LaunchAttendMma(int variant, const AttendKernelParams& params, cudaS
       return LaunchAttendMmaDims<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kUniform>(params, stream);
     case 5:
       return LaunchAttendMmaDims<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kTurboQuant>(params, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t AttendBlocksPerSm(int variant, bool mma, int block_rows, int head_dim, int* blocks) {
+  switch (variant) {
+    case 0:
+      return AttendInstanceBlocksPerSm<DeviceFieldFormat::kFp16, DeviceFieldFormat::kFp16, true>(mma, block_rows, head_dim, blocks);
+    case 1:
+      return AttendInstanceBlocksPerSm<DeviceFieldFormat::kBf16, DeviceFieldFormat::kBf16, true>(mma, block_rows, head_dim, blocks);
+    case 2:
+      return AttendInstanceBlocksPerSm<DeviceFieldFormat::kFp8, DeviceFieldFormat::kFp8, false>(mma, block_rows, head_dim, blocks);
+    case 3:
+      return AttendInstanceBlocksPerSm<DeviceFieldFormat::kFp8, DeviceFieldFormat::kUniform, false>(mma, block_rows, head_dim, blocks);
+    case 4:
+      return AttendInstanceBlocksPerSm<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kUniform, true>(mma, block_rows, head_dim, blocks);
+    case 5:
+      return AttendInstanceBlocksPerSm<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kTurboQuant, true>(mma, block_rows, head_dim, blocks);
     default:
       return cudaErrorInvalidValue;
   }

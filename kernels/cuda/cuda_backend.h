@@ -19,9 +19,10 @@
 //
 // Kernels: store (store_kernels.cuh), query preparation, ScoreQuery and fused
 // split-KV decode (attend_kernels.cuh), on the tensor cores where the layout
-// allows (CudaBackendOptions::tensor_cores). Attend plans its blocks on the
-// host: split sizes chosen so that a batch fills the device several times
-// over.
+// allows (CudaBackendOptions::tensor_cores). Every call is planned on the
+// host first (planner.h): Attend's blocks, splits sized from the SM count and
+// the occupancy API, pieces and batches that fit a workspace, and the offset
+// of every buffer in it; Score's and Store's pieces likewise.
 //
 // Key centering and exact sink/window tokens (backend.h) are served like the
 // CPU backend: each read splits into the compressed run and the exact runs
