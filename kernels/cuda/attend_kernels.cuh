@@ -119,9 +119,10 @@ struct ScoreKernelParams {
   const float* constant = nullptr;
 };
 
-// Which kernel instance reads a (key, value) format pair; -1 when none does.
-int AttendVariant(DeviceFieldFormat key, DeviceFieldFormat value);
-// Whether ScoreQuery can read keys of this format.
+// The decode kernels have an instance for every pair of the shared format
+// table (kernels/format_table.h, FindFormatPair), dispatched in one place
+// (format_dispatch.cuh). Whether ScoreQuery can read keys of this format
+// (the table's reads_keys).
 bool ScoreSupported(DeviceFieldFormat key);
 
 // Whether the tensor-core kernel (TF32 mma, one warp per AttendBlock of up to
@@ -132,19 +133,19 @@ bool ScoreSupported(DeviceFieldFormat key);
 bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim);
 
 cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream);
-// One launch of variant `variant` with block_rows rows per block.
-cudaError_t LaunchAttend(int variant, int block_rows, const AttendKernelParams& params,
+// One launch of the fp32 kernel for `pair` with block_rows rows per block.
+cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params,
                          cudaStream_t stream);
-// The tensor-core kernel for `variant` (its pair must pass AttendMmaSupported):
+// The tensor-core kernel for `pair` (its fields must pass AttendMmaSupported):
 // one warp per block of params.blocks.
-cudaError_t LaunchAttendMma(int variant, const AttendKernelParams& params, cudaStream_t stream);
+cudaError_t LaunchAttendMma(FormatPair pair, const AttendKernelParams& params, cudaStream_t stream);
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
-// AttendBlocks of `variant` that one SM runs at once, from
+// AttendBlocks of `pair`'s kernel that one SM runs at once, from
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor: the fp32 kernel's thread
 // blocks with `block_rows` rows at `head_dim` (one AttendBlock each), or with
 // `mma` the tensor-core kernel's thread blocks times their warps (one
 // AttendBlock per warp). The planner's DeviceFigures::blocks_per_sm.
-cudaError_t AttendBlocksPerSm(int variant, bool mma, int block_rows, int head_dim, int* blocks);
+cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int block_rows, int head_dim, int* blocks);
 cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream);
 
 }  // namespace cuda

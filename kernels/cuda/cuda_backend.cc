@@ -23,6 +23,7 @@
 #include "kernels/cuda/device_format.h"
 #include "kernels/cuda/planner.h"
 #include "kernels/cuda/store_kernels.cuh"
+#include "kernels/format_table.h"
 #include "kernels/status_macros.h"
 
 namespace tqkv {
@@ -45,14 +46,14 @@ thread_local CallTiming last_timing;
 
 // Which decode launch runs a block: blocks with equal keys go in one launch.
 // Ordered as the launches are made: fp32 before tensor-core kernels, reads
-// of compressed pages before reads of exact pages, then by variant and rows.
+// of compressed pages before reads of exact pages, then by format pair and rows.
 struct LaunchKey {
   bool exact = false;  // reads exact pages (the exact layout's view)
   bool mma = false;    // the tensor-core kernel
-  int variant = 0;     // cuda::AttendVariant of the layer's formats
+  FormatPair pair = FormatPair::kFp16Fp16;  // the layer's formats (kernels/format_table.h)
   int block_rows = 0;  // the fp32 kernel's rows per block (template argument)
 
-  auto Tied() const { return std::tie(exact, mma, variant, block_rows); }
+  auto Tied() const { return std::tie(exact, mma, pair, block_rows); }
   bool operator<(const LaunchKey& o) const { return Tied() < o.Tied(); }
   bool operator==(const LaunchKey& o) const { return Tied() == o.Tied(); }
 };
@@ -209,7 +210,7 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
 // exact layout (same pool, same page stride).
 struct LayoutTables {
   const DeviceHead* heads = nullptr;  // [num_layers * num_kv_heads], in PoolTables::memory
-  std::vector<int> layer_variant;     // AttendVariant of each layer
+  std::vector<FormatPair> layer_pair;  // each layer's (key, value) formats
   std::vector<bool> layer_mma;        // whether the tensor-core kernel reads it
   // AttendBlocks of the layer's kernel one SM runs at once (occupancy API);
   // filled by AllocatePool.
@@ -245,13 +246,13 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
       }
     }
     const DeviceHead& first = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads()];
-    const int variant = cuda::AttendVariant(first.key.format, first.value.format);
-    if (variant < 0 || !cuda::ScoreSupported(first.key.format)) {
+    FormatPair pair;
+    if (!FindFormatPair(first.key.format, first.value.format, &pair) || !cuda::ScoreSupported(first.key.format)) {
       return absl::UnimplementedError(absl::StrFormat(
           "the CUDA backend has no attention kernel for preset %s (layer %d)",
           std::string(layout.layer_preset(layer).name), layer));
     }
-    out->layer_variant.push_back(variant);
+    out->layer_pair.push_back(pair);
     out->layer_mma.push_back(tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
     out->layer_key_format.push_back(first.key.format);
   }
@@ -607,7 +608,7 @@ class CudaBackend final : public Backend {
     t->layer_blocks_per_sm.clear();
     for (int layer = 0; layer < layout.num_layers(); ++layer) {
       int blocks = 0;
-      RETURN_IF_ERROR(CudaStatus(cuda::AttendBlocksPerSm(t->layer_variant[layer], t->layer_mma[layer], rows,
+      RETURN_IF_ERROR(CudaStatus(cuda::AttendBlocksPerSm(t->layer_pair[layer], t->layer_mma[layer], rows,
                                                          layout.head_dim(), &blocks),
                                  "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
       t->layer_blocks_per_sm.push_back(std::max(1, blocks));
@@ -989,7 +990,7 @@ class CudaBackend final : public Backend {
     LaunchKey key;
     key.exact = exact;
     key.mma = t.layer_mma[layer];
-    key.variant = t.layer_variant[layer];
+    key.pair = t.layer_pair[layer];
     key.block_rows = block_rows;
     return key;
   }
@@ -1145,10 +1146,10 @@ class CudaBackend final : public Backend {
       k.view = key.exact ? exact_view : view;
       k.prepared = reinterpret_cast<const float*>(w.device + (key.exact ? at.prepared_exact : at.prepared));
       if (key.mma) {
-        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma(key.variant, k, w.stream), "tensor-core attend kernel launch"));
+        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma(key.pair, k, w.stream), "tensor-core attend kernel launch"));
       } else {
         RETURN_IF_ERROR(
-            CudaStatus(cuda::LaunchAttend(key.variant, key.block_rows, k, w.stream), "attend kernel launch"));
+            CudaStatus(cuda::LaunchAttend(key.pair, key.block_rows, k, w.stream), "attend kernel launch"));
       }
       first = last;
     }

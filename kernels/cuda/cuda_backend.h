@@ -36,8 +36,9 @@
 // anything is allocated; AllocatePool refuses the same): head dims above
 // kMaxDeviceHeadDim or not a multiple of 8, QJL keys (evaluation only),
 // TurboQuant parts whose width is not a multiple of 4, multi-part
-// TurboQuant values, and key / value format pairs without a kernel. Use the
-// CPU backend for those (`--backend auto` does, per cache).
+// TurboQuant values, and key / value format pairs without a kernel (not in
+// kernels/format_table.h). Use the CPU backend for those (`--backend auto`
+// does, per cache).
 //
 // Timing (Backend::LastCallTiming): Store, Score and Attend report the device
 // time of their kernels (CUDA events, copies excluded) and every call its
