@@ -7,7 +7,7 @@
 // read straight from the packed codes. Values with a rotated codec are summed
 // in the rotated basis and mapped back once per output row (Merge).
 //
-// Decode work is planned on the host (cuda_backend.cc) into AttendBlocks, one
+// Decode work is planned on the host (planner.h) into AttendBlocks, one
 // per (item, KV head, row chunk, token split), each run by a block of
 // kAttendThreads threads (the fp32 kernel, LaunchAttend) or by one warp (the
 // tensor-core kernel, LaunchAttendMma).
@@ -40,70 +40,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include "kernels/cuda/attend_desc.h"
 #include "kernels/cuda/device_format.h"
 
 namespace tqkv {
 namespace cuda {
-
-inline constexpr int kAttendThreads = 128;
-// Tokens per tile of a block's loop.
-inline constexpr int kAttendTile = 128;
-// The most rows one block handles (template instances: 1, 2, 4, 8).
-inline constexpr int kMaxBlockRows = 8;
-
-// One (item, query token chunk) of a decode batch, as planned.
-struct AttendItemDesc {
-  int64_t block_table = 0;        // offset into AttendKernelParams::block_tables
-  int64_t exact_block_table = 0;  // the same, of the item's exact pages
-  int32_t context_tokens = 0;
-  int32_t num_query_tokens = 0;
-  int32_t layer = 0;
-  int32_t pad = 0;
-  int64_t query_row = 0;  // first row in queries / output: row = query_row + i * query_heads + h
-};
-
-// One thread block: rows [row0, row0 + rows) of (item, kv_head), where row
-// r = i * group + g is query token i, query head kv_head * group + g; tokens
-// [token_begin, token_end).
-struct AttendBlock {
-  int32_t item = 0;
-  int32_t kv_head = 0;
-  int32_t row0 = 0;
-  int32_t rows = 0;
-  int32_t token_begin = 0;
-  int32_t token_end = 0;
-  int32_t partial = 0;  // index of this block's partial result
-  int32_t pad = 0;
-};
-
-// The splits of one (item, kv_head, row chunk), merged by MergeKernel:
-// partials [first_partial, first_partial + num_splits), of which the first
-// basis_splits read compressed pages (accumulated in the value codec's
-// basis) and the others exact pages (plain coordinates).
-struct MergeUnit {
-  int32_t item = 0;
-  int32_t kv_head = 0;
-  int32_t row0 = 0;
-  int32_t rows = 0;
-  int32_t first_partial = 0;
-  int32_t num_splits = 0;
-  int32_t basis_splits = 0;
-  int32_t pad = 0;
-};
-
-// The pre-RoPE add-back of one (item, KV head) (kernels/key_centering.h),
-// the logit scale folded in: the logit of block row r (AttendBlock's row
-// numbering; ScoreQuery: the query head's index in its group) at token t
-// gains
-//   sum_i A[r][i] cos(t theta_i) + B[r][i] sin(t theta_i),  i < pairs,
-// theta_i = AddBackTables::theta[theta + i], A[r] = coef + r * 2 * pairs in
-// AddBackTables::coef, B[r] = A[r] + pairs. pairs 0: nothing to add.
-struct AddBackDesc {
-  int32_t pairs = 0;
-  int32_t pad = 0;
-  int64_t theta = 0;
-  int64_t coef = 0;
-};
 
 struct AddBackTables {
   const AddBackDesc* heads = nullptr;  // [item * num_kv_heads + kv_head]; null: no add-back
@@ -178,13 +119,11 @@ struct ScoreKernelParams {
   const float* constant = nullptr;
 };
 
-// Which kernel instance reads a (key, value) format pair; -1 when none does.
-int AttendVariant(DeviceFieldFormat key, DeviceFieldFormat value);
-// Whether ScoreQuery can read keys of this format.
+// The decode kernels have an instance for every pair of the shared format
+// table (kernels/format_table.h, FindFormatPair), dispatched in one place
+// (format_dispatch.cuh). Whether ScoreQuery can read keys of this format
+// (the table's reads_keys).
 bool ScoreSupported(DeviceFieldFormat key);
-
-// Block rows an instance uses for `rows` rows: 1, 2, 4 or 8.
-int BlockRowsFor(int rows);
 
 // Whether the tensor-core kernel (TF32 mma, one warp per AttendBlock of up to
 // kMaxBlockRows rows) reads this (key, value) pair at this head dim: head dims
@@ -194,13 +133,19 @@ int BlockRowsFor(int rows);
 bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim);
 
 cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream);
-// One launch of variant `variant` with block_rows rows per block.
-cudaError_t LaunchAttend(int variant, int block_rows, const AttendKernelParams& params,
+// One launch of the fp32 kernel for `pair` with block_rows rows per block.
+cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params,
                          cudaStream_t stream);
-// The tensor-core kernel for `variant` (its pair must pass AttendMmaSupported):
+// The tensor-core kernel for `pair` (its fields must pass AttendMmaSupported):
 // one warp per block of params.blocks.
-cudaError_t LaunchAttendMma(int variant, const AttendKernelParams& params, cudaStream_t stream);
+cudaError_t LaunchAttendMma(FormatPair pair, const AttendKernelParams& params, cudaStream_t stream);
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
+// AttendBlocks of `pair`'s kernel that one SM runs at once, from
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor: the fp32 kernel's thread
+// blocks with `block_rows` rows at `head_dim` (one AttendBlock each), or with
+// `mma` the tensor-core kernel's thread blocks times their warps (one
+// AttendBlock per warp). The planner's DeviceFigures::blocks_per_sm.
+cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int block_rows, int head_dim, int* blocks);
 cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream);
 
 }  // namespace cuda

@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/attend_kernels.cuh"
 #include "kernels/cuda/device_compat.cuh"
+#include "kernels/cuda/format_dispatch.cuh"
 
 #include <cfloat>
 
@@ -139,6 +140,9 @@ __device__ __forceinline__ void Dot8(const float (&v)[8], const float* q, int q_
 // Eight raw coordinates of a 16-bit or fp8 field.
 template <DeviceFieldFormat kFormat>
 __device__ __forceinline__ void LoadRaw8(const uint8_t* codes, const float* fp8_table, float (&v)[8]) {
+  static_assert(kFormat == DeviceFieldFormat::kFp16 || kFormat == DeviceFieldFormat::kBf16 ||
+                    kFormat == DeviceFieldFormat::kFp8,
+                "a format family without a reader here (kernels/format_table.h)");
   if constexpr (kFormat == DeviceFieldFormat::kFp8) {
     const uint2 raw = *reinterpret_cast<const uint2*>(codes);
 #pragma unroll
@@ -421,6 +425,7 @@ __host__ __device__ constexpr size_t AttendSharedBytes(int rows, int head_dim) {
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kRows>
 __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParams p) {
+  static_assert(FamilyInfo(kKey).reads_keys, "a key family the table says holds no keys");
   float* shared = DynamicSharedFloats();
   __shared__ BlockTables tables;
   __shared__ int visible[kRows];
@@ -672,6 +677,7 @@ __global__ void __launch_bounds__(kAttendThreads) PrepareKernel(PrepareParams p)
 
 template <DeviceFieldFormat kKey, int kRows>
 __global__ void __launch_bounds__(kAttendThreads) ScoreKernel(ScoreKernelParams p) {
+  static_assert(FamilyInfo(kKey).reads_keys, "a key family the table says holds no keys");
   float* shared = DynamicSharedFloats();
   __shared__ BlockTables tables;
   __shared__ int visible[kRows];
@@ -798,6 +804,8 @@ __device__ __forceinline__ void LoadTokenRuns(const DeviceField& f, const PoolVi
 // One raw 16-bit coordinate of a run of words.
 template <DeviceFieldFormat kFormat>
 __device__ __forceinline__ float Raw16At(const uint32_t* w, int j) {
+  static_assert(kFormat == DeviceFieldFormat::kFp16 || kFormat == DeviceFieldFormat::kBf16,
+                "the tensor-core kernel reads raw fields of 16 bits only");
   const uint32_t bits = (w[j >> 1] >> (16 * (j & 1))) & 0xffffu;
   return kFormat == DeviceFieldFormat::kBf16 ? Bf16BitsToFloat(bits) : HalfBitsToFloat(bits);
 }
@@ -955,6 +963,7 @@ __device__ __forceinline__ void MmaAddBack(const AddBackTables& ab, const AddBac
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim>
 __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelParams p) {
+  static_assert(FamilyInfo(kKey).reads_keys, "a key family the table says holds no keys");
   __shared__ MmaWarpTables warp_tables[kMmaWarps];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -1097,63 +1106,55 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
   }
 }
 
+using AttendKernelFunction = void (*)(AttendKernelParams);
+
+// The tensor-core kernel's instance for a head dim; null for other dims.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+AttendKernelFunction AttendMmaKernelFor(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return AttendMmaKernel<kKey, kValue, 64>;
+    case 128:
+      return AttendMmaKernel<kKey, kValue, 128>;
+    case 256:
+      return AttendMmaKernel<kKey, kValue, 256>;
+    default:
+      return nullptr;
+  }
+}
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 cudaError_t LaunchAttendMmaDims(const AttendKernelParams& params, cudaStream_t stream) {
-  void (*kernel)(AttendKernelParams) = nullptr;
-  switch (params.view.head_dim) {
-    case 64:
-      kernel = AttendMmaKernel<kKey, kValue, 64>;
-      break;
-    case 128:
-      kernel = AttendMmaKernel<kKey, kValue, 128>;
-      break;
-    case 256:
-      kernel = AttendMmaKernel<kKey, kValue, 256>;
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  const AttendKernelFunction kernel = AttendMmaKernelFor<kKey, kValue>(params.view.head_dim);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((params.num_blocks + kMmaWarps - 1) / kMmaWarps));
   TQKV_LAUNCH(kernel, grid, kMmaWarps * 32, 0, stream, params);
   return cudaGetLastError();
 }
 
-// The instances: the (key, value) pairs that presets use.
-struct VariantFormats {
-  DeviceFieldFormat key;
-  DeviceFieldFormat value;
-};
-constexpr VariantFormats kVariants[] = {
-    {DeviceFieldFormat::kFp16, DeviceFieldFormat::kFp16},
-    {DeviceFieldFormat::kBf16, DeviceFieldFormat::kBf16},
-    {DeviceFieldFormat::kFp8, DeviceFieldFormat::kFp8},
-    {DeviceFieldFormat::kFp8, DeviceFieldFormat::kUniform},
-    {DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kUniform},
-    {DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kTurboQuant},
-};
-constexpr int kNumVariants = sizeof(kVariants) / sizeof(kVariants[0]);
+// The fp32 kernel's instance for a block row count; null for other counts.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+AttendKernelFunction AttendKernelFor(int block_rows) {
+  switch (block_rows) {
+    case 1:
+      return AttendKernel<kKey, kValue, 1>;
+    case 2:
+      return AttendKernel<kKey, kValue, 2>;
+    case 4:
+      return AttendKernel<kKey, kValue, 4>;
+    case 8:
+      return AttendKernel<kKey, kValue, 8>;
+    default:
+      return nullptr;
+  }
+}
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 cudaError_t LaunchAttendRows(int block_rows, const AttendKernelParams& params, cudaStream_t stream) {
   const size_t shared = AttendSharedBytes(block_rows, params.view.head_dim);
   const dim3 grid(static_cast<unsigned>(params.num_blocks));
-  void (*kernel)(AttendKernelParams) = nullptr;
-  switch (block_rows) {
-    case 1:
-      kernel = AttendKernel<kKey, kValue, 1>;
-      break;
-    case 2:
-      kernel = AttendKernel<kKey, kValue, 2>;
-      break;
-    case 4:
-      kernel = AttendKernel<kKey, kValue, 4>;
-      break;
-    case 8:
-      kernel = AttendKernel<kKey, kValue, 8>;
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  const AttendKernelFunction kernel = AttendKernelFor<kKey, kValue>(block_rows);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   TQKV_LAUNCH(kernel, grid, kAttendThreads, shared, stream, params);
   return cudaGetLastError();
 }
@@ -1188,40 +1189,49 @@ cudaError_t LaunchScoreRows(int block_rows, const ScoreKernelParams& params, cud
   return cudaGetLastError();
 }
 
-}  // namespace
-
-int AttendVariant(DeviceFieldFormat key, DeviceFieldFormat value) {
-  for (int v = 0; v < kNumVariants; ++v) {
-    if (kVariants[v].key == key && kVariants[v].value == value) return v;
+// AttendBlocks of one (key, value) instance resident per SM, from the
+// occupancy API; kHasMma: the pair has a tensor-core instance.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, bool kHasMma>
+cudaError_t AttendInstanceBlocksPerSm(bool mma, int block_rows, int head_dim, int* blocks) {
+  AttendKernelFunction kernel = nullptr;
+  if (!mma) {
+    kernel = AttendKernelFor<kKey, kValue>(block_rows);
+  } else if constexpr (kHasMma) {
+    kernel = AttendMmaKernelFor<kKey, kValue>(head_dim);
   }
-  return -1;
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const int threads = mma ? kMmaWarps * 32 : kAttendThreads;
+  const size_t shared = mma ? 0 : AttendSharedBytes(block_rows, head_dim);
+  int thread_blocks = 0;
+  const cudaError_t error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &thread_blocks, reinterpret_cast<const void*>(kernel), threads, shared);
+  if (error != cudaSuccess) return error;
+  *blocks = thread_blocks * (mma ? kMmaWarps : 1);
+  return cudaSuccess;
 }
 
-bool ScoreSupported(DeviceFieldFormat key) { return key != DeviceFieldFormat::kUniform; }
+}  // namespace
+
+bool ScoreSupported(DeviceFieldFormat key) { return FamilyInfo(key).reads_keys; }
 
 bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim) {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
+  FormatPair pair;
+  if (!FindFormatPair(key.format, value.format, &pair) || !PairInfo(pair).tensor_cores) return false;
+  // Coded fields: one part of 2-4 bits (the kernel's per-lane code runs).
   auto small_codes = [](const DeviceField& f) {
-    return f.bits >= 2 && f.bits <= 4 && (f.format != DeviceFieldFormat::kTurboQuant || f.num_parts == 1);
+    switch (f.format) {
+      case DeviceFieldFormat::kFp16:
+      case DeviceFieldFormat::kBf16:
+      case DeviceFieldFormat::kFp8:
+        return true;
+      case DeviceFieldFormat::kUniform:
+      case DeviceFieldFormat::kTurboQuant:
+        return f.bits >= 2 && f.bits <= 4 && (f.format != DeviceFieldFormat::kTurboQuant || f.num_parts == 1);
+    }
+    return false;
   };
-  switch (key.format) {
-    case DeviceFieldFormat::kFp16:
-    case DeviceFieldFormat::kBf16:
-      return value.format == key.format;
-    case DeviceFieldFormat::kTurboQuant:
-      return small_codes(key) &&
-             (value.format == DeviceFieldFormat::kUniform || value.format == DeviceFieldFormat::kTurboQuant) &&
-             small_codes(value);
-    default:
-      return false;
-  }
-}
-
-int BlockRowsFor(int rows) {
-  if (rows <= 1) return 1;
-  if (rows <= 2) return 2;
-  if (rows <= 4) return 4;
-  return kMaxBlockRows;
+  return small_codes(key) && small_codes(value);
 }
 
 cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream) {
@@ -1231,43 +1241,28 @@ cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t LaunchAttend(int variant, int block_rows, const AttendKernelParams& params,
+cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params,
                          cudaStream_t stream) {
   if (params.num_blocks == 0) return cudaSuccess;
-  switch (variant) {
-    case 0:
-      return LaunchAttendRows<DeviceFieldFormat::kFp16, DeviceFieldFormat::kFp16>(block_rows, params, stream);
-    case 1:
-      return LaunchAttendRows<DeviceFieldFormat::kBf16, DeviceFieldFormat::kBf16>(block_rows, params, stream);
-    case 2:
-      return LaunchAttendRows<DeviceFieldFormat::kFp8, DeviceFieldFormat::kFp8>(block_rows, params, stream);
-    case 3:
-      return LaunchAttendRows<DeviceFieldFormat::kFp8, DeviceFieldFormat::kUniform>(block_rows, params, stream);
-    case 4:
-      return LaunchAttendRows<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kUniform>(block_rows, params,
-                                                                                         stream);
-    case 5:
-      return LaunchAttendRows<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kTurboQuant>(block_rows, params,
-                                                                                            stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return TQKV_CUDA_DISPATCH_FORMAT_PAIR(pair, kKey, kValue, kTensorCores,
+                                        return LaunchAttendRows<kKey, kValue>(block_rows, params, stream););
 }
 
-cudaError_t LaunchAttendMma(int variant, const AttendKernelParams& params, cudaStream_t stream) {
+cudaError_t LaunchAttendMma(FormatPair pair, const AttendKernelParams& params, cudaStream_t stream) {
   if (params.num_blocks == 0) return cudaSuccess;
-  switch (variant) {
-    case 0:
-      return LaunchAttendMmaDims<DeviceFieldFormat::kFp16, DeviceFieldFormat::kFp16>(params, stream);
-    case 1:
-      return LaunchAttendMmaDims<DeviceFieldFormat::kBf16, DeviceFieldFormat::kBf16>(params, stream);
-    case 4:
-      return LaunchAttendMmaDims<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kUniform>(params, stream);
-    case 5:
-      return LaunchAttendMmaDims<DeviceFieldFormat::kTurboQuant, DeviceFieldFormat::kTurboQuant>(params, stream);
-    default:
+  return TQKV_CUDA_DISPATCH_FORMAT_PAIR(pair, kKey, kValue, kTensorCores, {
+    if constexpr (kTensorCores) {
+      return LaunchAttendMmaDims<kKey, kValue>(params, stream);
+    } else {
       return cudaErrorInvalidValue;
-  }
+    }
+  });
+}
+
+cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int block_rows, int head_dim, int* blocks) {
+  return TQKV_CUDA_DISPATCH_FORMAT_PAIR(
+      pair, kKey, kValue, kTensorCores,
+      return AttendInstanceBlocksPerSm<kKey, kValue, kTensorCores>(mma, block_rows, head_dim, blocks););
 }
 
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream) {
@@ -1281,18 +1276,7 @@ cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, 
   if (params.token_end <= params.token_begin) return cudaSuccess;
   const int group = params.view.num_query_heads / params.view.num_kv_heads;
   const int block_rows = BlockRowsFor(group);
-  switch (key) {
-    case DeviceFieldFormat::kFp16:
-      return LaunchScoreRows<DeviceFieldFormat::kFp16>(block_rows, params, stream);
-    case DeviceFieldFormat::kBf16:
-      return LaunchScoreRows<DeviceFieldFormat::kBf16>(block_rows, params, stream);
-    case DeviceFieldFormat::kFp8:
-      return LaunchScoreRows<DeviceFieldFormat::kFp8>(block_rows, params, stream);
-    case DeviceFieldFormat::kTurboQuant:
-      return LaunchScoreRows<DeviceFieldFormat::kTurboQuant>(block_rows, params, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return TQKV_CUDA_DISPATCH_KEY_FORMAT(key, kKey, return LaunchScoreRows<kKey>(block_rows, params, stream););
 }
 
 }  // namespace cuda

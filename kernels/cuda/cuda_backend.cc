@@ -21,7 +21,9 @@
 #include "kernels/cuda/attend_kernels.cuh"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_format.h"
+#include "kernels/cuda/planner.h"
 #include "kernels/cuda/store_kernels.cuh"
+#include "kernels/format_table.h"
 #include "kernels/status_macros.h"
 
 namespace tqkv {
@@ -42,24 +44,19 @@ using cuda::MergeUnit;
 // caller asks the backend it just called, on the same thread).
 thread_local CallTiming last_timing;
 
-// Query tokens of one item handled together; longer items are split (each
-// piece sees its own causal prefix).
-constexpr int kMaxQueryTokensPerPiece = 32;
 // Which decode launch runs a block: blocks with equal keys go in one launch.
 // Ordered as the launches are made: fp32 before tensor-core kernels, reads
-// of compressed pages before reads of exact pages, then by variant and rows.
+// of compressed pages before reads of exact pages, then by format pair and rows.
 struct LaunchKey {
   bool exact = false;  // reads exact pages (the exact layout's view)
   bool mma = false;    // the tensor-core kernel
-  int variant = 0;     // cuda::AttendVariant of the layer's formats
+  FormatPair pair = FormatPair::kFp16Fp16;  // the layer's formats (kernels/format_table.h)
   int block_rows = 0;  // the fp32 kernel's rows per block (template argument)
 
-  auto Tied() const { return std::tie(exact, mma, variant, block_rows); }
+  auto Tied() const { return std::tie(exact, mma, pair, block_rows); }
   bool operator<(const LaunchKey& o) const { return Tied() < o.Tied(); }
   bool operator==(const LaunchKey& o) const { return Tied() == o.Tied(); }
 };
-// Arena alignment slack of one Attend batch, beyond its pieces' bytes.
-constexpr size_t kBatchOverhead = 16 * 256;
 // Bytes read past a pool's last page by vectorised loads of a tail group.
 constexpr size_t kPoolTailPadding = 256;
 
@@ -213,8 +210,11 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
 // exact layout (same pool, same page stride).
 struct LayoutTables {
   const DeviceHead* heads = nullptr;  // [num_layers * num_kv_heads], in PoolTables::memory
-  std::vector<int> layer_variant;     // AttendVariant of each layer
+  std::vector<FormatPair> layer_pair;  // each layer's (key, value) formats
   std::vector<bool> layer_mma;        // whether the tensor-core kernel reads it
+  // AttendBlocks of the layer's kernel one SM runs at once (occupancy API);
+  // filled by AllocatePool.
+  std::vector<int> layer_blocks_per_sm;
   std::vector<DeviceFieldFormat> layer_key_format;
 };
 
@@ -246,13 +246,13 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
       }
     }
     const DeviceHead& first = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads()];
-    const int variant = cuda::AttendVariant(first.key.format, first.value.format);
-    if (variant < 0 || !cuda::ScoreSupported(first.key.format)) {
+    FormatPair pair;
+    if (!FindFormatPair(first.key.format, first.value.format, &pair) || !cuda::ScoreSupported(first.key.format)) {
       return absl::UnimplementedError(absl::StrFormat(
           "the CUDA backend has no attention kernel for preset %s (layer %d)",
           std::string(layout.layer_preset(layer).name), layer));
     }
-    out->layer_variant.push_back(variant);
+    out->layer_pair.push_back(pair);
     out->layer_mma.push_back(tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
     out->layer_key_format.push_back(first.key.format);
   }
@@ -298,24 +298,6 @@ void AppendExactTable(const KvLayout& layout, const int32_t* exact_table, int64_
 
 // ---------------------------------------------------------------------------
 
-// Bump allocation inside a workspace buffer.
-class Arena {
- public:
-  explicit Arena(size_t capacity) : capacity_(capacity) {}
-  // Offset of `bytes` new bytes (256-aligned); `fits` turns false on overflow.
-  size_t Take(size_t bytes) {
-    const size_t offset = AlignUp(used_, 256);
-    used_ = offset + bytes;
-    return offset;
-  }
-  bool fits() const { return used_ <= capacity_; }
-  size_t used() const { return used_; }
-
- private:
-  size_t capacity_;
-  size_t used_ = 0;
-};
-
 struct Workspace {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr;
@@ -323,14 +305,13 @@ struct Workspace {
   uint8_t* host = nullptr;    // pinned
   uint8_t* device = nullptr;
   // Host-side plans, reused from call to call.
-  std::vector<AttendItemDesc> items;
-  std::vector<AttendBlock> blocks;
-  std::vector<LaunchKey> block_keys;  // blocks[i]'s launch
+  std::vector<cuda::PlanItem> plan_items;
+  cuda::AttendPlan plan;
+  cuda::BatchContents batch;
+  std::vector<LaunchKey> block_keys;  // batch.blocks[i]'s launch
   std::vector<int32_t> block_order;   // blocks by launch key
   std::vector<AttendBlock> sorted_blocks;
   std::vector<LaunchKey> sorted_keys;
-  std::vector<MergeUnit> units;
-  std::vector<int32_t> head_of_row;
   std::vector<int32_t> tables;
   // The add-back (AddBackDesc): per (item, KV head), thetas, coefficients,
   // and each row's constant.
@@ -339,12 +320,6 @@ struct Workspace {
   std::vector<float> coef;
   std::vector<float> constants;
   std::vector<int> pairs;
-  struct Piece {
-    const AttendItem* item;
-    int token0;
-    int tokens;
-  };
-  std::vector<Piece> pieces;
 };
 
 // The add-back of `rows` query rows against one KV head's key mean `mean`
@@ -389,8 +364,22 @@ bool Centered(const KvLayout& layout, const float* key_mean) {
   return key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
 }
 
-// Where a call's add-back arrays sit in its workspace (Arena offsets); none
-// without centering.
+// The active RoPE pairs of a key mean (those PlanAddBack adds back), summed
+// over KV heads: what the planner sizes the add-back arrays by.
+int64_t ActivePairs(const KvLayout& layout, const float* key_mean) {
+  const RopeTable& rope = layout.rope();
+  int64_t pairs = 0;
+  for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
+    const float* mean = key_mean + static_cast<size_t>(kv) * layout.head_dim();
+    for (int i = 0; i < rope.num_pairs(); ++i) {
+      if (mean[rope.first(i)] != 0.0f || mean[rope.second(i)] != 0.0f) ++pairs;
+    }
+  }
+  return pairs;
+}
+
+// Where a call's add-back arrays sit in its workspace (the plan's offsets);
+// none without centering.
 struct AddBackAt {
   bool any = false;
   size_t heads = 0, theta = 0, coef = 0, constants = 0;
@@ -408,15 +397,10 @@ struct AddBackAt {
   }
 };
 
-AddBackAt TakeAddBack(Arena& arena, const Workspace& w) {
-  AddBackAt at;
-  at.any = !w.addback.empty();
-  if (!at.any) return at;
-  at.heads = arena.Take(sizeof(cuda::AddBackDesc) * w.addback.size());
-  at.theta = arena.Take(sizeof(double) * w.theta.size());
-  at.coef = arena.Take(sizeof(float) * w.coef.size());
-  at.constants = arena.Take(sizeof(float) * w.constants.size());
-  return at;
+// The add-back offsets of an AttendWorkspace or a ScoreWorkspace.
+template <typename PlannedWorkspace>
+AddBackAt AddBackOf(const PlannedWorkspace& at) {
+  return AddBackAt{at.addback, at.addback_heads, at.theta, at.coef, at.constants};
 }
 
 // The add-back arrays into the workspace's pinned buffer, at `at`.
@@ -569,6 +553,7 @@ class CudaBackend final : public Backend {
       RETURN_IF_ERROR(
           DescribeLayout(*layout.exact_layout(), options_.tensor_cores, tables, &exact_heads, &pool_tables.exact));
     }
+    RETURN_IF_ERROR(MeasureOccupancy(layout, &pool_tables.main));
     heads.insert(heads.end(), exact_heads.begin(), exact_heads.end());
     const std::vector<uint8_t>& blob = tables.blob();
     const size_t heads_offset = AlignUp(blob.size(), 64);
@@ -616,6 +601,21 @@ class CudaBackend final : public Backend {
     return pool;
   }
 
+  // Every layer's resident AttendBlocks per SM (the split planner's
+  // figure), for the kernel instance a one-token decode of the layout uses.
+  static absl::Status MeasureOccupancy(const KvLayout& layout, LayoutTables* t) {
+    const int rows = cuda::BlockRowsFor(std::min(layout.query_heads_per_kv_head(), cuda::kMaxBlockRows));
+    t->layer_blocks_per_sm.clear();
+    for (int layer = 0; layer < layout.num_layers(); ++layer) {
+      int blocks = 0;
+      RETURN_IF_ERROR(CudaStatus(cuda::AttendBlocksPerSm(t->layer_pair[layer], t->layer_mma[layer], rows,
+                                                         layout.head_dim(), &blocks),
+                                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+      t->layer_blocks_per_sm.push_back(std::max(1, blocks));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status DoCopyPage(const PagePool& pool, int32_t from, int32_t to) {
     if (from < 0 || from >= pool.num_pages || to < 0 || to >= pool.num_pages) {
       return absl::InvalidArgumentError(absl::StrFormat("page copy %d -> %d outside a %d-page pool",
@@ -660,26 +660,19 @@ class CudaBackend final : public Backend {
     const KvLayout& layout = *p.layout;
     const int layers = p.layer_end - p.layer_begin;
     const size_t vector_floats = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
-    const size_t bytes_per_token = 2 * sizeof(float) * layers * vector_floats + sizeof(int32_t);
-    const size_t fixed = 4096;
     if (layers <= 0 || p.num_tokens <= 0) return absl::OkStatus();
-    const int64_t max_tokens = static_cast<int64_t>((options_.workspace_bytes - fixed) / bytes_per_token);
-    if (max_tokens < 1) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "one token of %d layers (%d bytes) does not fit a %d-byte CUDA workspace", layers,
-          bytes_per_token, options_.workspace_bytes));
-    }
+    const cuda::StoreInput in{layers, layout.num_kv_heads(), layout.head_dim(), p.num_tokens,
+                              options_.workspace_bytes};
+    cuda::StorePlan plan;
+    RETURN_IF_ERROR(cuda::PlanStore(in, &plan));
     WorkspaceLease lease(this);
     Workspace& w = lease.get();
     double kernel_seconds = 0.0;
-    for (int64_t t0 = 0; t0 < p.num_tokens; t0 += max_tokens) {
-      const int64_t tokens = std::min<int64_t>(max_tokens, p.num_tokens - t0);
-      Arena arena(options_.workspace_bytes);
+    for (int64_t t0 = 0; t0 < p.num_tokens; t0 += plan.piece_tokens) {
+      const int64_t tokens = std::min<int64_t>(plan.piece_tokens, p.num_tokens - t0);
+      const cuda::StoreWorkspace at = cuda::LayOutStore(in, tokens);
       const size_t layer_bytes = static_cast<size_t>(tokens) * vector_floats * sizeof(float);
-      const size_t keys = arena.Take(layer_bytes * layers);
-      const size_t values = arena.Take(layer_bytes * layers);
-      const size_t slots = arena.Take(sizeof(int32_t) * tokens);
-      const size_t error = arena.Take(sizeof(unsigned long long));
+      const size_t keys = at.keys, values = at.values, slots = at.slots, error = at.error;
       for (int l = 0; l < layers; ++l) {
         const size_t src = (static_cast<size_t>(l) * p.num_tokens + t0) * vector_floats;
         std::memcpy(w.host + keys + l * layer_bytes, p.keys + src, layer_bytes);
@@ -702,7 +695,7 @@ class CudaBackend final : public Backend {
       k.keys = reinterpret_cast<const float*>(w.device + keys);
       k.values = reinterpret_cast<const float*>(w.device + values);
       k.error = reinterpret_cast<unsigned long long*>(w.device + error);
-      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, arena.used(), cudaMemcpyHostToDevice, w.stream),
+      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.end, cudaMemcpyHostToDevice, w.stream),
                                  "store: copy in"));
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
       RETURN_IF_ERROR(CudaStatus(cuda::LaunchStore(k, w.stream), "store kernel launch"));
@@ -736,25 +729,24 @@ class CudaBackend final : public Backend {
     w.tables.assign(p.block_table, p.block_table + pages);
     if (exact) AppendExactTable(layout, p.exact_block_table, length, p.token_end, &w.tables);
     PlanScoreAddBack(layout, p, w);
-    const size_t addback_bytes = sizeof(cuda::AddBackDesc) * w.addback.size() + sizeof(double) * w.theta.size() +
-                                 sizeof(float) * (w.coef.size() + w.constants.size());
-    const size_t fixed = 16 * 256 + sizeof(int32_t) * (w.tables.size() + qh) + 3 * sizeof(float) * qh * d +
-                         addback_bytes;
-    if (fixed + sizeof(float) * qh * cuda::kAttendTile > options_.workspace_bytes) {
-      return absl::ResourceExhaustedError("ScoreQuery's block table does not fit a CUDA workspace");
-    }
-    // Token pieces: whole tiles that fit beside the queries.
-    int64_t piece = static_cast<int64_t>((options_.workspace_bytes - fixed) / (sizeof(float) * qh));
-    piece = std::max<int64_t>(cuda::kAttendTile, piece / cuda::kAttendTile * cuda::kAttendTile);
-    Arena arena(options_.workspace_bytes);
-    const size_t table = arena.Take(sizeof(int32_t) * w.tables.size());
-    const size_t heads = arena.Take(sizeof(int32_t) * qh);
-    const size_t queries = arena.Take(sizeof(float) * qh * d);
-    const AddBackAt addback = TakeAddBack(arena, w);
-    const size_t copy_in = arena.used();
-    const size_t prepared = arena.Take(sizeof(float) * qh * d);
-    const size_t prepared_exact = arena.Take(sizeof(float) * qh * d);
-    const size_t logits = arena.Take(sizeof(float) * qh * std::min(count, piece));
+    cuda::ScoreInput in;
+    in.num_query_heads = qh;
+    in.head_dim = d;
+    in.exact = exact;
+    in.table_entries = static_cast<int64_t>(w.tables.size());
+    in.addback_heads = static_cast<int64_t>(w.addback.size());
+    in.theta = static_cast<int64_t>(w.theta.size());
+    in.coef = static_cast<int64_t>(w.coef.size());
+    in.constants = static_cast<int64_t>(w.constants.size());
+    in.tokens = count;
+    in.workspace_bytes = options_.workspace_bytes;
+    cuda::ScorePlan plan;
+    RETURN_IF_ERROR(cuda::PlanScore(in, &plan));
+    const int64_t piece = plan.piece_tokens;
+    const size_t table = plan.at.table, heads = plan.at.heads, queries = plan.at.queries;
+    const AddBackAt addback = AddBackOf(plan.at);
+    const size_t copy_in = plan.at.copy_in;
+    const size_t prepared = plan.at.prepared, prepared_exact = plan.at.prepared_exact, logits = plan.at.logits;
     std::memcpy(w.host + table, w.tables.data(), sizeof(int32_t) * w.tables.size());
     const int group = layout.query_heads_per_kv_head();
     for (int h = 0; h < qh; ++h) {
@@ -824,44 +816,51 @@ class CudaBackend final : public Backend {
     const KvLayout& layout = *p.layout;
     WorkspaceLease lease(this);
     Workspace& w = lease.get();
-    // Pieces of at most kMaxQueryTokensPerPiece query tokens.
-    w.pieces.clear();
-    int64_t total_work = 0;
-    bool any_mma = false;
-    for (const AttendItem& item : p.items) {
-      total_work += item.context_tokens * layout.num_kv_heads();
-      any_mma = any_mma || tables->main.layer_mma[item.layer];
-    }
-    // Splits: about four thread blocks per SM over the whole request (sixteen
-    // one-warp blocks for the tensor-core kernel), whole tiles.
-    const int64_t target_blocks = (any_mma ? 16 : 4) * static_cast<int64_t>(sm_count_);
-    int64_t split = (total_work + target_blocks - 1) / std::max<int64_t>(1, target_blocks);
-    split = std::max<int64_t>(2 * cuda::kAttendTile, (split + cuda::kAttendTile - 1) / cuda::kAttendTile *
-                                                         cuda::kAttendTile);
-    for (const AttendItem& item : p.items) {
-      // As many query tokens per piece as fit a workspace, up to the maximum.
-      int per_piece = std::min(kMaxQueryTokensPerPiece, item.num_query_tokens);
-      // A block's rows share its token range: in a sliding-window layer each
-      // query token (its own window begin) is a piece of its own.
-      if (layout.layer_window(item.layer) > 0) per_piece = 1;
-      while (per_piece > 1 &&
-             PieceBytes(layout, {&item, 0, per_piece}, split) + kBatchOverhead > options_.workspace_bytes) {
-        per_piece = (per_piece + 1) / 2;
-      }
-      for (int t0 = 0; t0 < item.num_query_tokens; t0 += per_piece) {
-        w.pieces.push_back({&item, t0, std::min(per_piece, item.num_query_tokens - t0)});
-      }
-    }
+    const cuda::AttendPlanInput in = DescribeAttend(layout, p, *tables, w);
+    RETURN_IF_ERROR(cuda::PlanAttend(in, &w.plan));
     double kernel_seconds = 0.0;
-    size_t next = 0;
-    while (next < w.pieces.size()) {
-      size_t end = next;
-      RETURN_IF_ERROR(PlanBatch(layout, *tables, split, w, next, &end));
-      RETURN_IF_ERROR(RunBatch(layout, p, *tables, split, w, next, end, &kernel_seconds));
-      next = end;
+    for (const cuda::AttendBatch& batch : w.plan.batches) {
+      RETURN_IF_ERROR(RunBatch(layout, p, *tables, in, batch, w, &kernel_seconds));
     }
     last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
+  }
+
+  // The planner's view of an Attend call (its items in w.plan_items).
+  cuda::AttendPlanInput DescribeAttend(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
+                                       Workspace& w) const {
+    cuda::AttendPlanInput in;
+    in.dims.num_kv_heads = layout.num_kv_heads();
+    in.dims.num_query_heads = layout.num_query_heads();
+    in.dims.head_dim = layout.head_dim();
+    in.dims.page_tokens = layout.page_tokens();
+    in.dims.exact_page_tokens = layout.has_exact_tokens() ? layout.exact_page_tokens() : 0;
+    in.dims.centered = layout.key_centering() != KeyCentering::kNone;
+    w.plan_items.clear();
+    // The call's kernels share the device: plan for the most resident.
+    int blocks_per_sm = 1;
+    for (const AttendItem& item : p.items) {
+      cuda::PlanItem planned;
+      planned.context_tokens = item.context_tokens;
+      planned.query_tokens = item.num_query_tokens;
+      planned.layer = item.layer;
+      planned.exact = layout.has_exact_tokens() && item.exact_block_table != nullptr;
+      if (planned.exact) {
+        const ExactRanges r = layout.exact_ranges(item.context_tokens);
+        planned.sink_end = r.sink_end;
+        planned.window_begin = r.window_begin;
+      }
+      planned.window = layout.layer_window(item.layer);
+      planned.mma = tables.main.layer_mma[item.layer];
+      planned.addback_pairs = Centered(layout, item.key_mean) ? ActivePairs(layout, item.key_mean) : 0;
+      w.plan_items.push_back(planned);
+      blocks_per_sm = std::max(blocks_per_sm, tables.main.layer_blocks_per_sm[item.layer]);
+    }
+    in.items = w.plan_items;
+    in.device.sm_count = sm_count_;
+    in.device.blocks_per_sm = blocks_per_sm;
+    in.workspace_bytes = options_.workspace_bytes;
+    return in;
   }
 
   // Runs one public call: fails fast once the device is lost, and marks it
@@ -984,39 +983,6 @@ class CudaBackend final : public Backend {
         absl::StrFormat("layer %d, token %d, KV head %d: %s", layer, token, head, what));
   }
 
-  // Bytes of one piece in a batch (an upper bound of what PlanPiece and
-  // RunBatch take for it).
-  static size_t PieceBytes(const KvLayout& layout, const Workspace::Piece& piece, int64_t split) {
-    const int d = layout.head_dim();
-    const int qh = layout.num_query_heads();
-    const int heads = layout.num_kv_heads();
-    const int group = layout.query_heads_per_kv_head();
-    const bool exact = layout.has_exact_tokens();
-    const bool centered = layout.key_centering() != KeyCentering::kNone;
-    int64_t pages = (piece.item->context_tokens + layout.page_tokens() - 1) / layout.page_tokens();
-    if (exact) pages += (piece.item->context_tokens + layout.exact_page_tokens() - 1) / layout.exact_page_tokens();
-    const int rows = piece.tokens * group;
-    const int block_rows = cuda::BlockRowsFor(rows);
-    const int64_t chunks = (rows + block_rows - 1) / block_rows;
-    const int64_t visible = piece.item->context_tokens - piece.item->num_query_tokens + piece.token0 + piece.tokens;
-    // Each segment boundary can add a split.
-    const int64_t splits = std::max<int64_t>(1, (visible + split - 1) / split) + (exact ? 2 : 0);
-    const int64_t partials = heads * chunks * splits;
-    const int64_t query_floats = static_cast<int64_t>(piece.tokens) * qh * d;
-    // Queries, prepared (twice with exact pages), outputs; add-back
-    // coefficients (2 per pair and row: at most head_dim), constants, thetas.
-    const int64_t query_arrays = 3 + (exact ? 1 : 0) + (centered ? 1 : 0);
-    const size_t addback = centered ? sizeof(float) * piece.tokens * qh +
-                                          heads * (sizeof(cuda::AddBackDesc) + sizeof(double) * d / 2)
-                                    : 0;
-    return sizeof(AttendItemDesc) + sizeof(int32_t) * pages +
-           sizeof(float) * (query_arrays * query_floats + piece.tokens * qh) + sizeof(int32_t) * piece.tokens * qh +
-           addback +
-           partials * (sizeof(AttendBlock) + sizeof(MergeUnit) +
-                       sizeof(float) * cuda::kMaxBlockRows * (d + 2)) +
-           6 * 256;
-  }
-
   // The launch of a block of `layer` with `block_rows` rows that reads exact
   // pages or not.
   static LaunchKey KeyOf(const PoolTables& tables, int layer, bool exact, int block_rows) {
@@ -1024,90 +990,16 @@ class CudaBackend final : public Backend {
     LaunchKey key;
     key.exact = exact;
     key.mma = t.layer_mma[layer];
-    key.variant = t.layer_variant[layer];
+    key.pair = t.layer_pair[layer];
     key.block_rows = block_rows;
     return key;
   }
 
-  // Adds one piece to w's plan: its item, block tables, rows, add-back,
-  // merge units and blocks (one per split of each segment).
-  static void PlanPiece(const KvLayout& layout, const PoolTables& tables, float scale, int64_t split,
-                        const Workspace::Piece& piece, Workspace& w, int64_t* rows_total, int32_t* partials) {
-    const int qh = layout.num_query_heads();
-    const int heads = layout.num_kv_heads();
-    const int group = layout.query_heads_per_kv_head();
-    const AttendItem& item = *piece.item;
-    const bool exact = layout.has_exact_tokens() && item.exact_block_table != nullptr;
-    AttendItemDesc desc;
-    // The piece's own causal view: its last query token is the item's
-    // token0 + tokens - 1.
-    desc.context_tokens = static_cast<int32_t>(item.context_tokens - item.num_query_tokens + piece.token0 +
-                                               piece.tokens);
-    desc.num_query_tokens = piece.tokens;
-    desc.layer = item.layer;
-    desc.query_row = *rows_total;
-    desc.block_table = static_cast<int64_t>(w.tables.size());
-    const int64_t pages = (desc.context_tokens + layout.page_tokens() - 1) / layout.page_tokens();
-    w.tables.insert(w.tables.end(), item.block_table, item.block_table + pages);
-    desc.exact_block_table = static_cast<int64_t>(w.tables.size());
-    if (exact) AppendExactTable(layout, item.exact_block_table, item.context_tokens, desc.context_tokens, &w.tables);
-    for (int t = 0; t < piece.tokens; ++t) {
-      for (int h = 0; h < qh; ++h) w.head_of_row.push_back(item.layer * heads + h / group);
-    }
-    const int item_index = static_cast<int>(w.items.size());
-    w.items.push_back(desc);
-    PlanItemAddBack(layout, scale, piece, desc, w);
-    Segment segments[kMaxSegments];
-    const int num_segments = Segments(layout, exact, item.context_tokens, segments);
-    // The first token the piece's queries see: 0, or in a sliding-window
-    // layer (one query token per piece) p + 1 - window.
-    const int64_t first_seen = layout.WindowBegin(item.layer, desc.context_tokens - 1);
-    const int rows = piece.tokens * group;
-    // A unit's splits share its row chunks; the tensor-core kernel always
-    // holds 8 rows (its N).
-    const int block_rows = tables.main.layer_mma[item.layer] ? cuda::kMaxBlockRows : cuda::BlockRowsFor(rows);
-    for (int kv = 0; kv < heads; ++kv) {
-      for (int row0 = 0; row0 < rows; row0 += block_rows) {
-        const int chunk_rows = std::min(block_rows, rows - row0);
-        // The chunk's last row sees the most tokens.
-        const int last_token = (row0 + chunk_rows - 1) / group;
-        const int64_t visible = desc.context_tokens - desc.num_query_tokens + 1 + last_token;
-        MergeUnit unit;
-        unit.item = item_index;
-        unit.kv_head = kv;
-        unit.row0 = row0;
-        unit.rows = chunk_rows;
-        unit.first_partial = *partials;
-        for (int k = 0; k < num_segments; ++k) {  // the compressed segment first
-          const Segment& seg = segments[k];
-          for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); t += split) {
-            AttendBlock b;
-            b.item = item_index;
-            b.kv_head = kv;
-            b.row0 = row0;
-            b.rows = chunk_rows;
-            b.token_begin = static_cast<int32_t>(t);
-            b.token_end = static_cast<int32_t>(std::min({seg.end, visible, t + split}));
-            b.partial = unit.first_partial + unit.num_splits;
-            w.blocks.push_back(b);
-            w.block_keys.push_back(KeyOf(tables, item.layer, seg.exact, block_rows));
-            ++unit.num_splits;
-            if (!seg.exact) ++unit.basis_splits;
-          }
-        }
-        *partials += unit.num_splits;
-        w.units.push_back(unit);
-      }
-    }
-    *rows_total += static_cast<int64_t>(piece.tokens) * qh;
-  }
-
   // The add-back of one piece (nothing without centering): a desc per KV
   // head (pairs 0 for an item without a mean) and each row's constant.
-  static void PlanItemAddBack(const KvLayout& layout, float scale, const Workspace::Piece& piece,
-                              const AttendItemDesc& desc, Workspace& w) {
+  static void PlanItemAddBack(const KvLayout& layout, float scale, const AttendItem& item,
+                              const cuda::PlanPiece& piece, const AttendItemDesc& desc, Workspace& w) {
     if (layout.key_centering() == KeyCentering::kNone) return;
-    const AttendItem& item = *piece.item;
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
     const int group = layout.query_heads_per_kv_head();
@@ -1127,89 +1019,74 @@ class CudaBackend final : public Backend {
     }
   }
 
-  absl::Status PlanBatch(const KvLayout& layout, const PoolTables& tables, int64_t split, Workspace& w,
-                         size_t begin, size_t* end) {
-    size_t bytes = kBatchOverhead;
-    size_t i = begin;
-    for (; i < w.pieces.size(); ++i) {
-      const size_t piece = PieceBytes(layout, w.pieces[i], split);
-      if (bytes + piece > options_.workspace_bytes) break;
-      bytes += piece;
-    }
-    if (i == begin) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "one Attend item (context %d tokens) needs more than a %d-byte CUDA workspace",
-          w.pieces[begin].item->context_tokens, options_.workspace_bytes));
-    }
-    *end = i;
-    return absl::OkStatus();
-  }
-
+  // Runs one batch of the plan: its arrays (FillAttendBatch), block tables,
+  // queries and add-back staged at the plan's offsets, the kernels, the
+  // outputs back to the items.
   absl::Status RunBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
-                        int64_t split, Workspace& w, size_t begin, size_t end, double* kernel_seconds) {
+                        const cuda::AttendPlanInput& in, const cuda::AttendBatch& batch, Workspace& w,
+                        double* kernel_seconds) {
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
-    w.items.clear();
-    w.blocks.clear();
-    w.block_keys.clear();
-    w.units.clear();
-    w.head_of_row.clear();
+    cuda::FillAttendBatch(in, w.plan, batch, &w.batch);
+    const cuda::BatchContents& b = w.batch;
     w.tables.clear();
     ClearAddBack(w);
-    int64_t rows_total = 0;
-    int32_t partials = 0;
-    for (size_t i = begin; i < end; ++i) PlanPiece(layout, tables, p.scale, split, w.pieces[i], w, &rows_total, &partials);
-    // One launch per (variant, block rows): sort the blocks by that key.
-    w.block_order.resize(w.blocks.size());
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
+      const AttendItem& item = p.items[piece.item];
+      w.tables.insert(w.tables.end(), item.block_table, item.block_table + b.tables[i].pages);
+      if (b.tables[i].exact_pages > 0) {
+        AppendExactTable(layout, item.exact_block_table, item.context_tokens, b.items[i].context_tokens, &w.tables);
+      }
+      PlanItemAddBack(layout, p.scale, item, piece, b.items[i], w);
+    }
+    // The workspace was laid out from the plan's counts: what is staged must
+    // be exactly that.
+    const cuda::AttendCounts& c = batch.counts;
+    if (static_cast<int64_t>(w.tables.size()) != c.table_entries ||
+        static_cast<int64_t>(w.addback.size()) != c.addback_heads ||
+        static_cast<int64_t>(w.theta.size()) != c.theta || static_cast<int64_t>(w.coef.size()) != c.coef ||
+        static_cast<int64_t>(w.constants.size()) != c.constants ||
+        static_cast<int64_t>(b.blocks.size()) != c.blocks || static_cast<int64_t>(b.units.size()) != c.units ||
+        static_cast<int64_t>(b.head_of_row.size()) != c.rows) {
+      return absl::InternalError("the attend plan's counts disagree with the arrays staged for it");
+    }
+    // One launch per launch key: sort the blocks by it.
+    w.block_keys.clear();
+    for (size_t i = 0; i < b.blocks.size(); ++i) {
+      const cuda::BlockLaunch& launch = b.launches[i];
+      w.block_keys.push_back(KeyOf(tables, b.items[b.blocks[i].item].layer, launch.exact, launch.block_rows));
+    }
+    w.block_order.resize(b.blocks.size());
     std::iota(w.block_order.begin(), w.block_order.end(), 0);
     std::stable_sort(w.block_order.begin(), w.block_order.end(),
-                     [&w](int32_t a, int32_t b) { return w.block_keys[a] < w.block_keys[b]; });
-    w.sorted_blocks.resize(w.blocks.size());
-    w.sorted_keys.resize(w.blocks.size());
+                     [&w](int32_t x, int32_t y) { return w.block_keys[x] < w.block_keys[y]; });
+    w.sorted_blocks.resize(b.blocks.size());
+    w.sorted_keys.resize(b.blocks.size());
     for (size_t i = 0; i < w.block_order.size(); ++i) {
-      w.sorted_blocks[i] = w.blocks[w.block_order[i]];
+      w.sorted_blocks[i] = b.blocks[w.block_order[i]];
       w.sorted_keys[i] = w.block_keys[w.block_order[i]];
     }
 
-    BatchAt at;
-    Arena arena(options_.workspace_bytes);
-    at.items = arena.Take(sizeof(AttendItemDesc) * w.items.size());
-    at.blocks = arena.Take(sizeof(AttendBlock) * w.sorted_blocks.size());
-    at.units = arena.Take(sizeof(MergeUnit) * w.units.size());
-    at.heads = arena.Take(sizeof(int32_t) * w.head_of_row.size());
-    at.tables = arena.Take(sizeof(int32_t) * w.tables.size());
-    at.queries = arena.Take(sizeof(float) * rows_total * d);
-    at.addback = TakeAddBack(arena, w);
-    const size_t copy_in = arena.used();
-    at.prepared = arena.Take(sizeof(float) * rows_total * d);
-    at.prepared_exact = arena.Take(layout.has_exact_tokens() ? sizeof(float) * rows_total * d : 0);
-    at.partial_acc = arena.Take(sizeof(float) * static_cast<size_t>(partials) * cuda::kMaxBlockRows * d);
-    at.partial_stats = arena.Take(sizeof(float) * static_cast<size_t>(partials) * cuda::kMaxBlockRows * 2);
-    at.output = arena.Take(sizeof(float) * rows_total * d);
-    at.lse = arena.Take(sizeof(float) * rows_total);
-    const size_t copy_out_end = arena.used();
-    if (!arena.fits()) {
-      return absl::InternalError(absl::StrFormat("attend plan of %d bytes overflows the %d-byte workspace",
-                                                 arena.used(), options_.workspace_bytes));
-    }
-    std::memcpy(w.host + at.items, w.items.data(), sizeof(AttendItemDesc) * w.items.size());
+    const cuda::AttendWorkspace& at = batch.at;
+    std::memcpy(w.host + at.items, b.items.data(), sizeof(AttendItemDesc) * b.items.size());
     std::memcpy(w.host + at.blocks, w.sorted_blocks.data(), sizeof(AttendBlock) * w.sorted_blocks.size());
-    std::memcpy(w.host + at.units, w.units.data(), sizeof(MergeUnit) * w.units.size());
-    std::memcpy(w.host + at.heads, w.head_of_row.data(), sizeof(int32_t) * w.head_of_row.size());
+    std::memcpy(w.host + at.units, b.units.data(), sizeof(MergeUnit) * b.units.size());
+    std::memcpy(w.host + at.head_of_row, b.head_of_row.data(), sizeof(int32_t) * b.head_of_row.size());
     std::memcpy(w.host + at.tables, w.tables.data(), sizeof(int32_t) * w.tables.size());
-    for (size_t i = begin; i < end; ++i) {
-      const Workspace::Piece& piece = w.pieces[i];
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
       const size_t floats = static_cast<size_t>(piece.tokens) * qh * d;
-      std::memcpy(w.host + at.queries + sizeof(float) * w.items[i - begin].query_row * d,
-                  piece.item->queries + static_cast<size_t>(piece.token0) * qh * d, sizeof(float) * floats);
+      std::memcpy(w.host + at.queries + sizeof(float) * b.items[i].query_row * d,
+                  p.items[piece.item].queries + static_cast<size_t>(piece.token0) * qh * d, sizeof(float) * floats);
     }
-    CopyAddBack(at.addback, w);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, copy_in, cudaMemcpyHostToDevice, w.stream),
+    CopyAddBack(AddBackOf(at), w);
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
                                "attend: copy in"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, rows_total, at, w));
+    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, c.rows, at, w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, copy_out_end - at.output,
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, at.end - at.output,
                                                cudaMemcpyDeviceToHost, w.stream),
                                "attend: copy out"));
     RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "attend kernels"));
@@ -1217,37 +1094,31 @@ class CudaBackend final : public Backend {
 
     const float* output = reinterpret_cast<const float*>(w.host + at.output);
     const float* lse = reinterpret_cast<const float*>(w.host + at.lse);
-    for (size_t i = begin; i < end; ++i) {
-      const Workspace::Piece& piece = w.pieces[i];
-      const int64_t row = w.items[i - begin].query_row;
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
+      const AttendItem& item = p.items[piece.item];
+      const int64_t row = b.items[i].query_row;
       const size_t rows = static_cast<size_t>(piece.tokens) * qh;
-      std::memcpy(piece.item->output + static_cast<size_t>(piece.token0) * qh * d, output + row * d,
+      std::memcpy(item.output + static_cast<size_t>(piece.token0) * qh * d, output + row * d,
                   sizeof(float) * rows * d);
-      if (piece.item->lse != nullptr) {
-        std::memcpy(piece.item->lse + static_cast<size_t>(piece.token0) * qh, lse + row, sizeof(float) * rows);
+      if (item.lse != nullptr) {
+        std::memcpy(item.lse + static_cast<size_t>(piece.token0) * qh, lse + row, sizeof(float) * rows);
       }
     }
     return absl::OkStatus();
   }
 
-  // Where one Attend batch's arrays sit in its workspace (Arena offsets).
-  struct BatchAt {
-    size_t items = 0, blocks = 0, units = 0, heads = 0, tables = 0, queries = 0;
-    AddBackAt addback;
-    size_t prepared = 0, prepared_exact = 0, partial_acc = 0, partial_stats = 0, output = 0, lse = 0;
-  };
-
   // The batch's kernels on w's stream: query preparation (for each layout
   // read), one decode launch per launch key, the merge.
   absl::Status LaunchBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
-                           int64_t rows_total, const BatchAt& at, Workspace& w) {
+                           int64_t rows_total, const cuda::AttendWorkspace& at, Workspace& w) {
     const bool exact = layout.has_exact_tokens();
     const cuda::PoolView view = View(layout, p.pool, tables.main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables.exact) : view;
     cuda::PrepareParams prep;
     prep.view = view;
     prep.num_rows = rows_total;
-    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + at.heads);
+    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + at.head_of_row);
     prep.queries = reinterpret_cast<const float*>(w.device + at.queries);
     prep.prepared = reinterpret_cast<float*>(w.device + at.prepared);
     prep.scale = p.scale;
@@ -1263,7 +1134,7 @@ class CudaBackend final : public Backend {
     k.items = reinterpret_cast<const AttendItemDesc*>(w.device + at.items);
     k.partial_acc = reinterpret_cast<float*>(w.device + at.partial_acc);
     k.partial_stats = reinterpret_cast<float*>(w.device + at.partial_stats);
-    k.addback = at.addback.Tables(w.device);
+    k.addback = AddBackOf(at).Tables(w.device);
     const AttendBlock* device_blocks = reinterpret_cast<const AttendBlock*>(w.device + at.blocks);
     for (size_t first = 0; first < w.sorted_blocks.size();) {
       size_t last = first;
@@ -1275,10 +1146,10 @@ class CudaBackend final : public Backend {
       k.view = key.exact ? exact_view : view;
       k.prepared = reinterpret_cast<const float*>(w.device + (key.exact ? at.prepared_exact : at.prepared));
       if (key.mma) {
-        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma(key.variant, k, w.stream), "tensor-core attend kernel launch"));
+        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma(key.pair, k, w.stream), "tensor-core attend kernel launch"));
       } else {
         RETURN_IF_ERROR(
-            CudaStatus(cuda::LaunchAttend(key.variant, key.block_rows, k, w.stream), "attend kernel launch"));
+            CudaStatus(cuda::LaunchAttend(key.pair, key.block_rows, k, w.stream), "attend kernel launch"));
       }
       first = last;
     }
@@ -1287,12 +1158,12 @@ class CudaBackend final : public Backend {
     merge.view = view;
     merge.items = k.items;
     merge.units = reinterpret_cast<const MergeUnit*>(w.device + at.units);
-    merge.num_units = static_cast<int32_t>(w.units.size());
+    merge.num_units = static_cast<int32_t>(w.batch.units.size());
     merge.partial_acc = k.partial_acc;
     merge.partial_stats = k.partial_stats;
     merge.output = reinterpret_cast<float*>(w.device + at.output);
     merge.lse = reinterpret_cast<float*>(w.device + at.lse);
-    merge.lse_constant = at.addback.Constants(w.device);
+    merge.lse_constant = AddBackOf(at).Constants(w.device);
     return CudaStatus(cuda::LaunchMerge(merge, w.stream), "merge kernel launch");
   }
 

@@ -19,9 +19,10 @@
 //
 // Kernels: store (store_kernels.cuh), query preparation, ScoreQuery and fused
 // split-KV decode (attend_kernels.cuh), on the tensor cores where the layout
-// allows (CudaBackendOptions::tensor_cores). Attend plans its blocks on the
-// host: split sizes chosen so that a batch fills the device several times
-// over.
+// allows (CudaBackendOptions::tensor_cores). Every call is planned on the
+// host first (planner.h): Attend's blocks, splits sized from the SM count and
+// the occupancy API, pieces and batches that fit a workspace, and the offset
+// of every buffer in it; Score's and Store's pieces likewise.
 //
 // Key centering and exact sink/window tokens (backend.h) are served like the
 // CPU backend: each read splits into the compressed run and the exact runs
@@ -35,8 +36,9 @@
 // anything is allocated; AllocatePool refuses the same): head dims above
 // kMaxDeviceHeadDim or not a multiple of 8, QJL keys (evaluation only),
 // TurboQuant parts whose width is not a multiple of 4, multi-part
-// TurboQuant values, and key / value format pairs without a kernel. Use the
-// CPU backend for those (`--backend auto` does, per cache).
+// TurboQuant values, and key / value format pairs without a kernel (not in
+// kernels/format_table.h). Use the CPU backend for those (`--backend auto`
+// does, per cache).
 //
 // Timing (Backend::LastCallTiming): Store, Score and Attend report the device
 // time of their kernels (CUDA events, copies excluded) and every call its

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "kernels/format_table.h"
+
 namespace tqkv {
 namespace cuda {
 
@@ -19,13 +21,10 @@ namespace cuda {
 // 64..256); larger layouts are refused when the pool is created.
 inline constexpr int kMaxDeviceHeadDim = 256;
 
-enum class DeviceFieldFormat : int32_t {
-  kFp16 = 0,        // raw IEEE half per coordinate
-  kBf16 = 1,        // raw bfloat16 per coordinate
-  kFp8 = 2,         // raw fp8 E4M3 per coordinate, no scale
-  kUniform = 3,     // packed b-bit codes, fp16 [scale, zero]
-  kTurboQuant = 4,  // one or two TurboQuant-MSE parts (two: outlier split)
-};
+// How a field is stored: the shared format table's families
+// (kernels/format_table.h: kFp16, kBf16, kFp8, kUniform, kTurboQuant), so
+// that both backends and their dispatches name the same formats.
+using DeviceFieldFormat = ::tqkv::FormatFamily;
 
 enum class DeviceRotationKind : int32_t {
   kHadamard = 0,  // y = H_n D x / sqrt(n), n a power of two

@@ -2,10 +2,13 @@
 // host memory, copies are memcpy, streams run in order at once, events read
 // the host clock, and kernels run through emulated_device.h. One device,
 // "tqkv CUDA emulator", with 4 multiprocessors (so that the decode planner
-// splits even short contexts) and 16 GiB. Sticky errors on demand:
-// fault_injection.h.
+// splits even short contexts) and 16 GiB. The occupancy API answers from
+// sm_90's per-SM limits on threads, blocks and shared memory (registers and
+// static shared memory are not modelled: the emulation cannot know them).
+// Sticky errors on demand: fault_injection.h.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -21,6 +24,12 @@ struct CUevent_st {
 namespace {
 
 constexpr int kMultiprocessors = 4;
+// sm_90's per-SM limits, for the occupancy API.
+constexpr int kThreadsPerSm = 2048;
+constexpr int kBlocksPerSm = 32;
+constexpr size_t kSharedPerSm = 228 * 1024;
+constexpr size_t kSharedPerBlock = 227 * 1024;
+constexpr size_t kSharedReservedPerBlock = 1024;
 constexpr size_t kDeviceBytes = size_t{16} << 30;
 thread_local cudaError_t last_error = cudaSuccess;
 std::atomic<cudaError_t> sticky_error{cudaSuccess};
@@ -90,6 +99,24 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   TQKV_RETURN_IF_STICKY();
   if (device != 0) return Fail(cudaErrorInvalidDevice);
   *value = attr == cudaDevAttrMultiProcessorCount ? kMultiprocessors : 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* num_blocks, const void* func, int block_size,
+                                                          size_t dynamic_shared_bytes) {
+  TQKV_RETURN_IF_STICKY();
+  if (num_blocks == nullptr || func == nullptr || block_size < 1 || block_size > 1024) {
+    return Fail(cudaErrorInvalidValue);
+  }
+  if (dynamic_shared_bytes > kSharedPerBlock) {
+    *num_blocks = 0;
+    return cudaSuccess;
+  }
+  const int warps = (block_size + 31) / 32;
+  int blocks = std::min(kBlocksPerSm, kThreadsPerSm / (warps * 32));
+  const size_t shared = dynamic_shared_bytes + kSharedReservedPerBlock;
+  blocks = std::min<int>(blocks, static_cast<int>(kSharedPerSm / shared));
+  *num_blocks = blocks;
   return cudaSuccess;
 }
 

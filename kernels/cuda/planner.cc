@@ -1,0 +1,433 @@
+#include "kernels/cuda/planner.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+
+namespace tqkv {
+namespace cuda {
+namespace {
+
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr size_t kSizeMax = std::numeric_limits<size_t>::max();
+
+// Saturating arithmetic: plans of absurd sizes must fail to fit, not wrap
+// around into something small.
+int64_t AddSat(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_add_overflow(a, b, &r) ? kInt64Max : r;
+}
+int64_t MulSat(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? kInt64Max : r;
+}
+int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+// Bump allocation of kWorkspaceAlignment-aligned buffers; saturates at
+// kSizeMax.
+class Layout {
+ public:
+  size_t Take(int64_t count, size_t element) {
+    size_t bytes;
+    if (count < 0 || __builtin_mul_overflow(static_cast<uint64_t>(count), element, &bytes)) bytes = kSizeMax;
+    size_t offset;
+    if (__builtin_add_overflow(used_, kWorkspaceAlignment - 1, &offset)) {
+      used_ = kSizeMax;
+      return kSizeMax;
+    }
+    offset = offset / kWorkspaceAlignment * kWorkspaceAlignment;
+    if (__builtin_add_overflow(offset, bytes, &used_)) used_ = kSizeMax;
+    return offset;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  size_t used_ = 0;
+};
+
+struct Segment {
+  bool exact;
+  int64_t begin;
+  int64_t end;
+};
+constexpr int kMaxSegments = 3;
+
+// The runs of tokens an item reads: the compressed run first, then the exact
+// sinks and window; empty runs left out (as the CPU backend reads them).
+int Segments(const PlanItem& item, Segment* out) {
+  const int64_t length = item.context_tokens;
+  if (!item.exact) {
+    out[0] = {false, 0, length};
+    return 1;
+  }
+  int n = 0;
+  if (item.window_begin > item.sink_end) out[n++] = {false, item.sink_end, item.window_begin};
+  if (item.sink_end > 0) out[n++] = {true, 0, item.sink_end};
+  if (length > item.window_begin) out[n++] = {true, item.window_begin, length};
+  return n;
+}
+
+// Where FillAttendBatch has got to in the batch's arrays.
+struct Cursor {
+  int64_t rows = 0;
+  int64_t tables = 0;
+};
+
+// The element counts of one piece; with `out`, also its arrays appended
+// there (cursor then required). Both modes run the same walk, so the counts
+// that size a workspace are the counts that fill it.
+AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPiece& piece, int64_t split,
+                       BatchContents* out, Cursor* cursor) {
+  const int heads = dims.num_kv_heads;
+  const int qh = dims.num_query_heads;
+  const int group = qh / heads;
+  // The piece's causal view ends after its last query token.
+  const int64_t view_end = item.context_tokens - item.query_tokens + piece.token0 + piece.tokens;
+  PieceTables tables;
+  tables.pages = CeilDiv(view_end, dims.page_tokens);
+  tables.exact_pages = item.exact ? CeilDiv(view_end, dims.exact_page_tokens) : 0;
+  const int64_t rows = static_cast<int64_t>(piece.tokens) * group;
+  const int block_rows = item.mma ? kMaxBlockRows : BlockRowsFor(static_cast<int>(std::min<int64_t>(rows, kMaxBlockRows)));
+  // Sliding window: the first token the piece's (single) query token sees.
+  const int64_t first_seen = item.window > 0 ? std::max<int64_t>(0, view_end - item.window) : 0;
+  Segment segments[kMaxSegments];
+  const int num_segments = Segments(item, segments);
+
+  AttendCounts c;
+  c.items = 1;
+  c.rows = static_cast<int64_t>(piece.tokens) * qh;
+  c.table_entries = tables.pages + tables.exact_pages;
+  if (dims.centered) {
+    c.addback_heads = heads;
+    c.theta = item.addback_pairs;
+    c.coef = MulSat(MulSat(rows, 2), item.addback_pairs);
+    c.constants = c.rows;
+  }
+  // Blocks of one KV head (every head has the same).
+  const int64_t chunks = CeilDiv(rows, block_rows);
+  int64_t head_blocks = 0;
+  for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
+    const int64_t chunk_rows = std::min<int64_t>(block_rows, rows - row0);
+    // The chunk's last row sees the most tokens.
+    const int64_t visible = view_end - piece.tokens + 1 + (row0 + chunk_rows - 1) / group;
+    for (int k = 0; k < num_segments; ++k) {
+      const int64_t lo = std::max(segments[k].begin, first_seen);
+      const int64_t hi = std::min(segments[k].end, visible);
+      if (hi > lo) head_blocks += CeilDiv(hi - lo, split);
+    }
+  }
+  c.units = MulSat(heads, chunks);
+  c.blocks = MulSat(heads, head_blocks);
+  if (out == nullptr) return c;
+
+  AttendItemDesc desc;
+  desc.context_tokens = static_cast<int32_t>(view_end);
+  desc.num_query_tokens = piece.tokens;
+  desc.layer = item.layer;
+  desc.query_row = cursor->rows;
+  desc.block_table = cursor->tables;
+  desc.exact_block_table = cursor->tables + tables.pages;
+  const int32_t desc_index = static_cast<int32_t>(out->items.size());
+  out->items.push_back(desc);
+  out->tables.push_back(tables);
+  for (int t = 0; t < piece.tokens; ++t) {
+    for (int h = 0; h < qh; ++h) out->head_of_row.push_back(item.layer * heads + h / group);
+  }
+  for (int kv = 0; kv < heads; ++kv) {
+    for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
+      const int64_t chunk_rows = std::min<int64_t>(block_rows, rows - row0);
+      const int64_t visible = view_end - piece.tokens + 1 + (row0 + chunk_rows - 1) / group;
+      MergeUnit unit;
+      unit.item = desc_index;
+      unit.kv_head = kv;
+      unit.row0 = static_cast<int32_t>(row0);
+      unit.rows = static_cast<int32_t>(chunk_rows);
+      unit.first_partial = static_cast<int32_t>(out->blocks.size());
+      for (int k = 0; k < num_segments; ++k) {  // the compressed segment first
+        const Segment& seg = segments[k];
+        const int64_t hi = std::min(seg.end, visible);
+        for (int64_t t = std::max(seg.begin, first_seen); t < hi; t += split) {
+          AttendBlock b;
+          b.item = desc_index;
+          b.kv_head = kv;
+          b.row0 = unit.row0;
+          b.rows = unit.rows;
+          b.token_begin = static_cast<int32_t>(t);
+          b.token_end = static_cast<int32_t>(std::min(hi, t + split));
+          b.partial = unit.first_partial + unit.num_splits;
+          out->blocks.push_back(b);
+          out->launches.push_back({seg.exact, block_rows});
+          ++unit.num_splits;
+          if (!seg.exact) ++unit.basis_splits;
+        }
+      }
+      out->units.push_back(unit);
+    }
+  }
+  cursor->rows += c.rows;
+  cursor->tables += c.table_entries;
+  return c;
+}
+
+absl::Status CheckInput(const AttendPlanInput& in) {
+  const PlanDims& d = in.dims;
+  if (d.num_kv_heads < 1 || d.num_query_heads < 1 || d.num_query_heads % d.num_kv_heads != 0 || d.head_dim < 1 ||
+      d.page_tokens < 1 || d.exact_page_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "attend plan: bad dims (%d KV heads, %d query heads, head dim %d, %d-token pages, %d-token exact pages)",
+        d.num_kv_heads, d.num_query_heads, d.head_dim, d.page_tokens, d.exact_page_tokens));
+  }
+  if (in.device.sm_count < 1 || in.device.blocks_per_sm < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat("attend plan: bad device figures (%d SMs, %d blocks per SM)",
+                                                      in.device.sm_count, in.device.blocks_per_sm));
+  }
+  for (size_t i = 0; i < in.items.size(); ++i) {
+    const PlanItem& item = in.items[i];
+    if (item.query_tokens < 1 || item.context_tokens < item.query_tokens || item.context_tokens > kInt32Max) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "attend item %d: %d query tokens in a context of %d tokens; want 1 <= query tokens <= context <= %d", i,
+          item.query_tokens, item.context_tokens, kInt32Max));
+    }
+    if (item.exact && d.exact_page_tokens < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("attend item %d reads exact pages of a layout without exact tokens", i));
+    }
+    if (item.window < 0 || item.addback_pairs < 0) {
+      return absl::InvalidArgumentError(absl::StrFormat("attend item %d: negative window or add-back pairs", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Whether a batch of `counts` fits: its layout within the workspace, and its
+// indices within the int32 fields of the kernels' structs.
+bool Fits(const PlanDims& dims, const AttendCounts& counts, size_t workspace_bytes) {
+  return counts.blocks <= kInt32Max && counts.items <= kInt32Max && counts.units <= kInt32Max &&
+         LayOutAttend(dims, counts).end <= workspace_bytes;
+}
+
+}  // namespace
+
+AttendCounts& AttendCounts::operator+=(const AttendCounts& o) {
+  items = AddSat(items, o.items);
+  blocks = AddSat(blocks, o.blocks);
+  units = AddSat(units, o.units);
+  rows = AddSat(rows, o.rows);
+  table_entries = AddSat(table_entries, o.table_entries);
+  addback_heads = AddSat(addback_heads, o.addback_heads);
+  theta = AddSat(theta, o.theta);
+  coef = AddSat(coef, o.coef);
+  constants = AddSat(constants, o.constants);
+  return *this;
+}
+
+AttendWorkspace LayOutAttend(const PlanDims& dims, const AttendCounts& c) {
+  const int64_t d = dims.head_dim;
+  const int64_t query_floats = MulSat(c.rows, d);
+  Layout layout;
+  AttendWorkspace at;
+  at.items = layout.Take(c.items, sizeof(AttendItemDesc));
+  at.blocks = layout.Take(c.blocks, sizeof(AttendBlock));
+  at.units = layout.Take(c.units, sizeof(MergeUnit));
+  at.head_of_row = layout.Take(c.rows, sizeof(int32_t));
+  at.tables = layout.Take(c.table_entries, sizeof(int32_t));
+  at.queries = layout.Take(query_floats, sizeof(float));
+  at.addback = c.addback_heads > 0;
+  if (at.addback) {
+    at.addback_heads = layout.Take(c.addback_heads, sizeof(AddBackDesc));
+    at.theta = layout.Take(c.theta, sizeof(double));
+    at.coef = layout.Take(c.coef, sizeof(float));
+    at.constants = layout.Take(c.constants, sizeof(float));
+  }
+  at.copy_in = layout.used();
+  at.prepared = layout.Take(query_floats, sizeof(float));
+  at.prepared_exact = layout.Take(dims.exact_page_tokens > 0 ? query_floats : 0, sizeof(float));
+  at.partial_acc = layout.Take(MulSat(c.blocks, MulSat(kMaxBlockRows, d)), sizeof(float));
+  at.partial_stats = layout.Take(MulSat(c.blocks, kMaxBlockRows * 2), sizeof(float));
+  at.output = layout.Take(query_floats, sizeof(float));
+  at.lse = layout.Take(c.rows, sizeof(float));
+  at.end = layout.used();
+  return at;
+}
+
+absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
+  plan->pieces.clear();
+  plan->batches.clear();
+  if (absl::Status s = CheckInput(in); !s.ok()) return s;
+  const PlanDims& dims = in.dims;
+
+  // The split: the call's (token, KV head) pairs over the resident blocks.
+  int64_t work = 0;
+  for (const PlanItem& item : in.items) work = AddSat(work, MulSat(item.context_tokens, dims.num_kv_heads));
+  plan->target_blocks = MulSat(in.device.sm_count, in.device.blocks_per_sm);
+  int64_t split = CeilDiv(work, plan->target_blocks);
+  // No block needs more than a whole int32 context.
+  split = std::min<int64_t>(split, kInt32Max);
+  split = CeilDiv(split, kAttendTile) * kAttendTile;
+  plan->split = std::max(kMinSplitTokens, split);
+
+  // Pieces of query tokens; the widest piece of an item is the one that
+  // ends at its last token (it sees the most).
+  for (size_t i = 0; i < in.items.size(); ++i) {
+    const PlanItem& item = in.items[i];
+    int per_piece = item.window > 0 ? 1 : std::min(kMaxQueryTokensPerPiece, item.query_tokens);
+    while (per_piece > 1) {
+      const PlanPiece last{static_cast<int32_t>(i), item.query_tokens - per_piece, per_piece};
+      if (Fits(dims, WalkPiece(dims, item, last, plan->split, nullptr, nullptr), in.workspace_bytes)) {
+        break;
+      }
+      per_piece = (per_piece + 1) / 2;
+    }
+    for (int t0 = 0; t0 < item.query_tokens; t0 += per_piece) {
+      plan->pieces.push_back({static_cast<int32_t>(i), t0, std::min(per_piece, item.query_tokens - t0)});
+    }
+  }
+
+  // Batches: as many pieces as fit, in order.
+  AttendBatch batch;
+  for (size_t p = 0; p < plan->pieces.size(); ++p) {
+    const PlanPiece& piece = plan->pieces[p];
+    const PlanItem& item = in.items[piece.item];
+    const AttendCounts c = WalkPiece(dims, item, piece, plan->split, nullptr, nullptr);
+    AttendCounts next = batch.counts;
+    next += c;
+    if (Fits(dims, next, in.workspace_bytes)) {
+      batch.counts = next;
+      continue;
+    }
+    if (!Fits(dims, c, in.workspace_bytes)) {
+      plan->batches.clear();
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "one query token of an Attend item (context %d tokens) needs %d bytes, more than a %d-byte CUDA "
+          "workspace",
+          item.context_tokens, LayOutAttend(dims, c).end, in.workspace_bytes));
+    }
+    batch.piece_end = p;
+    batch.at = LayOutAttend(dims, batch.counts);
+    plan->batches.push_back(batch);
+    batch = AttendBatch();
+    batch.piece_begin = p;
+    batch.counts = c;
+  }
+  if (!plan->pieces.empty()) {
+    batch.piece_end = plan->pieces.size();
+    batch.at = LayOutAttend(dims, batch.counts);
+    plan->batches.push_back(batch);
+  }
+  return absl::OkStatus();
+}
+
+void FillAttendBatch(const AttendPlanInput& in, const AttendPlan& plan, const AttendBatch& batch,
+                     BatchContents* out) {
+  out->items.clear();
+  out->tables.clear();
+  out->blocks.clear();
+  out->launches.clear();
+  out->units.clear();
+  out->head_of_row.clear();
+  Cursor cursor;
+  for (size_t p = batch.piece_begin; p < batch.piece_end; ++p) {
+    const PlanPiece& piece = plan.pieces[p];
+    WalkPiece(in.dims, in.items[piece.item], piece, plan.split, out, &cursor);
+  }
+}
+
+ScoreWorkspace LayOutScore(const ScoreInput& in, int64_t piece_tokens) {
+  const int64_t query_floats = MulSat(in.num_query_heads, in.head_dim);
+  Layout layout;
+  ScoreWorkspace at;
+  at.table = layout.Take(in.table_entries, sizeof(int32_t));
+  at.heads = layout.Take(in.num_query_heads, sizeof(int32_t));
+  at.queries = layout.Take(query_floats, sizeof(float));
+  at.addback = in.addback_heads > 0;
+  if (at.addback) {
+    at.addback_heads = layout.Take(in.addback_heads, sizeof(AddBackDesc));
+    at.theta = layout.Take(in.theta, sizeof(double));
+    at.coef = layout.Take(in.coef, sizeof(float));
+    at.constants = layout.Take(in.constants, sizeof(float));
+  }
+  at.copy_in = layout.used();
+  at.prepared = layout.Take(query_floats, sizeof(float));
+  at.prepared_exact = layout.Take(in.exact ? query_floats : 0, sizeof(float));
+  at.logits = layout.Take(MulSat(in.num_query_heads, std::min(in.tokens, piece_tokens)), sizeof(float));
+  at.end = layout.used();
+  return at;
+}
+
+absl::Status PlanScore(const ScoreInput& in, ScorePlan* plan) {
+  if (in.num_query_heads < 1 || in.head_dim < 1 || in.tokens < 0 || in.tokens > kInt32Max ||
+      in.table_entries < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("score plan: bad input (%d query heads, head dim %d, %d tokens, %d table entries)",
+                        in.num_query_heads, in.head_dim, in.tokens, in.table_entries));
+  }
+  const auto fits = [&](int64_t piece) { return LayOutScore(in, piece).end <= in.workspace_bytes; };
+  // Whole tiles per launch, at least one (or the whole range if shorter).
+  const int64_t smallest = std::min<int64_t>(in.tokens, kAttendTile);
+  if (!fits(smallest)) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "ScoreQuery of %d query heads over %d block table entries needs %d bytes, more than a %d-byte CUDA "
+        "workspace",
+        in.num_query_heads, in.table_entries, LayOutScore(in, smallest).end, in.workspace_bytes));
+  }
+  if (fits(in.tokens)) {
+    plan->piece_tokens = in.tokens;
+  } else {
+    // The most whole tiles that fit: [lo fits, hi does not].
+    int64_t lo = 1, hi = CeilDiv(in.tokens, kAttendTile);
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      (fits(mid * kAttendTile) ? lo : hi) = mid;
+    }
+    plan->piece_tokens = lo * kAttendTile;
+  }
+  plan->at = LayOutScore(in, plan->piece_tokens);
+  return absl::OkStatus();
+}
+
+StoreWorkspace LayOutStore(const StoreInput& in, int64_t piece_tokens) {
+  const int64_t floats = MulSat(MulSat(in.layers, piece_tokens), MulSat(in.num_kv_heads, in.head_dim));
+  Layout layout;
+  StoreWorkspace at;
+  at.keys = layout.Take(floats, sizeof(float));
+  at.values = layout.Take(floats, sizeof(float));
+  at.slots = layout.Take(piece_tokens, sizeof(int32_t));
+  at.error = layout.Take(1, sizeof(unsigned long long));
+  at.end = layout.used();
+  return at;
+}
+
+absl::Status PlanStore(const StoreInput& in, StorePlan* plan) {
+  if (in.layers < 0 || in.num_kv_heads < 1 || in.head_dim < 1 || in.tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("store plan: bad input (%d layers, %d KV heads, head dim %d, %d tokens)", in.layers,
+                        in.num_kv_heads, in.head_dim, in.tokens));
+  }
+  plan->piece_tokens = 0;
+  if (in.layers == 0 || in.tokens == 0) return absl::OkStatus();
+  const auto fits = [&](int64_t tokens) { return LayOutStore(in, tokens).end <= in.workspace_bytes; };
+  if (!fits(1)) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("one token of %d layers (%d bytes) does not fit a %d-byte CUDA workspace", in.layers,
+                        LayOutStore(in, 1).end, in.workspace_bytes));
+  }
+  // The most tokens that fit, within the kernel's int32 count: [lo fits, hi
+  // does not].
+  const int64_t most = std::min<int64_t>(in.tokens, kInt32Max);
+  if (fits(most)) {
+    plan->piece_tokens = most;
+    return absl::OkStatus();
+  }
+  int64_t lo = 1, hi = most;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  plan->piece_tokens = lo;
+  return absl::OkStatus();
+}
+
+}  // namespace cuda
+}  // namespace tqkv

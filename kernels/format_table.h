@@ -1,0 +1,177 @@
+// The stored formats the fused attention kernels read, and the (key, value)
+// pairs they read together: one table for every backend.
+//
+// A field (the keys or the values of one head) is stored in one
+// FormatFamily; the codecs map onto families (codec.h's CodecKind: kFp16,
+// kBf16, kFp8 raw; kUniform; kTurboQuant and kOutlierSplit are TurboQuant
+// with one or two parts; kQjl has none, it is evaluation only).
+//
+//   TQKV_FORMAT_FAMILIES(X)  X(Name, reads_keys, code_bits)
+//     reads_keys: the family can hold keys (scores are read from it);
+//     code_bits:  FormatBits() mask of the code widths a field may have.
+//   TQKV_FORMAT_PAIRS(X)     X(Name, KeyFamily, ValueFamily, tensor_cores)
+//     every pair with a fused attention kernel; tensor_cores: the CUDA
+//     tensor-core kernel has an instance for it (its own limits on head dim
+//     and bits still apply: cuda::AttendMmaSupported).
+//
+// From the tables: FormatFamily and FormatPair (one enumerator per entry, in
+// table order), kFormatPairs (each pair's parameters), FindFormatPair
+// (runtime families -> pair), and VisitFormatPair / VisitKeyFamily, which turn
+// a runtime value into compile-time constants for a generic lambda. Each
+// backend wraps those in its own dispatch macro (FlashInfer's DISPATCH_*
+// style; CUDA: kernels/cuda/format_dispatch.cuh), so that
+//   - adding a pair is one TQKV_FORMAT_PAIRS entry: every backend dispatch
+//     instantiates its kernels for it, and a kernel that cannot read one of
+//     its families fails to compile (the kernels' format branches end in
+//     static_asserts), instead of a switch somewhere silently missing it;
+//   - a switch over FormatFamily or FormatPair written by hand has no default,
+//     so -Wswitch names a missing case.
+//
+// The CPU backend (kernels/cpu/attend_dispatch.h) has not moved onto the
+// table yet; it reads a superset (split TurboQuant keys as a family of their
+// own, fp16 keys with compressed values) and dispatches bits at compile time
+// too. Moving it means: families for its FieldFormats, its extra pairs as
+// entries (with a column for which backends serve them), and its
+// PickAttendKernel switches generated from VisitFormatPair and code_bits.
+//
+// Plain constexpr C++ with no includes beyond <cstdint>: nvcc, the host
+// emulation and the CPU build all read it.
+#ifndef TQKV_KERNELS_FORMAT_TABLE_H_
+#define TQKV_KERNELS_FORMAT_TABLE_H_
+
+#include <cstdint>
+
+namespace tqkv {
+
+// Code widths as a bit mask: bit b set = b-bit codes.
+constexpr uint32_t FormatBits(int bits) { return uint32_t{1} << bits; }
+
+// Fp16 / Bf16: raw half or bfloat16 coordinates; Fp8: raw E4M3, no scale;
+// Uniform: b-bit codes with an fp16 scale and zero; TurboQuant: one or two
+// parts of rotated, codebook-quantized coordinates with fp16 norms.
+// clang-format off
+#define TQKV_FORMAT_FAMILIES(X)                                                                      \
+  /* Name        reads_keys  code_bits */                                                            \
+  X(Fp16,        true,       ::tqkv::FormatBits(16))                                                 \
+  X(Bf16,        true,       ::tqkv::FormatBits(16))                                                 \
+  X(Fp8,         true,       ::tqkv::FormatBits(8))                                                  \
+  X(Uniform,     false,      ::tqkv::FormatBits(2) | ::tqkv::FormatBits(3) | ::tqkv::FormatBits(4) | \
+                             ::tqkv::FormatBits(8))                                                  \
+  X(TurboQuant,  true,       ::tqkv::FormatBits(2) | ::tqkv::FormatBits(3) | ::tqkv::FormatBits(4))
+
+#define TQKV_FORMAT_PAIRS(X)                                                                           \
+  /* Name                  Key          Value        tensor_cores */                                   \
+  X(Fp16Fp16,              Fp16,        Fp16,        true)                                             \
+  X(Bf16Bf16,              Bf16,        Bf16,        true)                                             \
+  X(Fp8Fp8,                Fp8,         Fp8,         false)                                            \
+  X(Fp8Uniform,            Fp8,         Uniform,     false)                                            \
+  X(TurboQuantUniform,     TurboQuant,  Uniform,     true)                                             \
+  X(TurboQuantTurboQuant,  TurboQuant,  TurboQuant,  true)
+// clang-format on
+
+enum class FormatFamily : int32_t {
+#define TQKV_FAMILY_ENUM_(name, reads_keys, bits) k##name,
+  TQKV_FORMAT_FAMILIES(TQKV_FAMILY_ENUM_)
+#undef TQKV_FAMILY_ENUM_
+};
+
+enum class FormatPair : int32_t {
+#define TQKV_PAIR_ENUM_(name, key, value, tensor_cores) k##name,
+  TQKV_FORMAT_PAIRS(TQKV_PAIR_ENUM_)
+#undef TQKV_PAIR_ENUM_
+};
+
+struct FormatFamilyInfo {
+  FormatFamily family;
+  const char* name;
+  bool reads_keys;
+  uint32_t code_bits;
+};
+
+struct FormatPairInfo {
+  FormatPair pair;
+  const char* name;
+  FormatFamily key;
+  FormatFamily value;
+  bool tensor_cores;
+};
+
+inline constexpr FormatFamilyInfo kFormatFamilies[] = {
+#define TQKV_FAMILY_INFO_(name, reads_keys, bits) {FormatFamily::k##name, #name, reads_keys, bits},
+    TQKV_FORMAT_FAMILIES(TQKV_FAMILY_INFO_)
+#undef TQKV_FAMILY_INFO_
+};
+inline constexpr int kNumFormatFamilies = sizeof(kFormatFamilies) / sizeof(kFormatFamilies[0]);
+
+inline constexpr FormatPairInfo kFormatPairs[] = {
+#define TQKV_PAIR_INFO_(name, key, value, tensor_cores) \
+  {FormatPair::k##name, #name, FormatFamily::k##key, FormatFamily::k##value, tensor_cores},
+    TQKV_FORMAT_PAIRS(TQKV_PAIR_INFO_)
+#undef TQKV_PAIR_INFO_
+};
+inline constexpr int kNumFormatPairs = sizeof(kFormatPairs) / sizeof(kFormatPairs[0]);
+
+// REQUIRES: the value is an enumerator (the tables are indexed by it).
+constexpr const FormatFamilyInfo& FamilyInfo(FormatFamily family) {
+  return kFormatFamilies[static_cast<int>(family)];
+}
+constexpr const FormatPairInfo& PairInfo(FormatPair pair) { return kFormatPairs[static_cast<int>(pair)]; }
+
+// The pair of these families, if the table has it.
+constexpr bool FindFormatPair(FormatFamily key, FormatFamily value, FormatPair* pair) {
+  for (const FormatPairInfo& info : kFormatPairs) {
+    if (info.key == key && info.value == value) {
+      *pair = info.pair;
+      return true;
+    }
+  }
+  return false;
+}
+
+// A pair or a family as compile-time constants.
+template <FormatFamily kKeyFamily, FormatFamily kValueFamily, bool kHasTensorCores>
+struct FormatPairTag {
+  static constexpr FormatFamily kKey = kKeyFamily;
+  static constexpr FormatFamily kValue = kValueFamily;
+  static constexpr bool kTensorCores = kHasTensorCores;
+};
+template <FormatFamily kFamily>
+struct FormatFamilyTag {
+  static constexpr FormatFamily kFormat = kFamily;
+};
+
+// f(FormatPairTag<...>{}) for `pair`; `fallback` for a value that is no
+// enumerator.
+template <typename R, typename F>
+constexpr R VisitFormatPair(FormatPair pair, R fallback, F&& f) {
+  switch (pair) {
+#define TQKV_PAIR_CASE_(name, key, value, tensor_cores) \
+  case FormatPair::k##name:                             \
+    return f(FormatPairTag<FormatFamily::k##key, FormatFamily::k##value, tensor_cores>{});
+    TQKV_FORMAT_PAIRS(TQKV_PAIR_CASE_)
+#undef TQKV_PAIR_CASE_
+  }
+  return fallback;
+}
+
+// f(FormatFamilyTag<family>{}) for a family that reads keys; `fallback` for
+// the others.
+template <typename R, typename F>
+constexpr R VisitKeyFamily(FormatFamily family, R fallback, F&& f) {
+  switch (family) {
+#define TQKV_KEY_CASE_(name, reads_keys, bits)             \
+  case FormatFamily::k##name:                              \
+    if constexpr (reads_keys) {                            \
+      return f(FormatFamilyTag<FormatFamily::k##name>{}); \
+    } else {                                               \
+      return fallback;                                     \
+    }
+    TQKV_FORMAT_FAMILIES(TQKV_KEY_CASE_)
+#undef TQKV_KEY_CASE_
+  }
+  return fallback;
+}
+
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_FORMAT_TABLE_H_
