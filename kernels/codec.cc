@@ -328,11 +328,12 @@ class TurboQuantQuantizer {
 
   // EncodeWithSumOfSquares for n vectors, bit for bit, with their two
   // sequential sums (the squared norm in double, the codeword's in float: the
-  // orders that fix the stored scale) run 16 vectors side by side: each is a
-  // chain of dim dependent adds, latency-bound when run one vector at a time.
+  // orders that fix the stored scale) run kSumVectors vectors side by side:
+  // each is a chain of dim dependent adds, latency-bound when run one vector
+  // at a time.
   absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scale_out,
                           int* failed) const {
-    constexpr int kBatch = 16;
+    constexpr int kBatch = encode_internal::kSumVectors;
     for (int k0 = 0; k0 < n; k0 += kBatch) {
       const int m = std::min(kBatch, n - k0);
       // Short batches repeat their first vector; its repeats are not written.
@@ -341,7 +342,7 @@ class TurboQuantQuantizer {
       const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
       double sum_sq[kBatch] = {};
       if (simd) {
-        simd->sums_of_squares16(in, dim_, sum_sq);
+        simd->sums_of_squares(in, dim_, sum_sq);
       } else {
         for (int i = 0; i < dim_; ++i) {
           for (int v = 0; v < kBatch; ++v) sum_sq[v] += static_cast<double>(in[v][i]) * in[v][i];
@@ -376,8 +377,7 @@ class TurboQuantQuantizer {
         if (simd) {
           const uint8_t* rows[kBatch];
           for (int v = 0; v < kBatch; ++v) rows[v] = levels[v];
-          simd->codeword_sums8(centroids, bits_, rows, dim_, codeword_sq);
-          simd->codeword_sums8(centroids, bits_, rows + 8, dim_, codeword_sq + 8);
+          simd->codeword_sums(centroids, bits_, rows, dim_, codeword_sq);
         } else {
           for (int i = 0; i < dim_; ++i) {
             for (int v = 0; v < kBatch; ++v) codeword_sq[v] += centroids[levels[v][i]] * centroids[levels[v][i]];

@@ -65,9 +65,8 @@ inline void Transpose8(__m256 r[8]) {
   }
 }
 
-}  // namespace
-
-void SumsOfSquaresAvx2(const float* const* x, int n, double* sums) {
+// 16 vectors side by side.
+void SumsOfSquares16(const float* const* x, int n, double* sums) {
   // 16 vectors: four chains of dependent double adds in flight, not two.
   __m256d lo[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()}, hi[2] = {lo[0], lo[0]};
   int i = 0;
@@ -95,7 +94,8 @@ void SumsOfSquaresAvx2(const float* const* x, int n, double* sums) {
   }
 }
 
-void CodewordSumsAvx2(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums) {
+// 8 vectors side by side.
+void CodewordSums8(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums) {
   const int size = 1 << bits;
   float table[16] = {};
   for (int k = 0; k < size && k < 16; ++k) table[k] = centroids[k];
@@ -117,6 +117,19 @@ void CodewordSumsAvx2(const float* centroids, int bits, const uint8_t* const* le
   for (; i < n; ++i) {
     for (int v = 0; v < 8; ++v) sums[v] += centroids[levels[v][i]] * centroids[levels[v][i]];
   }
+}
+
+}  // namespace
+
+void SumsOfSquaresAvx2(const float* const* x, int n, double* sums) {
+  static_assert(kSumVectors == 32, "two calls of 16");
+  SumsOfSquares16(x, n, sums);
+  SumsOfSquares16(x + 16, n, sums + 16);
+}
+
+void CodewordSumsAvx2(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums) {
+  static_assert(kSumVectors == 32, "four calls of 8");
+  for (int g = 0; g < 4; ++g) CodewordSums8(centroids, bits, levels + 8 * g, n, sums + 8 * g);
 }
 
 bool AllFiniteWithinAvx2(const float* x, int n, float limit) {

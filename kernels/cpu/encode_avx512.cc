@@ -20,6 +20,34 @@ inline void StoreBytes16(uint8_t* out, __m512i v32, __mmask16 m) {
   _mm_mask_storeu_epi8(out, m, _mm512_cvtepi32_epi8(v32));
 }
 
+// Transposes 16 rows of 16 floats: r[i] lane j becomes r[j] lane i.
+inline void Transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 i + c], 128-bit lane k: rows 4i ... 4i + 3 of column 4k + c.
+  __m512 u[16];
+  for (int i = 0; i < 4; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      u[4 * i + 2 * h] = _mm512_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
+      u[4 * i + 2 * h + 1] = _mm512_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xee);
+    }
+  }
+  // Column 4k + c gathers lane k of u[c], u[4 + c], u[8 + c], u[12 + c].
+  for (int c = 0; c < 4; ++c) {
+    const __m512 a1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  // lanes 0, 2 of each
+    const __m512 a2 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);  // lanes 1, 3
+    const __m512 b1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512 b2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_f32x4(a1, b1, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(a1, b1, 0xdd);
+    r[4 + c] = _mm512_shuffle_f32x4(a2, b2, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(a2, b2, 0xdd);
+  }
+}
+
 }  // namespace
 
 bool AllFiniteWithinAvx512(const float* x, int n, float limit) {
@@ -181,6 +209,59 @@ void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int
     level = _mm512_roundscale_ps(level, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     level = _mm512_min_ps(_mm512_max_ps(level, fzero), vmax);
     StoreBytes16(levels + i, _mm512_cvttps_epi32(level), m);
+  }
+}
+
+void SumsOfSquaresAvx512(const float* const* x, int n, double* sums) {
+  static_assert(kSumVectors == 32, "two groups of 16 vectors");
+  // Lanes are vectors: four chains of 8 doubles, one add per coordinate each.
+  __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+  int i = 0;
+  // One group of 16 vectors at a time keeps a block in registers; the other
+  // group's chains are independent, so the two still overlap.
+  for (; i + 16 <= n; i += 16) {
+    for (int g = 0; g < 2; ++g) {
+      __m512 block[16];
+      for (int v = 0; v < 16; ++v) block[v] = _mm512_loadu_ps(x[16 * g + v] + i);
+      Transpose16(block);  // block[j] lane v: x[16 g + v][i + j]
+      for (int j = 0; j < 16; ++j) {
+        const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(block[j]));
+        const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(block[j]), 1)));
+        acc[2 * g] = _mm512_add_pd(acc[2 * g], _mm512_mul_pd(a, a));
+        acc[2 * g + 1] = _mm512_add_pd(acc[2 * g + 1], _mm512_mul_pd(b, b));
+      }
+    }
+  }
+  for (int q = 0; q < 4; ++q) _mm512_storeu_pd(sums + 8 * q, acc[q]);
+  for (; i < n; ++i) {
+    for (int v = 0; v < kSumVectors; ++v) sums[v] += static_cast<double>(x[v][i]) * x[v][i];
+  }
+}
+
+void CodewordSumsAvx512(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums) {
+  static_assert(kSumVectors == 32, "two groups of 16 vectors");
+  const int size = 1 << bits;
+  float table[16] = {};
+  for (int k = 0; k < size && k < 16; ++k) table[k] = centroids[k];
+  const __m512 lookup = _mm512_loadu_ps(table);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int g = 0; g < 2; ++g) {
+      __m512 block[16];
+      for (int v = 0; v < 16; ++v) {
+        const __m512i idx =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels[16 * g + v] + i)));
+        block[v] = bits <= 4 ? _mm512_permutexvar_ps(idx, lookup) : _mm512_i32gather_ps(idx, centroids, 4);
+      }
+      Transpose16(block);
+      for (int j = 0; j < 16; ++j) acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(block[j], block[j]));
+    }
+  }
+  _mm512_storeu_ps(sums, acc[0]);
+  _mm512_storeu_ps(sums + 16, acc[1]);
+  for (; i < n; ++i) {
+    for (int v = 0; v < kSumVectors; ++v) sums[v] += centroids[levels[v][i]] * centroids[levels[v][i]];
   }
 }
 

@@ -25,10 +25,16 @@ struct EncodeKernels {
   void (*float_to_fp8)(const float* x, int n, uint8_t* out);
   void (*min_max)(const float* x, int n, float* lo, float* hi);
   void (*uniform_levels)(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels);
-  // Vectors' sequential sums side by side, 16 and 8 (the AVX2 ones in both sets).
-  void (*sums_of_squares16)(const float* const* x, int n, double* sums);
-  void (*codeword_sums8)(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
+  // kSumVectors vectors' sequential sums side by side.
+  void (*sums_of_squares)(const float* const* x, int n, double* sums);
+  void (*codeword_sums)(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
 };
+
+// How many vectors the sums kernels take at once. Each vector's sum is one
+// chain of n dependent adds (its order fixes the stored scale), so a call is
+// latency-bound until enough chains run side by side: 32 vectors are four
+// chains of 8 doubles (two of 16 floats) at AVX-512.
+inline constexpr int kSumVectors = 32;
 
 // The widest set that ActiveSimdLevel() allows and the CPU runs (both need
 // BMI2, for bit packing), or nullptr: the portable code.
@@ -57,10 +63,12 @@ void MinMaxAvx512(const float* x, int n, float* lo, float* hi);
 void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code,
                          uint8_t* levels);
 
-// For 16 (8) vectors at once, each in the portable sequential order:
+// For kSumVectors vectors at once, each in the portable sequential order:
 // sums[v] = sum over i of (double)x[v][i] * x[v][i] (the squared norm), and
 // sums[v] = sum over i of c * c in float, c = centroids[levels[v][i]] (the
-// codeword's squared norm, for norm correction). AVX2.
+// codeword's squared norm, for norm correction); sums are written, not added to.
+void SumsOfSquaresAvx512(const float* const* x, int n, double* sums);
+void CodewordSumsAvx512(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
 void SumsOfSquaresAvx2(const float* const* x, int n, double* sums);
 void CodewordSumsAvx2(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
 

@@ -15,6 +15,7 @@
 #include "kernels/bitpack.h"
 #include "kernels/codebook.h"
 #include "kernels/codec.h"
+#include "kernels/cpu/encode_kernels.h"
 #include "kernels/cpu_features.h"
 #include "kernels/float_formats.h"
 #include "kernels/random.h"
@@ -266,16 +267,24 @@ TEST(EncodeEquivalenceTest, EncodeManyMatchesEncodeAtEveryLevel) {
           code_at.push_back(codes.data() + v * vb);
           scalar_at.push_back(scalars.data() + v * (k.num_scalars() + 1));
         }
-        // Runs of 1, 2, ..., so that every length up to 20 is seen.
-        for (size_t at = 0, run = 1; at < good.size(); at += run, run = run % 20 + 1) {
-          const int n = static_cast<int>(std::min(run, good.size() - at));
-          int failed = -1;
-          ASSERT_TRUE(k.EncodeMany(n, in.data() + at, code_at.data() + at, scalar_at.data() + at, &failed).ok());
-        }
-        for (size_t v = 0; v < good.size(); ++v) {
-          const Encoded want = EncodeOnce(k, good[v]);
-          ASSERT_EQ(std::vector<uint8_t>(code_at[v], code_at[v] + k.code_bytes()), want.codes) << "vector " << v;
-          for (int j = 0; j < k.num_scalars(); ++j) ASSERT_EQ(scalar_at[v][j], want.scalars[j]) << "vector " << v;
+        // Runs of 1, 2, ..., so that every length up to 20 is seen; then the
+        // whole set in one call (full batches of kSumVectors and a tail).
+        ASSERT_GT(good.size(), static_cast<size_t>(encode_internal::kSumVectors));
+        for (int pass = 0; pass < 2; ++pass) {
+          SCOPED_TRACE(pass == 0 ? "short runs" : "one run");
+          std::fill(codes.begin(), codes.end(), 0xa5);
+          const size_t longest = pass == 0 ? 20 : good.size();
+          for (size_t at = 0, run = 1; at < good.size(); at += run, run = run % longest + 1) {
+            const int n = static_cast<int>(std::min(pass == 0 ? run : longest, good.size() - at));
+            int failed = -1;
+            ASSERT_TRUE(k.EncodeMany(n, in.data() + at, code_at.data() + at, scalar_at.data() + at, &failed).ok());
+            if (pass == 1) break;
+          }
+          for (size_t v = 0; v < good.size(); ++v) {
+            const Encoded want = EncodeOnce(k, good[v]);
+            ASSERT_EQ(std::vector<uint8_t>(code_at[v], code_at[v] + k.code_bytes()), want.codes) << "vector " << v;
+            for (int j = 0; j < k.num_scalars(); ++j) ASSERT_EQ(scalar_at[v][j], want.scalars[j]) << "vector " << v;
+          }
         }
         // A run with a bad vector third: its error, its index.
         for (const auto& x : bad) {
