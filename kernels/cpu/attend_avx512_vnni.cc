@@ -7,12 +7,14 @@
 // - Scores with vpdpbusd (64 byte products per instruction). The codebook is
 //   one table for every coordinate, so a code becomes its centroid as an
 //   unsigned byte with one vpermb; the query is rounded to int8 once per
-//   call. Codes are unpacked in registers: vpermt2b gathers the bytes of
+//   call. Codes are unpacked in registers: one vector holds the codes of 64
+//   coordinates of two tokens (HalfSegments), vpermb gathers the bytes of
 //   eight codes into each qword, vpmultishiftqb moves each code to its own
 //   byte. A vector holds 32 coordinates of two tokens; the dot products of a
-//   row reduce with one transpose-add per 8 or 16 tokens.
+//   row reduce with one transpose-add per 8 or 16 tokens. (vpermb rather
+//   than the two-source vpermt2b: on Intel cores the latter is two uops.)
 // - Values with vdpbf16ps (pairs of tokens per instruction): a vector holds
-//   16 coordinates of two tokens as interleaved bf16 centroids (vpermt2b,
+//   16 coordinates of two tokens as interleaved bf16 centroids (vpermb,
 //   vpsrlvw, vpermw), times the pair of softmax weights (times the tokens'
 //   scales) as bf16, broadcast from memory.
 //
@@ -45,11 +47,15 @@ constexpr int kBlock = 64;     // tokens per online-softmax step
 constexpr int kGroup = 16;     // tokens per score vector
 constexpr int kSegment = 128;  // coordinates whose codes one pair of loads covers
 
-// The bytes of one token's codes for segment s (coordinates 128 s ...):
-// a masked load, so it never reads past them.
-inline __m512i LoadSegment(const uint8_t* codes, int offset, __mmask64 mask) {
-  return _mm512_maskz_loadu_epi8(mask, codes + offset);
+// The code bytes [offset, offset + n) of token a in bytes 0 ... n - 1 and of
+// token b in bytes 32 ... 32 + n - 1 (n <= 32: 64 coordinates of at most 4
+// bits), zeros elsewhere; `mask` has the low n bits set. Masked loads: no
+// byte past a token's codes is read.
+inline __m512i HalfSegments(const uint8_t* a, const uint8_t* b, int offset, __mmask32 mask) {
+  return _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(mask, a + offset)),
+                            _mm256_maskz_loadu_epi8(mask, b + offset), 1);
 }
+inline __mmask32 LowBytes(int n) { return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1; }
 
 // acc + the byte dot products (vpdpbusd) of unsigned k with the signed bytes
 // at q, read from memory by the instruction itself: left to the compiler,
@@ -98,17 +104,18 @@ constexpr int kPairFirst16[8] = {0, 1, 2, 3, 8, 9, 10, 11};
 // vector, each the centroid + 128 in units of key_unit().
 template <int kBits>
 struct KeyIndex {
-  // Qword k of chunk m gathers the kBits bytes of codes 32 m + 8 (k % 4)
-  // ... + 7 of token k / 4 (table index 64 and up: the second token);
-  // vpmultishiftqb then takes byte i of a qword from bit kBits * i.
-  alignas(64) uint8_t gather[4][64] = {};
+  // Qword k of chunk m of a half segment (HalfSegments) gathers the kBits
+  // bytes of codes 32 m + 8 (k % 4) ... + 7 of token k / 4 (bytes 32 and
+  // up: the second token); vpmultishiftqb then takes byte i of a qword from
+  // bit kBits * i.
+  alignas(64) uint8_t gather[2][64] = {};
   alignas(64) uint8_t shift[64] = {};
   constexpr KeyIndex() {
-    for (int m = 0; m < 4; ++m) {
+    for (int m = 0; m < 2; ++m) {
       for (int k = 0; k < 8; ++k) {
         for (int i = 0; i < 8; ++i) {
           const int from = 4 * kBits * m + kBits * (k % 4) + (i < kBits - 1 ? i : kBits - 1);
-          gather[m][8 * k + i] = static_cast<uint8_t>(from + (k / 4) * 64);
+          gather[m][8 * k + i] = static_cast<uint8_t>(from + (k / 4) * 32);
         }
       }
     }
@@ -135,7 +142,7 @@ template <int kBits>
 class KeyCodes {
  public:
   explicit KeyCodes(const float* centroids) {
-    for (int m = 0; m < 4; ++m) gather_[m] = _mm512_load_si512(kKeyIndex<kBits>.gather[m]);
+    for (int m = 0; m < 2; ++m) gather_[m] = _mm512_load_si512(kKeyIndex<kBits>.gather[m]);
     shift_ = _mm512_load_si512(kKeyIndex<kBits>.shift);
     // vpermb reads index bits [5:0]: repeating the 2^b entries over 64 makes
     // the bits of the next code above a code irrelevant.
@@ -151,15 +158,18 @@ class KeyCodes {
   // What a byte stands for: centroid = unit() * (byte - 128).
   float unit() const { return unit_; }
 
-  // Chunk m (coordinates 32 m ... + 31 of a segment) of tokens a (bytes
-  // 0-31) and b (bytes 32-63), given the segment's code bytes of each.
-  __m512i Chunk(__m512i a, __m512i b, int m) const {
-    const __m512i gathered = _mm512_permutex2var_epi8(a, gather_[m], b);
+  // Chunk m (coordinates 32 m ... + 31 of a half segment) of tokens a
+  // (bytes 0-31) and b (bytes 32-63), given their HalfSegments.
+  __m512i Chunk(__m512i halves, int m) const {
+    const __m512i gathered = _mm512_permutexvar_epi8(gather_[m], halves);
     return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shift_, gathered), table_);
   }
 
+  // Code bytes of a half segment (64 coordinates).
+  static constexpr int kHalfBytes = 8 * kBits;
+
  private:
-  __m512i gather_[4], shift_, table_;
+  __m512i gather_[2], shift_, table_;
   float unit_;
 };
 
@@ -169,18 +179,19 @@ class KeyCodes {
 // weights: no lookup, and 15-bit weights).
 template <int kBits>
 struct ValueIndex {
-  // Word 2 i + t of block c takes the two bytes in which code 16 c + i of
-  // token t starts; vpsrlvw then moves the code to bit 0.
-  alignas(64) uint16_t gather[8][32] = {};
+  // Word 2 i + t of block c of a half segment (HalfSegments) takes the two
+  // bytes in which code 16 c + i of token t starts (the second may be a zero
+  // or the other token's byte: above the code, it is shifted or masked
+  // away); vpsrlvw then moves the code to bit 0.
+  alignas(64) uint16_t gather[4][32] = {};
   alignas(64) uint16_t shift[32] = {};
   constexpr ValueIndex() {
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < 4; ++c) {
       for (int i = 0; i < 16; ++i) {
         const int bit = kBits * (16 * c + i);
         for (int t = 0; t < 2; ++t) {
-          const int lo = bit / 8 + 64 * t;
-          const int hi = (bit / 8 + 1 < 16 * kBits - 1 ? bit / 8 + 1 : 16 * kBits - 1) + 64 * t;
-          gather[c][2 * i + t] = static_cast<uint16_t>(lo | (hi << 8));
+          const int lo = bit / 8 + 32 * t;
+          gather[c][2 * i + t] = static_cast<uint16_t>(lo | ((lo + 1) << 8));
         }
       }
     }
@@ -194,7 +205,7 @@ template <FieldFormat kFormat, int kBits>
 class ValueCodes {
  public:
   explicit ValueCodes(const float* centroids) {
-    for (int c = 0; c < 8; ++c) gather_[c] = _mm512_load_si512(kValueIndex<kBits>.gather[c]);
+    for (int c = 0; c < 4; ++c) gather_[c] = _mm512_load_si512(kValueIndex<kBits>.gather[c]);
     shift_ = _mm512_load_si512(kValueIndex<kBits>.shift);
     // vpermw reads index bits [4:0].
     if constexpr (kFormat == FieldFormat::kCentroids) {
@@ -204,16 +215,19 @@ class ValueCodes {
     }
   }
 
-  // Block c (coordinates 16 c ... + 15 of a segment) of tokens a and b:
-  // bf16 centroids, or uniform codes as int16.
-  __m512i Block(__m512i a, __m512i b, int c) const {
-    const __m512i code = _mm512_srlv_epi16(_mm512_permutex2var_epi8(a, gather_[c], b), shift_);
+  // Block c (coordinates 16 c ... + 15 of a half segment) of tokens a and
+  // b, given their HalfSegments: bf16 centroids, or uniform codes as int16.
+  __m512i Block(__m512i halves, int c) const {
+    const __m512i code = _mm512_srlv_epi16(_mm512_permutexvar_epi8(gather_[c], halves), shift_);
     if constexpr (kFormat == FieldFormat::kUniform) {
       return _mm512_and_si512(code, _mm512_set1_epi16((1 << kBits) - 1));
     } else {
       return _mm512_permutexvar_epi16(code, table_);
     }
   }
+
+  // Code bytes of a half segment (64 coordinates).
+  static constexpr int kHalfBytes = 8 * kBits;
 
  private:
   static uint16_t RoundToBf16(float x) {  // to nearest even; centroids are finite
@@ -223,7 +237,7 @@ class ValueCodes {
     return static_cast<uint16_t>(bits >> 16);
   }
 
-  __m512i gather_[8], shift_, table_;
+  __m512i gather_[4], shift_, table_;
 };
 
 // Where each token of a block lives, and its scalars.
@@ -271,7 +285,6 @@ struct Kernel {
         values(params.value.centroids) {}
 
   int SegmentCoords(int s) const { return std::min(kSegment, d - kSegment * s); }
-  static __mmask64 Mask(int bytes) { return bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1; }
 
   // Raw integer scores (before the +128 correction) of kRows rows with a
   // tile of 2 * kPairs tokens (kPairs = 4 for 4 rows, else 8: 16
@@ -286,20 +299,23 @@ struct Kernel {
 #pragma GCC unroll 8
       for (int pair = 0; pair < kPairs; ++pair) acc[r][pair] = _mm512_setzero_si512();
     }
-    const __mmask64 mask = Mask(kChunks * 4 * kKeyBits);
+    constexpr int kHalfBytes = KeyCodes<kKeyBits>::kHalfBytes;
+    const __mmask32 mask = LowBytes(kHalfBytes);
     for (int s = 0; s < segments; ++s) {
-      const int offset = 16 * kKeyBits * s;
 #pragma GCC unroll 8
       for (int pair = 0; pair < kPairs; ++pair) {
         const int first = kPairs == 8 ? kPairFirst16[pair] : pair;
-        const __m512i a = LoadSegment(codes[first], offset, mask);
-        const __m512i b = LoadSegment(codes[first + 4], offset, mask);
+#pragma GCC unroll 2
+        for (int h = 0; h < kChunks / 2; ++h) {
+          const __m512i halves = HalfSegments(codes[first], codes[first + 4], 16 * kKeyBits * s + kHalfBytes * h, mask);
+#pragma GCC unroll 2
+          for (int m2 = 0; m2 < 2; ++m2) {
+            const __m512i k = keys.Chunk(halves, m2);
+            const int m = 2 * h + m2;
 #pragma GCC unroll 4
-        for (int m = 0; m < kChunks; ++m) {
-          const __m512i k = keys.Chunk(a, b, m);
-#pragma GCC unroll 4
-          for (int r = 0; r < kRows; ++r) {
-            acc[r][pair] = DotBytes(acc[r][pair], k, q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m);
+            for (int r = 0; r < kRows; ++r) {
+              acc[r][pair] = DotBytes(acc[r][pair], k, q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m);
+            }
           }
         }
       }
@@ -328,11 +344,15 @@ struct Kernel {
     for (auto& row : acc) {
       for (Acc& a : row) a = Acc{};
     }
-    const int offset = kSegment * kValueBits / 8 * s;
-    const __mmask64 mask = Mask(SegmentCoords(s) * kValueBits / 8);
+    static_assert(kBlocks % 4 == 0, "whole half segments");
+    constexpr int kHalfBytes = ValueCodes<kValue, kValueBits>::kHalfBytes;
+    const int offset = kSegment * kValueBits / 8 * s + kHalfBytes * (b / 4);
+    const __mmask32 mask = LowBytes(kHalfBytes);
     for (int pair = 0; pair < pairs; ++pair) {
-      const __m512i va = LoadSegment(codes[2 * pair], offset, mask);
-      const __m512i vb = LoadSegment(codes[2 * pair + 1], offset, mask);
+      __m512i halves[kBlocks / 4];
+      for (int h = 0; h < kBlocks / 4; ++h) {
+        halves[h] = HalfSegments(codes[2 * pair], codes[2 * pair + 1], offset + kHalfBytes * h, mask);
+      }
       __m512i w[kRows];
       for (int r = 0; r < kRows; ++r) {
         int both;
@@ -340,7 +360,7 @@ struct Kernel {
         w[r] = _mm512_set1_epi32(both);
       }
       for (int c = 0; c < kBlocks; ++c) {
-        const __m512i v = values.Block(va, vb, b + c);
+        const __m512i v = values.Block(halves[c / 4], c % 4);
         for (int r = 0; r < kRows; ++r) {
           if constexpr (kUniform) {
             acc[r][c] = DotWords(acc[r][c], v, w[r]);
