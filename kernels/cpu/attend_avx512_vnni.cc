@@ -13,10 +13,13 @@
 //   byte. A vector holds 32 coordinates of two tokens; the dot products of a
 //   row reduce with one transpose-add per 8 or 16 tokens. (vpermb rather
 //   than the two-source vpermt2b: on Intel cores the latter is two uops.)
-// - Values with vdpbf16ps (pairs of tokens per instruction): a vector holds
-//   16 coordinates of two tokens as interleaved bf16 centroids (vpermb,
-//   vpsrlvw, vpermw), times the pair of softmax weights (times the tokens'
-//   scales) as bf16, broadcast from memory.
+// - Values with vpdpwssd (pairs of tokens per instruction): a vector holds
+//   16 coordinates of two tokens as interleaved int16 words (vpermb,
+//   vpsrlvw, then a mask for uniform codes or vpermw onto the centroids in
+//   fixed point), times the pair of softmax weights (times the tokens'
+//   scales) in 15-bit fixed point per row and block, broadcast from memory.
+//   (Not vdpbf16ps: on Intel cores it runs at one every two cycles, a
+//   quarter of vpdpwssd's rate, measured on this project's Xeon.)
 //
 // Its error against exact attention over the same bytes, and why it sits far
 // inside the codec's own error, is stated in attend_kernels.h.
@@ -174,9 +177,9 @@ class KeyCodes {
 };
 
 // b-bit value codes, 16 coordinates of two tokens per vector, interleaved
-// (word 2 i + t: coordinate i of token t): centroids as bf16 (for
-// vdpbf16ps), uniform codes as int16 (for vpdpwssd against fixed-point
-// weights: no lookup, and 15-bit weights).
+// (word 2 i + t: coordinate i of token t), as int16 for vpdpwssd against
+// fixed-point weights: uniform codes as they are, centroids in units of
+// unit() (at most kValueUnits).
 template <int kBits>
 struct ValueIndex {
   // Word 2 i + t of block c of a half segment (HalfSegments) takes the two
@@ -201,6 +204,11 @@ struct ValueIndex {
 template <int kBits>
 inline constexpr ValueIndex<kBits> kValueIndex{};
 
+// A value centroid is at most this many units (ValueUnit): with weights of
+// at most 32767 units, a block's 64 products per lane stay inside int32
+// (64 x 32767 x 1023 < 2^31).
+inline constexpr int kValueUnits = 1023;
+
 template <FieldFormat kFormat, int kBits>
 class ValueCodes {
  public:
@@ -209,14 +217,21 @@ class ValueCodes {
     shift_ = _mm512_load_si512(kValueIndex<kBits>.shift);
     // vpermw reads index bits [4:0].
     if constexpr (kFormat == FieldFormat::kCentroids) {
-      alignas(64) uint16_t table[32];
-      for (int i = 0; i < 32; ++i) table[i] = RoundToBf16(centroids[i % (1 << kBits)]);
+      unit_ = ValueUnit(centroids, 1 << kBits);
+      alignas(64) int16_t table[32];
+      for (int i = 0; i < 32; ++i) {
+        table[i] = static_cast<int16_t>(std::lrint(centroids[i % (1 << kBits)] / unit_));
+      }
       table_ = _mm512_load_si512(table);
     }
   }
 
+  // What a word stands for: value = unit() * word (before the token's scale
+  // and, for uniform codes, its zero).
+  float unit() const { return unit_; }
+
   // Block c (coordinates 16 c ... + 15 of a half segment) of tokens a and
-  // b, given their HalfSegments: bf16 centroids, or uniform codes as int16.
+  // b, given their HalfSegments, as int16 words.
   __m512i Block(__m512i halves, int c) const {
     const __m512i code = _mm512_srlv_epi16(_mm512_permutexvar_epi8(gather_[c], halves), shift_);
     if constexpr (kFormat == FieldFormat::kUniform) {
@@ -230,14 +245,8 @@ class ValueCodes {
   static constexpr int kHalfBytes = 8 * kBits;
 
  private:
-  static uint16_t RoundToBf16(float x) {  // to nearest even; centroids are finite
-    uint32_t bits;
-    memcpy(&bits, &x, 4);
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return static_cast<uint16_t>(bits >> 16);
-  }
-
   __m512i gather_[4], shift_, table_;
+  float unit_ = 1.0f;
 };
 
 // Where each token of a block lives, and its scalars.
@@ -255,16 +264,6 @@ uint8_t* QueryBytes(size_t n) {
   if (scratch.size() < n + 64) scratch.resize(n + 64);
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
-
-// A value accumulator: int32 for uniform codes, fp32 for bf16 centroids.
-template <bool kInteger>
-struct ValueAccumulator {
-  using type = __m512;
-};
-template <>
-struct ValueAccumulator<true> {
-  using type = __m512i;
-};
 
 template <int kKeyBits, FieldFormat kValue, int kValueBits>
 struct Kernel {
@@ -334,15 +333,14 @@ struct Kernel {
   // out[r][16 (b + c) + i] += sum over the block's pairs of tokens of
   // weight x value, for kRows rows and kBlocks 16-coordinate blocks of one
   // segment.
-  // Uniform values: int32 accumulators of int16 codes times int16 weights
-  // (in units of weight_unit[r]); centroids: fp32 of bf16 times bf16.
+  // int32 accumulators of int16 words times int16 weights (in units of
+  // weight_unit[r]).
   template <int kRows, int kBlocks>
   void ValueTile(const uint8_t* const* codes, int pairs, const uint16_t* weights, const float* weight_unit, int s,
                  int b, float* out) const {
-    using Acc = typename ValueAccumulator<kUniform>::type;
-    Acc acc[kRows][kBlocks];
+    __m512i acc[kRows][kBlocks];
     for (auto& row : acc) {
-      for (Acc& a : row) a = Acc{};
+      for (__m512i& a : row) a = _mm512_setzero_si512();
     }
     static_assert(kBlocks % 4 == 0, "whole half segments");
     constexpr int kHalfBytes = ValueCodes<kValue, kValueBits>::kHalfBytes;
@@ -361,24 +359,14 @@ struct Kernel {
       }
       for (int c = 0; c < kBlocks; ++c) {
         const __m512i v = values.Block(halves[c / 4], c % 4);
-        for (int r = 0; r < kRows; ++r) {
-          if constexpr (kUniform) {
-            acc[r][c] = DotWords(acc[r][c], v, w[r]);
-          } else {
-            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)v, (__m512bh)w[r]);
-          }
-        }
+        for (int r = 0; r < kRows; ++r) acc[r][c] = DotWords(acc[r][c], v, w[r]);
       }
     }
     for (int r = 0; r < kRows; ++r) {
+      const __m512 unit = _mm512_set1_ps(weight_unit[r] * values.unit());
       for (int c = 0; c < kBlocks; ++c) {
         float* o = out + static_cast<size_t>(r) * d + kSegment * s + 16 * (b + c);
-        if constexpr (kUniform) {
-          _mm512_storeu_ps(
-              o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(weight_unit[r]), _mm512_loadu_ps(o)));
-        } else {
-          _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[r][c]));
-        }
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), unit, _mm512_loadu_ps(o)));
       }
     }
   }
@@ -416,7 +404,7 @@ struct Kernel {
 
     alignas(64) int32_t raw[kMaxRows * kBlock];
     alignas(64) float scores[kMaxRows * kBlock];
-    alignas(64) uint16_t weights[kMaxRows * kBlock];  // bf16, or int16 in units of weight_unit
+    alignas(64) uint16_t weights[kMaxRows * kBlock];  // int16 in units of weight_unit
     float weight_unit[kMaxRows];
     BlockTokens tokens;
     float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
@@ -465,7 +453,7 @@ struct Kernel {
         }
       });
 
-      // Scores, masked; then the online softmax, and bf16 weights times the
+      // Scores, masked; then the online softmax, and fixed-point weights times the
       // tokens' value scales.
       for (int r = 0; r < rows; ++r) {
         if (p.visible[r] <= t0) continue;
@@ -497,14 +485,11 @@ struct Kernel {
           const __m512 w = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
           if constexpr (kUniform) {
             zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
-            _mm512_store_ps(sc + kGroup * g, w);
-            w_max = _mm512_max_ps(w_max, _mm512_abs_ps(w));
-          } else {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g),
-                               (__m256i)_mm512_cvtneps_pbh(w));
           }
+          _mm512_store_ps(sc + kGroup * g, w);
+          w_max = _mm512_max_ps(w_max, _mm512_abs_ps(w));
         }
-        if constexpr (kUniform) {
+        {
           // Fixed point per row and block: |weight| <= 32767 units.
           const float top = Max(w_max);
           weight_unit[r] = top > 0.0f ? top / 32767.0f : 1.0f;
@@ -627,6 +612,12 @@ float IntegerKeyUnit(const float* centroids, int count) {
     }
   }
   return best_unit;
+}
+
+float ValueUnit(const float* centroids, int count) {
+  float max_abs = 0.0f;
+  for (int i = 0; i < count; ++i) max_abs = std::max(max_abs, std::fabs(centroids[i]));
+  return max_abs > 0.0f ? max_abs / static_cast<float>(kValueUnits) : 1.0f;
 }
 
 bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& value, int head_dim) {

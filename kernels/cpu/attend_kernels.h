@@ -209,25 +209,29 @@ void AttendHeadAvx512(const HeadAttendParams& params);
 void AttendHeadAvx2(const HeadAttendParams& params);
 
 // The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI, BF16 and
-// VBMI): scores with int8 dot products, values with bf16 ones. It reads no
+// VBMI): scores with int8 dot products, values with int16 ones. It reads no
 // byte outside a token's codes and scalars. Against exact attention over the
-// same bytes it differs by three roundings, each relative 2^-8 or less of
-// what it rounds:
+// same bytes it differs by these roundings:
 // - the query, per row, to int8 (step max |q| / 127);
 // - the key codebook to int8 (IntegerKeyUnit: a step of max |centroid| / 127
 //   to / 96, whichever rounds the centroids least);
-// - the value codebook and each weight (softmax weight x the token's value
-//   scale) to bf16 (8 significant bits).
+// - the value codebook to int16 (ValueUnit: a step of max |centroid| / 1023);
+// - each weight (softmax weight x the token's value scale) to 15-bit fixed
+//   point per row and block of 64 tokens (a step of the block's largest
+//   weight / 32767).
 // A 3-bit codebook's own error is about 18% of a coordinate (4 bits: 10%),
 // and these roundings raise the output error against exact attention by
-// under 1% of itself (BackendQuality.IntegerKernelStaysInsideTheCodecsErrorBudget:
-// 0.5154 -> 0.5155 at 3 bits, 0.2504 -> 0.2525 at 4). AttendKernels in
-// cpu_backend_test.cc holds the kernel to exactly these roundings.
+// under 1% of itself (BackendQuality.IntegerKernelStaysInsideTheCodecsErrorBudget).
+// AttendKernels in cpu_backend_test.cc holds the kernel to the codebook and
+// query roundings exactly, and to the weights' within its output tolerance.
 void AttendHeadAvx512Vnni(const HeadAttendParams& params);
 
 // The integer kernel's key unit for a codebook: centroid i is read as
 // unit * lrint(centroids[i] / unit), |that| <= 127 units.
 float IntegerKeyUnit(const float* centroids, int count);
+// Its value unit: centroid i is read as unit * lrint(centroids[i] / unit),
+// |that| <= 1023 units.
+float ValueUnit(const float* centroids, int count);
 
 }  // namespace cpu_internal
 }  // namespace tqkv
