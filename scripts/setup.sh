@@ -23,6 +23,8 @@ packages=(
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
   prometheus-cpp-dev
+  # The tqkv CLI's flags (CLI11, header-only).
+  libcli11-dev
 )
 if [ "$build_only" -eq 0 ]; then
   packages+=(

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/bandwidth_probe.h"
 #include "client/cli/command_util.h"
@@ -631,8 +632,15 @@ int RunBench(int argc, const char* const* argv) {
   if (what == "store") return RunBenchStore(argc - 1, argv + 1);
   if (what == "transport") return RunBenchTransport(argc - 1, argv + 1);
   if (what == "move") return RunBenchMove(argc - 1, argv + 1);
-  fprintf(stderr, "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
-  return what == "--help" || what == "-h" ? 0 : kExitUsage;
+  const bool help = what == "--help" || what == "-h";
+  if (!help && !what.empty()) {
+    const std::string closest = ClosestMatch(what, {"attend", "store", "transport", "move"});
+    fprintf(stderr, "tqkv: unknown bench subcommand '%s'%s\n", what.c_str(),
+            closest.empty() ? "" : absl::StrCat("; did you mean '", closest, "'?").c_str());
+  }
+  fprintf(help ? stdout : stderr,
+          "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
+  return help ? 0 : kExitUsage;
 }
 
 int RunCapacity(int argc, const char* const* argv) {
