@@ -305,7 +305,7 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
   // CLI11 reads from the back. It reads `--name=` as `--name` with no value
   // and would take the next argument for it; pass the empty value instead.
   std::vector<std::string> reversed;
-  reversed.reserve(args.size() + 1);
+  reversed.reserve(args.size());
   for (auto arg = args.rbegin(); arg != args.rend(); ++arg) {
     const CLI::Option* option = nullptr;
     if (arg->size() > 3 && arg->back() == '=' && arg->compare(0, 2, "--") == 0 &&

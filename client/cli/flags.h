@@ -23,9 +23,9 @@
 // value may start with one '-', e.g. `--offset -3`; a value that starts with
 // "--" is taken for a forgotten value and refused); `--name` for a switch,
 // which sets it to true, and `--name=true|false|1|0` to set it explicitly
-// (CLI11 also takes yes/no, on/off). A flag given twice takes the last value.
-// `--help` or `-h` asks for help, and wins over errors found after the
-// arguments are read. Positional arguments are not accepted. Flags are
+// (`--name=` gives a valued flag the empty value). A flag given twice takes
+// the last value. `--help` or `-h` asks for help, and wins over errors found
+// after the arguments are read. Positional arguments are not accepted. Flags are
 // registered in kebab-case; the snake_case spelling names the same flag
 // (`--head_dim 64` is `--head-dim 64`), so a flag can be written the way
 // tqkv-server spells its own. Integers are base-10 int64 (no hex, no octal
