@@ -23,6 +23,8 @@ packages=(
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
   prometheus-cpp-dev
+  # The tqkv CLI's flags (CLI11) and --json output (nlohmann-json); header-only.
+  libcli11-dev nlohmann-json3-dev
 )
 if [ "$build_only" -eq 0 ]; then
   packages+=(

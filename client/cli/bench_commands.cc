@@ -12,12 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/bandwidth_probe.h"
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
-#include "client/cli/json_writer.h"
 #include "client/cli/model_layouts.h"
 #include "client/cli/transport_floor.h"
 #include "client/eval/synthetic.h"
@@ -395,7 +395,7 @@ int RunBenchAttend(int argc, const char* const* argv) {
   const std::string device = (*baseline)->backend->device();
   const double read_bandwidth = MeasureReadBandwidth(size_t{256} << 20, static_cast<int>(threads), 0.5);
 
-  JsonValue rows = JsonValue::Array();
+  Json rows = Json::array();
   if (!json) {
     printf("layout %s, one layer (%d KV heads, %d query heads, d=%d), batch %lld, page %lld tokens, %s\n",
            std::string(shape->name).c_str(), shape->num_kv_heads, shape->num_query_heads, shape->head_dim,
@@ -438,20 +438,22 @@ int RunBenchAttend(int argc, const char* const* argv) {
       const double read_bytes = static_cast<double>((*stored)->layout->token_bytes(0)) * context * batch;
       const double bound_seconds = read_bandwidth > 0 ? read_bytes / read_bandwidth : 0.0;
       if (json) {
-        JsonValue row = JsonValue::Object();
-        row.Set("preset", std::string(preset->name))
-                        .Set("context", context)
-                        .Set("batch", batch)
-                        .Set("bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim))
-                        .Set("attend_ms", seconds * 1e3)
-                        .Set("bf16_ms", baseline_seconds * 1e3)
-                        .Set("speedup_vs_bf16", speedup)
-                        .Set("tokens_per_second", context * batch / seconds)
-                        .Set("cache_gb_per_second", read_bytes / seconds / 1e9)
-                        .Set("memory_bound_ms", bound_seconds * 1e3)
-                        .Set("fraction_of_memory_bound", bound_seconds / seconds);
-        if (compare_plain) row.Set("plain_ms", plain_seconds * 1e3).Set("vs_plain", vs_plain);
-        rows.Append(std::move(row));
+        Json row = {{"preset", std::string(preset->name)},
+                    {"context", context},
+                    {"batch", batch},
+                    {"bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim)},
+                    {"attend_ms", seconds * 1e3},
+                    {"bf16_ms", baseline_seconds * 1e3},
+                    {"speedup_vs_bf16", speedup},
+                    {"tokens_per_second", context * batch / seconds},
+                    {"cache_gb_per_second", read_bytes / seconds / 1e9},
+                    {"memory_bound_ms", bound_seconds * 1e3},
+                    {"fraction_of_memory_bound", bound_seconds / seconds}};
+        if (compare_plain) {
+          row["plain_ms"] = plain_seconds * 1e3;
+          row["vs_plain"] = vs_plain;
+        }
+        rows.push_back(std::move(row));
       } else {
         printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f %9.3f %6.0f%%", std::string(preset->name).c_str(),
                static_cast<long long>(context), preset->BytesPerTokenHead(shape->head_dim), seconds * 1e3,
@@ -464,15 +466,12 @@ int RunBenchAttend(int argc, const char* const* argv) {
     }
   }
   if (json) {
-    printf("%s\n", JsonValue::Object()
-                       .Set("layout", std::string(shape->name))
-                       .Set("device", device)
-                       .Set("read_gb_per_second", read_bandwidth / 1e9)
-                       .Set("batch", batch)
-                       .Set("page_tokens", page_tokens)
-                       .Set("results", rows)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"layout", std::string(shape->name)},
+                   {"device", device},
+                   {"read_gb_per_second", read_bandwidth / 1e9},
+                   {"batch", batch},
+                   {"page_tokens", page_tokens},
+                   {"results", rows}});
   }
   return 0;
 }
@@ -500,7 +499,7 @@ int RunBenchStore(int argc, const char* const* argv) {
       MedianSeconds(0.3, [&] { memcpy(destination.data(), source.data(), bf16_bytes); });
   const double copy_rate = tokens / copy_seconds;
 
-  JsonValue rows = JsonValue::Array();
+  Json rows = Json::array();
   if (!json) {
     printf("layout %s, one layer, %lld tokens; bf16 memcpy: %.2f Mtok/s (%.1f GB/s)\n",
            std::string(shape->name).c_str(), static_cast<long long>(tokens), copy_rate / 1e6,
@@ -512,12 +511,11 @@ int RunBenchStore(int argc, const char* const* argv) {
     if (!stored.ok()) return Fail(stored.status());
     const double rate = tokens / (*stored)->store_seconds;
     if (json) {
-      rows.Append(JsonValue::Object()
-                      .Set("preset", std::string(preset->name))
-                      .Set("bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim))
-                      .Set("tokens_per_second", rate)
-                      .Set("bf16_copy_tokens_per_second", copy_rate)
-                      .Set("ratio_to_bf16_copy", rate / copy_rate));
+      rows.push_back(Json{{"preset", std::string(preset->name)},
+                          {"bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim)},
+                          {"tokens_per_second", rate},
+                          {"bf16_copy_tokens_per_second", copy_rate},
+                          {"ratio_to_bf16_copy", rate / copy_rate}});
     } else {
       printf("%-20s %7d %12.3f %14.4f\n", std::string(preset->name).c_str(),
              preset->BytesPerTokenHead(shape->head_dim), rate / 1e6, rate / copy_rate);
@@ -525,12 +523,7 @@ int RunBenchStore(int argc, const char* const* argv) {
     }
   }
   if (json) {
-    printf("%s\n", JsonValue::Object()
-                       .Set("layout", std::string(shape->name))
-                       .Set("tokens", tokens)
-                       .Set("results", rows)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"layout", std::string(shape->name)}, {"tokens", tokens}, {"results", rows}});
   }
   return 0;
 }
@@ -578,7 +571,7 @@ int RunBenchTransport(int argc, const char* const* argv) {
   // Forked before this process touches gRPC.
   absl::StatusOr<std::unique_ptr<EchoServerProcess>> echo = EchoServerProcess::Start();
   if (!echo.ok()) return Fail(echo.status());
-  JsonValue results = JsonValue::Array();
+  Json results = Json::array();
   if (!json) {
     printf("layout %s, loopback to a child process, a worker-thread hop per message, %lld round "
            "trips per row\n",
@@ -596,14 +589,13 @@ int RunBenchTransport(int argc, const char* const* argv) {
     if (!floor.ok()) return Fail(floor.status());
     const char* how = row.unary ? "call" : "stream";
     if (json) {
-      results.Append(JsonValue::Object()
-                         .Set("message", row.what)
-                         .Set("shape", std::string(how))
-                         .Set("request_bytes", row.request)
-                         .Set("response_bytes", row.response)
-                         .Set("p50_us", floor->p50_us)
-                         .Set("p90_us", floor->p90_us)
-                         .Set("p99_us", floor->p99_us));
+      results.push_back(Json{{"message", row.what},
+                             {"shape", std::string(how)},
+                             {"request_bytes", row.request},
+                             {"response_bytes", row.response},
+                             {"p50_us", floor->p50_us},
+                             {"p90_us", floor->p90_us},
+                             {"p99_us", floor->p99_us}});
     } else {
       printf("%-32s %-8s %12lld %12lld %9.0f %9.0f %9.0f\n", row.what.c_str(), how,
              static_cast<long long>(row.request), static_cast<long long>(row.response),
@@ -612,13 +604,10 @@ int RunBenchTransport(int argc, const char* const* argv) {
     }
   }
   if (json) {
-    printf("%s\n", JsonValue::Object()
-                       .Set("layout", std::string(shape->name))
-                       .Set("batch", batch)
-                       .Set("wire_dtype", wire)
-                       .Set("results", results)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"layout", std::string(shape->name)},
+                   {"batch", batch},
+                   {"wire_dtype", wire},
+                   {"results", results}});
   }
   return 0;
 }
@@ -631,8 +620,15 @@ int RunBench(int argc, const char* const* argv) {
   if (what == "store") return RunBenchStore(argc - 1, argv + 1);
   if (what == "transport") return RunBenchTransport(argc - 1, argv + 1);
   if (what == "move") return RunBenchMove(argc - 1, argv + 1);
-  fprintf(stderr, "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
-  return what == "--help" || what == "-h" ? 0 : kExitUsage;
+  const bool help = what == "--help" || what == "-h";
+  if (!help && !what.empty()) {
+    const std::string closest = ClosestMatch(what, {"attend", "store", "transport", "move"});
+    fprintf(stderr, "tqkv: unknown bench subcommand '%s'%s\n", what.c_str(),
+            closest.empty() ? "" : absl::StrCat("; did you mean '", closest, "'?").c_str());
+  }
+  fprintf(help ? stdout : stderr,
+          "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
+  return help ? 0 : kExitUsage;
 }
 
 int RunCapacity(int argc, const char* const* argv) {
@@ -685,7 +681,7 @@ int RunCapacity(int argc, const char* const* argv) {
   if (!bf16_page.ok()) return Fail(bf16_page.status());
   const double bf16_tokens = std::floor(budget / *bf16_page) * page_tokens;
 
-  JsonValue rows = JsonValue::Array();
+  Json rows = Json::array();
   if (!json) {
     printf("layout %s (%d layers, %d KV heads, d=%d), %.1f GiB, page %lld tokens, %lld boundary layers at %s\n",
            std::string(shape->name).c_str(), shape->num_layers, shape->num_kv_heads, shape->head_dim, memory_gib,
@@ -699,27 +695,23 @@ int RunCapacity(int argc, const char* const* argv) {
     if (!page.ok()) return Fail(page.status());
     const double tokens = std::floor(budget / *page) * page_tokens;
     if (json) {
-      rows.Append(JsonValue::Object()
-                      .Set("preset", std::string(preset->name))
-                      .Set("bytes_per_token", static_cast<double>(*page) / page_tokens)
-                      .Set("tokens", tokens)
-                      .Set("ratio_to_bf16", tokens / bf16_tokens)
-                      .Set("boundary_layers", boundary));
+      rows.push_back(Json{{"preset", std::string(preset->name)},
+                          {"bytes_per_token", static_cast<double>(*page) / page_tokens},
+                          {"tokens", tokens},
+                          {"ratio_to_bf16", tokens / bf16_tokens},
+                          {"boundary_layers", boundary}});
     } else {
       printf("%-20s %12.2f %14.0f %10.2f\n", std::string(preset->name).c_str(), *page / 1024.0 / page_tokens,
              tokens, tokens / bf16_tokens);
     }
   }
   if (json) {
-    printf("%s\n", JsonValue::Object()
-                       .Set("layout", std::string(shape->name))
-                       .Set("memory_gib", memory_gib)
-                       .Set("page_tokens", page_tokens)
-                       .Set("boundary_preset", boundary_preset)
-                       .Set("bf16_tokens", bf16_tokens)
-                       .Set("presets", rows)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"layout", std::string(shape->name)},
+                   {"memory_gib", memory_gib},
+                   {"page_tokens", page_tokens},
+                   {"boundary_preset", boundary_preset},
+                   {"bf16_tokens", bf16_tokens},
+                   {"presets", rows}});
   }
   return 0;
 }

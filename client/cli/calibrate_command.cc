@@ -16,7 +16,6 @@
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
-#include "client/cli/json_writer.h"
 #include "client/eval/calibration.h"
 #include "kernels/key_centering.h"
 #include "kernels/kv_layout.h"
@@ -296,70 +295,65 @@ void PrintMarkdown(const std::vector<LayerCalibration>& layers, const eval::Capt
 // ---------------------------------------------------------------------------
 // JSON.
 
-JsonValue LayersJson(const std::vector<LayerCalibration>& layers) {
-  JsonValue out = JsonValue::Array();
+Json LayersJson(const std::vector<LayerCalibration>& layers) {
+  Json out = Json::array();
   for (const LayerCalibration& layer : layers) {
-    JsonValue presets = JsonValue::Array();
+    Json presets = Json::array();
     for (const eval::PresetError& e : layer.presets) {
-      presets.Append(JsonValue::Object()
-                         .Set("preset", std::string(e.preset->name))
-                         .Set("output_rel_error", e.output_rel_error)
-                         .Set("logit_rmse", e.logit_rmse)
-                         .Set("tv_distance", e.tv_distance)
-                         .Set("kl_divergence", e.kl_divergence)
-                         .Set("token_bytes", e.token_bytes)
-                         .Set("token_bytes_bf16", e.token_bytes_bf16)
-                         .Set("exact_tokens", e.exact_tokens)
-                         .Set("fixed_bytes", e.fixed_bytes)
-                         .Set("key_centering", e.key_centering));
+      presets.push_back(Json{{"preset", std::string(e.preset->name)},
+                             {"output_rel_error", e.output_rel_error},
+                             {"logit_rmse", e.logit_rmse},
+                             {"tv_distance", e.tv_distance},
+                             {"kl_divergence", e.kl_divergence},
+                             {"token_bytes", e.token_bytes},
+                             {"token_bytes_bf16", e.token_bytes_bf16},
+                             {"exact_tokens", e.exact_tokens},
+                             {"fixed_bytes", e.fixed_bytes},
+                             {"key_centering", e.key_centering}});
     }
-    out.Append(JsonValue::Object().Set("layer", layer.layer).Set("presets", presets));
+    out.push_back(Json{{"layer", layer.layer}, {"presets", presets}});
   }
   return out;
 }
 
-JsonValue PlanJson(const eval::ProtectionPlan& plan, const CalibrateFlags& flags) {
-  JsonValue steps = JsonValue::Array(), choice = JsonValue::Array();
+Json PlanJson(const eval::ProtectionPlan& plan, const CalibrateFlags& flags) {
+  Json steps = Json::array(), choice = Json::array();
   for (const eval::PlanStep& s : plan.steps) {
-    steps.Append(JsonValue::Object()
-                     .Set("layer", s.layer)
-                     .Set("from", std::string(s.from->name))
-                     .Set("to", std::string(s.to->name))
-                     .Set("error_before", s.error_before)
-                     .Set("error_after", s.error_after)
-                     .Set("extra_bits", s.extra_bits));
+    steps.push_back(Json{{"layer", s.layer},
+                         {"from", std::string(s.from->name)},
+                         {"to", std::string(s.to->name)},
+                         {"error_before", s.error_before},
+                         {"error_after", s.error_after},
+                         {"extra_bits", s.extra_bits}});
   }
-  for (const Preset* p : plan.layer_presets) choice.Append(std::string(p->name));
-  return JsonValue::Object()
-      .Set("budget_bits", flags.plan.budget_bits)
-      .Set("metric", flags.metric_name)
-      .Set("context", flags.plan.context)
-      .Set("base_preset", std::string(plan.base->name))
-      .Set("base_bits", plan.base_bits)
-      .Set("base_error", plan.base_error)
-      .Set("steps", steps)
-      .Set("layer_presets", choice)
-      .Set("bits_per_coordinate", plan.bits_per_coordinate)
-      .Set("ratio_vs_bf16", plan.ratio_vs_bf16)
-      .Set("total_error", plan.total_error)
-      .Set("config", eval::ProtectionConfigText(plan, flags.plan));
+  for (const Preset* p : plan.layer_presets) choice.push_back(std::string(p->name));
+  return Json{{"budget_bits", flags.plan.budget_bits},
+              {"metric", flags.metric_name},
+              {"context", flags.plan.context},
+              {"base_preset", std::string(plan.base->name)},
+              {"base_bits", plan.base_bits},
+              {"base_error", plan.base_error},
+              {"steps", steps},
+              {"layer_presets", choice},
+              {"bits_per_coordinate", plan.bits_per_coordinate},
+              {"ratio_vs_bf16", plan.ratio_vs_bf16},
+              {"total_error", plan.total_error},
+              {"config", eval::ProtectionConfigText(plan, flags.plan)}};
 }
 
-void PrintJson(const std::vector<LayerCalibration>& layers, const eval::CaptureMeta& meta,
-               const CalibrateFlags& flags, const eval::ProtectionPlan* plan) {
-  std::vector<double> positions(layers[0].positions.begin(), layers[0].positions.end());
-  JsonValue out = JsonValue::Object()
-                      .Set("capture", flags.capture)
-                      .Set("layers", meta.layers)
-                      .Set("tokens", meta.tokens)
-                      .Set("num_query_heads", meta.num_query_heads)
-                      .Set("num_kv_heads", meta.num_kv_heads)
-                      .Set("head_dim", meta.head_dim)
-                      .Set("positions", JsonValue::NumberArray(positions))
-                      .Set("recipe", flags.plan.recipe)
-                      .Set("per_layer", LayersJson(layers));
-  if (plan) out.Set("plan", PlanJson(*plan, flags));
-  printf("%s\n", out.Serialize().c_str());
+void PrintReportJson(const std::vector<LayerCalibration>& layers, const eval::CaptureMeta& meta,
+                     const CalibrateFlags& flags, const eval::ProtectionPlan* plan) {
+  Json out = Json{{"capture", flags.capture},
+                  {"layers", meta.layers},
+                  {"tokens", meta.tokens},
+                  {"num_query_heads", meta.num_query_heads},
+                  {"num_kv_heads", meta.num_kv_heads},
+                  {"head_dim", meta.head_dim},
+                  {"positions", layers[0].positions},
+                  {"recipe", flags.plan.recipe},
+                  {"per_layer", LayersJson(layers)}};
+  if (plan) out["plan"] = PlanJson(*plan, flags);
+  PrintJson(out);
 }
 
 // ---------------------------------------------------------------------------
@@ -424,7 +418,7 @@ int RunCalibrateImpl(int argc, const char* const* argv) {
   if (options.planning()) plan = eval::PlanProtection(*meta, *layers, options.plan);
   const eval::ProtectionPlan* planned = plan.ok() ? &*plan : nullptr;
   if (options.json) {
-    PrintJson(*layers, *meta, options, planned);
+    PrintReportJson(*layers, *meta, options, planned);
   } else {
     PrintMarkdown(*layers, *meta, options, planned);
   }

@@ -15,19 +15,18 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
-#include "client/cli/flags.h"
-#include "client/cli/json_writer.h"
 #include "client/cli/decode_load.h"
+#include "client/cli/flags.h"
 #include "client/cli/load_generator.h"
 #include "client/cli/npy.h"
 #include "client/cpp/tqkv_client.h"
@@ -122,62 +121,56 @@ int RunInfoImpl(int argc, const char* const* argv) {
     *info->add_caches() = std::move(only);
   }
   if (json) {
-    JsonValue caches = JsonValue::Array();
+    Json caches = Json::array();
     for (const v1::CacheInfo& ci : info->caches()) {
       const v1::CacheConfig& k = ci.config();
-      caches.Append(JsonValue::Object()
-                        .Set("name", k.name())
-                        .Set("num_layers", k.num_layers())
-                        .Set("num_kv_heads", k.num_kv_heads())
-                        .Set("num_query_heads", k.num_query_heads())
-                        .Set("head_dim", k.head_dim())
-                        .Set("page_tokens", k.page_tokens())
-                        .Set("preset", k.preset())
-                        .Set("boundary_layers", k.boundary_layers())
-                        .Set("boundary_preset", k.boundary_preset())
-                        .Set("page_bytes", ci.page_bytes())
-                        .Set("pages_used", ci.pages_used())
-                        .Set("pages_total", ci.pages_total())
-                        .Set("sequences", ci.sequences())
-                        .Set("tokens", ci.tokens())
-                        .Set("stored_bytes", ci.stored_bytes())
-                        .Set("stored_bytes_bf16", ci.stored_bytes_bf16())
-                        .Set("evictions", ci.evictions())
-                        .Set("bytes_per_token_head", ci.bytes_per_token_head())
-                        .Set("bytes_per_token", ci.bytes_per_token()));
+      caches.push_back(Json{{"name", k.name()},
+                            {"num_layers", k.num_layers()},
+                            {"num_kv_heads", k.num_kv_heads()},
+                            {"num_query_heads", k.num_query_heads()},
+                            {"head_dim", k.head_dim()},
+                            {"page_tokens", k.page_tokens()},
+                            {"preset", k.preset()},
+                            {"boundary_layers", k.boundary_layers()},
+                            {"boundary_preset", k.boundary_preset()},
+                            {"page_bytes", ci.page_bytes()},
+                            {"pages_used", ci.pages_used()},
+                            {"pages_total", ci.pages_total()},
+                            {"sequences", ci.sequences()},
+                            {"tokens", ci.tokens()},
+                            {"stored_bytes", ci.stored_bytes()},
+                            {"stored_bytes_bf16", ci.stored_bytes_bf16()},
+                            {"evictions", ci.evictions()},
+                            {"bytes_per_token_head", ci.bytes_per_token_head()},
+                            {"bytes_per_token", ci.bytes_per_token()}});
     }
-    JsonValue tenants = JsonValue::Array();
+    Json tenants = Json::array();
     std::vector<const v1::TenantInfo*> shown;
     if (info->has_tenant()) shown.push_back(&info->tenant());
     for (const v1::TenantInfo& t : info->tenants()) shown.push_back(&t);
     for (const v1::TenantInfo* t : shown) {
-      tenants.Append(JsonValue::Object()
-                         .Set("name", t->name())
-                         .Set("sequence_prefix", t->sequence_prefix())
-                         .Set("bytes", t->bytes())
-                         .Set("max_bytes", t->max_bytes())
-                         .Set("sequences", t->sequences())
-                         .Set("max_sequences", t->max_sequences())
-                         .Set("tokens", t->tokens())
-                         .Set("quota_refusals", t->quota_refusals()));
+      tenants.push_back(Json{{"name", t->name()},
+                             {"sequence_prefix", t->sequence_prefix()},
+                             {"bytes", t->bytes()},
+                             {"max_bytes", t->max_bytes()},
+                             {"sequences", t->sequences()},
+                             {"max_sequences", t->max_sequences()},
+                             {"tokens", t->tokens()},
+                             {"quota_refusals", t->quota_refusals()}});
     }
-    JsonValue presets = JsonValue::Array();
+    Json presets = Json::array();
     for (const v1::PresetInfo& p : info->presets()) {
-      presets.Append(JsonValue::Object()
-                         .Set("name", p.name())
-                         .Set("keys", p.keys())
-                         .Set("values", p.values())
-                         .Set("bytes_per_token_head", p.bytes_per_token_head()));
+      presets.push_back(Json{{"name", p.name()},
+                             {"keys", p.keys()},
+                             {"values", p.values()},
+                             {"bytes_per_token_head", p.bytes_per_token_head()}});
     }
-    printf("%s\n", JsonValue::Object()
-                       .Set("version", info->version())
-                       .Set("backend", info->backend())
-                       .Set("device", info->device())
-                       .Set("caches", caches)
-                       .Set("tenants", tenants)
-                       .Set("presets", presets)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"version", info->version()},
+                   {"backend", info->backend()},
+                   {"device", info->device()},
+                   {"caches", caches},
+                   {"tenants", tenants},
+                   {"presets", presets}});
     return 0;
   }
   printf("tqkv-server %s at %s\nbackend: %s (%s)\n", info->version().c_str(), WithDefaultPort(c.target).c_str(),
@@ -222,20 +215,17 @@ void PrintSequence(const SequenceState& s) {
          s.cache.c_str(), s.pages, absl::StrJoin(s.layer_tokens, ", ").c_str());
 }
 
-JsonValue SequenceJson(const SequenceState& s) {
-  JsonValue layer_tokens = JsonValue::Array();
-  for (int64_t t : s.layer_tokens) layer_tokens.Append(JsonValue(t));
-  return JsonValue::Object()
-      .Set("sequence", s.sequence_id)
-      .Set("cache", s.cache)
-      .Set("pages", s.pages)
-      .Set("layer_tokens", layer_tokens);
+Json SequenceJson(const SequenceState& s) {
+  return Json{{"sequence", s.sequence_id},
+              {"cache", s.cache},
+              {"pages", s.pages},
+              {"layer_tokens", s.layer_tokens}};
 }
 
 // The sequence as text, or as one JSON object.
 void PrintSequence(const SequenceState& s, bool json) {
   if (json) {
-    printf("%s\n", SequenceJson(s).Serialize().c_str());
+    PrintJson(SequenceJson(s));
   } else {
     PrintSequence(s);
   }
@@ -324,14 +314,11 @@ int RunAppendImpl(int argc, const char* const* argv) {
   absl::StatusOr<AppendResult> r = client.Append(args);
   if (!r.ok()) return FailRpc(r.status(), c.target);
   if (json) {
-    printf("%s\n", JsonValue::Object()
-                       .Set("tokens", keys->shape[1])
-                       .Set("start", start)
-                       .Set("stored_bytes", r->stored_bytes)
-                       .Set("stored_bytes_bf16", r->stored_bytes_bf16)
-                       .Set("sequence", SequenceJson(r->sequence))
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"tokens", keys->shape[1]},
+                   {"start", start},
+                   {"stored_bytes", r->stored_bytes},
+                   {"stored_bytes_bf16", r->stored_bytes_bf16},
+                   {"sequence", SequenceJson(r->sequence)}});
     return 0;
   }
   printf("appended %lld tokens at %lld: stored %lld bytes (%lld as bf16)\n",
@@ -388,11 +375,9 @@ int RunAttendImpl(int argc, const char* const* argv) {
     }
   }
   if (json) {
-    JsonValue shape_json = JsonValue::Array();
-    for (int64_t d : shape) shape_json.Append(JsonValue(d));
-    JsonValue out_json = JsonValue::Object().Set("out", out_path).Set("shape", shape_json);
-    out_json.Set("lse_out", lse_path.empty() ? JsonValue() : JsonValue(lse_path));
-    printf("%s\n", out_json.Serialize().c_str());
+    PrintJson(Json{{"out", out_path},
+                   {"shape", shape},
+                   {"lse_out", lse_path.empty() ? Json() : Json(lse_path)}});
     return 0;
   }
   printf("wrote %s [%s]\n", out_path.c_str(), absl::StrJoin(shape, ", ").c_str());
@@ -445,25 +430,17 @@ int RunScoreImpl(int argc, const char* const* argv) {
     }
   }
   if (json) {
-    JsonValue heads = JsonValue::Array();
+    Json heads = Json::array();
     for (int64_t h = 0; h < r->query_heads; ++h) {
-      JsonValue row = JsonValue::Object();
-      std::vector<double> logits(r->logits.begin() + h * r->columns,
-                                 r->logits.begin() + (h + 1) * r->columns);
-      row.Set("head", h).Set("logits", JsonValue::NumberArray(logits));
+      Json row = {{"head", h},
+                  {"logits", FloatArray(r->logits.data() + h * r->columns, r->columns)}};
       if (!r->positions.empty()) {
-        JsonValue positions = JsonValue::Array();
-        for (int64_t i = 0; i < r->columns; ++i) positions.Append(r->positions[h * r->columns + i]);
-        row.Set("positions", positions);
+        const auto first = r->positions.begin() + h * r->columns;
+        row["positions"] = std::vector<int64_t>(first, first + r->columns);
       }
-      heads.Append(row);
+      heads.push_back(row);
     }
-    printf("%s\n", JsonValue::Object()
-                       .Set("query_heads", r->query_heads)
-                       .Set("columns", r->columns)
-                       .Set("heads", heads)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"query_heads", r->query_heads}, {"columns", r->columns}, {"heads", heads}});
     return 0;
   }
   printf("logits [%lld, %lld]\n", static_cast<long long>(r->query_heads),
@@ -515,7 +492,7 @@ int RunDropImpl(int argc, const char* const* argv) {
   if (!options.ok()) return Fail(options.status());
   if (absl::Status s = Client(*options).DropSequence(c.cache, id); !s.ok()) return FailRpc(s, c.target);
   if (json) {
-    printf("%s\n", JsonValue::Object().Set("dropped", id).Serialize().c_str());
+    PrintJson(Json{{"dropped", id}});
     return 0;
   }
   printf("dropped '%s'\n", id.c_str());
@@ -609,17 +586,14 @@ int RunMoveImpl(int argc, const char* const* argv) {
   }
   const double gbps = seconds > 0 ? moved->bytes() / seconds / 1e9 : 0;
   if (json) {
-    JsonValue ids = JsonValue::Array();
-    for (const std::string& id : moved->sequence_ids()) ids.Append(JsonValue(id));
-    printf("%s\n", JsonValue::Object()
-                       .Set("sequences", ids)
-                       .Set("pages", moved->pages())
-                       .Set("bytes", moved->bytes())
-                       .Set("seconds", seconds)
-                       .Set("gb_per_s", gbps)
-                       .Set("dropped_from_source", dropped)
-                       .Serialize()
-                       .c_str());
+    Json ids = Json::array();
+    for (const std::string& id : moved->sequence_ids()) ids.push_back(id);
+    PrintJson(Json{{"sequences", ids},
+                   {"pages", moved->pages()},
+                   {"bytes", moved->bytes()},
+                   {"seconds", seconds},
+                   {"gb_per_s", gbps},
+                   {"dropped_from_source", dropped}});
   } else {
     printf("moved %d sequences (%lld pages, %lld bytes) in %.3f s (%.2f GB/s)%s\n", moved->sequence_ids_size(),
            static_cast<long long>(moved->pages()), static_cast<long long>(moved->bytes()), seconds, gbps,
@@ -678,7 +652,7 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
   Client via(*router_options);
   std::map<std::string, size_t> owner_of_key;  // routing key -> shard
   int64_t moved = 0, kept = 0, bytes = 0;
-  JsonValue moves = JsonValue::Array();
+  Json moves = Json::array();
   const absl::Time start = absl::Now();
   for (size_t from = 0; from < shards.size(); ++from) {
     if (!only_from.empty() && shards[from].target != only_from) continue;
@@ -705,7 +679,8 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
         continue;
       }
       for (const std::string& id : group) {
-        moves.Append(JsonValue::Object().Set("sequence", id).Set("from", shards[from].target).Set("to", shards[to].target));
+        moves.push_back(
+            Json{{"sequence", id}, {"from", shards[from].target}, {"to", shards[to].target}});
         if (!json) printf("%s %s: %s -> %s\n", dry_run ? "would move" : "moving", id.c_str(), shards[from].target.c_str(),
                           shards[to].target.c_str());
       }
@@ -732,15 +707,12 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (json) {
-    printf("%s\n", JsonValue::Object()
-                       .Set("moved", moved)
-                       .Set("kept", kept)
-                       .Set("bytes", bytes)
-                       .Set("seconds", seconds)
-                       .Set("dry_run", dry_run)
-                       .Set("moves", moves)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"moved", moved},
+                   {"kept", kept},
+                   {"bytes", bytes},
+                   {"seconds", seconds},
+                   {"dry_run", dry_run},
+                   {"moves", moves}});
   } else {
     printf("%s %lld sequences (%lld bytes), %lld already home, in %.2f s\n", dry_run ? "would move" : "moved",
            static_cast<long long>(moved), static_cast<long long>(bytes), static_cast<long long>(kept), seconds);
@@ -851,20 +823,15 @@ int RunBenchMoveImpl(int argc, const char* const* argv) {
   const double gbps = bytes / median / 1e9;
   const double ratio = static_cast<double>(bytes) / bf16_bytes;
   if (json) {
-    JsonValue rounds_json = JsonValue::Array();
-    for (double s : seconds) rounds_json.Append(JsonValue(s));
-    printf("%s\n", JsonValue::Object()
-                       .Set("context", context)
-                       .Set("preset", layout->preset())
-                       .Set("bytes_moved", bytes)
-                       .Set("bf16_bytes", bf16_bytes)
-                       .Set("ratio_to_bf16", ratio)
-                       .Set("seconds", rounds_json)
-                       .Set("median_seconds", median)
-                       .Set("gb_per_s", gbps)
-                       .Set("identical_attend", identical)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"context", context},
+                   {"preset", layout->preset()},
+                   {"bytes_moved", bytes},
+                   {"bf16_bytes", bf16_bytes},
+                   {"ratio_to_bf16", ratio},
+                   {"seconds", seconds},
+                   {"median_seconds", median},
+                   {"gb_per_s", gbps},
+                   {"identical_attend", identical}});
   } else {
     printf("moved %lld tokens (%lld layers, preset %s): %lld bytes = %.3fx their %lld bf16 bytes\n",
            static_cast<long long>(context), static_cast<long long>(layers), layout->preset().c_str(),
@@ -884,44 +851,39 @@ int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet, 
   const DecodeLoadReport& r = *report;
   int64_t errors = 0;
   if (json) {
-    JsonValue variants = JsonValue::Array();
+    Json variants = Json::array();
     for (const DecodeVariantReport& v : r.variants) {
       errors += v.errors;
-      JsonValue row = JsonValue::Object()
-                          .Set("variant", DecodeVariantName(v.variant))
-                          .Set("steps", v.steps)
-                          .Set("errors", v.errors)
-                          .Set("rpcs_per_step", v.rpcs_per_step)
-                          .Set("messages_per_step", v.messages_per_step)
-                          .Set("step_p50_ms", v.step_p50_ms)
-                          .Set("step_p99_ms", v.step_p99_ms)
-                          .Set("step_mean_ms", v.step_mean_ms)
-                          .Set("tokens_per_second_per_sequence", v.tokens_per_second_per_sequence)
-                          .Set("tokens_per_second", v.tokens_per_second);
-      row.Set("kernel_ms_per_step",
-              v.kernel_ms_per_step >= 0 ? JsonValue(v.kernel_ms_per_step) : JsonValue());
-      row.Set("kernel_share", v.kernel_share >= 0 ? JsonValue(v.kernel_share) : JsonValue());
-      row.Set("outside_us_per_layer",
-              v.outside_us_per_layer >= 0 ? JsonValue(v.outside_us_per_layer) : JsonValue());
-      row.Set("server_us_per_layer",
-              v.server_us_per_layer >= 0 ? JsonValue(v.server_us_per_layer) : JsonValue());
-      row.Set("transport_us_per_layer",
-              v.transport_us_per_layer >= 0 ? JsonValue(v.transport_us_per_layer) : JsonValue());
-      if (!v.first_error.empty()) row.Set("first_error", v.first_error);
-      variants.Append(row);
+      Json row = Json{{"variant", DecodeVariantName(v.variant)},
+                      {"steps", v.steps},
+                      {"errors", v.errors},
+                      {"rpcs_per_step", v.rpcs_per_step},
+                      {"messages_per_step", v.messages_per_step},
+                      {"step_p50_ms", v.step_p50_ms},
+                      {"step_p99_ms", v.step_p99_ms},
+                      {"step_mean_ms", v.step_mean_ms},
+                      {"tokens_per_second_per_sequence", v.tokens_per_second_per_sequence},
+                      {"tokens_per_second", v.tokens_per_second}};
+      row["kernel_ms_per_step"] = v.kernel_ms_per_step >= 0 ? Json(v.kernel_ms_per_step) : Json();
+      row["kernel_share"] = v.kernel_share >= 0 ? Json(v.kernel_share) : Json();
+      row["outside_us_per_layer"] =
+          v.outside_us_per_layer >= 0 ? Json(v.outside_us_per_layer) : Json();
+      row["server_us_per_layer"] =
+          v.server_us_per_layer >= 0 ? Json(v.server_us_per_layer) : Json();
+      row["transport_us_per_layer"] =
+          v.transport_us_per_layer >= 0 ? Json(v.transport_us_per_layer) : Json();
+      if (!v.first_error.empty()) row["first_error"] = v.first_error;
+      variants.push_back(row);
     }
-    printf("%s\n", JsonValue::Object()
-                       .Set("mode", "decode")
-                       .Set("layers", r.layers)
-                       .Set("kv_heads", r.kv_heads)
-                       .Set("query_heads", r.query_heads)
-                       .Set("head_dim", r.head_dim)
-                       .Set("engines", options.clients)
-                       .Set("batch", options.batch)
-                       .Set("context", options.context)
-                       .Set("variants", variants)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"mode", "decode"},
+                   {"layers", r.layers},
+                   {"kv_heads", r.kv_heads},
+                   {"query_heads", r.query_heads},
+                   {"head_dim", r.head_dim},
+                   {"engines", options.clients},
+                   {"batch", options.batch},
+                   {"context", options.context},
+                   {"variants", variants}});
     return errors > 0 ? kExitFailure : 0;
   }
   printf("layer-by-layer decode: %d layers, %d KV heads, %d query heads, head_dim %d; %d "
@@ -1090,30 +1052,24 @@ int RunLoadImpl(int argc, const char* const* argv) {
   if (!report.ok()) return FailRpc(report.status(), c.target);
   const LoadReport& r = *report;
   if (json) {
-    JsonValue methods = JsonValue::Array();
+    Json methods = Json::array();
     for (const MethodStats& m : r.methods) {
-      methods.Append(JsonValue::Object()
-                         .Set("method", m.method)
-                         .Set("calls", m.calls)
-                         .Set("errors", m.errors)
-                         .Set("calls_per_second", m.calls_per_second)
-                         .Set("p50_ms", m.p50_ms)
-                         .Set("p99_ms", m.p99_ms));
+      methods.push_back(Json{{"method", m.method},
+                             {"calls", m.calls},
+                             {"errors", m.errors},
+                             {"calls_per_second", m.calls_per_second},
+                             {"p50_ms", m.p50_ms},
+                             {"p99_ms", m.p99_ms}});
     }
-    JsonValue out = JsonValue::Object()
-                        .Set("clients", clients)
-                        .Set("elapsed_seconds", r.elapsed_seconds)
-                        .Set("calls", r.calls)
-                        .Set("errors", r.errors)
-                        .Set("tokens_appended", r.tokens_appended)
-                        .Set("methods", methods);
-    out.Set("server_attend_seconds",
-            r.server_attend_seconds >= 0 ? JsonValue(r.server_attend_seconds) : JsonValue());
-    out.Set("attend_kernel_share",
-            r.attend_kernel_share >= 0 ? JsonValue(r.attend_kernel_share) : JsonValue());
-    if (!r.first_error.empty()) out.Set("first_error", r.first_error);
-    if (!r.server_lost.ok()) out.Set("server_lost", r.server_lost.ToString());
-    printf("%s\n", out.Serialize().c_str());
+    Json out =
+        Json{{"clients", clients}, {"elapsed_seconds", r.elapsed_seconds}, {"calls", r.calls},
+             {"errors", r.errors}, {"tokens_appended", r.tokens_appended}, {"methods", methods}};
+    out["server_attend_seconds"] =
+        r.server_attend_seconds >= 0 ? Json(r.server_attend_seconds) : Json();
+    out["attend_kernel_share"] = r.attend_kernel_share >= 0 ? Json(r.attend_kernel_share) : Json();
+    if (!r.first_error.empty()) out["first_error"] = r.first_error;
+    if (!r.server_lost.ok()) out["server_lost"] = r.server_lost.ToString();
+    PrintJson(out);
   } else {
     printf("%lld clients, %.2f s, %lld calls, %lld errors, %lld tokens appended\n",
            static_cast<long long>(clients), r.elapsed_seconds, static_cast<long long>(r.calls),

@@ -1,8 +1,10 @@
 #include "client/cli/command_util.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <string>
+#include <system_error>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -19,6 +21,27 @@ int ParseOrExit(FlagSet& flags, int argc, const char* const* argv) {
   }
   fprintf(stderr, "tqkv: %s\n\n%s", std::string(status.message()).c_str(), flags.Usage().c_str());
   return kExitUsage;
+}
+
+void PrintJson(const Json& value) {
+  const std::string text =
+      value.dump(2, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
+  fwrite(text.data(), 1, text.size(), stdout);
+  fputc('\n', stdout);
+}
+
+Json FloatArray(const float* values, size_t count) {
+  Json array = Json::array();
+  for (size_t i = 0; i < count; ++i) {
+    // Shortest round-trip text of the float, read back as a double: the
+    // double nlohmann prints with that same text.
+    char text[32];
+    const std::to_chars_result written = std::to_chars(text, text + sizeof(text), values[i]);
+    double value = values[i];
+    if (written.ec == std::errc()) std::from_chars(text, written.ptr, value);
+    array.push_back(value);
+  }
+  return array;
 }
 
 int Fail(const absl::Status& status) {

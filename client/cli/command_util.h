@@ -1,12 +1,15 @@
 // Helpers shared by the CLI's subcommands: flag parsing with the standard
-// --help and usage-error handling, and the exit-code conventions.
+// --help and usage-error handling, the exit-code conventions, and --json
+// output.
 #ifndef TQKV_CLIENT_CLI_COMMAND_UTIL_H_
 #define TQKV_CLIENT_CLI_COMMAND_UTIL_H_
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/status.h"
 #include "client/cli/flags.h"
+#include "nlohmann/json.hpp"
 
 namespace tqkv {
 namespace cli {
@@ -17,6 +20,21 @@ inline constexpr int kExitUsage = 2;    // malformed command line
 // Parses flags. Returns -1 to go on, or the exit code to return now: 0 after
 // printing --help, kExitUsage after printing the error and the usage.
 int ParseOrExit(FlagSet& flags, int argc, const char* const* argv);
+
+// What --json prints: an nlohmann-json value whose object members keep the
+// order they were set in (the order of the text output).
+using Json = nlohmann::ordered_json;
+
+// Prints `value` on stdout, indented by two spaces, and a newline. Integers
+// print as integers, doubles as the shortest text that reads back to the same
+// double, non-finite numbers as null; bytes that are not UTF-8 (in a path or
+// a sequence id) print as U+FFFD where nlohmann would otherwise throw.
+void PrintJson(const Json& value);
+
+// `count` floats as a JSON array, each number the shortest decimal that reads
+// back as the same float: 0.1 rather than the 0.10000000149011612 that a
+// float widened to double prints as.
+Json FloatArray(const float* values, size_t count);
 
 // Prints the status to stderr; returns kExitFailure.
 int Fail(const absl::Status& status);

@@ -4,17 +4,20 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <system_error>
 #include <utility>
 #include <vector>
 
+#include "CLI/CLI.hpp"
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 
 namespace tqkv {
@@ -27,24 +30,45 @@ constexpr char kHelpPayloadUrl[] = "type.googleapis.com/tqkv.cli.HelpRequested";
 // Debian's abseil has its own string_view type; convert at the boundary.
 absl::string_view Absl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
-bool IsSpace(char c) {
-  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+// "head-dim" -> "head_dim", and back: the two spellings of one flag.
+std::string Replace(std::string_view name, char from, char to) {
+  std::string out(name);
+  std::replace(out.begin(), out.end(), from, to);
+  return out;
 }
 
-std::string_view Trim(std::string_view s) {
-  while (!s.empty() && IsSpace(s.front())) s.remove_prefix(1);
-  while (!s.empty() && IsSpace(s.back())) s.remove_suffix(1);
-  return s;
+// The CLI11 name list of a flag: "--head-dim,--head_dim".
+std::string OptionNames(const std::string& name) {
+  std::string names = absl::StrCat("--", name);
+  if (name.find('-') != std::string::npos) absl::StrAppend(&names, ",--", Replace(name, '-', '_'));
+  return names;
 }
 
-// Strict base-10 int64: an optional sign, digits, nothing else.
-absl::StatusOr<int64_t> ParseInt(std::string_view text) {
+bool ValidName(std::string_view name) {
+  if (name.empty() || name.front() == '-') return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
+  });
+}
+
+// CLI11 takes the next argument as the value even when it is another flag
+// (`--keys --verbose` would set keys to "--verbose"); a value that starts
+// with "--" is far more often a forgotten one than a real one.
+std::string RefuseFlagAsValue(const std::string& value, const std::string& flag) {
+  if (value.size() > 2 && value.compare(0, 2, "--") == 0) {
+    return absl::StrCat("missing value ('", value, "' is a flag); use ", flag, " <value>");
+  }
+  return "";
+}
+
+// Strict base-10 int64: an optional sign, digits, nothing else. CLI11's own
+// conversion (strtoll with base 0) would read "010" as 8 and take "0x10".
+absl::Status ParseInt(std::string_view text, int64_t* value) {
   std::string_view body = text;
   if (!body.empty() && body.front() == '+') body.remove_prefix(1);
   const bool bad_sign = body.size() != text.size() && !body.empty() && body.front() == '-';
-  int64_t value = 0;
   const char* end = body.data() + body.size();
-  const auto [ptr, ec] = std::from_chars(body.data(), end, value);
+  const auto [ptr, ec] = std::from_chars(body.data(), end, *value);
   if (!body.empty() && !bad_sign && ptr == end && ec == std::errc::result_out_of_range) {
     return absl::InvalidArgumentError(absl::StrCat("expected an integer in [-2^63, 2^63), got '",
                                                    Absl(text), "' (out of range)"));
@@ -52,29 +76,107 @@ absl::StatusOr<int64_t> ParseInt(std::string_view text) {
   if (body.empty() || bad_sign || ptr != end || ec != std::errc()) {
     return absl::InvalidArgumentError(absl::StrCat("expected an integer, got '", Absl(text), "'"));
   }
-  return value;
+  return absl::OkStatus();
 }
 
-// A finite decimal or scientific number ("0.5", "-1e-3"); nan, inf and
-// values that overflow a double are rejected.
-absl::StatusOr<double> ParseDouble(std::string_view text) {
-  std::string_view body = text;
-  if (!body.empty() && body.front() == '+') body.remove_prefix(1);
-  const bool bad_sign = body.size() != text.size() && !body.empty() && body.front() == '-';
-  double value = 0;
-  const char* end = body.data() + body.size();
-  const auto [ptr, ec] = std::from_chars(body.data(), end, value);
-  if (body.empty() || bad_sign || ptr != end || ec != std::errc() || !std::isfinite(value)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("expected a finite number, got '", Absl(text), "'"));
+// CLI11 transforms (run on each value before CLI11 converts it): "" when the
+// value is good, else the reason, which CLI11 reports as "--flag: reason".
+CLI::Validator IntegerValue(const std::string& flag) {
+  return CLI::Validator(
+      [flag](std::string& text) {
+        std::string refused = RefuseFlagAsValue(text, flag);
+        if (!refused.empty()) return refused;
+        int64_t value = 0;
+        absl::Status status = ParseInt(text, &value);
+        if (!status.ok()) return std::string(status.message());
+        text = absl::StrCat(value);  // canonical decimal for CLI11's conversion
+        return std::string();
+      },
+      "");
+}
+
+// A finite decimal or scientific number ("0.5", "-1e-3"); nan, inf, hex and
+// values that overflow a double are refused.
+CLI::Validator NumberValue(const std::string& flag) {
+  return CLI::Validator(
+      [flag](std::string& text) {
+        std::string refused = RefuseFlagAsValue(text, flag);
+        if (!refused.empty()) return refused;
+        std::string_view body = text;
+        if (!body.empty() && body.front() == '+') body.remove_prefix(1);
+        const bool bad_sign = body.size() != text.size() && !body.empty() && body.front() == '-';
+        double value = 0;
+        const char* end = body.data() + body.size();
+        const auto [ptr, ec] = std::from_chars(body.data(), end, value);
+        if (body.empty() || bad_sign || ptr != end || ec != std::errc() || !std::isfinite(value)) {
+          return absl::StrCat("expected a finite number, got '", text, "'");
+        }
+        return std::string();
+      },
+      "");
+}
+
+CLI::Validator StringValue(const std::string& flag) {
+  return CLI::Validator([flag](std::string& text) { return RefuseFlagAsValue(text, flag); }, "");
+}
+
+// Only true|false|1|0 after `--switch=` (CLI11 alone also reads yes/no,
+// on/off, and digits as counts).
+CLI::Validator SwitchValue() {
+  return CLI::Validator(
+      [](std::string& text) {
+        if (text == "true" || text == "1" || text == "false" || text == "0") return std::string();
+        return absl::StrCat("expected true or false, got '", text, "'");
+      },
+      "");
+}
+
+// Splits "1, -2,,3" into {1, -2, 3}: items trimmed, empty items dropped.
+absl::Status ParseIntList(std::string_view text, std::vector<int64_t>* values) {
+  values->clear();
+  for (absl::string_view item : absl::StrSplit(Absl(text), ',', absl::SkipWhitespace())) {
+    item = absl::StripAsciiWhitespace(item);
+    int64_t value = 0;
+    if (!ParseInt(std::string_view(item.data(), item.size()), &value).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("expected a comma-separated list of integers, got '", Absl(text),
+                       "': item '", item, "' is not an integer in [-2^63, 2^63)"));
+    }
+    values->push_back(value);
   }
-  return value;
+  return absl::OkStatus();
 }
 
-absl::StatusOr<bool> ParseBool(std::string_view text) {
-  if (text == "true" || text == "1") return true;
-  if (text == "false" || text == "0") return false;
-  return absl::InvalidArgumentError(absl::StrCat("expected true or false, got '", Absl(text), "'"));
+// CLI11's help, with the usage line before the description rather than after
+// it, and each flag shown once: its snake_case alias is the same flag, and
+// the footer says so.
+class HelpFormatter : public CLI::Formatter {
+ public:
+  std::string make_help(const CLI::App* app, std::string name,
+                        CLI::AppFormatMode mode) const override {
+    std::string out = make_usage(app, std::move(name));
+    const std::string description = make_description(app);
+    if (!description.empty()) absl::StrAppend(&out, "\n", description);
+    absl::StrAppend(&out, make_groups(app, mode), "\n", make_footer(app));
+    return out;
+  }
+
+  std::string make_option_name(const CLI::Option* option, bool is_positional) const override {
+    if (is_positional) return CLI::Formatter::make_option_name(option, is_positional);
+    std::vector<std::string> names;
+    for (const std::string& name : option->get_snames()) names.push_back("-" + name);
+    for (const std::string& name : option->get_lnames()) {
+      if (name.find('_') == std::string::npos) names.push_back("--" + name);
+    }
+    return absl::StrJoin(names, ",");
+  }
+};
+
+absl::Status HelpRequested(const std::string& subcommand) {
+  absl::Status help =
+      absl::CancelledError(absl::StrCat("help requested for 'tqkv ", subcommand, "'"));
+  help.SetPayload(kHelpPayloadUrl, absl::Cord("1"));
+  return help;
 }
 
 // Levenshtein distance, for "did you mean" suggestions.
@@ -93,138 +195,102 @@ size_t EditDistance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
-bool ValidName(std::string_view name) {
-  if (name.empty() || name.front() == '-') return false;
-  return std::all_of(name.begin(), name.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
-  });
-}
-
-// "head_dim" -> "head-dim": snake_case spellings name the same flags.
-std::string Kebab(std::string_view name) {
-  std::string out(name);
-  std::replace(out.begin(), out.end(), '_', '-');
-  return out;
-}
-
 }  // namespace
 
 FlagSet::FlagSet(std::string subcommand, std::string description)
-    : subcommand_(std::move(subcommand)), description_(std::move(description)) {}
+    : subcommand_(std::move(subcommand)),
+      app_(std::make_unique<CLI::App>(std::move(description), absl::StrCat("tqkv ", subcommand_))) {
+  app_->set_help_flag("-h,--help", "show this help");
+  // Unknown arguments are collected rather than thrown, so that Parse() can
+  // name the first one and suggest a registered flag.
+  app_->allow_extras();
+  app_->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app_->formatter(std::make_shared<HelpFormatter>());
+}
 
-void FlagSet::Add(std::string name, Type type, void* target, std::string help, bool required) {
+FlagSet::~FlagSet() = default;
+
+bool FlagSet::Register(const std::string& name, const void* target) {
+  if (!registration_error_.empty()) return false;  // Parse() reports the first
   std::string problem;
   if (!ValidName(name)) {
     problem = "is not a valid flag name; want [a-z0-9-]+ without leading dashes";
   } else if (name == "help") {
     problem = "is reserved";
-  } else if (Find(name) != nullptr) {
+  } else if (std::find(names_.begin(), names_.end(), name) != names_.end()) {
     problem = "is registered twice";
   } else if (target == nullptr) {
     problem = "has a null target";
   }
   if (!problem.empty()) {
-    if (registration_error_.empty()) {
-      registration_error_ = absl::StrCat("flag '", name, "' of 'tqkv ", subcommand_, "' ", problem);
-    }
-    return;
+    registration_error_ = absl::StrCat("flag '", name, "' of 'tqkv ", subcommand_, "' ", problem);
+    return false;
   }
-  Flag flag{std::move(name), type, target, std::move(help), "", required, false};
-  switch (type) {
-    case Type::kString:
-      flag.default_text = absl::StrCat("\"", *static_cast<std::string*>(target), "\"");
-      break;
-    case Type::kInt:
-      flag.default_text = absl::StrCat(*static_cast<int64_t*>(target));
-      break;
-    case Type::kDouble:
-      flag.default_text = absl::StrCat(*static_cast<double*>(target));
-      break;
-    case Type::kIntList:
-      flag.default_text = absl::StrJoin(*static_cast<std::vector<int64_t>*>(target), ",");
-      if (flag.default_text.empty()) flag.default_text = "none";
-      break;
-    case Type::kBool:
-      flag.default_text = *static_cast<bool*>(target) ? "true" : "false";
-      break;
+  names_.push_back(name);
+  if (name.find('-') != std::string::npos && app_->get_footer().empty()) {
+    app_->footer(absl::StrCat("Each flag also takes its snake_case spelling (--",
+                              Replace(name, '-', '_'), " is --", name, ")."));
   }
-  flags_.push_back(std::move(flag));
+  return true;
 }
 
 void FlagSet::AddString(std::string name, std::string* target, std::string help) {
-  Add(std::move(name), Type::kString, target, std::move(help), /*required=*/false);
-}
-void FlagSet::AddInt(std::string name, int64_t* target, std::string help) {
-  Add(std::move(name), Type::kInt, target, std::move(help), /*required=*/false);
-}
-void FlagSet::AddDouble(std::string name, double* target, std::string help) {
-  Add(std::move(name), Type::kDouble, target, std::move(help), /*required=*/false);
-}
-void FlagSet::AddIntList(std::string name, std::vector<int64_t>* target, std::string help) {
-  Add(std::move(name), Type::kIntList, target, std::move(help), /*required=*/false);
-}
-void FlagSet::AddBool(std::string name, bool* target, std::string help) {
-  Add(std::move(name), Type::kBool, target, std::move(help), /*required=*/false);
-}
-void FlagSet::AddRequiredString(std::string name, std::string* target, std::string help) {
-  Add(std::move(name), Type::kString, target, std::move(help), /*required=*/true);
-}
-void FlagSet::AddRequiredInt(std::string name, int64_t* target, std::string help) {
-  Add(std::move(name), Type::kInt, target, std::move(help), /*required=*/true);
+  if (!Register(name, target)) return;
+  CLI::Option* option = app_->add_option(OptionNames(name), *target, std::move(help));
+  option->transform(StringValue("--" + name));
+  if (!target->empty()) option->default_str(*target);
 }
 
-FlagSet::Flag* FlagSet::Find(std::string_view name) {
-  const std::string kebab = Kebab(name);
-  for (Flag& flag : flags_) {
-    if (flag.name == kebab) return &flag;
-  }
-  return nullptr;
+void FlagSet::AddInt(std::string name, int64_t* target, std::string help) {
+  if (!Register(name, target)) return;
+  CLI::Option* option = app_->add_option(OptionNames(name), *target, std::move(help));
+  option->transform(IntegerValue("--" + name))->default_str(absl::StrCat(*target));
+}
+
+void FlagSet::AddDouble(std::string name, double* target, std::string help) {
+  if (!Register(name, target)) return;
+  CLI::Option* option = app_->add_option(OptionNames(name), *target, std::move(help));
+  option->transform(NumberValue("--" + name))->default_str(absl::StrCat(*target));
+}
+
+void FlagSet::AddIntList(std::string name, std::vector<int64_t>* target, std::string help) {
+  if (!Register(name, target)) return;
+  const std::string flag = "--" + name;
+  CLI::Option* option = app_->add_option_function<std::string>(
+      OptionNames(name),
+      [target, flag](const std::string& text) {
+        absl::Status status = ParseIntList(text, target);
+        if (!status.ok()) throw CLI::ValidationError(flag, std::string(status.message()));
+      },
+      std::move(help));
+  option->transform(StringValue(flag))->type_name("INT,...");
+  option->default_str(target->empty() ? "none" : absl::StrJoin(*target, ","));
+}
+
+void FlagSet::AddBool(std::string name, bool* target, std::string help) {
+  if (!Register(name, target)) return;
+  // A switch shows no default; one that is on says how to turn it off.
+  if (*target) absl::StrAppend(&help, " (on by default; --", name, "=false turns it off)");
+  app_->add_flag(OptionNames(name), *target, std::move(help))->check(SwitchValue());
+}
+
+void FlagSet::AddRequiredString(std::string name, std::string* target, std::string help) {
+  AddString(name, target, std::move(help));
+  if (CLI::Option* option = Find(name)) option->required();
+}
+
+void FlagSet::AddRequiredInt(std::string name, int64_t* target, std::string help) {
+  AddInt(name, target, std::move(help));
+  if (CLI::Option* option = Find(name)) option->required()->default_str("");
+}
+
+CLI::Option* FlagSet::Find(std::string_view name) const {
+  return app_->get_option_no_throw(absl::StrCat("--", Replace(name, '_', '-')));
 }
 
 bool FlagSet::IsSet(std::string_view name) const {
-  const std::string kebab = Kebab(name);
-  for (const Flag& flag : flags_) {
-    if (flag.name == kebab) return flag.set;
-  }
-  return false;
-}
-
-absl::Status FlagSet::SetValue(Flag& flag, std::string_view value) {
-  absl::Status status;
-  switch (flag.type) {
-    case Type::kString:
-      *static_cast<std::string*>(flag.target) = std::string(value);
-      break;
-    case Type::kInt: {
-      absl::StatusOr<int64_t> parsed = ParseInt(value);
-      if (parsed.ok()) *static_cast<int64_t*>(flag.target) = *parsed;
-      status = parsed.status();
-      break;
-    }
-    case Type::kDouble: {
-      absl::StatusOr<double> parsed = ParseDouble(value);
-      if (parsed.ok()) *static_cast<double*>(flag.target) = *parsed;
-      status = parsed.status();
-      break;
-    }
-    case Type::kIntList: {
-      absl::StatusOr<std::vector<int64_t>> parsed = ParseIntList(value);
-      if (parsed.ok()) *static_cast<std::vector<int64_t>*>(flag.target) = *std::move(parsed);
-      status = parsed.status();
-      break;
-    }
-    case Type::kBool: {
-      absl::StatusOr<bool> parsed = ParseBool(value);
-      if (parsed.ok()) *static_cast<bool*>(flag.target) = *parsed;
-      status = parsed.status();
-      break;
-    }
-  }
-  if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--", flag.name, ": ", status.message()));
-  }
-  flag.set = true;
-  return absl::OkStatus();
+  const CLI::Option* option = Find(name);
+  return option != nullptr && option->count() > 0;
 }
 
 absl::Status FlagSet::Parse(int argc, const char* const* argv) {
@@ -236,154 +302,98 @@ absl::Status FlagSet::Parse(int argc, const char* const* argv) {
 
 absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
   if (!registration_error_.empty()) return absl::InternalError(registration_error_);
-  for (const std::string& arg : args) {
-    if (arg == "--help" || arg == "-h") {
-      absl::Status help =
-          absl::CancelledError(absl::StrCat("help requested for 'tqkv ", subcommand_, "'"));
-      help.SetPayload(kHelpPayloadUrl, absl::Cord("1"));
-      return help;
+  // CLI11 reads from the back. It reads `--name=` as `--name` with no value
+  // and would take the next argument for it; pass the empty value instead.
+  std::vector<std::string> reversed;
+  reversed.reserve(args.size());
+  for (auto arg = args.rbegin(); arg != args.rend(); ++arg) {
+    const CLI::Option* option = nullptr;
+    if (arg->size() > 3 && arg->back() == '=' && arg->compare(0, 2, "--") == 0 &&
+        arg->find('=') == arg->size() - 1) {
+      option = Find(std::string_view(*arg).substr(2, arg->size() - 3));
+    }
+    if (option != nullptr && option->get_type_size() != 0) {
+      reversed.emplace_back();
+      reversed.push_back(arg->substr(0, arg->size() - 1));
+    } else {
+      reversed.push_back(*arg);
     }
   }
-  for (Flag& flag : flags_) flag.set = false;
-
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string_view arg = args[i];
-    if (arg.size() < 3 || arg.substr(0, 2) != "--") {
-      if (arg.size() >= 2 && arg[0] == '-' && arg[1] != '-') {
-        return absl::InvalidArgumentError(absl::StrCat("unknown flag '", Absl(arg),
-                                                       "'; flags are spelled --name (see 'tqkv ",
-                                                       subcommand_, " --help')"));
-      }
-      return absl::InvalidArgumentError(
-          absl::StrCat("unexpected argument '", Absl(arg), "'; 'tqkv ", subcommand_,
-                       "' takes only --flags (see 'tqkv ", subcommand_, " --help')"));
+  try {
+    app_->parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    return HelpRequested(subcommand_);
+  } catch (const CLI::ParseError& error) {
+    // CLI11 converts values after reading every argument: a --help read
+    // before the error still asks for help.
+    if (app_->get_help_ptr()->count() > 0) return HelpRequested(subcommand_);
+    // A value that does not parse is the first thing to fix: with `--a --b 2`
+    // (--a's value forgotten) CLI11 gives --a the value "--b" and leaves "2"
+    // unclaimed, and the complaint about --a is the one that helps.
+    if (dynamic_cast<const CLI::ValidationError*>(&error) != nullptr ||
+        dynamic_cast<const CLI::ConversionError*>(&error) != nullptr) {
+      return absl::InvalidArgumentError(error.what());
     }
-    const size_t eq = arg.find('=');
-    const std::string_view name = arg.substr(2, eq == std::string_view::npos ? arg.npos : eq - 2);
-    Flag* flag = Find(name);
-    if (flag == nullptr) {
-      std::string message =
-          absl::StrCat("unknown flag --", Absl(name), " for 'tqkv ", subcommand_, "'");
-      const Flag* best = nullptr;
-      size_t best_distance = 3;  // suggest only close matches
-      for (const Flag& candidate : flags_) {
-        const size_t d = EditDistance(Kebab(name), candidate.name);
-        if (d < best_distance) {
-          best = &candidate;
-          best_distance = d;
-        }
-      }
-      if (best != nullptr) absl::StrAppend(&message, "; did you mean --", best->name, "?");
-      absl::StrAppend(&message, " (see 'tqkv ", subcommand_, " --help')");
-      return absl::InvalidArgumentError(message);
-    }
-    if (eq != std::string_view::npos) {
-      absl::Status status = SetValue(*flag, arg.substr(eq + 1));
-      if (!status.ok()) return status;
-      continue;
-    }
-    if (flag->type == Type::kBool) {
-      *static_cast<bool*>(flag->target) = true;
-      flag->set = true;
-      continue;
-    }
-    // The next argument is the value, unless there is none or it is itself a
-    // --flag (a negative number such as -3 is a value).
-    if (i + 1 >= args.size() || (args[i + 1].size() >= 2 && args[i + 1].compare(0, 2, "--") == 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--", flag->name, ": missing value; use --", flag->name, " <value>"));
-    }
-    absl::Status status = SetValue(*flag, args[++i]);
-    if (!status.ok()) return status;
+    // Otherwise an unknown flag wins: CLI11 reads arguments in order, so it
+    // came before an argument error, and a misspelt required flag is better
+    // reported as the typo than as missing.
+    if (!app_->remaining().empty()) return UnknownArgument(app_->remaining().front());
+    if (dynamic_cast<const CLI::RequiredError*>(&error) != nullptr) return MissingRequired();
+    return absl::InvalidArgumentError(error.what());
   }
-
-  std::vector<std::string> missing;
-  for (const Flag& flag : flags_) {
-    if (flag.required && !flag.set) missing.push_back(absl::StrCat("--", flag.name));
-  }
-  if (!missing.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'tqkv ", subcommand_, "' requires ", absl::StrJoin(missing, ", "),
-                     missing.size() == 1 ? " (missing)" : " (all missing)"));
-  }
+  if (!app_->remaining().empty()) return UnknownArgument(app_->remaining().front());
   return absl::OkStatus();
 }
 
-std::string FlagSet::Usage() const {
-  std::string out = absl::StrCat("usage: tqkv ", subcommand_, " [flags]\n");
-  if (!description_.empty()) absl::StrAppend(&out, "\n", description_, "\n");
-  absl::StrAppend(&out, "\nflags:\n");
-
-  std::vector<std::pair<std::string, std::string>> rows;
-  for (const Flag& flag : flags_) {
-    const char* value = "";
-    switch (flag.type) {
-      case Type::kString:
-        value = " <string>";
-        break;
-      case Type::kInt:
-        value = " <int>";
-        break;
-      case Type::kDouble:
-        value = " <number>";
-        break;
-      case Type::kIntList:
-        value = " <int,int,...>";
-        break;
-      case Type::kBool:
-        value = "";
-        break;
-    }
-    std::string detail = flag.help;
-    if (flag.required) {
-      absl::StrAppend(&detail, " (required)");
-    } else if (flag.type == Type::kBool && flag.default_text == "true") {
-      absl::StrAppend(&detail, " (default: true; --", flag.name, "=false to turn off)");
-    } else if (flag.type != Type::kBool) {
-      absl::StrAppend(&detail, " (default: ", flag.default_text, ")");
-    }
-    rows.emplace_back(absl::StrCat("--", flag.name, value), std::move(detail));
+absl::Status FlagSet::UnknownArgument(const std::string& arg) const {
+  const std::string see = absl::StrCat(" (see 'tqkv ", subcommand_, " --help')");
+  if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
+    const std::string name =
+        arg.substr(2, arg.find('=') == std::string::npos ? arg.npos : arg.find('=') - 2);
+    std::string message = absl::StrCat("unknown flag --", name, " for 'tqkv ", subcommand_, "'");
+    std::vector<std::string> candidates = names_;
+    candidates.push_back("help");
+    const std::string closest = ClosestMatch(Replace(name, '_', '-'), candidates);
+    if (!closest.empty()) absl::StrAppend(&message, "; did you mean --", closest, "?");
+    return absl::InvalidArgumentError(absl::StrCat(message, see));
   }
-  rows.emplace_back("--help", "show this help");
-
-  size_t width = 0;
-  for (const auto& row : rows) width = std::max(width, row.first.size());
-  for (const auto& [left, right] : rows) {
-    absl::StrAppend(&out, "  ", left, std::string(width - left.size() + 2, ' '), right, "\n");
+  if (arg.size() >= 2 && arg[0] == '-' && arg[1] != '-') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown flag '", arg, "'; flags are spelled --name", see));
   }
-  return out;
+  return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'; 'tqkv ",
+                                                 subcommand_, "' takes only --flags", see));
 }
+
+// CLI11 names the first missing flag; this names them all at once.
+absl::Status FlagSet::MissingRequired() const {
+  std::vector<std::string> missing;
+  for (const CLI::Option* option : app_->get_options()) {
+    if (option->get_required() && option->count() == 0) missing.push_back(option->get_name());
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'tqkv ", subcommand_, "' requires ", absl::StrJoin(missing, ", "),
+                   missing.size() == 1 ? " (missing)" : " (all missing)"));
+}
+
+std::string FlagSet::Usage() const { return app_->help(); }
 
 bool IsHelpRequest(const absl::Status& status) {
   return status.code() == absl::StatusCode::kCancelled &&
          status.GetPayload(kHelpPayloadUrl).has_value();
 }
 
-std::vector<std::string> SplitCommaList(std::string_view text) {
-  std::vector<std::string> items;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t end = text.find(',', start);
-    if (end == std::string_view::npos) end = text.size();
-    const std::string_view item = Trim(text.substr(start, end - start));
-    if (!item.empty()) items.emplace_back(item);
-    start = end + 1;
-  }
-  return items;
-}
-
-absl::StatusOr<std::vector<int64_t>> ParseIntList(std::string_view text) {
-  std::vector<int64_t> values;
-  for (const std::string& item : SplitCommaList(text)) {
-    absl::StatusOr<int64_t> value = ParseInt(item);
-    if (!value.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("expected a comma-separated list of integers, got '", Absl(text),
-                       "': item '", item, "' is not an integer in [-2^63, 2^63)"));
+std::string ClosestMatch(std::string_view word, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_distance = 3;  // suggest only close matches
+  for (const std::string& candidate : candidates) {
+    const size_t d = EditDistance(word, candidate);
+    if (d < best_distance) {
+      best = candidate;
+      best_distance = d;
     }
-    values.push_back(*value);
   }
-  return values;
+  return best;
 }
 
 }  // namespace tqkv

@@ -9,7 +9,6 @@
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
-#include "client/cli/json_writer.h"
 #include "client/cli/npy.h"
 #include "client/eval/preset_eval.h"
 #include "client/eval/synthetic.h"
@@ -63,7 +62,7 @@ int RunDistortionImpl(int argc, const char* const* argv) {
   flags.AddBool("json", &json, "print JSON instead of a table");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
 
-  JsonValue rows = JsonValue::Array();
+  Json rows = Json::array();
   if (!json) {
     printf("head_dim %lld\n", static_cast<long long>(head_dim));
     printf("%-5s %-10s %-12s %-12s %-10s\n", "bits", "D_mse", "lower 4^-b", "upper", "D/lower");
@@ -75,18 +74,17 @@ int RunDistortionImpl(int argc, const char* const* argv) {
     const double upper = std::sqrt(3.0) * M_PI / 2.0 * lower;
     const double d_mse = (*codebook)->distortion;
     if (json) {
-      rows.Append(JsonValue::Object()
-                      .Set("bits", bits)
-                      .Set("d_mse", d_mse)
-                      .Set("lower_bound", lower)
-                      .Set("upper_bound", upper)
-                      .Set("ratio_to_lower", d_mse / lower));
+      rows.push_back(Json{{"bits", bits},
+                          {"d_mse", d_mse},
+                          {"lower_bound", lower},
+                          {"upper_bound", upper},
+                          {"ratio_to_lower", d_mse / lower}});
     } else {
       printf("%-5d %-10.6f %-12.6f %-12.6f %-10.3f\n", bits, d_mse, lower, upper, d_mse / lower);
     }
   }
   if (json) {
-    printf("%s\n", JsonValue::Object().Set("head_dim", head_dim).Set("rows", rows).Serialize().c_str());
+    PrintJson(Json{{"head_dim", head_dim}, {"rows", rows}});
   }
   return 0;
 }
@@ -106,17 +104,13 @@ int RunCodebookImpl(int argc, const char* const* argv) {
   const Codebook& codebook = **result;
   const double root_d = std::sqrt(static_cast<double>(head_dim));
   if (json) {
-    std::vector<double> centroids(codebook.centroids.begin(), codebook.centroids.end());
-    std::vector<double> midpoints(codebook.boundaries.begin(), codebook.boundaries.end());
-    printf("%s\n", JsonValue::Object()
-                       .Set("head_dim", head_dim)
-                       .Set("bits", bits)
-                       .Set("d_mse", codebook.distortion)
-                       .Set("iterations", codebook.iterations)
-                       .Set("centroids", JsonValue::NumberArray(centroids))
-                       .Set("midpoints", JsonValue::NumberArray(midpoints))
-                       .Serialize()
-                       .c_str());
+    PrintJson(
+        Json{{"head_dim", head_dim},
+             {"bits", bits},
+             {"d_mse", codebook.distortion},
+             {"iterations", codebook.iterations},
+             {"centroids", FloatArray(codebook.centroids.data(), codebook.centroids.size())},
+             {"midpoints", FloatArray(codebook.boundaries.data(), codebook.boundaries.size())}});
     return 0;
   }
   printf("head_dim %lld, bits %lld: %d levels, D_mse %.6f (%d Lloyd-Max iterations)\n",
@@ -274,7 +268,7 @@ int RunEvalImpl(int argc, const char* const* argv) {
     inputs.num_calibration_keys = calibration.rows;
   }
 
-  JsonValue rows = JsonValue::Array();
+  Json rows = Json::array();
   if (!json) {
     printf("%lld keys, %lld queries, head_dim %d%s\n", static_cast<long long>(keys->rows),
            static_cast<long long>(queries->rows), keys->head_dim,
@@ -291,29 +285,27 @@ int RunEvalImpl(int argc, const char* const* argv) {
                                                result.status().message())));
     }
     const eval::AttentionQuality& q = result->quality;
-    JsonValue needles = JsonValue::Array();
+    Json needles = Json::array();
     for (const eval::NeedleResult& n : result->needles) {
-      needles.Append(JsonValue::Object()
-                         .Set("gap", n.gap)
-                         .Set("top1_rate", n.top1_rate)
-                         .Set("exact_weight", n.exact_weight)
-                         .Set("approx_weight", n.approx_weight));
+      needles.push_back(Json{{"gap", n.gap},
+                             {"top1_rate", n.top1_rate},
+                             {"exact_weight", n.exact_weight},
+                             {"approx_weight", n.approx_weight}});
     }
     if (json) {
-      rows.Append(JsonValue::Object()
-                      .Set("preset", result->preset)
-                      .Set("bytes_per_token_head", result->bytes_per_token_head)
-                      .Set("compression_vs_bf16", result->compression_vs_bf16)
-                      .Set("key_rel_mse", result->key_rel_mse)
-                      .Set("value_rel_mse", result->value_rel_mse)
-                      .Set("logit_rmse", q.logit_rmse)
-                      .Set("logit_std", q.logit_std)
-                      .Set("top1_agreement", q.top1_agreement)
-                      .Set("top8_agreement", q.top8_agreement)
-                      .Set("tv_distance", q.tv_distance)
-                      .Set("output_rel_error", q.output_rel_error)
-                      .Set("needles", needles)
-                      .Set("evaluation_only", preset->evaluation_only));
+      rows.push_back(Json{{"preset", result->preset},
+                          {"bytes_per_token_head", result->bytes_per_token_head},
+                          {"compression_vs_bf16", result->compression_vs_bf16},
+                          {"key_rel_mse", result->key_rel_mse},
+                          {"value_rel_mse", result->value_rel_mse},
+                          {"logit_rmse", q.logit_rmse},
+                          {"logit_std", q.logit_std},
+                          {"top1_agreement", q.top1_agreement},
+                          {"top8_agreement", q.top8_agreement},
+                          {"tv_distance", q.tv_distance},
+                          {"output_rel_error", q.output_rel_error},
+                          {"needles", needles},
+                          {"evaluation_only", preset->evaluation_only}});
     } else {
       std::string needle_columns;
       for (const eval::NeedleResult& n : result->needles) {
@@ -332,14 +324,11 @@ int RunEvalImpl(int argc, const char* const* argv) {
     }
   }
   if (json) {
-    printf("%s\n", JsonValue::Object()
-                       .Set("num_keys", keys->rows)
-                       .Set("num_queries", queries->rows)
-                       .Set("head_dim", keys->head_dim)
-                       .Set("seed", seed)
-                       .Set("presets", rows)
-                       .Serialize()
-                       .c_str());
+    PrintJson(Json{{"num_keys", keys->rows},
+                   {"num_queries", queries->rows},
+                   {"head_dim", keys->head_dim},
+                   {"seed", seed},
+                   {"presets", rows}});
   }
   return 0;
 }
@@ -400,28 +389,27 @@ int RunPresetsImpl(int argc, const char* const* argv) {
     return UsageError(absl::StrFormat("--head-dim must be in [%d, %d]", kMinHeadDim, kMaxHeadDim));
   }
   const int d = static_cast<int>(head_dim);
-  JsonValue rows = JsonValue::Array();
+  Json rows = Json::array();
   if (!json) {
     printf("%-20s %-18s %-10s %6s %7s  %s\n", "preset", "keys", "values", "bytes", "x_bf16",
            "description");
   }
   for (const Preset& preset : AllPresets()) {
     if (json) {
-      rows.Append(JsonValue::Object()
-                      .Set("name", std::string(preset.name))
-                      .Set("keys", preset.key.Name())
-                      .Set("values", preset.value.Name())
-                      .Set("bytes_per_token_head", preset.BytesPerTokenHead(d))
-                      .Set("compression_vs_bf16", preset.CompressionVsBf16(d))
-                      .Set("evaluation_only", preset.evaluation_only)
-                      .Set("description", std::string(preset.description)));
+      rows.push_back(Json{{"name", std::string(preset.name)},
+                          {"keys", preset.key.Name()},
+                          {"values", preset.value.Name()},
+                          {"bytes_per_token_head", preset.BytesPerTokenHead(d)},
+                          {"compression_vs_bf16", preset.CompressionVsBf16(d)},
+                          {"evaluation_only", preset.evaluation_only},
+                          {"description", std::string(preset.description)}});
     } else {
       printf("%-20s %-18s %-10s %6d %7.2f  %s\n", std::string(preset.name).c_str(),
              preset.key.Name().c_str(), preset.value.Name().c_str(), preset.BytesPerTokenHead(d),
              preset.CompressionVsBf16(d), std::string(preset.description).c_str());
     }
   }
-  if (json) printf("%s\n", JsonValue::Object().Set("head_dim", head_dim).Set("presets", rows).Serialize().c_str());
+  if (json) PrintJson(Json{{"head_dim", head_dim}, {"presets", rows}});
   return 0;
 }
 

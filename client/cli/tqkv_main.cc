@@ -1,9 +1,12 @@
 // tqkv: the command-line client. `tqkv <subcommand> --help` documents each;
 // `tqkv --version` prints the build's version.
 #include <cstdio>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "client/cli/commands.h"
+#include "client/cli/flags.h"
 #include "kernels/malloc_tuning.h"
 #include "version/version.h"
 
@@ -43,7 +46,12 @@ int main(int argc, char** argv) {
   for (const tqkv::cli::Command& command : tqkv::cli::AllCommands()) {
     if (command.name == name) return command.run(argc - 2, argv + 2);
   }
-  fprintf(stderr, "tqkv: unknown subcommand '%s'\n\n", argv[1]);
+  std::vector<std::string> names;
+  for (const tqkv::cli::Command& command : tqkv::cli::AllCommands())
+    names.emplace_back(command.name);
+  const std::string closest = tqkv::ClosestMatch(name, names);
+  fprintf(stderr, "tqkv: unknown subcommand '%s'%s%s%s\n\n", argv[1],
+          closest.empty() ? "" : "; did you mean '", closest.c_str(), closest.empty() ? "" : "'?");
   PrintUsage(stderr);
   return 2;
 }

@@ -98,8 +98,28 @@ expect_code 1 "calibrate on a wrong shape" "$tqkv" calibrate --capture "$cap" --
 contains "layer_002_q.npy has shape \[96, 2, 32\], want \[tokens 96, num_query_heads 4" "$work/out"
 
 expect_code 2 "unknown subcommand" "$tqkv" frobnicate
+expect_code 2 "misspelt subcommand" "$tqkv" atend
+contains "unknown subcommand 'atend'; did you mean 'attend'?" "$work/out"
 expect_code 2 "unknown flag" "$tqkv" distortion --head-dmi 128
+contains "unknown flag --head-dmi for 'tqkv distortion'; did you mean --head-dim?" "$work/out"
 expect_code 2 "missing required flag" "$tqkv" codebook --head-dim 128
+contains "'tqkv codebook' requires --bits (missing)" "$work/out"
+expect_code 2 "bad integer" "$tqkv" codebook --head-dim 12x --bits 2
+contains "--head-dim: expected an integer, got '12x'" "$work/out"
+expect_code 2 "missing value" "$tqkv" codebook --head-dim --bits 2
+contains "--head-dim: missing value (.--bits. is a flag)" "$work/out"
+expect_code 2 "stray argument" "$tqkv" presets extra
+contains "unexpected argument 'extra'" "$work/out"
+# Both spellings, both value forms, a switch set explicitly; integers stay integers in --json.
+check "snake_case and --name=value" "$tqkv" codebook --head_dim=128 --bits 2 --json=true
+python3 -c 'import json, sys; j = json.load(open(sys.argv[1]))
+assert j["head_dim"] == 128 and isinstance(j["bits"], int) and len(j["centroids"]) == 4, j' "$work/out" ||
+  { echo "FAIL: codebook --json"; sed 's/^/    /' "$work/out"; failures=$((failures + 1)); }
+check "subcommand help" "$tqkv" codebook --help
+contains "Usage: tqkv codebook \[OPTIONS\]" "$work/out"
+contains "--head-dim INT REQUIRED" "$work/out"
+check "subcommand -h" "$tqkv" bench attend -h
+contains "--context INT,..." "$work/out"
 expect_code 2 "unknown preset" "$tqkv" eval --preset nope --keys "$work/k.npy" --queries "$work/q.npy"
 expect_code 1 "missing file" "$tqkv" eval --keys "$work/missing.npy" --queries "$work/q.npy"
 expect_code 1 "mismatched head dims" "$tqkv" eval --keys "$work/k.npy" --queries "$work/k.npy" --values "$work/q.npy"
