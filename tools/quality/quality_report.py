@@ -72,7 +72,14 @@ import vllm_scheme  # noqa: E402
 from bpe import ByteLevelBPE  # noqa: E402
 
 FP16_CHECK_REL = 1e-5   # per-layer attention output, served fp16 vs numpy fp16
-PPL_CHECK_REL = 1e-4    # perplexity, served fp16 vs numpy fp16
+# Perplexity, served fp16 vs numpy fp16. Not tighter: float32 rounding that
+# differs by under 1e-6 per layer (the kernels' own summation orders) moves
+# SmolLM2's perplexity over 24-128 tokens by 2e-5 to 2e-4 (measured on
+# 2026-12-02: scalar 2.2e-5 / 1.6e-4, AVX2 1.3e-4 / 2.0e-4, AVX-512 1.3e-4 /
+# 1.4e-4 at 24 / 128 tokens, per-layer differences 3.5e-7 to 7.3e-7); numpy
+# fp16 K/V itself sits 6e-5 from numpy float32. The per-layer check above is
+# the tight one.
+PPL_CHECK_REL = 1e-3
 
 ALL_PRESETS = ["fp16", "bf16", "fp8", "turboquant_k8v4", "turboquant_4bit_nc",
                "turboquant_k3v4_nc", "turboquant_3bit_nc", "tqkv_k4v4", "tqkv_k3v4",
