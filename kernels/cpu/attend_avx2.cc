@@ -457,7 +457,9 @@ void AttendHead(const HeadAttendParams& p) {
         m = _mm256_max_ps(m, score);
       }
       const float new_max = std::max(row_max[r], Max(m));
-      const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+      // exp(0) without the call: most blocks do not raise the maximum.
+      const float correction =
+          row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
       row_max[r] = new_max;
       __m256 sum = _mm256_setzero_ps(), zero_sum = _mm256_setzero_ps();
       for (int g = 0; g < groups; ++g) {

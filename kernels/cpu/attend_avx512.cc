@@ -353,7 +353,9 @@ void AttendHead(const HeadAttendParams& p) {
       __m512 m = neg_inf;
       for (int g = 0; g < groups; ++g) m = _mm512_max_ps(m, _mm512_load_ps(w + kGroup * g));
       const float new_max = std::max(row_max[r], Max(m));
-      const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+      // exp(0) without the call: most blocks do not raise the maximum.
+      const float correction =
+          row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
       row_max[r] = new_max;
       __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {

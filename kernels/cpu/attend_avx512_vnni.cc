@@ -474,7 +474,9 @@ struct Kernel {
           m = _mm512_max_ps(m, s);
         }
         const float new_max = std::max(row_max[r], Max(m));
-        const float correction = row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+        // exp(0) without the call: most blocks do not raise the maximum.
+        const float correction =
+            row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
         row_max[r] = new_max;
         __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps(), w_max = _mm512_setzero_ps();
         for (int g = 0; g < groups; ++g) {
