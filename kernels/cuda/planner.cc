@@ -223,6 +223,18 @@ AttendCounts& AttendCounts::operator+=(const AttendCounts& o) {
   return *this;
 }
 
+// The pre-RoPE add-back arrays of an Attend or ScoreQuery workspace, laid
+// out the same way in both (none without add-back heads).
+template <typename Counts, typename Workspace>
+void TakeAddBack(const Counts& c, Layout& layout, Workspace& at) {
+  at.addback = c.addback_heads > 0;
+  if (!at.addback) return;
+  at.addback_heads = layout.Take(c.addback_heads, sizeof(AddBackDesc));
+  at.theta = layout.Take(c.theta, sizeof(double));
+  at.coef = layout.Take(c.coef, sizeof(float));
+  at.constants = layout.Take(c.constants, sizeof(float));
+}
+
 AttendWorkspace LayOutAttend(const PlanDims& dims, const AttendCounts& c) {
   const int64_t d = dims.head_dim;
   const int64_t query_floats = MulSat(c.rows, d);
@@ -234,13 +246,7 @@ AttendWorkspace LayOutAttend(const PlanDims& dims, const AttendCounts& c) {
   at.head_of_row = layout.Take(c.rows, sizeof(int32_t));
   at.tables = layout.Take(c.table_entries, sizeof(int32_t));
   at.queries = layout.Take(query_floats, sizeof(float));
-  at.addback = c.addback_heads > 0;
-  if (at.addback) {
-    at.addback_heads = layout.Take(c.addback_heads, sizeof(AddBackDesc));
-    at.theta = layout.Take(c.theta, sizeof(double));
-    at.coef = layout.Take(c.coef, sizeof(float));
-    at.constants = layout.Take(c.constants, sizeof(float));
-  }
+  TakeAddBack(c, layout, at);
   at.copy_in = layout.used();
   at.prepared = layout.Take(query_floats, sizeof(float));
   at.prepared_exact = layout.Take(dims.exact_page_tokens > 0 ? query_floats : 0, sizeof(float));
@@ -341,13 +347,7 @@ ScoreWorkspace LayOutScore(const ScoreInput& in, int64_t piece_tokens) {
   at.table = layout.Take(in.table_entries, sizeof(int32_t));
   at.heads = layout.Take(in.num_query_heads, sizeof(int32_t));
   at.queries = layout.Take(query_floats, sizeof(float));
-  at.addback = in.addback_heads > 0;
-  if (at.addback) {
-    at.addback_heads = layout.Take(in.addback_heads, sizeof(AddBackDesc));
-    at.theta = layout.Take(in.theta, sizeof(double));
-    at.coef = layout.Take(in.coef, sizeof(float));
-    at.constants = layout.Take(in.constants, sizeof(float));
-  }
+  TakeAddBack(in, layout, at);
   at.copy_in = layout.used();
   at.prepared = layout.Take(query_floats, sizeof(float));
   at.prepared_exact = layout.Take(in.exact ? query_floats : 0, sizeof(float));
