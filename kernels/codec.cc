@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/bitpack.h"
+#include "kernels/blocked_sums.h"
 #include "kernels/cpu/encode_kernels.h"
 #include "kernels/float_formats.h"
 #include "kernels/random.h"
@@ -16,22 +17,44 @@
 namespace tqkv {
 namespace {
 
+static_assert(encode_internal::kMaxEncodeDim == kMaxHeadDim, "the store kernels take every head");
+
 // Seed streams for the sub-components a codec derives from its seed.
 constexpr uint64_t kHotPartStream = 1;
 constexpr uint64_t kColdPartStream = 2;
 constexpr uint64_t kSketchStream = 3;
 
-// sum x^2 in double, and whether every coordinate is finite: squares of
-// floats cannot overflow a double, so the sum is finite exactly when every
-// coordinate is (NaN and infinities propagate into it).
+// sum x^2 in double in the blocked order (blocked_sums.h), and whether every
+// coordinate is finite: squares of floats cannot overflow a double, so the sum
+// is finite exactly when every coordinate is (NaN and infinities propagate
+// into it).
 bool SumOfSquares(const float* x, int n, double* sum) {
-  double acc = 0.0;
-  for (int i = 0; i < n; ++i) acc += static_cast<double>(x[i]) * x[i];
-  *sum = acc;
-  return std::isfinite(acc);
+  if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+    return simd->sum_of_squares(x, n, sum);
+  }
+  *sum = BlockedSum<double>(n, [x](int i) { return static_cast<double>(x[i]) * x[i]; });
+  return std::isfinite(*sum);
+}
+
+// sum c^2 in float in the blocked order, c = centroids[levels[i]]: the
+// codeword's squared norm that norm correction divides by.
+float CodewordSum(const float* centroids, int bits, const uint8_t* levels, int n) {
+  if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+    return simd->codeword_sum(centroids, bits, levels, n);
+  }
+  return BlockedSum<float>(n, [centroids, levels](int i) {
+    const float c = centroids[levels[i]];
+    return c * c;
+  });
 }
 
 absl::Status NonFiniteError(const float* x, int n);
+
+// Asks for the cache lines of x[0, n).
+void PrefetchVector(const float* x, int n) {
+  const char* bytes = reinterpret_cast<const char*>(x);
+  for (int offset = 0; offset < n * static_cast<int>(sizeof(float)); offset += 64) __builtin_prefetch(bytes + offset);
+}
 
 // OK if every coordinate is finite, else NonFiniteError. `simd`: the store
 // kernels to use, or nullptr.
@@ -196,36 +219,32 @@ class UniformCodec final : public VectorCodec {
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
-    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
-    RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, kHalfMax, "fp16 scale/zero", simd));
-    float lo = x[0], hi = x[0];
-    if (simd) {
-      simd->min_max(x, head_dim_, &lo, &hi);
-    } else {
-      for (int i = 1; i < head_dim_; ++i) {
-        lo = std::min(lo, x[i]);
-        hi = std::max(hi, x[i]);
+    float lo, hi;
+    RETURN_IF_ERROR(Range(x, &lo, &hi));
+    Pack(x, Parameters(lo, hi), codes, scalars);
+    return absl::OkStatus();
+  }
+
+  // Each step over a batch of vectors before the next, so that the core
+  // overlaps one vector's chain of dependent steps (min/max, reductions,
+  // fp16 rounding, division) with the next's; the same bytes as Encode.
+  absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scalars,
+                          int* failed) const override {
+    constexpr int kBatch = 8;
+    for (int k0 = 0; k0 < n; k0 += kBatch) {
+      const int m = std::min(kBatch, n - k0);
+      float lo[kBatch], hi[kBatch];
+      for (int v = 0; v < m; ++v) {
+        absl::Status status = Range(x[k0 + v], &lo[v], &hi[v]);
+        if (!status.ok()) {
+          *failed = k0 + v;
+          return status;
+        }
       }
+      Params params[kBatch];
+      for (int v = 0; v < m; ++v) params[v] = Parameters(lo[v], hi[v]);
+      for (int v = 0; v < m; ++v) Pack(x[k0 + v], params[v], codes[k0 + v], scalars[k0 + v]);
     }
-    const int max_code = (1 << spec_.bits) - 1;
-    // Quantize against the fp16-rounded scale and zero that decode will use.
-    const uint16_t zero_h = FloatToHalf(lo);
-    const uint16_t scale_h = FloatToHalf((hi - lo) / static_cast<float>(max_code));
-    const float zero = HalfToFloat(zero_h);
-    const float scale = HalfToFloat(scale_h);
-    uint8_t unpacked[kMaxHeadDim];
-    const float inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
-    if (simd) {
-      simd->uniform_levels(x, head_dim_, zero, inv_scale, max_code, unpacked);
-    } else {
-      for (int i = 0; i < head_dim_; ++i) {
-        const float level = std::floor((x[i] - zero) * inv_scale + 0.5f);
-        unpacked[i] = static_cast<uint8_t>(std::clamp(level, 0.0f, static_cast<float>(max_code)));
-      }
-    }
-    PackBits(unpacked, head_dim_, spec_.bits, codes);
-    scalars[0] = scale_h;
-    scalars[1] = zero_h;
     return absl::OkStatus();
   }
 
@@ -266,6 +285,57 @@ class UniformCodec final : public VectorCodec {
   void FinishAccumulation(const float* acc, float* out) const override {
     std::copy(acc, acc + head_dim_, out);
   }
+
+ private:
+  // Quantize against the fp16-rounded scale and zero that decode will use.
+  struct Params {
+    uint16_t zero_h, scale_h;
+    float zero, inv_scale;
+  };
+
+  // min and max of x, after checking it is finite and within fp16 range.
+  absl::Status Range(const float* x, float* lo, float* hi) const {
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
+    if (simd && simd->uniform_range(x, head_dim_, lo, hi)) return absl::OkStatus();
+    RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, kHalfMax, "fp16 scale/zero", simd));
+    if (simd) {
+      simd->min_max(x, head_dim_, lo, hi);
+      return absl::OkStatus();
+    }
+    *lo = *hi = x[0];
+    for (int i = 1; i < head_dim_; ++i) {
+      *lo = std::min(*lo, x[i]);
+      *hi = std::max(*hi, x[i]);
+    }
+    return absl::OkStatus();
+  }
+
+  Params Parameters(float lo, float hi) const {
+    const int max_code = (1 << spec_.bits) - 1;
+    Params p;
+    p.zero_h = FloatToHalf(lo);
+    p.scale_h = FloatToHalf((hi - lo) / static_cast<float>(max_code));
+    p.zero = HalfToFloat(p.zero_h);
+    const float scale = HalfToFloat(p.scale_h);
+    p.inv_scale = scale > 0.0f ? 1.0f / scale : 0.0f;
+    return p;
+  }
+
+  void Pack(const float* x, const Params& p, uint8_t* codes, uint16_t* scalars) const {
+    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+      simd->uniform_pack(x, head_dim_, p.zero, p.inv_scale, spec_.bits, codes);
+    } else {
+      const int max_code = (1 << spec_.bits) - 1;
+      uint8_t unpacked[kMaxHeadDim];
+      for (int i = 0; i < head_dim_; ++i) {
+        const float level = std::floor((x[i] - p.zero) * p.inv_scale + 0.5f);
+        unpacked[i] = static_cast<uint8_t>(std::clamp(level, 0.0f, static_cast<float>(max_code)));
+      }
+      PackBits(unpacked, head_dim_, spec_.bits, codes);
+    }
+    scalars[0] = p.scale_h;
+    scalars[1] = p.zero_h;
+  }
 };
 
 // ---------------------------------------------------------------------------
@@ -295,111 +365,57 @@ class TurboQuantQuantizer {
   absl::Status EncodeWithSumOfSquares(const float* x, double sum_sq, uint8_t* codes,
                                       uint16_t* scale_out) const {
     const double norm = std::sqrt(sum_sq);
-    if (norm == 0.0) {
-      std::fill(codes, codes + code_bytes(), 0);
-      *scale_out = 0;  // decodes to exactly zero whatever the codes
-      return absl::OkStatus();
-    }
+    if (norm == 0.0) return WriteZero(codes, scale_out);
     float y[kMaxHeadDim];
-    const float inv_norm = static_cast<float>(1.0 / norm);
-    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
-      simd->scale(x, dim_, inv_norm, y);
-    } else {
-      for (int i = 0; i < dim_; ++i) y[i] = x[i] * inv_norm;
-    }
-    rotation_->Forward(y, y);
-    uint8_t levels[kMaxHeadDim];
-    QuantizeToLevels(*codebook_, y, dim_, levels);
-    double scale = norm;
-    if (norm_correction_) {
-      float codeword_sq = 0.0f;
-      const float* centroids = codebook_->centroids.data();
-      for (int i = 0; i < dim_; ++i) codeword_sq += centroids[levels[i]] * centroids[levels[i]];
-      scale /= std::sqrt(static_cast<double>(codeword_sq));
-    }
-    if (!(scale <= kHalfMax)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm, kHalfMax));
-    }
-    PackBits(levels, dim_, bits_, codes);
-    *scale_out = FloatToHalf(static_cast<float>(scale));
-    return absl::OkStatus();
+    uint8_t packed[kMaxHeadDim];
+    Rotate(x, norm, y);
+    const float codeword_sq = QuantizePack(y, packed);
+    return Finish(norm, codeword_sq, packed, codes, scale_out);
   }
 
-  // EncodeWithSumOfSquares for n vectors, bit for bit, with their two
-  // sequential sums (the squared norm in double, the codeword's in float: the
-  // orders that fix the stored scale) run kSumVectors vectors side by side:
-  // each is a chain of dim dependent adds, latency-bound when run one vector
-  // at a time.
+  // Encode of n vectors (VectorCodec::EncodeMany), the same bytes. Each step
+  // runs over a batch of vectors before the next: one vector's encode is a
+  // chain of dependent steps (sum, square root, division, rotation, search,
+  // sum, square root, division), while a step's work for different vectors
+  // is independent, so the core overlaps vectors instead of waiting.
   absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scale_out,
                           int* failed) const {
-    constexpr int kBatch = encode_internal::kSumVectors;
+    constexpr int kBatch = 8;
+    alignas(64) float y[kBatch * kMaxHeadDim];
+    uint8_t packed[kBatch * kMaxHeadDim];
     for (int k0 = 0; k0 < n; k0 += kBatch) {
       const int m = std::min(kBatch, n - k0);
-      // Short batches repeat their first vector; its repeats are not written.
-      const float* in[kBatch];
-      for (int v = 0; v < kBatch; ++v) in[v] = x[k0 + (v < m ? v : 0)];
-      const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
-      double sum_sq[kBatch] = {};
-      if (simd) {
-        simd->sums_of_squares(in, dim_, sum_sq);
-      } else {
-        for (int i = 0; i < dim_; ++i) {
-          for (int v = 0; v < kBatch; ++v) sum_sq[v] += static_cast<double>(in[v][i]) * in[v][i];
-        }
-      }
-      alignas(64) uint8_t levels[kBatch][kMaxHeadDim];
+      // The next batch's inputs start arriving while this one is encoded.
+      for (int v = k0 + kBatch; v < std::min(n, k0 + 2 * kBatch); ++v) PrefetchVector(x[v], dim_);
       double norm[kBatch];
+      float codeword_sq[kBatch];
+      int good = m;  // vectors before the first that is not finite
       for (int v = 0; v < m; ++v) {
-        if (!std::isfinite(sum_sq[v])) {
-          *failed = k0 + v;
-          return NonFiniteError(in[v], dim_);
+        double sum_sq;
+        if (!SumOfSquares(x[k0 + v], dim_, &sum_sq)) {
+          good = v;
+          break;
         }
-        norm[v] = std::sqrt(sum_sq[v]);
-        if (norm[v] == 0.0) {  // written as zeros below; its levels only feed a discarded sum
-          std::fill_n(levels[v], dim_, 0);
-          continue;
-        }
-        float y[kMaxHeadDim];
-        const float inv_norm = static_cast<float>(1.0 / norm[v]);
-        if (simd) {
-          simd->scale(in[v], dim_, inv_norm, y);
-        } else {
-          for (int i = 0; i < dim_; ++i) y[i] = in[v][i] * inv_norm;
-        }
-        rotation_->Forward(y, y);
-        QuantizeToLevels(*codebook_, y, dim_, levels[v]);
+        norm[v] = std::sqrt(sum_sq);
       }
-      for (int v = m; v < kBatch; ++v) std::copy_n(levels[0], dim_, levels[v]);
-      float codeword_sq[kBatch] = {};
-      if (norm_correction_) {
-        const float* centroids = codebook_->centroids.data();
-        if (simd) {
-          const uint8_t* rows[kBatch];
-          for (int v = 0; v < kBatch; ++v) rows[v] = levels[v];
-          simd->codeword_sums(centroids, bits_, rows, dim_, codeword_sq);
-        } else {
-          for (int i = 0; i < dim_; ++i) {
-            for (int v = 0; v < kBatch; ++v) codeword_sq[v] += centroids[levels[v][i]] * centroids[levels[v][i]];
-          }
+      for (int v = 0; v < good; ++v) {
+        if (norm[v] != 0.0) Rotate(x[k0 + v], norm[v], y + v * dim_);
+      }
+      for (int v = 0; v < good; ++v) {
+        if (norm[v] != 0.0) codeword_sq[v] = QuantizePack(y + v * dim_, packed + v * dim_);
+      }
+      for (int v = 0; v < good; ++v) {
+        absl::Status status = norm[v] == 0.0 ? WriteZero(codes[k0 + v], scale_out[k0 + v])
+                                             : Finish(norm[v], codeword_sq[v], packed + v * dim_,
+                                                      codes[k0 + v], scale_out[k0 + v]);
+        if (!status.ok()) {
+          *failed = k0 + v;
+          return status;
         }
       }
-      for (int v = 0; v < m; ++v) {
-        uint8_t* out = codes[k0 + v];
-        if (norm[v] == 0.0) {
-          std::fill(out, out + code_bytes(), 0);
-          *scale_out[k0 + v] = 0;
-          continue;
-        }
-        double scale = norm[v];
-        if (norm_correction_) scale /= std::sqrt(static_cast<double>(codeword_sq[v]));
-        if (!(scale <= kHalfMax)) {
-          *failed = k0 + v;
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm[v], kHalfMax));
-        }
-        PackBits(levels[v], dim_, bits_, out);
-        *scale_out[k0 + v] = FloatToHalf(static_cast<float>(scale));
+      if (good < m) {
+        *failed = k0 + good;
+        return NonFiniteError(x[k0 + good], dim_);
       }
     }
     return absl::OkStatus();
@@ -433,6 +449,52 @@ class TurboQuantQuantizer {
   }
 
  private:
+  absl::Status WriteZero(uint8_t* codes, uint16_t* scale_out) const {
+    std::fill(codes, codes + code_bytes(), 0);
+    *scale_out = 0;  // decodes to exactly zero whatever the codes
+    return absl::OkStatus();
+  }
+
+  // y = rotation(x * (float)(1 / norm)), norm > 0.
+  void Rotate(const float* x, double norm, float* y) const {
+    const float inv_norm = static_cast<float>(1.0 / norm);
+    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+      simd->scale(x, dim_, inv_norm, y);
+    } else {
+      for (int i = 0; i < dim_; ++i) y[i] = x[i] * inv_norm;
+    }
+    rotation_->Forward(y, y);
+  }
+
+  // The packed levels of y; returns the codeword's squared norm with norm
+  // correction, else 0.
+  float QuantizePack(const float* y, uint8_t* packed) const {
+    const float* centroids = codebook_->centroids.data();
+    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+      return simd->quantize_pack(codebook_->boundaries.data(), norm_correction_ ? centroids : nullptr, bits_, y,
+                                 dim_, packed);
+    }
+    uint8_t levels[kMaxHeadDim];
+    QuantizeToLevels(*codebook_, y, dim_, levels);
+    PackBits(levels, dim_, bits_, packed);
+    return norm_correction_ ? CodewordSum(centroids, bits_, levels, dim_) : 0.0f;
+  }
+
+  // The stored scale from the norm (and the codeword's squared norm); writes
+  // the packed codes only when it fits in fp16.
+  absl::Status Finish(double norm, float codeword_sq, const uint8_t* packed, uint8_t* codes,
+                      uint16_t* scale_out) const {
+    double scale = norm;
+    if (norm_correction_) scale /= std::sqrt(static_cast<double>(codeword_sq));
+    if (!(scale <= kHalfMax)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm, kHalfMax));
+    }
+    std::copy_n(packed, code_bytes(), codes);
+    *scale_out = FloatToHalf(static_cast<float>(scale));
+    return absl::OkStatus();
+  }
+
   int dim_;
   int bits_;
   bool norm_correction_;
@@ -741,6 +803,10 @@ absl::Status ValidateHotChannels(const std::vector<int>& hot, int expected, int 
 absl::Status VectorCodec::EncodeMany(int n, const float* const* x, uint8_t* const* codes,
                                      uint16_t* const* scalars, int* failed) const {
   for (int k = 0; k < n; ++k) {
+    // The next vector's lines start arriving while this one is encoded: a
+    // store's inputs are mostly not in cache, and one vector's encode is a
+    // chain of dependent steps that hides no miss of its own.
+    if (k + 1 < n) PrefetchVector(x[k + 1], head_dim_);
     absl::Status status = Encode(x[k], codes[k], scalars[k]);
     if (!status.ok()) {
       *failed = k;

@@ -134,8 +134,7 @@ class VectorCodec {
   virtual absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const = 0;
 
   // Encode of n vectors: x[k] into codes[k] and scalars[k], the same bytes as
-  // n Encode calls (codecs with sequential sums run several vectors' sums side
-  // by side). On failure returns the error of the first failing vector and
+  // n Encode calls (a codec may work on several vectors at once). On failure returns the error of the first failing vector and
   // sets *failed to its index; what any vector's bytes are then is unspecified.
   virtual absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scalars,
                                   int* failed) const;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/blocked_sums.h"
 #include "kernels/cpu/encode_kernels.h"
 #include "kernels/float_formats.h"
 
@@ -45,91 +46,53 @@ inline int LevelOf(const float* boundaries, int num_boundaries, float y) {
   return lo;
 }
 
-// Transposes 8 rows of 8 floats: r[i] lane j becomes r[j] lane i.
-inline void Transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    for (int h = 0; h < 2; ++h) {
-      u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
-      u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xee);
-    }
-  }
-  // u[0..3]: rows 0-3, columns (0,1,2,3 | 4,5,6,7) as 4 interleaved groups.
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
-    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
-  }
-}
-
-// 16 vectors side by side.
-void SumsOfSquares16(const float* const* x, int n, double* sums) {
-  // 16 vectors: four chains of dependent double adds in flight, not two.
-  __m256d lo[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()}, hi[2] = {lo[0], lo[0]};
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 block[2][8];
-    for (int g = 0; g < 2; ++g) {
-      for (int v = 0; v < 8; ++v) block[g][v] = _mm256_loadu_ps(x[8 * g + v] + i);
-      Transpose8(block[g]);  // block[g][j] lane v: x[8g + v][i + j]
-    }
-    for (int j = 0; j < 8; ++j) {
-      for (int g = 0; g < 2; ++g) {
-        const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(block[g][j]));
-        const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(block[g][j], 1));
-        lo[g] = _mm256_add_pd(lo[g], _mm256_mul_pd(a, a));
-        hi[g] = _mm256_add_pd(hi[g], _mm256_mul_pd(b, b));
-      }
-    }
-  }
-  for (int g = 0; g < 2; ++g) {
-    _mm256_storeu_pd(sums + 8 * g, lo[g]);
-    _mm256_storeu_pd(sums + 8 * g + 4, hi[g]);
-  }
-  for (; i < n; ++i) {
-    for (int v = 0; v < 16; ++v) sums[v] += static_cast<double>(x[v][i]) * x[v][i];
-  }
-}
-
-// 8 vectors side by side.
-void CodewordSums8(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums) {
-  const int size = 1 << bits;
-  float table[16] = {};
-  for (int k = 0; k < size && k < 16; ++k) table[k] = centroids[k];
-  const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8);
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 block[8];
-    for (int v = 0; v < 8; ++v) {
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels[v] + i)));
-      block[v] = bits <= 3   ? _mm256_permutevar8x32_ps(low, idx)
-                 : bits == 4 ? Lookup16(low, high, idx)
-                             : _mm256_i32gather_ps(centroids, idx, 4);
-    }
-    Transpose8(block);
-    for (int j = 0; j < 8; ++j) acc = _mm256_add_ps(acc, _mm256_mul_ps(block[j], block[j]));
-  }
-  _mm256_storeu_ps(sums, acc);
-  for (; i < n; ++i) {
-    for (int v = 0; v < 8; ++v) sums[v] += centroids[levels[v][i]] * centroids[levels[v][i]];
-  }
-}
-
 }  // namespace
 
-void SumsOfSquaresAvx2(const float* const* x, int n, double* sums) {
-  static_assert(kSumVectors == 32, "two calls of 16");
-  SumsOfSquares16(x, n, sums);
-  SumsOfSquares16(x + 16, n, sums + 16);
+bool SumOfSquaresAvx2(const float* x, int n, double* sum) {
+  // The blocked order's 16 partials in four registers; multiply, then add:
+  // the product of two floats is exact in double.
+  __m256d p[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+  int i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int q = 0; q < 4; ++q) {
+      const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * q));
+      p[q] = _mm256_add_pd(p[q], _mm256_mul_pd(a, a));
+    }
+  }
+  alignas(32) double partial[kSumLanes];
+  for (int q = 0; q < 4; ++q) _mm256_store_pd(partial + 4 * q, p[q]);
+  for (; i < n; ++i) partial[i % kSumLanes] += static_cast<double>(x[i]) * x[i];
+  *sum = FoldSumLanes(partial);
+  return std::isfinite(*sum);
 }
 
-void CodewordSumsAvx2(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums) {
-  static_assert(kSumVectors == 32, "four calls of 8");
-  for (int g = 0; g < 4; ++g) CodewordSums8(centroids, bits, levels + 8 * g, n, sums + 8 * g);
+float CodewordSumAvx2(const float* centroids, int bits, const uint8_t* levels, int n) {
+  const int size = 1 << bits;
+  float squares[16] = {};
+  for (int k = 0; k < size && k < 16; ++k) squares[k] = centroids[k] * centroids[k];
+  const __m256 low = _mm256_loadu_ps(squares), high = _mm256_loadu_ps(squares + 8);
+  __m256 p[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  int i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int q = 0; q < 2; ++q) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + i + 8 * q)));
+      __m256 square;
+      if (bits <= 3) {
+        square = _mm256_permutevar8x32_ps(low, idx);
+      } else if (bits == 4) {
+        square = Lookup16(low, high, idx);
+      } else {
+        const __m256 c = _mm256_i32gather_ps(centroids, idx, 4);
+        square = _mm256_mul_ps(c, c);
+      }
+      p[q] = _mm256_add_ps(p[q], square);
+    }
+  }
+  alignas(32) float partial[kSumLanes];
+  _mm256_store_ps(partial, p[0]);
+  _mm256_store_ps(partial + 8, p[1]);
+  for (; i < n; ++i) partial[i % kSumLanes] += centroids[levels[i]] * centroids[levels[i]];
+  return FoldSumLanes(partial);
 }
 
 bool AllFiniteWithinAvx2(const float* x, int n, float limit) {
@@ -328,6 +291,26 @@ void UniformLevelsAvx2(const float* x, int n, float zero, float inv_scale, int m
     const float level = std::floor((x[i] - zero) * inv_scale + 0.5f);
     levels[i] = static_cast<uint8_t>(std::clamp(level, 0.0f, static_cast<float>(max_code)));
   }
+}
+
+float QuantizePackAvx2(const float* boundaries, const float* centroids, int bits, const float* y, int n,
+                       uint8_t* codes) {
+  uint8_t levels[kMaxEncodeDim];
+  QuantizeToLevelsAvx2(boundaries, bits, y, n, levels);
+  PackBitsBmi2(levels, n, bits, codes);
+  return centroids != nullptr ? CodewordSumAvx2(centroids, bits, levels, n) : 0.0f;
+}
+
+bool UniformRangeAvx2(const float* x, int n, float* lo, float* hi) {
+  if (!AllFiniteWithinAvx2(x, n, kHalfMax)) return false;
+  MinMaxAvx2(x, n, lo, hi);
+  return true;
+}
+
+void UniformPackAvx2(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes) {
+  uint8_t levels[kMaxEncodeDim];
+  UniformLevelsAvx2(x, n, zero, inv_scale, (1 << bits) - 1, levels);
+  PackBitsBmi2(levels, n, bits, codes);
 }
 
 }  // namespace encode_internal

@@ -3,9 +3,13 @@
 // float operations must be exactly those of the portable code (no FMA).
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
+#include "kernels/blocked_sums.h"
+
 #include "kernels/cpu/encode_kernels.h"
+#include "kernels/float_formats.h"
 
 namespace tqkv {
 namespace encode_internal {
@@ -20,32 +24,22 @@ inline void StoreBytes16(uint8_t* out, __m512i v32, __mmask16 m) {
   _mm_mask_storeu_epi8(out, m, _mm512_cvtepi32_epi8(v32));
 }
 
-// Transposes 16 rows of 16 floats: r[i] lane j becomes r[j] lane i.
-inline void Transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4 i + c], 128-bit lane k: rows 4i ... 4i + 3 of column 4k + c.
-  __m512 u[16];
-  for (int i = 0; i < 4; ++i) {
-    for (int h = 0; h < 2; ++h) {
-      u[4 * i + 2 * h] = _mm512_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
-      u[4 * i + 2 * h + 1] = _mm512_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xee);
-    }
-  }
-  // Column 4k + c gathers lane k of u[c], u[4 + c], u[8 + c], u[12 + c].
-  for (int c = 0; c < 4; ++c) {
-    const __m512 a1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);  // lanes 0, 2 of each
-    const __m512 a2 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);  // lanes 1, 3
-    const __m512 b1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512 b2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
-    r[c] = _mm512_shuffle_f32x4(a1, b1, 0x88);
-    r[8 + c] = _mm512_shuffle_f32x4(a1, b1, 0xdd);
-    r[4 + c] = _mm512_shuffle_f32x4(a2, b2, 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(a2, b2, 0xdd);
-  }
+// FoldSumLanes (blocked_sums.h) in registers: partials 0-7 in `low`, 8-15 in
+// `high`; each step adds lane j + w to lane j.
+inline double FoldSumLanes(__m512d low, __m512d high) {
+  const __m512d s8 = _mm512_add_pd(low, high);
+  const __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
+  const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+}
+
+// The same for 16 float partials in one register.
+inline float FoldSumLanes(__m512 partial) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(partial),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(partial), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 }  // namespace
@@ -212,57 +206,115 @@ void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int
   }
 }
 
-void SumsOfSquaresAvx512(const float* const* x, int n, double* sums) {
-  static_assert(kSumVectors == 32, "two groups of 16 vectors");
-  // Lanes are vectors: four chains of 8 doubles, one add per coordinate each.
-  __m512d acc[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
-  int i = 0;
-  // One group of 16 vectors at a time keeps a block in registers; the other
-  // group's chains are independent, so the two still overlap.
-  for (; i + 16 <= n; i += 16) {
-    for (int g = 0; g < 2; ++g) {
-      __m512 block[16];
-      for (int v = 0; v < 16; ++v) block[v] = _mm512_loadu_ps(x[16 * g + v] + i);
-      Transpose16(block);  // block[j] lane v: x[16 g + v][i + j]
-      for (int j = 0; j < 16; ++j) {
-        const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(block[j]));
-        const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(block[j]), 1)));
-        acc[2 * g] = _mm512_add_pd(acc[2 * g], _mm512_mul_pd(a, a));
-        acc[2 * g + 1] = _mm512_add_pd(acc[2 * g + 1], _mm512_mul_pd(b, b));
-      }
-    }
+bool SumOfSquaresAvx512(const float* x, int n, double* sum) {
+  // Partials 0-7 and 8-15 of the blocked order in two registers. The
+  // product of two floats is exact in double, so the FMA rounds exactly as
+  // the portable multiply-then-add; masked-off lanes add +0, which changes no
+  // partial (all of them are >= +0).
+  __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+  for (int i = 0; i < n; i += kSumLanes) {
+    const __m512 v = _mm512_maskz_loadu_ps(TailMask(n - i), x + i);
+    const __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    const __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    low = _mm512_fmadd_pd(a, a, low);
+    high = _mm512_fmadd_pd(b, b, high);
   }
-  for (int q = 0; q < 4; ++q) _mm512_storeu_pd(sums + 8 * q, acc[q]);
-  for (; i < n; ++i) {
-    for (int v = 0; v < kSumVectors; ++v) sums[v] += static_cast<double>(x[v][i]) * x[v][i];
-  }
+  *sum = FoldSumLanes(low, high);
+  return std::isfinite(*sum);
 }
 
-void CodewordSumsAvx512(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums) {
-  static_assert(kSumVectors == 32, "two groups of 16 vectors");
+float CodewordSumAvx512(const float* centroids, int bits, const uint8_t* levels, int n) {
   const int size = 1 << bits;
-  float table[16] = {};
-  for (int k = 0; k < size && k < 16; ++k) table[k] = centroids[k];
-  const __m512 lookup = _mm512_loadu_ps(table);
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int g = 0; g < 2; ++g) {
-      __m512 block[16];
-      for (int v = 0; v < 16; ++v) {
-        const __m512i idx =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(levels[16 * g + v] + i)));
-        block[v] = bits <= 4 ? _mm512_permutexvar_ps(idx, lookup) : _mm512_i32gather_ps(idx, centroids, 4);
-      }
-      Transpose16(block);
-      for (int j = 0; j < 16; ++j) acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(block[j], block[j]));
+  float squares[16] = {};
+  for (int k = 0; k < size && k < 16; ++k) squares[k] = centroids[k] * centroids[k];
+  const __m512 lookup = _mm512_loadu_ps(squares);
+  __m512 acc = _mm512_setzero_ps();  // the kSumLanes partials
+  for (int i = 0; i < n; i += kSumLanes) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, levels + i));
+    __m512 square;
+    if (bits <= 4) {
+      square = _mm512_maskz_permutexvar_ps(m, idx, lookup);
+    } else {
+      const __m512 c = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, centroids, 4);
+      square = _mm512_mul_ps(c, c);
     }
+    acc = _mm512_add_ps(acc, square);
   }
-  _mm512_storeu_ps(sums, acc[0]);
-  _mm512_storeu_ps(sums + 16, acc[1]);
-  for (; i < n; ++i) {
-    for (int v = 0; v < kSumVectors; ++v) sums[v] += centroids[levels[v][i]] * centroids[levels[v][i]];
+  return FoldSumLanes(acc);
+}
+
+float QuantizePackAvx512(const float* boundaries, const float* centroids, int bits, const float* y, int n,
+                         uint8_t* codes) {
+  if (bits > 4) {
+    uint8_t levels[kMaxEncodeDim];
+    QuantizeToLevelsAvx512(boundaries, bits, y, n, levels);
+    PackBitsBmi2(levels, n, bits, codes);
+    return centroids != nullptr ? CodewordSumAvx512(centroids, bits, levels, n) : 0.0f;
   }
+  // QuantizeToLevelsAvx512's search and CodewordSumAvx512's lookups on the
+  // same registers, 16 coordinates at a time, then one pack.
+  const int num_boundaries = (1 << bits) - 1;
+  float table[16], squares[16] = {};
+  for (int k = 0; k < 16; ++k) table[k] = k < num_boundaries ? boundaries[k] : 0.0f;
+  if (centroids != nullptr) {
+    for (int k = 0; k < (1 << bits); ++k) squares[k] = centroids[k] * centroids[k];
+  }
+  const __m512 bound = _mm512_loadu_ps(table);
+  const __m512 lookup = _mm512_loadu_ps(squares);
+  __m512 acc = _mm512_setzero_ps();
+  uint8_t levels[kMaxEncodeDim];
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = TailMask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, y + i);
+    __m512i lo = _mm512_setzero_si512();
+    for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
+      const __m512i idx = _mm512_add_epi32(lo, _mm512_set1_epi32(step - 1));
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(idx, bound), _CMP_GT_OQ);
+      lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
+    }
+    acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(m, lo, lookup));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(levels + i), _mm512_cvtepi32_epi8(lo));
+  }
+  PackBitsBmi2(levels, n, bits, codes);
+  return centroids != nullptr ? FoldSumLanes(acc) : 0.0f;
+}
+
+bool UniformRangeAvx512(const float* x, int n, float* lo_out, float* hi_out) {
+  // AllFiniteWithinAvx512 (limit kHalfMax) and MinMaxAvx512 in one pass.
+  const __m512 limit = _mm512_set1_ps(kHalfMax);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+  const __m512 first = _mm512_set1_ps(x[0]);
+  __m512 lo = first, hi = first;
+  for (int i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_mask_loadu_ps(first, TailMask(n - i), x + i);
+    const __m512 magnitude = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_mask));
+    // Ordered compare: NaN fails; infinities exceed the limit.
+    if (_mm512_cmp_ps_mask(magnitude, limit, _CMP_LE_OQ) != 0xffff) return false;
+    lo = _mm512_min_ps(lo, v);
+    hi = _mm512_max_ps(hi, v);
+  }
+  *lo_out = _mm512_reduce_min_ps(lo);
+  *hi_out = _mm512_reduce_max_ps(hi);
+  if (*lo_out == 0.0f || *hi_out == 0.0f) MinMaxAvx512(x, n, lo_out, hi_out);  // which zero, as MinMaxAvx512
+  return true;
+}
+
+void UniformPackAvx512(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes) {
+  // UniformLevelsAvx512, then the pack.
+  uint8_t levels[kMaxEncodeDim];
+  const __m512 vzero = _mm512_set1_ps(zero);
+  const __m512 vinv = _mm512_set1_ps(inv_scale);
+  const __m512 half = _mm512_set1_ps(0.5f);
+  const __m512 vmax = _mm512_set1_ps(static_cast<float>((1 << bits) - 1));
+  for (int i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(TailMask(n - i), x + i);
+    __m512 level = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vzero), vinv), half);
+    level = _mm512_roundscale_ps(level, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    level = _mm512_min_ps(_mm512_max_ps(level, _mm512_setzero_ps()), vmax);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(levels + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(level)));
+  }
+  PackBitsBmi2(levels, n, bits, codes);
 }
 
 }  // namespace encode_internal

@@ -25,16 +25,16 @@ struct EncodeKernels {
   void (*float_to_fp8)(const float* x, int n, uint8_t* out);
   void (*min_max)(const float* x, int n, float* lo, float* hi);
   void (*uniform_levels)(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels);
-  // kSumVectors vectors' sequential sums side by side.
-  void (*sums_of_squares)(const float* const* x, int n, double* sums);
-  void (*codeword_sums)(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
+  bool (*sum_of_squares)(const float* x, int n, double* sum);
+  float (*codeword_sum)(const float* centroids, int bits, const uint8_t* levels, int n);
+  float (*quantize_pack)(const float* boundaries, const float* centroids, int bits, const float* y, int n,
+                         uint8_t* codes);
+  bool (*uniform_range)(const float* x, int n, float* lo, float* hi);
+  void (*uniform_pack)(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes);
 };
 
-// How many vectors the sums kernels take at once. Each vector's sum is one
-// chain of n dependent adds (its order fixes the stored scale), so a call is
-// latency-bound until enough chains run side by side: 32 vectors are four
-// chains of 8 doubles (two of 16 floats) at AVX-512.
-inline constexpr int kSumVectors = 32;
+// The longest vector (or TurboQuant part) the store kernels take: kMaxHeadDim.
+inline constexpr int kMaxEncodeDim = 512;
 
 // The widest set that ActiveSimdLevel() allows and the CPU runs (both need
 // BMI2, for bit packing), or nullptr: the portable code.
@@ -63,14 +63,30 @@ void MinMaxAvx512(const float* x, int n, float* lo, float* hi);
 void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code,
                          uint8_t* levels);
 
-// For kSumVectors vectors at once, each in the portable sequential order:
-// sums[v] = sum over i of (double)x[v][i] * x[v][i] (the squared norm), and
-// sums[v] = sum over i of c * c in float, c = centroids[levels[v][i]] (the
-// codeword's squared norm, for norm correction); sums are written, not added to.
-void SumsOfSquaresAvx512(const float* const* x, int n, double* sums);
-void CodewordSumsAvx512(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
-void SumsOfSquaresAvx2(const float* const* x, int n, double* sums);
-void CodewordSumsAvx2(const float* centroids, int bits, const uint8_t* const* levels, int n, float* sums);
+// The two sums of the stored scale, in the blocked order of
+// kernels/blocked_sums.h: *sum = sum over i of (double)x[i] * x[i] (the
+// squared norm; returns whether it is finite, i.e. every x[i] is), and the
+// sum over i of c * c in float, c = centroids[levels[i]] (the codeword's
+// squared norm, for norm correction).
+bool SumOfSquaresAvx512(const float* x, int n, double* sum);
+float CodewordSumAvx512(const float* centroids, int bits, const uint8_t* levels, int n);
+bool SumOfSquaresAvx2(const float* x, int n, double* sum);
+// One TurboQuant part's codes: levels of y (QuantizeToLevels), packed
+// (PackBits) into codes; returns their codeword sum (above) when centroids is
+// not null, else 0. REQUIRES: n <= kMaxEncodeDim.
+float QuantizePackAvx512(const float* boundaries, const float* centroids, int bits, const float* y, int n,
+                         uint8_t* codes);
+float QuantizePackAvx2(const float* boundaries, const float* centroids, int bits, const float* y, int n,
+                       uint8_t* codes);
+// The uniform codec's two passes. UniformRange: false when a coordinate is
+// not finite or beyond kHalfMax (the codec then finds which), else min and
+// max as MinMax. UniformPack: UniformLevels with max_code 2^bits - 1, then
+// PackBits. REQUIRES: n <= kMaxEncodeDim.
+bool UniformRangeAvx512(const float* x, int n, float* lo, float* hi);
+void UniformPackAvx512(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes);
+bool UniformRangeAvx2(const float* x, int n, float* lo, float* hi);
+void UniformPackAvx2(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes);
+float CodewordSumAvx2(const float* centroids, int bits, const uint8_t* levels, int n);
 
 // The same at 8 lanes (AVX2, F16C); the tail in the portable expressions.
 bool AllFiniteWithinAvx2(const float* x, int n, float limit);

@@ -6,7 +6,8 @@
 // the format needs it), then encoded by the field's format:
 //   fp16 / bf16 / fp8   per-coordinate conversion (float_formats.h);
 //   uniform             min / max, fp16 scale and zero, levels, bit packing;
-//   TurboQuant parts    gather, sum of squares in float64 in coordinate order,
+//   TurboQuant parts    gather, sum of squares in float64 in the blocked order
+//                       (blocked_sums.h),
 //                       normalise, randomized Hadamard (warp butterflies) or
 //                       dense rotation, midpoint search, norm correction,
 //                       bit packing (bitpack.h), fp16 scale.

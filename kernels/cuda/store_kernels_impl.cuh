@@ -11,6 +11,7 @@
 #include <cfloat>
 
 #include "kernels/bitpack.h"
+#include "kernels/blocked_sums.h"
 #include "kernels/cuda/warp_rotation.cuh"
 #include "kernels/float_formats.h"
 
@@ -31,6 +32,14 @@ struct WarpScratch {
 
 __device__ __forceinline__ bool WarpAll(bool value) { return __all_sync(kFullWarp, value) != 0; }
 
+// FoldSumLanes (blocked_sums.h) of the partials in lanes 0-15, returned to
+// every lane: at width w, lane j < w adds lane j + w = j ^ w.
+template <typename T>
+__device__ __forceinline__ T FoldWarpSumLanes(T partial) {
+  for (int w = kSumLanes / 2; w > 0; w /= 2) partial = partial + __shfl_xor_sync(kFullWarp, partial, w);
+  return __shfl_sync(kFullWarp, partial, 0);
+}
+
 // LSB-first packing (bitpack.h) of n levels: every lane builds whole bytes.
 __device__ void WarpPack(const uint8_t* levels, int n, int bits, uint8_t* out, int lane) {
   const int bytes = PackedBytes(n, bits);
@@ -50,16 +59,16 @@ __device__ void WarpPack(const uint8_t* levels, int n, int bits, uint8_t* out, i
 __device__ StoreError EncodePart(const DevicePart& part, WarpScratch& s, uint8_t* codes,
                                  uint16_t* scale_out, int lane) {
   const int n = part.dim;
-  // The CPU sums the squares in double in coordinate order; products of floats
-  // are exact in double, so only the order matters, and lane 0 keeps it.
+  // The squared norm in double in the blocked order of blocked_sums.h: lane j
+  // < 16 holds partial j; products of floats are exact in double.
   double sum_sq = 0.0;
-  if (lane == 0) {
-    for (int i = 0; i < n; ++i) {
+  if (lane < kSumLanes) {
+    for (int i = lane; i < n; i += kSumLanes) {
       const double v = s.y[i];
       sum_sq = __dadd_rn(sum_sq, __dmul_rn(v, v));
     }
   }
-  sum_sq = __shfl_sync(kFullWarp, sum_sq, 0);
+  sum_sq = FoldWarpSumLanes(sum_sq);
   const double norm = __dsqrt_rn(sum_sq);
   const int code_bytes = PackedBytes(n, part.bits);
   if (norm == 0.0) {
@@ -81,15 +90,15 @@ __device__ StoreError EncodePart(const DevicePart& part, WarpScratch& s, uint8_t
   __syncwarp();
   double scale = norm;
   if (part.norm_correction) {
-    // float sum in coordinate order, as the CPU.
+    // float sum in the blocked order, as the CPU.
     float codeword_sq = 0.0f;
-    if (lane == 0) {
-      for (int i = 0; i < n; ++i) {
+    if (lane < kSumLanes) {
+      for (int i = lane; i < n; i += kSumLanes) {
         const float c = part.centroids[s.levels[i]];
         codeword_sq = __fadd_rn(codeword_sq, __fmul_rn(c, c));
       }
     }
-    codeword_sq = __shfl_sync(kFullWarp, codeword_sq, 0);
+    codeword_sq = FoldWarpSumLanes(codeword_sq);
     scale = __ddiv_rn(scale, __dsqrt_rn(static_cast<double>(codeword_sq)));
   }
   if (!(scale <= static_cast<double>(kHalfMax))) return StoreError::kNormTooLarge;

@@ -13,6 +13,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/bitpack.h"
+#include "kernels/blocked_sums.h"
 #include "kernels/codebook.h"
 #include "kernels/codec.h"
 #include "kernels/cpu/encode_kernels.h"
@@ -268,8 +269,8 @@ TEST(EncodeEquivalenceTest, EncodeManyMatchesEncodeAtEveryLevel) {
           scalar_at.push_back(scalars.data() + v * (k.num_scalars() + 1));
         }
         // Runs of 1, 2, ..., so that every length up to 20 is seen; then the
-        // whole set in one call (full batches of kSumVectors and a tail).
-        ASSERT_GT(good.size(), static_cast<size_t>(encode_internal::kSumVectors));
+        // whole set in one call.
+        ASSERT_GT(good.size(), 20u);
         for (int pass = 0; pass < 2; ++pass) {
           SCOPED_TRACE(pass == 0 ? "short runs" : "one run");
           std::fill(codes.begin(), codes.end(), 0xa5);
@@ -302,6 +303,52 @@ TEST(EncodeEquivalenceTest, EncodeManyMatchesEncodeAtEveryLevel) {
           EXPECT_EQ(status.ToString(), EncodeOnce(k, x).status);
           EXPECT_EQ(failed, 2);
         }
+      }
+    }
+  }
+}
+
+// The stored scale's sums follow the documented blocked order at every level:
+// terms where order matters (1 + 2^-53 vanishes against 1 but not against
+// 2^-52) give one answer in that order and another sequentially.
+TEST(EncodeEquivalenceTest, StoredScaleSumsFollowTheBlockedOrder) {
+  SimdLevelGuard guard;
+  for (int n : {1, 5, 16, 17, 40, 128, 131}) {
+    std::vector<float> x(n);
+    Random rng(300 + n);
+    for (int i = 0; i < n; ++i) x[i] = i % 7 == 0 ? 1.0f : std::ldexp(1.0f + static_cast<float>(rng.NextDouble()), -27);
+    // The definition, written out: partial j over j, j + 16, ...; folds by halves.
+    double partial[16] = {};
+    for (int j = 0; j < 16; ++j) {
+      for (int i = j; i < n; i += 16) partial[j] += static_cast<double>(x[i]) * x[i];
+    }
+    for (int w = 8; w > 0; w /= 2) {
+      for (int j = 0; j < w; ++j) partial[j] += partial[j + w];
+    }
+    double sequential = 0.0;
+    for (int i = 0; i < n; ++i) sequential += static_cast<double>(x[i]) * x[i];
+    if (n == 128) EXPECT_NE(sequential, partial[0]) << "the inputs do not tell the orders apart";
+    for (SimdLevel level : SupportedSimdLevels()) {
+      ASSERT_EQ(SetActiveSimdLevel(level), level);
+      SCOPED_TRACE("n=" + std::to_string(n) + " level " + std::string(SimdLevelName(level)));
+      const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
+      double sum = BlockedSum<double>(n, [&](int i) { return static_cast<double>(x[i]) * x[i]; });
+      EXPECT_EQ(sum, partial[0]);
+      if (simd != nullptr) {
+        ASSERT_TRUE(simd->sum_of_squares(x.data(), n, &sum));
+        EXPECT_EQ(sum, partial[0]);
+        // Codeword sums: levels into a 3-bit table with a large and tiny entries.
+        const float centroids[8] = {1.0f, 1e-4f, 3e-4f, 7e-5f, 2e-4f, 1e-4f, 5e-5f, 9e-5f};
+        std::vector<uint8_t> levels(n);
+        for (int i = 0; i < n; ++i) levels[i] = static_cast<uint8_t>(i % 7 == 0 ? 0 : 1 + rng.NextBelow(7));
+        float fpartial[16] = {};
+        for (int j = 0; j < 16; ++j) {
+          for (int i = j; i < n; i += 16) fpartial[j] += centroids[levels[i]] * centroids[levels[i]];
+        }
+        for (int w = 8; w > 0; w /= 2) {
+          for (int j = 0; j < w; ++j) fpartial[j] += fpartial[j + w];
+        }
+        EXPECT_EQ(simd->codeword_sum(centroids, 3, levels.data(), n), fpartial[0]);
       }
     }
   }
