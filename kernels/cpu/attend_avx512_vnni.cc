@@ -1,5 +1,7 @@
-// AVX-512 integer attention for TurboQuant pages (centroid keys; centroid or
-// uniform values; 2-4 bits; head_dim 64 or a multiple of 128), on CPUs with
+// AVX-512 integer attention for TurboQuant pages (centroid keys, or split
+// keys as two parts with their own codebooks, scales and int8 query units;
+// centroid or uniform values; 2-4 bits; head_dim 64 or a multiple of 128; see
+// AttendHeadAvx512VnniSupported), on CPUs with
 // VNNI, BF16 and VBMI. The fp32 kernels spend 2 x rows x head_dim FMA lanes per
 // token and head; this one spends a quarter of that on scores and half on
 // values:
@@ -253,7 +255,8 @@ class ValueCodes {
 struct BlockTokens {
   const uint8_t* key_codes[kBlock];
   const uint8_t* value_codes[kBlock];
-  alignas(64) float key_scale[kBlock];
+  alignas(64) float key_scale[kBlock];       // split keys: the hot part's
+  alignas(64) float key_cold_scale[kBlock];  // split keys: the cold part's
   alignas(64) float value_scale[kBlock];
   alignas(64) float value_zero[kBlock];  // uniform values: x = scale * code + zero
 };
@@ -265,15 +268,32 @@ uint8_t* QueryBytes(size_t n) {
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 
+// The coordinates of a key that one codebook and one stored scale cover:
+// all of them, or (split keys) the hot part and then the cold part, each 64
+// coordinates or a multiple of 128.
+struct KeyPart {
+  int begin = 0;        // first coordinate (of the rotated query)
+  int dims = 0;
+  int code_offset = 0;  // bytes from a token's codes to this part's
+};
+
+// kKeyBits: the key codes' bits, or for split keys 10 x hot bits + cold bits.
 template <int kKeyBits, FieldFormat kValue, int kValueBits>
 struct Kernel {
   static constexpr bool kUniform = kValue == FieldFormat::kUniform;
-  // The int8 query: row r, segment s, chunk m is 64 bytes at
-  // q8 + r * 2d + 256 s + 64 m: its 32 coordinates twice.
+  static constexpr bool kSplit = kKeyBits >= 10;
+  static constexpr int kParts = kSplit ? 2 : 1;
+  static constexpr int kHotBits = kSplit ? kKeyBits / 10 : kKeyBits;
+  static constexpr int kColdBits = kSplit ? kKeyBits % 10 : kKeyBits;
+  // The int8 query: row r, coordinates 128 s ... + 127 (of a part or not),
+  // chunk m is 64 bytes at q8 + r * 2d + 256 s + 64 m: its 32 coordinates
+  // twice.
   const HeadAttendParams& p;
   const int d;
   const int segments;
-  const KeyCodes<kKeyBits> keys;
+  const KeyCodes<kHotBits> keys;        // every coordinate's, or the hot part's
+  const KeyCodes<kColdBits> cold_keys;  // split keys: the cold part's
+  KeyPart parts[kParts];
   const ValueCodes<kValue, kValueBits> values;
 
   Kernel(const HeadAttendParams& params)
@@ -281,7 +301,38 @@ struct Kernel {
         d(params.head_dim),
         segments((params.head_dim + kSegment - 1) / kSegment),
         keys(params.key.centroids),
-        values(params.value.centroids) {}
+        cold_keys(kSplit ? params.key.cold_centroids : params.key.centroids),
+        values(params.value.centroids) {
+    if constexpr (kSplit) {
+      parts[0] = {0, params.key.hot_dims, 0};
+      parts[1] = {params.key.hot_dims, d - params.key.hot_dims, params.key.cold_code_offset};
+    } else {
+      parts[0] = {0, d, 0};
+    }
+  }
+
+  float KeyUnit(int part) const { return part == 0 ? keys.unit() : cold_keys.unit(); }
+
+  // Raw scores of one key part for a tile (ScoreTile).
+  template <int kRows>
+  void ScorePart(int part, const uint8_t* const* codes, const uint8_t* q8, int32_t* raw) const {
+    const KeyPart& kp = parts[part];
+    const uint8_t* q = q8 + 2 * kp.begin;
+    const int part_segments = (kp.dims + kSegment - 1) / kSegment;
+    if (part == 0) {
+      if (kp.dims == 64) {
+        ScoreTile<kRows, 2>(keys, part_segments, kp.code_offset, codes, q, raw);
+      } else {
+        ScoreTile<kRows, 4>(keys, part_segments, kp.code_offset, codes, q, raw);
+      }
+    } else if constexpr (kSplit) {
+      if (kp.dims == 64) {
+        ScoreTile<kRows, 2>(cold_keys, part_segments, kp.code_offset, codes, q, raw);
+      } else {
+        ScoreTile<kRows, 4>(cold_keys, part_segments, kp.code_offset, codes, q, raw);
+      }
+    }
+  }
 
   int SegmentCoords(int s) const { return std::min(kSegment, d - kSegment * s); }
 
@@ -289,8 +340,9 @@ struct Kernel {
   // tile of 2 * kPairs tokens (kPairs = 4 for 4 rows, else 8: 16
   // accumulators or fewer), into raw[r * kBlock + i]. Every loop but the
   // segments' has a compile-time count, so the accumulators stay in registers.
-  template <int kRows, int kChunks>
-  void ScoreTile(const uint8_t* const* codes, const uint8_t* q8, int32_t* raw) const {
+  template <int kRows, int kChunks, int kBits>
+  void ScoreTile(const KeyCodes<kBits>& part_keys, int part_segments, int code_offset, const uint8_t* const* codes,
+                 const uint8_t* q8, int32_t* raw) const {
     constexpr int kPairs = kRows == 4 ? 4 : 8;
     __m512i acc[kRows][kPairs];
 #pragma GCC unroll 8
@@ -298,18 +350,19 @@ struct Kernel {
 #pragma GCC unroll 8
       for (int pair = 0; pair < kPairs; ++pair) acc[r][pair] = _mm512_setzero_si512();
     }
-    constexpr int kHalfBytes = KeyCodes<kKeyBits>::kHalfBytes;
+    constexpr int kHalfBytes = KeyCodes<kBits>::kHalfBytes;
     const __mmask32 mask = LowBytes(kHalfBytes);
-    for (int s = 0; s < segments; ++s) {
+    for (int s = 0; s < part_segments; ++s) {
 #pragma GCC unroll 8
       for (int pair = 0; pair < kPairs; ++pair) {
         const int first = kPairs == 8 ? kPairFirst16[pair] : pair;
 #pragma GCC unroll 2
         for (int h = 0; h < kChunks / 2; ++h) {
-          const __m512i halves = HalfSegments(codes[first], codes[first + 4], 16 * kKeyBits * s + kHalfBytes * h, mask);
+          const __m512i halves =
+              HalfSegments(codes[first], codes[first + 4], code_offset + 16 * kBits * s + kHalfBytes * h, mask);
 #pragma GCC unroll 2
           for (int m2 = 0; m2 < 2; ++m2) {
-            const __m512i k = keys.Chunk(halves, m2);
+            const __m512i k = part_keys.Chunk(halves, m2);
             const int m = 2 * h + m2;
 #pragma GCC unroll 4
             for (int r = 0; r < kRows; ++r) {
@@ -376,33 +429,37 @@ struct Kernel {
     // Queries to int8, per row: q = unit[r] * q8, |q8| <= 127; their sums
     // undo the +128 of the key bytes.
     uint8_t* q8 = QueryBytes(static_cast<size_t>(rows) * 2 * d);
-    float score_unit[kMaxRows];
-    int32_t q8_sum[kMaxRows];
+    // Per key part (its own codebook and stored scale): the unit and sum.
+    float score_unit[kParts][kMaxRows];
+    int32_t q8_sum[kParts][kMaxRows];
     for (int r = 0; r < rows; ++r) {
-      const float* q = p.queries + static_cast<size_t>(r) * d;
-      __m512 max_abs = _mm512_setzero_ps();
-      for (int j = 0; j < d; j += 16) max_abs = _mm512_max_ps(max_abs, _mm512_abs_ps(_mm512_loadu_ps(q + j)));
-      const float max = Max(max_abs);
-      const float unit = max > 0.0f ? max / 127.0f : 1.0f;
-      // lrint(q / unit) (round to nearest even), at most 127 in magnitude.
-      const __m512 divisor = _mm512_set1_ps(unit);
-      const __m512i limit = _mm512_set1_epi32(127);
-      __m512i sum = _mm512_setzero_si512();
-      for (int j = 0; j < d; j += 16) {
-        __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(q + j), divisor));
-        v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
-        sum = _mm512_add_epi32(sum, v);
-        const __m128i bytes = _mm512_cvtepi32_epi8(v);
-        uint8_t* chunk =
-            q8 + static_cast<size_t>(r) * 2 * d + 256 * (j / kSegment) + 64 * ((j % kSegment) / 32) + j % 32;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), bytes);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), bytes);
+      for (int part = 0; part < kParts; ++part) {
+        const int begin = parts[part].begin, end = begin + parts[part].dims;
+        const float* q = p.queries + static_cast<size_t>(r) * d;
+        __m512 max_abs = _mm512_setzero_ps();
+        for (int j = begin; j < end; j += 16) max_abs = _mm512_max_ps(max_abs, _mm512_abs_ps(_mm512_loadu_ps(q + j)));
+        const float max = Max(max_abs);
+        const float unit = max > 0.0f ? max / 127.0f : 1.0f;
+        // lrint(q / unit) (round to nearest even), at most 127 in magnitude.
+        const __m512 divisor = _mm512_set1_ps(unit);
+        const __m512i limit = _mm512_set1_epi32(127);
+        __m512i sum = _mm512_setzero_si512();
+        for (int j = begin; j < end; j += 16) {
+          __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(q + j), divisor));
+          v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+          sum = _mm512_add_epi32(sum, v);
+          const __m128i bytes = _mm512_cvtepi32_epi8(v);
+          // Chunk j / 32 at 64 (j / 32): coordinates 128 s + 32 m at 256 s + 64 m.
+          uint8_t* chunk = q8 + static_cast<size_t>(r) * 2 * d + 64 * (j / 32) + j % 32;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), bytes);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), bytes);
+        }
+        q8_sum[part][r] = static_cast<int32_t>(Sum(_mm512_cvtepi32_ps(sum)));
+        score_unit[part][r] = unit * KeyUnit(part);
       }
-      q8_sum[r] = static_cast<int32_t>(Sum(_mm512_cvtepi32_ps(sum)));
-      score_unit[r] = unit * keys.unit();
     }
 
-    alignas(64) int32_t raw[kMaxRows * kBlock];
+    alignas(64) int32_t raw[kParts][kMaxRows * kBlock];
     alignas(64) float scores[kMaxRows * kBlock];
     alignas(64) uint16_t weights[kMaxRows * kBlock];  // int16 in units of weight_unit
     float weight_unit[kMaxRows];
@@ -434,21 +491,22 @@ struct Kernel {
       walk.Next(
           t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
           [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
-            LoadScalars(key_scalars, n, tokens.key_scale + i, nullptr);
+            LoadScalars(key_scalars, n, tokens.key_scale + i, kSplit ? tokens.key_cold_scale + i : nullptr);
             LoadScalars(value_scalars, n, tokens.value_scale + i, kUniform ? tokens.value_zero + i : nullptr);
           },
-          [&](int i) { tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f; });
+          [&](int i) {
+            tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+          });
 
       // Raw scores, tile by tile.
       ForRowTiles(rows, [&](auto tile_rows, int r0) {
         constexpr int kRows = decltype(tile_rows)::value;
         constexpr int kTokens = kRows == 4 ? 8 : 16;
         if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
-        for (int i = 0; i < groups * kGroup; i += kTokens) {
-          if (d == 64) {
-            ScoreTile<kRows, 2>(tokens.key_codes + i, q8 + static_cast<size_t>(r0) * 2 * d, raw + r0 * kBlock + i);
-          } else {
-            ScoreTile<kRows, 4>(tokens.key_codes + i, q8 + static_cast<size_t>(r0) * 2 * d, raw + r0 * kBlock + i);
+        for (int part = 0; part < kParts; ++part) {
+          for (int i = 0; i < groups * kGroup; i += kTokens) {
+            ScorePart<kRows>(part, tokens.key_codes + i, q8 + static_cast<size_t>(r0) * 2 * d,
+                             raw[part] + r0 * kBlock + i);
           }
         }
       });
@@ -458,14 +516,22 @@ struct Kernel {
       for (int r = 0; r < rows; ++r) {
         if (p.visible[r] <= t0) continue;
         float* sc = scores + r * kBlock;
-        const __m512 unit = _mm512_set1_ps(score_unit[r]);
-        const __m512i bias = _mm512_set1_epi32(128 * q8_sum[r]);
+        const __m512 unit = _mm512_set1_ps(score_unit[0][r]);
+        const __m512i bias = _mm512_set1_epi32(128 * q8_sum[0][r]);
+        const __m512 cold_unit = _mm512_set1_ps(score_unit[kParts - 1][r]);
+        const __m512i cold_bias = _mm512_set1_epi32(128 * q8_sum[kParts - 1][r]);
         __m512 m = neg_inf;
         for (int g = 0; g < groups; ++g) {
           const int64_t group_start = t0 + kGroup * g;
-          const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(raw + r * kBlock + kGroup * g), bias);
+          const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(raw[0] + r * kBlock + kGroup * g), bias);
           __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), unit),
                                    _mm512_load_ps(tokens.key_scale + kGroup * g));
+          if constexpr (kSplit) {
+            const __m512i cold =
+                _mm512_sub_epi32(_mm512_load_si512(raw[kParts - 1] + r * kBlock + kGroup * g), cold_bias);
+            s = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(cold), cold_unit),
+                                _mm512_load_ps(tokens.key_cold_scale + kGroup * g), s);
+          }
           if (addback.pairs() > 0) s = _mm512_add_ps(s, AddBack(p, addback, r, kGroup * g));
           const __mmask16 live =
               seen_lanes(p.visible[r] - group_start) & static_cast<__mmask16>(~seen_lanes(p.token_begin - group_start));
@@ -574,9 +640,24 @@ AttendKernel PickForValue(const FieldReader& value) {
   return nullptr;
 }
 
+// A key part's coordinates as the score tiles take them.
+bool WholeSegments(int dims) { return dims == 64 || (dims > 0 && dims % kSegment == 0); }
+
 AttendKernel Pick(const FieldReader& key, const FieldReader& value, int head_dim) {
+  if (key.format == FieldFormat::kSplitCentroids) {
+    if (!WholeSegments(key.hot_dims) || !WholeSegments(head_dim - key.hot_dims)) return nullptr;
+    switch (10 * key.bits + key.cold_bits) {
+      case 43:
+        return PickForValue<43>(value);
+      case 42:
+        return PickForValue<42>(value);
+      case 32:
+        return PickForValue<32>(value);
+    }
+    return nullptr;
+  }
   if (key.format != FieldFormat::kCentroids) return nullptr;
-  if (head_dim % kSegment != 0 && head_dim != 64) return nullptr;  // whole segments
+  if (!WholeSegments(head_dim)) return nullptr;
   switch (key.bits) {
     case 2:
       return PickForValue<2>(value);

@@ -194,7 +194,8 @@ using AttendKernel = void (*)(const HeadAttendParams& params);
 // this head dim (both: a multiple of 16).
 bool AttendHeadAvx512Supported(const FieldReader& key, const FieldReader& value, int head_dim);
 bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, int head_dim);
-// AttendHeadAvx512Vnni: centroid keys, centroid or uniform values, 2-4 bits
+// AttendHeadAvx512Vnni: centroid keys (or split keys whose two parts are each
+// 64 coordinates or a multiple of 128), centroid or uniform values, 2-4 bits
 // each, head_dim 64 or a multiple of 128.
 bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& value, int head_dim);
 
@@ -212,9 +213,10 @@ void AttendHeadAvx2(const HeadAttendParams& params);
 // VBMI): scores with int8 dot products, values with int16 ones. It reads no
 // byte outside a token's codes and scalars. Against exact attention over the
 // same bytes it differs by these roundings:
-// - the query, per row, to int8 (step max |q| / 127);
-// - the key codebook to int8 (IntegerKeyUnit: a step of max |centroid| / 127
-//   to / 96, whichever rounds the centroids least);
+// - the query, per row (and per part of split keys), to int8 (step
+//   max |q| / 127);
+// - the key codebook (each part's) to int8 (IntegerKeyUnit: a step of
+//   max |centroid| / 127 to / 96, whichever rounds the centroids least);
 // - the value codebook to int16 (ValueUnit: a step of max |centroid| / 1023);
 // - each weight (softmax weight x the token's value scale) to 15-bit fixed
 //   point per row and block of 64 tokens (a step of the block's largest

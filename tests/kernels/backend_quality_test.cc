@@ -84,7 +84,8 @@ TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
 }
 
 // The integer attention kernel (SimdLevel::kAvx512Vnni) rounds the query and
-// the key codebook to int8 and weights and value codebook to bf16. Over the
+// the key codebooks to int8, the value codebook to int16 units and the
+// weights to 15-bit fixed point. Over the
 // same stored pages, its output error against exact attention over the
 // original vectors must stay within 2% of the fp32 kernel's (the codec's own
 // error), with GQA 4 so that its 4-row tiles run.
@@ -100,7 +101,8 @@ TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
   CpuBackendOptions integer;
   integer.num_threads = 2;
   std::unique_ptr<Backend> backends[2] = {MakeCpuBackend(2), MakeCpuBackend(integer)};  // fp32, integer
-  for (const char* name : {"turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4"}) {
+  for (const char* name : {"turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4",
+                           "tqkv_k3p5v3", "tqkv_k2p5v3"}) {
     SCOPED_TRACE(name);
     KvLayoutOptions options;
     options.num_layers = 1;
@@ -110,6 +112,10 @@ TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
     options.page_tokens = 16;
     options.preset = name;
     options.boundary_layers = 0;
+    const Preset& preset = **FindPreset(name);
+    if (preset.NeedsCalibration()) {  // split keys: hot channels from the keys themselves
+      options.hot_channels = {ChooseHotChannels(keys.data(), n, d, preset.key.HotChannels(d))};
+    }
     auto layout = *KvLayout::Create(options);
     std::vector<int32_t> slots(n), block_table(n / 16);
     std::iota(slots.begin(), slots.end(), 0);

@@ -442,18 +442,25 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           SyntheticField kf_int = kf, vf_int = vf;
           std::vector<float> queries_int = queries;
           {
-            if (!kf.centroids.empty()) {
-              const float unit = cpu_internal::IntegerKeyUnit(kf.centroids.data(), static_cast<int>(kf.centroids.size()));
-              for (float& c : kf_int.centroids) c = std::lrint(c / unit) * unit;
+            // Split keys: each part's codebook and query coordinates on their own.
+            for (auto [from, to] : {std::pair{&kf.centroids, &kf_int.centroids}, {&kf.cold_centroids, &kf_int.cold_centroids}}) {
+              if (from->empty()) continue;
+              const float unit = cpu_internal::IntegerKeyUnit(from->data(), static_cast<int>(from->size()));
+              for (float& c : *to) c = std::lrint(c / unit) * unit;
             }
             if (!vf.centroids.empty()) {
               const float unit = cpu_internal::ValueUnit(vf.centroids.data(), static_cast<int>(vf.centroids.size()));
               for (float& c : vf_int.centroids) c = std::lrint(c / unit) * unit;
             }
+            const int hot = kf.split() ? d / 2 : d;
             for (int r = 0; r < rows; ++r) {
-              float max_q = 0;
-              for (int j = 0; j < d; ++j) max_q = std::max(max_q, std::fabs(queries[r * d + j]));
-              for (int j = 0; j < d; ++j) queries_int[r * d + j] = std::lrint(queries[r * d + j] / (max_q / 127)) * (max_q / 127);
+              for (auto [begin, end] : {std::pair{0, hot}, {hot, d}}) {
+                float max_q = 0;
+                for (int j = begin; j < end; ++j) max_q = std::max(max_q, std::fabs(queries[r * d + j]));
+                for (int j = begin; j < end; ++j) {
+                  queries_int[r * d + j] = std::lrint(queries[r * d + j] / (max_q / 127)) * (max_q / 127);
+                }
+              }
             }
           }
           for (const auto& [name, kernel] : kernels) {
@@ -463,8 +470,11 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
               continue;
             }
             const bool integer = name == "avx512_vnni";
-            if (integer) {  // TurboQuant keys, values of at most 4 bits, head_dim 64 or k * 128
-              const bool takes = key.format == FieldFormat::kCentroids && (d % 128 == 0 || d == 64) &&
+            if (integer) {  // TurboQuant keys (parts of 64 or k * 128 coordinates), values of at most 4 bits
+              const auto whole = [](int dims) { return dims == 64 || dims % 128 == 0; };
+              const bool takes = (key.format == FieldFormat::kCentroids ? whole(d)
+                                  : key.format == FieldFormat::kSplitCentroids ? whole(d / 2)
+                                                                               : false) &&
                                  (value.format == FieldFormat::kCentroids ||
                                   (value.format == FieldFormat::kUniform && value.bits <= 4));
               ASSERT_EQ(cpu_internal::AttendHeadAvx512VnniSupported(key, value, d), takes);
