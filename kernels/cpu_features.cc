@@ -29,8 +29,10 @@ SimdLevel Detect() {
   // reports the feature as absent.
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
-        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512dq")) {
+    // The integer kernel needs VNNI (vpdpbusd, vpdpwssd) and VBMI (vpermb,
+    // vpmultishiftqb), not BF16: Ice Lake and later Intel cores, Zen 4 and later.
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+        __builtin_cpu_supports("avx512dq")) {
       return SimdLevel::kAvx512Vnni;
     }
     return SimdLevel::kAvx512;

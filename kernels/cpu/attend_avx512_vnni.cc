@@ -1,10 +1,9 @@
 // AVX-512 integer attention for TurboQuant pages (centroid keys, or split
 // keys as two parts with their own codebooks, scales and int8 query units;
 // centroid or uniform values; 2-4 bits; head_dim 64 or a multiple of 128; see
-// AttendHeadAvx512VnniSupported), on CPUs with
-// VNNI, BF16 and VBMI. The fp32 kernels spend 2 x rows x head_dim FMA lanes per
-// token and head; this one spends a quarter of that on scores and half on
-// values:
+// AttendHeadAvx512VnniSupported), on CPUs with VNNI and VBMI. The fp32
+// kernels spend 2 x rows x head_dim FMA lanes per token and head; this one
+// spends a quarter of that on scores and half on values:
 //
 // - Scores with vpdpbusd (64 byte products per instruction). The codebook is
 //   one table for every coordinate, so a code becomes its centroid as an

@@ -209,9 +209,9 @@ bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& va
 void AttendHeadAvx512(const HeadAttendParams& params);
 void AttendHeadAvx2(const HeadAttendParams& params);
 
-// The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI, BF16 and
-// VBMI): scores with int8 dot products, values with int16 ones. It reads no
-// byte outside a token's codes and scalars. Against exact attention over the
+// The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI and VBMI):
+// scores with int8 dot products, values with int16 ones. It reads no byte
+// outside a token's codes and scalars. Against exact attention over the
 // same bytes it differs by these roundings:
 // - the query, per row (and per part of split keys), to int8 (step
 //   max |q| / 127);

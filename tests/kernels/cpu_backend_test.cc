@@ -198,7 +198,7 @@ TEST(CpuBackend, EveryHeadDimPageSizeAndGqaRatio) {
 // others, which fall back to fp32), head dims, pages, GQA ratios, several
 // query tokens. Only on a CPU that has it (SimdLevel::kAvx512Vnni).
 TEST(CpuBackend, IntegerAttentionThroughTheBackend) {
-  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + BF16 + VBMI on this CPU";
+  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + VBMI on this CPU";
   for (const Preset& preset : AllPresets()) CheckStoreThenAttend({std::string(preset.name), 128, 16, 2, 8}, 70, 1, true);
   for (int d : {64, 128, 256}) {
     for (int page : {1, 7, 16, 64}) CheckStoreThenAttend({"turboquant_3bit_nc", d, page, 2, 4}, 150, 1, true);
