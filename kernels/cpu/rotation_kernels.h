@@ -1,6 +1,7 @@
 // Internal to the rotation kernels: the per-ISA entry points that rotation.cc
 // dispatches to on ActiveSimdLevel(), defined in hadamard_avx2.cc and
-// hadamard_avx512.cc (the portable versions live in rotation.cc).
+// hadamard_avx512.cc on one body (hadamard_body.h); the portable versions live
+// in rotation.cc. Each returns with a clean upper register state.
 #ifndef TQKV_KERNELS_CPU_ROTATION_KERNELS_H_
 #define TQKV_KERNELS_CPU_ROTATION_KERNELS_H_
 
