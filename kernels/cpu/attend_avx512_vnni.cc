@@ -459,7 +459,6 @@ struct Kernel {
     }
 
     alignas(64) int32_t raw[kParts][kMaxRows * kBlock];
-    alignas(64) float scores[kMaxRows * kBlock];
     alignas(64) uint16_t weights[kMaxRows * kBlock];  // int16 in units of weight_unit
     float weight_unit[kMaxRows];
     BlockTokens tokens;
@@ -512,15 +511,19 @@ struct Kernel {
 
       // Scores, masked; then the online softmax, and fixed-point weights times the
       // tokens' value scales.
+      // A row's block of scores, then of weights, stays in registers.
+      constexpr int kGroups = kBlock / kGroup;
       for (int r = 0; r < rows; ++r) {
         if (p.visible[r] <= t0) continue;
-        float* sc = scores + r * kBlock;
         const __m512 unit = _mm512_set1_ps(score_unit[0][r]);
         const __m512i bias = _mm512_set1_epi32(128 * q8_sum[0][r]);
         const __m512 cold_unit = _mm512_set1_ps(score_unit[kParts - 1][r]);
         const __m512i cold_bias = _mm512_set1_epi32(128 * q8_sum[kParts - 1][r]);
+        __m512 block[kGroups];
         __m512 m = neg_inf;
-        for (int g = 0; g < groups; ++g) {
+#pragma GCC unroll 4
+        for (int g = 0; g < kGroups; ++g) {
+          if (g >= groups) break;
           const int64_t group_start = t0 + kGroup * g;
           const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(raw[0] + r * kBlock + kGroup * g), bias);
           __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), unit),
@@ -534,9 +537,8 @@ struct Kernel {
           if (addback.pairs() > 0) s = _mm512_add_ps(s, AddBack(p, addback, r, kGroup * g));
           const __mmask16 live =
               seen_lanes(p.visible[r] - group_start) & static_cast<__mmask16>(~seen_lanes(p.token_begin - group_start));
-          s = _mm512_mask_mov_ps(neg_inf, live, s);
-          _mm512_store_ps(sc + kGroup * g, s);
-          m = _mm512_max_ps(m, s);
+          block[g] = _mm512_mask_mov_ps(neg_inf, live, s);
+          m = _mm512_max_ps(m, block[g]);
         }
         const float new_max = std::max(row_max[r], Max(m));
         // exp(0) without the call: most blocks do not raise the maximum.
@@ -544,25 +546,27 @@ struct Kernel {
             row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
         row_max[r] = new_max;
         __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps(), w_max = _mm512_setzero_ps();
-        for (int g = 0; g < groups; ++g) {
-          const __m512 s = _mm512_load_ps(sc + kGroup * g);
-          const __mmask16 live = _mm512_cmp_ps_mask(s, neg_inf, _CMP_NEQ_OQ);
-          const __m512 e = _mm512_maskz_mov_ps(live, Exp(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+#pragma GCC unroll 4
+        for (int g = 0; g < kGroups; ++g) {
+          if (g >= groups) break;
+          const __mmask16 live = _mm512_cmp_ps_mask(block[g], neg_inf, _CMP_NEQ_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(live, Exp(_mm512_sub_ps(block[g], _mm512_set1_ps(new_max))));
           sum = _mm512_add_ps(sum, e);
-          const __m512 w = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
           if constexpr (kUniform) {
             zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
           }
-          _mm512_store_ps(sc + kGroup * g, w);
-          w_max = _mm512_max_ps(w_max, _mm512_abs_ps(w));
+          block[g] = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
+          w_max = _mm512_max_ps(w_max, _mm512_abs_ps(block[g]));
         }
         {
           // Fixed point per row and block: |weight| <= 32767 units.
           const float top = Max(w_max);
-          weight_unit[r] = top > 0.0f ? top / 32767.0f : 1.0f;
-          const __m512 inverse = _mm512_set1_ps(1.0f / weight_unit[r]);
-          for (int g = 0; g < groups; ++g) {
-            const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(sc + kGroup * g), inverse));
+          weight_unit[r] = top > 0.0f ? top * (1.0f / 32767.0f) : 1.0f;
+          const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 1.0f);
+#pragma GCC unroll 4
+          for (int g = 0; g < kGroups; ++g) {
+            if (g >= groups) break;
+            const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(block[g], inverse));
             _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g),
                                _mm512_cvtsepi32_epi16(w));
           }
