@@ -182,14 +182,12 @@ class CpuBackend final : public Backend {
     // every row waited on DRAM, most of a bf16 store's time.
     constexpr int kRun = 32;
     const size_t row_floats = static_cast<size_t>(heads) * d;
-    const auto prefetch_rows = [&](int layer, int64_t i0, int n, int head) {
+    const auto prefetch_rows = [&](const float* in, int layer, int64_t i0, int n, int head) {
       const size_t first = (static_cast<size_t>(layer - p.layer_begin) * p.num_tokens + i0) * row_floats +
                            static_cast<size_t>(head) * d;
       for (int k = 0; k < n; ++k) {
-        for (const float* in : {p.keys, p.values}) {
-          const float* row = in + first + k * row_floats;
-          for (int j = 0; j < d; j += 16) cpu_internal::PrefetchLine(row + j);
-        }
+        const float* row = in + first + k * row_floats;
+        for (int j = 0; j < d; j += 16) cpu_internal::PrefetchLine(row + j);
       }
     };
     absl::Mutex error_mu;
@@ -207,12 +205,19 @@ class CpuBackend final : public Backend {
       uint8_t* value_codes[kRun];
       uint16_t* key_scalars[kRun];
       uint16_t* value_scalars[kRun];
-      if (i0 == 0) prefetch_rows(layer, i0, n, 0);
+      if (i0 == 0) {
+        prefetch_rows(p.keys, layer, i0, n, 0);
+        prefetch_rows(p.values, layer, i0, n, 0);
+      }
       for (int head = 0; head < heads; ++head) {
-        if (head + 1 < heads) {
-          prefetch_rows(layer, i0, n, head + 1);
-        } else if (i0 + n < p.num_tokens) {
-          prefetch_rows(layer, i0 + n, static_cast<int>(std::min<int64_t>(kRun, p.num_tokens - i0 - n)), 0);
+        // What the next head reads (the next run's first for the last head):
+        // its keys while these keys encode, its values while these values do.
+        int64_t next_i0 = i0;
+        int next_n = n, next_head = head + 1;
+        if (next_head == heads) {
+          next_i0 = i0 + n;
+          next_n = static_cast<int>(std::min<int64_t>(kRun, p.num_tokens - next_i0));
+          next_head = 0;
         }
         const HeadView view = View(layout, layer, head);
         for (int k = 0; k < n; ++k) {
@@ -228,7 +233,9 @@ class CpuBackend final : public Backend {
           value_scalars[k] = const_cast<uint16_t*>(view.value_scalars(page, slot));
         }
         int key_failed = n, value_failed = n;
+        if (next_n > 0) prefetch_rows(p.keys, layer, next_i0, next_n, next_head);
         absl::Status key_status = view.key->EncodeMany(n, key_in, key_codes, key_scalars, &key_failed);
+        if (next_n > 0) prefetch_rows(p.values, layer, next_i0, next_n, next_head);
         absl::Status value_status = view.value->EncodeMany(n, value_in, value_codes, value_scalars, &value_failed);
         if (key_status.ok() && value_status.ok()) continue;
         // The first failing token, its key's error before its value's.
