@@ -364,13 +364,14 @@ absl::StatusOr<PresetError> MeasurePreset(const CaptureMeta& meta, const LayerCa
   int64_t stored = 0;
   for (size_t i = 0; i < positions.size(); ++i) {
     const int64_t p = positions[i];
-    AppendRequest append{id,
-                         stored,
-                         0,
-                         1,
-                         p + 1 - stored,
-                         &capture.keys[stored * kv_row],
-                         &capture.values[stored * kv_row]};
+    AppendRequest append;
+    append.sequence_id = id;
+    append.start_position = stored;
+    append.layer_begin = 0;
+    append.layer_end = 1;
+    append.num_tokens = p + 1 - stored;
+    append.keys = &capture.keys[stored * kv_row];
+    append.values = &capture.values[stored * kv_row];
     RETURN_IF_ERROR(cache->Append(append));
     stored = p + 1;
     const float* query = &capture.queries[p * hq * d];

@@ -463,7 +463,14 @@ TEST(SlidingWindowTest, AFailedAppendChangesNothing) {
   // A non-finite value fails too, and changes nothing either.
   std::vector<float> k = RandomTensor(4, 1, f.layout(), 3), v = k;
   v.back() = NAN;
-  AppendRequest r{"s", 26, 0, 4, 1, k.data(), v.data()};
+  AppendRequest r;
+  r.sequence_id = "s";
+  r.start_position = 26;
+  r.layer_begin = 0;
+  r.layer_end = 4;
+  r.num_tokens = 1;
+  r.keys = k.data();
+  r.values = v.data();
   EXPECT_EQ(f.cache->Append(r).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(f.cache->Stats().pages_used, before.pages_used);
   EXPECT_EQ(f.CheckAttend("s", ref, 1, 8), 0);

@@ -327,7 +327,9 @@ TEST(EncodeEquivalenceTest, StoredScaleSumsFollowTheBlockedOrder) {
     }
     double sequential = 0.0;
     for (int i = 0; i < n; ++i) sequential += static_cast<double>(x[i]) * x[i];
-    if (n == 128) EXPECT_NE(sequential, partial[0]) << "the inputs do not tell the orders apart";
+    if (n == 128) {
+      EXPECT_NE(sequential, partial[0]) << "the inputs do not tell the orders apart";
+    }
     for (SimdLevel level : SupportedSimdLevels()) {
       ASSERT_EQ(SetActiveSimdLevel(level), level);
       SCOPED_TRACE("n=" + std::to_string(n) + " level " + std::string(SimdLevelName(level)));
