@@ -233,7 +233,9 @@ TEST(PlannerWorkspace, BuffersAreAlignedAndInOrder) {
                                      at.lse};
   for (size_t i = 0; i < order.size(); ++i) {
     EXPECT_EQ(order[i] % kWorkspaceAlignment, 0u) << i;
-    if (i > 0) EXPECT_LT(order[i - 1], order[i]) << i;
+    if (i > 0) {
+      EXPECT_LT(order[i - 1], order[i]) << i;
+    }
   }
   EXPECT_TRUE(at.addback);
   EXPECT_LE(at.constants, at.copy_in);
