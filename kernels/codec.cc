@@ -219,9 +219,10 @@ class UniformCodec final : public VectorCodec {
   }
 
   absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const override {
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
     float lo, hi;
-    RETURN_IF_ERROR(Range(x, &lo, &hi));
-    Pack(x, Parameters(lo, hi), codes, scalars);
+    RETURN_IF_ERROR(Range(simd, x, &lo, &hi));
+    Pack(simd, x, Parameters(lo, hi), codes, scalars);
     return absl::OkStatus();
   }
 
@@ -231,11 +232,12 @@ class UniformCodec final : public VectorCodec {
   absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scalars,
                           int* failed) const override {
     constexpr int kBatch = 8;
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
     for (int k0 = 0; k0 < n; k0 += kBatch) {
       const int m = std::min(kBatch, n - k0);
       float lo[kBatch], hi[kBatch];
       for (int v = 0; v < m; ++v) {
-        absl::Status status = Range(x[k0 + v], &lo[v], &hi[v]);
+        absl::Status status = Range(simd, x[k0 + v], &lo[v], &hi[v]);
         if (!status.ok()) {
           *failed = k0 + v;
           return status;
@@ -243,7 +245,7 @@ class UniformCodec final : public VectorCodec {
       }
       Params params[kBatch];
       for (int v = 0; v < m; ++v) params[v] = Parameters(lo[v], hi[v]);
-      for (int v = 0; v < m; ++v) Pack(x[k0 + v], params[v], codes[k0 + v], scalars[k0 + v]);
+      for (int v = 0; v < m; ++v) Pack(simd, x[k0 + v], params[v], codes[k0 + v], scalars[k0 + v]);
     }
     return absl::OkStatus();
   }
@@ -294,8 +296,8 @@ class UniformCodec final : public VectorCodec {
   };
 
   // min and max of x, after checking it is finite and within fp16 range.
-  absl::Status Range(const float* x, float* lo, float* hi) const {
-    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
+  // `simd`: the store kernels, or nullptr for the portable code (also Pack).
+  absl::Status Range(const encode_internal::EncodeKernels* simd, const float* x, float* lo, float* hi) const {
     if (simd && simd->uniform_range(x, head_dim_, lo, hi)) return absl::OkStatus();
     RETURN_IF_ERROR(CheckFiniteAndInRange(x, head_dim_, kHalfMax, "fp16 scale/zero", simd));
     if (simd) {
@@ -321,8 +323,9 @@ class UniformCodec final : public VectorCodec {
     return p;
   }
 
-  void Pack(const float* x, const Params& p, uint8_t* codes, uint16_t* scalars) const {
-    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+  void Pack(const encode_internal::EncodeKernels* simd, const float* x, const Params& p, uint8_t* codes,
+            uint16_t* scalars) const {
+    if (simd) {
       simd->uniform_pack(x, head_dim_, p.zero, p.inv_scale, spec_.bits, codes);
     } else {
       const int max_code = (1 << spec_.bits) - 1;
@@ -368,8 +371,9 @@ class TurboQuantQuantizer {
     if (norm == 0.0) return WriteZero(codes, scale_out);
     float y[kMaxHeadDim];
     uint8_t packed[kMaxHeadDim];
-    Rotate(x, norm, y);
-    const float codeword_sq = QuantizePack(y, packed);
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
+    Rotate(simd, x, norm, y);
+    const float codeword_sq = QuantizePack(simd, y, packed);
     return Finish(norm, codeword_sq, packed, codes, scale_out);
   }
 
@@ -383,6 +387,7 @@ class TurboQuantQuantizer {
     constexpr int kBatch = 8;
     alignas(64) float y[kBatch * kMaxHeadDim];
     uint8_t packed[kBatch * kMaxHeadDim];
+    const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
     for (int k0 = 0; k0 < n; k0 += kBatch) {
       const int m = std::min(kBatch, n - k0);
       // The next batch's inputs start arriving while this one is encoded.
@@ -399,10 +404,10 @@ class TurboQuantQuantizer {
         norm[v] = std::sqrt(sum_sq);
       }
       for (int v = 0; v < good; ++v) {
-        if (norm[v] != 0.0) Rotate(x[k0 + v], norm[v], y + v * dim_);
+        if (norm[v] != 0.0) Rotate(simd, x[k0 + v], norm[v], y + v * dim_);
       }
       for (int v = 0; v < good; ++v) {
-        if (norm[v] != 0.0) codeword_sq[v] = QuantizePack(y + v * dim_, packed + v * dim_);
+        if (norm[v] != 0.0) codeword_sq[v] = QuantizePack(simd, y + v * dim_, packed + v * dim_);
       }
       for (int v = 0; v < good; ++v) {
         absl::Status status = norm[v] == 0.0 ? WriteZero(codes[k0 + v], scale_out[k0 + v])
@@ -455,10 +460,11 @@ class TurboQuantQuantizer {
     return absl::OkStatus();
   }
 
-  // y = rotation(x * (float)(1 / norm)), norm > 0.
-  void Rotate(const float* x, double norm, float* y) const {
+  // y = rotation(x * (float)(1 / norm)), norm > 0. `simd`: the store
+  // kernels (ActiveEncodeKernels()), or nullptr for the portable code.
+  void Rotate(const encode_internal::EncodeKernels* simd, const float* x, double norm, float* y) const {
     const float inv_norm = static_cast<float>(1.0 / norm);
-    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+    if (simd) {
       simd->scale(x, dim_, inv_norm, y);
     } else {
       for (int i = 0; i < dim_; ++i) y[i] = x[i] * inv_norm;
@@ -468,9 +474,9 @@ class TurboQuantQuantizer {
 
   // The packed levels of y; returns the codeword's squared norm with norm
   // correction, else 0.
-  float QuantizePack(const float* y, uint8_t* packed) const {
+  float QuantizePack(const encode_internal::EncodeKernels* simd, const float* y, uint8_t* packed) const {
     const float* centroids = codebook_->centroids.data();
-    if (const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels()) {
+    if (simd) {
       return simd->quantize_pack(codebook_->boundaries.data(), norm_correction_ ? centroids : nullptr, bits_, y,
                                  dim_, packed);
     }

@@ -301,19 +301,8 @@ bool UniformRangeAvx512(const float* x, int n, float* lo_out, float* hi_out) {
 }
 
 void UniformPackAvx512(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes) {
-  // UniformLevelsAvx512, then the pack.
   uint8_t levels[kMaxEncodeDim];
-  const __m512 vzero = _mm512_set1_ps(zero);
-  const __m512 vinv = _mm512_set1_ps(inv_scale);
-  const __m512 half = _mm512_set1_ps(0.5f);
-  const __m512 vmax = _mm512_set1_ps(static_cast<float>((1 << bits) - 1));
-  for (int i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_maskz_loadu_ps(TailMask(n - i), x + i);
-    __m512 level = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vzero), vinv), half);
-    level = _mm512_roundscale_ps(level, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    level = _mm512_min_ps(_mm512_max_ps(level, _mm512_setzero_ps()), vmax);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(levels + i), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(level)));
-  }
+  UniformLevelsAvx512(x, n, zero, inv_scale, (1 << bits) - 1, levels);
   PackBitsBmi2(levels, n, bits, codes);
 }
 

@@ -137,6 +137,22 @@ void StridePass2(float* x, int n, int h, const float* post, bool finish, typenam
   }
 }
 
+// The butterfly stages of stride h0, 2 h0, ... < n over all of y, two at a
+// time where they fit; the last one finishes (scale, then post).
+template <class S>
+void StridePasses(float* y, int n, int h0, const float* post, typename S::F32 scale) {
+  int h = h0;
+  while (h < n) {
+    if (4 * h <= n) {
+      StridePass2<S>(y, n, h, post, 4 * h == n, scale);
+      h *= 4;
+    } else {
+      StridePass<S>(y, n, h, post, 2 * h == n, scale);
+      h *= 2;
+    }
+  }
+}
+
 // y = diag(post) H diag(pre) x / sqrt(n); pre and post may be null (identity).
 // x == y allowed. REQUIRES: n a power of two.
 template <class S>
@@ -168,16 +184,7 @@ void SignedFwht(const float* x, float* y, int n, const float* pre_signs, const f
     TransformBlock<S, kBlockRegs>(x + i, y + i, pre_signs == nullptr ? nullptr : pre_signs + i, nullptr, false,
                                   scale);
   }
-  int h = kBlock;
-  while (h < n) {
-    if (4 * h <= n) {
-      StridePass2<S>(y, n, h, post_signs, 4 * h == n, scale);
-      h *= 4;
-    } else {
-      StridePass<S>(y, n, h, post_signs, 2 * h == n, scale);
-      h *= 2;
-    }
-  }
+  StridePasses<S>(y, n, kBlock, post_signs, scale);
 }
 
 // y = M x, M row-major dim x dim: four rows at a time share each load of x.
@@ -380,17 +387,7 @@ void KronHadamardRows(const float* x, float* y, int rows, const float* columns, 
     KronRowGroup<S, kM, kMaxRows>(x + i, y + i, columns, pre == nullptr ? nullptr : pre + i, nullptr, false,
                                   scale_value);
   }
-  const typename S::F32 scale = S::Set1(scale_value);
-  int h = kGroup;
-  while (h < n) {
-    if (4 * h <= n) {
-      StridePass2<S>(y, n, h, post, 4 * h == n, scale);
-      h *= 4;
-    } else {
-      StridePass<S>(y, n, h, post, 2 * h == n, scale);
-      h *= 2;
-    }
-  }
+  StridePasses<S>(y, n, kGroup, post, S::Set1(scale_value));
 }
 
 // KronHadamard* of rotation_kernels.h.

@@ -20,19 +20,10 @@
 #include "kernels/cpu_features.h"
 #include "kernels/float_formats.h"
 #include "kernels/random.h"
+#include "tests/kernels/simd_level_guard.h"
 
 namespace tqkv {
 namespace {
-
-// Restores the active level when a test ends.
-class SimdLevelGuard {
- public:
-  SimdLevelGuard() : saved_(ActiveSimdLevel()) {}
-  ~SimdLevelGuard() { SetActiveSimdLevel(saved_); }
-
- private:
-  SimdLevel saved_;
-};
 
 std::vector<SimdLevel> NonScalarLevels() {
   std::vector<SimdLevel> levels;

@@ -29,6 +29,7 @@
 #include "kernels/preset.h"
 #include "kernels/random.h"
 #include "kernels/rotation.h"
+#include "tests/kernels/simd_level_guard.h"
 
 namespace tqkv {
 namespace {
@@ -51,16 +52,6 @@ uint64_t InUse() {
 constexpr uint64_t kUpperHalves = (1u << 2) | (1u << 6);
 
 bool UpperClean() { return (InUse() & kUpperHalves) == 0; }
-
-// Restores the active level when a test ends.
-class SimdLevelGuard {
- public:
-  SimdLevelGuard() : saved_(ActiveSimdLevel()) {}
-  ~SimdLevelGuard() { SetActiveSimdLevel(saved_); }
-
- private:
-  SimdLevel saved_;
-};
 
 std::vector<SimdLevel> VectorLevels() {
   std::vector<SimdLevel> levels;
