@@ -481,10 +481,11 @@ struct Kernel {
     AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
     BlockWalk walk(p, first);
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
+    const BlockPrefetch prefetch(p, kBlock, first, max_visible);
     for (int64_t t0 = first; t0 < end; t0 += kBlock) {
       addback.Next();
       const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
-      PrefetchTokens(p, std::min(t0 + kBlock, max_visible), std::min(t0 + 2 * kBlock, max_visible));
+      prefetch.Piece(t0, 0);
       const int groups = (count + kGroup - 1) / kGroup;
       walk.Next(
           t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
@@ -509,6 +510,7 @@ struct Kernel {
         }
       });
 
+      prefetch.Piece(t0, 1);
       // Scores, masked; then the online softmax, and fixed-point weights times the
       // tokens' value scales.
       // A row's block of scores, then of weights, stays in registers.
@@ -580,6 +582,7 @@ struct Kernel {
         }
       }
 
+      prefetch.Piece(t0, 2);
       // Values, tile by tile; rows that see none of the block weigh zero.
       const int pairs = groups * kGroup / 2;
       ForRowTiles(rows, [&](auto tile_rows, int r0) {
@@ -600,6 +603,7 @@ struct Kernel {
           for (; b + 4 <= blocks; b += 4) ValueTile<kRows, 4>(tokens.value_codes, pairs, w, unit, s, b, out);
         }
       });
+      prefetch.Piece(t0, 3);
     }
     for (int r = 0; r < rows; ++r) {
       float* out = p.out + static_cast<size_t>(r) * d;
