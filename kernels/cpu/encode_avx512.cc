@@ -244,12 +244,74 @@ float CodewordSumAvx512(const float* centroids, int bits, const uint8_t* levels,
   return FoldSumLanes(acc);
 }
 
+namespace {
+
+// PackBitsAvx512's shuffles for `bits` bits: runs (vpshufb) moves bytes
+// 0 ... bits - 1 of each qword of a 128-bit lane to the lane's start (-128:
+// a zero byte); lanes (vpermw) takes the first `bits` words of each lane.
+struct PackIndex {
+  alignas(64) int8_t runs[64] = {};
+  alignas(64) int16_t lanes[32] = {};
+  constexpr explicit PackIndex(int bits) {
+    for (int i = 0; i < 64; ++i) {
+      const int k = i % 16;
+      runs[i] = static_cast<int8_t>(k < bits ? k : k < 2 * bits ? 8 + k - bits : -128);
+    }
+    for (int w = 0; w < 32; ++w) lanes[w] = static_cast<int16_t>(w < 4 * bits ? 8 * (w / bits) + w % bits : 0);
+  }
+};
+constexpr PackIndex kPackIndex[3] = {PackIndex(2), PackIndex(3), PackIndex(4)};
+
+// One step of PackBitsAvx512: the first m of the 64 codes in the bytes of
+// `codes` (2 <= bits <= 4; each < 2^bits, bytes from m on zero), as their
+// m * bits bits at out. Byte pairs, then word pairs, then dword pairs merge
+// (code 2 j + 1 above code 2 j, as the LSB-first stream has them): each
+// qword ends with its 8 codes in its low `bits` bytes. vpshufb moves a
+// 128-bit lane's two such runs to its start and vpermw packs the lanes'
+// runs (bits words each) together.
+inline void PackStep(__m512i codes, int m, int bits, uint8_t* out) {
+  const __m512i byte_pairs = _mm512_set1_epi16(static_cast<int16_t>(1 | (1 << (8 + bits))));
+  const __m512i word_pairs = _mm512_set1_epi32(1 | (1 << (16 + 2 * bits)));
+  const PackIndex& index = kPackIndex[bits - 2];
+  __m512i v = _mm512_madd_epi16(_mm512_maddubs_epi16(codes, byte_pairs), word_pairs);
+  v = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi64(0xffffffffll)), _mm512_srli_epi64(v, 32 - 4 * bits));
+  v = _mm512_permutexvar_epi16(_mm512_load_si512(index.lanes), _mm512_shuffle_epi8(v, _mm512_load_si512(index.runs)));
+  const int bytes = (m * bits + 7) / 8;
+  _mm512_mask_storeu_epi8(out, bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1, v);
+}
+
+// The int32 levels of coordinates 16 j ... 16 j + 15 in lo[j], j < 4, as the
+// 64 bytes of one vector in coordinate order: two in-lane packs leave
+// coordinates 16 j + 4 L ... + 3 in dword 4 L + j; vpermd puts them at 4 j + L.
+// (Built in registers: four 16-byte stores read back as one 64-byte load
+// would miss store forwarding.)
+inline __m512i LevelBytes(const __m512i* lo) {
+  const __m512i packed =
+      _mm512_packus_epi16(_mm512_packus_epi32(lo[0], lo[1]), _mm512_packus_epi32(lo[2], lo[3]));
+  return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), packed);
+}
+
+}  // namespace
+
+void PackBitsAvx512(const uint8_t* codes, int n, int bits, uint8_t* out) {
+  if (bits < 2 || bits > 4) {
+    PackBitsBmi2(codes, n, bits, out);
+    return;
+  }
+  const __m512i width = _mm512_set1_epi8(static_cast<char>((1 << bits) - 1));
+  for (int i = 0; i < n; i += 64) {
+    const int m = n - i < 64 ? n - i : 64;
+    const __mmask64 in = m == 64 ? ~__mmask64{0} : (__mmask64{1} << m) - 1;
+    PackStep(_mm512_and_si512(_mm512_maskz_loadu_epi8(in, codes + i), width), m, bits, out + i / 8 * bits);
+  }
+}
+
 float QuantizePackAvx512(const float* boundaries, const float* centroids, int bits, const float* y, int n,
                          uint8_t* codes) {
-  if (bits > 4) {
+  if (bits < 2 || bits > 4) {
     uint8_t levels[kMaxEncodeDim];
     QuantizeToLevelsAvx512(boundaries, bits, y, n, levels);
-    PackBitsBmi2(levels, n, bits, codes);
+    PackBitsAvx512(levels, n, bits, codes);
     return centroids != nullptr ? CodewordSumAvx512(centroids, bits, levels, n) : 0.0f;
   }
   // QuantizeToLevelsAvx512's search and CodewordSumAvx512's lookups on the
@@ -263,20 +325,23 @@ float QuantizePackAvx512(const float* boundaries, const float* centroids, int bi
   const __m512 bound = _mm512_loadu_ps(table);
   const __m512 lookup = _mm512_loadu_ps(squares);
   __m512 acc = _mm512_setzero_ps();
-  uint8_t levels[kMaxEncodeDim];
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = TailMask(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, y + i);
-    __m512i lo = _mm512_setzero_si512();
-    for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
-      const __m512i idx = _mm512_add_epi32(lo, _mm512_set1_epi32(step - 1));
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(idx, bound), _CMP_GT_OQ);
-      lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
+  for (int i = 0; i < n; i += 64) {
+    __m512i lo[4];
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_setzero_si512();
+      if (i + 16 * j >= n) continue;
+      const __mmask16 m = TailMask(n - i - 16 * j);
+      const __m512 v = _mm512_maskz_loadu_ps(m, y + i + 16 * j);
+      for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
+        const __m512i idx = _mm512_add_epi32(lo[j], _mm512_set1_epi32(step - 1));
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(idx, bound), _CMP_GT_OQ);
+        lo[j] = _mm512_mask_add_epi32(lo[j], gt, lo[j], _mm512_set1_epi32(step));
+      }
+      lo[j] = _mm512_maskz_mov_epi32(m, lo[j]);  // no code past n
+      acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(m, lo[j], lookup));
     }
-    acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(m, lo, lookup));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(levels + i), _mm512_cvtepi32_epi8(lo));
+    PackStep(LevelBytes(lo), n - i < 64 ? n - i : 64, bits, codes + i / 8 * bits);
   }
-  PackBitsBmi2(levels, n, bits, codes);
   return centroids != nullptr ? FoldSumLanes(acc) : 0.0f;
 }
 
@@ -301,9 +366,32 @@ bool UniformRangeAvx512(const float* x, int n, float* lo_out, float* hi_out) {
 }
 
 void UniformPackAvx512(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes) {
-  uint8_t levels[kMaxEncodeDim];
-  UniformLevelsAvx512(x, n, zero, inv_scale, (1 << bits) - 1, levels);
-  PackBitsBmi2(levels, n, bits, codes);
+  if (bits < 2 || bits > 4) {
+    uint8_t levels[kMaxEncodeDim];
+    UniformLevelsAvx512(x, n, zero, inv_scale, (1 << bits) - 1, levels);
+    PackBitsAvx512(levels, n, bits, codes);
+    return;
+  }
+  // UniformLevelsAvx512's expressions, the levels kept in registers.
+  const __m512 vzero = _mm512_set1_ps(zero);
+  const __m512 vinv = _mm512_set1_ps(inv_scale);
+  const __m512 half = _mm512_set1_ps(0.5f);
+  const __m512 vmax = _mm512_set1_ps(static_cast<float>((1 << bits) - 1));
+  const __m512 fzero = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 64) {
+    __m512i lo[4];
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_setzero_si512();
+      if (i + 16 * j >= n) continue;
+      const __mmask16 m = TailMask(n - i - 16 * j);
+      const __m512 v = _mm512_maskz_loadu_ps(m, x + i + 16 * j);
+      __m512 level = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vzero), vinv), half);
+      level = _mm512_roundscale_ps(level, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      level = _mm512_min_ps(_mm512_max_ps(level, fzero), vmax);
+      lo[j] = _mm512_maskz_cvttps_epi32(m, level);  // no code past n
+    }
+    PackStep(LevelBytes(lo), n - i < 64 ? n - i : 64, bits, codes + i / 8 * bits);
+  }
 }
 
 }  // namespace encode_internal

@@ -8,7 +8,7 @@ namespace encode_internal {
 namespace {
 
 constexpr EncodeKernels kAvx512{"avx512",           AllFiniteWithinAvx512, ScaleAvx512,
-                                QuantizeToLevelsAvx512, PackBitsBmi2,       FloatToHalfAvx512,
+                                QuantizeToLevelsAvx512, PackBitsAvx512,       FloatToHalfAvx512,
                                 FloatToBf16Avx512,  FloatToFp8E4m3Avx512,  MinMaxAvx512,
                                 UniformLevelsAvx512,    SumOfSquaresAvx512, CodewordSumAvx512, QuantizePackAvx512, UniformRangeAvx512, UniformPackAvx512};
 constexpr EncodeKernels kAvx2{"avx2",           AllFiniteWithinAvx2, ScaleAvx2,       QuantizeToLevelsAvx2,

@@ -51,6 +51,9 @@ void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, i
 // PackBits (bitpack.h) for 1 <= bits <= 8, with BMI2's pext (the AVX2 file
 // holds it; both sets use it).
 void PackBitsBmi2(const uint8_t* codes, int n, int bits, uint8_t* out);
+// The same with AVX-512 BW shuffles for 2-4 bits, 64 codes per step
+// (PackBitsBmi2 for other widths).
+void PackBitsAvx512(const uint8_t* codes, int n, int bits, uint8_t* out);
 // Little-endian 16-bit / 8-bit codes of FloatToHalf, FloatToBf16,
 // FloatToFp8E4m3 (float_formats.h) for finite inputs.
 void FloatToHalfAvx512(const float* x, int n, uint8_t* out);
