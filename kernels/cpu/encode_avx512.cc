@@ -322,8 +322,19 @@ float QuantizePackAvx512(const float* boundaries, const float* centroids, int bi
   if (centroids != nullptr) {
     for (int k = 0; k < (1 << bits); ++k) squares[k] = centroids[k] * centroids[k];
   }
-  const __m512 bound = _mm512_loadu_ps(table);
   const __m512 lookup = _mm512_loadu_ps(squares);
+  // The search's steps, halving: the first compares with one boundary
+  // (boundaries[first - 1]); each later step s (s = first / 2, ..., 1) looks
+  // up boundaries[lo + s - 1] in a table shifted by s - 1, no index add.
+  const int first = (num_boundaries + 1) >> 1;
+  const __m512 first_bound = _mm512_set1_ps(table[first - 1]);
+  __m512 shifted[3];  // steps 4, 2, 1 after the first (at most 4 bits: first <= 8)
+  int later = 0;
+  for (int step = first >> 1; step > 0; step >>= 1) {
+    float t[16];
+    for (int k = 0; k < 16; ++k) t[k] = k + step - 1 < 16 ? table[k + step - 1] : 0.0f;
+    shifted[later++] = _mm512_loadu_ps(t);
+  }
   __m512 acc = _mm512_setzero_ps();
   for (int i = 0; i < n; i += 64) {
     __m512i lo[4];
@@ -332,9 +343,9 @@ float QuantizePackAvx512(const float* boundaries, const float* centroids, int bi
       if (i + 16 * j >= n) continue;
       const __mmask16 m = TailMask(n - i - 16 * j);
       const __m512 v = _mm512_maskz_loadu_ps(m, y + i + 16 * j);
-      for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
-        const __m512i idx = _mm512_add_epi32(lo[j], _mm512_set1_epi32(step - 1));
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(idx, bound), _CMP_GT_OQ);
+      lo[j] = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, first_bound, _CMP_GT_OQ), _mm512_set1_epi32(first));
+      for (int k = 0, step = first >> 1; k < later; ++k, step >>= 1) {
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(lo[j], shifted[k]), _CMP_GT_OQ);
         lo[j] = _mm512_mask_add_epi32(lo[j], gt, lo[j], _mm512_set1_epi32(step));
       }
       lo[j] = _mm512_maskz_mov_epi32(m, lo[j]);  // no code past n
