@@ -126,10 +126,11 @@ inline void PrefetchTokens(const HeadAttendParams& p, int64_t begin, int64_t end
 // at its start, the others between its steps: after the scores, the
 // softmax, the values). A whole block's lines asked at once (about a hundred
 // for 3-bit codes) queue behind the core's few outstanding misses and stall
-// the loads behind them; spread, they overlap the arithmetic. Measured on
-// the Xeon (one 32k layer, 2 threads, three rounds interleaved): one block
-// ahead at once, turboquant_3bit_nc 2.27-2.48 ms and fp8 6.59-6.90 ms; two
-// blocks ahead in four pieces, 2.19-2.28 and 6.19-6.72 ms.
+// the loads behind them; spread, they can overlap the arithmetic. Measured
+// on the Xeon (one 32k layer, 2 threads, alternating with the one-block
+// prefetch): 4-8% faster in a first set of three rounds (turboquant_3bit_nc
+// 2.19-2.28 against 2.27-2.48 ms), 1-3% (medians 2.38 against 2.41 ms,
+// within the noise) in a later set of six; never slower.
 class BlockPrefetch {
  public:
   static constexpr int kAhead = 2;
