@@ -42,6 +42,15 @@ inline float FoldSumLanes(__m512 partial) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
+// The uniform codec's level of each lane, as a float:
+// clamp(floor((v - zero) * inv_scale + 0.5f), 0, max_code).
+inline __m512 UniformLevel(__m512 v, __m512 zero, __m512 inv_scale, __m512 max_code) {
+  const __m512 level = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, zero), inv_scale),
+                                                          _mm512_set1_ps(0.5f)),
+                                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  return _mm512_min_ps(_mm512_max_ps(level, _mm512_setzero_ps()), max_code);
+}
+
 }  // namespace
 
 bool AllFiniteWithinAvx512(const float* x, int n, float limit) {
@@ -193,15 +202,10 @@ void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int
                          uint8_t* levels) {
   const __m512 vzero = _mm512_set1_ps(zero);
   const __m512 vinv = _mm512_set1_ps(inv_scale);
-  const __m512 half = _mm512_set1_ps(0.5f);
   const __m512 vmax = _mm512_set1_ps(static_cast<float>(max_code));
-  const __m512 fzero = _mm512_setzero_ps();
   for (int i = 0; i < n; i += 16) {
     const __mmask16 m = TailMask(n - i);
-    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
-    __m512 level = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vzero), vinv), half);
-    level = _mm512_roundscale_ps(level, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    level = _mm512_min_ps(_mm512_max_ps(level, fzero), vmax);
+    const __m512 level = UniformLevel(_mm512_maskz_loadu_ps(m, x + i), vzero, vinv, vmax);
     StoreBytes16(levels + i, _mm512_cvttps_epi32(level), m);
   }
 }
@@ -291,6 +295,23 @@ inline __m512i LevelBytes(const __m512i* lo) {
   return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), packed);
 }
 
+// The packed codes of x[0, n) (2 <= bits <= 4): levels(v, m) gives the int32
+// levels of 16 coordinates v (lanes outside m loaded as 0); lanes past n are
+// zeroed before the pack, so no code lands past n.
+template <typename Levels>
+inline void PackLevels(const float* x, int n, int bits, uint8_t* codes, Levels&& levels) {
+  for (int i = 0; i < n; i += 64) {
+    __m512i lo[4];
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm512_setzero_si512();
+      if (i + 16 * j >= n) continue;
+      const __mmask16 m = TailMask(n - i - 16 * j);
+      lo[j] = _mm512_maskz_mov_epi32(m, levels(_mm512_maskz_loadu_ps(m, x + i + 16 * j), m));
+    }
+    PackStep(LevelBytes(lo), n - i < 64 ? n - i : 64, bits, codes + i / 8 * bits);
+  }
+}
+
 }  // namespace
 
 void PackBitsAvx512(const uint8_t* codes, int n, int bits, uint8_t* out) {
@@ -336,23 +357,15 @@ float QuantizePackAvx512(const float* boundaries, const float* centroids, int bi
     shifted[later++] = _mm512_loadu_ps(t);
   }
   __m512 acc = _mm512_setzero_ps();
-  for (int i = 0; i < n; i += 64) {
-    __m512i lo[4];
-    for (int j = 0; j < 4; ++j) {
-      lo[j] = _mm512_setzero_si512();
-      if (i + 16 * j >= n) continue;
-      const __mmask16 m = TailMask(n - i - 16 * j);
-      const __m512 v = _mm512_maskz_loadu_ps(m, y + i + 16 * j);
-      lo[j] = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, first_bound, _CMP_GT_OQ), _mm512_set1_epi32(first));
-      for (int k = 0, step = first >> 1; k < later; ++k, step >>= 1) {
-        const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(lo[j], shifted[k]), _CMP_GT_OQ);
-        lo[j] = _mm512_mask_add_epi32(lo[j], gt, lo[j], _mm512_set1_epi32(step));
-      }
-      lo[j] = _mm512_maskz_mov_epi32(m, lo[j]);  // no code past n
-      acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(m, lo[j], lookup));
+  PackLevels(y, n, bits, codes, [&](__m512 v, __mmask16 m) {
+    __m512i lo = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, first_bound, _CMP_GT_OQ), _mm512_set1_epi32(first));
+    for (int k = 0, step = first >> 1; k < later; ++k, step >>= 1) {
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(lo, shifted[k]), _CMP_GT_OQ);
+      lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
     }
-    PackStep(LevelBytes(lo), n - i < 64 ? n - i : 64, bits, codes + i / 8 * bits);
-  }
+    acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(m, lo, lookup));
+    return lo;
+  });
   return centroids != nullptr ? FoldSumLanes(acc) : 0.0f;
 }
 
@@ -383,26 +396,13 @@ void UniformPackAvx512(const float* x, int n, float zero, float inv_scale, int b
     PackBitsAvx512(levels, n, bits, codes);
     return;
   }
-  // UniformLevelsAvx512's expressions, the levels kept in registers.
+  // UniformLevelsAvx512's levels, kept in registers.
   const __m512 vzero = _mm512_set1_ps(zero);
   const __m512 vinv = _mm512_set1_ps(inv_scale);
-  const __m512 half = _mm512_set1_ps(0.5f);
   const __m512 vmax = _mm512_set1_ps(static_cast<float>((1 << bits) - 1));
-  const __m512 fzero = _mm512_setzero_ps();
-  for (int i = 0; i < n; i += 64) {
-    __m512i lo[4];
-    for (int j = 0; j < 4; ++j) {
-      lo[j] = _mm512_setzero_si512();
-      if (i + 16 * j >= n) continue;
-      const __mmask16 m = TailMask(n - i - 16 * j);
-      const __m512 v = _mm512_maskz_loadu_ps(m, x + i + 16 * j);
-      __m512 level = _mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, vzero), vinv), half);
-      level = _mm512_roundscale_ps(level, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-      level = _mm512_min_ps(_mm512_max_ps(level, fzero), vmax);
-      lo[j] = _mm512_maskz_cvttps_epi32(m, level);  // no code past n
-    }
-    PackStep(LevelBytes(lo), n - i < 64 ? n - i : 64, bits, codes + i / 8 * bits);
-  }
+  PackLevels(x, n, bits, codes, [&](__m512 v, __mmask16) {
+    return _mm512_cvttps_epi32(UniformLevel(v, vzero, vinv, vmax));
+  });
 }
 
 }  // namespace encode_internal
