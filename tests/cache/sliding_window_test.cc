@@ -95,21 +95,26 @@ struct Fixture {
   }
   const KvLayout& layout() const { return cache->layout(); }
 
+  // Appends n tokens of keys k and values v ([layers, n, ...]) to every layer.
+  absl::Status AppendTokens(const std::string& id, int64_t start, int64_t n, const float* k, const float* v) {
+    AppendRequest r;
+    r.sequence_id = id;
+    r.start_position = start;
+    r.layer_begin = 0;
+    r.layer_end = layout().num_layers();
+    r.num_tokens = n;
+    r.keys = k;
+    r.values = v;
+    return cache->Append(r);
+  }
+
   // Appends n random tokens to every layer, and to `ref` when given.
   absl::Status Append(const std::string& id, int64_t start, int64_t n, uint32_t seed,
                       ReferenceSequence* ref = nullptr) {
     const int layers = layout().num_layers();
     const std::vector<float> k = RandomTensor(layers, n, layout(), seed);
     const std::vector<float> v = RandomTensor(layers, n, layout(), seed + 7777);
-    AppendRequest r;
-    r.sequence_id = id;
-    r.start_position = start;
-    r.layer_begin = 0;
-    r.layer_end = layers;
-    r.num_tokens = n;
-    r.keys = k.data();
-    r.values = v.data();
-    absl::Status status = cache->Append(r);
+    absl::Status status = AppendTokens(id, start, n, k.data(), v.data());
     if (status.ok() && ref != nullptr) ref->Append(0, layers, n, k.data(), v.data());
     return status;
   }
@@ -463,15 +468,7 @@ TEST(SlidingWindowTest, AFailedAppendChangesNothing) {
   // A non-finite value fails too, and changes nothing either.
   std::vector<float> k = RandomTensor(4, 1, f.layout(), 3), v = k;
   v.back() = NAN;
-  AppendRequest r;
-  r.sequence_id = "s";
-  r.start_position = 26;
-  r.layer_begin = 0;
-  r.layer_end = 4;
-  r.num_tokens = 1;
-  r.keys = k.data();
-  r.values = v.data();
-  EXPECT_EQ(f.cache->Append(r).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(f.AppendTokens("s", 26, 1, k.data(), v.data()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(f.cache->Stats().pages_used, before.pages_used);
   EXPECT_EQ(f.CheckAttend("s", ref, 1, 8), 0);
 }

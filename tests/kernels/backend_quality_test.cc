@@ -14,6 +14,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu_features.h"
 #include "kernels/kv_layout.h"
+#include "tests/kernels/one_head_layout.h"
 
 namespace tqkv {
 namespace {
@@ -26,18 +27,7 @@ TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
   auto backend = MakeCpuBackend(2);
   for (const Preset& preset : AllPresets()) {
     SCOPED_TRACE(std::string(preset.name));
-    KvLayoutOptions options;
-    options.num_layers = 1;
-    options.num_kv_heads = 1;
-    options.num_query_heads = 1;
-    options.head_dim = d;
-    options.page_tokens = 16;
-    options.preset = std::string(preset.name);
-    options.boundary_layers = 0;
-    if (preset.NeedsCalibration()) {
-      options.hot_channels = {ChooseHotChannels(keys.data(), n, d, preset.key.HotChannels(d))};
-    }
-    auto layout = *KvLayout::Create(options);
+    auto layout = *KvLayout::Create(OneHeadLayoutOptions(preset, 1, d, keys.data(), n));
     auto pool = *backend->AllocatePool(*layout, n / 16);
     std::vector<int32_t> slots(n), block_table(n / 16);
     std::iota(slots.begin(), slots.end(), 0);
@@ -104,19 +94,8 @@ TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
   for (const char* name : {"turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc", "tqkv_k3v3", "tqkv_k3v4",
                            "tqkv_k3p5v3", "tqkv_k2p5v3"}) {
     SCOPED_TRACE(name);
-    KvLayoutOptions options;
-    options.num_layers = 1;
-    options.num_kv_heads = 1;
-    options.num_query_heads = heads;
-    options.head_dim = d;
-    options.page_tokens = 16;
-    options.preset = name;
-    options.boundary_layers = 0;
     const Preset& preset = **FindPreset(name);
-    if (preset.NeedsCalibration()) {  // split keys: hot channels from the keys themselves
-      options.hot_channels = {ChooseHotChannels(keys.data(), n, d, preset.key.HotChannels(d))};
-    }
-    auto layout = *KvLayout::Create(options);
+    auto layout = *KvLayout::Create(OneHeadLayoutOptions(preset, heads, d, keys.data(), n));
     std::vector<int32_t> slots(n), block_table(n / 16);
     std::iota(slots.begin(), slots.end(), 0);
     std::iota(block_table.begin(), block_table.end(), 0);

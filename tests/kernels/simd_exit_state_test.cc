@@ -29,6 +29,7 @@
 #include "kernels/preset.h"
 #include "kernels/random.h"
 #include "kernels/rotation.h"
+#include "tests/kernels/one_head_layout.h"
 #include "tests/kernels/simd_level_guard.h"
 
 namespace tqkv {
@@ -116,18 +117,7 @@ TEST(SimdExitState, StoreAndAttendReturnClean) {
     std::unique_ptr<Backend> backend = MakeCpuBackend(options);
     for (const Preset& preset : AllPresets()) {
       SCOPED_TRACE(std::string(preset.name) + " level " + std::string(SimdLevelName(level)));
-      KvLayoutOptions layout_options;
-      layout_options.num_layers = 1;
-      layout_options.num_kv_heads = 1;
-      layout_options.num_query_heads = heads;
-      layout_options.head_dim = d;
-      layout_options.page_tokens = 16;
-      layout_options.preset = std::string(preset.name);
-      layout_options.boundary_layers = 0;
-      if (preset.NeedsCalibration()) {
-        layout_options.hot_channels = {ChooseHotChannels(keys.data(), n, d, preset.key.HotChannels(d))};
-      }
-      auto layout = KvLayout::Create(layout_options);
+      auto layout = KvLayout::Create(OneHeadLayoutOptions(preset, heads, d, keys.data(), n));
       ASSERT_TRUE(layout.ok()) << layout.status();
       auto pool = backend->AllocatePool(**layout, n / 16);
       ASSERT_TRUE(pool.ok()) << pool.status();
