@@ -29,7 +29,7 @@ SimdLevel Detect() {
   // reports the feature as absent.
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
-    // The integer kernel needs VNNI (vpdpbusd, vpdpwssd) and VBMI (vpermb,
+    // The integer kernel needs VNNI (vpdpbusd) and VBMI (vpermb,
     // vpmultishiftqb), not BF16: Ice Lake and later Intel cores, Zen 4 and later.
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
         __builtin_cpu_supports("avx512dq")) {

@@ -3,7 +3,7 @@
 // centroid or uniform values; 2-4 bits; head_dim 64 or a multiple of 128; see
 // AttendHeadAvx512VnniSupported), on CPUs with VNNI and VBMI. The fp32
 // kernels spend 2 x rows x head_dim FMA lanes per token and head; this one
-// spends a quarter of that on scores and half on values:
+// spends a quarter of that on scores and on values:
 //
 // - Scores with vpdpbusd (64 byte products per instruction). The codebook is
 //   one table for every coordinate, so a code becomes its centroid as an
@@ -14,13 +14,17 @@
 //   byte. A vector holds 32 coordinates of two tokens; the dot products of a
 //   row reduce with one transpose-add per 8 or 16 tokens. (vpermb rather
 //   than the two-source vpermt2b: on Intel cores the latter is two uops.)
-// - Values with vpdpwssd (pairs of tokens per instruction): a vector holds
-//   16 coordinates of two tokens as interleaved int16 words (vpermb,
-//   vpsrlvw, then a mask for uniform codes or vpermw onto the centroids in
-//   fixed point), times the pair of softmax weights (times the tokens'
-//   scales) in 15-bit fixed point per row and block, broadcast from memory.
-//   (Not vdpbf16ps: on Intel cores it runs at one every two cycles, a
-//   quarter of vpdpwssd's rate, measured on this project's Xeon.)
+// - Values with vpdpbusd too, four tokens per instruction: a vector holds 16
+//   coordinates of four tokens as signed bytes (lane i: coordinate i of
+//   each; vpermb gathers, vpmultishiftqb aligns, then a mask for uniform
+//   codes or vpermb onto the centroids in int8), times the dword of the four
+//   tokens' softmax weights (times their scales) in unsigned 8-bit fixed
+//   point per row and block, the rounding error carried from token to token.
+//   Per token and 4-row tile and 128 coordinates that is 8 dot products and
+//   6 shuffles, against 16 and 12 for pairs of int16 words (vpdpwssd), which
+//   this kernel used before 2026-12-03. (Not vdpbf16ps: on Intel cores it
+//   runs at one every two cycles, a quarter of vpdpwssd's rate, measured on
+//   this project's Xeon.)
 //
 // Its error against exact attention over the same bytes, and why it sits far
 // inside the codec's own error, is stated in attend_kernels.h.
@@ -70,10 +74,11 @@ inline __m512i DotBytes(__m512i acc, __m512i k, const uint8_t* q) {
   return acc;
 }
 
-// acc + the word dot products (vpdpwssd) of v and w. GCC 12's intrinsic
-// copies its accumulator at every call, which spilled a tile's 16.
-inline __m512i DotWords(__m512i acc, __m512i v, __m512i w) {
-  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(v), "v"(w));
+// acc + the byte dot products (vpdpbusd) of the unsigned weights w with
+// the signed value bytes v. GCC 12's intrinsic copies its accumulator at
+// every call, which spilled a tile's 16.
+inline __m512i DotWeights(__m512i acc, __m512i w, __m512i v) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(v));
   return acc;
 }
 
@@ -177,76 +182,116 @@ class KeyCodes {
   float unit_;
 };
 
-// b-bit value codes, 16 coordinates of two tokens per vector, interleaved
-// (word 2 i + t: coordinate i of token t), as int16 for vpdpwssd against
-// fixed-point weights: uniform codes as they are, centroids in units of
-// unit() (at most kValueUnits).
+// b-bit value codes of four tokens as signed bytes, 16 coordinates per
+// vector: dword i holds coordinate i of tokens 0-3 (byte t: token t), for
+// vpdpbusd against the dword of the four tokens' unsigned 8-bit weights.
+// Uniform codes are read as they are, centroids in units of unit() (at most
+// 127: IntegerKeyUnit).
+//
+// A quarter is 32 coordinates of a token, 4 b bytes. QuadQuarter loads 16
+// bytes per token into lane t of a vector: the quarter's bytes, or for a
+// token's last quarter (when fewer than 16 bytes follow its start) the 16
+// that end with it, so no load crosses the token's codes; kLateShift is
+// where that quarter's bytes start then.
 template <int kBits>
-struct ValueIndex {
-  // Word 2 i + t of block c of a half segment (HalfSegments) takes the two
-  // bytes in which code 16 c + i of token t starts (the second may be a zero
-  // or the other token's byte: above the code, it is shifted or masked
-  // away); vpsrlvw then moves the code to bit 0.
-  alignas(64) uint16_t gather[4][32] = {};
-  alignas(64) uint16_t shift[32] = {};
-  constexpr ValueIndex() {
-    for (int c = 0; c < 4; ++c) {
-      for (int i = 0; i < 16; ++i) {
-        const int bit = kBits * (16 * c + i);
-        for (int t = 0; t < 2; ++t) {
-          const int lo = bit / 8 + 32 * t;
-          gather[c][2 * i + t] = static_cast<uint16_t>(lo | ((lo + 1) << 8));
+struct QuadIndex {
+  static constexpr int kQuarterBytes = 4 * kBits;
+  static constexpr int kLateShift = 16 - kQuarterBytes;
+  // gather[late][h][8 j + 2 t + k]: qword j of half h (coordinates 16 h +
+  // 2 j and + 1 of the quarter) takes, in bytes 2 t and 2 t + 1, the two
+  // bytes of token t in which those two codes lie (the second may belong to
+  // the next code or token: shifted or looked up away).
+  alignas(64) uint8_t gather[2][2][64] = {};
+  // shift[8 j + i]: vpmultishiftqb takes byte i of qword j (token i % 4,
+  // coordinate 2 j + i / 4 of the half) from this bit of the qword.
+  alignas(64) uint8_t shift[64] = {};
+  constexpr QuadIndex() {
+    for (int late = 0; late < 2; ++late) {
+      for (int h = 0; h < 2; ++h) {
+        for (int j = 0; j < 8; ++j) {
+          const int byte = kBits * (16 * h + 2 * j) / 8 + (late ? kLateShift : 0);
+          for (int t = 0; t < 4; ++t) {
+            for (int k = 0; k < 2; ++k) gather[late][h][8 * j + 2 * t + k] = static_cast<uint8_t>((16 * t + byte + k) % 64);
+          }
         }
       }
     }
-    for (int i = 0; i < 16; ++i) shift[2 * i] = shift[2 * i + 1] = static_cast<uint16_t>((kBits * i) % 8);
+    for (int j = 0; j < 8; ++j) {
+      const int bit = (kBits * 2 * j) % 8;  // the same in both halves: 16 b bits are whole bytes
+      for (int i = 0; i < 8; ++i) shift[8 * j + i] = static_cast<uint8_t>(16 * (i % 4) + bit + kBits * (i / 4));
+    }
   }
 };
 template <int kBits>
-inline constexpr ValueIndex<kBits> kValueIndex{};
+inline constexpr QuadIndex<kBits> kQuadIndex{};
 
-// A value centroid is at most this many units (ValueUnit): with weights of
-// at most 32767 units, a block's 64 products per lane stay inside int32
-// (64 x 32767 x 1023 < 2^31).
-inline constexpr int kValueUnits = 1023;
+// IntegerKeyUnit for the value codebook this thread saw last.
+float CachedValueUnit(const float* centroids, int count) {
+  thread_local float seen[16], unit = 0.0f;
+  thread_local int seen_count = 0;
+  if (count != seen_count || memcmp(seen, centroids, sizeof(float) * count) != 0) {
+    memcpy(seen, centroids, sizeof(float) * count);
+    seen_count = count;
+    unit = ValueUnit(centroids, count);
+  }
+  return unit;
+}
 
 template <FieldFormat kFormat, int kBits>
 class ValueCodes {
  public:
+  static constexpr int kQuarterBytes = QuadIndex<kBits>::kQuarterBytes;
+
   explicit ValueCodes(const float* centroids) {
-    for (int c = 0; c < 4; ++c) gather_[c] = _mm512_load_si512(kValueIndex<kBits>.gather[c]);
-    shift_ = _mm512_load_si512(kValueIndex<kBits>.shift);
-    // vpermw reads index bits [4:0].
+    shift_ = _mm512_load_si512(kQuadIndex<kBits>.shift);
     if constexpr (kFormat == FieldFormat::kCentroids) {
-      unit_ = ValueUnit(centroids, 1 << kBits);
-      alignas(64) int16_t table[32];
-      for (int i = 0; i < 32; ++i) {
-        table[i] = static_cast<int16_t>(std::lrint(centroids[i % (1 << kBits)] / unit_));
+      // vpermb reads index bits [5:0]: the 2^b entries repeat over 64, so the
+      // bits above a code do not matter.
+      unit_ = CachedValueUnit(centroids, 1 << kBits);
+      alignas(64) int8_t table[64];
+      for (int i = 0; i < 64; ++i) {
+        const float c = centroids[i % (1 << kBits)] / unit_;
+        table[i] = static_cast<int8_t>(std::lrint(std::clamp(c, -127.0f, 127.0f)));
       }
       table_ = _mm512_load_si512(table);
     }
   }
 
-  // What a word stands for: value = unit() * word (before the token's scale
+  // What a byte stands for: value = unit() * byte (before the token's scale
   // and, for uniform codes, its zero).
   float unit() const { return unit_; }
 
-  // Block c (coordinates 16 c ... + 15 of a half segment) of tokens a and
-  // b, given their HalfSegments, as int16 words.
-  __m512i Block(__m512i halves, int c) const {
-    const __m512i code = _mm512_srlv_epi16(_mm512_permutexvar_epi8(gather_[c], halves), shift_);
+  // The gather of half h of quarter `quarter` of a token with `quarters`.
+  static __m512i Gather(int quarter, int quarters, int h) {
+    const bool late = quarter == quarters - 1 && kQuarterBytes < 16;
+    return _mm512_load_si512(kQuadIndex<kBits>.gather[late][h]);
+  }
+  // Where QuadQuarter loads quarter `quarter` of a token from.
+  static int QuarterOffset(int quarter, int quarters) {
+    const bool late = quarter == quarters - 1 && kQuarterBytes < 16;
+    return kQuarterBytes * quarter - (late ? QuadIndex<kBits>::kLateShift : 0);
+  }
+
+  // 16 bytes of each of four tokens' codes from `offset`, token t in lane t.
+  static __m512i QuadQuarter(const uint8_t* const* codes, int offset) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[0] + offset)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[1] + offset)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[2] + offset)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[3] + offset)), 3);
+  }
+
+  // Half h of a quarter of four tokens (QuadQuarter), given Gather(..., h).
+  __m512i Half(__m512i quarter, __m512i gather) const {
+    const __m512i codes = _mm512_multishift_epi64_epi8(shift_, _mm512_permutexvar_epi8(gather, quarter));
     if constexpr (kFormat == FieldFormat::kUniform) {
-      return _mm512_and_si512(code, _mm512_set1_epi16((1 << kBits) - 1));
+      return _mm512_and_si512(codes, _mm512_set1_epi8((1 << kBits) - 1));
     } else {
-      return _mm512_permutexvar_epi16(code, table_);
+      return _mm512_permutexvar_epi8(codes, table_);
     }
   }
 
-  // Code bytes of a half segment (64 coordinates).
-  static constexpr int kHalfBytes = 8 * kBits;
-
  private:
-  __m512i gather_[4], shift_, table_;
+  __m512i shift_, table_;
   float unit_ = 1.0f;
 };
 
@@ -289,7 +334,6 @@ struct Kernel {
   // twice.
   const HeadAttendParams& p;
   const int d;
-  const int segments;
   const KeyCodes<kHotBits> keys;        // every coordinate's, or the hot part's
   const KeyCodes<kColdBits> cold_keys;  // split keys: the cold part's
   KeyPart parts[kParts];
@@ -298,7 +342,6 @@ struct Kernel {
   Kernel(const HeadAttendParams& params)
       : p(params),
         d(params.head_dim),
-        segments((params.head_dim + kSegment - 1) / kSegment),
         keys(params.key.centroids),
         cold_keys(kSplit ? params.key.cold_centroids : params.key.centroids),
         values(params.value.centroids) {
@@ -332,8 +375,6 @@ struct Kernel {
       }
     }
   }
-
-  int SegmentCoords(int s) const { return std::min(kSegment, d - kSegment * s); }
 
   // Raw integer scores (before the +128 correction) of kRows rows with a
   // tile of 2 * kPairs tokens (kPairs = 4 for 4 rows, else 8: 16
@@ -382,42 +423,44 @@ struct Kernel {
     }
   }
 
-  // out[r][16 (b + c) + i] += sum over the block's pairs of tokens of
-  // weight x value, for kRows rows and kBlocks 16-coordinate blocks of one
-  // segment.
-  // int32 accumulators of int16 words times int16 weights (in units of
-  // weight_unit[r]).
-  template <int kRows, int kBlocks>
-  void ValueTile(const uint8_t* const* codes, int pairs, const uint16_t* weights, const float* weight_unit, int s,
-                 int b, float* out) const {
-    __m512i acc[kRows][kBlocks];
+  // out[r][32 (q0 + i) + c] += the sum over the block's quads of tokens of
+  // weight x value, for kRows rows and kQuarters quarters (32 coordinates
+  // each) from quarter q0: int32 accumulators of signed value bytes times
+  // unsigned 8-bit weights (in units of weight_unit[r]).
+  template <int kRows, int kQuarters>
+  void ValueTile(const uint8_t* const* codes, int quads, const uint8_t* weights, const float* weight_unit, int q0,
+                 float* out) const {
+    using Codes = ValueCodes<kValue, kValueBits>;
+    const int quarters = d / 32;
+    __m512i acc[kRows][2 * kQuarters];
     for (auto& row : acc) {
       for (__m512i& a : row) a = _mm512_setzero_si512();
     }
-    static_assert(kBlocks % 4 == 0, "whole half segments");
-    constexpr int kHalfBytes = ValueCodes<kValue, kValueBits>::kHalfBytes;
-    const int offset = kSegment * kValueBits / 8 * s + kHalfBytes * (b / 4);
-    const __mmask32 mask = LowBytes(kHalfBytes);
-    for (int pair = 0; pair < pairs; ++pair) {
-      __m512i halves[kBlocks / 4];
-      for (int h = 0; h < kBlocks / 4; ++h) {
-        halves[h] = HalfSegments(codes[2 * pair], codes[2 * pair + 1], offset + kHalfBytes * h, mask);
-      }
+    __m512i gather[kQuarters][2];
+    int offset[kQuarters];
+    for (int i = 0; i < kQuarters; ++i) {
+      for (int h = 0; h < 2; ++h) gather[i][h] = Codes::Gather(q0 + i, quarters, h);
+      offset[i] = Codes::QuarterOffset(q0 + i, quarters);
+    }
+    for (int quad = 0; quad < quads; ++quad) {
       __m512i w[kRows];
       for (int r = 0; r < kRows; ++r) {
-        int both;
-        memcpy(&both, weights + r * kBlock + 2 * pair, 4);
-        w[r] = _mm512_set1_epi32(both);
+        int four;
+        memcpy(&four, weights + r * kBlock + 4 * quad, 4);
+        w[r] = _mm512_set1_epi32(four);
       }
-      for (int c = 0; c < kBlocks; ++c) {
-        const __m512i v = values.Block(halves[c / 4], c % 4);
-        for (int r = 0; r < kRows; ++r) acc[r][c] = DotWords(acc[r][c], v, w[r]);
+      for (int i = 0; i < kQuarters; ++i) {
+        const __m512i quarter = Codes::QuadQuarter(codes + 4 * quad, offset[i]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = values.Half(quarter, gather[i][h]);
+          for (int r = 0; r < kRows; ++r) acc[r][2 * i + h] = DotWeights(acc[r][2 * i + h], w[r], v);
+        }
       }
     }
     for (int r = 0; r < kRows; ++r) {
       const __m512 unit = _mm512_set1_ps(weight_unit[r] * values.unit());
-      for (int c = 0; c < kBlocks; ++c) {
-        float* o = out + static_cast<size_t>(r) * d + kSegment * s + 16 * (b + c);
+      for (int c = 0; c < 2 * kQuarters; ++c) {
+        float* o = out + static_cast<size_t>(r) * d + 32 * q0 + 16 * c;
         _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), unit, _mm512_loadu_ps(o)));
       }
     }
@@ -459,7 +502,7 @@ struct Kernel {
     }
 
     alignas(64) int32_t raw[kParts][kMaxRows * kBlock];
-    alignas(64) uint16_t weights[kMaxRows * kBlock];  // int16 in units of weight_unit
+    alignas(64) uint8_t weights[kMaxRows * kBlock];  // in units of weight_unit
     float weight_unit[kMaxRows];
     BlockTokens tokens;
     float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
@@ -561,16 +604,42 @@ struct Kernel {
           w_max = _mm512_max_ps(w_max, _mm512_abs_ps(block[g]));
         }
         {
-          // Fixed point per row and block: |weight| <= 32767 units.
+          // Unsigned 8-bit fixed point per row and block, in units of the
+          // block's largest weight / 255, rounded with the error carried
+          // from token to token: the weights are first taken to 1/256 of a
+          // unit (W, exact integers), and token k of the block (in the order
+          // lane-major over its groups: any fixed order works) gets
+          // round(C_k / 256) - round(C_{k-1} / 256), C_k the sum of W up to
+          // k. So any run of tokens weighs within 0.6 units of its exact
+          // weight, and weights too small for a unit are not all dropped
+          // (each dropped alone, a block of them would lose their mass).
+          // A negative or NaN weight (a value scale the encoder never
+          // writes) weighs zero.
           const float top = Max(w_max);
-          weight_unit[r] = top > 0.0f ? top * (1.0f / 32767.0f) : 1.0f;
-          const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 1.0f);
+          weight_unit[r] = top > 0.0f ? top * (1.0f / 255.0f) : 1.0f;
+          const __m512 to_fixed = _mm512_set1_ps(top > 0.0f ? 65280.0f / top : 0.0f);
+          const __m512i zero = _mm512_setzero_si512(), half = _mm512_set1_epi32(128);
+          __m512i fixed[kGroups], upto[kGroups];  // W, and its sum over the groups up to g
+          __m512i running = zero;
 #pragma GCC unroll 4
           for (int g = 0; g < kGroups; ++g) {
             if (g >= groups) break;
-            const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(block[g], inverse));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(weights + r * kBlock + kGroup * g),
-                               _mm512_cvtsepi32_epi16(w));
+            fixed[g] = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(block[g], to_fixed)), zero);
+            upto[g] = running = _mm512_add_epi32(running, fixed[g]);
+          }
+          // before[i]: the sum of W over lanes below i, every group.
+          __m512i scan = _mm512_add_epi32(running, _mm512_alignr_epi32(running, zero, 15));
+          scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 14));
+          scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 12));
+          scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 8));
+          const __m512i before = _mm512_sub_epi32(scan, running);
+#pragma GCC unroll 4
+          for (int g = 0; g < kGroups; ++g) {
+            if (g >= groups) break;
+            const __m512i sum_to = _mm512_add_epi32(before, upto[g]);
+            const __m512i w = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(sum_to, half), 8),
+                                               _mm512_srli_epi32(_mm512_add_epi32(_mm512_sub_epi32(sum_to, fixed[g]), half), 8));
+            _mm_store_si128(reinterpret_cast<__m128i*>(weights + r * kBlock + kGroup * g), _mm512_cvtepi32_epi8(w));
           }
         }
         row_sum[r] = row_sum[r] * correction + Sum(sum);
@@ -584,24 +653,22 @@ struct Kernel {
 
       prefetch.Piece(t0, 2);
       // Values, tile by tile; rows that see none of the block weigh zero.
-      const int pairs = groups * kGroup / 2;
+      const int quads = groups * kGroup / 4;
       ForRowTiles(rows, [&](auto tile_rows, int r0) {
         constexpr int kRows = decltype(tile_rows)::value;
         if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
         for (int r = r0; r < r0 + kRows; ++r) {
-          if (p.visible[r] <= t0) memset(weights + r * kBlock, 0, sizeof(uint16_t) * kBlock);
+          if (p.visible[r] <= t0) memset(weights + r * kBlock, 0, kBlock);
         }
         float* out = p.out + static_cast<size_t>(r0) * d;
-        const uint16_t* w = weights + r0 * kBlock;
+        const uint8_t* w = weights + r0 * kBlock;
         const float* unit = weight_unit + r0;
-        for (int s = 0; s < segments; ++s) {
-          const int blocks = SegmentCoords(s) / 16;
-          int b = 0;
-          if constexpr (kRows <= 2) {
-            for (; b + 8 <= blocks; b += 8) ValueTile<kRows, 8>(tokens.value_codes, pairs, w, unit, s, b, out);
-          }
-          for (; b + 4 <= blocks; b += 4) ValueTile<kRows, 4>(tokens.value_codes, pairs, w, unit, s, b, out);
+        const int quarters = d / 32;  // 2, or a multiple of 4
+        int q = 0;
+        if constexpr (kRows <= 2) {
+          for (; q + 4 <= quarters; q += 4) ValueTile<kRows, 4>(tokens.value_codes, quads, w, unit, q, out);
         }
+        for (; q < quarters; q += 2) ValueTile<kRows, 2>(tokens.value_codes, quads, w, unit, q, out);
       });
       prefetch.Piece(t0, 3);
     }
@@ -704,11 +771,7 @@ float IntegerKeyUnit(const float* centroids, int count) {
   return best_unit;
 }
 
-float ValueUnit(const float* centroids, int count) {
-  float max_abs = 0.0f;
-  for (int i = 0; i < count; ++i) max_abs = std::max(max_abs, std::fabs(centroids[i]));
-  return max_abs > 0.0f ? max_abs / static_cast<float>(kValueUnits) : 1.0f;
-}
+float ValueUnit(const float* centroids, int count) { return IntegerKeyUnit(centroids, count); }
 
 bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& value, int head_dim) {
   return Pick(key, value, head_dim) != nullptr;

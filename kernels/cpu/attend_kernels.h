@@ -243,29 +243,33 @@ void AttendHeadAvx512(const HeadAttendParams& params);
 void AttendHeadAvx2(const HeadAttendParams& params);
 
 // The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI and VBMI):
-// scores with int8 dot products, values with int16 ones. It reads no byte
-// outside a token's codes and scalars. Against exact attention over the
-// same bytes it differs by these roundings:
+// scores and values with int8 dot products. It reads no byte outside a
+// token's codes and scalars. Against exact attention over the same bytes it
+// differs by these roundings:
 // - the query, per row (and per part of split keys), to int8 (step
 //   max |q| / 127);
-// - the key codebook (each part's) to int8 (IntegerKeyUnit: a step of
-//   max |centroid| / 127 to / 96, whichever rounds the centroids least);
-// - the value codebook to int16 (ValueUnit: a step of max |centroid| / 1023);
-// - each weight (softmax weight x the token's value scale) to 15-bit fixed
-//   point per row and block of 64 tokens (a step of the block's largest
-//   weight / 32767).
+// - the key codebook (each part's) and the value codebook to int8
+//   (IntegerKeyUnit, ValueUnit: a step of max |centroid| / 127 to / 96,
+//   whichever rounds the centroids least);
+// - each weight (softmax weight x the token's value scale) to unsigned 8-bit
+//   fixed point per row and block of 64 tokens (a step u of the block's
+//   largest weight / 255), rounded so that the weight of every run of the
+//   block's tokens, in the kernel's order, stays within 0.625 u of exact.
+//   By summation by parts a row's value sum then moves by at most
+//   1.25 u x (the sum of |value / scale| over the block's tokens) per
+//   block; the softmax denominator and the uniform codes' zero terms are
+//   exact.
 // A 3-bit codebook's own error is about 18% of a coordinate (4 bits: 10%),
 // and these roundings raise the output error against exact attention by
-// under 1% of itself (BackendQuality.IntegerKernelStaysInsideTheCodecsErrorBudget).
+// under 2% of itself (BackendQuality.IntegerKernelStaysInsideTheCodecsErrorBudget).
 // AttendKernels in cpu_backend_test.cc holds the kernel to the codebook and
-// query roundings exactly, and to the weights' within its output tolerance.
+// query roundings exactly, and to the weights' within the bound above.
 void AttendHeadAvx512Vnni(const HeadAttendParams& params);
 
 // The integer kernel's key unit for a codebook: centroid i is read as
 // unit * lrint(centroids[i] / unit), |that| <= 127 units.
 float IntegerKeyUnit(const float* centroids, int count);
-// Its value unit: centroid i is read as unit * lrint(centroids[i] / unit),
-// |that| <= 1023 units.
+// Its value unit, chosen the same way: |lrint(centroids[i] / unit)| <= 127.
 float ValueUnit(const float* centroids, int count);
 
 }  // namespace cpu_internal

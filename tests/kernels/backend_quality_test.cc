@@ -74,8 +74,8 @@ TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
 }
 
 // The integer attention kernel (SimdLevel::kAvx512Vnni) rounds the query and
-// the key codebooks to int8, the value codebook to int16 units and the
-// weights to 15-bit fixed point. Over the
+// the key and value codebooks to int8 and the weights to 8-bit fixed point
+// per row and block (attend_kernels.h). Over the
 // same stored pages, its output error against exact attention over the
 // original vectors must stay within 2% of the fp32 kernel's (the codec's own
 // error), with GQA 4 so that its 4-row tiles run.
