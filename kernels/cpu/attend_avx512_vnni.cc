@@ -134,9 +134,11 @@ struct KeyIndex {
 template <int kBits>
 inline constexpr KeyIndex<kBits> kKeyIndex{};
 
-// IntegerKeyUnit for the codebook this thread saw last (every layer and head
-// of a layout shares one codebook per bit width).
-float CachedKeyUnit(const float* centroids, int count) {
+// IntegerKeyUnit for the codebook this thread saw last in slot kSlot (0:
+// keys, 1: values; every layer and head of a layout shares one codebook per
+// bit width and field).
+template <int kSlot>
+float CachedIntegerUnit(const float* centroids, int count) {
   thread_local float seen[16], unit = 0.0f;
   thread_local int seen_count = 0;
   if (count != seen_count || memcmp(seen, centroids, sizeof(float) * count) != 0) {
@@ -155,7 +157,7 @@ class KeyCodes {
     shift_ = _mm512_load_si512(kKeyIndex<kBits>.shift);
     // vpermb reads index bits [5:0]: repeating the 2^b entries over 64 makes
     // the bits of the next code above a code irrelevant.
-    unit_ = CachedKeyUnit(centroids, 1 << kBits);
+    unit_ = CachedIntegerUnit<0>(centroids, 1 << kBits);
     alignas(64) uint8_t table[64];
     for (int i = 0; i < 64; ++i) {
       const float c = centroids[i % (1 << kBits)] / unit_;
@@ -225,18 +227,6 @@ struct QuadIndex {
 template <int kBits>
 inline constexpr QuadIndex<kBits> kQuadIndex{};
 
-// IntegerKeyUnit for the value codebook this thread saw last.
-float CachedValueUnit(const float* centroids, int count) {
-  thread_local float seen[16], unit = 0.0f;
-  thread_local int seen_count = 0;
-  if (count != seen_count || memcmp(seen, centroids, sizeof(float) * count) != 0) {
-    memcpy(seen, centroids, sizeof(float) * count);
-    seen_count = count;
-    unit = ValueUnit(centroids, count);
-  }
-  return unit;
-}
-
 template <FieldFormat kFormat, int kBits>
 class ValueCodes {
  public:
@@ -247,7 +237,7 @@ class ValueCodes {
     if constexpr (kFormat == FieldFormat::kCentroids) {
       // vpermb reads index bits [5:0]: the 2^b entries repeat over 64, so the
       // bits above a code do not matter.
-      unit_ = CachedValueUnit(centroids, 1 << kBits);
+      unit_ = CachedIntegerUnit<1>(centroids, 1 << kBits);
       alignas(64) int8_t table[64];
       for (int i = 0; i < 64; ++i) {
         const float c = centroids[i % (1 << kBits)] / unit_;
