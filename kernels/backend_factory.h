@@ -21,7 +21,7 @@ struct BackendOptions {
   // CPU backend worker threads; 0 means the hardware concurrency.
   int cpu_threads = 0;
   // CPU TurboQuant attention through the integer kernel where the CPU has
-  // AVX-512 VNNI + VBMI (CpuBackendOptions::integer_attention).
+  // AVX-512 VNNI + VBMI + VBMI2 (CpuBackendOptions::integer_attention).
   bool cpu_integer_attention = true;
   // CUDA device ordinal.
   int cuda_device = 0;

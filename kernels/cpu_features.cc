@@ -29,10 +29,11 @@ SimdLevel Detect() {
   // reports the feature as absent.
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
-    // The integer kernel needs VNNI (vpdpbusd) and VBMI (vpermb,
-    // vpmultishiftqb), not BF16: Ice Lake and later Intel cores, Zen 4 and later.
+    // The integer kernel needs VNNI (vpdpbusd), VBMI (vpermb,
+    // vpmultishiftqb) and VBMI2 (vpshrdd), not BF16: Ice Lake and later
+    // Intel cores, Zen 4 and later.
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
-        __builtin_cpu_supports("avx512dq")) {
+        __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("avx512dq")) {
       return SimdLevel::kAvx512Vnni;
     }
     return SimdLevel::kAvx512;

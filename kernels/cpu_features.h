@@ -15,7 +15,7 @@ enum class SimdLevel {
   kScalar = 0,  // portable C++ (the compiler may still auto-vectorize for SSE2)
   kAvx2 = 1,    // AVX2 + FMA + F16C
   kAvx512 = 2,  // AVX-512 F/BW/VL
-  // AVX-512 with VNNI and VBMI: as kAvx512, but TurboQuant attention takes
+  // AVX-512 with VNNI, VBMI and VBMI2: as kAvx512, but TurboQuant attention takes
   // the integer kernel (int8 scores and values; its error bound is in
   // kernels/cpu/attend_kernels.h). kAvx512 keeps fp32 attention.
   kAvx512Vnni = 3,

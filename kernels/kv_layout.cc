@@ -143,6 +143,21 @@ uint64_t KvLayout::HeadSeed(int layer, int head) const {
   return DeriveSeed(options_.rotation_seed, static_cast<uint64_t>(layer), static_cast<uint64_t>(head));
 }
 
+bool TiledCodes(CodecKind kind) {
+  switch (kind) {
+    case CodecKind::kFp16:
+    case CodecKind::kBf16:
+    case CodecKind::kFp8:
+      return false;
+    case CodecKind::kTurboQuant:
+    case CodecKind::kUniform:
+    case CodecKind::kQjl:
+    case CodecKind::kOutlierSplit:
+      return true;
+  }
+  return false;
+}
+
 double ChunkWaste(const std::vector<size_t>& chunk_bytes) {
   if (chunk_bytes.empty()) return 0.0;
   const size_t stride = *std::max_element(chunk_bytes.begin(), chunk_bytes.end());

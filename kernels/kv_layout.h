@@ -9,14 +9,16 @@
 // in order and each KV head in order, four planes follow each other, each
 // starting on a kPlaneAlignment (32-byte) boundary:
 //
-//   key codes      page_tokens x key_codec.code_bytes()      token-major
+//   key codes      page_tokens x key_codec.code_bytes()      tiled or token-major
 //   key scalars    page_tokens x key_codec.num_scalars() fp16
 //   value codes    page_tokens x value_codec.code_bytes()
 //   value scalars  page_tokens x value_codec.num_scalars() fp16
 //
-// so token t of a page has its key codes at key_codes + t * code_bytes, etc.
-// docs/format.md documents this byte by byte. Planes of width zero (fp16 has
-// no scalars) take no bytes.
+// so token t of a page has its key scalars at key_scalars + t * num_scalars,
+// etc.; packed codes are tiled (16 tokens interleaved by 4-byte words) and
+// raw fp16 / bf16 / fp8 codes token-major, as kernels/code_tiles.h says
+// (code_plane() gives the CodePlane). docs/format.md documents this byte by
+// byte. Planes of width zero (fp16 has no scalars) take no bytes.
 //
 // Boundary layers (the first and last `boundary_layers`) use the protected
 // preset, layers named in `layer_presets` theirs, the others the cache's
@@ -68,6 +70,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/code_tiles.h"
 #include "kernels/codec.h"
 #include "kernels/key_centering.h"
 #include "kernels/preset.h"
@@ -129,6 +132,10 @@ struct KvLayoutOptions {
   // num_layers entries in [0, 2^30].
   std::vector<int> layer_windows;
 };
+
+// Whether a codec's codes plane is tiled (kernels/code_tiles.h): packed
+// codes are, raw fp16 / bf16 / fp8 numbers are not.
+bool TiledCodes(CodecKind kind);
 
 // The tokens of a layer holding `length` tokens that attention reads exact:
 // [0, sink_end) and [window_begin, length); the rest, [sink_end,
@@ -213,6 +220,12 @@ class KvLayout {
     return *value_codecs_[Index(layer, head)];
   }
   const HeadPlanes& planes(int layer, int head) const { return planes_[Index(layer, head)]; }
+  // How the key or value codes plane of (layer, head) is laid out.
+  CodePlane key_code_plane(int layer, int head) const { return CodePlaneOf(key_codec(layer, head)); }
+  CodePlane value_code_plane(int layer, int head) const { return CodePlaneOf(value_codec(layer, head)); }
+  CodePlane CodePlaneOf(const VectorCodec& codec) const {
+    return {options_.page_tokens, codec.code_bytes(), TiledCodes(codec.spec().kind)};
+  }
 
   // Compressed bytes one token takes in one layer (all KV heads), excluding
   // plane padding; and the same in bf16 (2 bytes x 2 x kv_heads x head_dim).

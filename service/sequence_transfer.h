@@ -33,8 +33,10 @@ namespace service {
 
 class KvCacheService;
 
-// The format version an export writes and an import reads.
-inline constexpr uint32_t kExportFormatVersion = 1;
+// The format version an export writes and an import reads: 2 since packed
+// codes planes are tiled (docs/format.md; version 1 pages held them
+// token-major, and a version 2 server would misread them).
+inline constexpr uint32_t kExportFormatVersion = 2;
 // Page bytes per ExportPages message (at least one page per message).
 inline constexpr int64_t kExportMessageBytes = int64_t{2} << 20;
 

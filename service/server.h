@@ -58,7 +58,7 @@ struct ServerOptions {
   // CUDA decode on the tensor cores where the layout allows (BackendOptions).
   bool cuda_tensor_cores = true;
   // CPU TurboQuant attention through the integer kernel where the CPU has
-  // AVX-512 VNNI + VBMI (BackendOptions::cpu_integer_attention).
+  // AVX-512 VNNI + VBMI + VBMI2 (BackendOptions::cpu_integer_attention).
   bool cpu_integer_attention = true;
   // Largest request or response, in bytes. A larger request fails with
   // RESOURCE_EXHAUSTED before it reaches a handler.

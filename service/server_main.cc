@@ -50,7 +50,7 @@ ABSL_FLAG(bool, cuda_tensor_cores, true,
           "fp32); false: the fp32 kernel.");
 ABSL_FLAG(bool, cpu_integer_attention, true,
           "CPU TurboQuant attention through the integer kernel (int8 scores and values) where the CPU has "
-          "AVX-512 VNNI and VBMI: about twice as fast, outputs within 2% of the fp32 kernel's error; "
+          "AVX-512 VNNI, VBMI and VBMI2: about twice as fast, outputs within 2% of the fp32 kernel's error; "
           "false: fp32 attention everywhere.");
 ABSL_FLAG(int, threads, 0, "CPU backend worker threads (0: hardware concurrency).");
 ABSL_FLAG(int, executor_threads, 0,

@@ -367,7 +367,7 @@ int RunBenchAttend(int argc, const char* const* argv) {
   flags.AddDouble("min-seconds", &min_seconds, "measuring time per figure");
   flags.AddInt("threads", &threads, "CPU backend threads (KV heads and items run in parallel)");
   flags.AddBool("integer-attention", &g_integer_attention,
-                "TurboQuant attention through the integer kernel where the CPU has AVX-512 VNNI + VBMI,\n"
+                "TurboQuant attention through the integer kernel where the CPU has AVX-512 VNNI + VBMI + VBMI2,\n"
                 "as the server by default (its --cpu_integer_attention)");
   bool compare_plain = false;
   flags.AddBool("compare-plain", &compare_plain,

@@ -1,28 +1,29 @@
 // AVX-512 integer attention for TurboQuant pages (centroid keys, or split
 // keys as two parts with their own codebooks, scales and int8 query units;
 // centroid or uniform values; 2-4 bits; head_dim 64 or a multiple of 128; see
-// AttendHeadAvx512VnniSupported), on CPUs with VNNI and VBMI. The fp32
-// kernels spend 2 x rows x head_dim FMA lanes per token and head; this one
-// spends a quarter of that on scores and on values:
+// AttendHeadAvx512VnniSupported), on CPUs with VNNI, VBMI and VBMI2. The
+// fp32 kernels spend 2 x rows x head_dim FMA lanes per token and head; this
+// one spends a quarter of that on scores and on values, on codes read in the
+// tiles the page holds them in (kernels/code_tiles.h: 16 tokens, one 32-bit
+// lane each, per 64-byte vector of one word):
 //
-// - Scores with vpdpbusd (64 byte products per instruction). The codebook is
-//   one table for every coordinate, so a code becomes its centroid as an
-//   unsigned byte with one vpermb; the query is rounded to int8 once per
-//   call. Codes are unpacked in registers: one vector holds the codes of 64
-//   coordinates of two tokens (HalfSegments), vpermb gathers the bytes of
-//   eight codes into each qword, vpmultishiftqb moves each code to its own
-//   byte. A vector holds 32 coordinates of two tokens; the dot products of a
-//   row reduce with one transpose-add per 8 or 16 tokens. (vpermb rather
-//   than the two-source vpermt2b: on Intel cores the latter is two uops.)
+// - Scores with vpdpbusd, 16 tokens per vector, one per lane: a vector holds
+//   four coordinates of each token as centroid bytes (TileKeys::Group:
+//   vpmultishiftqb takes each code's bits from a word of two tokens, or a
+//   vpshrdd of two words where the codes straddle them; vpermb maps them to
+//   the codebook, one table for every coordinate), against a dword of four
+//   int8 query bytes broadcast from memory. The 16 lanes are the 16 tokens'
+//   scores: no transposing, no horizontal sums. (Before 2026-12-04, with
+//   token-major pages, a vector held 32 coordinates of two tokens and each
+//   score took a transpose-add: about twice the work.)
 // - Values with vpdpbusd too, four tokens per instruction: a vector holds 16
 //   coordinates of four tokens as signed bytes (lane i: coordinate i of
-//   each; vpermb gathers, vpmultishiftqb aligns, then a mask for uniform
-//   codes or vpermb onto the centroids in int8), times the dword of the four
-//   tokens' softmax weights (times their scales) in unsigned 8-bit fixed
-//   point per row and block, the rounding error carried from token to token.
-//   Per token and 4-row tile and 128 coordinates that is 8 dot products and
-//   6 shuffles, against 16 and 12 for pairs of int16 words (vpdpwssd), which
-//   this kernel used before 2026-12-03. (Not vdpbf16ps: on Intel cores it
+//   each; TileValues::Quad: vpermt2d puts two words of eight tokens side by
+//   side, vpermb gathers a quad's bytes, vpmultishiftqb aligns, then a mask
+//   for uniform codes or vpermb onto the centroids in int8), times the dword
+//   of the four tokens' softmax weights (times their scales) in unsigned
+//   8-bit fixed point per row and block, the rounding error carried from
+//   token to token (integer_attend.h). (Not vdpbf16ps: on Intel cores it
 //   runs at one every two cycles, a quarter of vpdpwssd's rate, measured on
 //   this project's Xeon.)
 //
@@ -35,7 +36,6 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <vector>
 
 #include "kernels/cpu/addback_table.h"
 #include "kernels/cpu/attend_avx512_common.h"
@@ -48,24 +48,12 @@ namespace {
 
 using avx512::LoadScalars;
 
-constexpr int kSegment = 128;  // coordinates whose codes one pair of loads covers
-
-// The code bytes [offset, offset + n) of token a in bytes 0 ... n - 1 and of
-// token b in bytes 32 ... 32 + n - 1 (n <= 32: 64 coordinates of at most 4
-// bits), zeros elsewhere; `mask` has the low n bits set. Masked loads: no
-// byte past a token's codes is read.
-inline __m512i HalfSegments(const uint8_t* a, const uint8_t* b, int offset, __mmask32 mask) {
-  return _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_maskz_loadu_epi8(mask, a + offset)),
-                            _mm256_maskz_loadu_epi8(mask, b + offset), 1);
-}
-inline __mmask32 LowBytes(int n) { return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1; }
-
-// acc + the byte dot products (vpdpbusd) of unsigned k with the signed bytes
-// at q, read from memory by the instruction itself: left to the compiler,
-// the 16 query vectors a tile shares would be hoisted into registers and
-// spill the accumulators.
-inline __m512i DotBytes(__m512i acc, __m512i k, const uint8_t* q) {
-  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(k), "m"(*reinterpret_cast<const __m512i*>(q)));
+// acc + the byte dot products (vpdpbusd) of the unsigned bytes k with the
+// dword of four signed query bytes at q, broadcast by the instruction from
+// memory (left to the compiler, a tile's query words would be hoisted into
+// registers and spill the accumulators).
+inline __m512i DotQuery(__m512i acc, __m512i k, const int32_t* q) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*q));
   return acc;
 }
 
@@ -77,33 +65,7 @@ inline __m512i DotWeights(__m512i acc, __m512i w, __m512i v) {
   return acc;
 }
 
-// The integer dot products of kPairs pairs of tokens with one row, given
-// acc[p] (lanes 0-7: partial sums of the pair's first token, 8-15: of its
-// second), reduced so that lane i holds token i of the tile (tokens p and
-// p + 4 form pair p of a tile of 8; tokens kPairFirst16[p] and that + 4 of a
-// tile of 16).
-template <int kPairs>
-inline __m512i SumPairs(const __m512i* acc) {
-  __m512i a[kPairs / 2];
-  for (int i = 0; i < kPairs / 2; ++i) {
-    a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2 * i], acc[2 * i + 1]),
-                            _mm512_unpackhi_epi32(acc[2 * i], acc[2 * i + 1]));
-  }
-  __m512i b[kPairs / 4];
-  for (int i = 0; i < kPairs / 4; ++i) {
-    b[i] =
-        _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
-  }
-  // 128-bit lane j of b[i] holds partial sums (over that lane) of pairs
-  // 4i ... 4i + 3: lanes 0 and 1 belong to the pairs' first tokens.
-  if constexpr (kPairs == 8) {
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xdd));
-  } else {
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[0], 0x88), _mm512_shuffle_i32x4(b[0], b[0], 0xdd));
-  }
-}
-constexpr int kPairFirst16[8] = {0, 1, 2, 3, 8, 9, 10, 11};
-// The integer kernel: scores and values through vpdpbusd.
+// The integer kernel: scores and values through vpdpbusd on codes tiles.
 template <int kKeyBits, FieldFormat kValue, int kValueBits>
 struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
   using Base = IntegerAttention<kKeyBits, kValue, kValueBits>;
@@ -119,114 +81,111 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
 
   explicit Kernel(const HeadAttendParams& params) : Base(params) {}
 
-  // Raw scores of one key part for a tile (ScoreTile).
+  // Raw scores (before the +128 correction) of one key part for kRows rows
+  // and the 16 tokens of a tile, into raw[r * kBlock]: per row, the sum over
+  // the part's coordinates of key byte x query byte.
+  template <int kRows, int kBits>
+  void ScoreTile(const TileKeys<kBits>& part_keys, const KeyPart& part, const uint8_t* tile, int r0,
+                 int32_t* raw) const {
+    using Keys = TileKeys<kBits>;
+    // Accumulators per row: two with four rows, four with fewer, so that
+    // enough chains of dot products run at once.
+    constexpr int kChains = kRows >= 4 ? 2 : 4;
+    __m512i acc[kRows][kChains];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+      for (int c = 0; c < kChains; ++c) acc[r][c] = _mm512_setzero_si512();
+    }
+    const uint8_t* words = tile + 64 * (part.code_offset / kTileWordBytes);
+    const int32_t* q = this->q4 + static_cast<size_t>(r0) * (d / 4) + part.begin / 4;
+    const int periods = part.dims * kBits / 32 / Keys::kPeriodWords;
+    for (int period = 0; period < periods; ++period) {
+      __m512i w[Keys::kPeriodWords], shifted[2];
+#pragma GCC unroll 3
+      for (int i = 0; i < Keys::kPeriodWords; ++i) w[i] = TileWord(words, Keys::kPeriodWords * period + i);
+      if constexpr (kBits == 3) {
+        shifted[0] = _mm512_shrdi_epi32(w[0], w[1], 16);
+        shifted[1] = _mm512_shrdi_epi32(w[1], w[2], 16);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < Keys::kPeriodGroups; ++m) {
+        const __m512i k = part_keys.Group(m, w, shifted);
+        const int group = Keys::kPeriodGroups * period + m;
+#pragma GCC unroll 4
+        for (int r = 0; r < kRows; ++r) {
+          acc[r][m % kChains] = DotQuery(acc[r][m % kChains], k, q + static_cast<size_t>(r) * (d / 4) + group);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      __m512i sum = acc[r][0];
+#pragma GCC unroll 4
+      for (int c = 1; c < kChains; ++c) sum = _mm512_add_epi32(sum, acc[r][c]);
+      _mm512_store_si512(raw + r * kBlock, sum);
+    }
+  }
+
+  // Raw scores of a row tile for one key part over a block's groups.
   template <int kRows>
-  void ScorePart(int part, const uint8_t* const* codes, const uint8_t* q8, int32_t* raw) const {
-    const KeyPart& kp = parts[part];
-    const uint8_t* q = q8 + 2 * kp.begin;
-    const int part_segments = (kp.dims + kSegment - 1) / kSegment;
-    if (part == 0) {
-      if (kp.dims == 64) {
-        ScoreTile<kRows, 2>(keys, part_segments, kp.code_offset, codes, q, raw);
-      } else {
-        ScoreTile<kRows, 4>(keys, part_segments, kp.code_offset, codes, q, raw);
-      }
-    } else if constexpr (kSplit) {
-      if (kp.dims == 64) {
-        ScoreTile<kRows, 2>(cold_keys, part_segments, kp.code_offset, codes, q, raw);
-      } else {
-        ScoreTile<kRows, 4>(cold_keys, part_segments, kp.code_offset, codes, q, raw);
+  void ScorePart(int part, const BlockTokens& tokens, int groups, int r0, int32_t* raw) const {
+    for (int g = 0; g < groups; ++g) {
+      if (part == 0) {
+        ScoreTile<kRows>(keys, parts[0], tokens.key_tiles[g], r0, raw + kGroup * g);
+      } else if constexpr (kSplit) {
+        ScoreTile<kRows>(cold_keys, parts[1], tokens.key_tiles[g], r0, raw + kGroup * g);
       }
     }
   }
 
-  // Raw integer scores (before the +128 correction) of kRows rows with a
-  // tile of 2 * kPairs tokens (kPairs = 4 for 4 rows, else 8: 16
-  // accumulators or fewer), into raw[r * kBlock + i]. Every loop but the
-  // segments' has a compile-time count, so the accumulators stay in registers.
-  template <int kRows, int kChunks, int kBits>
-  void ScoreTile(const KeyCodes<kBits>& part_keys, int part_segments, int code_offset, const uint8_t* const* codes,
-                 const uint8_t* q8, int32_t* raw) const {
-    constexpr int kPairs = kRows == 4 ? 4 : 8;
-    __m512i acc[kRows][kPairs];
-#pragma GCC unroll 8
+  // out[r0 + r][16 (m0 + c) + i] += the sum over the block's groups of
+  // weight x value, for kRows rows and kChunks chunks of 16 coordinates from m0:
+  // int32 accumulators of signed value bytes times unsigned 8-bit weights
+  // (in units of weight_unit[r]).
+  template <int kRows, int kChunks>
+  void ValueTile(const BlockTokens& tokens, int groups, const uint8_t* weights, const float* weight_unit, int r0,
+                 int m0) {
+    using Values = TileValues<kValue, kValueBits>;
+    __m512i acc[kRows][kChunks];
+#pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
 #pragma GCC unroll 8
-      for (int pair = 0; pair < kPairs; ++pair) acc[r][pair] = _mm512_setzero_si512();
+      for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_setzero_si512();
     }
-    constexpr int kHalfBytes = KeyCodes<kBits>::kHalfBytes;
-    const __mmask32 mask = LowBytes(kHalfBytes);
-    for (int s = 0; s < part_segments; ++s) {
+    for (int g = 0; g < groups; ++g) {
+      const uint8_t* tile = tokens.value_tiles[g];
+      // Each chunk's sources (the two halves' words side by side), then
+      // quad by quad the rows' four weights, shared by every chunk.
+      __m512i source[kChunks][2];
 #pragma GCC unroll 8
-      for (int pair = 0; pair < kPairs; ++pair) {
-        const int first = kPairs == 8 ? kPairFirst16[pair] : pair;
-#pragma GCC unroll 2
-        for (int h = 0; h < kChunks / 2; ++h) {
-          const __m512i halves =
-              HalfSegments(codes[first], codes[first + 4], code_offset + 16 * kBits * s + kHalfBytes * h, mask);
-#pragma GCC unroll 2
-          for (int m2 = 0; m2 < 2; ++m2) {
-            const __m512i k = part_keys.Chunk(halves, m2);
-            const int m = 2 * h + m2;
+      for (int c = 0; c < kChunks; ++c) {
+        source[c][0] = Values::ChunkSource(tile, m0 + c, 0);
+        if constexpr (kValueBits > 2) source[c][1] = Values::ChunkSource(tile, m0 + c, 1);
+      }
 #pragma GCC unroll 4
-            for (int r = 0; r < kRows; ++r) {
-              acc[r][pair] = DotBytes(acc[r][pair], k, q8 + static_cast<size_t>(r) * 2 * d + 256 * s + 64 * m);
-            }
-          }
+      for (int quad = 0; quad < 4; ++quad) {
+        __m512i w[kRows];
+#pragma GCC unroll 4
+        for (int r = 0; r < kRows; ++r) {
+          // The quad's four weights, broadcast from memory (no shuffle).
+          int32_t four;
+          memcpy(&four, weights + r * kBlock + kGroup * g + 4 * quad, 4);
+          w[r] = _mm512_set1_epi32(four);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < kChunks; ++c) {
+          const __m512i v = values.Quad(source[c][kValueBits > 2 ? quad / 2 : 0], m0 + c, quad);
+#pragma GCC unroll 4
+          for (int r = 0; r < kRows; ++r) acc[r][c] = DotWeights(acc[r][c], w[r], v);
         }
       }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) {
-      const __m512i sums = SumPairs<kPairs>(acc[r]);
-      if constexpr (kPairs == 8) {
-        _mm512_storeu_si512(raw + r * kBlock, sums);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(raw + r * kBlock), _mm512_castsi512_si256(sums));
-      }
-    }
-  }
-
-  // out[r][32 (q0 + i) + c] += the sum over the block's quads of tokens of
-  // weight x value, for kRows rows and kQuarters quarters (32 coordinates
-  // each) from quarter q0: int32 accumulators of signed value bytes times
-  // unsigned 8-bit weights (in units of weight_unit[r]).
-  template <int kRows, int kQuarters>
-  void ValueTile(const uint8_t* const* codes, int quads, const uint8_t* weights, const float* weight_unit, int q0,
-                 float* out) const {
-    using Codes = ValueCodes<kValue, kValueBits>;
-    const int quarters = d / 32;
-    __m512i acc[kRows][2 * kQuarters];
-    for (auto& row : acc) {
-      for (__m512i& a : row) a = _mm512_setzero_si512();
-    }
-    __m512i gather[kQuarters][2];
-    int offset[kQuarters];
-    for (int i = 0; i < kQuarters; ++i) {
-      for (int h = 0; h < 2; ++h) gather[i][h] = Codes::Gather(q0 + i, quarters, h);
-      offset[i] = Codes::QuarterOffset(q0 + i, quarters);
-    }
-    for (int quad = 0; quad < quads; ++quad) {
-      __m512i w[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        int four;
-        memcpy(&four, weights + r * kBlock + 4 * quad, 4);
-        w[r] = _mm512_set1_epi32(four);
-      }
-      for (int i = 0; i < kQuarters; ++i) {
-        const __m512i quarter = Codes::QuadQuarter(codes + 4 * quad, offset[i]);
-        for (int h = 0; h < 2; ++h) {
-          const __m512i v = values.Half(quarter, gather[i][h]);
-          for (int r = 0; r < kRows; ++r) acc[r][2 * i + h] = DotWeights(acc[r][2 * i + h], w[r], v);
-        }
-      }
-    }
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 unit = _mm512_set1_ps(weight_unit[r] * values.unit());
-      for (int c = 0; c < 2 * kQuarters; ++c) {
-        float* o = out + static_cast<size_t>(r) * d + 32 * q0 + 16 * c;
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), unit, _mm512_loadu_ps(o)));
-      }
+      const float unit = weight_unit[r] * values.unit();
+#pragma GCC unroll 8
+      for (int c = 0; c < kChunks; ++c) this->FoldValues(r0 + r, 16 * (m0 + c), acc[r][c], unit);
     }
   }
 
@@ -251,8 +210,8 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
       const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
       prefetch.Piece(t0, 0);
       const int groups = (count + kGroup - 1) / kGroup;
-      walk.Next(
-          t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
+      walk.NextTiles(
+          t0, count, groups * kGroup, tokens.key_tiles, tokens.value_tiles,
           [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
             LoadScalars(key_scalars, n, tokens.key_scale + i, kSplit ? tokens.key_cold_scale + i : nullptr);
             LoadScalars(value_scalars, n, tokens.value_scale + i, kUniform ? tokens.value_zero + i : nullptr);
@@ -264,14 +223,8 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
       // Raw scores, tile by tile.
       ForRowTiles(rows, [&](auto tile_rows, int r0) {
         constexpr int kRows = decltype(tile_rows)::value;
-        constexpr int kTokens = kRows == 4 ? 8 : 16;
         if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
-        for (int part = 0; part < kParts; ++part) {
-          for (int i = 0; i < groups * kGroup; i += kTokens) {
-            ScorePart<kRows>(part, tokens.key_codes + i, this->q8 + static_cast<size_t>(r0) * 2 * d,
-                             raw[part] + r0 * kBlock + i);
-          }
-        }
+        for (int part = 0; part < kParts; ++part) ScorePart<kRows>(part, tokens, groups, r0, raw[part] + r0 * kBlock);
       });
 
       prefetch.Piece(t0, 1);
@@ -280,19 +233,18 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
 
       prefetch.Piece(t0, 2);
       // Values, tile by tile; rows that see none of the block weigh zero.
-      const int quads = groups * kGroup / 4;
       ForRowTiles(rows, [&](auto tile_rows, int r0) {
         constexpr int kRows = decltype(tile_rows)::value;
         if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
-        float* out = p.out + static_cast<size_t>(r0) * d;
         const uint8_t* w = weights + r0 * kBlock;
         const float* unit = weight_unit + r0;
-        const int quarters = d / 32;  // 2, or a multiple of 4
-        int q = 0;
-        if constexpr (kRows <= 2) {
-          for (; q + 4 <= quarters; q += 4) ValueTile<kRows, 4>(tokens.value_codes, quads, w, unit, q, out);
-        }
-        for (; q < quarters; q += 2) ValueTile<kRows, 2>(tokens.value_codes, quads, w, unit, q, out);
+        // (ValueTile's weights and units are the tile's rows'.)
+        // As many chunks of 16 coordinates at once as 16 accumulators hold.
+        constexpr int kChunks = kRows >= 4 ? 4 : kRows == 2 ? 8 : 8;
+        const int chunks = d / 16;
+        int m = 0;
+        for (; m + kChunks <= chunks; m += kChunks) ValueTile<kRows, kChunks>(tokens, groups, w, unit, r0, m);
+        for (; m < chunks; m += 4) ValueTile<kRows, 4>(tokens, groups, w, unit, r0, m);
       });
       prefetch.Piece(t0, 3);
     }
@@ -325,8 +277,9 @@ AttendKernel PickForValue(const FieldReader& value) {
   return nullptr;
 }
 
-// A key part's coordinates as the score tiles take them.
-bool WholeSegments(int dims) { return dims == 64 || (dims > 0 && dims % kSegment == 0); }
+// A key part's coordinates as the score tiles take them: whole periods of
+// words at every width (TileKeys).
+bool WholeSegments(int dims) { return dims == 64 || (dims > 0 && dims % 128 == 0); }
 
 AttendKernel Pick(const FieldReader& key, const FieldReader& value, int head_dim) {
   if (key.format == FieldFormat::kSplitCentroids) {

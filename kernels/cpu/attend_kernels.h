@@ -5,11 +5,17 @@
 #ifndef TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
 #define TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
+#include "kernels/code_tiles.h"
 #include "kernels/codec.h"
 
 namespace tqkv {
@@ -35,6 +41,7 @@ struct FieldReader {
   size_t scalars_offset = 0;
   int code_bytes = 0;                // per token
   int num_scalars = 0;               // per token
+  bool tiled = false;                // the codes plane is tiled (kernels/code_tiles.h)
   // kSplitCentroids: `bits` and `centroids` are the hot part's; the hot part
   // covers the first hot_dims coordinates of the (rotated) query.
   int hot_dims = 0;
@@ -44,7 +51,8 @@ struct FieldReader {
 };
 
 // The format a codec's field has for the fast kernels (kUnsupported for QJL,
-// which uses the reference path).
+// which uses the reference path), its sizes and whether its codes plane is
+// tiled (KvLayout's rule); the plane offsets are left to the caller.
 FieldReader DescribeField(const VectorCodec& codec);
 
 // Rows are the query vectors that share this KV head: (query token, query
@@ -114,7 +122,11 @@ inline void PrefetchTokens(const HeadAttendParams& p, int64_t begin, int64_t end
     const int64_t n = std::min<int64_t>(end - t, p.page_tokens - slot);
     const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[t / p.page_tokens]) * p.page_bytes;
     for (const FieldReader* f : {&p.key, &p.value}) {
-      lines(page + f->codes_offset + slot * f->code_bytes, n * f->code_bytes);
+      // A tiled plane's tokens [slot, slot + n) lie inside their tiles' span.
+      const int64_t from = f->tiled ? slot - slot % kTileTokens : slot;
+      const int64_t to = f->tiled ? std::min<int64_t>(p.page_tokens, (slot + n + kTileTokens - 1) / kTileTokens * kTileTokens)
+                                  : slot + n;
+      lines(page + f->codes_offset + from * f->code_bytes, (to - from) * f->code_bytes);
       lines(page + f->scalars_offset + slot * 2 * f->num_scalars, n * 2 * f->num_scalars);
     }
     t += n;
@@ -154,11 +166,103 @@ class BlockPrefetch {
   const int64_t end_;
 };
 
-// Walks a kernel's blocks of tokens page by page, from RunBlockStart.
+#if defined(__AVX2__)
+// The whole words of a full tile of 16 tokens (kernels/code_tiles.h) as
+// token-major rows of code_bytes: token t's word w, at tile + 64 w + 4 t,
+// to out + t * code_bytes + 4 w. By 16 x 16 (AVX-512) or 8 x 8 (AVX2) dword
+// transposes: about 4 shuffles a token per 16 words instead of a load and a
+// store per word. Static and under the ISA macros, so each kernel's file
+// compiles its own copy for its own ISA.
+static inline void DetileWords(const uint8_t* tile, int code_bytes, uint8_t* out) {
+  const int words = code_bytes / kTileWordBytes;
+#if defined(__AVX512F__)
+  // Word blocks last first: a short last block's stores reach into the next
+  // token's first words, which a later (whole) block's stores then write.
+  for (int w0 = (words - 1) / 16 * 16; w0 >= 0; w0 -= 16) {
+    const int n = std::min(16, words - w0);
+    __m512i v[16], a[16], b[16];
+    for (int k = 0; k < 16; ++k) v[k] = k < n ? _mm512_loadu_si512(tile + 64 * (w0 + k)) : _mm512_setzero_si512();
+    for (int k = 0; k < 16; k += 2) {
+      a[k] = _mm512_unpacklo_epi32(v[k], v[k + 1]);
+      a[k + 1] = _mm512_unpackhi_epi32(v[k], v[k + 1]);
+    }
+    for (int m = 0; m < 4; ++m) {
+      b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+      b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+      b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+      b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+    }
+    // 128-bit lane l of b[4 m + r]: token 4 l + r, words 4 m ... 4 m + 3.
+    __m512i rows[16];
+    for (int r = 0; r < 4; ++r) {
+      const __m512i c0 = _mm512_shuffle_i32x4(b[r], b[4 + r], 0x44), c1 = _mm512_shuffle_i32x4(b[8 + r], b[12 + r], 0x44);
+      const __m512i c2 = _mm512_shuffle_i32x4(b[r], b[4 + r], 0xee), c3 = _mm512_shuffle_i32x4(b[8 + r], b[12 + r], 0xee);
+      rows[r] = _mm512_shuffle_i32x4(c0, c1, 0x88);
+      rows[4 + r] = _mm512_shuffle_i32x4(c0, c1, 0xdd);
+      rows[8 + r] = _mm512_shuffle_i32x4(c2, c3, 0x88);
+      rows[12 + r] = _mm512_shuffle_i32x4(c2, c3, 0xdd);
+    }
+    // Whole 64-byte stores in token order: what one writes past its token's
+    // words the next token's stores overwrite, and past the last token it
+    // lands in the staging slack (BlockWalk::kStageSlack). (Masked stores,
+    // which the kernel's loads soon after cannot forward from, were slower.)
+    for (int t = 0; t < 16; ++t) _mm512_storeu_si512(out + static_cast<size_t>(t) * code_bytes + 4 * w0, rows[t]);
+    (void)n;
+  }
+#else
+  for (int t0 = 0; t0 < 16; t0 += 8) {
+    for (int w0 = (words - 1) / 8 * 8; w0 >= 0; w0 -= 8) {
+      const int n = std::min(8, words - w0);
+      __m256i v[8], a[8], b[8];
+      for (int k = 0; k < 8; ++k) {
+        v[k] = k < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * (w0 + k) + 4 * t0))
+                     : _mm256_setzero_si256();
+      }
+      for (int k = 0; k < 8; k += 2) {
+        a[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]);
+        a[k + 1] = _mm256_unpackhi_epi32(v[k], v[k + 1]);
+      }
+      for (int m = 0; m < 2; ++m) {
+        b[4 * m] = _mm256_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+        b[4 * m + 1] = _mm256_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+        b[4 * m + 2] = _mm256_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+        b[4 * m + 3] = _mm256_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+      }
+      // 128-bit lane l of b[4 m + r]: token t0 + 4 l + r, words 4 m ... 4 m + 3.
+      // Whole stores in token order, as above.
+      for (int t = 0; t < 8; ++t) {
+        const int l = t / 4, r = t % 4;
+        const __m256i row = _mm256_permute2x128_si256(b[r], b[4 + r], l == 0 ? 0x20 : 0x31);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + static_cast<size_t>(t0 + t) * code_bytes + 4 * w0), row);
+      }
+    }
+  }
+#endif
+}
+#endif
+
+// This thread's staging room for BlockWalk, at least `bytes` (defined in
+// cpu_backend.cc, compiled for the baseline ISA: inline code here is
+// compiled into every kernel's file, each with its own ISA flags).
+uint8_t* BlockWalkStage(size_t bytes);
+
+// Walks a kernel's blocks of tokens page by page, from RunBlockStart. The
+// codes of a tiled plane are copied out of their tiles, token-major, into a
+// per-thread block of kStagedTokens tokens (with kStageSlack bytes on each
+// side for kernels' reads past a token's codes), and the kernel reads them
+// there.
 class BlockWalk {
  public:
+  static constexpr int kStagedTokens = 64;
+  static constexpr int kStageSlack = 64;
+
   BlockWalk(const HeadAttendParams& p, int64_t first)
-      : p_(p), page_index_(first / p.page_tokens), slot_(static_cast<int>(first % p.page_tokens)) {}
+      : p_(p), page_index_(first / p.page_tokens), slot_(static_cast<int>(first % p.page_tokens)) {
+    const size_t field = kStagedTokens * static_cast<size_t>(std::max(p.key.code_bytes, p.value.code_bytes));
+    // Token-major copies of both fields, then (NextTiles) tiled copies.
+    staged_keys_ = BlockWalkStage(4 * (field + 2 * kStageSlack)) + kStageSlack;
+    staged_values_ = staged_keys_ + field + 2 * kStageSlack;
+  }
 
   // The next block: `count` tokens from t0, padded to `padded`. Fills
   // key_codes[0, padded) and value_codes[0, padded) with where each token's
@@ -174,12 +278,51 @@ class BlockWalk {
     for (int i = 0; i < count;) {
       const uint8_t* page = p_.pool_base + static_cast<size_t>(p_.block_table[page_index_]) * p_.page_bytes;
       const int n = std::min(count - i, p_.page_tokens - slot_);
-      const uint8_t* keys = page + p_.key.codes_offset + static_cast<size_t>(slot_) * p_.key.code_bytes;
-      const uint8_t* values = page + p_.value.codes_offset + static_cast<size_t>(slot_) * p_.value.code_bytes;
-      for (int k = 0; k < n; ++k) {
-        key_codes[i + k] = keys + k * p_.key.code_bytes;
-        value_codes[i + k] = values + k * p_.value.code_bytes;
-      }
+      // Where tokens [slot_, slot_ + n) of the page, block tokens [i, i +
+      // n), have their codes of field f: in the page, or copied out of
+      // their tiles into staged (four bytes at a time, a tile's words). A
+      // lambda, not a member: each kernel's file is compiled for its own
+      // ISA, and a shared inline function could be linked from another's.
+      const auto locate = [&](const FieldReader& f, uint8_t* staged, const uint8_t** codes) {
+        const uint8_t* plane = page + f.codes_offset;
+        if (!f.tiled) {
+          for (int k = 0; k < n; ++k) codes[i + k] = plane + static_cast<size_t>(slot_ + k) * f.code_bytes;
+          return;
+        }
+        const int whole = f.code_bytes - f.code_bytes % kTileWordBytes;
+        int k = 0;
+#if defined(__AVX2__)
+        // Whole tiles by transposes (DetileWords), the rest word by word.
+        while (k + kTileTokens <= n && (slot_ + k) % kTileTokens == 0 && slot_ + k + kTileTokens <= p_.page_tokens) {
+          const uint8_t* tile = plane + static_cast<size_t>(slot_ + k) * f.code_bytes;
+          uint8_t* to = staged + static_cast<size_t>(i + k) * f.code_bytes;
+          DetileWords(tile, f.code_bytes, to);
+          for (int t = 0; t < kTileTokens; ++t) {
+            for (int b = whole; b < f.code_bytes; ++b) {
+              to[static_cast<size_t>(t) * f.code_bytes + b] =
+                  tile[static_cast<size_t>(whole) * kTileTokens + static_cast<size_t>(f.code_bytes - whole) * t + b - whole];
+            }
+            codes[i + k + t] = to + static_cast<size_t>(t) * f.code_bytes;
+          }
+          k += kTileTokens;
+        }
+#endif
+        for (; k < n; ++k) {
+          const int slot = slot_ + k, t = slot % kTileTokens;
+          const int tile_tokens = std::min(kTileTokens, p_.page_tokens - (slot - t));
+          const uint8_t* tile = plane + static_cast<size_t>(slot - t) * f.code_bytes;
+          uint8_t* to = staged + static_cast<size_t>(i + k) * f.code_bytes;
+          for (int b = 0; b < whole; b += kTileWordBytes) {
+            memcpy(to + b, tile + static_cast<size_t>(b) * tile_tokens + kTileWordBytes * t, kTileWordBytes);
+          }
+          for (int b = whole; b < f.code_bytes; ++b) {
+            to[b] = tile[static_cast<size_t>(whole) * tile_tokens + static_cast<size_t>(f.code_bytes - whole) * t + b - whole];
+          }
+          codes[i + k] = to;
+        }
+      };
+      locate(p_.key, staged_keys_, key_codes);
+      locate(p_.value, staged_values_, value_codes);
       scalars(page + p_.key.scalars_offset + 2 * slot_ * p_.key.num_scalars,
               page + p_.value.scalars_offset + 2 * slot_ * p_.value.num_scalars, i, n);
       i += n;
@@ -201,10 +344,67 @@ class BlockWalk {
     }
   }
 
+  // The next block as tiles of 16 tokens (kernels/code_tiles.h): key_tiles[g]
+  // and value_tiles[g] point at word 0 of group g's tile, word w at + 64 w.
+  // That is the page's own tile where the plane is tiled and page_tokens is
+  // a multiple of 16 (t0 is then too: RunBlockStart); otherwise a copy made
+  // from the tokens' codes (the padding tokens' as Next says). Scalars and
+  // padding as Next. REQUIRES: both fields' code_bytes multiples of 4.
+  template <typename Scalars, typename Zero>
+  void NextTiles(int64_t t0, int count, int padded, const uint8_t** key_tiles, const uint8_t** value_tiles,
+                 Scalars&& scalars, Zero&& zero) {
+    const int groups = padded / kTileTokens;
+    if (p_.key.tiled && p_.value.tiled && p_.page_tokens % kTileTokens == 0) {
+      for (int i = 0; i < count;) {
+        const uint8_t* page = p_.pool_base + static_cast<size_t>(p_.block_table[page_index_]) * p_.page_bytes;
+        const int n = std::min(count - i, p_.page_tokens - slot_);
+        for (int g = i / kTileTokens; g * kTileTokens < i + n; ++g) {
+          const size_t slot = static_cast<size_t>(slot_ + g * kTileTokens - i);
+          key_tiles[g] = page + p_.key.codes_offset + slot * p_.key.code_bytes;
+          value_tiles[g] = page + p_.value.codes_offset + slot * p_.value.code_bytes;
+        }
+        scalars(page + p_.key.scalars_offset + 2 * slot_ * p_.key.num_scalars,
+                page + p_.value.scalars_offset + 2 * slot_ * p_.value.num_scalars, i, n);
+        i += n;
+        slot_ += n;
+        if (slot_ == p_.page_tokens) {
+          slot_ = 0;
+          ++page_index_;
+        }
+      }
+      for (int i = 0; i < p_.token_begin - t0; ++i) zero(i);
+      for (int i = count; i < padded; ++i) zero(i);
+      return;
+    }
+    const uint8_t* key_codes[kStagedTokens];
+    const uint8_t* value_codes[kStagedTokens];
+    Next(t0, count, padded, key_codes, value_codes, scalars, zero);
+    // Copies into tiles, after the token-major copies Next may have made.
+    uint8_t* tiles = staged_values_ + kStagedTokens * static_cast<size_t>(std::max(p_.key.code_bytes, p_.value.code_bytes)) +
+                     kStageSlack;
+    const auto retile = [&](const FieldReader& f, const uint8_t* const* codes, const uint8_t** out) {
+      for (int g = 0; g < groups; ++g) {
+        uint8_t* tile = tiles;
+        tiles += static_cast<size_t>(kTileTokens) * f.code_bytes;
+        for (int w = 0; w < f.code_bytes / kTileWordBytes; ++w) {
+          for (int i = 0; i < kTileTokens; ++i) {
+            memcpy(tile + kTileWordBytes * (kTileTokens * w + i), codes[g * kTileTokens + i] + kTileWordBytes * w,
+                   kTileWordBytes);
+          }
+        }
+        out[g] = tile;
+      }
+    };
+    retile(p_.key, key_codes, key_tiles);
+    retile(p_.value, value_codes, value_tiles);
+  }
+
  private:
   const HeadAttendParams& p_;
   int64_t page_index_;
   int slot_;
+  uint8_t* staged_keys_ = nullptr;
+  uint8_t* staged_values_ = nullptr;
 };
 
 // Row tiles of 4, then 2, then 1: tile(std::integral_constant<int, R>, r0)
@@ -242,7 +442,7 @@ bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& va
 void AttendHeadAvx512(const HeadAttendParams& params);
 void AttendHeadAvx2(const HeadAttendParams& params);
 
-// The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI and VBMI):
+// The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI, VBMI and VBMI2):
 // scores and values with int8 dot products. It reads no byte outside a
 // token's codes and scalars. Against exact attention over the same bytes it
 // differs by these roundings:

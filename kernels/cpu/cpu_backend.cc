@@ -72,27 +72,41 @@ struct HeadView {
   const VectorCodec* key;
   const VectorCodec* value;
   const KvLayout::HeadPlanes* planes;
+  CodePlane key_plane;  // how the codes planes are laid out (kernels/code_tiles.h)
+  CodePlane value_plane;
 
-  const uint8_t* key_codes(const uint8_t* page, int slot) const {
-    return page + planes->key_codes + static_cast<size_t>(slot) * key->code_bytes();
+  // A token's codes: in the page (token-major planes), or copied out of its
+  // tile into scratch[code_bytes] (tiled ones).
+  const uint8_t* key_codes(const uint8_t* page, int slot, uint8_t* scratch) const {
+    return Codes(page + planes->key_codes, key_plane, slot, scratch);
   }
   const uint16_t* key_scalars(const uint8_t* page, int slot) const {
     return reinterpret_cast<const uint16_t*>(page + planes->key_scalars) +
            static_cast<size_t>(slot) * key->num_scalars();
   }
-  const uint8_t* value_codes(const uint8_t* page, int slot) const {
-    return page + planes->value_codes + static_cast<size_t>(slot) * value->code_bytes();
+  const uint8_t* value_codes(const uint8_t* page, int slot, uint8_t* scratch) const {
+    return Codes(page + planes->value_codes, value_plane, slot, scratch);
   }
   const uint16_t* value_scalars(const uint8_t* page, int slot) const {
     return reinterpret_cast<const uint16_t*>(page + planes->value_scalars) +
            static_cast<size_t>(slot) * value->num_scalars();
   }
+
+  static const uint8_t* Codes(const uint8_t* plane, const CodePlane& layout, int slot, uint8_t* scratch) {
+    if (!layout.tiled) return plane + static_cast<size_t>(slot) * layout.code_bytes;
+    GatherCodes(plane, layout, slot, scratch);
+    return scratch;
+  }
 };
 
 HeadView View(const KvLayout& layout, int layer, int head) {
-  return {&layout.key_codec(layer, head), &layout.value_codec(layer, head),
-          &layout.planes(layer, head)};
+  return {&layout.key_codec(layer, head), &layout.value_codec(layer, head), &layout.planes(layer, head),
+          layout.key_code_plane(layer, head), layout.value_code_plane(layer, head)};
 }
+
+// Room for one token's codes copied out of a tile (the widest codes plane:
+// 8-bit uniform at kMaxHeadDim, or fp16 there).
+constexpr int kMaxCodeBytes = 2 * kMaxHeadDim;
 
 absl::Status CheckPages(const PagePool& pool, absl::Span<const int32_t> pages) {
   for (int32_t page : pages) {
@@ -203,6 +217,11 @@ class CpuBackend final : public Backend {
       const float* value_in[kRun];
       uint8_t* key_codes[kRun];
       uint8_t* value_codes[kRun];
+      // Tiled planes: the codecs write each token's codes here, token-major,
+      // and ScatterCodes puts them in their tiles.
+      thread_local std::vector<uint8_t> staged(2 * kRun * kMaxCodeBytes);
+      uint8_t* const staged_keys = staged.data();
+      uint8_t* const staged_values = staged.data() + kRun * kMaxCodeBytes;
       uint16_t* key_scalars[kRun];
       uint16_t* value_scalars[kRun];
       if (i0 == 0) {
@@ -227,8 +246,12 @@ class CpuBackend final : public Backend {
           const size_t row = static_cast<size_t>((layer_offset + i0 + k) * heads + head) * d;
           key_in[k] = p.keys + row;
           value_in[k] = p.values + row;
-          key_codes[k] = const_cast<uint8_t*>(view.key_codes(page, slot));
-          value_codes[k] = const_cast<uint8_t*>(view.value_codes(page, slot));
+          key_codes[k] = view.key_plane.tiled ? staged_keys + k * kMaxCodeBytes
+                                              : const_cast<uint8_t*>(page + view.planes->key_codes) +
+                                                    static_cast<size_t>(slot) * view.key_plane.code_bytes;
+          value_codes[k] = view.value_plane.tiled ? staged_values + k * kMaxCodeBytes
+                                                  : const_cast<uint8_t*>(page + view.planes->value_codes) +
+                                                        static_cast<size_t>(slot) * view.value_plane.code_bytes;
           key_scalars[k] = const_cast<uint16_t*>(view.key_scalars(page, slot));
           value_scalars[k] = const_cast<uint16_t*>(view.value_scalars(page, slot));
         }
@@ -237,7 +260,18 @@ class CpuBackend final : public Backend {
         absl::Status key_status = view.key->EncodeMany(n, key_in, key_codes, key_scalars, &key_failed);
         if (next_n > 0) prefetch_rows(p.values, layer, next_i0, next_n, next_head);
         absl::Status value_status = view.value->EncodeMany(n, value_in, value_codes, value_scalars, &value_failed);
-        if (key_status.ok() && value_status.ok()) continue;
+        if (key_status.ok() && value_status.ok()) {
+          for (int k = 0; k < n; ++k) {
+            const int32_t slot_index = p.slots[i0 + k];
+            uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
+            const int slot = slot_index % page_tokens;
+            if (view.key_plane.tiled) ScatterCodes(key_codes[k], view.key_plane, slot, page + view.planes->key_codes);
+            if (view.value_plane.tiled) {
+              ScatterCodes(value_codes[k], view.value_plane, slot, page + view.planes->value_codes);
+            }
+          }
+          continue;
+        }
         // The first failing token, its key's error before its value's.
         const bool key_first = !key_status.ok() && (value_status.ok() || key_failed <= value_failed);
         const absl::Status& status = key_first ? key_status : value_status;
@@ -266,6 +300,7 @@ class CpuBackend final : public Backend {
     // bytes come from memory once per group, not once per query head.
     std::vector<float> states;
     std::vector<AddBackTerms> terms(group);
+    uint8_t scratch[kMaxCodeBytes];
     for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
       for (int g = 0; g < group; ++g) {
         terms[g] = Terms(layout, p.key_mean, kv, p.queries + static_cast<size_t>(kv * group + g) * d, p.scale);
@@ -282,7 +317,7 @@ class CpuBackend final : public Backend {
         }
         for (int64_t t = begin; t < end; ++t) {
           const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
-          const uint8_t* codes = view.key_codes(at.page, at.slot);
+          const uint8_t* codes = view.key_codes(at.page, at.slot, scratch);
           const uint16_t* scalars = view.key_scalars(at.page, at.slot);
           for (int g = 0; g < group; ++g) {
             const float score = p.scale * view.key->Score(states.data() + g * state_floats, codes, scalars);
@@ -532,6 +567,7 @@ class CpuBackend final : public Backend {
     const int qh = layout.num_query_heads();
     const int group = layout.query_heads_per_kv_head();
     thread_local std::vector<float> state, logits, acc, part;
+    uint8_t scratch[kMaxCodeBytes];
     for (int h = kv * group; h < (kv + 1) * group; ++h) {
       for (int i = 0; i < item.num_query_tokens; ++i) {
         const int64_t visible = item.context_tokens - item.num_query_tokens + 1 + i;
@@ -547,7 +583,7 @@ class CpuBackend final : public Backend {
           view.key->PrepareQuery(item.queries + row, state.data());
           for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); ++t) {
             const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
-            const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot),
+            const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot, scratch),
                                                           view.key_scalars(at.page, at.slot));
             logits[t] = static_cast<float>(score + (terms.pairs.empty() ? 0.0 : terms.At(t) - terms.constant));
             max_logit = std::max(max_logit, logits[t]);
@@ -568,7 +604,7 @@ class CpuBackend final : public Backend {
           bool any = false;
           for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); ++t) {
             const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
-            view.value->Accumulate(logits[t] * inv, view.value_codes(at.page, at.slot),
+            view.value->Accumulate(logits[t] * inv, view.value_codes(at.page, at.slot, scratch),
                                    view.value_scalars(at.page, at.slot), acc.data());
             any = true;
           }
@@ -593,10 +629,17 @@ class CpuBackend final : public Backend {
 
 namespace cpu_internal {
 
+uint8_t* BlockWalkStage(size_t bytes) {
+  thread_local std::vector<uint8_t> stage;
+  if (stage.size() < bytes) stage.resize(bytes);
+  return stage.data();
+}
+
 FieldReader DescribeField(const VectorCodec& codec) {
   FieldReader field;
   field.code_bytes = codec.code_bytes();
   field.num_scalars = codec.num_scalars();
+  field.tiled = TiledCodes(codec.spec().kind);
   const CodecSpec& spec = codec.spec();
   switch (spec.kind) {
     case CodecKind::kTurboQuant:

@@ -15,7 +15,7 @@ struct CpuBackendOptions {
   int num_threads = 0;
   // TurboQuant attention (centroid keys, values of 2-4 bits) through the
   // integer kernel where the CPU has it (SimdLevel::kAvx512Vnni: AVX-512 with
-  // VNNI and VBMI): about twice as fast as fp32, at outputs within 2%
+  // VNNI, VBMI and VBMI2): about twice as fast as fp32, at outputs within 2%
   // of the fp32 kernels' error against exact attention (its rounding is
   // stated in kernels/cpu/attend_kernels.h). false: fp32 everywhere. As the
   // CUDA backend's tensor_cores.

@@ -4,7 +4,7 @@
 // weights, and the final normalisation.
 //
 // Include only from translation units compiled with AVX-512 F/BW/VL/DQ,
-// VNNI and VBMI. Everything here has internal linkage (an unnamed namespace,
+// VNNI, VBMI and VBMI2. Everything here has internal linkage (an unnamed namespace,
 // against the usual rule for headers) for the reason attend_avx512_common.h
 // gives: each kernel file is compiled with its own ISA flags.
 #ifndef TQKV_KERNELS_CPU_INTEGER_ATTEND_H_
@@ -30,31 +30,6 @@ namespace {  // NOLINT(build/namespaces): see the file comment
 constexpr int kBlock = 64;  // tokens per online-softmax step
 constexpr int kGroup = 16;  // tokens per score vector
 
-// b-bit key codes as unsigned bytes: 32 coordinates of two tokens per
-// vector, each the centroid + 128 in units of key_unit().
-template <int kBits>
-struct KeyIndex {
-  // Qword k of chunk m of a half segment (HalfSegments) gathers the kBits
-  // bytes of codes 32 m + 8 (k % 4) ... + 7 of token k / 4 (bytes 32 and
-  // up: the second token); vpmultishiftqb then takes byte i of a qword from
-  // bit kBits * i.
-  alignas(64) uint8_t gather[2][64] = {};
-  alignas(64) uint8_t shift[64] = {};
-  constexpr KeyIndex() {
-    for (int m = 0; m < 2; ++m) {
-      for (int k = 0; k < 8; ++k) {
-        for (int i = 0; i < 8; ++i) {
-          const int from = 4 * kBits * m + kBits * (k % 4) + (i < kBits - 1 ? i : kBits - 1);
-          gather[m][8 * k + i] = static_cast<uint8_t>(from + (k / 4) * 32);
-        }
-      }
-    }
-    for (int i = 0; i < 64; ++i) shift[i] = static_cast<uint8_t>(kBits * (i % 8));
-  }
-};
-template <int kBits>
-inline constexpr KeyIndex<kBits> kKeyIndex{};
-
 // IntegerKeyUnit for the codebook this thread saw last in slot kSlot (0:
 // keys, 1: values; every layer and head of a layout shares one codebook per
 // bit width and field).
@@ -70,12 +45,41 @@ float CachedIntegerUnit(const float* centroids, int count) {
   return unit;
 }
 
+// A codes tile (kernels/code_tiles.h) of 16 tokens: word w of every token
+// is the 64-byte vector at tile + 64 w, token i in 32-bit lane i.
+inline __m512i TileWord(const uint8_t* tile, int w) { return _mm512_loadu_si512(tile + 64 * w); }
+
+// b-bit key codes of a tile's 16 tokens as unsigned bytes, four coordinates
+// per token and vector: lane i (token i) holds the centroid + 128 (in units
+// of unit()) of coordinates 4c ... 4c + 3, for vpdpbusd against a dword of
+// four query bytes. Four codes are 4b bits of a token's stream, inside one
+// word or (3 bits) straddling two; vpmultishiftqb takes each code's bits
+// into its byte from a qword holding two tokens' word (or, straddling, the
+// two words shifted together by vpshrdd), then vpermb maps it to its
+// centroid byte.
 template <int kBits>
-class KeyCodes {
+struct TileKeyIndex {
+  // shift[o / 4][k]: byte k of a qword (token k / 4 of its two, coordinate
+  // k % 4) starts at this bit when the four codes start at bit o of a word.
+  alignas(64) uint8_t shift[8][64] = {};
+  constexpr TileKeyIndex() {
+    for (int o = 0; o < 32; o += 4) {
+      for (int k = 0; k < 64; ++k) shift[o / 4][k] = static_cast<uint8_t>(32 * (k % 8 / 4) + o + kBits * (k % 4));
+    }
+  }
+};
+template <int kBits>
+inline constexpr TileKeyIndex<kBits> kTileKeyIndex{};
+
+template <int kBits>
+class TileKeys {
  public:
-  explicit KeyCodes(const float* centroids) {
-    for (int m = 0; m < 2; ++m) gather_[m] = _mm512_load_si512(kKeyIndex<kBits>.gather[m]);
-    shift_ = _mm512_load_si512(kKeyIndex<kBits>.shift);
+  // Words that hold a whole number of four-coordinate groups, and those groups.
+  static constexpr int kPeriodWords = kBits == 3 ? 3 : 1;
+  static constexpr int kPeriodGroups = 8 * kPeriodWords / kBits;
+
+  explicit TileKeys(const float* centroids) {
+    for (int o = 0; o < 8; ++o) shift_[o] = _mm512_load_si512(kTileKeyIndex<kBits>.shift[o]);
     // vpermb reads index bits [5:0]: repeating the 2^b entries over 64 makes
     // the bits of the next code above a code irrelevant.
     unit_ = CachedIntegerUnit<0>(centroids, 1 << kBits);
@@ -90,71 +94,73 @@ class KeyCodes {
   // What a byte stands for: centroid = unit() * (byte - 128).
   float unit() const { return unit_; }
 
-  // Chunk m (coordinates 32 m ... + 31 of a half segment) of tokens a
-  // (bytes 0-31) and b (bytes 32-63), given their HalfSegments.
-  __m512i Chunk(__m512i halves, int m) const {
-    const __m512i gathered = _mm512_permutexvar_epi8(gather_[m], halves);
-    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shift_, gathered), table_);
+  // Group m (coordinates 4 m ... 4 m + 3, m < kPeriodGroups) of the period
+  // whose words are `words` (kPeriodWords of them; for 3 bits also the two
+  // straddling pairs, (word i + 1 : word i) >> 16 for i = 0 and 1).
+  __m512i Group(int m, const __m512i* words, const __m512i* shifted) const {
+    const int bit = 4 * kBits * m, w = bit / 32, o = bit % 32;
+    const bool straddles = o + 4 * kBits > 32;
+    const __m512i source = straddles ? shifted[w] : words[w];
+    const int at = straddles ? o - 16 : o;
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shift_[at / 4], source), table_);
   }
 
-  // Code bytes of a half segment (64 coordinates).
-  static constexpr int kHalfBytes = 8 * kBits;
-
  private:
-  __m512i gather_[2], shift_, table_;
+  __m512i shift_[8], table_;
   float unit_;
 };
 
-// b-bit value codes of four tokens as signed bytes, 16 coordinates per
-// vector: dword i holds coordinate i of tokens 0-3 (byte t: token t), for
-// vpdpbusd against the dword of the four tokens' unsigned 8-bit weights.
-// Uniform codes are read as they are, centroids in units of unit() (at most
-// 127: IntegerKeyUnit).
+// b-bit value codes of a quad of a tile's tokens as signed bytes, 16
+// coordinates per vector: dword i holds coordinate 16 m + i (chunk m) of
+// tokens 4 q ... 4 q + 3 (byte t: token 4 q + t), for vpdpbusd against the
+// dword of the four tokens' unsigned 8-bit weights. Uniform codes are read as
+// they are, centroids in units of unit() (at most 127: IntegerKeyUnit).
 //
-// A quarter is 32 coordinates of a token, 4 b bytes. QuadQuarter loads 16
-// bytes per token into lane t of a vector: the quarter's bytes, or for a
-// token's last quarter (when fewer than 16 bytes follow its start) the 16
-// that end with it, so no load crosses the token's codes; kLateShift is
-// where that quarter's bytes start then.
+// Chunk m is 16 b bits of a token's stream from bit 16 m b: one word (2
+// bits) or two. Two words of tokens 0-7 (8-15) are first put side by side
+// in one vector (ChunkSource, vpermt2d: 8 bytes per token); then for each
+// quad vpermb gathers the two bytes of each token in which a pair of
+// coordinates lies and vpmultishiftqb moves each code to its own byte.
 template <int kBits>
-struct QuadIndex {
-  static constexpr int kQuarterBytes = 4 * kBits;
-  static constexpr int kLateShift = 16 - kQuarterBytes;
-  // gather[late][h][8 j + 2 t + k]: qword j of half h (coordinates 16 h +
-  // 2 j and + 1 of the quarter) takes, in bytes 2 t and 2 t + 1, the two
-  // bytes of token t in which those two codes lie (the second may belong to
-  // the next code or token: shifted or looked up away).
-  alignas(64) uint8_t gather[2][2][64] = {};
-  // shift[8 j + i]: vpmultishiftqb takes byte i of qword j (token i % 4,
-  // coordinate 2 j + i / 4 of the half) from this bit of the qword.
+struct TileValueIndex {
+  static constexpr bool kTwoWords = kBits > 2;
+  static constexpr int kTokenBytes = kTwoWords ? 8 : 4;  // per token in a chunk's source
+  // gather[o / 16][q][8 j + 2 t + e]: for a chunk starting at bit o of its
+  // first word, qword j (coordinates 2 j and 2 j + 1) takes in bytes 2 t
+  // and 2 t + 1 the two bytes of quad q's token t where they lie (the second
+  // may be past them: the bits above a code do not matter).
+  alignas(64) uint8_t gather[2][4][64] = {};
+  // shift[8 j + i]: byte i of qword j (token i % 4, coordinate 2 j + i / 4)
+  // starts at this bit of the qword (the same for o = 0 and 16).
   alignas(64) uint8_t shift[64] = {};
-  constexpr QuadIndex() {
-    for (int late = 0; late < 2; ++late) {
-      for (int h = 0; h < 2; ++h) {
+  constexpr TileValueIndex() {
+    for (int o = 0; o < 2; ++o) {
+      for (int q = 0; q < 4; ++q) {
         for (int j = 0; j < 8; ++j) {
-          const int byte = kBits * (16 * h + 2 * j) / 8 + (late ? kLateShift : 0);
+          const int byte = (16 * o + 2 * j * kBits) / 8;
           for (int t = 0; t < 4; ++t) {
-            for (int k = 0; k < 2; ++k) gather[late][h][8 * j + 2 * t + k] = static_cast<uint8_t>((16 * t + byte + k) % 64);
+            const int token = kTwoWords ? (4 * q + t) % 8 : 4 * q + t;
+            for (int e = 0; e < 2; ++e) {
+              gather[o][q][8 * j + 2 * t + e] = static_cast<uint8_t>((kTokenBytes * token + byte + e) % 64);
+            }
           }
         }
       }
     }
     for (int j = 0; j < 8; ++j) {
-      const int bit = (kBits * 2 * j) % 8;  // the same in both halves: 16 b bits are whole bytes
+      const int bit = (2 * j * kBits) % 8;
       for (int i = 0; i < 8; ++i) shift[8 * j + i] = static_cast<uint8_t>(16 * (i % 4) + bit + kBits * (i / 4));
     }
   }
 };
 template <int kBits>
-inline constexpr QuadIndex<kBits> kQuadIndex{};
+inline constexpr TileValueIndex<kBits> kTileValueIndex{};
 
 template <FieldFormat kFormat, int kBits>
-class ValueCodes {
+class TileValues {
  public:
-  static constexpr int kQuarterBytes = QuadIndex<kBits>::kQuarterBytes;
-
-  explicit ValueCodes(const float* centroids) {
-    shift_ = _mm512_load_si512(kQuadIndex<kBits>.shift);
+  explicit TileValues(const float* centroids) {
+    shift_ = _mm512_load_si512(kTileValueIndex<kBits>.shift);
     if constexpr (kFormat == FieldFormat::kCentroids) {
       // vpermb reads index bits [5:0]: the 2^b entries repeat over 64, so the
       // bits above a code do not matter.
@@ -172,28 +178,26 @@ class ValueCodes {
   // and, for uniform codes, its zero).
   float unit() const { return unit_; }
 
-  // The gather of half h of quarter `quarter` of a token with `quarters`.
-  static __m512i Gather(int quarter, int quarters, int h) {
-    const bool late = quarter == quarters - 1 && kQuarterBytes < 16;
-    return _mm512_load_si512(kQuadIndex<kBits>.gather[late][h]);
+  // The source of chunk m for tokens 0-7 (half 0) or 8-15 (half 1); for 2
+  // bits, the chunk's word of all 16 tokens.
+  static __m512i ChunkSource(const uint8_t* tile, int m, int half) {
+    const int w = 16 * m * kBits / 32;
+    if constexpr (!TileValueIndex<kBits>::kTwoWords) {
+      return TileWord(tile, w);
+    } else {
+      // Lane 2 k + h: word w + h of token 8 half + k.
+      const __m512i pick = half == 0 ? _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
+                                     : _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+      return _mm512_permutex2var_epi32(TileWord(tile, w), pick, TileWord(tile, w + 1));
+    }
   }
-  // Where QuadQuarter loads quarter `quarter` of a token from.
-  static int QuarterOffset(int quarter, int quarters) {
-    const bool late = quarter == quarters - 1 && kQuarterBytes < 16;
-    return kQuarterBytes * quarter - (late ? QuadIndex<kBits>::kLateShift : 0);
-  }
+  // Where chunk m starts in its first word: 0 or 16.
+  static int ChunkOffset(int m) { return 16 * m * kBits % 32; }
 
-  // 16 bytes of each of four tokens' codes from `offset`, token t in lane t.
-  static __m512i QuadQuarter(const uint8_t* const* codes, int offset) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[0] + offset)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[1] + offset)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[2] + offset)), 2);
-    return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[3] + offset)), 3);
-  }
-
-  // Half h of a quarter of four tokens (QuadQuarter), given Gather(..., h).
-  __m512i Half(__m512i quarter, __m512i gather) const {
-    const __m512i codes = _mm512_multishift_epi64_epi8(shift_, _mm512_permutexvar_epi8(gather, quarter));
+  // Chunk m of quad q, from the ChunkSource that holds the quad.
+  __m512i Quad(__m512i source, int m, int q) const {
+    const __m512i gather = _mm512_load_si512(kTileValueIndex<kBits>.gather[ChunkOffset(m) / 16][q]);
+    const __m512i codes = _mm512_multishift_epi64_epi8(shift_, _mm512_permutexvar_epi8(gather, source));
     if constexpr (kFormat == FieldFormat::kUniform) {
       return _mm512_and_si512(codes, _mm512_set1_epi8((1 << kBits) - 1));
     } else {
@@ -206,26 +210,27 @@ class ValueCodes {
   float unit_ = 1.0f;
 };
 
-// Where each token of a block lives, and its scalars.
+// Where a block's groups of 16 tokens have their codes tiles, and the
+// tokens' scalars.
 struct BlockTokens {
-  const uint8_t* key_codes[kBlock];
-  const uint8_t* value_codes[kBlock];
+  const uint8_t* key_tiles[kBlock / kGroup];
+  const uint8_t* value_tiles[kBlock / kGroup];
   alignas(64) float key_scale[kBlock];       // split keys: the hot part's
   alignas(64) float key_cold_scale[kBlock];  // split keys: the cold part's
   alignas(64) float value_scale[kBlock];
   alignas(64) float value_zero[kBlock];  // uniform values: x = scale * code + zero
 };
 
-// Per-thread room for the int8 queries (rows x 2 d bytes).
-uint8_t* QueryBytes(size_t n) {
+// Per-thread room for the int8 queries (rows x d bytes), 64-byte aligned.
+int32_t* QueryWords(size_t bytes) {
   thread_local std::vector<uint8_t> scratch;
-  if (scratch.size() < n + 64) scratch.resize(n + 64);
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  if (scratch.size() < bytes + 64) scratch.resize(bytes + 64);
+  return reinterpret_cast<int32_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 
 // The coordinates of a key that one codebook and one stored scale cover:
 // all of them, or (split keys) the hot part and then the cold part, each 64
-// coordinates or a multiple of 128.
+// coordinates or a multiple of 128 (so its codes are whole words).
 struct KeyPart {
   int begin = 0;        // first coordinate (of the rotated query)
   int dims = 0;
@@ -251,15 +256,14 @@ struct IntegerAttention {
 
   const HeadAttendParams& p;
   const int d;
-  const KeyCodes<kHotBits> keys;        // every coordinate's, or the hot part's
-  const KeyCodes<kColdBits> cold_keys;  // split keys: the cold part's
+  const TileKeys<kHotBits> keys;        // every coordinate's, or the hot part's
+  const TileKeys<kColdBits> cold_keys;  // split keys: the cold part's
   KeyPart parts[kParts];
-  const ValueCodes<kValue, kValueBits> values;
+  const TileValues<kValue, kValueBits> values;
 
-  // The int8 query: row r, coordinates 128 s ... + 127 (of a part or not),
-  // chunk m is 64 bytes at q8 + r * 2d + 256 s + 64 m: its 32 coordinates
-  // twice. Query byte of coordinate c of row r: QueryByte(r, c).
-  uint8_t* q8 = nullptr;
+  // The int8 query, four bytes a word: q4[r * d / 4 + c] holds coordinates
+  // 4 c ... 4 c + 3 of row r (each part's in its own unit).
+  int32_t* q4 = nullptr;
   // Per key part (its own codebook and stored scale): what a raw score unit
   // is worth, and the sum of the row's query bytes (which undoes the +128
   // of the key bytes).
@@ -294,10 +298,6 @@ struct IntegerAttention {
 
   float KeyUnit(int part) const { return part == 0 ? keys.unit() : cold_keys.unit(); }
 
-  int8_t QueryByte(int r, int c) const {
-    return static_cast<int8_t>(q8[static_cast<size_t>(r) * 2 * d + 256 * (c / 128) + 64 * (c % 128 / 32) + c % 32]);
-  }
-
   // The tokens each row sees of the 16 from group_start on, as lanes.
   static __mmask16 SeenLanes(int64_t seen) {
     return static_cast<__mmask16>(seen >= kGroup ? 0xffff : seen <= 0 ? 0 : (1u << seen) - 1);
@@ -315,9 +315,10 @@ struct IntegerAttention {
   // and moves row_max, row_sum and row_zero on.
   void SoftmaxBlock(int64_t t0, int groups, const int32_t* const* raw, const BlockTokens& tokens,
                     const AddBackTable& addback, uint8_t* weights, float* weight_unit, float* correction) {
-    const float kNegInf = -std::numeric_limits<float>::infinity();
-    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-    constexpr int kGroups = kBlock / kGroup;
+    // Rows two at a time where both see the block: each row's steps form
+    // one long chain (two horizontal maxima, the exponentials, a scan), and
+    // two independent chains side by side keep the core busy.
+    int pending = -1;  // a row that sees the block, waiting for a partner
     for (int r = 0; r < p.rows; ++r) {
       if (p.visible[r] <= t0) {
         memset(weights + r * kBlock, 0, kBlock);
@@ -325,13 +326,35 @@ struct IntegerAttention {
         correction[r] = 1.0f;
         continue;
       }
+      if (pending < 0) {
+        pending = r;
+        continue;
+      }
+      const int pair[2] = {pending, r};
+      SoftmaxRows<2>(pair, t0, groups, raw, tokens, addback, weights, weight_unit, correction);
+      pending = -1;
+    }
+    if (pending >= 0) SoftmaxRows<1>(&pending, t0, groups, raw, tokens, addback, weights, weight_unit, correction);
+  }
+
+  // SoftmaxBlock for kRows rows (rows[i], each seeing the block) at once.
+  template <int kRows>
+  void SoftmaxRows(const int* rows, int64_t t0, int groups, const int32_t* const* raw, const BlockTokens& tokens,
+                   const AddBackTable& addback, uint8_t* weights, float* weight_unit, float* correction) {
+    const float kNegInf = -std::numeric_limits<float>::infinity();
+    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+    constexpr int kGroups = kBlock / kGroup;
+    // A row's block of scores, then of weights, stays in registers.
+    __m512 block[kRows][kGroups];
+    __m512 m[kRows];
+#pragma GCC unroll 2
+    for (int i = 0; i < kRows; ++i) {
+      const int r = rows[i];
       const __m512 unit = _mm512_set1_ps(score_unit[0][r]);
       const __m512i bias = _mm512_set1_epi32(128 * q8_sum[0][r]);
       const __m512 cold_unit = _mm512_set1_ps(score_unit[kParts - 1][r]);
       const __m512i cold_bias = _mm512_set1_epi32(128 * q8_sum[kParts - 1][r]);
-      // A row's block of scores, then of weights, stays in registers.
-      __m512 block[kGroups];
-      __m512 m = neg_inf;
+      m[i] = neg_inf;
 #pragma GCC unroll 4
       for (int g = 0; g < kGroups; ++g) {
         if (g >= groups) break;
@@ -347,71 +370,81 @@ struct IntegerAttention {
         if (addback.pairs() > 0) s = _mm512_add_ps(s, avx512::AddBack(p, addback, r, kGroup * g));
         const __mmask16 live =
             SeenLanes(p.visible[r] - group_start) & static_cast<__mmask16>(~SeenLanes(p.token_begin - group_start));
-        block[g] = _mm512_mask_mov_ps(neg_inf, live, s);
-        m = _mm512_max_ps(m, block[g]);
+        block[i][g] = _mm512_mask_mov_ps(neg_inf, live, s);
+        m[i] = _mm512_max_ps(m[i], block[i][g]);
       }
-      const float new_max = std::max(row_max[r], avx512::Max(m));
+    }
+    float new_max[kRows];
+    __m512 sum[kRows], zero_sum[kRows], w_max[kRows];
+#pragma GCC unroll 2
+    for (int i = 0; i < kRows; ++i) {
+      const int r = rows[i];
+      new_max[i] = std::max(row_max[r], avx512::Max(m[i]));
       // exp(0) without the call: most blocks do not raise the maximum.
-      correction[r] = row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
-      row_max[r] = new_max;
-      __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps(), w_max = _mm512_setzero_ps();
+      correction[r] = row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max[i] ? 1.0f : std::exp(row_max[r] - new_max[i]);
+      row_max[r] = new_max[i];
+      sum[i] = zero_sum[i] = w_max[i] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroups; ++g) {
+      if (g >= groups) break;
+#pragma GCC unroll 2
+      for (int i = 0; i < kRows; ++i) {
+        const __mmask16 live = _mm512_cmp_ps_mask(block[i][g], neg_inf, _CMP_NEQ_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(live, avx512::Exp(_mm512_sub_ps(block[i][g], _mm512_set1_ps(new_max[i]))));
+        sum[i] = _mm512_add_ps(sum[i], e);
+        if constexpr (kUniform) {
+          zero_sum[i] = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum[i]);
+        }
+        block[i][g] = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
+        w_max[i] = _mm512_max_ps(w_max[i], _mm512_abs_ps(block[i][g]));
+      }
+    }
+    // Unsigned 8-bit fixed point per row and block, in units of the block's
+    // largest weight / 255, rounded with the error carried from token to
+    // token: the weights are first taken to 1/256 of a unit (W, exact
+    // integers), and token k of the block (in the order lane-major over its
+    // groups: any fixed order works) gets round(C_k / 256) - round(C_{k-1} /
+    // 256), C_k the sum of W up to k. So any run of tokens weighs within 0.6
+    // units of its exact weight, and weights too small for a unit are not
+    // all dropped (each dropped alone, a block of them would lose their
+    // mass). A negative or NaN weight (a value scale the encoder never
+    // writes) weighs zero.
+    const __m512i zero = _mm512_setzero_si512(), half = _mm512_set1_epi32(128);
+#pragma GCC unroll 2
+    for (int i = 0; i < kRows; ++i) {
+      const int r = rows[i];
+      const float top = avx512::Max(w_max[i]);
+      weight_unit[r] = top > 0.0f ? top * (1.0f / 255.0f) : 1.0f;
+      const __m512 to_fixed = _mm512_set1_ps(top > 0.0f ? 65280.0f / top : 0.0f);
+      __m512i fixed[kGroups], upto[kGroups];  // W, and its sum over the groups up to g
+      __m512i running = zero;
 #pragma GCC unroll 4
       for (int g = 0; g < kGroups; ++g) {
         if (g >= groups) break;
-        const __mmask16 live = _mm512_cmp_ps_mask(block[g], neg_inf, _CMP_NEQ_OQ);
-        const __m512 e = _mm512_maskz_mov_ps(live, avx512::Exp(_mm512_sub_ps(block[g], _mm512_set1_ps(new_max))));
-        sum = _mm512_add_ps(sum, e);
-        if constexpr (kUniform) {
-          zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
-        }
-        block[g] = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
-        w_max = _mm512_max_ps(w_max, _mm512_abs_ps(block[g]));
+        fixed[g] = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(block[i][g], to_fixed)), zero);
+        upto[g] = running = _mm512_add_epi32(running, fixed[g]);
       }
-      {
-        // Unsigned 8-bit fixed point per row and block, in units of the
-        // block's largest weight / 255, rounded with the error carried
-        // from token to token: the weights are first taken to 1/256 of a
-        // unit (W, exact integers), and token k of the block (in the order
-        // lane-major over its groups: any fixed order works) gets
-        // round(C_k / 256) - round(C_{k-1} / 256), C_k the sum of W up to
-        // k. So any run of tokens weighs within 0.6 units of its exact
-        // weight, and weights too small for a unit are not all dropped
-        // (each dropped alone, a block of them would lose their mass).
-        // A negative or NaN weight (a value scale the encoder never
-        // writes) weighs zero.
-        const float top = avx512::Max(w_max);
-        weight_unit[r] = top > 0.0f ? top * (1.0f / 255.0f) : 1.0f;
-        const __m512 to_fixed = _mm512_set1_ps(top > 0.0f ? 65280.0f / top : 0.0f);
-        const __m512i zero = _mm512_setzero_si512(), half = _mm512_set1_epi32(128);
-        __m512i fixed[kGroups], upto[kGroups];  // W, and its sum over the groups up to g
-        __m512i running = zero;
+      // before[i]: the sum of W over lanes below i, every group.
+      __m512i scan = _mm512_add_epi32(running, _mm512_alignr_epi32(running, zero, 15));
+      scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 14));
+      scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 12));
+      scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 8));
+      const __m512i before = _mm512_sub_epi32(scan, running);
 #pragma GCC unroll 4
-        for (int g = 0; g < kGroups; ++g) {
-          if (g >= groups) break;
-          fixed[g] = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(block[g], to_fixed)), zero);
-          upto[g] = running = _mm512_add_epi32(running, fixed[g]);
+      for (int g = 0; g < kGroups; ++g) {
+        uint8_t* to = weights + r * kBlock + kGroup * g;
+        if (g >= groups) {
+          _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm_setzero_si128());
+          continue;
         }
-        // before[i]: the sum of W over lanes below i, every group.
-        __m512i scan = _mm512_add_epi32(running, _mm512_alignr_epi32(running, zero, 15));
-        scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 14));
-        scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 12));
-        scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 8));
-        const __m512i before = _mm512_sub_epi32(scan, running);
-#pragma GCC unroll 4
-        for (int g = 0; g < kGroups; ++g) {
-          uint8_t* to = weights + r * kBlock + kGroup * g;
-          if (g >= groups) {
-            _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm_setzero_si128());
-            continue;
-          }
-          const __m512i sum_to = _mm512_add_epi32(before, upto[g]);
-          const __m512i w = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(sum_to, half), 8),
-                                             _mm512_srli_epi32(_mm512_add_epi32(_mm512_sub_epi32(sum_to, fixed[g]), half), 8));
-          _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm512_cvtepi32_epi8(w));
-        }
+        const __m512i sum_to = _mm512_add_epi32(before, upto[g]);
+        const __m512i w = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(sum_to, half), 8),
+                                           _mm512_srli_epi32(_mm512_add_epi32(_mm512_sub_epi32(sum_to, fixed[g]), half), 8));
+        _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm512_cvtepi32_epi8(w));
       }
-      row_sum[r] = row_sum[r] * correction[r] + avx512::Sum(sum);
-      row_zero[r] = row_zero[r] * correction[r] + avx512::Sum(zero_sum);
+      row_sum[r] = row_sum[r] * correction[r] + avx512::Sum(sum[i]);
+      row_zero[r] = row_zero[r] * correction[r] + avx512::Sum(zero_sum[i]);
     }
   }
 
@@ -453,7 +486,8 @@ struct IntegerAttention {
  private:
   // Queries to int8, per row and key part: q = unit * q8, |q8| <= 127.
   void QuantizeQueries() {
-    q8 = QueryBytes(static_cast<size_t>(p.rows) * 2 * d);
+    q4 = QueryWords(static_cast<size_t>(p.rows) * d);
+    uint8_t* q8 = reinterpret_cast<uint8_t*>(q4);
     for (int r = 0; r < p.rows; ++r) {
       for (int part = 0; part < kParts; ++part) {
         const int begin = parts[part].begin, end = begin + parts[part].dims;
@@ -470,11 +504,7 @@ struct IntegerAttention {
           __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(q + j), divisor));
           v = _mm512_max_epi32(_mm512_min_epi32(v, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
           sum = _mm512_add_epi32(sum, v);
-          const __m128i bytes = _mm512_cvtepi32_epi8(v);
-          // Chunk j / 32 at 64 (j / 32): coordinates 128 s + 32 m at 256 s + 64 m.
-          uint8_t* chunk = q8 + static_cast<size_t>(r) * 2 * d + 64 * (j / 32) + j % 32;
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk), bytes);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(chunk + 32), bytes);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + static_cast<size_t>(r) * d + j), _mm512_cvtepi32_epi8(v));
         }
         q8_sum[part][r] = static_cast<int32_t>(avx512::Sum(_mm512_cvtepi32_ps(sum)));
         score_unit[part][r] = unit * KeyUnit(part);

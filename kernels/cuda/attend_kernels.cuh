@@ -5,7 +5,9 @@
 // codec's basis (PrepareQueries, logit scale folded in); a key's logit is then
 // the norm times a sum of rotated-query coordinates times codebook centroids
 // read straight from the packed codes. Values with a rotated codec are summed
-// in the rotated basis and mapped back once per output row (Merge).
+// in the rotated basis and mapped back once per output row (Merge). Codes are
+// read where the page's layout puts them (kernels/code_tiles.h: packed codes
+// tiled, raw numbers token-major), through token_codes.cuh.
 //
 // Decode work is planned on the host (planner.h) into AttendBlocks, one
 // per (item, KV head, row chunk, token split), each run by a block of

@@ -11,7 +11,7 @@
 
 #include <cfloat>
 
-#include "kernels/bitpack.h"
+#include "kernels/cuda/token_codes.cuh"
 #include "kernels/cuda/warp_rotation.cuh"
 #include "kernels/float_formats.h"
 
@@ -71,21 +71,15 @@ __device__ __forceinline__ uint32_t CodeAt(const uint32_t (&w)[kBits], int j) {
   return __funnelshift_r(w[k], w[k + 1], shift) & kMask;
 }
 
-__device__ __forceinline__ uint32_t LoadWord(const uint8_t* p, bool aligned) {
-  if (aligned) return *reinterpret_cast<const uint32_t*>(p);
-  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
-}
-
 // dot[r] += sum_j q[r][j] * centroids[code_j] over `count` (a multiple of 4,
-// <= 32) coordinates whose kBits-bit codes start at `codes`.
+// <= 32) coordinates whose kBits-bit codes start at byte `first` of the
+// token's codes.
 template <int kBits, int kRows>
-__device__ __forceinline__ void DotCentroids(const uint8_t* codes, bool aligned, int count,
+__device__ __forceinline__ void DotCentroids(const TokenCodes<const uint8_t>& codes, int first, int count,
                                              const float* centroids, const float* q, int q_stride,
                                              float (&dot)[kRows]) {
   uint32_t w[kBits];
-#pragma unroll
-  for (int k = 0; k < kBits; ++k) w[k] = LoadWord(codes + 4 * k, aligned);
+  LoadCodeRun<kBits>(codes, first, (count * kBits + 7) / 8, w);
 #pragma unroll
   for (int j0 = 0; j0 < 32; j0 += 4) {
     if (j0 < count) {
@@ -105,14 +99,14 @@ __device__ __forceinline__ void DotCentroids(const uint8_t* codes, bool aligned,
   }
 }
 
-// Any code width: one code at a time from the bit stream.
+// Any code width: one code at a time from the bit stream of the part whose
+// codes start at byte part_offset.
 template <int kRows>
-__device__ __forceinline__ void DotCentroidsGeneric(const uint8_t* part_codes, int first, int bits,
-                                                    int count, const float* centroids,
-                                                    const float* q, int q_stride,
-                                                    float (&dot)[kRows]) {
+__device__ __forceinline__ void DotCentroidsGeneric(const TokenCodes<const uint8_t>& codes, int part_offset,
+                                                    int first, int bits, int count, const float* centroids,
+                                                    const float* q, int q_stride, float (&dot)[kRows]) {
   for (int j = 0; j < count; ++j) {
-    const float c = centroids[PackedCodeAt(part_codes, first + j, bits)];
+    const float c = centroids[PackedCodeIn(codes, part_offset, first + j, bits)];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) dot[r] = fmaf(q[r * q_stride + j], c, dot[r]);
   }
@@ -193,11 +187,11 @@ __device__ void LoadTables(const DeviceHead& head, BlockTables& t) {
 
 // This lane's share of one token's logits: dot[r] += <q_r, key> over group g.
 template <DeviceFieldFormat kKey, int kRows>
-__device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim, const BlockTables& t,
-                                            const uint8_t* page, int slot, int g, const float* s_q,
-                                            int q_stride, float (&dot)[kRows]) {
-  const uint8_t* codes = page + key.codes_offset + static_cast<uint64_t>(slot) * key.code_bytes;
+__device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim, int page_tokens,
+                                            const BlockTables& t, const uint8_t* page, int slot, int g,
+                                            const float* s_q, int q_stride, float (&dot)[kRows]) {
   if constexpr (kKey == DeviceFieldFormat::kTurboQuant) {
+    const TokenCodes<const uint8_t> codes = FieldTokenCodes(key, page, page_tokens, slot);
     const int groups0 = CeilDiv(key.parts[0].dim, 32);
     const int p = g < groups0 ? 0 : 1;
     const int gg = g < groups0 ? g : g - groups0;
@@ -205,24 +199,23 @@ __device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim
     const int base = gg * 32;
     const int count = min(32, part.dim - base);
     const float* q = s_q + part.state_offset + base;
-    const uint8_t* part_codes = codes + part.code_offset;
-    const bool aligned = ((key.code_bytes | part.code_offset) & 3) == 0;
     float part_dot[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) part_dot[r] = 0.0f;
     const float* centroids = t.key_centroids[p];
     switch (part.bits) {
       case 2:
-        DotCentroids<2, kRows>(part_codes + base / 4, aligned, count, centroids, q, q_stride, part_dot);
+        DotCentroids<2, kRows>(codes, part.code_offset + base / 4, count, centroids, q, q_stride, part_dot);
         break;
       case 3:
-        DotCentroids<3, kRows>(part_codes + base * 3 / 8, aligned, count, centroids, q, q_stride, part_dot);
+        DotCentroids<3, kRows>(codes, part.code_offset + base * 3 / 8, count, centroids, q, q_stride, part_dot);
         break;
       case 4:
-        DotCentroids<4, kRows>(part_codes + base / 2, aligned, count, centroids, q, q_stride, part_dot);
+        DotCentroids<4, kRows>(codes, part.code_offset + base / 2, count, centroids, q, q_stride, part_dot);
         break;
       default:
-        DotCentroidsGeneric<kRows>(part_codes, base, part.bits, count, centroids, q, q_stride, part_dot);
+        DotCentroidsGeneric<kRows>(codes, part.code_offset, base, part.bits, count, centroids, q, q_stride,
+                                   part_dot);
     }
     const uint16_t* scalars = reinterpret_cast<const uint16_t*>(page + key.scalars_offset) +
                               static_cast<int64_t>(slot) * key.num_scalars;
@@ -230,6 +223,8 @@ __device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim
 #pragma unroll
     for (int r = 0; r < kRows; ++r) dot[r] = fmaf(scale, part_dot[r], dot[r]);
   } else {
+    // Raw planes are token-major (DescribeField refuses others).
+    const uint8_t* codes = page + key.codes_offset + static_cast<uint64_t>(slot) * key.code_bytes;
     const int base = g * 32;
     const int count = min(32, head_dim - base);
     constexpr int kBytes = kKey == DeviceFieldFormat::kFp8 ? 1 : 2;
@@ -263,7 +258,7 @@ __device__ void ScoreTile(const PoolView& view, const DeviceField& key, const Bl
     for (int r = 0; r < kRows; ++r) dot[r] = 0.0f;
     if (k < count && g < groups) {
       const TokenAddress at = Locate(view, block_table, tile_begin + k);
-      KeyGroupDot<kKey, kRows>(key, view.head_dim, t, at.page, at.slot, g, s_q, q_stride, dot);
+      KeyGroupDot<kKey, kRows>(key, view.head_dim, view.page_tokens, t, at.page, at.slot, g, s_q, q_stride, dot);
     }
     for (int offset = lanes / 2; offset > 0; offset /= 2) {
 #pragma unroll
@@ -327,23 +322,13 @@ __device__ void AddBackTile(const AddBackTables& ab, const AddBackDesc& desc, in
 // Values: each lane owns 8 consecutive coordinates of every row and a share
 // of the tile's tokens.
 
-template <int kBits>
-__device__ __forceinline__ uint64_t LoadChunk(const uint8_t* p, bool aligned4) {
-  if constexpr (kBits == 4) {
-    if (aligned4) return *reinterpret_cast<const uint32_t*>(p);
-  }
-  uint64_t w = 0;
-#pragma unroll
-  for (int b = 0; b < kBits; ++b) w |= static_cast<uint64_t>(p[b]) << (8 * b);
-  return w;
-}
-
 // Eight codes (kBits each) of chunk `chunk` of a packed field, as floats:
-// codebook centroids (kCentroids) or the code values themselves.
+// codebook centroids (kCentroids) or the code values themselves. The chunk's
+// kBits bytes come from the one or two words they fall in.
 template <int kBits, bool kCentroids>
-__device__ __forceinline__ void DecodeChunk(const uint8_t* codes, int chunk, bool aligned4,
+__device__ __forceinline__ void DecodeChunk(const TokenCodes<const uint8_t>& codes, int chunk,
                                             const float* centroids, float (&v)[8]) {
-  const uint64_t w = LoadChunk<kBits>(codes + chunk * kBits, aligned4);
+  const uint64_t w = LoadCodeBytes<kBits>(codes, chunk * kBits);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const uint32_t code = static_cast<uint32_t>(w >> (k * kBits)) & ((1u << kBits) - 1u);
@@ -352,21 +337,20 @@ __device__ __forceinline__ void DecodeChunk(const uint8_t* codes, int chunk, boo
 }
 
 template <bool kCentroids>
-__device__ __forceinline__ void DecodeChunkAnyBits(const uint8_t* codes, int chunk, int bits,
-                                                   bool aligned4, const float* centroids,
-                                                   float (&v)[8]) {
+__device__ __forceinline__ void DecodeChunkAnyBits(const TokenCodes<const uint8_t>& codes, int chunk, int bits,
+                                                   const float* centroids, float (&v)[8]) {
   switch (bits) {
     case 2:
-      return DecodeChunk<2, kCentroids>(codes, chunk, aligned4, centroids, v);
+      return DecodeChunk<2, kCentroids>(codes, chunk, centroids, v);
     case 3:
-      return DecodeChunk<3, kCentroids>(codes, chunk, aligned4, centroids, v);
+      return DecodeChunk<3, kCentroids>(codes, chunk, centroids, v);
     case 4:
-      return DecodeChunk<4, kCentroids>(codes, chunk, aligned4, centroids, v);
+      return DecodeChunk<4, kCentroids>(codes, chunk, centroids, v);
     case 8:
-      return DecodeChunk<8, kCentroids>(codes, chunk, aligned4, centroids, v);
+      return DecodeChunk<8, kCentroids>(codes, chunk, centroids, v);
     default:
       for (int k = 0; k < 8; ++k) {
-        const uint32_t code = PackedCodeAt(codes, chunk * 8 + k, bits);
+        const uint32_t code = PackedCodeIn(codes, 0, chunk * 8 + k, bits);
         v[k] = kCentroids ? centroids[code] : static_cast<float>(code);
       }
   }
@@ -375,19 +359,18 @@ __device__ __forceinline__ void DecodeChunkAnyBits(const uint8_t* codes, int chu
 // acc[r][k] += p[r][token] * value[token][chunk * 8 + k] (uniform: the zero
 // point's share goes to zero_acc[r], added to every coordinate at the end).
 template <DeviceFieldFormat kValue, int kRows>
-__device__ __forceinline__ void AccumulateToken(const DeviceField& value, const BlockTables& t,
+__device__ __forceinline__ void AccumulateToken(const DeviceField& value, int page_tokens, const BlockTables& t,
                                                 const uint8_t* page, int slot, int chunk,
                                                 const float* s_p, int k, float (&acc)[kRows][8],
                                                 float (&zero_acc)[kRows]) {
-  const uint8_t* codes = page + value.codes_offset + static_cast<uint64_t>(slot) * value.code_bytes;
   float p[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) p[r] = s_p[r * kAttendTile + k];
   float v[8];
   if constexpr (kValue == DeviceFieldFormat::kUniform || kValue == DeviceFieldFormat::kTurboQuant) {
     constexpr bool kCentroids = kValue == DeviceFieldFormat::kTurboQuant;
-    const bool aligned4 = (value.code_bytes & 3) == 0;
-    DecodeChunkAnyBits<kCentroids>(codes, chunk, value.bits, aligned4, t.value_centroids, v);
+    DecodeChunkAnyBits<kCentroids>(FieldTokenCodes(value, page, page_tokens, slot), chunk, value.bits,
+                                   t.value_centroids, v);
     const uint16_t* scalars = reinterpret_cast<const uint16_t*>(page + value.scalars_offset) +
                               static_cast<int64_t>(slot) * value.num_scalars;
     const float scale = HalfBitsToFloat(scalars[0]);
@@ -403,6 +386,8 @@ __device__ __forceinline__ void AccumulateToken(const DeviceField& value, const 
       for (int r = 0; r < kRows; ++r) zero_acc[r] = fmaf(p[r], zero, zero_acc[r]);
     }
   } else {
+    // Raw planes are token-major (DescribeField refuses others).
+    const uint8_t* codes = page + value.codes_offset + static_cast<uint64_t>(slot) * value.code_bytes;
     constexpr int kBytes = kValue == DeviceFieldFormat::kFp8 ? 1 : 2;
     LoadRaw8<kValue>(codes + chunk * 8 * kBytes, t.fp8, v);
 #pragma unroll
@@ -531,8 +516,8 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
     if (value_slot < value_slots) {
       for (int k = value_slot; k < count; k += value_slots) {
         const TokenAddress at = Locate(view, block_table, tile + k);
-        AccumulateToken<kValue, kRows>(head.value, tables, at.page, at.slot, chunk, s_logit, k, acc,
-                                       zero_acc);
+        AccumulateToken<kValue, kRows>(head.value, view.page_tokens, tables, at.page, at.slot, chunk, s_logit, k,
+                                       acc, zero_acc);
       }
     }
     __syncthreads();
@@ -782,8 +767,12 @@ __device__ __forceinline__ uint32_t CodeInWords(const uint32_t (&w)[kWords], int
 
 // One lane's run of a field's codes, `bytes` bytes at `run_offset`, for
 // tokens tok[0] and tok[1]; zeros for tokens at or past token_end (their
-// pages may not exist).
-template <int kWords>
+// pages may not exist). A token-major plane's run is contiguous (vector
+// loads); a tiled plane's is gathered word by word (token_codes.cuh), which
+// only packed fields (kPacked) can have, and of whole words only
+// (AttendMmaSupported: code_bytes a multiple of 4). Bytes past `bytes`
+// inside the last word are unspecified.
+template <int kWords, bool kPacked>
 __device__ __forceinline__ void LoadTokenRuns(const DeviceField& f, const PoolView& view, const int32_t* block_table,
                                               const int (&tok)[2], int token_end, int run_offset, int bytes,
                                               uint32_t (&w)[2][kWords]) {
@@ -792,8 +781,12 @@ __device__ __forceinline__ void LoadTokenRuns(const DeviceField& f, const PoolVi
   for (int h = 0; h < 2; ++h) {
     if (tok[h] < token_end) {
       const TokenAddress at = Locate(view, block_table, tok[h]);
-      LoadWords<kWords>(at.page + f.codes_offset + static_cast<uint64_t>(at.slot) * f.code_bytes + run_offset,
-                        bytes, aligned, w[h]);
+      if (kPacked && f.tiled) {
+        LoadWordRun<kWords>(FieldTokenCodes(f, at.page, view.page_tokens, at.slot), run_offset, bytes, w[h]);
+      } else {
+        LoadWords<kWords>(at.page + f.codes_offset + static_cast<uint64_t>(at.slot) * f.code_bytes + run_offset,
+                          bytes, aligned, w[h]);
+      }
     } else {
 #pragma unroll
       for (int k = 0; k < kWords; ++k) w[h][k] = 0;
@@ -821,7 +814,7 @@ __device__ __forceinline__ void MmaKeyCodes(const DeviceField& key, const PoolVi
   constexpr int kWords = (kBytes + 3) / 4;
   const DevicePart& part = key.parts[0];
   uint32_t w[2][kWords];
-  LoadTokenRuns<kWords>(key, view, block_table, tok, token_end, part.code_offset + t * kBytes, kBytes, w);
+  LoadTokenRuns<kWords, true>(key, view, block_table, tok, token_end, part.code_offset + t * kBytes, kBytes, w);
   float scale[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -864,7 +857,7 @@ __device__ __forceinline__ void MmaKeyTile(const DeviceField& key, const PoolVie
   } else {
     constexpr int kCoords = kDim / 4;
     uint32_t w[2][kCoords / 2];
-    LoadTokenRuns<kCoords / 2>(key, view, block_table, tok, token_end, t * kCoords * 2, kCoords * 2, w);
+    LoadTokenRuns<kCoords / 2, false>(key, view, block_table, tok, token_end, t * kCoords * 2, kCoords * 2, w);
 #pragma unroll
     for (int j = 0; j < kCoords / 2; ++j) {
       const uint32_t a[4] = {ToTf32(Raw16At<kKey>(w[0], 2 * j)), ToTf32(Raw16At<kKey>(w[1], 2 * j)),
@@ -888,7 +881,7 @@ __device__ __forceinline__ void MmaValueCodes(const DeviceField& value, const Po
   for (int half = 0; half < 2; ++half) {
     const int tok[2] = {tile + 8 * half + t, tile + 8 * half + t + 4};
     uint32_t w[2][kWords];
-    LoadTokenRuns<kWords>(value, view, block_table, tok, token_end, g * kBytes, kBytes, w);
+    LoadTokenRuns<kWords, true>(value, view, block_table, tok, token_end, g * kBytes, kBytes, w);
     const uint32_t b[2] = {ToTf32(tab.p[8 * half + t][g]), ToTf32(tab.p[8 * half + t + 4][g])};
 #pragma unroll
     for (int i = 0; i < kDim / 16; ++i) {
@@ -925,7 +918,7 @@ __device__ __forceinline__ void MmaValueTile(const DeviceField& value, const Poo
     for (int half = 0; half < 2; ++half) {
       const int tok[2] = {tile + 8 * half + t, tile + 8 * half + t + 4};
       uint32_t w[2][kCoords / 2];
-      LoadTokenRuns<kCoords / 2>(value, view, block_table, tok, token_end, g * kCoords * 2, kCoords * 2, w);
+      LoadTokenRuns<kCoords / 2, false>(value, view, block_table, tok, token_end, g * kCoords * 2, kCoords * 2, w);
       const uint32_t b[2] = {ToTf32(tab.p[8 * half + t][g]), ToTf32(tab.p[8 * half + t + 4][g])};
 #pragma unroll
       for (int i = 0; i < kDim / 16; ++i) {
@@ -1227,7 +1220,10 @@ bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int he
         return true;
       case DeviceFieldFormat::kUniform:
       case DeviceFieldFormat::kTurboQuant:
-        return f.bits >= 2 && f.bits <= 4 && (f.format != DeviceFieldFormat::kTurboQuant || f.num_parts == 1);
+        // Whole 4-byte words per token (true at these dims and bits): the
+        // kernel reads tiled planes a word at a time (LoadTokenRuns).
+        return f.bits >= 2 && f.bits <= 4 && (f.format != DeviceFieldFormat::kTurboQuant || f.num_parts == 1) &&
+               f.code_bytes % 4 == 0;
     }
     return false;
   };

@@ -24,6 +24,7 @@
 #include "kernels/cuda/planner.h"
 #include "kernels/cuda/store_kernels.cuh"
 #include "kernels/format_table.h"
+#include "kernels/kv_layout.h"
 #include "kernels/status_macros.h"
 
 namespace tqkv {
@@ -152,6 +153,14 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
   f.codes_offset = codes_offset;
   f.scalars_offset = scalars_offset;
   const CodecSpec& spec = codec.spec();
+  f.tiled = TiledCodes(spec.kind) ? 1 : 0;
+  // The readers of raw fields (attend_kernels_impl.cuh) load runs of
+  // coordinates contiguously: token-major planes only.
+  const bool raw = spec.kind == CodecKind::kFp16 || spec.kind == CodecKind::kBf16 || spec.kind == CodecKind::kFp8;
+  if (raw && f.tiled) {
+    return absl::UnimplementedError(
+        absl::StrFormat("the CUDA kernels read %s codes token-major, not tiled", spec.Name()));
+  }
   switch (spec.kind) {
     case CodecKind::kFp16:
       f.format = DeviceFieldFormat::kFp16;

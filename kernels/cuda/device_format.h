@@ -70,6 +70,9 @@ struct DeviceField {
   DeviceFieldFormat format = DeviceFieldFormat::kFp16;
   int32_t bits = 16;         // kUniform: code bits; 16 / 8 for the raw formats
   int32_t code_bytes = 0;    // per token
+  // Non-zero: the codes plane is tiled (kernels/code_tiles.h; packed codecs,
+  // TiledCodes), else token-major (raw fp16 / bf16 / fp8).
+  int32_t tiled = 0;
   int32_t num_scalars = 0;   // fp16 scalars per token
   uint64_t codes_offset = 0;    // plane offsets from the start of a page
   uint64_t scalars_offset = 0;

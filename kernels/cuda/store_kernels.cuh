@@ -11,6 +11,9 @@
 //                       normalise, randomized Hadamard (warp butterflies) or
 //                       dense rotation, midpoint search, norm correction,
 //                       bit packing (bitpack.h), fp16 scale.
+// The codes are encoded token-major in the warp's shared memory, then copied
+// into the codes plane as its layout says (tiled for packed codecs,
+// token-major for raw numbers: kernels/code_tiles.h, token_codes.cuh).
 // Failures go to a device word as (vector index * 4 + StoreError); the
 // smallest wins, so the report names the first failing vector like the CPU.
 //

@@ -12,6 +12,7 @@
 
 #include "kernels/bitpack.h"
 #include "kernels/blocked_sums.h"
+#include "kernels/cuda/token_codes.cuh"
 #include "kernels/cuda/warp_rotation.cuh"
 #include "kernels/float_formats.h"
 
@@ -22,12 +23,14 @@ namespace {
 constexpr int kStoreWarps = 4;
 
 // One warp's scratch: the input vector, a part's working copy, the rotation's
-// temporary, and the quantization levels.
+// temporary, the quantization levels, and the field's codes token-major (at
+// most 2 bytes a coordinate; words, so that they can be copied as words).
 struct WarpScratch {
   float x[kMaxDeviceHeadDim];
   float y[kMaxDeviceHeadDim];
   float tmp[kMaxDeviceHeadDim];
   uint8_t levels[kMaxDeviceHeadDim];
+  uint32_t codes[kMaxDeviceHeadDim / 2];
 };
 
 __device__ __forceinline__ bool WarpAll(bool value) { return __all_sync(kFullWarp, value) != 0; }
@@ -107,7 +110,18 @@ __device__ StoreError EncodePart(const DevicePart& part, WarpScratch& s, uint8_t
   return StoreError::kNone;
 }
 
-// Encodes s.x[0, head_dim) into one field's codes and scalars.
+// Copies a token's codes, encoded token-major in `codes`, to their place in
+// the page (token_codes.cuh): whole aligned words as words, the rest bytes.
+__device__ void StoreTokenCodes(const uint32_t* codes, const TokenCodes<uint8_t>& to, int lane) {
+  const int words = to.aligned ? to.whole / kTileWordBytes : 0;
+  for (int k = lane; k < words; k += 32) {
+    *reinterpret_cast<uint32_t*>(to.words + k * to.word_stride) = codes[k];
+  }
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(codes);
+  for (int b = kTileWordBytes * words + lane; b < to.code_bytes; b += 32) *CodeByte(to, b) = bytes[b];
+}
+
+// Encodes s.x[0, head_dim) into one field's codes, token-major, and scalars.
 __device__ StoreError EncodeField(const DeviceField& f, int head_dim, WarpScratch& s, uint8_t* codes,
                                   uint16_t* scalars, int lane) {
   bool finite = true;
@@ -201,11 +215,13 @@ __global__ void __launch_bounds__(kStoreWarps * 32) StoreKernel(StoreKernelParam
       const float* src = (field == 0 ? p.keys : p.values) + row;
       for (int i = lane; i < p.head_dim; i += 32) s.x[i] = src[i];
       __syncwarp();
-      uint8_t* codes = page + f.codes_offset + static_cast<uint64_t>(slot) * f.code_bytes;
       uint16_t* scalars =
           reinterpret_cast<uint16_t*>(page + f.scalars_offset) + static_cast<int64_t>(slot) * f.num_scalars;
-      error = EncodeField(f, p.head_dim, s, codes, scalars, lane);
+      // Encoded in the warp's scratch, then copied to the plane's layout
+      // (tiled or token-major) in one place. error is the same in every lane.
+      error = EncodeField(f, p.head_dim, s, reinterpret_cast<uint8_t*>(s.codes), scalars, lane);
       __syncwarp();
+      if (error == StoreError::kNone) StoreTokenCodes(s.codes, FieldTokenCodes(f, page, p.page_tokens, slot), lane);
     }
     if (error != StoreError::kNone && lane == 0) {
       atomicMin(p.error, static_cast<unsigned long long>(v) * 4ull + static_cast<unsigned long long>(error));

@@ -3,7 +3,9 @@
 //    match exactly but for at most 1 vector in 10^3 (ties at an exact
 //    midpoint, or the sign of a zero); dense-rotation dims, where the CPU's
 //    AVX-512 path sums in another order with FMA, may differ in at most 2% of
-//    vectors. Each case prints its count.
+//    vectors. Each case prints its count. Apart from those vectors the pools
+//    are equal byte for byte, so the device lays codes out as the CPU does
+//    (tiled planes, kernels/code_tiles.h, with partial tiles and tail bytes).
 //  * Score and Attend on the same pages (CPU-written bytes copied to the
 //    device, so only the read kernels are compared) agree within 2e-4
 //    relative for the fp32 kernels (other summation order) and 5e-3 for the
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -31,6 +34,7 @@
 
 #include "cache/kv_cache.h"
 #include "gtest/gtest.h"
+#include "kernels/code_tiles.h"
 #include "kernels/codec.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/device.h"
@@ -148,6 +152,14 @@ class Fixture {
     return bytes;
   }
 
+  // Every byte of both pools set to `byte` (the CPU's small pools start
+  // uninitialised).
+  void FillPools(uint8_t byte) const {
+    const size_t bytes = cpu_pool_.page_bytes * static_cast<size_t>(pages_);
+    std::memset(cpu_pool_.base, byte, bytes);
+    ASSERT_EQ(cudaMemset(gpu_pool_.base, byte, bytes), cudaSuccess);
+  }
+
   // The CPU's bytes onto the device: both backends then read the same pages.
   void CopyCpuPagesToDevice() const {
     ASSERT_EQ(cudaMemcpy(gpu_pool_.base, cpu_pool_.base, gpu_pool_.page_bytes * static_cast<size_t>(pages_),
@@ -225,45 +237,73 @@ class CudaBackendTest : public ::testing::Test {
     if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA device: " << why_;
   }
 
-  // Stores on both, compares bytes per (layer, head, token) vector; returns
-  // the number of vectors that differ.
+  // Stores on both and compares each (layer, head, token) vector: its codes,
+  // gathered through the plane's layout (kernels/code_tiles.h), and its
+  // scalars. Then the whole pools byte for byte, the differing vectors' bytes
+  // taken from the device: every code byte sits where the CPU puts it and
+  // nothing else was written. Returns the number of vectors that differ.
   static int CompareStore(const Case& c, int tokens, int* total, Backend* gpu = gpu_) {
     Fixture f(c, tokens, cpu_, gpu);
     f.Build();
+    if (::testing::Test::HasFatalFailure()) return -1;
+    f.FillPools(0x5a);  // not zeros: a stray write of zeros shows too
     if (::testing::Test::HasFatalFailure()) return -1;
     EXPECT_TRUE(cpu_->Store(f.Store(f.cpu_pool())).ok());
     const absl::Status status = gpu->Store(f.Store(f.gpu_pool()));
     EXPECT_TRUE(status.ok()) << status;
     const std::vector<uint8_t> device = f.DevicePoolBytes();
     const uint8_t* host = f.cpu_pool().base;
+    std::vector<uint8_t> expected(host, host + device.size());
     const KvLayout& layout = f.layout();
     int differing = 0;
     *total = 0;
     for (int layer = 0; layer < c.layers; ++layer) {
       for (int head = 0; head < c.kv_heads; ++head) {
         const KvLayout::HeadPlanes& planes = layout.planes(layer, head);
-        const VectorCodec& kc = layout.key_codec(layer, head);
-        const VectorCodec& vc = layout.value_codec(layer, head);
+        const struct {
+          size_t codes;
+          CodePlane plane;
+          size_t scalars;
+          int scalar_bytes;
+        } fields[] = {{planes.key_codes, layout.key_code_plane(layer, head), planes.key_scalars,
+                       2 * layout.key_codec(layer, head).num_scalars()},
+                      {planes.value_codes, layout.value_code_plane(layer, head), planes.value_scalars,
+                       2 * layout.value_codec(layer, head).num_scalars()}};
         for (int t = 0; t < tokens; ++t) {
           const size_t page = static_cast<size_t>(f.block_table()[t / c.page_tokens]) * layout.page_bytes();
           const int slot = t % c.page_tokens;
-          const struct {
-            size_t offset;
-            int bytes;
-          } fields[] = {{planes.key_codes + static_cast<size_t>(slot) * kc.code_bytes(), kc.code_bytes()},
-                        {planes.key_scalars + static_cast<size_t>(slot) * 2 * kc.num_scalars(), 2 * kc.num_scalars()},
-                        {planes.value_codes + static_cast<size_t>(slot) * vc.code_bytes(), vc.code_bytes()},
-                        {planes.value_scalars + static_cast<size_t>(slot) * 2 * vc.num_scalars(),
-                         2 * vc.num_scalars()}};
           bool same = true;
-          for (const auto& field : fields) {
-            same = same && std::equal(host + page + field.offset, host + page + field.offset + field.bytes,
-                                      device.data() + page + field.offset);
+          std::vector<uint8_t> cpu_codes[2], gpu_codes[2];
+          for (int i = 0; i < 2; ++i) {
+            const auto& field = fields[i];
+            cpu_codes[i].resize(field.plane.code_bytes);
+            gpu_codes[i].resize(field.plane.code_bytes);
+            GatherCodes(host + page + field.codes, field.plane, slot, cpu_codes[i].data());
+            GatherCodes(device.data() + page + field.codes, field.plane, slot, gpu_codes[i].data());
+            const size_t scalars = page + field.scalars + static_cast<size_t>(slot) * field.scalar_bytes;
+            same = same && cpu_codes[i] == gpu_codes[i] &&
+                   std::equal(host + scalars, host + scalars + field.scalar_bytes, device.data() + scalars);
           }
-          differing += same ? 0 : 1;
+          if (!same) {
+            ++differing;
+            for (int i = 0; i < 2; ++i) {
+              const auto& field = fields[i];
+              ScatterCodes(gpu_codes[i].data(), field.plane, slot, expected.data() + page + field.codes);
+              const size_t scalars = page + field.scalars + static_cast<size_t>(slot) * field.scalar_bytes;
+              std::copy(device.data() + scalars, device.data() + scalars + field.scalar_bytes,
+                        expected.data() + scalars);
+            }
+          }
           ++*total;
         }
       }
+    }
+    const auto mismatch = std::mismatch(expected.begin(), expected.end(), device.begin());
+    if (mismatch.first != expected.end()) {
+      const size_t at = mismatch.first - expected.begin();
+      ADD_FAILURE() << Describe(c) << ": the device's pool differs from the CPU's at page "
+                    << at / layout.page_bytes() << ", byte " << at % layout.page_bytes()
+                    << " (outside the vectors counted as differing)";
     }
     std::printf("  store %-40s %d of %d vectors differ\n", Describe(c).c_str(), differing, *total);
     return differing;
@@ -377,6 +417,33 @@ TEST_F(CudaBackendTest, StoreWritesTheCpuBytesForEveryHeadDimAndPageSize) {
   int total = 0;
   const int differing = CompareStore({"tqkv_k3v4", 104, 16, 2, 4}, Tokens(200), &total);
   EXPECT_LE(differing, total / 50);
+}
+
+// Tiled code planes at their edges: partial tiles (pages of 7 tokens, and of
+// 24 = 16 + 8), bytes past the last whole word (d = 80: 30 bytes of 3-bit
+// codes; split keys whose second part starts inside a word), pages left
+// partly empty, next to raw fp8 keys (token-major). The device's pools equal
+// the CPU's byte for byte (CompareStore), and Score and Attend read them as
+// the CPU does; d = 64 takes the tensor-core kernel, whose per-lane runs of
+// 3-bit codes start inside words.
+TEST_F(CudaBackendTest, TiledPlanesWithPartialTilesAndTailBytesMatchTheCpu) {
+  const int tokens = 69;  // a partly filled last page for both page sizes
+  for (int page : {7, 24}) {
+    for (const char* preset : {"turboquant_3bit_nc", "tqkv_k3v3", "tqkv_k2p5v3", "turboquant_k8v4"}) {
+      const Case c{preset, 80, page, 2, 4};
+      int total = 0;
+      const int differing = CompareStore(c, tokens, &total);
+      EXPECT_LE(differing, total / 1000) << Describe(c);
+      CompareReadsBothKernels(c, tokens, {1, 3});
+    }
+    for (const char* preset : {"turboquant_3bit_nc", "tqkv_k3v3"}) {
+      const Case c{preset, 64, page, 2, 4};
+      int total = 0;
+      const int differing = CompareStore(c, tokens, &total);
+      EXPECT_LE(differing, total / 1000) << Describe(c);
+      CompareReadsBothKernels(c, tokens, {1, 2});
+    }
+  }
 }
 
 TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuForEveryPreset) {

@@ -80,7 +80,7 @@ TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
 // original vectors must stay within 2% of the fp32 kernel's (the codec's own
 // error), with GQA 4 so that its 4-row tiles run.
 TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
-  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + VBMI on this CPU";
+  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + VBMI + VBMI2 on this CPU";
   const int d = 128, n = 2048, nq = 64, heads = 4;
   const std::vector<float> keys = eval::OutlierKeys(n, d, 1);
   const std::vector<float> values = eval::GaussianVectors(n, d, 2);

@@ -11,6 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/bitpack.h"
+#include "kernels/code_tiles.h"
 #include "kernels/codec.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu_features.h"
@@ -198,7 +199,7 @@ TEST(CpuBackend, EveryHeadDimPageSizeAndGqaRatio) {
 // others, which fall back to fp32), head dims, pages, GQA ratios, several
 // query tokens. Only on a CPU that has it (SimdLevel::kAvx512Vnni).
 TEST(CpuBackend, IntegerAttentionThroughTheBackend) {
-  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + VBMI on this CPU";
+  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + VBMI + VBMI2 on this CPU";
   for (const Preset& preset : AllPresets()) CheckStoreThenAttend({std::string(preset.name), 128, 16, 2, 8}, 70, 1, true);
   for (int d : {64, 128, 256}) {
     for (int page : {1, 7, 16, 64}) CheckStoreThenAttend({"turboquant_3bit_nc", d, page, 2, 4}, 150, 1, true);
@@ -407,8 +408,18 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           std::vector<int32_t> block_table(pages);
           std::iota(block_table.begin(), block_table.end(), 0);
           for (int i = pages - 1; i > 0; --i) std::swap(block_table[i], block_table[rng.NextBelow(i + 1)]);
+          // Packed codes planes are tiled (kernels/code_tiles.h), as KvLayout
+          // lays them out. The bytes are filled token-major into `written`
+          // (which the float64 reference reads), then put into their tiles.
+          const auto tiled = [](FieldFormat format) {
+            return format == FieldFormat::kCentroids || format == FieldFormat::kUniform ||
+                   format == FieldFormat::kSplitCentroids;
+          };
+          key.tiled = tiled(kf.format);
+          value.tiled = tiled(vf.format);
+          std::vector<uint8_t> written(pool.size());
           const auto at = [&](const cpu_internal::FieldReader& f, int t, bool scalars) {
-            uint8_t* page = pool.data() + static_cast<size_t>(block_table[t / page_tokens]) * page_bytes;
+            uint8_t* page = written.data() + static_cast<size_t>(block_table[t / page_tokens]) * page_bytes;
             const int slot = t % page_tokens;
             return scalars ? page + f.scalars_offset + static_cast<size_t>(slot) * 2 * f.num_scalars
                            : page + f.codes_offset + static_cast<size_t>(slot) * f.code_bytes;
@@ -419,6 +430,18 @@ TEST(AttendKernels, EveryFormatAgainstFloat64OverTheBytes) {
           for (int t = 0; t < tokens; ++t) {
             kf.Fill(rng, d, at(key, t, false), scalars_at(key, t));
             vf.Fill(rng, d, at(value, t, false), scalars_at(value, t));
+          }
+          pool = written;
+          for (const cpu_internal::FieldReader* f : {&key, &value}) {
+            if (!f->tiled) continue;
+            const CodePlane plane{page_tokens, f->code_bytes, true};
+            for (int page = 0; page < pages; ++page) {
+              for (int slot = 0; slot < page_tokens; ++slot) {
+                const size_t codes = static_cast<size_t>(page) * page_bytes + f->codes_offset;
+                ScatterCodes(written.data() + codes + static_cast<size_t>(slot) * f->code_bytes, plane, slot,
+                             pool.data() + codes);
+              }
+            }
           }
           std::vector<float> queries = Gaussian(static_cast<size_t>(rows) * d, rng.NextU64());
           for (float& q : queries) q *= 0.3f;
