@@ -402,11 +402,11 @@ void AttendHead(const HeadAttendParams& p) {
   BlockWalk walk(p, first);
   // No row sees a token of the run: nothing to read (the padding below needs one).
   const int64_t end = max_visible > p.token_begin ? max_visible : first;
-  const BlockPrefetch prefetch(p, kBlock, first, max_visible);
+  BlockPrefetch prefetch(p, kBlock, first, max_visible);
   for (int64_t t0 = first; t0 < end; t0 += kBlock) {
     addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
-    prefetch.Piece(t0, 0);
+    prefetch.Next();
     const int groups = (count + kGroup - 1) / kGroup;
     walk.Next(
         t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
@@ -429,7 +429,7 @@ void AttendHead(const HeadAttendParams& p) {
       }
     });
 
-    prefetch.Piece(t0, 1);
+    prefetch.Next();
     // Scores (times the token's scales, plus the add-back, masked), then the
     // online softmax: rescale what came before, turn scores into weights.
     for (int r = 0; r < rows; ++r) {
@@ -483,7 +483,7 @@ void AttendHead(const HeadAttendParams& p) {
       }
     }
 
-    prefetch.Piece(t0, 2);
+    prefetch.Next();
     // Values, tile by tile; a row that sees none of the block has zero
     // weights there (or stale ones, for a row skipped above: skip the tile).
     ForRowTiles(rows, [&](auto tile_rows, int r0) {
@@ -507,7 +507,7 @@ void AttendHead(const HeadAttendParams& p) {
         if (b < blocks) ValueTile<kRows, 1>(value, tokens.value_codes, count, w, b, out, d);
       }
     });
-    prefetch.Piece(t0, 3);
+    prefetch.Next();
   }
   float line[kMaxHeadDim];
   for (int r = 0; r < rows; ++r) {

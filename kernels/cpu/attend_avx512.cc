@@ -283,11 +283,11 @@ void AttendHead(const HeadAttendParams& p) {
   BlockWalk walk(p, first);
   // No row sees a token of the run: nothing to read (the padding below needs one).
   const int64_t end = max_visible > p.token_begin ? max_visible : first;
-  const BlockPrefetch prefetch(p, kBlock, first, max_visible);
+  BlockPrefetch prefetch(p, kBlock, first, max_visible);
   for (int64_t t0 = first; t0 < end; t0 += kBlock) {
     addback.Next();
     const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
-    prefetch.Piece(t0, 0);
+    prefetch.Next();
     const int groups = (count + kGroup - 1) / kGroup;
     walk.Next(
         t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
@@ -347,7 +347,7 @@ void AttendHead(const HeadAttendParams& p) {
       }
     }
 
-    prefetch.Piece(t0, 1);
+    prefetch.Next();
     // Online softmax: rescale what came before, turn scores into weights.
     for (int r = 0; r < rows; ++r) {
       if (p.visible[r] <= t0) continue;
@@ -381,7 +381,7 @@ void AttendHead(const HeadAttendParams& p) {
       }
     }
 
-    prefetch.Piece(t0, 2);
+    prefetch.Next();
     // Values.
     for (int g = 0; g < groups; ++g) {
       const int64_t group_start = t0 + kGroup * g;
@@ -412,7 +412,7 @@ void AttendHead(const HeadAttendParams& p) {
         }
       }
     }
-    prefetch.Piece(t0, 3);
+    prefetch.Next();
   }
   float line[kMaxHeadDim];
   for (int r = 0; r < rows; ++r) {

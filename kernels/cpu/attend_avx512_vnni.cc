@@ -204,11 +204,11 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
     AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
     BlockWalk walk(p, first);
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
-    const BlockPrefetch prefetch(p, kBlock, first, max_visible);
+    BlockPrefetch prefetch(p, kBlock, first, max_visible);
     for (int64_t t0 = first; t0 < end; t0 += kBlock) {
       addback.Next();
       const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
-      prefetch.Piece(t0, 0);
+      prefetch.Next();
       const int groups = (count + kGroup - 1) / kGroup;
       walk.NextTiles(
           t0, count, groups * kGroup, tokens.key_tiles, tokens.value_tiles,
@@ -227,11 +227,11 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
         for (int part = 0; part < kParts; ++part) ScorePart<kRows>(part, tokens, groups, r0, raw[part] + r0 * kBlock);
       });
 
-      prefetch.Piece(t0, 1);
+      prefetch.Next();
       this->SoftmaxBlock(t0, groups, raw_parts, tokens, addback, weights, weight_unit, correction);
       for (int r = 0; r < rows; ++r) this->Rescale(r, correction[r]);
 
-      prefetch.Piece(t0, 2);
+      prefetch.Next();
       // Values, tile by tile; rows that see none of the block weigh zero.
       ForRowTiles(rows, [&](auto tile_rows, int r0) {
         constexpr int kRows = decltype(tile_rows)::value;
@@ -240,13 +240,13 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
         const float* unit = weight_unit + r0;
         // (ValueTile's weights and units are the tile's rows'.)
         // As many chunks of 16 coordinates at once as 16 accumulators hold.
-        constexpr int kChunks = kRows >= 4 ? 4 : kRows == 2 ? 8 : 8;
+        constexpr int kChunks = kRows >= 4 ? 2 : kRows == 2 ? 4 : 8;
         const int chunks = d / 16;
         int m = 0;
         for (; m + kChunks <= chunks; m += kChunks) ValueTile<kRows, kChunks>(tokens, groups, w, unit, r0, m);
         for (; m < chunks; m += 4) ValueTile<kRows, 4>(tokens, groups, w, unit, r0, m);
       });
-      prefetch.Piece(t0, 3);
+      prefetch.Next();
     }
     this->Finish();
   }

@@ -110,60 +110,76 @@ inline void PrefetchLine(const void* at) {
 #endif
 }
 
-inline void PrefetchTokens(const HeadAttendParams& p, int64_t begin, int64_t end) {
+// Asks for the lines of tokens [slot, slot + n) of one page: each field's
+// codes (a tiled plane's whole tiles) and scalars.
+inline void PrefetchPageTokens(const HeadAttendParams& p, const uint8_t* page, int slot, int n) {
   const auto lines = [](const uint8_t* from, size_t bytes) {
     const uintptr_t first = reinterpret_cast<uintptr_t>(from) & ~uintptr_t{63};
     for (uintptr_t at = first; at < reinterpret_cast<uintptr_t>(from) + bytes; at += 64) {
       PrefetchLine(reinterpret_cast<const void*>(at));
     }
   };
-  for (int64_t t = begin; t < end;) {
-    const int64_t slot = t % p.page_tokens;
-    const int64_t n = std::min<int64_t>(end - t, p.page_tokens - slot);
-    const uint8_t* page = p.pool_base + static_cast<size_t>(p.block_table[t / p.page_tokens]) * p.page_bytes;
-    for (const FieldReader* f : {&p.key, &p.value}) {
-      // A tiled plane's tokens [slot, slot + n) lie inside their tiles' span.
-      const int64_t from = f->tiled ? slot - slot % kTileTokens : slot;
-      const int64_t to = f->tiled ? std::min<int64_t>(p.page_tokens, (slot + n + kTileTokens - 1) / kTileTokens * kTileTokens)
-                                  : slot + n;
-      lines(page + f->codes_offset + from * f->code_bytes, (to - from) * f->code_bytes);
-      lines(page + f->scalars_offset + slot * 2 * f->num_scalars, n * 2 * f->num_scalars);
-    }
-    t += n;
+  for (const FieldReader* f : {&p.key, &p.value}) {
+    // A tiled plane's tokens [slot, slot + n) lie inside their tiles' span.
+    const int from = f->tiled ? slot - slot % kTileTokens : slot;
+    const int to = f->tiled ? std::min(p.page_tokens, (slot + n + kTileTokens - 1) / kTileTokens * kTileTokens) : slot + n;
+    lines(page + f->codes_offset + static_cast<size_t>(from) * f->code_bytes, static_cast<size_t>(to - from) * f->code_bytes);
+    lines(page + f->scalars_offset + static_cast<size_t>(slot) * 2 * f->num_scalars,
+          static_cast<size_t>(n) * 2 * f->num_scalars);
   }
 }
 
 // The prefetch of a kernel's blocks: block t0's work asks for the block
-// kAhead blocks on, in kPieces pieces spread over that work (Piece(t0, 0)
-// at its start, the others between its steps: after the scores, the
-// softmax, the values). A whole block's lines asked at once (about a hundred
-// for 3-bit codes) queue behind the core's few outstanding misses and stall
-// the loads behind them; spread, they can overlap the arithmetic. Measured
-// on the Xeon (one 32k layer, 2 threads, alternating with the one-block
-// prefetch): 4-8% faster in a first set of three rounds (turboquant_3bit_nc
-// 2.19-2.28 against 2.27-2.48 ms), 1-3% (medians 2.38 against 2.41 ms,
-// within the noise) in a later set of six; never slower.
+// kAhead blocks on, in kPieces pieces spread over that work (Next() at its
+// start, the others between its steps: after the scores, the softmax, the
+// values). A whole block's lines asked at once (about a hundred for 3-bit
+// codes) queue behind the core's few outstanding misses and stall the loads
+// behind them; spread, they can overlap the arithmetic. Measured on the Xeon
+// (one 32k layer, 2 threads, alternating with the one-block prefetch): 4-8%
+// faster in a first set of three rounds (turboquant_3bit_nc 2.19-2.28
+// against 2.27-2.48 ms), 1-3% (medians 2.38 against 2.41 ms, within the
+// noise) in a later set of six; never slower. It walks the block table with
+// its own cursor (no divisions per page).
 class BlockPrefetch {
  public:
   static constexpr int kAhead = 2;
   static constexpr int kPieces = 4;
 
   // Blocks of `block` tokens (a multiple of kPieces) from `first`, tokens
-  // below `end`. Asks for the blocks before the first that Piece reaches.
+  // below `end`. Asks for the blocks before the first that Next reaches.
   BlockPrefetch(const HeadAttendParams& p, int block, int64_t first, int64_t end)
-      : p_(p), block_(block), end_(end) {
-    PrefetchTokens(p_, std::min(first + block_, end_), std::min(first + kAhead * block_, end_));
+      : p_(p), piece_(block / kPieces), end_(end) {
+    next_ = std::min(first + block, end_);
+    page_index_ = next_ / p.page_tokens;
+    slot_ = static_cast<int>(next_ % p.page_tokens);
+    Advance(std::min(first + kAhead * block, end_) - next_);
   }
 
-  void Piece(int64_t t0, int piece) const {
-    const int64_t begin = t0 + kAhead * block_ + piece * (block_ / kPieces);
-    PrefetchTokens(p_, std::min(begin, end_), std::min(begin + block_ / kPieces, end_));
-  }
+  // The next piece: kPieces calls per block, in order.
+  void Next() { Advance(std::min<int64_t>(piece_, end_ - next_)); }
 
  private:
+  void Advance(int64_t n) {
+    while (n > 0) {
+      const int count = static_cast<int>(std::min<int64_t>(n, p_.page_tokens - slot_));
+      PrefetchPageTokens(p_, p_.pool_base + static_cast<size_t>(p_.block_table[page_index_]) * p_.page_bytes, slot_,
+                         count);
+      next_ += count;
+      n -= count;
+      slot_ += count;
+      if (slot_ == p_.page_tokens) {
+        slot_ = 0;
+        ++page_index_;
+      }
+    }
+  }
+
   const HeadAttendParams& p_;
-  const int block_;
+  const int piece_;
   const int64_t end_;
+  int64_t next_;  // the first token not yet asked for
+  int64_t page_index_;
+  int slot_;
 };
 
 #if defined(__AVX2__)

@@ -431,6 +431,10 @@ struct IntegerAttention {
       scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 12));
       scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 8));
       const __m512i before = _mm512_sub_epi32(scan, running);
+      // round(C / 256) at each token, and at its predecessor in the order:
+      // the same lane's previous group, or for group 0 the sum before the
+      // lane (the previous lane's last group).
+      __m512i rounded_before = _mm512_srli_epi32(_mm512_add_epi32(before, half), 8);
 #pragma GCC unroll 4
       for (int g = 0; g < kGroups; ++g) {
         uint8_t* to = weights + r * kBlock + kGroup * g;
@@ -438,10 +442,9 @@ struct IntegerAttention {
           _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm_setzero_si128());
           continue;
         }
-        const __m512i sum_to = _mm512_add_epi32(before, upto[g]);
-        const __m512i w = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(sum_to, half), 8),
-                                           _mm512_srli_epi32(_mm512_add_epi32(_mm512_sub_epi32(sum_to, fixed[g]), half), 8));
-        _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm512_cvtepi32_epi8(w));
+        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(before, upto[g]), half), 8);
+        _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm512_cvtepi32_epi8(_mm512_sub_epi32(rounded, rounded_before)));
+        rounded_before = rounded;
       }
       row_sum[r] = row_sum[r] * correction[r] + avx512::Sum(sum[i]);
       row_zero[r] = row_zero[r] * correction[r] + avx512::Sum(zero_sum[i]);
