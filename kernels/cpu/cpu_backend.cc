@@ -6,6 +6,10 @@
 #include <cstring>
 #include <limits>
 #include <sys/mman.h>
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#include <emmintrin.h>
+#endif
 #include <thread>
 #include <vector>
 
@@ -218,12 +222,27 @@ class CpuBackend final : public Backend {
       uint8_t* key_codes[kRun];
       uint8_t* value_codes[kRun];
       // Tiled planes: the codecs write each token's codes here, token-major,
-      // and ScatterCodes puts them in their tiles.
-      thread_local std::vector<uint8_t> staged(2 * kRun * kMaxCodeBytes);
-      uint8_t* const staged_keys = staged.data();
-      uint8_t* const staged_values = staged.data() + kRun * kMaxCodeBytes;
+      // and StoreTiled puts them in their tiles, one field later (keys
+      // while the values encode, values while the next head's keys do):
+      // read back at once, the codecs' fresh stores made the copy wait.
+      // Two heads' rows of each field.
+      // Rows code_bytes apart (the field's), so that all four stay in L1.
+      thread_local std::vector<uint8_t> staged(4 * (kRun * kMaxCodeBytes + 64));
+      const auto staged_rows = [&](int head, int field) {
+        return staged.data() + (2 * (head % 2) + field) * (kRun * kMaxCodeBytes + 64);
+      };
+      const HeadView* pending_values = nullptr;  // the previous head's, not yet in their tiles
+      HeadView previous;
       uint16_t* key_scalars[kRun];
       uint16_t* value_scalars[kRun];
+      // Each token's page and slot, once for every head.
+      uint8_t* pages[kRun];
+      int slots[kRun];
+      for (int k = 0; k < n; ++k) {
+        const int32_t slot_index = p.slots[i0 + k];
+        pages[k] = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
+        slots[k] = slot_index % page_tokens;
+      }
       if (i0 == 0) {
         prefetch_rows(p.keys, layer, i0, n, 0);
         prefetch_rows(p.values, layer, i0, n, 0);
@@ -239,36 +258,51 @@ class CpuBackend final : public Backend {
           next_head = 0;
         }
         const HeadView view = View(layout, layer, head);
+        uint8_t* const staged_keys = staged_rows(head, 0);
+        uint8_t* const staged_values = staged_rows(head, 1);
         for (int k = 0; k < n; ++k) {
-          const int32_t slot_index = p.slots[i0 + k];
-          const uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
-          const int slot = slot_index % page_tokens;
+          const uint8_t* page = pages[k];
+          const int slot = slots[k];
           const size_t row = static_cast<size_t>((layer_offset + i0 + k) * heads + head) * d;
           key_in[k] = p.keys + row;
           value_in[k] = p.values + row;
-          key_codes[k] = view.key_plane.tiled ? staged_keys + k * kMaxCodeBytes
+          key_codes[k] = view.key_plane.tiled ? staged_keys + k * view.key_plane.code_bytes
                                               : const_cast<uint8_t*>(page + view.planes->key_codes) +
                                                     static_cast<size_t>(slot) * view.key_plane.code_bytes;
-          value_codes[k] = view.value_plane.tiled ? staged_values + k * kMaxCodeBytes
+          value_codes[k] = view.value_plane.tiled ? staged_values + k * view.value_plane.code_bytes
                                                   : const_cast<uint8_t*>(page + view.planes->value_codes) +
                                                         static_cast<size_t>(slot) * view.value_plane.code_bytes;
           key_scalars[k] = const_cast<uint16_t*>(view.key_scalars(page, slot));
           value_scalars[k] = const_cast<uint16_t*>(view.value_scalars(page, slot));
         }
         int key_failed = n, value_failed = n;
+        // Tiled planes: ask for the run's tiles to write while the codecs
+        // work, so that StoreTiled's stores do not wait on them.
+        for (int k = 0; k < n; k += kTileTokens) {
+          for (const auto& [plane, offset] : {std::pair{view.key_plane, view.planes->key_codes},
+                                               std::pair{view.value_plane, view.planes->value_codes}}) {
+            if (!plane.tiled) continue;
+            const uint8_t* tile = pages[k] + offset + static_cast<size_t>(slots[k] - slots[k] % kTileTokens) * plane.code_bytes;
+            for (int b = 0; b < kTileTokens * plane.code_bytes; b += 64) __builtin_prefetch(tile + b, 1, 3);
+          }
+        }
         if (next_n > 0) prefetch_rows(p.keys, layer, next_i0, next_n, next_head);
         absl::Status key_status = view.key->EncodeMany(n, key_in, key_codes, key_scalars, &key_failed);
+        if (pending_values != nullptr) {
+          StoreTiled(pending_values->value_plane, pending_values->planes->value_codes, pages, slots, n,
+                     staged_rows(head - 1, 1));
+          pending_values = nullptr;
+        }
         if (next_n > 0) prefetch_rows(p.values, layer, next_i0, next_n, next_head);
         absl::Status value_status = view.value->EncodeMany(n, value_in, value_codes, value_scalars, &value_failed);
         if (key_status.ok() && value_status.ok()) {
-          for (int k = 0; k < n; ++k) {
-            const int32_t slot_index = p.slots[i0 + k];
-            uint8_t* page = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
-            const int slot = slot_index % page_tokens;
-            if (view.key_plane.tiled) ScatterCodes(key_codes[k], view.key_plane, slot, page + view.planes->key_codes);
-            if (view.value_plane.tiled) {
-              ScatterCodes(value_codes[k], view.value_plane, slot, page + view.planes->value_codes);
-            }
+          if (view.key_plane.tiled) StoreTiled(view.key_plane, view.planes->key_codes, pages, slots, n, staged_keys);
+          if (view.value_plane.tiled) {
+            previous = view;
+            pending_values = &previous;
+          }
+          if (head + 1 == heads && pending_values != nullptr) {
+            StoreTiled(view.value_plane, view.planes->value_codes, pages, slots, n, staged_values);
           }
           continue;
         }
@@ -357,6 +391,63 @@ class CpuBackend final : public Backend {
       return;
     }
     pool_.ParallelFor(tasks, body);
+  }
+
+  // Puts n tokens' codes, staged token-major (code_bytes apart), into
+  // their tiles: 16 tokens that fill a whole tile word by word (a store
+  // after a store, 64 bytes a word), the others one by one (ScatterCodes).
+  static void StoreTiled(const CodePlane& plane, size_t plane_offset, uint8_t* const* pages, const int* slots, int n,
+                         const uint8_t* staged) {
+    const int words = plane.code_bytes / kTileWordBytes;
+    for (int k = 0; k < n;) {
+      const bool whole_tile = slots[k] % kTileTokens == 0 && k + kTileTokens <= n &&
+                              plane.TileSize(slots[k]) == kTileTokens && pages[k + kTileTokens - 1] == pages[k] &&
+                              slots[k + kTileTokens - 1] == slots[k] + kTileTokens - 1;
+      if (!whole_tile) {
+        ScatterCodes(staged + static_cast<size_t>(k) * plane.code_bytes, plane, slots[k], pages[k] + plane_offset);
+        ++k;
+        continue;
+      }
+      // Consecutive slots of one page (the last equal to the first + 15)
+      // from a tile's start: the 16 staged rows in order.
+      uint8_t* tile = pages[k] + plane_offset + static_cast<size_t>(slots[k]) * plane.code_bytes;
+      const uint8_t* rows = staged + static_cast<size_t>(k) * plane.code_bytes;
+      int w = 0;
+#if defined(__SSE2__)
+      // 4 x 4 word transposes: 16-byte stores, a quarter of the stores
+      // word by word took (a tile's first stores wait on its lines coming
+      // in from memory, and 4-byte stores filled the store buffer).
+      for (; w + 4 <= words; w += 4) {
+        for (int i = 0; i < kTileTokens; i += 4) {
+          const auto row = [&](int t) {
+            return _mm_castsi128_ps(_mm_loadu_si128(
+                reinterpret_cast<const __m128i*>(rows + static_cast<size_t>(i + t) * plane.code_bytes + kTileWordBytes * w)));
+          };
+          __m128 r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
+          _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+          uint8_t* to = tile + kTileWordBytes * (kTileTokens * w + i);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(to), _mm_castps_si128(r0));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(to + kTileWordBytes * kTileTokens), _mm_castps_si128(r1));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(to + 2 * kTileWordBytes * kTileTokens), _mm_castps_si128(r2));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(to + 3 * kTileWordBytes * kTileTokens), _mm_castps_si128(r3));
+        }
+      }
+#endif
+      for (; w < words; ++w) {
+        for (int i = 0; i < kTileTokens; ++i) {
+          memcpy(tile + kTileWordBytes * (kTileTokens * w + i),
+                 rows + static_cast<size_t>(i) * plane.code_bytes + kTileWordBytes * w, kTileWordBytes);
+        }
+      }
+      const int tail = plane.code_bytes - kTileWordBytes * words;
+      for (int i = 0; i < kTileTokens; ++i) {
+        for (int b = 0; b < tail; ++b) {
+          tile[kTileWordBytes * kTileTokens * words + tail * i + b] =
+              staged[static_cast<size_t>(k + i) * plane.code_bytes + kTileWordBytes * words + b];
+        }
+      }
+      k += kTileTokens;
+    }
   }
 
   // The most runs one read splits into: sinks, compressed, window.
