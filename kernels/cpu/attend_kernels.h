@@ -5,8 +5,8 @@
 #ifndef TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
 #define TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
 
-#if defined(__AVX2__)
-#include <immintrin.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include "kernels/cpu/simd_mappings.h"
 #endif
 
 #include <algorithm>
@@ -182,79 +182,63 @@ class BlockPrefetch {
   int slot_;
 };
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 // The whole words of a full tile of 16 tokens (kernels/code_tiles.h) as
 // token-major rows of code_bytes: token t's word w, at tile + 64 w + 4 t,
-// to out + t * code_bytes + 4 w. By 16 x 16 (AVX-512) or 8 x 8 (AVX2) dword
-// transposes: about 4 shuffles a token per 16 words instead of a load and a
-// store per word. Static and under the ISA macros, so each kernel's file
-// compiles its own copy for its own ISA.
-static inline void DetileWords(const uint8_t* tile, int code_bytes, uint8_t* out) {
+// to out + t * code_bytes + 4 w. By kLanes x kLanes dword transposes
+// (simd_mappings.h: 8 x 8 on AVX2, 16 x 16 on AVX-512): about 4 shuffles a
+// token per kLanes words instead of a load and a store per word. In the
+// anonymous namespace and under the ISA macros, as the mappings: each
+// kernel's file compiles its own copy for its own ISA.
+namespace {  // NOLINT(build/namespaces)
+template <typename V>
+void DetileWordsWith(const uint8_t* tile, int code_bytes, uint8_t* out) {
+  constexpr int kLanes = V::kLanes;
   const int words = code_bytes / kTileWordBytes;
+  for (int t0 = 0; t0 < kTileTokens; t0 += kLanes) {
+    // Word blocks last first: a short last block's stores reach into the
+    // next token's first words, which a later (whole) block's stores then
+    // write.
+    for (int w0 = (words - 1) / kLanes * kLanes; w0 >= 0; w0 -= kLanes) {
+      const int n = std::min(kLanes, words - w0);
+      typename V::I32 v[kLanes], a[kLanes], b[kLanes], rows[kLanes];
+      for (int k = 0; k < kLanes; ++k) v[k] = k < n ? V::LoadI32(tile + 64 * (w0 + k) + 4 * t0) : V::ZeroI32();
+      for (int k = 0; k < kLanes; k += 2) {
+        a[k] = V::UnpackLo32(v[k], v[k + 1]);
+        a[k + 1] = V::UnpackHi32(v[k], v[k + 1]);
+      }
+      for (int k = 0; k < kLanes; k += 4) {
+        b[k] = V::UnpackLo64(a[k], a[k + 2]);
+        b[k + 1] = V::UnpackHi64(a[k], a[k + 2]);
+        b[k + 2] = V::UnpackLo64(a[k + 1], a[k + 3]);
+        b[k + 3] = V::UnpackHi64(a[k + 1], a[k + 3]);
+      }
+      // 128-bit lane l of b[4 m + r]: token t0 + 4 l + r, words w0 + 4 m
+      // ... + 3; the lanes of b[r], b[4 + r], ... transposed are the rows
+      // of tokens r, 4 + r, ...
+      for (int r = 0; r < 4; ++r) {
+        typename V::I32 in[kLanes / 4], lanes[kLanes / 4];
+        for (int m = 0; m < kLanes / 4; ++m) in[m] = b[4 * m + r];
+        V::TransposeLanes(in, lanes);
+        for (int l = 0; l < kLanes / 4; ++l) rows[4 * l + r] = lanes[l];
+      }
+      // Whole stores in token order: what one writes past its token's words
+      // the next token's stores overwrite, and past the last token it lands
+      // in the staging slack (BlockWalk::kStageSlack). (Masked stores, which
+      // the kernel's loads soon after cannot forward from, were slower.)
+      for (int t = 0; t < kLanes; ++t) V::StoreI32(out + static_cast<size_t>(t0 + t) * code_bytes + 4 * w0, rows[t]);
+    }
+  }
+}
+
+void DetileWords(const uint8_t* tile, int code_bytes, uint8_t* out) {
 #if defined(__AVX512F__)
-  // Word blocks last first: a short last block's stores reach into the next
-  // token's first words, which a later (whole) block's stores then write.
-  for (int w0 = (words - 1) / 16 * 16; w0 >= 0; w0 -= 16) {
-    const int n = std::min(16, words - w0);
-    __m512i v[16], a[16], b[16];
-    for (int k = 0; k < 16; ++k) v[k] = k < n ? _mm512_loadu_si512(tile + 64 * (w0 + k)) : _mm512_setzero_si512();
-    for (int k = 0; k < 16; k += 2) {
-      a[k] = _mm512_unpacklo_epi32(v[k], v[k + 1]);
-      a[k + 1] = _mm512_unpackhi_epi32(v[k], v[k + 1]);
-    }
-    for (int m = 0; m < 4; ++m) {
-      b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
-      b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
-      b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
-      b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
-    }
-    // 128-bit lane l of b[4 m + r]: token 4 l + r, words 4 m ... 4 m + 3.
-    __m512i rows[16];
-    for (int r = 0; r < 4; ++r) {
-      const __m512i c0 = _mm512_shuffle_i32x4(b[r], b[4 + r], 0x44), c1 = _mm512_shuffle_i32x4(b[8 + r], b[12 + r], 0x44);
-      const __m512i c2 = _mm512_shuffle_i32x4(b[r], b[4 + r], 0xee), c3 = _mm512_shuffle_i32x4(b[8 + r], b[12 + r], 0xee);
-      rows[r] = _mm512_shuffle_i32x4(c0, c1, 0x88);
-      rows[4 + r] = _mm512_shuffle_i32x4(c0, c1, 0xdd);
-      rows[8 + r] = _mm512_shuffle_i32x4(c2, c3, 0x88);
-      rows[12 + r] = _mm512_shuffle_i32x4(c2, c3, 0xdd);
-    }
-    // Whole 64-byte stores in token order: what one writes past its token's
-    // words the next token's stores overwrite, and past the last token it
-    // lands in the staging slack (BlockWalk::kStageSlack). (Masked stores,
-    // which the kernel's loads soon after cannot forward from, were slower.)
-    for (int t = 0; t < 16; ++t) _mm512_storeu_si512(out + static_cast<size_t>(t) * code_bytes + 4 * w0, rows[t]);
-    (void)n;
-  }
+  DetileWordsWith<simd::Avx512>(tile, code_bytes, out);
 #else
-  for (int t0 = 0; t0 < 16; t0 += 8) {
-    for (int w0 = (words - 1) / 8 * 8; w0 >= 0; w0 -= 8) {
-      const int n = std::min(8, words - w0);
-      __m256i v[8], a[8], b[8];
-      for (int k = 0; k < 8; ++k) {
-        v[k] = k < n ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 * (w0 + k) + 4 * t0))
-                     : _mm256_setzero_si256();
-      }
-      for (int k = 0; k < 8; k += 2) {
-        a[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]);
-        a[k + 1] = _mm256_unpackhi_epi32(v[k], v[k + 1]);
-      }
-      for (int m = 0; m < 2; ++m) {
-        b[4 * m] = _mm256_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
-        b[4 * m + 1] = _mm256_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
-        b[4 * m + 2] = _mm256_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
-        b[4 * m + 3] = _mm256_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
-      }
-      // 128-bit lane l of b[4 m + r]: token t0 + 4 l + r, words 4 m ... 4 m + 3.
-      // Whole stores in token order, as above.
-      for (int t = 0; t < 8; ++t) {
-        const int l = t / 4, r = t % 4;
-        const __m256i row = _mm256_permute2x128_si256(b[r], b[4 + r], l == 0 ? 0x20 : 0x31);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + static_cast<size_t>(t0 + t) * code_bytes + 4 * w0), row);
-      }
-    }
-  }
+  DetileWordsWith<simd::Avx2>(tile, code_bytes, out);
 #endif
 }
+}  // namespace
 #endif
 
 // This thread's staging room for BlockWalk, at least `bytes` (defined in
@@ -291,9 +275,7 @@ class BlockWalk {
   template <typename Scalars, typename Zero>
   void Next(int64_t t0, int count, int padded, const uint8_t** key_codes, const uint8_t** value_codes,
             Scalars&& scalars, Zero&& zero) {
-    for (int i = 0; i < count;) {
-      const uint8_t* page = p_.pool_base + static_cast<size_t>(p_.block_table[page_index_]) * p_.page_bytes;
-      const int n = std::min(count - i, p_.page_tokens - slot_);
+    ForPageRuns(count, scalars, [&](const uint8_t* page, int i, int n) {
       // Where tokens [slot_, slot_ + n) of the page, block tokens [i, i +
       // n), have their codes of field f: in the page, or copied out of
       // their tiles into staged (four bytes at a time, a tile's words). A
@@ -307,7 +289,7 @@ class BlockWalk {
         }
         const int whole = f.code_bytes - f.code_bytes % kTileWordBytes;
         int k = 0;
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
         // Whole tiles by transposes (DetileWords), the rest word by word.
         while (k + kTileTokens <= n && (slot_ + k) % kTileTokens == 0 && slot_ + k + kTileTokens <= p_.page_tokens) {
           const uint8_t* tile = plane + static_cast<size_t>(slot_ + k) * f.code_bytes;
@@ -339,15 +321,7 @@ class BlockWalk {
       };
       locate(p_.key, staged_keys_, key_codes);
       locate(p_.value, staged_values_, value_codes);
-      scalars(page + p_.key.scalars_offset + 2 * slot_ * p_.key.num_scalars,
-              page + p_.value.scalars_offset + 2 * slot_ * p_.value.num_scalars, i, n);
-      i += n;
-      slot_ += n;
-      if (slot_ == p_.page_tokens) {
-        slot_ = 0;
-        ++page_index_;
-      }
-    }
+    });
     for (int i = 0; i < p_.token_begin - t0; ++i) {
       key_codes[i] = key_codes[p_.token_begin - t0];
       value_codes[i] = value_codes[p_.token_begin - t0];
@@ -371,23 +345,13 @@ class BlockWalk {
                  Scalars&& scalars, Zero&& zero) {
     const int groups = padded / kTileTokens;
     if (p_.key.tiled && p_.value.tiled && p_.page_tokens % kTileTokens == 0) {
-      for (int i = 0; i < count;) {
-        const uint8_t* page = p_.pool_base + static_cast<size_t>(p_.block_table[page_index_]) * p_.page_bytes;
-        const int n = std::min(count - i, p_.page_tokens - slot_);
+      ForPageRuns(count, scalars, [&](const uint8_t* page, int i, int n) {
         for (int g = i / kTileTokens; g * kTileTokens < i + n; ++g) {
           const size_t slot = static_cast<size_t>(slot_ + g * kTileTokens - i);
           key_tiles[g] = page + p_.key.codes_offset + slot * p_.key.code_bytes;
           value_tiles[g] = page + p_.value.codes_offset + slot * p_.value.code_bytes;
         }
-        scalars(page + p_.key.scalars_offset + 2 * slot_ * p_.key.num_scalars,
-                page + p_.value.scalars_offset + 2 * slot_ * p_.value.num_scalars, i, n);
-        i += n;
-        slot_ += n;
-        if (slot_ == p_.page_tokens) {
-          slot_ = 0;
-          ++page_index_;
-        }
-      }
+      });
       for (int i = 0; i < p_.token_begin - t0; ++i) zero(i);
       for (int i = count; i < padded; ++i) zero(i);
       return;
@@ -416,6 +380,26 @@ class BlockWalk {
   }
 
  private:
+  // The block's tokens [0, count) run by run inside pages: run(page, i, n)
+  // for block tokens [i, i + n) at slots [slot_, slot_ + n) of `page`, then
+  // scalars(key_scalars, value_scalars, i, n) with the run's scalars.
+  template <typename Scalars, typename Run>
+  void ForPageRuns(int count, Scalars& scalars, Run&& run) {
+    for (int i = 0; i < count;) {
+      const uint8_t* page = p_.pool_base + static_cast<size_t>(p_.block_table[page_index_]) * p_.page_bytes;
+      const int n = std::min(count - i, p_.page_tokens - slot_);
+      run(page, i, n);
+      scalars(page + p_.key.scalars_offset + 2 * slot_ * p_.key.num_scalars,
+              page + p_.value.scalars_offset + 2 * slot_ * p_.value.num_scalars, i, n);
+      i += n;
+      slot_ += n;
+      if (slot_ == p_.page_tokens) {
+        slot_ = 0;
+        ++page_index_;
+      }
+    }
+  }
+
   const HeadAttendParams& p_;
   int64_t page_index_;
   int slot_;

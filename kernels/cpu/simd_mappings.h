@@ -1,4 +1,4 @@
-// One instruction set's float vectors behind one small interface, so that a
+// One instruction set's float (and dword) vectors behind one small interface, so that a
 // kernel body is written once, as a template on the mapping, and compiled in
 // each ISA's source file with that ISA's flags (hadamard_avx2.cc,
 // hadamard_avx512.cc). A mapping is defined only where the compiler targets
@@ -68,6 +68,21 @@ struct Avx2 {
     // h = [s0 s1 s2 s3 | s0' s1' s2' s3']: the two 128-bit halves' partial sums.
     _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
   }
+
+  // Dword vectors, for transposes of 32-bit words.
+  using I32 = __m256i;
+  static I32 ZeroI32() { return _mm256_setzero_si256(); }
+  static I32 LoadI32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static void StoreI32(void* p, I32 v) { _mm256_storeu_si256(static_cast<__m256i*>(p), v); }
+  static I32 UnpackLo32(I32 a, I32 b) { return _mm256_unpacklo_epi32(a, b); }
+  static I32 UnpackHi32(I32 a, I32 b) { return _mm256_unpackhi_epi32(a, b); }
+  static I32 UnpackLo64(I32 a, I32 b) { return _mm256_unpacklo_epi64(a, b); }
+  static I32 UnpackHi64(I32 a, I32 b) { return _mm256_unpackhi_epi64(a, b); }
+  // The 2 x 2 matrix of 128-bit lanes transposed: out[l] lane m = in[m] lane l.
+  static void TransposeLanes(const I32* in, I32* out) {
+    out[0] = _mm256_permute2x128_si256(in[0], in[1], 0x20);
+    out[1] = _mm256_permute2x128_si256(in[0], in[1], 0x31);
+  }
 };
 #endif
 
@@ -129,6 +144,25 @@ struct Avx512 {
     // Element 4k holds row k's sum; gather elements 0, 4, 8, 12 to the front.
     const __m512i front = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     _mm512_mask_storeu_ps(y, 0x000F, _mm512_mask_permutexvar_ps(q, kAll, front, q));
+  }
+
+  // Dword vectors, for transposes of 32-bit words.
+  using I32 = __m512i;
+  static I32 ZeroI32() { return _mm512_setzero_si512(); }
+  static I32 LoadI32(const void* p) { return _mm512_loadu_si512(p); }
+  static void StoreI32(void* p, I32 v) { _mm512_storeu_si512(p, v); }
+  static I32 UnpackLo32(I32 a, I32 b) { return _mm512_unpacklo_epi32(a, b); }
+  static I32 UnpackHi32(I32 a, I32 b) { return _mm512_unpackhi_epi32(a, b); }
+  static I32 UnpackLo64(I32 a, I32 b) { return _mm512_unpacklo_epi64(a, b); }
+  static I32 UnpackHi64(I32 a, I32 b) { return _mm512_unpackhi_epi64(a, b); }
+  // The 4 x 4 matrix of 128-bit lanes transposed: out[l] lane m = in[m] lane l.
+  static void TransposeLanes(const I32* in, I32* out) {
+    const __m512i c0 = _mm512_shuffle_i32x4(in[0], in[1], 0x44), c1 = _mm512_shuffle_i32x4(in[2], in[3], 0x44);
+    const __m512i c2 = _mm512_shuffle_i32x4(in[0], in[1], 0xee), c3 = _mm512_shuffle_i32x4(in[2], in[3], 0xee);
+    out[0] = _mm512_shuffle_i32x4(c0, c1, 0x88);
+    out[1] = _mm512_shuffle_i32x4(c0, c1, 0xdd);
+    out[2] = _mm512_shuffle_i32x4(c2, c3, 0x88);
+    out[3] = _mm512_shuffle_i32x4(c2, c3, 0xdd);
   }
 };
 #endif
