@@ -443,9 +443,11 @@ void AttendHeadAvx512(const HeadAttendParams& params);
 void AttendHeadAvx2(const HeadAttendParams& params);
 
 // The integer kernel (SimdLevel::kAvx512Vnni: AVX-512 with VNNI, VBMI and VBMI2):
-// scores and values with int8 dot products. It reads no byte outside a
-// token's codes and scalars. Against exact attention over the same bytes it
-// differs by these roundings:
+// scores and values with int8 dot products, on the pages' codes tiles. It
+// reads whole tiles (a partial group's other slots too, whose scores it
+// masks and whose weights are zero) and the tokens' scalars, nothing else.
+// Against exact attention over the same bytes it differs by these
+// roundings:
 // - the query, per row (and per part of split keys), to int8 (step
 //   max |q| / 127);
 // - the key codebook (each part's) and the value codebook to int8
