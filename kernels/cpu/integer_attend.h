@@ -59,8 +59,9 @@ inline __m512i TileWord(const uint8_t* tile, int w) { return _mm512_loadu_si512(
 // centroid byte.
 template <int kBits>
 struct TileKeyIndex {
-  // shift[o / 4][k]: byte k of a qword (token k / 4 of its two, coordinate
-  // k % 4) starts at this bit when the four codes start at bit o of a word.
+  // shift[o / 4][k]: byte k of the vector (byte k % 8 of its qword: token
+  // (k % 8) / 4 of the qword's two, coordinate k % 4) starts at this bit
+  // of the qword when the four codes start at bit o of a word.
   alignas(64) uint8_t shift[8][64] = {};
   constexpr TileKeyIndex() {
     for (int o = 0; o < 32; o += 4) {
