@@ -350,7 +350,14 @@ class TurboQuantQuantizer {
   TurboQuantQuantizer(int dim, int bits, bool norm_correction, const Codebook* codebook,
                       std::shared_ptr<const Rotation> rotation)
       : dim_(dim), bits_(bits), norm_correction_(norm_correction), codebook_(codebook),
-        rotation_(std::move(rotation)) {}
+        rotation_(std::move(rotation)),
+        tables_(encode_internal::MakeQuantizeTables(codebook->boundaries.data(),
+                                                    norm_correction ? codebook->centroids.data() : nullptr,
+                                                    bits)) {
+    const Rotation::Kind kind = rotation_->kind();
+    fused_hadamard_ = (kind == Rotation::Kind::kRandomizedHadamard || kind == Rotation::Kind::kPlainHadamard) &&
+                      rotation_->hadamard_factor_order() == 1 && encode_internal::CanRotateQuantizePack(dim, bits);
+  }
 
   int dim() const { return dim_; }
   int code_bytes() const { return PackedBytes(dim_, bits_); }
@@ -372,8 +379,7 @@ class TurboQuantQuantizer {
     float y[kMaxHeadDim];
     uint8_t packed[kMaxHeadDim];
     const encode_internal::EncodeKernels* simd = encode_internal::ActiveEncodeKernels();
-    Rotate(simd, x, norm, y);
-    const float codeword_sq = QuantizePack(simd, y, packed);
+    const float codeword_sq = RotateQuantizePack(simd, x, norm, y, packed);
     return Finish(norm, codeword_sq, packed, codes, scale_out);
   }
 
@@ -403,11 +409,17 @@ class TurboQuantQuantizer {
         }
         norm[v] = std::sqrt(sum_sq);
       }
-      for (int v = 0; v < good; ++v) {
-        if (norm[v] != 0.0) Rotate(simd, x[k0 + v], norm[v], y + v * dim_);
-      }
-      for (int v = 0; v < good; ++v) {
-        if (norm[v] != 0.0) codeword_sq[v] = QuantizePack(simd, y + v * dim_, packed + v * dim_);
+      if (simd != nullptr && simd->rotate_quantize_pack != nullptr && fused_hadamard_) {
+        for (int v = 0; v < good; ++v) {
+          if (norm[v] != 0.0) codeword_sq[v] = RotateQuantizePack(simd, x[k0 + v], norm[v], y, packed + v * dim_);
+        }
+      } else {
+        for (int v = 0; v < good; ++v) {
+          if (norm[v] != 0.0) Rotate(simd, x[k0 + v], norm[v], y + v * dim_);
+        }
+        for (int v = 0; v < good; ++v) {
+          if (norm[v] != 0.0) codeword_sq[v] = QuantizePack(simd, y + v * dim_, packed + v * dim_);
+        }
       }
       for (int v = 0; v < good; ++v) {
         absl::Status status = norm[v] == 0.0 ? WriteZero(codes[k0 + v], scale_out[k0 + v])
@@ -472,13 +484,25 @@ class TurboQuantQuantizer {
     rotation_->Forward(y, y);
   }
 
+  // Rotate, then QuantizePack: the packed levels of x / norm rotated, in one
+  // kernel where the store kernels have it for this rotation (`y`: dim_
+  // floats of scratch otherwise).
+  float RotateQuantizePack(const encode_internal::EncodeKernels* simd, const float* x, double norm, float* y,
+                           uint8_t* packed) const {
+    if (simd != nullptr && simd->rotate_quantize_pack != nullptr && fused_hadamard_) {
+      const float* pre = rotation_->signs().empty() ? nullptr : rotation_->signs().data();
+      return simd->rotate_quantize_pack(x, static_cast<float>(1.0 / norm), pre, dim_, tables_, packed);
+    }
+    Rotate(simd, x, norm, y);
+    return QuantizePack(simd, y, packed);
+  }
+
   // The packed levels of y; returns the codeword's squared norm with norm
   // correction, else 0.
   float QuantizePack(const encode_internal::EncodeKernels* simd, const float* y, uint8_t* packed) const {
     const float* centroids = codebook_->centroids.data();
     if (simd) {
-      return simd->quantize_pack(codebook_->boundaries.data(), norm_correction_ ? centroids : nullptr, bits_, y,
-                                 dim_, packed);
+      return simd->quantize_pack(tables_, y, dim_, packed);
     }
     uint8_t levels[kMaxHeadDim];
     QuantizeToLevels(*codebook_, y, dim_, levels);
@@ -506,6 +530,9 @@ class TurboQuantQuantizer {
   bool norm_correction_;
   const Codebook* codebook_;
   std::shared_ptr<const Rotation> rotation_;
+  encode_internal::QuantizeTables tables_;  // of *codebook_, for the store kernels
+  // rotation_ is a power-of-two Hadamard that RotateQuantizePack fuses.
+  bool fused_hadamard_ = false;
 };
 
 absl::StatusOr<TurboQuantQuantizer> MakeQuantizer(int dim, int bits, bool norm_correction,

@@ -293,12 +293,11 @@ void UniformLevelsAvx2(const float* x, int n, float zero, float inv_scale, int m
   }
 }
 
-float QuantizePackAvx2(const float* boundaries, const float* centroids, int bits, const float* y, int n,
-                       uint8_t* codes) {
+float QuantizePackAvx2(const QuantizeTables& tables, const float* y, int n, uint8_t* codes) {
   uint8_t levels[kMaxEncodeDim];
-  QuantizeToLevelsAvx2(boundaries, bits, y, n, levels);
-  PackBitsBmi2(levels, n, bits, codes);
-  return centroids != nullptr ? CodewordSumAvx2(centroids, bits, levels, n) : 0.0f;
+  QuantizeToLevelsAvx2(tables.boundaries, tables.bits, y, n, levels);
+  PackBitsBmi2(levels, n, tables.bits, codes);
+  return tables.centroids != nullptr ? CodewordSumAvx2(tables.centroids, tables.bits, levels, n) : 0.0f;
 }
 
 bool UniformRangeAvx2(const float* x, int n, float* lo, float* hi) {

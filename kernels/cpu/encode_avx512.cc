@@ -9,6 +9,7 @@
 #include "kernels/blocked_sums.h"
 
 #include "kernels/cpu/encode_kernels.h"
+#include "kernels/cpu/hadamard_body.h"
 #include "kernels/float_formats.h"
 
 namespace tqkv {
@@ -327,46 +328,108 @@ void PackBitsAvx512(const uint8_t* codes, int n, int bits, uint8_t* out) {
   }
 }
 
-float QuantizePackAvx512(const float* boundaries, const float* centroids, int bits, const float* y, int n,
-                         uint8_t* codes) {
+namespace {
+
+// QuantizePackAvx512's search of one codebook (2-4 bits, QuantizeTables), in
+// registers: levels of 16 coordinates at a time, and the running codeword
+// sum. The search halves: a compare with one boundary, then each later step
+// s looks up boundaries[level + s - 1] in a table shifted by s - 1 (no index
+// add).
+class LevelSearch {
+ public:
+  explicit LevelSearch(const QuantizeTables& t)
+      : later_(t.later), first_step_(t.first), lookup_(_mm512_load_ps(t.squares)),
+        first_bound_(_mm512_set1_ps(t.first_bound)) {
+    for (int k = 0; k < later_; ++k) shifted_[k] = _mm512_load_ps(t.shifted[k]);
+  }
+
+  // The int32 levels of v; lanes outside m add nothing to the sum.
+  __m512i operator()(__m512 v, __mmask16 m) {
+    __m512i lo = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, first_bound_, _CMP_GT_OQ),
+                                        _mm512_set1_epi32(first_step_));
+    for (int k = 0, step = first_step_ >> 1; k < later_; ++k, step >>= 1) {
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(lo, shifted_[k]), _CMP_GT_OQ);
+      lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
+    }
+    acc_ = _mm512_add_ps(acc_, _mm512_maskz_permutexvar_ps(m, lo, lookup_));
+    return lo;
+  }
+
+  // The codeword sum in the blocked order (CodewordSumAvx512's).
+  float CodewordSum() const { return FoldSumLanes(acc_); }
+
+ private:
+  int later_;
+  int first_step_;
+  __m512 lookup_;
+  __m512 first_bound_;
+  __m512 shifted_[3];  // at most 4 bits: steps 4, 2, 1 after the first
+  __m512 acc_ = _mm512_setzero_ps();
+};
+
+// RotateQuantizePackAvx512 for n = 16 kRegs: hadamard_body.h's TransformBlock
+// on registers that come from x and go to the search, not through memory.
+template <int kRegs>
+float RotateQuantizePackRegs(const float* x, float inv_norm, const float* pre_signs, const QuantizeTables& tables,
+                             uint8_t* codes) {
+  using S = simd::Avx512;
+  constexpr int n = kRegs * 16;
+  __m512 v[kRegs];
+  const __m512 s = _mm512_set1_ps(inv_norm);
+#pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) v[r] = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * r), s);  // ScaleAvx512
+  if (pre_signs != nullptr) {
+#pragma GCC unroll 16
+    for (int r = 0; r < kRegs; ++r) v[r] = _mm512_mul_ps(v[r], _mm512_loadu_ps(pre_signs + 16 * r));
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kRegs; ++r) v[r] = S::InRegisterButterflies(v[r]);
+  hadamard::CrossRegisterStages<S, kRegs>(v);
+  const __m512 scale = _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+  LevelSearch search(tables);
+#pragma GCC unroll 4
+  for (int r0 = 0; r0 < kRegs; r0 += 4) {
+    __m512i lo[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = r0 + j < kRegs ? search(_mm512_mul_ps(v[r0 + j], scale), 0xffff) : _mm512_setzero_si512();
+    }
+    PackStep(LevelBytes(lo), n - 16 * r0 < 64 ? n - 16 * r0 : 64, tables.bits, codes + 2 * r0 * tables.bits);
+  }
+  return tables.centroids != nullptr ? search.CodewordSum() : 0.0f;
+}
+
+}  // namespace
+
+float QuantizePackAvx512(const QuantizeTables& tables, const float* y, int n, uint8_t* codes) {
+  const int bits = tables.bits;
   if (bits < 2 || bits > 4) {
     uint8_t levels[kMaxEncodeDim];
-    QuantizeToLevelsAvx512(boundaries, bits, y, n, levels);
+    QuantizeToLevelsAvx512(tables.boundaries, bits, y, n, levels);
     PackBitsAvx512(levels, n, bits, codes);
-    return centroids != nullptr ? CodewordSumAvx512(centroids, bits, levels, n) : 0.0f;
+    return tables.centroids != nullptr ? CodewordSumAvx512(tables.centroids, bits, levels, n) : 0.0f;
   }
   // QuantizeToLevelsAvx512's search and CodewordSumAvx512's lookups on the
   // same registers, 16 coordinates at a time, then one pack.
-  const int num_boundaries = (1 << bits) - 1;
-  float table[16], squares[16] = {};
-  for (int k = 0; k < 16; ++k) table[k] = k < num_boundaries ? boundaries[k] : 0.0f;
-  if (centroids != nullptr) {
-    for (int k = 0; k < (1 << bits); ++k) squares[k] = centroids[k] * centroids[k];
+  LevelSearch search(tables);
+  PackLevels(y, n, bits, codes, search);
+  return tables.centroids != nullptr ? search.CodewordSum() : 0.0f;
+}
+
+float RotateQuantizePackAvx512(const float* x, float inv_norm, const float* pre_signs, int n,
+                               const QuantizeTables& tables, uint8_t* codes) {
+  switch (n) {
+    case 16:
+      return RotateQuantizePackRegs<1>(x, inv_norm, pre_signs, tables, codes);
+    case 32:
+      return RotateQuantizePackRegs<2>(x, inv_norm, pre_signs, tables, codes);
+    case 64:
+      return RotateQuantizePackRegs<4>(x, inv_norm, pre_signs, tables, codes);
+    case 128:
+      return RotateQuantizePackRegs<8>(x, inv_norm, pre_signs, tables, codes);
+    default:
+      return RotateQuantizePackRegs<16>(x, inv_norm, pre_signs, tables, codes);
   }
-  const __m512 lookup = _mm512_loadu_ps(squares);
-  // The search's steps, halving: the first compares with one boundary
-  // (boundaries[first - 1]); each later step s (s = first / 2, ..., 1) looks
-  // up boundaries[lo + s - 1] in a table shifted by s - 1, no index add.
-  const int first = (num_boundaries + 1) >> 1;
-  const __m512 first_bound = _mm512_set1_ps(table[first - 1]);
-  __m512 shifted[3];  // steps 4, 2, 1 after the first (at most 4 bits: first <= 8)
-  int later = 0;
-  for (int step = first >> 1; step > 0; step >>= 1) {
-    float t[16];
-    for (int k = 0; k < 16; ++k) t[k] = k + step - 1 < 16 ? table[k + step - 1] : 0.0f;
-    shifted[later++] = _mm512_loadu_ps(t);
-  }
-  __m512 acc = _mm512_setzero_ps();
-  PackLevels(y, n, bits, codes, [&](__m512 v, __mmask16 m) {
-    __m512i lo = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, first_bound, _CMP_GT_OQ), _mm512_set1_epi32(first));
-    for (int k = 0, step = first >> 1; k < later; ++k, step >>= 1) {
-      const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(lo, shifted[k]), _CMP_GT_OQ);
-      lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
-    }
-    acc = _mm512_add_ps(acc, _mm512_maskz_permutexvar_ps(m, lo, lookup));
-    return lo;
-  });
-  return centroids != nullptr ? FoldSumLanes(acc) : 0.0f;
 }
 
 bool UniformRangeAvx512(const float* x, int n, float* lo_out, float* hi_out) {

@@ -12,6 +12,27 @@
 namespace tqkv {
 namespace encode_internal {
 
+// What QuantizePack needs of one codebook, built once with the codec
+// (MakeQuantizeTables) rather than on every call: the search's step tables
+// and the squared centroids, as AVX-512 registers load them.
+struct QuantizeTables {
+  const float* boundaries = nullptr;  // 2^bits - 1 ascending
+  const float* centroids = nullptr;   // 2^bits; nullptr: no codeword sum
+  int bits = 0;
+  // The search for 2-4 bits: the first step compares with first_bound
+  // (boundaries[first - 1]); later step k (of `later`, step s = first >> (k +
+  // 1)) looks up boundaries[level + s - 1] as shifted[k][level].
+  int first = 0;
+  int later = 0;
+  float first_bound = 0.0f;
+  alignas(64) float shifted[3][16] = {};
+  alignas(64) float squares[16] = {};  // centroids[k]^2, zero past 2^bits
+};
+
+// The tables of a codebook of `bits` bits; `centroids` may be nullptr (no
+// codeword sum). The arrays must outlive the tables.
+QuantizeTables MakeQuantizeTables(const float* boundaries, const float* centroids, int bits);
+
 // One ISA's store kernels; each has the contract of the AVX-512 function of
 // the same name below.
 struct EncodeKernels {
@@ -27,8 +48,11 @@ struct EncodeKernels {
   void (*uniform_levels)(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels);
   bool (*sum_of_squares)(const float* x, int n, double* sum);
   float (*codeword_sum)(const float* centroids, int bits, const uint8_t* levels, int n);
-  float (*quantize_pack)(const float* boundaries, const float* centroids, int bits, const float* y, int n,
-                         uint8_t* codes);
+  float (*quantize_pack)(const QuantizeTables& tables, const float* y, int n, uint8_t* codes);
+  // nullptr where the set has no fused kernel: the caller rotates, then
+  // calls quantize_pack.
+  float (*rotate_quantize_pack)(const float* x, float inv_norm, const float* pre_signs, int n,
+                                const QuantizeTables& tables, uint8_t* codes);
   bool (*uniform_range)(const float* x, int n, float* lo, float* hi);
   void (*uniform_pack)(const float* x, int n, float zero, float inv_scale, int bits, uint8_t* codes);
 };
@@ -74,13 +98,24 @@ void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int
 bool SumOfSquaresAvx512(const float* x, int n, double* sum);
 float CodewordSumAvx512(const float* centroids, int bits, const uint8_t* levels, int n);
 bool SumOfSquaresAvx2(const float* x, int n, double* sum);
-// One TurboQuant part's codes: levels of y (QuantizeToLevels), packed
-// (PackBits) into codes; returns their codeword sum (above) when centroids is
-// not null, else 0. REQUIRES: n <= kMaxEncodeDim.
-float QuantizePackAvx512(const float* boundaries, const float* centroids, int bits, const float* y, int n,
-                         uint8_t* codes);
-float QuantizePackAvx2(const float* boundaries, const float* centroids, int bits, const float* y, int n,
-                       uint8_t* codes);
+// One TurboQuant part's codes: levels of y (QuantizeToLevels) for the
+// tables' codebook, packed (PackBits) into codes; returns their codeword sum
+// (above) when tables.centroids is not null, else 0. REQUIRES: n <=
+// kMaxEncodeDim.
+float QuantizePackAvx512(const QuantizeTables& tables, const float* y, int n, uint8_t* codes);
+float QuantizePackAvx2(const QuantizeTables& tables, const float* y, int n, uint8_t* codes);
+// The whole store of one TurboQuant vector after its norm, in registers: y =
+// SignedFwht(x * inv_norm, n, pre_signs, no post signs) as rotation.h's
+// randomized (or plain, pre_signs null) Hadamard of a power-of-two n
+// computes it, then QuantizePackAvx512(tables, y, n, codes): the same bytes
+// and codeword sum as those calls. REQUIRES: CanRotateQuantizePack(n, bits).
+float RotateQuantizePackAvx512(const float* x, float inv_norm, const float* pre_signs, int n,
+                               const QuantizeTables& tables, uint8_t* codes);
+// The vectors RotateQuantizePackAvx512 takes: n in {16, 32, 64, 128, 256}
+// (the transform in at most 16 registers), 2 <= bits <= 4.
+constexpr bool CanRotateQuantizePack(int n, int bits) {
+  return (n == 16 || n == 32 || n == 64 || n == 128 || n == 256) && bits >= 2 && bits <= 4;
+}
 // The uniform codec's two passes. UniformRange: false when a coordinate is
 // not finite or beyond kHalfMax (the codec then finds which), else min and
 // max as MinMax. UniformPack: UniformLevels with max_code 2^bits - 1, then
