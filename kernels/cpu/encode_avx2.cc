@@ -1,8 +1,9 @@
 // AVX2 kernels of the store path; see kernels/cpu/encode_kernels.h. The
 // AVX-512 file's kernels at 8 lanes: whole vectors here, the tail of a
 // vector that is not a multiple of 8 in the portable code's own expressions.
-// Compiled with -mavx2 -mf16c -mbmi2 -ffp-contract=off: the float operations
-// must be exactly those of the portable code (no FMA).
+// Compiled with -mavx2 -mf16c -mbmi2 -mfma -ffp-contract=off: the float
+// operations must be exactly those of the portable code (no FMA contraction;
+// the Hadamard stages' FMAs against +-1 are exact additions).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 
 #include "kernels/blocked_sums.h"
 #include "kernels/cpu/encode_kernels.h"
+#include "kernels/cpu/hadamard_body.h"
 #include "kernels/float_formats.h"
 
 namespace tqkv {
@@ -298,6 +300,149 @@ float QuantizePackAvx2(const QuantizeTables& tables, const float* y, int n, uint
   QuantizeToLevelsAvx2(tables.boundaries, tables.bits, y, n, levels);
   PackBitsBmi2(levels, n, tables.bits, codes);
   return tables.centroids != nullptr ? CodewordSumAvx2(tables.centroids, tables.bits, levels, n) : 0.0f;
+}
+
+namespace {
+
+// The packed stream of kBits-bit codes, 8 at a time, written in whole
+// 8-byte words and an exact tail: no byte past the codes is touched.
+template <int kBits>
+class BitWriter {
+ public:
+  explicit BitWriter(uint8_t* out) : out_(out) {}
+
+  // Codes in the low kBits bits of each byte of `bytes` (higher bits zero).
+  void Put8(uint64_t bytes) {
+    constexpr uint64_t kMask = 0x0101010101010101ull * ((1u << kBits) - 1u);
+    const uint64_t bits = _pext_u64(bytes, kMask);  // 8 kBits bits
+    word_ |= bits << fill_;
+    fill_ += 8 * kBits;
+    if (fill_ >= 64) {
+      memcpy(out_, &word_, 8);
+      out_ += 8;
+      fill_ -= 64;
+      word_ = fill_ > 0 ? bits >> (8 * kBits - fill_) : 0;
+    }
+  }
+
+  void Flush() {
+    if (fill_ > 0) memcpy(out_, &word_, static_cast<size_t>((fill_ + 7) / 8));
+  }
+
+ private:
+  uint8_t* out_;
+  uint64_t word_ = 0;
+  int fill_ = 0;
+};
+
+// RotateQuantizePackAvx512 at 8 lanes for n = 8 kRegs (kRegs even) and
+// kBits bits: the Hadamard stages of hadamard_body.h on registers, the
+// search of QuantizeTables (as QuantizeToLevelsAvx2 finds the levels),
+// CodewordSumAvx2's partials (register r adds to partials 8 (r % 2) ...),
+// and the pack of PackBitsBmi2, with no pass through memory between them.
+template <int kRegs, int kBits>
+float RotateQuantizePackRegs(const float* x, float inv_norm, const float* pre_signs, const QuantizeTables& t,
+                             uint8_t* codes) {
+  static_assert(kRegs % 2 == 0, "whole 16-coordinate blocks");
+  using S = simd::Avx2;
+  constexpr int n = kRegs * 8;
+  __m256 v[kRegs];
+  const __m256 s = _mm256_set1_ps(inv_norm);
+#pragma GCC unroll 32
+  for (int r = 0; r < kRegs; ++r) v[r] = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * r), s);  // ScaleAvx2
+  if (pre_signs != nullptr) {
+#pragma GCC unroll 32
+    for (int r = 0; r < kRegs; ++r) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(pre_signs + 8 * r));
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < kRegs; ++r) v[r] = S::InRegisterButterflies(v[r]);
+  hadamard::CrossRegisterStages<S, kRegs>(v);
+  const __m256 scale = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
+
+  // The search's tables (at most 4 bits: 16 entries, two registers each).
+  const __m256 first_bound = _mm256_set1_ps(t.first_bound);
+  const __m256i first = _mm256_set1_epi32(t.first);
+  __m256 shifted_low[3], shifted_high[3];
+  for (int k = 0; k < t.later; ++k) {
+    shifted_low[k] = _mm256_load_ps(t.shifted[k]);
+    shifted_high[k] = _mm256_load_ps(t.shifted[k] + 8);
+  }
+  const __m256 squares_low = _mm256_load_ps(t.squares), squares_high = _mm256_load_ps(t.squares + 8);
+  const auto lookup = [](__m256 low, __m256 high, __m256i index) {
+    return kBits <= 3 ? _mm256_permutevar8x32_ps(low, index) : Lookup16(low, high, index);
+  };
+  __m256 partial[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  BitWriter<kBits> writer(codes);
+  // Four registers (32 codes) at a time: their levels to bytes in order, then
+  // four 8-code steps of the pack.
+#pragma GCC unroll 8
+  for (int r0 = 0; r0 < kRegs; r0 += 4) {
+    __m256i lo[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      if (r0 + j >= kRegs) {
+        lo[j] = _mm256_setzero_si256();
+        continue;
+      }
+      const __m256 y = _mm256_mul_ps(v[r0 + j], scale);
+      __m256i level = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, first_bound, _CMP_GT_OQ)), first);
+      for (int k = 0, step = t.first >> 1; k < t.later; ++k, step >>= 1) {
+        const __m256 bound = lookup(shifted_low[k], shifted_high[k], level);
+        const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(y, bound, _CMP_GT_OQ));
+        level = _mm256_add_epi32(level, _mm256_and_si256(gt, _mm256_set1_epi32(step)));
+      }
+      partial[(r0 + j) % 2] = _mm256_add_ps(partial[(r0 + j) % 2], lookup(squares_low, squares_high, level));
+      lo[j] = level;
+    }
+    // packus works within 128-bit lanes: bytes come out as dwords
+    // (0.lo, 1.lo, 2.lo, 3.lo, 0.hi, 1.hi, 2.hi, 3.hi); vpermd restores
+    // register order.
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packus_epi16(_mm256_packus_epi32(lo[0], lo[1]), _mm256_packus_epi32(lo[2], lo[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const int words = kRegs - r0 < 4 ? kRegs - r0 : 4;
+    writer.Put8(static_cast<uint64_t>(_mm256_extract_epi64(bytes, 0)));
+    if (words > 1) writer.Put8(static_cast<uint64_t>(_mm256_extract_epi64(bytes, 1)));
+    if (words > 2) writer.Put8(static_cast<uint64_t>(_mm256_extract_epi64(bytes, 2)));
+    if (words > 3) writer.Put8(static_cast<uint64_t>(_mm256_extract_epi64(bytes, 3)));
+  }
+  writer.Flush();
+  if (t.centroids == nullptr) return 0.0f;
+  alignas(32) float sums[kSumLanes];
+  _mm256_store_ps(sums, partial[0]);
+  _mm256_store_ps(sums + 8, partial[1]);
+  return FoldSumLanes(sums);
+}
+
+template <int kBits>
+float RotateQuantizePackBits(const float* x, float inv_norm, const float* pre_signs, int n,
+                             const QuantizeTables& tables, uint8_t* codes) {
+  switch (n) {
+    case 16:
+      return RotateQuantizePackRegs<2, kBits>(x, inv_norm, pre_signs, tables, codes);
+    case 32:
+      return RotateQuantizePackRegs<4, kBits>(x, inv_norm, pre_signs, tables, codes);
+    case 64:
+      return RotateQuantizePackRegs<8, kBits>(x, inv_norm, pre_signs, tables, codes);
+    case 128:
+      return RotateQuantizePackRegs<16, kBits>(x, inv_norm, pre_signs, tables, codes);
+    default:
+      return RotateQuantizePackRegs<32, kBits>(x, inv_norm, pre_signs, tables, codes);
+  }
+}
+
+}  // namespace
+
+float RotateQuantizePackAvx2(const float* x, float inv_norm, const float* pre_signs, int n,
+                             const QuantizeTables& tables, uint8_t* codes) {
+  switch (tables.bits) {
+    case 2:
+      return RotateQuantizePackBits<2>(x, inv_norm, pre_signs, n, tables, codes);
+    case 3:
+      return RotateQuantizePackBits<3>(x, inv_norm, pre_signs, n, tables, codes);
+    default:
+      return RotateQuantizePackBits<4>(x, inv_norm, pre_signs, n, tables, codes);
+  }
 }
 
 bool UniformRangeAvx2(const float* x, int n, float* lo, float* hi) {
