@@ -11,8 +11,10 @@
 // is a permute and an FMA against a +-1 vector (S::InRegisterButterflies);
 // strides of a register and more add and subtract whole registers.
 //
-// Include it only from those two files (anonymous namespace: each gets its
-// own copy, see simd_mappings.h). The entry points (rotation_kernels.h) end
+// Include it only from files compiled for one ISA: those two, and the store
+// kernels (encode_avx2.cc, encode_avx512.cc), whose fused TurboQuant kernels
+// run TransformBlock's stages on their own registers (anonymous namespace:
+// each file gets its own copy, see simd_mappings.h). The entry points (rotation_kernels.h) end
 // with ZeroUpper: functions that take vector arguments end without
 // vzeroupper, and a last call may become a tail jump, which would leave the
 // caller's SSE code running with a dirty upper state (on the Xeon, that made
