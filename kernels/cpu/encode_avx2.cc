@@ -347,16 +347,7 @@ float RotateQuantizePackRegs(const float* x, float inv_norm, const float* pre_si
   using S = simd::Avx2;
   constexpr int n = kRegs * 8;
   __m256 v[kRegs];
-  const __m256 s = _mm256_set1_ps(inv_norm);
-#pragma GCC unroll 32
-  for (int r = 0; r < kRegs; ++r) v[r] = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * r), s);  // ScaleAvx2
-  if (pre_signs != nullptr) {
-#pragma GCC unroll 32
-    for (int r = 0; r < kRegs; ++r) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(pre_signs + 8 * r));
-  }
-#pragma GCC unroll 32
-  for (int r = 0; r < kRegs; ++r) v[r] = S::InRegisterButterflies(v[r]);
-  hadamard::CrossRegisterStages<S, kRegs>(v);
+  hadamard::ScaledTransformStages<S, kRegs>(x, inv_norm, pre_signs, v);
   const __m256 scale = _mm256_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
 
   // The search's tables (at most 4 bits: 16 entries, two registers each).

@@ -367,24 +367,16 @@ class LevelSearch {
   __m512 acc_ = _mm512_setzero_ps();
 };
 
-// RotateQuantizePackAvx512 for n = 16 kRegs: hadamard_body.h's TransformBlock
-// on registers that come from x and go to the search, not through memory.
+// RotateQuantizePackAvx512 for n = 16 kRegs: hadamard_body.h's transform
+// stages on registers that come from x and go to the search, not through
+// memory.
 template <int kRegs>
 float RotateQuantizePackRegs(const float* x, float inv_norm, const float* pre_signs, const QuantizeTables& tables,
                              uint8_t* codes) {
   using S = simd::Avx512;
   constexpr int n = kRegs * 16;
   __m512 v[kRegs];
-  const __m512 s = _mm512_set1_ps(inv_norm);
-#pragma GCC unroll 16
-  for (int r = 0; r < kRegs; ++r) v[r] = _mm512_mul_ps(_mm512_loadu_ps(x + 16 * r), s);  // ScaleAvx512
-  if (pre_signs != nullptr) {
-#pragma GCC unroll 16
-    for (int r = 0; r < kRegs; ++r) v[r] = _mm512_mul_ps(v[r], _mm512_loadu_ps(pre_signs + 16 * r));
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < kRegs; ++r) v[r] = S::InRegisterButterflies(v[r]);
-  hadamard::CrossRegisterStages<S, kRegs>(v);
+  hadamard::ScaledTransformStages<S, kRegs>(x, inv_norm, pre_signs, v);
   const __m512 scale = _mm512_set1_ps(static_cast<float>(1.0 / std::sqrt(static_cast<double>(n))));
   LevelSearch search(tables);
 #pragma GCC unroll 4

@@ -68,25 +68,46 @@ inline void CrossRegisterStages(typename S::F32* v) {
 // All stages of a kRegs-register block, held in registers: reads in (times
 // pre when given), writes out; scales (and applies post) when finish is set.
 template <class S, int kRegs>
+inline void SignedStages(const float* pre, typename S::F32* v);
+
+template <class S, int kRegs>
 inline void TransformBlock(const float* in, float* out, const float* pre, const float* post, bool finish,
                            typename S::F32 scale) {
   constexpr int kLanes = S::kLanes;
   typename S::F32 v[kRegs];
 #pragma GCC unroll 16
   for (int r = 0; r < kRegs; ++r) v[r] = S::Load(in + r * kLanes);
-  if (pre != nullptr) {
-#pragma GCC unroll 16
-    for (int r = 0; r < kRegs; ++r) v[r] = S::Mul(v[r], S::Load(pre + r * kLanes));
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < kRegs; ++r) v[r] = S::InRegisterButterflies(v[r]);
-  CrossRegisterStages<S, kRegs>(v);
+  SignedStages<S, kRegs>(pre, v);
   if (finish) {
 #pragma GCC unroll 16
     for (int r = 0; r < kRegs; ++r) v[r] = Finish<S>(v[r], scale, post, r * kLanes);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < kRegs; ++r) S::Store(out + r * kLanes, v[r]);
+}
+
+// TransformBlock's work on registers: v times pre (when given), then every
+// stage within and across the kRegs registers.
+template <class S, int kRegs>
+inline void SignedStages(const float* pre, typename S::F32* v) {
+  if (pre != nullptr) {
+#pragma GCC unroll 32
+    for (int r = 0; r < kRegs; ++r) v[r] = S::Mul(v[r], S::Load(pre + r * S::kLanes));
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < kRegs; ++r) v[r] = S::InRegisterButterflies(v[r]);
+  CrossRegisterStages<S, kRegs>(v);
+}
+
+// The same on x * inv_norm, loaded into v[0, kRegs), before the final scale:
+// the store kernels' rotation of y = x * (1 / norm) (ScaleAvx512 / ScaleAvx2,
+// then SignedFwht), kept in registers. The caller multiplies by 1 / sqrt(n).
+template <class S, int kRegs>
+inline void ScaledTransformStages(const float* x, float inv_norm, const float* pre, typename S::F32* v) {
+  const typename S::F32 s = S::Set1(inv_norm);
+#pragma GCC unroll 32
+  for (int r = 0; r < kRegs; ++r) v[r] = S::Mul(S::Load(x + r * S::kLanes), s);
+  SignedStages<S, kRegs>(pre, v);
 }
 
 // One stage of stride h >= kLanes over all of x; the last stage finishes.
