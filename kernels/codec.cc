@@ -409,7 +409,7 @@ class TurboQuantQuantizer {
         }
         norm[v] = std::sqrt(sum_sq);
       }
-      if (simd != nullptr && simd->rotate_quantize_pack != nullptr && fused_hadamard_) {
+      if (Fuses(simd)) {
         for (int v = 0; v < good; ++v) {
           if (norm[v] != 0.0) codeword_sq[v] = RotateQuantizePack(simd, x[k0 + v], norm[v], y, packed + v * dim_);
         }
@@ -484,12 +484,17 @@ class TurboQuantQuantizer {
     rotation_->Forward(y, y);
   }
 
+  // Whether RotateQuantizePack runs as one kernel of `simd`.
+  bool Fuses(const encode_internal::EncodeKernels* simd) const {
+    return simd != nullptr && simd->rotate_quantize_pack != nullptr && fused_hadamard_;
+  }
+
   // Rotate, then QuantizePack: the packed levels of x / norm rotated, in one
   // kernel where the store kernels have it for this rotation (`y`: dim_
   // floats of scratch otherwise).
   float RotateQuantizePack(const encode_internal::EncodeKernels* simd, const float* x, double norm, float* y,
                            uint8_t* packed) const {
-    if (simd != nullptr && simd->rotate_quantize_pack != nullptr && fused_hadamard_) {
+    if (Fuses(simd)) {
       const float* pre = rotation_->signs().empty() ? nullptr : rotation_->signs().data();
       return simd->rotate_quantize_pack(x, static_cast<float>(1.0 / norm), pre, dim_, tables_, packed);
     }

@@ -114,8 +114,9 @@ float RotateQuantizePackAvx512(const float* x, float inv_norm, const float* pre_
 // The same at 8 lanes (the pack through BMI2's pext).
 float RotateQuantizePackAvx2(const float* x, float inv_norm, const float* pre_signs, int n,
                              const QuantizeTables& tables, uint8_t* codes);
-// The vectors RotateQuantizePackAvx512 and RotateQuantizePackAvx2 take: n in {16, 32, 64, 128, 256}
-// (the transform in at most 16 registers), 2 <= bits <= 4.
+// The vectors RotateQuantizePackAvx512 and RotateQuantizePackAvx2 take: n in
+// {16, 32, 64, 128, 256} (the transform in at most 16 AVX-512 or 32 AVX2
+// registers, the compiler spilling what does not fit), 2 <= bits <= 4.
 constexpr bool CanRotateQuantizePack(int n, int bits) {
   return (n == 16 || n == 32 || n == 64 || n == 128 || n == 256) && bits >= 2 && bits <= 4;
 }
