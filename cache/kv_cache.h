@@ -86,6 +86,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -186,6 +187,11 @@ struct AttendRequestItem {
 // layout (export and import, snapshots): its state and the bytes of every
 // page it holds, unchanged. Imported into a cache of the same layout, it
 // reads exactly as it did (bit-identical Attend and Score) and can grow.
+//
+// Its pages are numbered 0 .. num_pages - 1: first the pages it carries (its
+// own bytes, in table order, block tables first), then the pages it shares
+// with a sequence before it in the same stream (ExportSharing), which carried
+// them; those travel once, as stream indices.
 struct SequenceImage {
   std::string id;
   std::vector<int64_t> layer_tokens;  // per layer
@@ -208,10 +214,68 @@ struct SequenceImage {
   };
   std::vector<RememberedAppend> recent_appends;
   int64_t num_pages = 0;
-  std::vector<uint8_t> pages;  // num_pages * page_bytes: page i at i * page_bytes
+  // Pages [carried_pages(), num_pages): entry i is page carried_pages() + i's
+  // index among the pages the stream carried before this sequence (0: the
+  // stream's first carried page). Empty outside a shared stream.
+  std::vector<int64_t> shared_pages;
+  // Of its carried pages, those later sequences of the stream may share
+  // (ascending page indices): an importer keeps them at hand until the stream
+  // ends (ImportSharing).
+  std::vector<int64_t> offered_pages;
+  // carried_pages() * page_bytes: carried page i at i * page_bytes.
+  std::vector<uint8_t> pages;
+
+  int64_t carried_pages() const { return num_pages - static_cast<int64_t>(shared_pages.size()); }
 };
 
 class KvCache;
+
+// One export stream's shared pages, on the exporting side: made for a stream
+// and passed to every BeginExport of it, so that a page several of its
+// sequences hold (forks, shared prefixes) is carried by the first of them and
+// named by its stream index in the others. It numbers the pages the stream
+// carries, and keeps a reference on each carried page that was shared when
+// exported: such a page stays allocated and unchanged until the sharing is
+// destroyed (an append into it copies it first, as for any shared page).
+// Thread safety: one stream (one thread at a time); the cache's calls on
+// other sequences run concurrently. REQUIRES: destroyed before its cache.
+class ExportSharing {
+ public:
+  explicit ExportSharing(KvCache* cache) : cache_(cache) {}
+  ~ExportSharing();
+  ExportSharing(const ExportSharing&) = delete;
+  ExportSharing& operator=(const ExportSharing&) = delete;
+
+  // Pages the stream carries, over the sequences begun so far.
+  int64_t carried_pages() const { return carried_; }
+
+ private:
+  friend class KvCache;
+  KvCache* const cache_;
+  absl::flat_hash_map<int32_t, int64_t> kept_;  // pool page -> its stream index
+  int64_t carried_ = 0;
+};
+
+// The importing side of a shared stream: the pool pages of the carried pages
+// later sequences may share (SequenceImage::offered_pages), by stream index,
+// each with a reference held until the sharing is destroyed. Pass the same
+// ImportSharing to every BeginImport of one stream, in stream order.
+// Thread safety and lifetime as ExportSharing.
+class ImportSharing {
+ public:
+  explicit ImportSharing(KvCache* cache) : cache_(cache) {}
+  ~ImportSharing();
+  ImportSharing(const ImportSharing&) = delete;
+  ImportSharing& operator=(const ImportSharing&) = delete;
+
+  // Pages the stream carried, over the sequences begun so far.
+  int64_t carried_pages() const { return static_cast<int64_t>(pool_page_.size()); }
+
+ private:
+  friend class KvCache;
+  KvCache* const cache_;
+  std::vector<int32_t> pool_page_;  // by stream index; -1: not offered (or its import failed)
+};
 
 // An export in progress (KvCache::BeginExport): the sequence's state as of
 // that call, its pages pinned (kept allocated, their tokens unchanged) until
@@ -227,8 +291,8 @@ class SequenceExport {
 
   // The image without its page bytes (`pages` empty, `num_pages` set).
   const SequenceImage& state() const { return state_; }
-  // Copies pages [first, first + count) of the image to `out` (count *
-  // page_bytes bytes). INVALID_ARGUMENT outside [0, num_pages).
+  // Copies carried pages [first, first + count) of the image to `out` (count
+  // * page_bytes bytes). INVALID_ARGUMENT outside [0, carried_pages()).
   absl::Status ReadPages(int64_t first, int64_t count, uint8_t* out) const;
 
  private:
@@ -236,7 +300,7 @@ class SequenceExport {
   SequenceExport() = default;
   KvCache* cache_ = nullptr;
   SequenceImage state_;
-  std::vector<int32_t> physical_;  // the image's page i is pool page physical_[i]
+  std::vector<int32_t> physical_;  // the image's carried page i is pool page physical_[i]
   uint64_t serial_ = 0;
 };
 
@@ -250,8 +314,9 @@ class SequenceImport {
   SequenceImport(const SequenceImport&) = delete;
   SequenceImport& operator=(const SequenceImport&) = delete;
 
+  // The pages this import writes: the image's carried pages.
   int64_t num_pages() const { return static_cast<int64_t>(allocated_.size()); }
-  // Writes pages [first, first + count) of the image from `data`.
+  // Writes carried pages [first, first + count) of the image from `data`.
   absl::Status WritePages(int64_t first, int64_t count, const uint8_t* data);
   // Publishes the sequence. FAILED_PRECONDITION when called twice.
   absl::Status Commit();
@@ -262,6 +327,8 @@ class SequenceImport {
   KvCache* cache_ = nullptr;
   SequenceImage state_;
   std::vector<int32_t> allocated_;
+  ImportSharing* sharing_ = nullptr;
+  int64_t stream_base_ = 0;  // the stream index of its first carried page
   bool finished_ = false;
 };
 
@@ -303,22 +370,30 @@ class KvCache {
   // Starts exporting a sequence: its state now (an append in flight is
   // waited for first) with its pages pinned; see SequenceExport. Does not
   // count as a use for LRU and TTL, and an exported sequence is not idle
-  // (eviction skips it). NOT_FOUND if unknown.
-  absl::StatusOr<std::unique_ptr<SequenceExport>> BeginExport(const std::string& id);
+  // (eviction skips it). With `sharing` (a stream of several sequences),
+  // pages an earlier sequence of the stream carried are named, not carried
+  // again. NOT_FOUND if unknown. REQUIRES: `sharing` belongs to this cache.
+  absl::StatusOr<std::unique_ptr<SequenceExport>> BeginExport(const std::string& id,
+                                                              ExportSharing* sharing = nullptr);
   // The whole image at once: BeginExport, then every page.
   absl::StatusOr<SequenceImage> ExportSequence(const std::string& id);
 
   // Starts recreating an exported sequence under state.id (state.pages is
-  // not read; state.num_pages pages follow through SequenceImport), charged
-  // to `account` (null: none). The state is checked against this cache's
-  // layout before anything is allocated: INVALID_ARGUMENT naming what does
-  // not fit (table sizes, a page a read would need and the image lacks,
-  // means, lengths). ALREADY_EXISTS if the id is taken; RESOURCE_EXHAUSTED
-  // when the pages do not fit the pool (after LRU eviction, when on) or the
-  // account. REQUIRES: the image comes from a cache of the same layout (the
-  // caller compares layouts: an image does not record one).
+  // not read; its carried pages follow through SequenceImport), charged to
+  // `account` (null: none) for every page it holds, shared ones included (as
+  // a fork is). Pages it shares are taken from `sharing`, the stream's
+  // (state.shared_pages without one is INVALID_ARGUMENT). The state is
+  // checked against this cache's layout before anything is allocated:
+  // INVALID_ARGUMENT naming what does not fit (table sizes, a page a read
+  // would need and the image lacks, means, lengths, a shared page the stream
+  // did not offer). ALREADY_EXISTS if the id is taken; RESOURCE_EXHAUSTED
+  // when the carried pages do not fit the pool (after LRU eviction, when on)
+  // or the account. REQUIRES: the image comes from a cache of the same
+  // layout (the caller compares layouts: an image does not record one);
+  // `sharing` belongs to this cache.
   absl::StatusOr<std::unique_ptr<SequenceImport>> BeginImport(const SequenceImage& state,
-                                                              std::shared_ptr<UsageAccount> account = nullptr);
+                                                              std::shared_ptr<UsageAccount> account = nullptr,
+                                                              ImportSharing* sharing = nullptr);
   // The whole image at once: BeginImport, every page, Commit. All or nothing.
   absl::Status ImportSequence(const SequenceImage& image, std::shared_ptr<UsageAccount> account = nullptr);
 
@@ -362,6 +437,10 @@ class KvCache {
   // of tokens [start, start + stored.num_tokens) (one chunk's layers).
   friend class SequenceExport;
   friend class SequenceImport;
+  friend class ExportSharing;
+  friend class ImportSharing;
+  // The sharing objects' ends: their references go back.
+  void ReleaseKept(const std::vector<int32_t>& pages);
   // SequenceExport's and SequenceImport's ends.
   void EndExport(const SequenceExport& e);
   absl::Status EndImport(SequenceImport& import, bool commit);

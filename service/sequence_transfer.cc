@@ -209,6 +209,7 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       }
     }
     pages_per_message_ = std::max<int64_t>(1, kExportMessageBytes / static_cast<int64_t>(cache_->layout().page_bytes()));
+    sharing_ = std::make_unique<ExportSharing>(cache_);
     v1::ExportChunk chunk;
     *chunk.mutable_header() = MakeExportHeader(*cache_);
     return SerializeMessage(chunk, &out_);
@@ -219,8 +220,8 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   absl::Status Next() {
     out_.Clear();
     v1::ExportChunk chunk;
-    if (current_ != nullptr && pages_sent_ < current_->state().num_pages) {
-      const int64_t count = std::min(pages_per_message_, current_->state().num_pages - pages_sent_);
+    if (current_ != nullptr && pages_sent_ < current_->state().carried_pages()) {
+      const int64_t count = std::min(pages_per_message_, current_->state().carried_pages() - pages_sent_);
       const size_t size = static_cast<size_t>(count) * cache_->layout().page_bytes();
       // The pages go from the pool straight into the message's own slice,
       // framed by hand: an ExportChunk holding ExportPages {first_page,
@@ -241,7 +242,7 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     current_.reset();  // lets go of the pins
     while (next_ < ids_.size()) {
       const auto& [id, named] = ids_[next_++];
-      absl::StatusOr<std::unique_ptr<SequenceExport>> e = cache_->BeginExport(id);
+      absl::StatusOr<std::unique_ptr<SequenceExport>> e = cache_->BeginExport(id, sharing_.get());
       if (!e.ok()) {
         // A listed sequence dropped since the listing is skipped; a named
         // one is an error.
@@ -268,6 +269,7 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
 
   void End(const absl::Status& status) {
     current_.reset();
+    sharing_.reset();  // the stream's kept pages go back
     Finish(Account(service_, caller_, Rpc::kExportSequences, start_, status));
   }
 
@@ -279,6 +281,7 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
   KvCache* cache_ = nullptr;
   std::vector<std::pair<std::string, bool>> ids_;  // (id, named in the request)
   size_t next_ = 0;
+  std::unique_ptr<ExportSharing> sharing_;  // made with cache_
   std::unique_ptr<SequenceExport> current_;
   int64_t pages_sent_ = 0;
   int64_t pages_per_message_ = 1;
@@ -336,6 +339,7 @@ class ImportSession {
     ASSIGN_OR_RETURN(KvCache * cache, service_->Find(header.cache()));
     RETURN_IF_ERROR(CheckImportable(header, *cache));
     cache_ = cache;
+    sharing_ = std::make_unique<ImportSharing>(cache_);
     return absl::OkStatus();
   }
 
@@ -353,7 +357,7 @@ class ImportSession {
     }
     RETURN_IF_ERROR(Authenticator::Authorize(caller_, id_, "sequence_id"));
     ASSIGN_OR_RETURN(SequenceImage state, FromProto(sequence, *cache_));
-    ASSIGN_OR_RETURN(import_, cache_->BeginImport(state, service_->auth().AccountOf(id_)));
+    ASSIGN_OR_RETURN(import_, cache_->BeginImport(state, service_->auth().AccountOf(id_), sharing_.get()));
     pages_received_ = 0;
     return MaybeCommit();
   }
@@ -505,6 +509,8 @@ class ImportSession {
   grpc::ByteBuffer* in_ = nullptr;  // the message Take is taking
   int64_t messages_ = 0;
   KvCache* cache_ = nullptr;
+  // The stream's shared pages (made with cache_); outlives import_.
+  std::unique_ptr<ImportSharing> sharing_;
   std::unique_ptr<SequenceImport> import_;
   std::string id_;
   int64_t pages_received_ = 0;
@@ -668,9 +674,10 @@ v1::ExportHeader MakeExportHeader(const KvCache& cache) {
 }
 
 absl::Status CheckImportable(const v1::ExportHeader& header, const KvCache& cache) {
-  if (header.format_version() != kExportFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "the export is format version %d; this server reads version %d", header.format_version(), kExportFormatVersion));
+  if (header.format_version() < kOldestImportableFormatVersion || header.format_version() > kExportFormatVersion) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("the export is format version %d; this server reads versions %d to %d",
+                        header.format_version(), kOldestImportableFormatVersion, kExportFormatVersion));
   }
   const v1::ExportHeader mine = MakeExportHeader(cache);
   std::string differences;
@@ -711,6 +718,8 @@ void ToProto(const SequenceImage& state, v1::ExportedSequence* out) {
     a->set_layer_end(r.layer_end);
   }
   out->set_num_pages(state.num_pages);
+  out->mutable_shared_pages()->Add(state.shared_pages.begin(), state.shared_pages.end());
+  out->mutable_offered_pages()->Add(state.offered_pages.begin(), state.offered_pages.end());
 }
 
 absl::StatusOr<SequenceImage> FromProto(const v1::ExportedSequence& in, const KvCache& cache) {
@@ -735,6 +744,8 @@ absl::StatusOr<SequenceImage> FromProto(const v1::ExportedSequence& in, const Kv
     image.recent_appends.push_back({r.request_id(), r.start(), r.tokens(), r.layer_begin(), r.layer_end()});
   }
   image.num_pages = in.num_pages();
+  image.shared_pages.assign(in.shared_pages().begin(), in.shared_pages().end());
+  image.offered_pages.assign(in.offered_pages().begin(), in.offered_pages().end());
   return image;
 }
 

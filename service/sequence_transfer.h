@@ -33,10 +33,12 @@ namespace service {
 
 class KvCacheService;
 
-// The format version an export writes and an import reads: 2 since packed
-// codes planes are tiled (docs/format.md; version 1 pages held them
-// token-major, and a version 2 server would misread them).
-inline constexpr uint32_t kExportFormatVersion = 2;
+// The format version an export writes: 3 since pages several sequences of
+// a stream share travel once (ExportedSequence.shared_pages). An import also
+// reads version 2 (the same without shared pages); version 1 pages held the
+// codes planes token-major (before docs/format.md's tiles), and are refused.
+inline constexpr uint32_t kExportFormatVersion = 3;
+inline constexpr uint32_t kOldestImportableFormatVersion = 2;
 // Page bytes per ExportPages message (at least one page per message).
 inline constexpr int64_t kExportMessageBytes = int64_t{2} << 20;
 
@@ -59,7 +61,8 @@ absl::Status PullSequences(KvCacheService* service, const Caller& caller, const 
 
 // A cache's header: its resolved config, page bytes, the format version.
 v1::ExportHeader MakeExportHeader(const KvCache& cache);
-// OK when an export with `header` can be imported into `cache`;
+// OK when an export with `header` can be imported into `cache` (format
+// versions kOldestImportableFormatVersion .. kExportFormatVersion);
 // FAILED_PRECONDITION naming the format version or the layout fields that
 // differ otherwise.
 absl::Status CheckImportable(const v1::ExportHeader& header, const KvCache& cache);

@@ -610,7 +610,8 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
                 "with any hash works; --servers lists every server that may hold sequences (the\n"
                 "old set and the new). To drain a server before removing it: take it out of the\n"
                 "router, then rebalance with it still in --servers (--from limits the moves to it).\n"
-                "Forks move as separate sequences (their shared pages are copied per sequence).");
+                "The ids of one routing key (forks 'chat-7/...' of 'chat-7') move in one stream, so the\n"
+                "pages they share travel once and stay shared.");
   Connection c;
   std::string router, servers, only_from;
   bool dry_run = false, json = false;

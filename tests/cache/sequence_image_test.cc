@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "cache/kv_cache.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -246,8 +247,124 @@ TEST_P(SequenceImageTest, ExportsPinAndUncommittedImportsGiveEverythingBack) {
   EXPECT_TRUE(Reads(*b_, "t:s", 3) == before);
 }
 
+// A stream of several sequences carries a page they share once, and the
+// import shares it again: forks move in the pages they held.
+TEST_P(SequenceImageTest, ForksMoveInThePagesTheyHeld) {
+  ASSERT_TRUE(Append(*a_, "p", 0, 41, 1).ok());
+  for (int i = 0; i < 40; ++i) ASSERT_TRUE(a_->Fork("p", absl::StrCat("p/", i)).ok());
+  ASSERT_TRUE(Append(*a_, "p/0", 41, 3, 2).ok());  // one fork copies its last page
+  const int32_t used = a_->Stats().pages_used;
+  const int32_t parent_pages = a_->GetSequence("p")->pages + a_->GetSequence("p")->exact_pages;
+  ASSERT_LT(used, 2 * parent_pages);
+  // Room for the pages as they are shared (and an append's), not for one
+  // more copy of the parent.
+  const int32_t slack = parent_pages / 2;
+  std::unique_ptr<KvCache> c = NewCache(used + slack);
+  int64_t carried = 0;
+  {
+    ExportSharing out(a_.get());
+    ImportSharing in(c.get());
+    for (const std::string& id : a_->ListSequences()) {
+      absl::StatusOr<std::unique_ptr<SequenceExport>> e = a_->BeginExport(id, &out);
+      ASSERT_TRUE(e.ok()) << e.status();
+      const SequenceImage& state = (*e)->state();
+      std::vector<uint8_t> pages(state.carried_pages() * a_->layout().page_bytes());
+      ASSERT_TRUE((*e)->ReadPages(0, state.carried_pages(), pages.data()).ok());
+      carried += state.carried_pages();
+      // Outside the stream, a shared page cannot be resolved.
+      if (!state.shared_pages.empty()) {
+        EXPECT_EQ(b_->BeginImport(state).status().code(), absl::StatusCode::kInvalidArgument);
+      }
+      absl::StatusOr<std::unique_ptr<SequenceImport>> import = c->BeginImport(state, nullptr, &in);
+      ASSERT_TRUE(import.ok()) << id << ": " << import.status();
+      ASSERT_TRUE((*import)->WritePages(0, (*import)->num_pages(), pages.data()).ok());
+      ASSERT_TRUE((*import)->Commit().ok());
+    }
+    EXPECT_EQ(out.carried_pages(), carried);
+  }
+  EXPECT_EQ(carried, used);
+  EXPECT_EQ(c->Stats().pages_used, used);
+  EXPECT_EQ(a_->Stats().pages_used, used);  // the export's references went back
+  EXPECT_EQ(c->Stats().stored_bytes, a_->Stats().stored_bytes);
+  for (const std::string id : {"p", "p/0", "p/39"}) EXPECT_TRUE(Reads(*a_, id, 5) == Reads(*c, id, 5)) << id;
+  // Shared again: an append into a fork's shared last page copies it, and
+  // its siblings read as before.
+  const std::string sibling = Reads(*c, "p/1", 6);
+  const uint64_t copies = a_->Stats().copy_on_writes;
+  const absl::Status appended = Append(*c, "p/2", 41, 2, 9);
+  ASSERT_TRUE(appended.ok()) << appended;
+  ASSERT_TRUE(Append(*a_, "p/2", 41, 2, 9).ok());
+  EXPECT_TRUE(Reads(*c, "p/1", 6) == sibling);
+  EXPECT_TRUE(Reads(*c, "p/2", 6) == Reads(*a_, "p/2", 6));
+  EXPECT_GT(c->Stats().copy_on_writes, 0u);
+  EXPECT_EQ(c->Stats().copy_on_writes, a_->Stats().copy_on_writes - copies);
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, SequenceImageTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace tqkv
+
+namespace tqkv {
+namespace {
+
+// The states the exact-token checks used to refuse (an empty range of exact
+// tokens asked for a page): every length of a sequence with exact sinks and
+// a sliding window longer than the exact window, decoded token by token, and
+// of one with exact sinks and no exact window, exports and imports.
+class ExactStatesTest : public ::testing::TestWithParam<std::vector<int>> {};
+
+TEST_P(ExactStatesTest, EveryLengthMovesAndReadsAsBefore) {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(1);
+  KvLayoutOptions layout = testing_util::SmallLayout("turboquant_k3v4_nc");
+  layout.boundary_layers = 0;
+  layout.key_centering = KeyCentering::kPreRope;
+  layout.rope.base = 10000.0;
+  layout.exact_sink_tokens = 4;
+  layout.exact_window_tokens = GetParam().empty() ? 0 : 8;
+  layout.layer_windows = GetParam();
+  CacheOptions options;
+  options.layout = layout;
+  options.memory_budget_bytes = testing_util::PageBytes(layout) * 400;
+  std::unique_ptr<KvCache> a = *KvCache::Create(options, backend.get());
+  const KvLayout& l = a->layout();
+  for (int64_t length = 1; length <= 60; ++length) {
+    SCOPED_TRACE(length);
+    const std::vector<float> k = testing_util::RandomTensor(l.num_layers(), 1, l, 10 + length);
+    const std::vector<float> v = testing_util::RandomTensor(l.num_layers(), 1, l, 500 + length);
+    AppendRequest r;
+    r.sequence_id = "s";
+    r.start_position = length - 1;
+    r.layer_end = l.num_layers();
+    r.num_tokens = 1;
+    r.keys = k.data();
+    r.values = v.data();
+    ASSERT_TRUE(a->Append(r).ok());
+    absl::StatusOr<SequenceImage> image = a->ExportSequence("s");
+    ASSERT_TRUE(image.ok()) << image.status();
+    std::unique_ptr<KvCache> b = *KvCache::Create(options, backend.get());
+    const absl::Status imported = b->ImportSequence(*image);
+    ASSERT_TRUE(imported.ok()) << imported;
+    for (int layer = 0; layer < l.num_layers(); ++layer) {
+      const std::vector<float> q = testing_util::RandomQueries(1, l, layer);
+      std::vector<float> out_a(q.size()), out_b(q.size());
+      AttendRequestItem item{"s", layer, 1, q.data(), out_a.data(), nullptr};
+      ASSERT_TRUE(a->Attend({item}).ok());
+      item.output = out_b.data();
+      ASSERT_TRUE(b->Attend({item}).ok());
+      EXPECT_EQ(std::memcmp(out_a.data(), out_b.data(), out_a.size() * 4), 0) << "layer " << layer;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Windows, ExactStatesTest,
+                         ::testing::Values(std::vector<int>{}, std::vector<int>{0, 20, 20, 0},
+                                           std::vector<int>{20, 20, 20, 20}, std::vector<int>{0, 5, 0, 5}),
+                         [](const ::testing::TestParamInfo<std::vector<int>>& info) {
+                           return info.param.empty() ? std::string("sinks_only")
+                                                     : absl::StrCat("windows_", absl::StrJoin(info.param, "_"));
+                         });
 
 }  // namespace
 }  // namespace tqkv
