@@ -213,8 +213,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     if (!(options.snapshot_interval_seconds >= 0)) {
       return absl::InvalidArgumentError("snapshot_interval_seconds must be >= 0 (0: only on shutdown and on demand)");
     }
-    server->snapshotter_ = std::make_unique<Snapshotter>(options.data_dir, server->service_->caches(),
-                                                         &server->service_->auth());
+    ASSIGN_OR_RETURN(server->snapshotter_,
+                     Snapshotter::Open(options.data_dir, server->service_->caches(), &server->service_->auth()));
     for (const std::string& line : server->snapshotter_->LoadAll()) {
       std::fprintf(stderr, "tqkv-server: %s\n", line.c_str());
     }

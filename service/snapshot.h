@@ -11,12 +11,19 @@
 // crash leaves the previous snapshot or the new one, never a mix.
 //
 // Loading verifies the whole file first (magic, every record's length and
-// CRC, a header whose layout matches the cache, the trailer's counts); a
-// torn, corrupt or foreign file is skipped whole with one log line, never
-// half-loaded; it is renamed to `<file>.skipped-<unix time, us>` so that the
-// next snapshot does not overwrite it. Then each sequence is imported as ImportSequences would; a
-// sequence that does not fit (a smaller pool now, a tenant's quota) is
-// skipped with a log line, the others load.
+// CRC, a header whose layout matches the cache, the trailer's counts), then
+// imports it whole or not at all: a torn, corrupt or foreign file, one whose
+// pages exceed the pool, or one with a sequence that does not load (a
+// tenant's quota now smaller, say) leaves the cache empty, with one log line
+// naming the problem, and the file is renamed to `<file>.skipped-<unix time,
+// us>`, whole, so that the next snapshot does not overwrite it (when even the
+// rename fails, the server refuses to snapshot that cache rather than write
+// over the file). Pages that several sequences share travel once in the file
+// (docs/export_format.md) and are shared again when loaded, so a cache whose
+// sequences fit before a restart fits them after it. Temporary files of
+// snapshot writes that never finished (a crash mid-write) are removed at
+// start-up. A data directory serves one server at a time: its LOCK file is
+// held (flock) while the Snapshotter lives.
 //
 // What a crash (kill -9) loses: every append since the last snapshot that
 // completed. Sequences are saved one by one while traffic goes on, so a
@@ -26,9 +33,11 @@
 #ifndef TQKV_SERVICE_SNAPSHOT_H_
 #define TQKV_SERVICE_SNAPSHOT_H_
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "cache/kv_cache.h"
@@ -42,8 +51,14 @@ inline constexpr char kSnapshotMagic[] = "TQKVSNP1";
 
 class Snapshotter {
  public:
-  // REQUIRES: the caches and `auth` outlive the snapshotter.
-  Snapshotter(std::string data_dir, std::vector<KvCache*> caches, const Authenticator* auth);
+  // Takes `data_dir`'s LOCK file: FAILED_PRECONDITION when another process
+  // holds it, INTERNAL when it cannot be opened. REQUIRES: the caches and
+  // `auth` outlive the snapshotter; the directory exists.
+  static absl::StatusOr<std::unique_ptr<Snapshotter>> Open(std::string data_dir, std::vector<KvCache*> caches,
+                                                           const Authenticator* auth);
+  ~Snapshotter();
+  Snapshotter(const Snapshotter&) = delete;
+  Snapshotter& operator=(const Snapshotter&) = delete;
 
   const std::string& data_dir() const { return data_dir_; }
   // The file of cache `name`.
@@ -52,18 +67,28 @@ class Snapshotter {
   // Writes every cache's file. Errors (I/O) name the file; the previous
   // snapshot of that cache is then left as it was.
   absl::StatusOr<v1::SaveSnapshotResponse> SaveAll();
-  // Loads every cache's file that exists, into caches that hold no sequence
-  // yet. Returns one line per file, saying what was loaded or skipped and why.
+  // Removes temporary files of unfinished writes, then loads every cache's
+  // file that exists, whole or not at all, into caches that hold no
+  // sequence yet. Returns one line per file (and per temporary file
+  // removed), saying what was loaded or set aside and why.
   std::vector<std::string> LoadAll();
 
  private:
-  absl::StatusOr<v1::SnapshotFileInfo> Save(KvCache& cache);
-  std::string Load(KvCache& cache);
+  Snapshotter(std::string data_dir, std::vector<KvCache*> caches, const Authenticator* auth);
+  absl::StatusOr<v1::SnapshotFileInfo> Save(KvCache& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string Load(KvCache& cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<std::string> RemoveStaleTemporaries();
+  // Renames a file that did not load out of the way; its log line.
+  std::string SetAside(const std::string& path, const std::string& cache, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string data_dir_;
   const std::vector<KvCache*> caches_;
   const Authenticator* const auth_;
+  int lock_fd_ = -1;
   absl::Mutex mu_;  // one SaveAll or LoadAll at a time
+  // Files that did not load and could not be set aside: never written over.
+  absl::flat_hash_set<std::string> not_loaded_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace service

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <tuple>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +113,9 @@ class TransferTest : public ::testing::Test {
       score.cache = cache;
       score.sequence_id = id;
       score.layer = layer;
+      // From the oldest token a sliding-window layer still holds.
+      absl::StatusOr<SequenceState> state = c.GetSequence(cache, id);
+      if (state.ok() && !state->layer_oldest_token.empty()) score.token_begin = state->layer_oldest_token[layer];
       score.shape = {kQueryHeads, kDim};
       score.queries = absl::MakeConstSpan(queries_.data(), kQueryHeads * kDim);
       absl::StatusOr<ScoreResult> logits = c.Score(score);
@@ -163,8 +168,8 @@ TEST_F(TransferTest, MovedSequencesReadBitForBitAndKeepGrowing) {
     EXPECT_EQ(b.GetSequence("", id)->layer_tokens, a.GetSequence("", id)->layer_tokens) << id;
     EXPECT_TRUE(Reads(a, id) == Reads(b, id)) << id << ": reads differ after the move";
   }
-  // The pages moved as stored: exactly the pages the copies hold (shared
-  // ones once per sequence), page_bytes each.
+  // The pages moved as stored: exactly the pages the copies hold (a page
+  // the fork shares with its parent once), page_bytes each.
   absl::StatusOr<v1::ServerInfo> info = b.GetServerInfo();
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(moved->bytes(), moved->pages() * info->caches(0).page_bytes());
@@ -423,6 +428,218 @@ TEST_F(SnapshotTest, ARestartBringsEverySequenceBackIdentically) {
   }
   a_ = Start(tokens, dir_);
   EXPECT_EQ(ClientOf(*a_, "ops").GetServerInfo()->caches(0).sequences(), 4);
+}
+
+// The Gemma 3 shape the quality report serves: the default recipe (4
+// exact sinks, an exact window) and a sliding-window layer whose window is
+// longer than the exact window.
+constexpr char kWindowedExactConfig[] = R"pb(
+  caches {
+    name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+    page_tokens: 8 preset: "tqkv_k3v4u_csw" boundary_layers: 0 memory_budget_bytes: 8388608
+    rope { base: 10000 } exact_window_tokens: 16
+    sliding_window_layers { layers: 1 window: 40 }
+  }
+)pb";
+
+// Every state a decode leaves behind moves and restarts: past the sliding
+// window, step by step, and every short length of exact sinks alone.
+TEST_F(SnapshotTest, ExactTokensAndSlidingWindowsMoveAndRestartAtEveryLength) {
+  for (const bool windowed : {true, false}) {
+    SCOPED_TRACE(windowed ? "sinks, exact window and a sliding window" : "exact sinks only");
+    const std::string config =
+        windowed ? std::string(kWindowedExactConfig)
+                 : absl::StrReplaceAll(kConfig, {{"tqkv_k3v4u_csw\"", "tqkv_k3v4u_csw\" exact_window_tokens: 0"}});
+    const std::string dir = absl::StrCat(dir_, windowed ? "/w" : "/s");
+    a_ = Start("", dir, config.c_str());
+    b_ = Start("", "", config.c_str());
+    ASSERT_NE(a_, nullptr);
+    ASSERT_NE(b_, nullptr);
+    Client a = ClientOf(*a_), b = ClientOf(*b_);
+    std::map<std::string, std::string> before;
+    // Lengths 1..20, one sequence each; then one decoded past the window,
+    // moved to b at every step.
+    for (int64_t n = 1; n <= 20; ++n) ASSERT_TRUE(Append(a, absl::StrCat("len-", n), 0, n, n).ok());
+    ASSERT_TRUE(Append(a, "long", 0, 30, 99).ok());
+    for (int64_t t = 30; t < 90; ++t) {
+      ASSERT_TRUE(Append(a, "long", t, 1, 100 + t).ok());
+      v1::ExportRequest request;
+      request.add_sequence_ids("long");
+      absl::StatusOr<v1::ImportResponse> moved = CopySequences(a, b, request);
+      ASSERT_TRUE(moved.ok()) << "length " << t + 1 << ": " << moved.status();
+      EXPECT_TRUE(Reads(a, "long") == Reads(b, "long")) << "length " << t + 1;
+      ASSERT_TRUE(b.DropSequence("", "long").ok());
+    }
+    const std::vector<std::string> ids = *a.ListSequences("");
+    for (const std::string& id : ids) before[id] = Reads(a, id);
+    a_.reset();  // its shutdown writes the snapshot
+    a_ = Start("", dir, config.c_str());
+    ASSERT_NE(a_, nullptr);
+    Client again = ClientOf(*a_);
+    EXPECT_EQ(again.GetServerInfo()->caches(0).sequences(), 21);
+    for (const auto& [id, reads] : before) EXPECT_TRUE(Reads(again, id) == reads) << id;
+    a_.reset();
+    b_.reset();
+  }
+}
+
+// A snapshot loads whole or not at all; one that does not fit (a smaller
+// pool, a tenant's smaller quota) is set aside whole and never written over,
+// and loads once the cache fits it again.
+TEST_F(SnapshotTest, ASnapshotThatDoesNotFitIsSetAsideWholeAndLoadsLater) {
+  const std::string tokens = "ops\nta tenant=team-a max_sequences=3\n";
+  const std::string path = absl::StrCat(dir_, "/default.tqkv-snapshot");
+  std::map<std::string, std::string> before;
+  {
+    a_ = Start(tokens, dir_);
+    ASSERT_NE(a_, nullptr);
+    Client ops = ClientOf(*a_, "ops");
+    ASSERT_TRUE(Append(ops, "big", 0, 300, 1).ok());
+    ASSERT_TRUE(Append(ops, "team-a:x", 0, 40, 2).ok());
+    ASSERT_TRUE(Append(ops, "team-a:y", 0, 40, 3).ok());
+    const std::vector<std::string> ids = *ops.ListSequences("");
+    for (const std::string& id : ids) before[id] = Reads(ops, id);
+    a_.reset();
+  }
+  const auto file_bytes = [](const std::string& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string saved = file_bytes(path);
+  ASSERT_GT(saved.size(), 1000u);
+  const auto set_aside = [&]() {
+    std::vector<std::string> files;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+      if (absl::StrContains(entry.path().string(), ".skipped-")) files.push_back(entry.path().string());
+    }
+    return files;
+  };
+  // A pool of 60 pages holds the small ones and not "big"; a quota of one
+  // sequence holds "team-a:x" and not "team-a:y" (which follows it).
+  const std::string small = absl::StrReplaceAll(kConfig, {{"memory_budget_bytes: 4194304", "memory_budget_bytes: 600000"}});
+  for (const auto& [why, config, auth] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"a smaller pool", small, tokens}, {"a smaller quota", kConfig, "ops\nta tenant=team-a max_sequences=1\n"}}) {
+    SCOPED_TRACE(why);
+    a_ = Start(auth, dir_, config.c_str());
+    ASSERT_NE(a_, nullptr);
+    Client ops = ClientOf(*a_, "ops");
+    absl::StatusOr<v1::ServerInfo> info = ops.GetServerInfo();
+    EXPECT_EQ(info->caches(0).sequences(), 0);  // nothing of it
+    EXPECT_EQ(info->caches(0).pages_used(), 0);
+    ASSERT_EQ(set_aside().size(), 1u);
+    EXPECT_TRUE(file_bytes(set_aside()[0]) == saved) << "the file set aside is the file, whole";
+    // Snapshots go on, beside it.
+    ASSERT_TRUE(Append(ops, "new", 0, 5, 7).ok());
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer ops");
+    v1::SaveSnapshotResponse response;
+    ASSERT_TRUE(ops.stub().SaveSnapshot(&context, v1::SaveSnapshotRequest(), &response).ok());
+    EXPECT_EQ(response.files(0).sequences(), 1);
+    a_.reset();
+    EXPECT_TRUE(file_bytes(set_aside()[0]) == saved);
+    // Put back as the operator would, for the next case.
+    std::filesystem::rename(set_aside()[0], path);
+  }
+  a_ = Start(tokens, dir_);
+  ASSERT_NE(a_, nullptr);
+  Client ops = ClientOf(*a_, "ops");
+  EXPECT_EQ(ops.GetServerInfo()->caches(0).sequences(), 3);
+  for (const auto& [id, reads] : before) EXPECT_TRUE(Reads(ops, id) == reads) << id;
+}
+
+// Forks restart in the pages they held before: a pool that fits them
+// shared, and would not fit one more copy of the parent, takes them all.
+TEST_F(SnapshotTest, FortyForksRestartInThePagesTheyHeld) {
+  a_ = Start("", dir_);
+  ASSERT_NE(a_, nullptr);
+  Client a = ClientOf(*a_);
+  ASSERT_TRUE(Append(a, "doc", 0, 640, 1).ok());
+  const int parent_pages = a.GetServerInfo()->caches(0).pages_used();
+  for (int i = 0; i < 40; ++i) ASSERT_TRUE(a.ForkSequence("", "doc", absl::StrCat("doc/", i)).ok());
+  absl::StatusOr<v1::ServerInfo> info = a.GetServerInfo();
+  const int used = info->caches(0).pages_used();
+  const int64_t page_bytes = info->caches(0).page_bytes();
+  EXPECT_EQ(used, parent_pages);
+  ASSERT_GT(parent_pages, 17);
+  std::map<std::string, std::string> before;
+  for (const std::string id : {"doc", "doc/0", "doc/39"}) before[id] = Reads(a, id);
+  a_.reset();
+
+  const std::string fits = absl::StrReplaceAll(
+      kConfig, {{"memory_budget_bytes: 4194304", absl::StrCat("memory_budget_bytes: ", (used + 17) * page_bytes)}});
+  a_ = Start("", dir_, fits.c_str());
+  ASSERT_NE(a_, nullptr);
+  Client again = ClientOf(*a_);
+  info = again.GetServerInfo();
+  EXPECT_EQ(info->caches(0).sequences(), 41);
+  EXPECT_EQ(info->caches(0).pages_used(), used);
+  for (const auto& [id, reads] : before) EXPECT_TRUE(Reads(again, id) == reads) << id;
+  // Shared again: a fork's first append copies only its last page.
+  ASSERT_TRUE(Append(again, "doc/7", 640, 1, 3).ok());
+  EXPECT_TRUE(Reads(again, "doc/0") == before["doc/0"]);
+}
+
+// A crash mid-write leaves a temporary file: the next start removes it. A
+// second server on the same data directory is refused.
+TEST_F(SnapshotTest, StaleTemporariesGoAndADataDirectoryServesOneServer) {
+  std::filesystem::create_directories(dir_);
+  const std::string tmp = absl::StrCat(dir_, "/default.tqkv-snapshot.tmp");
+  std::ofstream(tmp) << "half a snapshot";
+  a_ = Start("", dir_);
+  ASSERT_NE(a_, nullptr);
+  EXPECT_FALSE(std::filesystem::exists(tmp));
+  service::ServerOptions options;
+  options.data_dir = dir_;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.config = *service::ParseServerConfig(kConfig);
+  absl::StatusOr<std::unique_ptr<service::Server>> second = service::Server::Start(options);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr("in use by another tqkv-server"));
+  a_.reset();
+  second = service::Server::Start(options);  // the lock went with the first
+  EXPECT_TRUE(second.ok()) << second.status();
+}
+
+// An export stream carries a page several of its sequences share once;
+// version 2 streams (no shared pages) still import.
+TEST_F(TransferTest, SharedPagesTravelOnceAndVersion2StreamsStillImport) {
+  Client a = ClientOf(*a_), b = ClientOf(*b_);
+  ASSERT_TRUE(Append(a, "doc", 0, 200, 1).ok());
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(a.ForkSequence("", "doc", absl::StrCat("doc/", i)).ok());
+  ASSERT_TRUE(Append(a, "doc/3", 200, 2, 2).ok());
+  v1::ExportRequest request;
+  request.set_all(true);
+  const std::vector<v1::ExportChunk> chunks = ExportAll(a, request);
+  const int used = a.GetServerInfo()->caches(0).pages_used();
+  EXPECT_EQ(chunks.back().trailer().pages(), used);
+  absl::StatusOr<v1::ImportResponse> r = ImportAll(b, chunks);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(b.GetServerInfo()->caches(0).pages_used(), used);
+  for (const std::string id : {"doc", "doc/0", "doc/3"}) EXPECT_TRUE(Reads(a, id) == Reads(b, id)) << id;
+
+  // A shared page the stream did not offer is refused, naming it.
+  for (const std::string id : {"doc", "doc/0", "doc/1", "doc/2", "doc/3", "doc/4"}) ASSERT_TRUE(b.DropSequence("", id).ok());
+  std::vector<v1::ExportChunk> forged = chunks;
+  for (v1::ExportChunk& chunk : forged) {
+    if (chunk.has_sequence()) chunk.mutable_sequence()->clear_offered_pages();
+  }
+  r = ImportAll(b, forged);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("which no earlier sequence offered"));
+
+  // One sequence alone is a version 2 stream in all but its number.
+  request.clear_all();
+  request.add_sequence_ids("doc/3");
+  std::vector<v1::ExportChunk> single = ExportAll(a, request);
+  single.front().mutable_header()->set_format_version(2);
+  r = ImportAll(b, single);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(Reads(a, "doc/3") == Reads(b, "doc/3"));
+  single.front().mutable_header()->set_format_version(1);
+  EXPECT_EQ(ImportAll(b, single).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST_F(TransferTest, SaveSnapshotWithoutADataDirectoryIsFailedPrecondition) {
