@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -32,6 +33,7 @@ constexpr int64_t kTokens = 192;   // per sequence and layer, in the end
 constexpr int kOwnWriters = 8;     // one sequence each
 constexpr int kRacingWriters = 2;  // all on one sequence
 constexpr int kReaders = 4;
+constexpr int kMinReads = 20;      // per reader
 
 // The whole future content of one sequence: [layers, kTokens, heads, dim].
 struct Script {
@@ -117,7 +119,13 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
   };
 
   // Every thread starts work together, and writers pace themselves, so that
-  // reads and forks overlap the appends even on two cores.
+  // reads and forks overlap the appends even on two cores. What the test
+  // asserts happened does not depend on that overlap: writer 0 stops with a
+  // partly filled last page until the fork thread has forked it and appended
+  // to the fork (a copy-on-write of a page the parent is still filling), and
+  // every reader reads kMinReads times however soon the writers finish.
+  absl::Notification parent_paused, fork_done;
+  std::atomic<bool> parent_held{false};
   const int num_threads = kOwnWriters + kRacingWriters + kReaders + 1;
   std::atomic<int> started{0};
   auto start_together = [&] {
@@ -155,8 +163,14 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
         }
         done += n;
         last_chunk = n;
+        if (w == 0 && !parent_held && done % layout.page_tokens() != 0 && !failed) {
+          parent_held = true;
+          parent_paused.Notify();
+          fork_done.WaitForNotification();
+        }
         pace();
       }
+      if (!parent_paused.HasBeenNotified()) parent_paused.Notify();
       --writers_left;
     });
   }
@@ -188,7 +202,7 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
       std::mt19937 rng(2000 + r);
       start_together();
       const int qh = layout.num_query_heads(), d = layout.head_dim();
-      while (writers_left > 0 && !failed) {
+      for (int reads = 0; (writers_left > 0 || reads < kMinReads) && !failed; ++reads) {
         const bool fork = rng() % 4 == 0;
         const Script& s = scripts[rng() % scripts.size()];
         const std::string id = fork ? "fork" : s.id;
@@ -239,6 +253,23 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
   threads.emplace_back([&] {
     std::mt19937 rng(3000);
     start_together();
+    parent_paused.WaitForNotification();
+    if (parent_held) {
+      expect(cache.Fork(scripts[0].id, "fork"), absl::StatusCode::kOk, "Fork of the held parent");
+      absl::StatusOr<SequenceInfo> info = cache.GetSequence("fork");
+      expect(info.status(), absl::StatusCode::kOk, "GetSequence fork");
+      if (info.ok()) {
+        expect(AppendSlice(cache, "fork", scripts[0], 0, 1, info->layer_tokens[0], 1), absl::StatusCode::kOk,
+               "append to the fork of the held parent");
+      }
+      if (cache.Stats().copy_on_writes == 0) {
+        failed = true;
+        ADD_FAILURE() << "an append into a shared, partly filled page made no copy";
+      }
+      expect(cache.Drop("fork"), absl::StatusCode::kOk, "Drop fork");
+      ++forks;
+    }
+    fork_done.Notify();
     while (writers_left > 0 && !failed) {
       const Script& parent = scripts[rng() % kOwnWriters];
       const absl::Status forked = cache.Fork(parent.id, "fork");
