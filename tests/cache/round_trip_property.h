@@ -83,6 +83,21 @@ inline KvLayoutOptions RandomLayout(std::mt19937_64& rng) {
   return o;
 }
 
+// A cache of a random layout (RandomLayout, drawn again until KvLayout
+// accepts it) with a pool of 24..323 pages, evicting (LRU) one time in three.
+inline CacheOptions RandomCacheOptions(std::mt19937_64& rng, std::shared_ptr<const KvLayout>* layout) {
+  CacheOptions options;
+  *layout = nullptr;
+  while (*layout == nullptr) {
+    options.layout = RandomLayout(rng);
+    absl::StatusOr<std::shared_ptr<const KvLayout>> created = KvLayout::Create(options.layout);
+    if (created.ok()) *layout = *std::move(created);
+  }
+  options.evict_lru = rng() % 3 == 0;
+  options.memory_budget_bytes = (*layout)->page_bytes() * (24 + rng() % 300);
+  return options;
+}
+
 // What one read answered: its status code and its output bytes.
 struct ReadResult {
   absl::StatusCode code = absl::StatusCode::kOk;

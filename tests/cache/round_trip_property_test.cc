@@ -32,15 +32,8 @@ struct Totals {
 
 bool RunOne(uint64_t seed, Backend* backend, Totals* totals) {
   std::mt19937_64 rng(seed);
-  CacheOptions options;
   std::shared_ptr<const KvLayout> layout;
-  do {
-    options.layout = round_trip::RandomLayout(rng);
-    absl::StatusOr<std::shared_ptr<const KvLayout>> created = KvLayout::Create(options.layout);
-    if (created.ok()) layout = *std::move(created);
-  } while (layout == nullptr);
-  options.evict_lru = rng() % 3 == 0;
-  options.memory_budget_bytes = layout->page_bytes() * (24 + rng() % 300);
+  const CacheOptions options = round_trip::RandomCacheOptions(rng, &layout);
   absl::StatusOr<std::unique_ptr<round_trip::CacheTarget>> a = round_trip::CacheTarget::Create(options, backend);
   absl::StatusOr<std::unique_ptr<round_trip::CacheTarget>> b = round_trip::CacheTarget::Create(options, backend);
   EXPECT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();

@@ -210,15 +210,8 @@ class ServerTarget : public round_trip::Target {
 
 bool RunOne(uint64_t seed, int* round_trips) {
   std::mt19937_64 rng(seed);
-  CacheOptions options;
   std::shared_ptr<const KvLayout> layout;
-  do {
-    options.layout = round_trip::RandomLayout(rng);
-    absl::StatusOr<std::shared_ptr<const KvLayout>> created = KvLayout::Create(options.layout);
-    if (created.ok()) layout = *std::move(created);
-  } while (layout == nullptr);
-  options.evict_lru = rng() % 3 == 0;
-  options.memory_budget_bytes = layout->page_bytes() * (24 + rng() % 300);
+  const CacheOptions options = round_trip::RandomCacheOptions(rng, &layout);
   const v1::CacheConfig config = service::ToCacheConfig(options);
   SCOPED_TRACE(testing::Message() << "seed " << seed << ", config " << config.ShortDebugString());
   absl::StatusOr<std::unique_ptr<ServerTarget>> a = ServerTarget::Create(config, seed * 2);
