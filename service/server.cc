@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
@@ -356,7 +357,8 @@ void Server::Shutdown(absl::Time deadline) {
   if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
   }
-  server_->Shutdown(absl::ToChronoTime(deadline));
+  service_->BeginShutdown();
+  StopServing(deadline);
   if (snapshot_thread_.joinable()) {
     stop_snapshots_.Notify();
     snapshot_thread_.join();
@@ -374,6 +376,21 @@ void Server::Shutdown(absl::Time deadline) {
       }
     }
   }
+}
+
+void Server::StopServing(absl::Time deadline) {
+  std::thread stop([this, deadline] { server_->Shutdown(absl::ToChronoTime(deadline)); });
+  // gRPC's Shutdown returns once every connection is closed, and a client
+  // may keep an idle connection, or a health Watch, open after the GOAWAY
+  // until the deadline. Once no KvCache call is in flight nobody is owed an
+  // answer: what is left open is cancelled then. The first look comes after
+  // a pause, so that gRPC has begun to refuse new calls and has handed the
+  // calls that just arrived to their handlers.
+  do {
+    absl::SleepFor(absl::Milliseconds(5));
+  } while (metrics_->calls_in_flight() > 0 && absl::Now() < deadline);
+  grpc_server_cancel_all_calls(server_->c_server());
+  stop.join();
 }
 
 void Server::Wait() { server_->Wait(); }

@@ -110,8 +110,12 @@ class Server {
   // With backend "auto" on the CPU: why CUDA was not taken; "" otherwise.
   const std::string& why_not_cuda() const { return why_not_cuda_; }
 
-  // Stops accepting calls, lets calls in flight finish until `deadline`, then
-  // cancels the rest; marks health NOT_SERVING first. Idempotent.
+  // Marks health NOT_SERVING, stops accepting calls, lets the calls in flight
+  // finish until `deadline` and cancels the rest, then writes the snapshot
+  // (with a data directory). Returns as soon as no KvCache call is in
+  // flight: an open DecodeStream ends UNAVAILABLE once the steps it has
+  // read are answered (KvCacheService::BeginShutdown); idle connections and
+  // health Watch streams do not hold it. Idempotent.
   // REQUIRES: called from one thread (the process's main thread).
   void Shutdown(absl::Time deadline);
   // Blocks until the server has shut down.
@@ -124,6 +128,9 @@ class Server {
   // 2 s timeout before it notices a stop, so a connection to it is made
   // meanwhile to wake it (an idle server then exits in milliseconds).
   void StopMetrics();
+  // gRPC's Shutdown(deadline), returning once no KvCache call is in flight
+  // (or at the deadline), when what clients keep open is cancelled.
+  void StopServing(absl::Time deadline);
   // The backend found the device lost (service/device_watch.h): logs, and
   // health turns NOT_SERVING for good (the calls fail UNAVAILABLE already).
   void OnDeviceLost(const absl::Status& lost);

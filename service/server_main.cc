@@ -1,7 +1,8 @@
 // tqkv-server: the KvCache gRPC service over a CUDA or CPU backend.
 // Runs with no arguments: the embedded default config, port 50051.
 // SIGTERM / SIGINT shut it down gracefully: no new calls, calls in flight
-// finish (up to --shutdown_grace_seconds), then exit 0.
+// finish (up to --shutdown_grace_seconds), the snapshot is written (with
+// --data_dir), then exit 0 (Server::Shutdown).
 // Flags are spelled --snake_case (absl flags); --kebab-case names are the
 // same flags. --help lists them, --version prints the build's version.
 #include <fcntl.h>
@@ -63,7 +64,9 @@ ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest request or response, in byt
 ABSL_FLAG(double, memory_budget_gib, 4.0,
           "Page-pool memory, GiB, split equally among caches whose config gives no budget.");
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
-          "On SIGTERM/SIGINT, how long calls in flight may take to finish.");
+          "On SIGTERM/SIGINT, how long calls in flight may take to finish; the exit comes as soon as they "
+          "are answered (idle connections and idle DecodeStreams do not hold it), and what is still open "
+          "at the deadline is cancelled.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File of bearer tokens, one per line ('#' comments and blank lines ignored), each "
           "optionally with tenant=NAME max_bytes=SIZE max_sequences=N (service/auth.h); when set, "
