@@ -16,8 +16,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
-#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -60,27 +61,43 @@ std::string ReadAll(const std::string& path) {
   return text.str();
 }
 
-// A fresh directory under the test's temp dir.
-std::string MakeTempDir() {
-  std::string pattern = absl::StrCat(::testing::TempDir(), "/server_process_XXXXXX");
-  if (mkdtemp(pattern.data()) == nullptr) return "";
-  return pattern;
-}
+// A fresh directory under the test's temp dir, removed with what it holds.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = absl::StrCat(::testing::TempDir(), "/server_process_XXXXXX");
+    if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  // "" when it could not be made.
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 // One tqkv-server child process: its output goes to a log file; killed
 // (SIGKILL) on destruction if still running.
 class ServerProcess {
  public:
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+
   // Starts the server with `args` on a loopback port the kernel picks and
   // waits (30 s at most) for its start-up line.
   static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(const std::string& dir, const std::string& name,
-                                                               const std::vector<std::string>& args) {
+                                                              const std::vector<std::string>& args) {
     std::unique_ptr<ServerProcess> p(new ServerProcess());
     p->log_ = absl::StrCat(dir, "/", name, ".log");
     std::ofstream(absl::StrCat(dir, "/config.txt")) << kConfig;
-    std::vector<std::string> argv = {TQKV_SERVER_BINARY,   "--host",   "127.0.0.1", "--port",
-                                     "0",                  "--threads", "1",         "--metrics_port",
-                                     "0",                  "--config", absl::StrCat(dir, "/config.txt")};
+    std::vector<std::string> argv = {TQKV_SERVER_BINARY, "--host", "127.0.0.1", "--port", "0", "--threads", "1",
+                                     "--metrics_port", "0", "--config", absl::StrCat(dir, "/config.txt")};
     argv.insert(argv.end(), args.begin(), args.end());
     std::vector<char*> pointers;
     for (std::string& a : argv) pointers.push_back(a.data());
@@ -183,35 +200,51 @@ void AppendUntilRefused(Client* client, const std::string& id, const std::atomic
   }
 }
 
+// What clients leave open on a server between calls: an idle channel (one
+// call, then nothing), a health Watch (as load balancers hold) and a
+// DecodeStream between steps (one answered, the next not sent).
+struct IdleClients {
+  explicit IdleClients(const std::string& target)
+      : idle(Options(target)),
+        decoder(Options(target)),
+        channel(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())) {}
+
+  ::testing::AssertionResult Open() {
+    if (!idle.GetServerInfo().ok()) return ::testing::AssertionFailure() << "GetServerInfo";
+    const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Watch",
+                                           grpc::internal::RpcMethod::SERVER_STREAMING);
+    watch.reset(grpc::internal::ClientReaderFactory<testing::HealthCheckResponse>::Create(
+        channel.get(), method, &watch_context, testing::HealthCheckRequest()));
+    testing::HealthCheckResponse health;
+    if (!watch->Read(&health)) return ::testing::AssertionFailure() << "Watch";
+    stream = decoder.OpenDecodeStream();
+    if (!stream->Step(AppendAttendArgs()).ok()) return ::testing::AssertionFailure() << "DecodeStream";
+    return ::testing::AssertionSuccess();
+  }
+
+  Client idle;
+  Client decoder;
+  std::shared_ptr<grpc::Channel> channel;
+  grpc::ClientContext watch_context;
+  std::unique_ptr<grpc::ClientReader<testing::HealthCheckResponse>> watch;
+  std::unique_ptr<DecodeStream> stream;
+};
+
 int64_t Tokens(Client& client, const std::string& id) {
   absl::StatusOr<SequenceState> s = client.GetSequence("", id);
   return s.ok() ? s->layer_tokens.front() : -1;
 }
 
 TEST(ServerProcess, SigtermExitsOnceTheCallsInFlightAreAnswered) {
-  const std::string dir = MakeTempDir();
+  const TempDir temp;  // outlives the servers
+  const std::string& dir = temp.path();
   ASSERT_FALSE(dir.empty());
   const std::vector<std::string> args = {"--data_dir", dir + "/data", "--shutdown_grace_seconds", "30"};
   absl::StatusOr<std::unique_ptr<ServerProcess>> server = ServerProcess::Start(dir, "first", args);
   ASSERT_TRUE(server.ok()) << server.status();
 
-  // An idle channel: one call, then nothing.
-  Client idle(Options((*server)->target()));
-  ASSERT_TRUE(idle.GetServerInfo().ok());
-  // A health Watch, as load balancers and grpc-health-probe hold.
-  auto channel = grpc::CreateChannel((*server)->target(), grpc::InsecureChannelCredentials());
-  const grpc::internal::RpcMethod watch_method("/grpc.health.v1.Health/Watch",
-                                               grpc::internal::RpcMethod::SERVER_STREAMING);
-  grpc::ClientContext watch_context;
-  std::unique_ptr<grpc::ClientReader<testing::HealthCheckResponse>> watch(
-      grpc::internal::ClientReaderFactory<testing::HealthCheckResponse>::Create(
-          channel.get(), watch_method, &watch_context, testing::HealthCheckRequest()));
-  testing::HealthCheckResponse health;
-  ASSERT_TRUE(watch->Read(&health));
-  // A DecodeStream between steps: one answered, the next not sent.
-  Client decoder(Options((*server)->target()));
-  std::unique_ptr<DecodeStream> stream = decoder.OpenDecodeStream();
-  ASSERT_TRUE(stream->Step(AppendAttendArgs()).ok());
+  IdleClients held((*server)->target());
+  ASSERT_TRUE(held.Open());
   // An AppendStream mid-call: one chunk sent, the rest after the signal.
   Client streamer(Options((*server)->target()));
   grpc::ClientContext append_context;
@@ -250,9 +283,9 @@ TEST(ServerProcess, SigtermExitsOnceTheCallsInFlightAreAnswered) {
   EXPECT_EQ(appended.sequence().layer_tokens(0), 16);
   EXPECT_NE((*server)->log().find("saved 3 sequences of cache 'default'"), std::string::npos) << (*server)->log();
   // The DecodeStream was told the server is going away.
-  absl::StatusOr<DecodeStream::Response> after = stream->Receive();
-  EXPECT_FALSE(after.ok());
-  watch_context.TryCancel();
+  absl::StatusOr<DecodeStream::Response> after = held.stream->Receive();
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kUnavailable) << after.status();
+  held.watch_context.TryCancel();
 
   absl::StatusOr<std::unique_ptr<ServerProcess>> restarted = ServerProcess::Start(dir, "second", args);
   ASSERT_TRUE(restarted.ok()) << restarted.status();
@@ -264,7 +297,8 @@ TEST(ServerProcess, SigtermExitsOnceTheCallsInFlightAreAnswered) {
 }
 
 TEST(ServerProcess, SigtermCancelsAStreamItsClientNeverEndsAtTheGraceDeadline) {
-  const std::string dir = MakeTempDir();
+  const TempDir temp;  // outlives the server
+  const std::string& dir = temp.path();
   ASSERT_FALSE(dir.empty());
   absl::StatusOr<std::unique_ptr<ServerProcess>> server =
       ServerProcess::Start(dir, "server", {"--data_dir", dir + "/data", "--shutdown_grace_seconds", "2"});
