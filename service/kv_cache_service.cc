@@ -284,8 +284,11 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 // States: a read is outstanding, or a step computes, or neither (waiting for
 // the writes to drain below kMaxQueuedResponses); writes go out one at a
 // time from `responses_`. Start* are called without mu_ held, after the
-// state that licenses them was claimed under it.
-class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+// state that licenses them was claimed under it. Draining (the server shuts
+// down): no more reads; the stream ends UNAVAILABLE once the steps read are
+// answered, without waiting for the outstanding read.
+class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                            public KvCacheService::ShutdownListener {
  public:
   static constexpr size_t kMaxQueuedResponses = 4;
 
@@ -296,14 +299,29 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       return;
     }
     caller_ = *caller;
-    reading_ = true;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = true;
+    }
     StartRead(&buffer_);
+    // No reaction runs before the constructor returns, so none sees the
+    // stream unregistered.
+    if (!service_->AddStream(this)) EndForShutdown();
+  }
+
+  void EndForShutdown() override {
+    {
+      absl::MutexLock lock(&mu_);
+      draining_ = true;
+    }
+    Advance();
   }
 
   void OnReadDone(bool ok) override {
     {
       absl::MutexLock lock(&mu_);
       reading_ = false;
+      if (finished_) return;  // ended while this read was out: its message is not taken
       if (!ok) {
         read_closed_ = true;
       } else {
@@ -343,7 +361,10 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Advance();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    service_->RemoveStream(this);
+    delete this;
+  }
 
  private:
   void Compute(Clock::time_point start) {
@@ -401,6 +422,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     bool read = false;
     bool finish = false;
     bool cancelled = false;
+    grpc::Status end;
     {
       absl::MutexLock lock(&mu_);
       if (finished_) return;
@@ -409,28 +431,28 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         writing_ = true;
         write = &responses_.front();  // deque: stays put while others are pushed
       }
-      if (!reading_ && !computing_ && !read_closed_ && !broken_ &&
+      if (!reading_ && !computing_ && !read_closed_ && !draining_ && !broken_ &&
           responses_.size() < kMaxQueuedResponses) {
         reading_ = true;
         read = true;
       }
-      if (!reading_ && !computing_ && !writing_ &&
-          (broken_ || (read_closed_ && responses_.empty()))) {
+      if ((!reading_ || draining_) && !computing_ && !writing_ &&
+          (broken_ || ((read_closed_ || draining_) && responses_.empty()))) {
         finished_ = true;
         finish = true;
         cancelled = broken_;
+        end = read_closed_ || !end_status_.ok() ? end_status_ : ShuttingDownStatus();
       }
     }
     if (write != nullptr) StartWrite(write);
     if (read) StartRead(&buffer_);
-    if (finish) {
-      grpc::Status end;
-      {
-        absl::MutexLock lock(&mu_);
-        end = end_status_;
-      }
-      Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : end);
-    }
+    if (finish) Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : end);
+  }
+
+  static grpc::Status ShuttingDownStatus() {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "the server is shutting down; send the steps not answered again on a new stream "
+                        "(to another server, or to this one once it restarts)");
   }
 
   KvCacheService* const service_;
@@ -446,6 +468,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
   bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // EndForShutdown
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   Metrics::InFlight in_flight_{service_->metrics(), Rpc::kDecodeStreamStep};
 };
@@ -525,6 +548,24 @@ absl::StatusOr<KvCache*> KvCacheService::Find(const std::string& name) const {
                                                absl::StrJoin(names, ", ")));
   }
   return it->second.get();
+}
+
+void KvCacheService::BeginShutdown() {
+  absl::MutexLock lock(&streams_mu_);
+  shutting_down_ = true;
+  for (ShutdownListener* stream : streams_) stream->EndForShutdown();
+}
+
+bool KvCacheService::AddStream(ShutdownListener* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  if (shutting_down_) return false;
+  streams_.insert(stream);
+  return true;
+}
+
+void KvCacheService::RemoveStream(ShutdownListener* stream) {
+  absl::MutexLock lock(&streams_mu_);
+  streams_.erase(stream);
 }
 
 int KvCacheService::EvictExpired() {

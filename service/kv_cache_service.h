@@ -30,11 +30,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "cache/kv_cache.h"
 #include "kernels/backend.h"
 #include "service/auth.h"
@@ -108,6 +110,31 @@ class KvCacheService final : public RawKvCacheService {
   // periodically. Returns how many were dropped.
   int EvictExpired();
 
+  // The first step of a shutdown (Server::Shutdown calls it before gRPC's):
+  // every open DecodeStream ends with UNAVAILABLE once the steps it has read
+  // are answered, at once when it waits for its client's next step (a
+  // decode loop resends unanswered steps on a new stream, see the proto),
+  // and a DecodeStream opened from now on ends so before it reads. Other
+  // calls are left alone: they are in flight until their clients end them.
+  // Idempotent.
+  void BeginShutdown();
+
+  // A stream BeginShutdown ends; its reactor registers while open.
+  class ShutdownListener {
+   public:
+    // Ends the stream as BeginShutdown says. Runs with the service's stream
+    // lock held: it must not call AddStream or RemoveStream.
+    virtual void EndForShutdown() = 0;
+
+   protected:
+    ~ShutdownListener() = default;
+  };
+  // Registers `stream`; false (nothing registered) once BeginShutdown ran.
+  bool AddStream(ShutdownListener* stream);
+  // Unregisters `stream` (nothing when it is not registered); called
+  // before it is destroyed.
+  void RemoveStream(ShutdownListener* stream);
+
   // The handlers' logic, without gRPC: what each rpc does, for the reactors
   // and for tests. `caller` is who the call's token says is calling
   // (service/auth.h): a tenant may name only its own sequences.
@@ -173,6 +200,9 @@ class KvCacheService final : public RawKvCacheService {
   int64_t max_response_bytes_ = 0;
   Snapshotter* snapshotter_ = nullptr;
   std::string instance_id_;
+  absl::Mutex streams_mu_;
+  bool shutting_down_ ABSL_GUARDED_BY(streams_mu_) = false;
+  std::set<ShutdownListener*> streams_ ABSL_GUARDED_BY(streams_mu_);
 
   // RESOURCE_EXHAUSTED when a response of about `bytes` (its tensors' bytes;
   // framing is allowed for) would exceed max_response_bytes_.

@@ -277,12 +277,16 @@ void Metrics::CountAttended(const std::string& cache, int64_t layer_tokens) {
 }
 
 Metrics::InFlight::InFlight(Metrics* metrics, Rpc rpc)
-    : gauge_(metrics == nullptr ? nullptr : metrics->in_flight_[static_cast<int>(rpc)]) {
-  if (gauge_ != nullptr) gauge_->Increment();
+    : metrics_(metrics), gauge_(metrics == nullptr ? nullptr : metrics->in_flight_[static_cast<int>(rpc)]) {
+  if (metrics_ == nullptr) return;
+  gauge_->Increment();
+  metrics_->calls_in_flight_.fetch_add(1, std::memory_order_acq_rel);
 }
 
 Metrics::InFlight::~InFlight() {
-  if (gauge_ != nullptr) gauge_->Decrement();
+  if (metrics_ == nullptr) return;
+  gauge_->Decrement();
+  metrics_->calls_in_flight_.fetch_sub(1, std::memory_order_acq_rel);
 }
 
 void Metrics::ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds) {

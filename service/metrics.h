@@ -116,9 +116,9 @@ class Metrics {
   // REQUIRES: backends non-empty.
   explicit Metrics(const std::vector<std::string>& backends);
 
-  // Holds one call of `rpc` in tqkv_rpc_in_flight from construction to
-  // destruction: a member of each call's reactor. `metrics` may be null
-  // (nothing is counted); it must outlive the InFlight.
+  // Holds one call of `rpc` in tqkv_rpc_in_flight and calls_in_flight()
+  // from construction to destruction: a member of each call's reactor.
+  // `metrics` may be null (nothing is counted); it must outlive the InFlight.
   class InFlight {
    public:
     InFlight(Metrics* metrics, Rpc rpc);
@@ -127,8 +127,14 @@ class Metrics {
     InFlight& operator=(const InFlight&) = delete;
 
    private:
+    Metrics* metrics_;
     prometheus::Gauge* gauge_;
   };
+
+  // KvCache calls open now, over every rpc: the reactors whose InFlight is
+  // alive (a DecodeStream counts while it is open). Server::Shutdown waits
+  // for 0 before it closes what clients leave open.
+  int64_t calls_in_flight() const { return calls_in_flight_.load(std::memory_order_acquire); }
 
   // Creates the tqkv_tokens_* counters of a cache of `layers` layers.
   // REQUIRES: called for every cache before calls are served (the counters
@@ -170,6 +176,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* errors_;
   std::array<prometheus::Histogram*, kNumRpcs> rpc_duration_{};
   std::array<prometheus::Gauge*, kNumRpcs> in_flight_{};
+  std::atomic<int64_t> calls_in_flight_{0};
   struct TokenCounters {
     double layers = 1;
     prometheus::Counter* stored = nullptr;

@@ -1,6 +1,8 @@
 #include "service/server.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
@@ -133,6 +136,35 @@ std::vector<bool> ChooseCpuFallbacks(const std::string& choice, const Backend& b
 
 }  // namespace
 
+std::string ListenHost(const ServerOptions& options) {
+  if (!options.host.empty()) return options.host;
+  return options.auth.enabled() ? "0.0.0.0" : "127.0.0.1";
+}
+
+bool IsLoopbackHost(const std::string& host) {
+  std::string address = host;
+  if (address.size() > 2 && address.front() == '[' && address.back() == ']') {
+    address = address.substr(1, address.size() - 2);
+  }
+  if (address == "localhost") return true;
+  in_addr v4;
+  if (inet_pton(AF_INET, address.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6;
+  if (inet_pton(AF_INET6, address.c_str(), &v6) == 1) {
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
+  return false;
+}
+
+std::string OpenAccessWarning(const ServerOptions& options, int port) {
+  const std::string host = ListenHost(options);
+  if (options.auth.enabled() || IsLoopbackHost(host)) return "";
+  return absl::StrCat("tqkv-server: WARNING: serving ", host, ":", port,
+                      " without authentication: any host that reaches this port can read, write and drop "
+                      "every sequence; give --auth_token_file FILE (bearer tokens, service/auth.h) to require "
+                      "a token, or --host 127.0.0.1 to serve this machine only");
+}
+
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("port ", options.port, " is not in [0, 65535]"));
@@ -158,13 +190,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         "TLS needs both a certificate chain and a private key, or neither");
   }
+  const std::string listen_host = ListenHost(options);
+  const std::string& raw_metrics_host = options.metrics_host.empty() ? listen_host : options.metrics_host;
   // Before the backend and the page pools: a busy port fails in a moment.
-  RETURN_IF_ERROR(CheckPortFree(options.host, options.port, "the gRPC", "--port"));
+  RETURN_IF_ERROR(CheckPortFree(listen_host, options.port, "the gRPC", "--port"));
   if (options.metrics_port > 0) {
-    RETURN_IF_ERROR(CheckPortFree(options.metrics_host.empty() ? options.host : options.metrics_host,
-                                  options.metrics_port, "the /metrics", "--metrics_port"));
+    RETURN_IF_ERROR(CheckPortFree(raw_metrics_host, options.metrics_port, "the /metrics", "--metrics_port"));
   }
   std::unique_ptr<Server> server(new Server());
+  server->host_ = listen_host;
   BackendOptions backend_options;
   backend_options.name = options.backend;
   backend_options.cpu_threads = options.threads;
@@ -233,9 +267,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   });
 
   grpc::ServerBuilder builder;
-  const std::string host = options.host.find(':') != std::string::npos
-                               ? absl::StrCat("[", options.host, "]")
-                               : options.host;
+  const std::string host = listen_host.find(':') != std::string::npos ? absl::StrCat("[", listen_host, "]")
+                                                                       : listen_host;
   const std::string address = absl::StrCat(host, ":", options.port);
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!options.tls_cert_chain_pem.empty()) {
@@ -252,7 +285,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
   }
   if (options.metrics_port >= 0) {
-    const std::string& raw_metrics_host = options.metrics_host.empty() ? options.host : options.metrics_host;
     const std::string metrics_host = raw_metrics_host.find(':') != std::string::npos
                                          ? absl::StrCat("[", raw_metrics_host, "]")
                                          : raw_metrics_host;
@@ -356,7 +388,8 @@ void Server::Shutdown(absl::Time deadline) {
   if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
     health->SetServingStatus(false);
   }
-  server_->Shutdown(absl::ToChronoTime(deadline));
+  service_->BeginShutdown();
+  StopServing(deadline);
   if (snapshot_thread_.joinable()) {
     stop_snapshots_.Notify();
     snapshot_thread_.join();
@@ -374,6 +407,21 @@ void Server::Shutdown(absl::Time deadline) {
       }
     }
   }
+}
+
+void Server::StopServing(absl::Time deadline) {
+  std::thread stop([this, deadline] { server_->Shutdown(absl::ToChronoTime(deadline)); });
+  // gRPC's Shutdown returns once every connection is closed, and a client
+  // may keep an idle connection, or a health Watch, open after the GOAWAY
+  // until the deadline. Once no KvCache call is in flight nobody is owed an
+  // answer: what is left open is cancelled then. The first look comes after
+  // a pause, so that gRPC has begun to refuse new calls and has handed the
+  // calls that just arrived to their handlers.
+  do {
+    absl::SleepFor(absl::Milliseconds(5));
+  } while (metrics_->calls_in_flight() > 0 && absl::Now() < deadline);
+  grpc_server_cancel_all_calls(server_->c_server());
+  stop.join();
 }
 
 void Server::Wait() { server_->Wait(); }

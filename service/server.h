@@ -36,8 +36,12 @@ namespace tqkv {
 namespace service {
 
 struct ServerOptions {
-  // Address to listen on; port 0 picks a free port (see Server::port()).
-  std::string host = "0.0.0.0";
+  // Address to listen on (see ListenHost): empty means 127.0.0.1, this
+  // machine only, without auth tokens and 0.0.0.0, every interface, with
+  // them. An address other hosts reach without auth tokens serves every
+  // sequence to anyone who reaches the port (OpenAccessWarning). Port 0
+  // picks a free port (see Server::port()).
+  std::string host;
   int port = 50051;
   // The caches; ParseServerConfig(DefaultServerConfigText()) for the default.
   v1::ServerConfig config;
@@ -88,6 +92,21 @@ struct ServerOptions {
   std::string tls_private_key_pem;
 };
 
+// The address `options` listens on: options.host when set; else 127.0.0.1
+// without auth tokens (a server nobody else can call unless told so) and
+// 0.0.0.0 with them.
+std::string ListenHost(const ServerOptions& options);
+
+// True for an address only this machine reaches: 127.0.0.0/8, ::1,
+// "localhost". The wildcards (0.0.0.0, ::, empty) and every other address
+// are not.
+bool IsLoopbackHost(const std::string& host);
+
+// One line for the start-up log when the server would accept calls without
+// authentication from other hosts (no auth tokens, a host that is not
+// loopback): what is open and how to close it. "" otherwise.
+std::string OpenAccessWarning(const ServerOptions& options, int port);
+
 class Server {
  public:
   // Builds everything and starts listening. Errors: the config's
@@ -97,7 +116,8 @@ class Server {
   // Shuts down (5 s grace) if still running.
   ~Server();
 
-  // The port actually bound.
+  // The address listened on (ListenHost) and the port actually bound.
+  const std::string& host() const { return host_; }
   int port() const { return port_; }
   // The /metrics port actually bound; -1 when not served.
   int metrics_port() const { return metrics_port_; }
@@ -110,8 +130,12 @@ class Server {
   // With backend "auto" on the CPU: why CUDA was not taken; "" otherwise.
   const std::string& why_not_cuda() const { return why_not_cuda_; }
 
-  // Stops accepting calls, lets calls in flight finish until `deadline`, then
-  // cancels the rest; marks health NOT_SERVING first. Idempotent.
+  // Marks health NOT_SERVING, stops accepting calls, lets the calls in flight
+  // finish until `deadline` and cancels the rest, then writes the snapshot
+  // (with a data directory). Returns as soon as no KvCache call is in
+  // flight: an open DecodeStream ends UNAVAILABLE once the steps it has
+  // read are answered (KvCacheService::BeginShutdown); idle connections and
+  // health Watch streams do not hold it. Idempotent.
   // REQUIRES: called from one thread (the process's main thread).
   void Shutdown(absl::Time deadline);
   // Blocks until the server has shut down.
@@ -124,10 +148,14 @@ class Server {
   // 2 s timeout before it notices a stop, so a connection to it is made
   // meanwhile to wake it (an idle server then exits in milliseconds).
   void StopMetrics();
+  // gRPC's Shutdown(deadline), returning once no KvCache call is in flight
+  // (or at the deadline), when what clients keep open is cancelled.
+  void StopServing(absl::Time deadline);
   // The backend found the device lost (service/device_watch.h): logs, and
   // health turns NOT_SERVING for good (the calls fail UNAVAILABLE already).
   void OnDeviceLost(const absl::Status& lost);
 
+  std::string host_;
   int port_ = 0;
   int metrics_port_ = -1;
   std::string metrics_connect_host_;  // where StopMetrics connects

@@ -1,7 +1,10 @@
 // tqkv-server: the KvCache gRPC service over a CUDA or CPU backend.
 // Runs with no arguments: the embedded default config, port 50051.
+// Listens on 127.0.0.1 unless --host or --auth_token_file says otherwise
+// (ListenHost in service/server.h).
 // SIGTERM / SIGINT shut it down gracefully: no new calls, calls in flight
-// finish (up to --shutdown_grace_seconds), then exit 0.
+// finish (up to --shutdown_grace_seconds), the snapshot is written (with
+// --data_dir), then exit 0 (Server::Shutdown).
 // Flags are spelled --snake_case (absl flags); --kebab-case names are the
 // same flags. --help lists them, --version prints the build's version.
 #include <fcntl.h>
@@ -33,7 +36,10 @@
 #include "service/server.h"
 #include "version/version.h"
 
-ABSL_FLAG(std::string, host, "0.0.0.0", "Address to listen on.");
+ABSL_FLAG(std::string, host, "",
+          "Address to listen on. Unset: 127.0.0.1 (this machine only) without --auth_token_file, 0.0.0.0 "
+          "(every interface) with it. 0.0.0.0 without --auth_token_file lets any host that reaches the port "
+          "read, write and drop every sequence (a warning at start-up says so).");
 ABSL_FLAG(int, port, 50051, "gRPC port (0: any free port, printed at start-up).");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port (0: any free port; -1: none).");
 ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
@@ -63,7 +69,9 @@ ABSL_FLAG(int, max_message_bytes, 64 << 20, "Largest request or response, in byt
 ABSL_FLAG(double, memory_budget_gib, 4.0,
           "Page-pool memory, GiB, split equally among caches whose config gives no budget.");
 ABSL_FLAG(double, shutdown_grace_seconds, 10.0,
-          "On SIGTERM/SIGINT, how long calls in flight may take to finish.");
+          "On SIGTERM/SIGINT, how long calls in flight may take to finish; the exit comes as soon as they "
+          "are answered (idle connections and idle DecodeStreams do not hold it), and what is still open "
+          "at the deadline is cancelled.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File of bearer tokens, one per line ('#' comments and blank lines ignored), each "
           "optionally with tenant=NAME max_bytes=SIZE max_sequences=N (service/auth.h); when set, "
@@ -159,8 +167,10 @@ std::string Usage() {
       "usage: tqkv-server [flags]\n\n"
       "The tqkv KV-cache service: gRPC (tqkv.v1.KvCache, health, reflection) on --port,\n"
       "Prometheus metrics on --metrics_port. With no flags: the embedded default config\n"
-      "(--print_default_config), gRPC on 0.0.0.0:50051, metrics on 127.0.0.1:9464.\n"
-      "SIGINT/SIGTERM: calls in flight finish (--shutdown_grace_seconds), then exit 0.\n\n"
+      "(--print_default_config), gRPC on 127.0.0.1:50051 (0.0.0.0 with --auth_token_file),\n"
+      "metrics on 127.0.0.1:9464.\n"
+      "SIGINT/SIGTERM: exit 0 once the calls in flight are answered (--shutdown_grace_seconds)\n"
+      "and the snapshot is written (--data_dir).\n\n"
       "flags (--name=value or --name value; --kebab-case spellings work too):\n");
   for (const absl::CommandLineFlag* flag : flags) {
     std::string default_value = flag->DefaultValue();
@@ -278,10 +288,13 @@ int main(int argc, char** argv) {
                : absl::StrCat(", bearer-token auth, ", options.auth.tenants.size(), " tenants");
   }
   std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)%s%s\n",
-              options.host.c_str(), s.port(), s.metrics_port(), s.backend().name().c_str(),
+              s.host().c_str(), s.port(), s.metrics_port(), s.backend().name().c_str(),
               s.backend().device().c_str(), options.tls_cert_chain_pem.empty() ? "" : ", TLS",
               auth.c_str());
   std::fflush(stdout);
+  if (const std::string warning = tqkv::service::OpenAccessWarning(options, s.port()); !warning.empty()) {
+    std::fprintf(stderr, "%s\n", warning.c_str());
+  }
 
   // Wait for a signal; meanwhile drop sequences past their idle TTL.
   for (;;) {

@@ -3,8 +3,10 @@
 # loopback port with a small config and bearer-token auth, then runs
 # info / append / sequence / attend / score / fork / drop / load through the
 # tqkv binary, checking outputs and exit codes; then --help and --version of
-# both binaries, a busy port, an unreachable server, a server that goes away
-# under `tqkv load`, and a prompt exit on SIGINT. Servers are killed on exit.
+# both binaries, a busy port, the bind (loopback by default, a warning when
+# open to other hosts without auth), an unreachable server, a server that
+# goes away under `tqkv load`, and a prompt exit on SIGINT. Servers are
+# killed on exit.
 # Usage: tqkv_server_cli_test.sh path/to/tqkv path/to/tqkv-server
 set -u
 TQKV=$1
@@ -157,6 +159,53 @@ expect 1 "$SERVER" --host 127.0.0.1 --port "$PORT" --metrics_port -1 --threads 1
 contains "port $PORT on 127.0.0.1 is already in use"
 [[ $(wc -l <"$WORK/out") -le 2 ]] || { fail "a busy port prints $(wc -l <"$WORK/out") lines"; cat "$WORK/out"; }
 grep -qv "already in use\|no GPU found" "$WORK/out" && { fail "a busy port prints more than its line"; cat "$WORK/out"; }
+
+# The bind. start_plain NAME ARGS...: a server on a kernel-chosen port with
+# ARGS; sets PLAIN_PID and PLAIN_PORT once its start-up line is out (20 s).
+start_plain() {
+  local name=$1; shift
+  "$SERVER" --port 0 --metrics_port -1 --threads 1 --config "$WORK/config.txt" "$@" >"$WORK/$name.log" 2>&1 &
+  PLAIN_PID=$!
+  OTHER_PIDS="$PLAIN_PID"
+  PLAIN_PORT=
+  for _ in $(seq 200); do
+    PLAIN_PORT=$(sed -nE 's/.*listening on [^ ]*:([0-9]+) .*/\1/p' "$WORK/$name.log")
+    [[ -n "$PLAIN_PORT" ]] && return 0
+    sleep 0.1
+  done
+  fail "tqkv-server $* did not start"; cat "$WORK/$name.log"
+}
+stop_plain() { kill "$PLAIN_PID" 2>/dev/null; wait "$PLAIN_PID" 2>/dev/null; OTHER_PIDS=; }
+# Without --host and --auth_token_file: loopback only, and nothing to warn about.
+start_plain default
+grep -q "listening on 127.0.0.1:$PLAIN_PORT " "$WORK/default.log" ||
+  { fail "the default bind is not 127.0.0.1"; cat "$WORK/default.log"; }
+if command -v ss >/dev/null; then
+  # gRPC binds 127.0.0.1 as a dual-stack socket: [::ffff:127.0.0.1].
+  BOUND=$(ss -ltnH "sport = :$PLAIN_PORT" | awk '{print $4}' | sort -u | tr '\n' ' ')
+  [[ "$BOUND" =~ ^(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]):$PLAIN_PORT\ $ ]] ||
+    fail "the default server listens on '$BOUND', want 127.0.0.1:$PLAIN_PORT only"
+fi
+# A non-loopback address of this machine does not reach it.
+OTHER_ADDRESS=$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -m1 -E '^[0-9.]+$' | grep -v '^127\.')
+if [[ -n "$OTHER_ADDRESS" ]]; then
+  expect 1 "$TQKV" info --target "$OTHER_ADDRESS:$PLAIN_PORT"; contains "connection refused"
+fi
+grep -q "WARNING" "$WORK/default.log" && { fail "a loopback server warns"; cat "$WORK/default.log"; }
+stop_plain
+# --host 0.0.0.0 without auth: one warning line that says how to turn auth on.
+start_plain open --host 0.0.0.0
+grep -q "listening on 0.0.0.0:$PLAIN_PORT " "$WORK/open.log" || { fail "--host 0.0.0.0 not taken"; cat "$WORK/open.log"; }
+[[ $(grep -c "WARNING: serving 0.0.0.0:$PLAIN_PORT without authentication" "$WORK/open.log") -eq 1 ]] &&
+  grep -q "give --auth_token_file FILE" "$WORK/open.log" ||
+  { fail "--host 0.0.0.0 without auth: no single warning line"; cat "$WORK/open.log"; }
+stop_plain
+# With auth and no --host: every interface, and no warning.
+start_plain authed --auth_token_file "$WORK/token"
+grep -q "listening on 0.0.0.0:$PLAIN_PORT .*bearer-token auth" "$WORK/authed.log" ||
+  { fail "with auth, the default bind is not 0.0.0.0"; cat "$WORK/authed.log"; }
+grep -q "WARNING" "$WORK/authed.log" && { fail "a server with auth warns"; cat "$WORK/authed.log"; }
+stop_plain
 
 # Nobody listening: the CLI says so in one line.
 DEAD_PORT=$(free_port)

@@ -74,6 +74,16 @@ def names_on_network(services):
     return names
 
 
+def port_published(port):
+    """(host address, host port) of one entry of a service's ports, in the
+    long form or the short 'ADDRESS:PUBLISHED:TARGET/tcp' one that
+    docker-compose 1.29 prints for a port with an address."""
+    if isinstance(port, dict):
+        return port.get("host_ip", ""), str(port.get("published"))
+    parts = str(port).split("/")[0].rsplit(":", 2)
+    return (parts[0] if len(parts) == 3 else ""), parts[-2] if len(parts) >= 2 else parts[0]
+
+
 def gpu_reservations(service):
     devices = (service.get("deploy", {}).get("resources", {}).get("reservations", {})
                .get("devices", []))
@@ -110,7 +120,7 @@ for profile, (want_services, deployment) in expected.items():
     services = started(config, profile)
     check(set(services) == want_services,
           f"profile {profile}: starts {sorted(services)}, want {sorted(want_services)}")
-    published = [p.get("published") for s in services.values() for p in s.get("ports", [])]
+    published = [port_published(p)[1] for s in services.values() for p in s.get("ports", [])]
     check(len(published) == len(set(published)),
           f"profile {profile}: host ports published twice: {published}")
     on_network = names_on_network(services)
@@ -134,7 +144,18 @@ for profile, (want_services, deployment) in expected.items():
         dockerfile = s.get("build", {}).get("dockerfile")
         if dockerfile:
             check(os.path.isfile(os.path.join(repo, dockerfile)), f"{name}: {dockerfile} missing")
+        if name.startswith("tqkv") or name == "router":
+            # The servers run without a token: the host publishes them on its
+            # loopback unless TQKV_PUBLISH_ADDRESS says otherwise.
+            for port in s.get("ports", []):
+                check(port_published(port)[0] == "127.0.0.1",
+                      f"{name} publishes {port} beyond the host's loopback by default")
         if name.startswith("tqkv"):
+            # The router and Prometheus reach the server over the compose
+            # network: it must listen beyond its container's loopback.
+            command = s.get("command", [])
+            check(any(a == "--host" and b == "0.0.0.0" for a, b in zip(command, command[1:])),
+                  f"{name} does not pass --host 0.0.0.0 (the default is loopback): {command}")
             gpus = gpu_reservations(s)
             if "cpu" in name:
                 check(not gpus, f"{name} reserves a GPU")
@@ -217,6 +238,9 @@ for name in ("Dockerfile.cuda", "Dockerfile.cpu", "Dockerfile.router"):
     if name != "Dockerfile.router":
         check(re.search(r"^USER\s+(?!root)\S+", text, re.M), f"{name}: runs as root")
         check(re.search(r"^HEALTHCHECK\s", text, re.M), f"{name}: no HEALTHCHECK")
+        # tqkv-server's default is loopback, which no other container reaches.
+        check(re.search(r'^CMD \[.*"--host", "0\.0\.0\.0"', text, re.M),
+              f"{name}: CMD does not pass --host 0.0.0.0")
         check(len(re.findall(r"^FROM\s", text, re.M)) == 2, f"{name}: not a two-stage build")
         check("setup.sh --build-only" in text and "scripts/build.sh" in text,
               f"{name}: does not build with scripts/setup.sh and scripts/build.sh")

@@ -5,7 +5,8 @@
 # oldest and the newest Kubernetes it knows that has gRPC probes (1.27 and its
 # default), and the topology: the StatefulSet's headless Service, gRPC health
 # probes on the gRPC port, a GPU requested and limited, scrape annotations on
-# the metrics port with /metrics on every interface, and a router whose shard
+# the metrics port with /metrics on every interface, gRPC on every interface
+# with a token file from a Secret (auth on), and a router whose shard
 # addresses are exactly the StatefulSet's pods (and haproxy.cfg's servers).
 # Usage: kubernetes_test.sh REPO_ROOT VENV_DIR   (exit 77: a tool missing)
 set -u
@@ -71,10 +72,19 @@ if sts and svc:
           and notes.get("prometheus.io/path") == "/metrics", f"scrape annotations {notes}")
     args = server.get("args", [])
     check("--metrics_host=0.0.0.0" in args, f"/metrics listens on loopback only: {args}")
+    # Reached from other pods (the router, clients): every interface, and so
+    # a token file, from a Secret volume.
+    check("--host=0.0.0.0" in args, f"gRPC listens on loopback only (the default): {args}")
+    tokens = [a.split("=", 1)[1] for a in args if a.startswith("--auth_token_file=")]
+    secrets = {v["name"] for v in pod["spec"].get("volumes", []) if "secret" in v}
+    secret_dirs = {m["mountPath"] for m in server.get("volumeMounts", []) if m["name"] in secrets}
+    check(len(tokens) == 1 and os.path.dirname(tokens[0]) in secret_dirs,
+          f"--auth_token_file {tokens} is not on a Secret volume {sorted(secret_dirs)}: gRPC open to the cluster")
     data = [a for a in args if a.startswith("--data_dir=")]
     mounts = {m["name"]: m["mountPath"] for m in server.get("volumeMounts", [])}
     claims = {c["metadata"]["name"] for c in sts["spec"].get("volumeClaimTemplates", [])}
-    check(len(data) == 1 and data[0].split("=", 1)[1] in mounts.values() and set(mounts) <= claims,
+    claimed = {path for name, path in mounts.items() if name in claims}
+    check(len(data) == 1 and data[0].split("=", 1)[1] in claimed,
           f"--data_dir {data} is not on a volume claim: mounts {mounts}, claims {claims}")
     grace = [float(a.split("=", 1)[1]) for a in args if a.startswith("--shutdown_grace_seconds=")]
     check(grace and pod["spec"].get("terminationGracePeriodSeconds", 30) > grace[0],
