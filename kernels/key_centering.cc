@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "absl/base/call_once.h"
 #include "absl/strings/str_format.h"
 
 namespace tqkv {
@@ -73,6 +74,7 @@ absl::StatusOr<RopeTable> RopeTable::Create(const RopeOptions& o, int head_dim) 
   }
   RopeTable table;
   table.inv_freq_ = std::move(inv_freq);
+  table.digits_ = std::make_shared<DigitTables>();
   table.pair_of_.assign(head_dim, -1);
   for (int i = 0; i < pairs; ++i) {
     const int a = o.pair_layout == RopePairLayout::kInterleaved ? 2 * i : i;
@@ -82,6 +84,67 @@ absl::StatusOr<RopeTable> RopeTable::Create(const RopeOptions& o, int head_dim) 
     table.pair_of_[a] = table.pair_of_[b] = i;
   }
   return table;
+}
+
+struct RopeTable::DigitTables {
+  absl::once_flag once;
+  std::vector<double> rotations;
+};
+
+namespace {
+
+constexpr int kDigitBits = 4;
+constexpr int kDigitLevels = 6;  // positions below 16^6 = 2^24
+constexpr int64_t kDigitPositions = int64_t{1} << (kDigitBits * kDigitLevels);
+
+}  // namespace
+
+const std::vector<double>& RopeTable::Digits() const {
+  absl::call_once(digits_->once, [this] {
+    const int pairs = num_pairs();
+    std::vector<double>& r = digits_->rotations;
+    r.resize(static_cast<size_t>(kDigitLevels) * 16 * pairs * 2);
+    for (int k = 0; k < kDigitLevels; ++k) {
+      for (int digit = 0; digit < 16; ++digit) {
+        const double steps = static_cast<double>(digit) * static_cast<double>(int64_t{1} << (kDigitBits * k));
+        for (int i = 0; i < pairs; ++i) {
+          double* at = r.data() + ((static_cast<size_t>(k) * 16 + digit) * pairs + i) * 2;
+          at[0] = std::cos(steps * inv_freq_[i]);
+          at[1] = std::sin(steps * inv_freq_[i]);
+        }
+      }
+    }
+  });
+  return digits_->rotations;
+}
+
+void RopeTable::Angles(int64_t position, double* c, double* s) const {
+  const int pairs = num_pairs();
+  if (position < 0 || position >= kDigitPositions || digits_ == nullptr) {
+    for (int i = 0; i < pairs; ++i) {
+      const double angle = static_cast<double>(position) * inv_freq_[i];
+      c[i] = std::cos(angle);
+      s[i] = std::sin(angle);
+    }
+    return;
+  }
+  const std::vector<double>& r = Digits();
+  for (int i = 0; i < pairs; ++i) {
+    c[i] = 1.0;
+    s[i] = 0.0;
+  }
+  // Lowest digit first: every position takes the same products in the same order.
+  for (int k = 0; k < kDigitLevels && (position >> (kDigitBits * k)) != 0; ++k) {
+    const int digit = static_cast<int>((position >> (kDigitBits * k)) & 15);
+    if (digit == 0) continue;
+    const double* at = r.data() + (static_cast<size_t>(k) * 16 + digit) * pairs * 2;
+    for (int i = 0; i < pairs; ++i) {
+      const double dc = at[2 * i], ds = at[2 * i + 1];
+      const double nc = c[i] * dc - s[i] * ds;
+      s[i] = s[i] * dc + c[i] * ds;
+      c[i] = nc;
+    }
+  }
 }
 
 void RopeTable::Rotate(int64_t position, double* x, bool inverse) const {
@@ -139,11 +202,7 @@ RopeAngles ComputeRopeAngles(const RopeTable& rope, int64_t first_position, int6
   angles.cos.resize(static_cast<size_t>(n) * angles.pairs);
   angles.sin.resize(angles.cos.size());
   for (int64_t t = 0; t < n; ++t) {
-    for (int i = 0; i < angles.pairs; ++i) {
-      const double angle = static_cast<double>(first_position + t) * rope.inv_freq(i);
-      angles.cos[t * angles.pairs + i] = std::cos(angle);
-      angles.sin[t * angles.pairs + i] = std::sin(angle);
-    }
+    rope.Angles(first_position + t, angles.cos.data() + t * angles.pairs, angles.sin.data() + t * angles.pairs);
   }
   return angles;
 }
@@ -185,19 +244,38 @@ void EstimateKeyMean(const RopeTable& rope, const RopeAngles& angles, const floa
 
 void SubtractKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* mean,
                      const float* keys, int64_t stride, int head_dim, float* out) {
-  const std::vector<int> active = ActivePairs(rope, mean);
+  // The mean's non-zero pairs (ActivePairs, without its allocation: a
+  // one-token append calls this once per layer and head) and whether any
+  // coordinate lies outside the rotary dims.
+  const int pairs = rope.num_pairs();
+  constexpr int kLocalPairs = 256;
+  int local[kLocalPairs];
+  std::vector<int> heap;
+  int* active = local;
+  if (pairs > kLocalPairs) {
+    heap.resize(pairs);
+    active = heap.data();
+  }
+  int count = 0;
+  for (int i = 0; i < pairs; ++i) {
+    if (mean[rope.first(i)] != 0.0f || mean[rope.second(i)] != 0.0f) active[count++] = i;
+  }
+  const bool outside = pairs == 0 || 2 * pairs < head_dim;
   for (int64_t t = 0; t < angles.n; ++t) {
     const float* k = keys + t * stride;
     float* o = out + t * stride;
-    for (int j = 0; j < head_dim; ++j) {
-      if (rope.num_pairs() == 0 || rope.pair_of(j) < 0) {
-        o[j] = static_cast<float>(static_cast<double>(k[j]) - mean[j]);
-      } else {
-        o[j] = k[j];
+    if (outside) {
+      for (int j = 0; j < head_dim; ++j) {
+        o[j] = pairs == 0 || rope.pair_of(j) < 0 ? static_cast<float>(static_cast<double>(k[j]) - mean[j]) : k[j];
       }
+    } else if (o != k) {
+      std::copy(k, k + head_dim, o);
     }
-    for (int i : active) {
-      const double c = angles.cos[t * angles.pairs + i], s = angles.sin[t * angles.pairs + i];
+    const double* cos = angles.cos.data() + t * angles.pairs;
+    const double* sin = angles.sin.data() + t * angles.pairs;
+    for (int n = 0; n < count; ++n) {
+      const int i = active[n];
+      const double c = cos[i], s = sin[i];
       const double ma = mean[rope.first(i)], mb = mean[rope.second(i)];
       o[rope.first(i)] = static_cast<float>(k[rope.first(i)] - (ma * c - mb * s));
       o[rope.second(i)] = static_cast<float>(k[rope.second(i)] - (ma * s + mb * c));

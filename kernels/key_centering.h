@@ -29,6 +29,7 @@
 #define TQKV_KERNELS_KEY_CENTERING_H_
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -92,9 +93,23 @@ class RopeTable {
   // x <- R_t x (inverse: R_t^-1 x) in place, x[head_dim], in double.
   void Rotate(int64_t position, double* x, bool inverse) const;
 
+  // cos and sin of position * theta_i for every pair, in double, to c[i] and
+  // s[i]. For 0 <= position < 2^24 without a sine or cosine: the product of
+  // tabulated rotations by each hexadecimal digit's angle (digit x 16^k x
+  // theta_i), at most five complex multiplies a pair, about 1e-15 from the
+  // exact values; a function of the position alone (the same bits however a
+  // sequence was appended). Elsewhere std::cos and std::sin. The tables
+  // (96 rotations a pair) are built on the first call; thread-safe.
+  void Angles(int64_t position, double* c, double* s) const;
+
  private:
+  // The digit rotations: [level k < 6][digit < 16][pair] as (cos, sin).
+  struct DigitTables;
+  const std::vector<double>& Digits() const;
+
   std::vector<int> first_, second_, pair_of_;
   std::vector<double> inv_freq_;
+  std::shared_ptr<DigitTables> digits_;  // shared by copies, filled once
 };
 
 // The per-query constants of the add-back for one mean m (see the top of the
@@ -119,8 +134,9 @@ AddBackTerms MakeAddBackTerms(const RopeTable& rope, const float* mean, const fl
 std::vector<int> ActivePairs(const RopeTable& rope, const float* mean);
 
 // cos and sin of t * theta_i for positions [first_position, first_position + n)
-// and every pair of a table, in double: computed once per append and shared by
-// all its layers and heads.
+// and every pair of a table, in double (RopeTable::Angles: no sine or cosine
+// below 2^24): computed once per append and shared by all its layers and
+// heads.
 struct RopeAngles {
   int64_t first_position = 0;
   int64_t n = 0;

@@ -20,9 +20,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/cpu/addback_table.h"
+#include "kernels/cpu/addback.h"
 #include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
+#include "kernels/cpu/exact_tokens.h"
+#include "kernels/cpu/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {
@@ -256,12 +258,12 @@ struct KeyDecoderFor<FieldFormat::kSplitCentroids, kKeyBits> {  // kKeyBits = 10
   using type = SplitDecoder<kKeyBits / 10, kKeyBits % 10>;
 };
 
-// Room for n floats, per thread (rows x head_dim is up to 128 KiB: too much
-// for the stack of an arbitrary caller's thread).
+// Room for n floats, per thread, 32-byte aligned (rows x head_dim is up to
+// 128 KiB: too much for the stack of an arbitrary caller's thread).
 float* QueryScratch(size_t n) {
   thread_local std::vector<float> scratch;
-  if (scratch.size() < n) scratch.resize(n);
-  return scratch.data();
+  if (scratch.size() < n + 8) scratch.resize(n + 8);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 31) & ~uintptr_t{31});
 }
 
 // Where each token of a block lives, and its scalars.
@@ -273,18 +275,6 @@ struct BlockTokens {
   alignas(32) float value_scale[kBlock];
   alignas(32) float value_zero[kBlock];
 };
-
-// The pre-RoPE add-back of row r for the 8 tokens from `at` in the block.
-inline __m256 AddBack(const HeadAttendParams& p, const AddBackTable& table, int r, int at) {
-  const int pairs = table.pairs();
-  const float* coef = p.addback_coef + static_cast<size_t>(r) * 2 * pairs;
-  __m256 sum = _mm256_setzero_ps(), sum2 = _mm256_setzero_ps();
-  for (int i = 0; i < pairs; ++i) {
-    sum = _mm256_fmadd_ps(_mm256_set1_ps(coef[i]), _mm256_loadu_ps(table.cos(i) + at), sum);
-    sum2 = _mm256_fmadd_ps(_mm256_set1_ps(coef[pairs + i]), _mm256_loadu_ps(table.sin(i) + at), sum2);
-  }
-  return _mm256_add_ps(sum, sum2);
-}
 
 // The raw dot products (before the token's scale) of kTokens tokens with
 // kRows rows over the 16-coordinate blocks [b0, b1) of each token: 8
@@ -361,132 +351,183 @@ inline void ValueTile(const ValueDecoder& value, const uint8_t* const* codes, in
   }
 }
 
+// The fused kernel for one pair of formats: per block of 64 tokens the
+// compressed tokens' raw scores (Scores), the online softmax with the exact
+// tokens' logits in their lanes and the add-back (Softmax), then the
+// compressed values (Values) and the exact ones (ExactReader::Values).
 template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
-void AttendHead(const HeadAttendParams& p) {
-  constexpr bool kSplit = kKey == FieldFormat::kSplitCentroids;
+class Kernel {
+ public:
+  static constexpr bool kSplit = kKey == FieldFormat::kSplitCentroids;
   using KeyDecoder = typename KeyDecoderFor<kKey, kKeyBits>::type;
   using ValueDecoder = Decoder<kValue, kValueBits>;
-  const int d = p.head_dim;
-  const int blocks = d / 16;
-  const int rows = p.rows;
-  const KeyDecoder key(p.key);
-  const ValueDecoder value(p.value);
-  // The queries in the keys' lane order.
-  float* queries = QueryScratch(static_cast<size_t>(rows) * d);
-  for (int r = 0; r < rows; ++r) {
-    for (int j = 0; j < d; ++j) {
-      queries[r * d + j / 16 * 16 + KeyDecoder::Position(j % 16)] = p.queries[static_cast<size_t>(r) * d + j];
+
+  explicit Kernel(const HeadAttendParams& params)
+      : p(params), d(params.head_dim), blocks(params.head_dim / 16), key(params.key), value(params.value),
+        exact(params) {
+    const size_t block_floats = static_cast<size_t>(p.rows) * kBlock;
+    queries = QueryScratch(static_cast<size_t>(p.rows) * d + 3 * block_floats);
+    addback = queries + static_cast<size_t>(p.rows) * d;
+    exact_scores = addback + block_floats;
+    exact_weights = exact_scores + block_floats;
+    for (int r = 0; r < p.rows; ++r) {
+      for (int j = 0; j < d; ++j) {
+        queries[r * d + j / 16 * 16 + KeyDecoder::Position(j % 16)] = p.queries[static_cast<size_t>(r) * d + j];
+      }
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.0f;
+      row_zero[r] = 0.0f;
+      memset(p.out + static_cast<size_t>(r) * d, 0, sizeof(float) * d);
     }
+    exact.Clear();
   }
-  // Per block and row: raw scores, then scores, then weights times the
-  // token's value scale. Split keys keep their cold part's raw scores apart.
-  alignas(32) float weights[kMaxRows * kBlock];
-  alignas(32) float cold_raw[kSplit ? kMaxRows * kBlock : 1];
-  BlockTokens tokens;
-  float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
-  const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
-  for (int r = 0; r < rows; ++r) {
-    row_max[r] = -std::numeric_limits<float>::infinity();
-    row_sum[r] = 0.0f;
-    row_zero[r] = 0.0f;
-    memset(p.out + static_cast<size_t>(r) * d, 0, sizeof(float) * d);
+
+  void Run() {
+    const int64_t max_visible = *std::max_element(p.visible, p.visible + p.rows);
+    static_assert(kBlock == kAttendBlock, "add-back and exact tokens go by the kernels' blocks");
+    const int64_t first = RunBlockStart(p, kBlock);
+    AddBackRows<simd::Avx2> rows_addback(p, first);
+    BlockWalk walk(p, first);
+    const int64_t end = max_visible > p.token_begin ? max_visible : first;
+    // The compressed codes are read up to the exact window.
+    const int64_t compressed_end = std::min(end, p.exact.window_begin);
+    BlockPrefetch prefetch(p, kBlock, first, compressed_end);
+    for (int64_t t0 = first; t0 < end; t0 += kBlock) {
+      if (rows_addback.active()) rows_addback.Next(addback);
+      const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
+      const int compressed = static_cast<int>(std::clamp<int64_t>(compressed_end - t0, 0, count));
+      const int groups = (count + kGroup - 1) / kGroup;
+      const int compressed_groups = (compressed + kGroup - 1) / kGroup;
+      const uint64_t exact_lanes = exact.BlockMask(t0, count);
+      prefetch.Next();
+      if (compressed > 0) {
+        walk.Next(
+            t0, compressed, compressed_groups * kGroup, tokens.key_codes, tokens.value_codes,
+            [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
+              KeyDecoder::Scalars(key_scalars, n, tokens.key_scale + i, tokens.key_cold_scale + i);
+              ValueDecoder::Scalars(value_scalars, n, tokens.value_scale + i, tokens.value_zero + i);
+            },
+            [&](int i) {
+              tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+            });
+      }
+      if (exact_lanes != 0) {
+        // Exact lanes of compressed tokens weigh nothing there.
+        for (int i = 0; i < compressed_groups * kGroup; ++i) {
+          if ((exact_lanes >> i) & 1) tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+        }
+        exact.Scores(t0, exact_lanes, exact_scores);
+      }
+      Scores(t0, compressed_groups);
+      prefetch.Next();
+      for (int r = 0; r < p.rows; ++r) {
+        if (p.visible[r] > t0) Softmax(r, t0, groups, compressed_groups, exact_lanes, rows_addback.active());
+      }
+      prefetch.Next();
+      Values(t0, compressed);
+      if (exact_lanes != 0) exact.Values(t0, exact_weights);
+      prefetch.Next();
+    }
+    Finish();
   }
-  const float kNegInf = -std::numeric_limits<float>::infinity();
-  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-  const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const int hot_blocks = kSplit ? p.key.hot_dims / 16 : blocks;
 
-  static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
-  const int64_t first = RunBlockStart(p, kBlock);
-  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
-  BlockWalk walk(p, first);
-  // No row sees a token of the run: nothing to read (the padding below needs one).
-  const int64_t end = max_visible > p.token_begin ? max_visible : first;
-  BlockPrefetch prefetch(p, kBlock, first, max_visible);
-  for (int64_t t0 = first; t0 < end; t0 += kBlock) {
-    addback.Next();
-    const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
-    prefetch.Next();
-    const int groups = (count + kGroup - 1) / kGroup;
-    walk.Next(
-        t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
-        [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
-          KeyDecoder::Scalars(key_scalars, n, tokens.key_scale + i, tokens.key_cold_scale + i);
-          ValueDecoder::Scalars(value_scalars, n, tokens.value_scale + i, tokens.value_zero + i);
-        },
-        [&](int i) { tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f; });
+ private:
+  static constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-    // Raw scores, tile by tile; rows that see none of the block are skipped.
-    ForRowTiles(rows, [&](auto tile_rows, int r0) {
+  // The raw scores of the compressed groups, row tile by row tile.
+  void Scores(int64_t t0, int compressed_groups) {
+    const int hot_blocks = kSplit ? p.key.hot_dims / 16 : blocks;
+    ForRowTiles(p.rows, [&](auto tile_rows, int r0) {
       constexpr int kRows = decltype(tile_rows)::value;
       if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
       const float* q = queries + r0 * d;
-      for (int i = 0; i < groups * kGroup; i += 8 / kRows) {
+      for (int i = 0; i < compressed_groups * kGroup; i += 8 / kRows) {
         ScoreTile<kRows>(key, tokens.key_codes + i, q, d, 0, hot_blocks, weights + r0 * kBlock + i);
         if constexpr (kSplit) {
           ScoreTile<kRows>(key, tokens.key_codes + i, q, d, hot_blocks, blocks, cold_raw + r0 * kBlock + i);
         }
       }
     });
+  }
 
-    prefetch.Next();
-    // Scores (times the token's scales, plus the add-back, masked), then the
-    // online softmax: rescale what came before, turn scores into weights.
-    for (int r = 0; r < rows; ++r) {
-      if (p.visible[r] <= t0) continue;
-      float* w = weights + r * kBlock;
-      __m256 m = neg_inf;
-      for (int g = 0; g < groups; ++g) {
-        const int64_t group_start = t0 + kGroup * g;
-        const int64_t seen = p.visible[r] - group_start;
-        if (seen <= 0) {
-          _mm256_store_ps(w + kGroup * g, neg_inf);
-          continue;
-        }
-        // Lanes before token_begin and from the row's visible end on are masked.
-        const int before = static_cast<int>(std::clamp<int64_t>(p.token_begin - group_start, 0, kGroup));
-        const __m256 live = _mm256_castsi256_ps(_mm256_and_si256(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index),
-            _mm256_cmpgt_epi32(lane_index, _mm256_set1_epi32(before - 1))));
-        __m256 score = _mm256_mul_ps(_mm256_load_ps(w + kGroup * g), _mm256_load_ps(tokens.key_scale + kGroup * g));
+  // The exact lanes of group g (bits of exact_lanes) as a vector mask.
+  static __m256 LaneMask(uint64_t exact_lanes, int g) {
+    const __m256i bits = _mm256_set1_epi32(static_cast<int>((exact_lanes >> (kGroup * g)) & 0xff));
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(bits, lane), lane));
+  }
+
+  // Row r's logits of the block (its compressed scores times the tokens'
+  // scales, the exact logits in their lanes, the add-back), then its online
+  // softmax step: weights times the value scales in place of the logits, and
+  // the exact lanes' weights to exact_weights.
+  void Softmax(int r, int64_t t0, int groups, int compressed_groups, uint64_t exact_lanes, bool with_addback) {
+    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+    const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    float* w = weights + r * kBlock;
+    __m256 m = neg_inf;
+    for (int g = 0; g < groups; ++g) {
+      const int64_t group_start = t0 + kGroup * g;
+      const int64_t seen = p.visible[r] - group_start;
+      if (seen <= 0) {
+        _mm256_store_ps(w + kGroup * g, neg_inf);
+        continue;
+      }
+      const int before = static_cast<int>(std::clamp<int64_t>(p.token_begin - group_start, 0, kGroup));
+      const __m256 live = _mm256_castsi256_ps(_mm256_and_si256(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(seen, kGroup))), lane_index),
+          _mm256_cmpgt_epi32(lane_index, _mm256_set1_epi32(before - 1))));
+      __m256 score = neg_inf;
+      if (g < compressed_groups) {
+        score = _mm256_mul_ps(_mm256_load_ps(w + kGroup * g), _mm256_load_ps(tokens.key_scale + kGroup * g));
         if constexpr (kSplit) {
           score = _mm256_fmadd_ps(_mm256_load_ps(cold_raw + r * kBlock + kGroup * g),
                                   _mm256_load_ps(tokens.key_cold_scale + kGroup * g), score);
         }
-        if (addback.pairs() > 0) score = _mm256_add_ps(score, AddBack(p, addback, r, kGroup * g));
-        score = _mm256_blendv_ps(neg_inf, score, live);
-        _mm256_store_ps(w + kGroup * g, score);
-        m = _mm256_max_ps(m, score);
       }
-      const float new_max = std::max(row_max[r], Max(m));
-      // exp(0) without the call: most blocks do not raise the maximum.
-      const float correction =
-          row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
-      row_max[r] = new_max;
-      __m256 sum = _mm256_setzero_ps(), zero_sum = _mm256_setzero_ps();
-      for (int g = 0; g < groups; ++g) {
-        const __m256 s = _mm256_load_ps(w + kGroup * g);
-        const __m256 live = _mm256_cmp_ps(s, neg_inf, _CMP_NEQ_OQ);
-        const __m256 e = _mm256_and_ps(live, Exp(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
-        _mm256_store_ps(w + kGroup * g, _mm256_mul_ps(e, _mm256_load_ps(tokens.value_scale + kGroup * g)));
-        sum = _mm256_add_ps(sum, e);
-        if constexpr (kValue == FieldFormat::kUniform) {
+      if (((exact_lanes >> (kGroup * g)) & 0xff) != 0) {
+        score = _mm256_blendv_ps(score, _mm256_load_ps(exact_scores + r * kBlock + kGroup * g), LaneMask(exact_lanes, g));
+      }
+      if (with_addback) score = _mm256_add_ps(score, _mm256_load_ps(addback + r * kBlock + kGroup * g));
+      score = _mm256_blendv_ps(neg_inf, score, live);
+      _mm256_store_ps(w + kGroup * g, score);
+      m = _mm256_max_ps(m, score);
+    }
+    const float new_max = std::max(row_max[r], Max(m));
+    const float correction =
+        row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
+    row_max[r] = new_max;
+    __m256 sum = _mm256_setzero_ps(), zero_sum = _mm256_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+      const __m256 s = _mm256_load_ps(w + kGroup * g);
+      const __m256 live = _mm256_cmp_ps(s, neg_inf, _CMP_NEQ_OQ);
+      const __m256 e = _mm256_and_ps(live, Exp(_mm256_sub_ps(s, _mm256_set1_ps(new_max))));
+      if (exact_lanes != 0) _mm256_store_ps(exact_weights + r * kBlock + kGroup * g, e);
+      // Lanes past the compressed groups hold no compressed token.
+      const __m256 value_scale =
+          g < compressed_groups ? _mm256_load_ps(tokens.value_scale + kGroup * g) : _mm256_setzero_ps();
+      _mm256_store_ps(w + kGroup * g, _mm256_mul_ps(e, value_scale));
+      sum = _mm256_add_ps(sum, e);
+      if constexpr (kValue == FieldFormat::kUniform) {
+        if (g < compressed_groups) {
           zero_sum = _mm256_fmadd_ps(e, _mm256_load_ps(tokens.value_zero + kGroup * g), zero_sum);
         }
       }
-      row_sum[r] = row_sum[r] * correction + Sum(sum);
-      row_zero[r] = row_zero[r] * correction + Sum(zero_sum);
-      if (correction != 1.0f) {
-        float* out = p.out + static_cast<size_t>(r) * d;
-        const __m256 factor = _mm256_set1_ps(correction);
-        for (int c = 0; c < d; c += kLanes) _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(out + c), factor));
-      }
     }
+    row_sum[r] = row_sum[r] * correction + Sum(sum);
+    row_zero[r] = row_zero[r] * correction + Sum(zero_sum);
+    exact.Rescale(r, correction);
+    if (correction != 1.0f) {
+      float* out = p.out + static_cast<size_t>(r) * d;
+      const __m256 factor = _mm256_set1_ps(correction);
+      for (int c = 0; c < d; c += kLanes) _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(out + c), factor));
+    }
+  }
 
-    prefetch.Next();
-    // Values, tile by tile; a row that sees none of the block has zero
-    // weights there (or stale ones, for a row skipped above: skip the tile).
-    ForRowTiles(rows, [&](auto tile_rows, int r0) {
+  // The compressed values of the block's first `compressed` tokens, row tile
+  // by row tile (rows that see none of the block weigh zero).
+  void Values(int64_t t0, int compressed) {
+    ForRowTiles(p.rows, [&](auto tile_rows, int r0) {
       constexpr int kRows = decltype(tile_rows)::value;
       if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
       for (int r = r0; r < r0 + kRows; ++r) {
@@ -496,33 +537,58 @@ void AttendHead(const HeadAttendParams& p) {
       const float* w = weights + r0 * kBlock;
       constexpr int kBlocks = 4 / kRows;
       int b = 0;
-      for (; b + kBlocks <= blocks; b += kBlocks) ValueTile<kRows, kBlocks>(value, tokens.value_codes, count, w, b, out, d);
+      for (; b + kBlocks <= blocks; b += kBlocks) ValueTile<kRows, kBlocks>(value, tokens.value_codes, compressed, w, b, out, d);
       if constexpr (kBlocks == 4) {
         if (blocks - b >= 2) {
-          ValueTile<kRows, 2>(value, tokens.value_codes, count, w, b, out, d);
+          ValueTile<kRows, 2>(value, tokens.value_codes, compressed, w, b, out, d);
           b += 2;
         }
       }
       if constexpr (kBlocks >= 2) {
-        if (b < blocks) ValueTile<kRows, 1>(value, tokens.value_codes, count, w, b, out, d);
+        if (b < blocks) ValueTile<kRows, 1>(value, tokens.value_codes, compressed, w, b, out, d);
       }
     });
-    prefetch.Next();
   }
-  float line[kMaxHeadDim];
-  for (int r = 0; r < rows; ++r) {
-    float* out = p.out + static_cast<size_t>(r) * d;
-    if (row_sum[r] == 0.0f) {  // saw no token
-      memset(out, 0, sizeof(float) * d);
-      p.lse[r] = kNegInf;
-      continue;
+
+  // Normalises out (back in coordinate order) and the exact share, writes lse.
+  void Finish() {
+    float line[kMaxHeadDim];
+    for (int r = 0; r < p.rows; ++r) {
+      float* out = p.out + static_cast<size_t>(r) * d;
+      if (row_sum[r] == 0.0f) {  // saw no token
+        memset(out, 0, sizeof(float) * d);
+        exact.Finish(r, 0.0f);
+        p.lse[r] = kNegInf;
+        continue;
+      }
+      const float inv = 1.0f / row_sum[r];
+      const float shift = row_zero[r] * inv;
+      for (int j = 0; j < d; ++j) line[j] = out[j / 16 * 16 + ValueDecoder::Position(j % 16)] * inv + shift;
+      memcpy(out, line, sizeof(float) * d);
+      exact.Finish(r, inv);
+      p.lse[r] = row_max[r] + std::log(row_sum[r]);
     }
-    const float inv = 1.0f / row_sum[r];
-    const float shift = row_zero[r] * inv;
-    for (int j = 0; j < d; ++j) line[j] = out[j / 16 * 16 + ValueDecoder::Position(j % 16)] * inv + shift;
-    memcpy(out, line, sizeof(float) * d);
-    p.lse[r] = row_max[r] + std::log(row_sum[r]);
   }
+
+  const HeadAttendParams& p;
+  const int d;
+  const int blocks;  // of 16 coordinates
+  const KeyDecoder key;
+  const ValueDecoder value;
+  ExactReader<simd::Avx2> exact;
+  float* queries;        // [rows][d], in the keys' lane order
+  float* addback;        // [rows][kBlock]: the block's add-back
+  float* exact_scores;   // [rows][kBlock]: the block's exact logits
+  float* exact_weights;  // [rows][kBlock]: and their weights
+  alignas(32) float weights[kMaxRows * kBlock];
+  alignas(32) float cold_raw[kSplit ? kMaxRows * kBlock : 1];
+  BlockTokens tokens;
+  float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
+};
+
+template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+void AttendHead(const HeadAttendParams& p) {
+  Kernel<kKey, kKeyBits, kValue, kValueBits>(p).Run();
 }
 
 struct Avx2Kernels {

@@ -21,16 +21,17 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/cpu/addback_table.h"
+#include "kernels/cpu/addback.h"
 #include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
+#include "kernels/cpu/exact_tokens.h"
+#include "kernels/cpu/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {
 namespace {
 
-using avx512::AddBack;
 using avx512::Exp;
 using avx512::Max;
 using avx512::Sum;
@@ -228,8 +229,8 @@ class Decoder {
 // for the stack of an arbitrary caller's thread).
 float* QueryScratch(size_t n) {
   thread_local std::vector<float> scratch;
-  if (scratch.size() < n) scratch.resize(n);
-  return scratch.data();
+  if (scratch.size() < n + 16) scratch.resize(n + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 
 // Where each token of a block lives, and its scalars.
@@ -241,115 +242,161 @@ struct BlockTokens {
   alignas(64) float value_zero[kBlock];
 };
 
+// The fused kernel for one pair of formats: per block of 64 tokens the
+// compressed groups' scores (Scores), the exact tokens' logits in place of
+// theirs and the add-back (FinishScores), the online softmax (Softmax), then
+// the compressed values (Values) and the exact ones (ExactReader::Values).
 template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
-void AttendHead(const HeadAttendParams& p) {
+class Kernel {
+ public:
   using KeyDecoder = Decoder<kKey, kKeyBits>;
   using ValueDecoder = Decoder<kValue, kValueBits>;
-  const int d = p.head_dim;
-  const int chunks = d / kLanes;
-  const int rows = p.rows;
-  const KeyDecoder key(p.key);
-  const ValueDecoder value(p.value);
-  // The queries in the keys' lane order.
-  float* queries = QueryScratch(static_cast<size_t>(rows) * d);
-  for (int r = 0; r < rows; ++r) {
-    for (int j = 0; j < d; ++j) {
-      queries[r * d + j / 16 * 16 + KeyDecoder::PairPosition(j % 16)] = p.queries[static_cast<size_t>(r) * d + j];
+
+  explicit Kernel(const HeadAttendParams& params)
+      : p(params), d(params.head_dim), chunks(params.head_dim / kLanes), key(params.key), value(params.value),
+        exact(params) {
+    // The queries in the keys' lane order.
+    queries = QueryScratch(static_cast<size_t>(p.rows) * d + 2 * static_cast<size_t>(p.rows) * kBlock);
+    addback = queries + static_cast<size_t>(p.rows) * d;
+    exact_scores = addback + static_cast<size_t>(p.rows) * kBlock;
+    for (int r = 0; r < p.rows; ++r) {
+      for (int j = 0; j < d; ++j) {
+        queries[r * d + j / 16 * 16 + KeyDecoder::PairPosition(j % 16)] = p.queries[static_cast<size_t>(r) * d + j];
+      }
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.0f;
+      row_zero[r] = 0.0f;
+      memset(p.out + static_cast<size_t>(r) * d, 0, sizeof(float) * d);
     }
+    exact.Clear();
   }
-  // The group's expanded keys, [d / 8][pair][16], then its values, [d / 16][token][16].
-  alignas(64) float lines[kGroup * kMaxHeadDim];
-  alignas(64) float weights[kMaxRows * kBlock];        // per block: scores, then weights
-  alignas(64) float group_weights[kMaxRows * kGroup];  // weight * value scale
-  BlockTokens tokens;
-  float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
-  const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
-  for (int r = 0; r < rows; ++r) {
-    row_max[r] = -std::numeric_limits<float>::infinity();
-    row_sum[r] = 0.0f;
-    row_zero[r] = 0.0f;
-    memset(p.out + static_cast<size_t>(r) * d, 0, sizeof(float) * d);
+
+  void Run() {
+    const int64_t max_visible = *std::max_element(p.visible, p.visible + p.rows);
+    static_assert(kBlock == kAttendBlock, "add-back and exact tokens go by the kernels' blocks");
+    const int64_t first = RunBlockStart(p, kBlock);
+    AddBackRows<simd::Avx512> rows_addback(p, first);
+    BlockWalk walk(p, first);
+    // No row sees a token of the run: nothing to read (the padding below needs one).
+    const int64_t end = max_visible > p.token_begin ? max_visible : first;
+    // The compressed codes are read up to the exact window.
+    const int64_t compressed_end = std::min(end, p.exact.window_begin);
+    BlockPrefetch prefetch(p, kBlock, first, compressed_end);
+    for (int64_t t0 = first; t0 < end; t0 += kBlock) {
+      if (rows_addback.active()) rows_addback.Next(addback);
+      const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
+      const int compressed = static_cast<int>(std::clamp<int64_t>(compressed_end - t0, 0, count));
+      const int groups = (count + kGroup - 1) / kGroup;
+      const int compressed_groups = (compressed + kGroup - 1) / kGroup;
+      const uint64_t exact_lanes = exact.BlockMask(t0, count);
+      prefetch.Next();
+      if (compressed > 0) {
+        walk.Next(
+            t0, compressed, compressed_groups * kGroup, tokens.key_codes, tokens.value_codes,
+            [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
+              KeyDecoder::Scalars(key_scalars, n, tokens.key_scale + i, nullptr);
+              ValueDecoder::Scalars(value_scalars, n, tokens.value_scale + i, tokens.value_zero + i);
+            },
+            [&](int i) { tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f; });
+      }
+      if (exact_lanes != 0) {
+        // Exact lanes of compressed groups weigh nothing there.
+        for (int g = 0; g < compressed_groups; ++g) {
+          const __mmask16 lanes = static_cast<__mmask16>(exact_lanes >> (kGroup * g));
+          _mm512_mask_storeu_ps(tokens.value_scale + kGroup * g, lanes, _mm512_setzero_ps());
+          _mm512_mask_storeu_ps(tokens.value_zero + kGroup * g, lanes, _mm512_setzero_ps());
+        }
+        exact.Scores(t0, exact_lanes, exact_scores);
+      }
+      for (int g = 0; g < compressed_groups; ++g) Scores(t0, g);
+      FinishScores(t0, groups, compressed_groups, exact_lanes, rows_addback.active());
+      prefetch.Next();
+      Softmax(t0, groups, compressed_groups);
+      prefetch.Next();
+      for (int g = 0; g < compressed_groups; ++g) Values(t0, g);
+      if (exact_lanes != 0) exact.Values(t0, weights);
+      prefetch.Next();
+    }
+    Finish();
   }
-  const float kNegInf = -std::numeric_limits<float>::infinity();
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+
+ private:
+  static constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
   // The lanes of a group that a row sees, given how many of its tokens it sees.
-  const auto seen_lanes = [](int64_t seen) {
+  static __mmask16 SeenLanes(int64_t seen) {
     return static_cast<__mmask16>(seen >= kGroup ? 0xffff : seen <= 0 ? 0 : (1u << seen) - 1);
-  };
+  }
 
-  static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
-  const int64_t first = RunBlockStart(p, kBlock);
-  AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
-  BlockWalk walk(p, first);
-  // No row sees a token of the run: nothing to read (the padding below needs one).
-  const int64_t end = max_visible > p.token_begin ? max_visible : first;
-  BlockPrefetch prefetch(p, kBlock, first, max_visible);
-  for (int64_t t0 = first; t0 < end; t0 += kBlock) {
-    addback.Next();
-    const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
-    prefetch.Next();
-    const int groups = (count + kGroup - 1) / kGroup;
-    walk.Next(
-        t0, count, groups * kGroup, tokens.key_codes, tokens.value_codes,
-        [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
-          KeyDecoder::Scalars(key_scalars, n, tokens.key_scale + i, nullptr);
-          ValueDecoder::Scalars(value_scalars, n, tokens.value_scale + i, tokens.value_zero + i);
-        },
-        [&](int i) { tokens.key_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f; });
-
-    // Scores.
-    for (int g = 0; g < groups; ++g) {
-      const int64_t group_start = t0 + kGroup * g;
-      const uint8_t* const* codes = tokens.key_codes + kGroup * g;
-      for (int pair = 0; pair < 8; ++pair) {
-        const uint8_t* a = codes[kPairFirst[pair]];
-        const uint8_t* b = codes[kPairFirst[pair] + 4];
-        for (int block = 0; block < chunks; ++block) {
-          key.Pairs(a, b, block, reinterpret_cast<__m512*>(lines + ((2 * block) * 8 + pair) * kLanes),
-                    reinterpret_cast<__m512*>(lines + ((2 * block + 1) * 8 + pair) * kLanes));
-        }
-      }
-      const __m512 scale = _mm512_load_ps(tokens.key_scale + kGroup * g);
-      for (int r = 0; r < rows; r += 2) {
-        // Two rows share each key load (the second is the first again when
-        // rows is odd).
-        const int r1 = std::min(r + 1, rows - 1);
-        const int64_t seen0 = p.visible[r] - group_start, seen1 = p.visible[r1] - group_start;
-        float* w0 = weights + r * kBlock + kGroup * g;
-        float* w1 = weights + r1 * kBlock + kGroup * g;
-        if (seen0 <= 0 && seen1 <= 0) {
-          _mm512_store_ps(w0, neg_inf);
-          _mm512_store_ps(w1, neg_inf);
-          continue;
-        }
-        const float* q0 = queries + r * d;
-        const float* q1 = queries + r1 * d;
-        __m512 acc0[8], acc1[8];
-        for (int i = 0; i < 8; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-        for (int m = 0; m < 2 * chunks; ++m) {
-          const __m512 qa = _mm512_broadcast_f32x8(_mm256_loadu_ps(q0 + 8 * m));
-          const __m512 qb = _mm512_broadcast_f32x8(_mm256_loadu_ps(q1 + 8 * m));
-          const float* k = lines + 8 * kLanes * m;
-          for (int i = 0; i < 8; ++i) {
-            const __m512 kv = _mm512_load_ps(k + kLanes * i);
-            acc0[i] = _mm512_fmadd_ps(qa, kv, acc0[i]);
-            acc1[i] = _mm512_fmadd_ps(qb, kv, acc1[i]);
-          }
-        }
-        __m512 s0 = _mm512_mul_ps(SumPairs(acc0), scale), s1 = _mm512_mul_ps(SumPairs(acc1), scale);
-        if (addback.pairs() > 0) {
-          s0 = _mm512_add_ps(s0, AddBack(p, addback, r, kGroup * g));
-          s1 = _mm512_add_ps(s1, AddBack(p, addback, r1, kGroup * g));
-        }
-        const __mmask16 after_begin = static_cast<__mmask16>(~seen_lanes(p.token_begin - group_start));
-        _mm512_store_ps(w1, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen1) & after_begin, s1));
-        _mm512_store_ps(w0, _mm512_mask_mov_ps(neg_inf, seen_lanes(seen0) & after_begin, s0));
+  // Group g's scaled compressed scores into weights, two rows at a time (rows
+  // that see none of the group: -inf).
+  void Scores(int64_t t0, int g) {
+    const int64_t group_start = t0 + kGroup * g;
+    const uint8_t* const* codes = tokens.key_codes + kGroup * g;
+    for (int pair = 0; pair < 8; ++pair) {
+      const uint8_t* a = codes[kPairFirst[pair]];
+      const uint8_t* b = codes[kPairFirst[pair] + 4];
+      for (int block = 0; block < chunks; ++block) {
+        key.Pairs(a, b, block, reinterpret_cast<__m512*>(lines + ((2 * block) * 8 + pair) * kLanes),
+                  reinterpret_cast<__m512*>(lines + ((2 * block + 1) * 8 + pair) * kLanes));
       }
     }
+    const __m512 scale = _mm512_load_ps(tokens.key_scale + kGroup * g);
+    for (int r = 0; r < p.rows; r += 2) {
+      // Two rows share each key load (the second is the first again when
+      // rows is odd).
+      const int r1 = std::min(r + 1, p.rows - 1);
+      float* w0 = weights + r * kBlock + kGroup * g;
+      float* w1 = weights + r1 * kBlock + kGroup * g;
+      if (p.visible[r] <= group_start && p.visible[r1] <= group_start) {
+        _mm512_store_ps(w0, _mm512_set1_ps(kNegInf));
+        _mm512_store_ps(w1, _mm512_set1_ps(kNegInf));
+        continue;
+      }
+      const float* q0 = queries + r * d;
+      const float* q1 = queries + r1 * d;
+      __m512 acc0[8], acc1[8];
+      for (int i = 0; i < 8; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+      for (int m = 0; m < 2 * chunks; ++m) {
+        const __m512 qa = _mm512_broadcast_f32x8(_mm256_loadu_ps(q0 + 8 * m));
+        const __m512 qb = _mm512_broadcast_f32x8(_mm256_loadu_ps(q1 + 8 * m));
+        const float* k = lines + 8 * kLanes * m;
+        for (int i = 0; i < 8; ++i) {
+          const __m512 kv = _mm512_load_ps(k + kLanes * i);
+          acc0[i] = _mm512_fmadd_ps(qa, kv, acc0[i]);
+          acc1[i] = _mm512_fmadd_ps(qb, kv, acc1[i]);
+        }
+      }
+      _mm512_store_ps(w1, _mm512_mul_ps(SumPairs(acc1), scale));
+      _mm512_store_ps(w0, _mm512_mul_ps(SumPairs(acc0), scale));
+    }
+  }
 
-    prefetch.Next();
-    // Online softmax: rescale what came before, turn scores into weights.
-    for (int r = 0; r < rows; ++r) {
+  // Every row's logits of the block's groups: the compressed scores of the
+  // first compressed_groups, the exact tokens' in their lanes, plus the
+  // add-back; lanes a row does not see at -inf.
+  void FinishScores(int64_t t0, int groups, int compressed_groups, uint64_t exact_lanes, bool with_addback) {
+    for (int r = 0; r < p.rows; ++r) {
+      if (p.visible[r] <= t0) continue;
+      for (int g = 0; g < groups; ++g) {
+        const int64_t group_start = t0 + kGroup * g;
+        float* w = weights + r * kBlock + kGroup * g;
+        __m512 s = g < compressed_groups ? _mm512_load_ps(w) : _mm512_set1_ps(kNegInf);
+        const __mmask16 exact_group = static_cast<__mmask16>(exact_lanes >> (kGroup * g));
+        if (exact_group != 0) s = _mm512_mask_loadu_ps(s, exact_group, exact_scores + r * kBlock + kGroup * g);
+        if (with_addback) s = _mm512_add_ps(s, _mm512_load_ps(addback + r * kBlock + kGroup * g));
+        const __mmask16 live =
+            SeenLanes(p.visible[r] - group_start) & static_cast<__mmask16>(~SeenLanes(p.token_begin - group_start));
+        _mm512_store_ps(w, _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), live, s));
+      }
+    }
+  }
+
+  // Online softmax: rescale what came before, turn logits into weights
+  // (uniform values: and sum their zero points over the compressed groups).
+  void Softmax(int64_t t0, int groups, int compressed_groups) {
+    const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+    for (int r = 0; r < p.rows; ++r) {
       if (p.visible[r] <= t0) continue;
       float* w = weights + r * kBlock;
       __m512 m = neg_inf;
@@ -367,11 +414,14 @@ void AttendHead(const HeadAttendParams& p) {
         _mm512_store_ps(w + kGroup * g, e);
         sum = _mm512_add_ps(sum, e);
         if constexpr (kValue == FieldFormat::kUniform) {
-          zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
+          if (g < compressed_groups) {
+            zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
+          }
         }
       }
       row_sum[r] = row_sum[r] * correction + Sum(sum);
       row_zero[r] = row_zero[r] * correction + Sum(zero_sum);
+      exact.Rescale(r, correction);
       if (correction != 1.0f) {
         float* out = p.out + static_cast<size_t>(r) * d;
         const __m512 factor = _mm512_set1_ps(correction);
@@ -380,54 +430,79 @@ void AttendHead(const HeadAttendParams& p) {
         }
       }
     }
+  }
 
-    prefetch.Next();
-    // Values.
-    for (int g = 0; g < groups; ++g) {
-      const int64_t group_start = t0 + kGroup * g;
-      const __m512 scale = _mm512_load_ps(tokens.value_scale + kGroup * g);
-      for (int r = 0; r < rows; ++r) {
-        const __m512 w = _mm512_load_ps(weights + r * kBlock + kGroup * g);
-        _mm512_store_ps(group_weights + r * kGroup, _mm512_mul_ps(w, scale));
-      }
-      const uint8_t* const* codes = tokens.value_codes + kGroup * g;
-      for (int i = 0; i < kGroup; ++i) {
-        for (int c = 0; c < chunks; ++c) _mm512_store_ps(lines + (kGroup * c + i) * kLanes, value.Chunk(codes[i], c, chunks));
-      }
-      for (int c = 0; c < chunks; ++c) {
-        __m512 v[kGroup];
-        for (int i = 0; i < kGroup; ++i) v[i] = _mm512_load_ps(lines + (kGroup * c + i) * kLanes);
-        for (int r = 0; r < rows; ++r) {
-          if (p.visible[r] <= group_start) continue;
-          float* out = p.out + static_cast<size_t>(r) * d + kLanes * c;
-          const float* gw = group_weights + r * kGroup;
-          // Two chains of 8 FMAs rather than one of 16: the latency of the
-          // chains, not the FMA ports, would bound this loop.
-          __m512 acc = _mm512_loadu_ps(out), acc2 = _mm512_mul_ps(_mm512_set1_ps(gw[8]), v[8]);
-          for (int i = 0; i < 8; ++i) {
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(gw[i]), v[i], acc);
-            if (i > 0) acc2 = _mm512_fmadd_ps(_mm512_set1_ps(gw[8 + i]), v[8 + i], acc2);
-          }
-          _mm512_storeu_ps(out, _mm512_add_ps(acc, acc2));
+  // Group g's compressed values into out (exact lanes' value scales are zero).
+  void Values(int64_t t0, int g) {
+    const int64_t group_start = t0 + kGroup * g;
+    const __m512 scale = _mm512_load_ps(tokens.value_scale + kGroup * g);
+    for (int r = 0; r < p.rows; ++r) {
+      const __m512 w = _mm512_load_ps(weights + r * kBlock + kGroup * g);
+      _mm512_store_ps(group_weights + r * kGroup, _mm512_mul_ps(w, scale));
+    }
+    const uint8_t* const* codes = tokens.value_codes + kGroup * g;
+    for (int i = 0; i < kGroup; ++i) {
+      for (int c = 0; c < chunks; ++c) _mm512_store_ps(lines + (kGroup * c + i) * kLanes, value.Chunk(codes[i], c, chunks));
+    }
+    for (int c = 0; c < chunks; ++c) {
+      __m512 v[kGroup];
+      for (int i = 0; i < kGroup; ++i) v[i] = _mm512_load_ps(lines + (kGroup * c + i) * kLanes);
+      for (int r = 0; r < p.rows; ++r) {
+        if (p.visible[r] <= group_start) continue;
+        float* out = p.out + static_cast<size_t>(r) * d + kLanes * c;
+        const float* gw = group_weights + r * kGroup;
+        // Two chains of 8 FMAs rather than one of 16: the latency of the
+        // chains, not the FMA ports, would bound this loop.
+        __m512 acc = _mm512_loadu_ps(out), acc2 = _mm512_mul_ps(_mm512_set1_ps(gw[8]), v[8]);
+        for (int i = 0; i < 8; ++i) {
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(gw[i]), v[i], acc);
+          if (i > 0) acc2 = _mm512_fmadd_ps(_mm512_set1_ps(gw[8 + i]), v[8 + i], acc2);
         }
+        _mm512_storeu_ps(out, _mm512_add_ps(acc, acc2));
       }
     }
-    prefetch.Next();
   }
-  float line[kMaxHeadDim];
-  for (int r = 0; r < rows; ++r) {
-    float* out = p.out + static_cast<size_t>(r) * d;
-    if (row_sum[r] == 0.0f) {  // saw no token
-      memset(out, 0, sizeof(float) * d);
-      p.lse[r] = kNegInf;
-      continue;
+
+  // Normalises out (back in coordinate order) and the exact share, writes lse.
+  void Finish() {
+    float line[kMaxHeadDim];
+    for (int r = 0; r < p.rows; ++r) {
+      float* out = p.out + static_cast<size_t>(r) * d;
+      if (row_sum[r] == 0.0f) {  // saw no token
+        memset(out, 0, sizeof(float) * d);
+        exact.Finish(r, 0.0f);
+        p.lse[r] = kNegInf;
+        continue;
+      }
+      const float inv = 1.0f / row_sum[r];
+      const float shift = row_zero[r] * inv;
+      for (int j = 0; j < d; ++j) line[j] = out[ValueDecoder::ChunkPosition(j, d)] * inv + shift;
+      memcpy(out, line, sizeof(float) * d);
+      exact.Finish(r, inv);
+      p.lse[r] = row_max[r] + std::log(row_sum[r]);
     }
-    const float inv = 1.0f / row_sum[r];
-    const float shift = row_zero[r] * inv;
-    for (int j = 0; j < d; ++j) line[j] = out[ValueDecoder::ChunkPosition(j, d)] * inv + shift;
-    memcpy(out, line, sizeof(float) * d);
-    p.lse[r] = row_max[r] + std::log(row_sum[r]);
   }
+
+  const HeadAttendParams& p;
+  const int d;
+  const int chunks;
+  const KeyDecoder key;
+  const ValueDecoder value;
+  ExactReader<simd::Avx512> exact;
+  float* queries;       // [rows][d], in the keys' lane order
+  float* addback;       // [rows][kBlock]: the block's add-back
+  float* exact_scores;  // [rows][kBlock]: the block's exact logits
+  // The group's expanded keys, [d / 8][pair][16], then its values, [d / 16][token][16].
+  alignas(64) float lines[kGroup * kMaxHeadDim];
+  alignas(64) float weights[kMaxRows * kBlock];        // per block: scores, then weights
+  alignas(64) float group_weights[kMaxRows * kGroup];  // weight * value scale
+  BlockTokens tokens;
+  float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
+};
+
+template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+void AttendHead(const HeadAttendParams& p) {
+  Kernel<kKey, kKeyBits, kValue, kValueBits>(p).Run();
 }
 
 struct Avx512Kernels {

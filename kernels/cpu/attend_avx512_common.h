@@ -12,7 +12,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/cpu/addback_table.h"
 #include "kernels/cpu/attend_kernels.h"
 
 namespace tqkv {
@@ -70,18 +69,6 @@ static inline void LoadScalars(const uint8_t* scalars, int n, float* scale, floa
     _mm512_mask_storeu_ps(zero + k, lanes,
                           _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
   }
-}
-
-// The pre-RoPE add-back of row r for the 16 tokens from `at` in the block.
-static inline __m512 AddBack(const HeadAttendParams& p, const AddBackTable& table, int r, int at) {
-  const int pairs = table.pairs();
-  const float* coef = p.addback_coef + static_cast<size_t>(r) * 2 * pairs;
-  __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
-  for (int i = 0; i < pairs; ++i) {
-    sum = _mm512_fmadd_ps(_mm512_set1_ps(coef[i]), _mm512_loadu_ps(table.cos(i) + at), sum);
-    sum2 = _mm512_fmadd_ps(_mm512_set1_ps(coef[pairs + i]), _mm512_loadu_ps(table.sin(i) + at), sum2);
-  }
-  return _mm512_add_ps(sum, sum2);
 }
 
 }  // namespace avx512

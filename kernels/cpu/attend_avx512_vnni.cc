@@ -36,11 +36,14 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
-#include "kernels/cpu/addback_table.h"
+#include "kernels/cpu/addback.h"
 #include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_kernels.h"
+#include "kernels/cpu/exact_tokens.h"
 #include "kernels/cpu/integer_attend.h"
+#include "kernels/cpu/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {
@@ -63,6 +66,14 @@ inline __m512i DotQuery(__m512i acc, __m512i k, const int32_t* q) {
 inline __m512i DotWeights(__m512i acc, __m512i w, __m512i v) {
   __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(v));
   return acc;
+}
+
+// Per-thread room for n floats, 64-byte aligned (a block's add-back and
+// exact-token scratch: up to 48 KiB, too much for an arbitrary caller's stack).
+float* BlockScratch(size_t n) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < n + 16) scratch.resize(n + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 
 // The integer kernel: scores and values through vpdpbusd on codes tiles.
@@ -189,6 +200,34 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
     }
   }
 
+  // Raw scores of the block's compressed groups, every row tile that sees the block.
+  void ScoreBlock(int64_t t0, const BlockTokens& tokens, int groups, int32_t (*raw)[kMaxRows * kBlock]) const {
+    ForRowTiles(p.rows, [&](auto tile_rows, int r0) {
+      constexpr int kRows = decltype(tile_rows)::value;
+      if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
+      for (int part = 0; part < kParts; ++part) ScorePart<kRows>(part, tokens, groups, r0, raw[part] + r0 * kBlock);
+    });
+  }
+
+  // The block's compressed values, tile by tile; rows that see none of the
+  // block weigh zero.
+  void ValueBlock(int64_t t0, const BlockTokens& tokens, int groups, const uint8_t* weights,
+                  const float* weight_unit) {
+    ForRowTiles(p.rows, [&](auto tile_rows, int r0) {
+      constexpr int kRows = decltype(tile_rows)::value;
+      if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
+      const uint8_t* w = weights + r0 * kBlock;
+      const float* unit = weight_unit + r0;
+      // (ValueTile's weights and units are the tile's rows'.)
+      // As many chunks of 16 coordinates at once as 16 accumulators hold.
+      constexpr int kChunks = kRows >= 4 ? 2 : kRows == 2 ? 4 : 8;
+      const int chunks = d / 16;
+      int m = 0;
+      for (; m + kChunks <= chunks; m += kChunks) ValueTile<kRows, kChunks>(tokens, groups, w, unit, r0, m);
+      for (; m < chunks; m += 4) ValueTile<kRows, 4>(tokens, groups, w, unit, r0, m);
+    });
+  }
+
   void Run() {
     const int rows = p.rows;
     alignas(64) int32_t raw[kParts][kMaxRows * kBlock];
@@ -198,56 +237,67 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
     float weight_unit[kMaxRows], correction[kMaxRows];
     BlockTokens tokens;
     const int64_t max_visible = *std::max_element(p.visible, p.visible + rows);
+    // The add-back, the exact tokens' logits and weights: [rows][kBlock] each.
+    float* extras = BlockScratch(3 * static_cast<size_t>(rows) * kBlock);
+    BlockExtras x;
+    x.addback = p.addback_pairs > 0 ? extras : nullptr;
+    x.exact_scores = extras + static_cast<size_t>(rows) * kBlock;
+    x.exact_weights = extras + 2 * static_cast<size_t>(rows) * kBlock;
 
-    static_assert(kBlock == kAddBackBlock, "add-back tables cover one block");
+    static_assert(kBlock == kAttendBlock, "add-back and exact tokens go by the kernels' blocks");
     const int64_t first = RunBlockStart(p, kBlock);
-    AddBackTable addback(p.addback_pairs, p.addback_inv_freq, first);
-    BlockWalk walk(p, first);
+    IntegerAddBack addback(p, first);
+    ExactReader<simd::Avx512> exact(p);
+    exact.Clear();
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
-    BlockPrefetch prefetch(p, kBlock, first, max_visible);
+    // The compressed codes are read up to the exact window (the sinks' are
+    // read and their logits replaced: a few lanes of one group).
+    const int64_t compressed_end = std::min(end, p.exact.window_begin);
+    BlockWalk walk(p, first);
+    BlockPrefetch prefetch(p, kBlock, first, compressed_end);
     for (int64_t t0 = first; t0 < end; t0 += kBlock) {
-      addback.Next();
+      if (addback.active()) addback.Next(extras);
       const int count = static_cast<int>(std::min<int64_t>(kBlock, max_visible - t0));
-      prefetch.Next();
+      const int compressed = static_cast<int>(std::clamp<int64_t>(compressed_end - t0, 0, count));
       const int groups = (count + kGroup - 1) / kGroup;
-      walk.NextTiles(
-          t0, count, groups * kGroup, tokens.key_tiles, tokens.value_tiles,
-          [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
-            LoadScalars(key_scalars, n, tokens.key_scale + i, kSplit ? tokens.key_cold_scale + i : nullptr);
-            LoadScalars(value_scalars, n, tokens.value_scale + i, kUniform ? tokens.value_zero + i : nullptr);
-          },
-          [&](int i) {
-            tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
-          });
-
-      // Raw scores, tile by tile.
-      ForRowTiles(rows, [&](auto tile_rows, int r0) {
-        constexpr int kRows = decltype(tile_rows)::value;
-        if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
-        for (int part = 0; part < kParts; ++part) ScorePart<kRows>(part, tokens, groups, r0, raw[part] + r0 * kBlock);
-      });
+      x.compressed_groups = (compressed + kGroup - 1) / kGroup;
+      x.exact = exact.BlockMask(t0, count);
+      prefetch.Next();
+      if (compressed > 0) {
+        walk.NextTiles(
+            t0, compressed, x.compressed_groups * kGroup, tokens.key_tiles, tokens.value_tiles,
+            [&](const uint8_t* key_scalars, const uint8_t* value_scalars, int i, int n) {
+              LoadScalars(key_scalars, n, tokens.key_scale + i, kSplit ? tokens.key_cold_scale + i : nullptr);
+              LoadScalars(value_scalars, n, tokens.value_scale + i, kUniform ? tokens.value_zero + i : nullptr);
+            },
+            [&](int i) {
+              tokens.key_scale[i] = tokens.key_cold_scale[i] = tokens.value_scale[i] = tokens.value_zero[i] = 0.0f;
+            });
+      }
+      if (x.exact != 0) {
+        // Exact lanes of compressed groups weigh nothing there.
+        for (int g = 0; g < x.compressed_groups; ++g) {
+          const __mmask16 lanes = static_cast<__mmask16>(x.exact >> (kGroup * g));
+          _mm512_mask_storeu_ps(tokens.value_scale + kGroup * g, lanes, _mm512_setzero_ps());
+          _mm512_mask_storeu_ps(tokens.value_zero + kGroup * g, lanes, _mm512_setzero_ps());
+        }
+        exact.Scores(t0, x.exact, const_cast<float*>(x.exact_scores));
+      }
+      ScoreBlock(t0, tokens, x.compressed_groups, raw);
 
       prefetch.Next();
-      this->SoftmaxBlock(t0, groups, raw_parts, tokens, addback, weights, weight_unit, correction);
-      for (int r = 0; r < rows; ++r) this->Rescale(r, correction[r]);
+      this->SoftmaxBlock(t0, groups, raw_parts, tokens, x, weights, weight_unit, correction);
+      for (int r = 0; r < rows; ++r) {
+        this->Rescale(r, correction[r]);
+        exact.Rescale(r, correction[r]);
+      }
 
       prefetch.Next();
-      // Values, tile by tile; rows that see none of the block weigh zero.
-      ForRowTiles(rows, [&](auto tile_rows, int r0) {
-        constexpr int kRows = decltype(tile_rows)::value;
-        if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
-        const uint8_t* w = weights + r0 * kBlock;
-        const float* unit = weight_unit + r0;
-        // (ValueTile's weights and units are the tile's rows'.)
-        // As many chunks of 16 coordinates at once as 16 accumulators hold.
-        constexpr int kChunks = kRows >= 4 ? 2 : kRows == 2 ? 4 : 8;
-        const int chunks = d / 16;
-        int m = 0;
-        for (; m + kChunks <= chunks; m += kChunks) ValueTile<kRows, kChunks>(tokens, groups, w, unit, r0, m);
-        for (; m < chunks; m += 4) ValueTile<kRows, 4>(tokens, groups, w, unit, r0, m);
-      });
+      ValueBlock(t0, tokens, x.compressed_groups, weights, weight_unit);
+      if (x.exact != 0) exact.Values(t0, x.exact_weights);
       prefetch.Next();
     }
+    for (int r = 0; r < rows; ++r) exact.Finish(r, this->row_sum[r] > 0.0f ? 1.0f / this->row_sum[r] : 0.0f);
     this->Finish();
   }
 };

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <cstdint>
 #include <type_traits>
 
 #include "kernels/code_tiles.h"
@@ -60,6 +61,49 @@ FieldReader DescribeField(const VectorCodec& codec);
 // (none when visible[r] <= token_begin: its out is zero and its lse -inf).
 inline constexpr int kMaxRows = 64;
 
+// Tokens per online-softmax block in every fused kernel; the add-back and the
+// exact tokens are worked out block by block.
+inline constexpr int kAttendBlock = 64;
+
+// One rotary frequency theta of the pre-RoPE add-back, tabulated once per
+// RopeTable (the backend caches them): the rotations by j theta for the
+// tokens of a block, and the step from one block to the next.
+struct AddBackFrequency {
+  alignas(64) float cos[kAttendBlock];  // cos(j theta), j < kAttendBlock
+  alignas(64) float sin[kAttendBlock];  // sin(j theta)
+  // The integer kernel's: cos(j theta) in the low and sin(j theta) in the
+  // high int16 of each word, in units of 2^-kRotationBits (IntegerAddBack).
+  alignas(64) int32_t rotation[kAttendBlock];
+  double step[2];  // cos, sin of kAttendBlock theta, in double: blocks chain it
+  double theta;
+
+  static constexpr int kRotationBits = 14;
+};
+AddBackFrequency TabulateAddBackFrequency(double theta);
+
+// Exact tokens (kv_layout.h, "Centering and exact tokens"): token t is read
+// from its fp16 copy in an exact page when t < sink_end or t >= window_begin,
+// else from the compressed codes; both kinds in the same walk over the
+// tokens and one online softmax. The defaults read nothing exact.
+struct ExactTokens {
+  int64_t sink_end = 0;
+  int64_t window_begin = INT64_MAX;
+  int page_tokens = 0;                   // of an exact page
+  const int32_t* block_table = nullptr;  // exact pages, in order (-1 where none is read)
+  size_t key_offset = 0;                 // the head's fp16 key and value planes inside an exact page
+  size_t value_offset = 0;               // (token-major, 2 * head_dim bytes a token)
+  // [rows][head_dim]: the queries in the original basis, logit scale folded
+  // in (the exact keys are not rotated).
+  const float* queries = nullptr;
+  // [rows][head_dim]: the exact tokens' share of each row's output, in the
+  // original basis, normalised by the same softmax denominator as out (the
+  // caller adds it to out mapped back from the value codec's basis).
+  float* out = nullptr;
+
+  bool any() const { return sink_end > 0 || window_begin != INT64_MAX; }
+  bool IsExact(int64_t t) const { return t < sink_end || t >= window_begin; }
+};
+
 struct HeadAttendParams {
   int head_dim = 0;
   int page_tokens = 0;
@@ -74,10 +118,12 @@ struct HeadAttendParams {
   int64_t token_begin = 0;
   // Pre-RoPE add-back (kernels/key_centering.h): the logit of row r at token t
   // gains sum_i coef[r][i] cos(t theta_i) + coef[r][pairs + i] sin(t theta_i),
-  // logit scale folded in. The constant part is the caller's.
+  // logit scale folded in, exact and compressed tokens alike. The constant
+  // part is the caller's.
   int addback_pairs = 0;
-  const double* addback_inv_freq = nullptr;  // [addback_pairs]
-  const float* addback_coef = nullptr;       // [rows][2 * addback_pairs]
+  const AddBackFrequency* const* addback_freq = nullptr;  // [addback_pairs]
+  const float* addback_coef = nullptr;             // [rows][2 * addback_pairs]
+  ExactTokens exact;
   // Outputs: the value accumulator (in the value codec's basis) normalised by
   // the softmax denominator, and the log-sum-exp of each row.
   float* out = nullptr;  // [rows][head_dim]

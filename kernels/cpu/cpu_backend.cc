@@ -514,20 +514,15 @@ class CpuBackend final : public Backend {
 
   void AttendHead(const AttendParams& p, const AttendItem& item, int kv) {
     const KvLayout& layout = *p.layout;
+    cpu_internal::FieldReader key, value;
+    const cpu_internal::AttendKernel kernel = PickKernel(layout, item.layer, kv, &key, &value);
+    if (kernel != nullptr) {
+      AttendHeadFast(p, item, kv, key, value, kernel);
+      return;
+    }
     Segment segments[kMaxSegments];
     const int n = Segments(layout, item.block_table, item.exact_block_table, item.context_tokens, segments);
-    cpu_internal::FieldReader keys[kMaxSegments], values[kMaxSegments];
-    cpu_internal::AttendKernel kernels[kMaxSegments];
-    bool fast = true;
-    for (int k = 0; k < n; ++k) {
-      kernels[k] = PickKernel(*segments[k].layout, item.layer, kv, &keys[k], &values[k]);
-      fast = fast && kernels[k] != nullptr;
-    }
-    if (fast) {
-      AttendHeadFast(p, item, kv, segments, n, keys, values, kernels);
-    } else {
-      AttendHeadReference(p, item, kv, segments, n);
-    }
+    AttendHeadReference(p, item, kv, segments, n);
   }
 
   // Rows of one (item, KV head): query token i, query head g of the group.
@@ -535,26 +530,103 @@ class CpuBackend final : public Backend {
     return item.num_query_tokens * layout.query_heads_per_kv_head();
   }
 
-  // Runs the fused kernel over each segment and merges the partial softmaxes
-  // (exact: the segments split one online softmax at block boundaries).
-  void AttendHeadFast(const AttendParams& p, const AttendItem& item, int kv, const Segment* segments,
-                      int num_segments, const cpu_internal::FieldReader* keys,
-                      const cpu_internal::FieldReader* values, const cpu_internal::AttendKernel* kernels) {
+  // Where the fused kernels read an item's exact tokens of one KV head
+  // (queries and out are the caller's): nothing without exact tokens.
+  static cpu_internal::ExactTokens ExactFor(const KvLayout& layout, const AttendItem& item, int kv) {
+    cpu_internal::ExactTokens exact;
+    if (!layout.has_exact_tokens() || item.exact_block_table == nullptr) return exact;
+    const ExactRanges r = layout.exact_ranges(item.context_tokens);
+    exact.sink_end = r.sink_end;
+    if (r.window_begin < item.context_tokens) exact.window_begin = r.window_begin;
+    if (!exact.any()) return exact;
+    const KvLayout& pages = *layout.exact_layout();
+    exact.page_tokens = pages.page_tokens();
+    exact.block_table = item.exact_block_table;
+    exact.key_offset = pages.planes(item.layer, kv).key_codes;
+    exact.value_offset = pages.planes(item.layer, kv).value_codes;
+    return exact;
+  }
+
+  // The add-back's pairs (ActivePairs) of one KV head's mean and their
+  // tabulated frequencies (this thread's table), into `pairs` and `freq`;
+  // their count.
+  static int AddBackPairs(const KvLayout& layout, const float* mean, std::vector<int>* pairs,
+                          std::vector<const cpu_internal::AddBackFrequency*>* freq) {
+    const RopeTable& rope = layout.rope();
+    const std::vector<cpu_internal::AddBackFrequency>& all = TabulatedFrequencies(rope);
+    pairs->clear();
+    freq->clear();
+    for (int i = 0; i < rope.num_pairs(); ++i) {
+      if (mean[rope.first(i)] == 0.0f && mean[rope.second(i)] == 0.0f) continue;
+      pairs->push_back(i);
+      freq->push_back(&all[i]);
+    }
+    return static_cast<int>(pairs->size());
+  }
+
+  // Every rotary frequency of a RopeTable tabulated (AddBackFrequency), kept
+  // per thread for the last table seen (one per layout: every call of a
+  // cache matches it after the first).
+  static const std::vector<cpu_internal::AddBackFrequency>& TabulatedFrequencies(const RopeTable& rope) {
+    thread_local std::vector<double> seen;
+    thread_local std::vector<cpu_internal::AddBackFrequency> table;
+    bool same = static_cast<int>(seen.size()) == rope.num_pairs();
+    for (int i = 0; same && i < rope.num_pairs(); ++i) same = seen[i] == rope.inv_freq(i);
+    if (!same) {
+      seen.clear();
+      table.clear();
+      for (int i = 0; i < rope.num_pairs(); ++i) {
+        seen.push_back(rope.inv_freq(i));
+        table.push_back(cpu_internal::TabulateAddBackFrequency(rope.inv_freq(i)));
+      }
+    }
+    return table;
+  }
+
+  // Row r's add-back coefficients (HeadAttendParams::addback_coef: A of each
+  // listed pair, then B) and constant part, logit scale folded in
+  // (MakeAddBackTerms without its allocations).
+  static double AddBackCoefficients(const RopeTable& rope, const float* mean, const float* query, int d,
+                                    float scale, const std::vector<int>& pairs, float* coef) {
+    double constant = 0.0;
+    // The coordinates outside the rotary dims (all of them post-RoPE; none
+    // where RoPE rotates the whole head).
+    for (int j = 2 * rope.num_pairs() == d ? d : 0; j < d; ++j) {
+      if (rope.num_pairs() == 0 || rope.pair_of(j) < 0) constant += static_cast<double>(query[j]) * mean[j];
+    }
+    const int n = static_cast<int>(pairs.size());
+    for (int k = 0; k < n; ++k) {
+      const int i = pairs[k];
+      const double qa = query[rope.first(i)], qb = query[rope.second(i)];
+      const double ma = mean[rope.first(i)], mb = mean[rope.second(i)];
+      coef[k] = static_cast<float>(scale * (qa * ma + qb * mb));
+      coef[n + k] = static_cast<float>(scale * (qb * ma - qa * mb));
+    }
+    return constant * scale;
+  }
+
+  // The fused kernel over one (item, KV head), its rows in chunks of at most
+  // kMaxRows: compressed and exact tokens in one walk and one online softmax
+  // (exact_tokens.h), the add-back inside (addback.h).
+  void AttendHeadFast(const AttendParams& p, const AttendItem& item, int kv, const cpu_internal::FieldReader& key,
+                      const cpu_internal::FieldReader& value, cpu_internal::AttendKernel kernel) {
     const KvLayout& layout = *p.layout;
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
     const int group = layout.query_heads_per_kv_head();
     const int total_rows = RowCount(layout, item);
+    const HeadView view = View(layout, item.layer, kv);
     const bool centered = item.key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
     const float* mean = centered ? item.key_mean + static_cast<size_t>(kv) * d : nullptr;
-    const std::vector<int> pairs = centered ? ActivePairs(layout.rope(), mean) : std::vector<int>();
-    const int num_pairs = static_cast<int>(pairs.size());
-    thread_local std::vector<float> queries, out, merged, state, coef, line;
-    thread_local std::vector<int64_t> visible, segment_visible;
-    thread_local std::vector<float> lse, merged_lse;
-    thread_local std::vector<double> constants, inv_freq;
-    inv_freq.resize(num_pairs);
-    for (int i = 0; i < num_pairs; ++i) inv_freq[i] = layout.rope().inv_freq(pairs[i]);
+    thread_local std::vector<float> queries, exact_queries, out, exact_out, state, coef, line, lse;
+    thread_local std::vector<int64_t> visible;
+    thread_local std::vector<double> constants;
+    thread_local std::vector<int> pairs;
+    thread_local std::vector<const cpu_internal::AddBackFrequency*> freq;
+    const int num_pairs = centered ? AddBackPairs(layout, mean, &pairs, &freq) : 0;
+    cpu_internal::ExactTokens exact = ExactFor(layout, item, kv);
+    state.resize(view.key->query_state_floats());
+    line.resize(d);
     // The kernel takes one token_begin for all its rows: in a sliding-window
     // layer each query token's rows (its window begins at p + 1 - window)
     // form their own chunks.
@@ -562,91 +634,62 @@ class CpuBackend final : public Backend {
     for (int row0 = 0, rows = 0; row0 < total_rows; row0 += rows) {
       rows = std::min(cpu_internal::kMaxRows, total_rows - row0);
       if (windowed) rows = std::min(rows, (row0 / group + 1) * group - row0);
-      // The first token the chunk's rows see (all of them, when windowed).
-      const int64_t first_seen =
-          layout.WindowBegin(item.layer, item.context_tokens - item.num_query_tokens + row0 / group);
-      queries.resize(static_cast<size_t>(rows) * d);
-      out.resize(static_cast<size_t>(rows) * d);
-      merged.assign(static_cast<size_t>(rows) * d, 0.0f);
-      line.resize(d);
+      const size_t floats = static_cast<size_t>(rows) * d;
+      queries.resize(floats);
+      out.resize(floats);
+      exact_queries.resize(exact.any() ? floats : 0);
+      exact_out.resize(exact.any() ? floats : 0);
       visible.resize(rows);
-      segment_visible.resize(rows);
       lse.resize(rows);
-      merged_lse.assign(rows, -std::numeric_limits<float>::infinity());
       constants.assign(rows, 0.0);
       coef.resize(static_cast<size_t>(rows) * 2 * num_pairs);
-      const auto query_of = [&](int r) {
-        const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
-        return item.queries + (static_cast<size_t>(i) * qh + h) * d;
-      };
       for (int r = 0; r < rows; ++r) {
-        visible[r] = item.context_tokens - item.num_query_tokens + 1 + (row0 + r) / group;
-        if (!centered) continue;
-        const AddBackTerms terms = MakeAddBackTerms(layout.rope(), mean, query_of(r), d, p.scale);
-        constants[r] = terms.constant;
-        for (int i = 0; i < num_pairs; ++i) {
-          coef[static_cast<size_t>(r) * 2 * num_pairs + i] = static_cast<float>(terms.a[i]);
-          coef[static_cast<size_t>(r) * 2 * num_pairs + num_pairs + i] = static_cast<float>(terms.b[i]);
+        const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
+        const float* query = item.queries + (static_cast<size_t>(i) * qh + h) * d;
+        visible[r] = item.context_tokens - item.num_query_tokens + 1 + i;
+        view.key->PrepareQuery(query, state.data());
+        for (int j = 0; j < d; ++j) queries[static_cast<size_t>(r) * d + j] = state[j] * p.scale;
+        for (int j = 0; exact.any() && j < d; ++j) exact_queries[static_cast<size_t>(r) * d + j] = query[j] * p.scale;
+        if (centered) {
+          constants[r] = AddBackCoefficients(layout.rope(), mean, query, d, p.scale, pairs,
+                                             coef.data() + static_cast<size_t>(r) * 2 * num_pairs);
         }
       }
-      for (int k = 0; k < num_segments; ++k) {
-        const Segment& seg = segments[k];
-        const int64_t token_begin = std::max(seg.begin, first_seen);
-        if (token_begin >= seg.end) continue;  // the window starts after the segment
-        const HeadView view = View(*seg.layout, item.layer, kv);
-        state.resize(view.key->query_state_floats());
-        for (int r = 0; r < rows; ++r) {
-          view.key->PrepareQuery(query_of(r), state.data());
-          for (int j = 0; j < d; ++j) queries[static_cast<size_t>(r) * d + j] = state[j] * p.scale;
-          segment_visible[r] = std::min(visible[r], seg.end);
-        }
-        cpu_internal::HeadAttendParams params;
-        params.head_dim = d;
-        params.page_tokens = seg.layout->page_tokens();
-        params.pool_base = p.pool.base;
-        params.page_bytes = p.pool.page_bytes;
-        params.block_table = seg.table;
-        params.key = keys[k];
-        params.value = values[k];
-        params.rows = rows;
-        params.queries = queries.data();
-        params.visible = segment_visible.data();
-        params.token_begin = token_begin;
-        params.addback_pairs = num_pairs;
-        params.addback_inv_freq = inv_freq.data();
-        params.addback_coef = coef.data();
-        params.out = out.data();
-        params.lse = lse.data();
-        kernels[k](params);
-        for (int r = 0; r < rows; ++r) {
-          if (lse[r] == -std::numeric_limits<float>::infinity()) continue;
-          view.value->FinishAccumulation(out.data() + static_cast<size_t>(r) * d, line.data());
-          MergeSoftmax(line.data(), lse[r], d, merged.data() + static_cast<size_t>(r) * d, &merged_lse[r]);
-        }
-      }
+      cpu_internal::HeadAttendParams params;
+      params.head_dim = d;
+      params.page_tokens = layout.page_tokens();
+      params.pool_base = p.pool.base;
+      params.page_bytes = p.pool.page_bytes;
+      params.block_table = item.block_table;
+      params.key = key;
+      params.value = value;
+      params.rows = rows;
+      params.queries = queries.data();
+      params.visible = visible.data();
+      // The first token the chunk's rows see (all of them, when windowed).
+      params.token_begin = layout.WindowBegin(item.layer, item.context_tokens - item.num_query_tokens + row0 / group);
+      params.addback_pairs = num_pairs;
+      params.addback_freq = freq.data();
+      params.addback_coef = coef.data();
+      params.exact = exact;
+      params.exact.queries = exact_queries.data();
+      params.exact.out = exact_out.data();
+      params.out = out.data();
+      params.lse = lse.data();
+      kernel(params);
       for (int r = 0; r < rows; ++r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
         const size_t row = static_cast<size_t>(i) * qh + h;
-        std::copy(merged.begin() + static_cast<size_t>(r) * d, merged.begin() + static_cast<size_t>(r + 1) * d,
-                  item.output + row * d);
-        if (item.lse != nullptr) item.lse[row] = static_cast<float>(merged_lse[r] + constants[r]);
+        float* to = item.output + row * d;
+        if (lse[r] == -std::numeric_limits<float>::infinity()) {
+          std::fill(to, to + d, 0.0f);
+        } else {
+          view.value->FinishAccumulation(out.data() + static_cast<size_t>(r) * d, to);
+          for (int j = 0; exact.any() && j < d; ++j) to[j] += exact_out[static_cast<size_t>(r) * d + j];
+        }
+        if (item.lse != nullptr) item.lse[row] = static_cast<float>(lse[r] + constants[r]);
       }
     }
-  }
-
-  // Folds a partial softmax (output `part` normalised over its tokens, with
-  // log-sum-exp part_lse) into the running (acc, acc_lse).
-  static void MergeSoftmax(const float* part, float part_lse, int d, float* acc, float* acc_lse) {
-    if (*acc_lse == -std::numeric_limits<float>::infinity()) {
-      std::copy(part, part + d, acc);
-      *acc_lse = part_lse;
-      return;
-    }
-    const float top = std::max(*acc_lse, part_lse);
-    const float wa = std::exp(*acc_lse - top), wp = std::exp(part_lse - top);
-    const float inv = 1.0f / (wa + wp);
-    for (int j = 0; j < d; ++j) acc[j] = (acc[j] * wa + part[j] * wp) * inv;
-    *acc_lse = top + std::log(wa + wp);
   }
 
   // The reference: the codec's own Score / Accumulate, two passes in float,
@@ -719,6 +762,22 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 namespace cpu_internal {
+
+AddBackFrequency TabulateAddBackFrequency(double theta) {
+  AddBackFrequency f;
+  for (int j = 0; j < kAttendBlock; ++j) {
+    f.cos[j] = static_cast<float>(std::cos(j * theta));
+    f.sin[j] = static_cast<float>(std::sin(j * theta));
+    const double unit = static_cast<double>(1 << AddBackFrequency::kRotationBits);
+    const uint32_t c = static_cast<uint16_t>(static_cast<int16_t>(std::lrint(std::cos(j * theta) * unit)));
+    const uint32_t s = static_cast<uint16_t>(static_cast<int16_t>(std::lrint(std::sin(j * theta) * unit)));
+    f.rotation[j] = static_cast<int32_t>(c | s << 16);
+  }
+  f.step[0] = std::cos(kAttendBlock * theta);
+  f.step[1] = std::sin(kAttendBlock * theta);
+  f.theta = theta;
+  return f;
+}
 
 uint8_t* BlockWalkStage(size_t bytes) {
   thread_local std::vector<uint8_t> stage;

@@ -19,9 +19,10 @@
 #include <limits>
 #include <vector>
 
-#include "kernels/cpu/addback_table.h"
+#include "kernels/cpu/addback.h"
 #include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_kernels.h"
+#include "kernels/cpu/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {
@@ -211,6 +212,100 @@ class TileValues {
   float unit_ = 1.0f;
 };
 
+// The add-back (addback.h) with int16 dot products: each block, every row's
+// coefficients w_ri (Re and -Im) rounded to int16 in units of 1 / scale_r,
+// then vpdpwssd against the rotations tabulated as int16 pairs in units of
+// 2^-14 (AddBackFrequency::rotation): one instruction per (row, pair) and 16
+// tokens, half the multiply-adds of the fp32 kernels' add-back. With
+//   scale_r = min(32767 / max_i |z_ri|, 2^16 / sum_i |z_ri|)
+// (|w_ri| = |z_ri|: w is z rotated) every int16 fits and every int32 sum
+// stays below 2^31. The roundings move row r's add-back at any token by at
+// most
+//   sqrt(2) (pairs / (2 scale_r) + 2^-15 sum_i |z_ri|),
+// about 1e-4 of sum_i |z_ri| with 8 pairs: far inside what rounding the
+// query to int8 does to the score.
+class IntegerAddBack : public AddBackRows<simd::Avx512> {
+ public:
+  IntegerAddBack(const HeadAttendParams& p, int64_t first) : AddBackRows(p, first) {
+    if (!active()) return;
+    const size_t n = static_cast<size_t>(rows_) * pairs_;
+    thread_local std::vector<float> scales;
+    thread_local std::vector<int32_t> words;
+    scales.resize(n);
+    words.resize(n);
+    scales_ = scales.data();
+    words_ = words.data();
+    for (int r = 0; r < rows_; ++r) {
+      float largest;
+      const float sum = RowNorm(r, &largest);
+      const float scale = sum > 0.0f ? std::min(32767.0f / largest, 65536.0f / sum) : 1.0f;
+      unit_[r] = 1.0f / (scale * (1 << AddBackFrequency::kRotationBits));
+      std::fill(scales_ + static_cast<size_t>(r) * pairs_, scales_ + static_cast<size_t>(r + 1) * pairs_, scale);
+    }
+  }
+
+  // As AddBackRows::Next.
+  void Next(float* ab) {
+    Reseed();
+    Pack();
+    int r = 0;
+    for (; r + 4 <= rows_; r += 4) Tile<4>(r, ab);
+    for (; r < rows_; ++r) Tile<1>(r, ab);
+    Advance();
+  }
+
+ private:
+  // words_[n] = int16 Re(w) | int16 -Im(w) << 16, in units of 1 / scale.
+  void Pack() {
+    const int n = rows_ * pairs_;
+    for (int at = 0; at < n; at += 16) {
+      const __mmask16 lanes = static_cast<__mmask16>(n - at >= 16 ? 0xffff : (1u << (n - at)) - 1);
+      const __m512 scale = _mm512_maskz_loadu_ps(lanes, scales_ + at);
+      const __m512i re = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w_re_ + at), scale));
+      const __m512i im = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w_im_ + at), scale));
+      // (im << 16) | (re & 0xffff)
+      const __m512i word = _mm512_ternarylogic_epi32(_mm512_slli_epi32(im, 16), re, _mm512_set1_epi32(0xffff), 0xf8);
+      _mm512_mask_storeu_epi32(words_ + at, lanes, word);
+    }
+  }
+
+  // acc + the int16 pair dot products of the rotations r with the word at w,
+  // broadcast by the instruction from memory.
+  static __m512i Dot(__m512i acc, __m512i r, const int32_t* w) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(r), "m"(*w));
+    return acc;
+  }
+
+  // Rows [r0, r0 + kRows) of ab.
+  template <int kRows>
+  void Tile(int r0, float* ab) const {
+    constexpr int kGroups = kAttendBlock / 16;
+    __m512i acc[kRows][kGroups];
+    for (int k = 0; k < kRows; ++k) {
+      for (int g = 0; g < kGroups; ++g) acc[k][g] = _mm512_setzero_si512();
+    }
+    for (int i = 0; i < pairs_; ++i) {
+      const int32_t* rotation = p_.addback_freq[i]->rotation;
+      __m512i f[kGroups];
+      for (int g = 0; g < kGroups; ++g) f[g] = _mm512_load_si512(rotation + 16 * g);
+      for (int k = 0; k < kRows; ++k) {
+        const int32_t* w = words_ + static_cast<size_t>(r0 + k) * pairs_ + i;
+        for (int g = 0; g < kGroups; ++g) acc[k][g] = Dot(acc[k][g], f[g], w);
+      }
+    }
+    for (int k = 0; k < kRows; ++k) {
+      const __m512 unit = _mm512_set1_ps(unit_[r0 + k]);
+      for (int g = 0; g < kGroups; ++g) {
+        _mm512_store_ps(ab + (r0 + k) * kAttendBlock + 16 * g, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[k][g]), unit));
+      }
+    }
+  }
+
+  float* scales_ = nullptr;   // [rows][pairs]: each row's scale
+  int32_t* words_ = nullptr;  // [rows][pairs]
+  float unit_[kMaxRows];      // what an int32 sum unit of row r is worth
+};
+
 // Where a block's groups of 16 tokens have their codes tiles, and the
 // tokens' scalars.
 struct BlockTokens {
@@ -220,6 +315,20 @@ struct BlockTokens {
   alignas(64) float key_cold_scale[kBlock];  // split keys: the cold part's
   alignas(64) float value_scale[kBlock];
   alignas(64) float value_zero[kBlock];  // uniform values: x = scale * code + zero
+};
+
+// What joins a block's compressed scores in SoftmaxBlock: the add-back and
+// the exact tokens (addback.h, exact_tokens.h).
+struct BlockExtras {
+  // Groups [0, compressed_groups) have raw scores; the block's later groups
+  // only exact tokens (or none that any row sees).
+  int compressed_groups = 0;
+  const float* addback = nullptr;  // [rows][kBlock], or null: none
+  uint64_t exact = 0;              // lanes read exact; their tokens' value scales must be zero
+  const float* exact_scores = nullptr;  // [rows][kBlock]: their logits, before the add-back
+  // [rows][kBlock]: written for the exact lanes of the rows that see the
+  // block: their softmax weights, relative to the running maximum (as out).
+  float* exact_weights = nullptr;
 };
 
 // Per-thread room for the int8 queries (rows x d bytes), 64-byte aligned.
@@ -304,9 +413,10 @@ struct IntegerAttention {
     return static_cast<__mmask16>(seen >= kGroup ? 0xffff : seen <= 0 ? 0 : (1u << seen) - 1);
   }
 
-  // One block's softmax for every row: from raw[part] (the block's `groups`
-  // groups of 16 tokens from t0), the tokens' scalars and the add-back of
-  // the block (addback, after its Next()), fills for each row r
+  // One block's softmax for every row: from raw[part] (the block's groups of
+  // 16 tokens from t0 that have compressed tokens), the tokens' scalars, and
+  // the add-back and exact tokens of x, over `groups` groups, fills for each
+  // row r
   //   weights[r * kBlock + i]  unsigned 8-bit weights in units of
   //                            weight_unit[r] (zero past the groups; all
   //                            zero, in units of 1, for a row that sees none
@@ -315,7 +425,7 @@ struct IntegerAttention {
   //                            values join it (1 for such a row)
   // and moves row_max, row_sum and row_zero on.
   void SoftmaxBlock(int64_t t0, int groups, const int32_t* const* raw, const BlockTokens& tokens,
-                    const AddBackTable& addback, uint8_t* weights, float* weight_unit, float* correction) {
+                    const BlockExtras& x, uint8_t* weights, float* weight_unit, float* correction) {
     // Rows two at a time where both see the block: each row's steps form
     // one long chain (two horizontal maxima, the exponentials, a scan), and
     // two independent chains side by side keep the core busy.
@@ -332,16 +442,16 @@ struct IntegerAttention {
         continue;
       }
       const int pair[2] = {pending, r};
-      SoftmaxRows<2>(pair, t0, groups, raw, tokens, addback, weights, weight_unit, correction);
+      SoftmaxRows<2>(pair, t0, groups, raw, tokens, x, weights, weight_unit, correction);
       pending = -1;
     }
-    if (pending >= 0) SoftmaxRows<1>(&pending, t0, groups, raw, tokens, addback, weights, weight_unit, correction);
+    if (pending >= 0) SoftmaxRows<1>(&pending, t0, groups, raw, tokens, x, weights, weight_unit, correction);
   }
 
   // SoftmaxBlock for kRows rows (rows[i], each seeing the block) at once.
   template <int kRows>
   void SoftmaxRows(const int* rows, int64_t t0, int groups, const int32_t* const* raw, const BlockTokens& tokens,
-                   const AddBackTable& addback, uint8_t* weights, float* weight_unit, float* correction) {
+                   const BlockExtras& x, uint8_t* weights, float* weight_unit, float* correction) {
     const float kNegInf = -std::numeric_limits<float>::infinity();
     const __m512 neg_inf = _mm512_set1_ps(kNegInf);
     constexpr int kGroups = kBlock / kGroup;
@@ -360,15 +470,20 @@ struct IntegerAttention {
       for (int g = 0; g < kGroups; ++g) {
         if (g >= groups) break;
         const int64_t group_start = t0 + kGroup * g;
-        const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(raw[0] + r * kBlock + kGroup * g), bias);
-        __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), unit),
-                                 _mm512_load_ps(tokens.key_scale + kGroup * g));
-        if constexpr (kSplit) {
-          const __m512i cold = _mm512_sub_epi32(_mm512_load_si512(raw[kParts - 1] + r * kBlock + kGroup * g), cold_bias);
-          s = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(cold), cold_unit),
-                              _mm512_load_ps(tokens.key_cold_scale + kGroup * g), s);
+        __m512 s = neg_inf;
+        if (g < x.compressed_groups) {
+          const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(raw[0] + r * kBlock + kGroup * g), bias);
+          s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), unit), _mm512_load_ps(tokens.key_scale + kGroup * g));
+          if constexpr (kSplit) {
+            const __m512i cold =
+                _mm512_sub_epi32(_mm512_load_si512(raw[kParts - 1] + r * kBlock + kGroup * g), cold_bias);
+            s = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(cold), cold_unit),
+                                _mm512_load_ps(tokens.key_cold_scale + kGroup * g), s);
+          }
         }
-        if (addback.pairs() > 0) s = _mm512_add_ps(s, avx512::AddBack(p, addback, r, kGroup * g));
+        const __mmask16 exact = static_cast<__mmask16>(x.exact >> (kGroup * g));
+        if (exact != 0) s = _mm512_mask_loadu_ps(s, exact, x.exact_scores + r * kBlock + kGroup * g);
+        if (x.addback != nullptr) s = _mm512_add_ps(s, _mm512_load_ps(x.addback + r * kBlock + kGroup * g));
         const __mmask16 live =
             SeenLanes(p.visible[r] - group_start) & static_cast<__mmask16>(~SeenLanes(p.token_begin - group_start));
         block[i][g] = _mm512_mask_mov_ps(neg_inf, live, s);
@@ -389,15 +504,21 @@ struct IntegerAttention {
 #pragma GCC unroll 4
     for (int g = 0; g < kGroups; ++g) {
       if (g >= groups) break;
+      const __mmask16 exact = static_cast<__mmask16>(x.exact >> (kGroup * g));
 #pragma GCC unroll 2
       for (int i = 0; i < kRows; ++i) {
         const __mmask16 live = _mm512_cmp_ps_mask(block[i][g], neg_inf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(live, avx512::Exp(_mm512_sub_ps(block[i][g], _mm512_set1_ps(new_max[i]))));
         sum[i] = _mm512_add_ps(sum[i], e);
-        if constexpr (kUniform) {
-          zero_sum[i] = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum[i]);
+        if (exact != 0) _mm512_mask_storeu_ps(x.exact_weights + rows[i] * kBlock + kGroup * g, exact, e);
+        // The compressed values' weights (exact lanes' value scales are zero).
+        block[i][g] = _mm512_setzero_ps();
+        if (g < x.compressed_groups) {
+          if constexpr (kUniform) {
+            zero_sum[i] = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum[i]);
+          }
+          block[i][g] = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
         }
-        block[i][g] = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
         w_max[i] = _mm512_max_ps(w_max[i], _mm512_abs_ps(block[i][g]));
       }
     }

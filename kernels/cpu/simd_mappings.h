@@ -12,6 +12,8 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace tqkv {
 namespace simd {
 namespace {
@@ -40,6 +42,10 @@ struct Avx2 {
   }
   static F32 MaskLoad(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
   static void MaskStore(float* p, Mask m, F32 v) { _mm256_maskstore_ps(p, m, v); }
+#if defined(__F16C__)
+  // kLanes IEEE halves as floats (exact).
+  static F32 LoadHalves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
 
   // The Walsh-Hadamard butterflies of stride 1, 2, 4 within a register, each
   // (a + b, a - b) exactly as the scalar code: lanes whose bit is set in
@@ -109,6 +115,9 @@ struct Avx512 {
   static Mask TailMask(int count) { return static_cast<__mmask16>((1u << count) - 1u); }
   static F32 MaskLoad(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
   static void MaskStore(float* p, Mask m, F32 v) { _mm512_mask_storeu_ps(p, m, v); }
+  static F32 LoadHalves(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
 
   template <__mmask16 kUpper>
   static F32 Stage(F32 v, F32 s) {

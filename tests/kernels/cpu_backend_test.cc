@@ -18,6 +18,7 @@
 #include "kernels/float_formats.h"
 #include "kernels/kv_layout.h"
 #include "kernels/random.h"
+#include "tests/kernels/synthetic_field.h"
 
 namespace tqkv {
 namespace {
@@ -244,87 +245,6 @@ TEST(CpuBackend, PresetFormatsHaveFusedKernels) {
     EXPECT_TRUE(cpu_internal::AttendHeadAvx2Supported(key, value, 128));
   }
 }
-
-// One field of the synthetic pages below: its format and what its bytes mean.
-struct SyntheticField {
-  cpu_internal::FieldFormat format;
-  int bits;
-  std::vector<float> centroids;  // kCentroids, kSplitCentroids (hot part): 2^bits
-  int cold_bits = 0;             // kSplitCentroids: the cold part, on the last d - d/2 coordinates
-  std::vector<float> cold_centroids;
-
-  bool split() const { return format == cpu_internal::FieldFormat::kSplitCentroids; }
-  int CodeBytes(int d) const {
-    if (split()) return PackedBytes(d / 2, bits) + PackedBytes(d - d / 2, cold_bits);
-    return bits == 16 ? 2 * d : bits == 8 ? d : PackedBytes(d, bits);
-  }
-  int NumScalars() const {
-    return format == cpu_internal::FieldFormat::kUniform || split()        ? 2
-           : format == cpu_internal::FieldFormat::kCentroids ? 1
-                                                             : 0;
-  }
-  // Random valid bytes for one token.
-  void Fill(Random& rng, int d, uint8_t* codes, uint16_t* scalars) const {
-    if (bits == 16) {
-      for (int j = 0; j < d; ++j) {
-        const float x = static_cast<float>(rng.NextGaussian());
-        const uint16_t h = format == cpu_internal::FieldFormat::kFp16 ? FloatToHalf(x) : FloatToBf16(x);
-        memcpy(codes + 2 * j, &h, 2);
-      }
-      return;
-    }
-    if (format == cpu_internal::FieldFormat::kFp8) {  // |x| < 4, subnormals included
-      for (int j = 0; j < d; ++j) codes[j] = static_cast<uint8_t>(rng.NextBelow(0x48) | (rng.NextBelow(2) << 7));
-      return;
-    }
-    std::vector<uint8_t> raw(d);
-    if (split()) {
-      const int hot = d / 2;
-      for (int j = 0; j < d; ++j) raw[j] = static_cast<uint8_t>(rng.NextBelow(1u << (j < hot ? bits : cold_bits)));
-      PackBits(raw.data(), hot, bits, codes);
-      PackBits(raw.data() + hot, d - hot, cold_bits, codes + PackedBytes(hot, bits));
-      scalars[0] = FloatToHalf(static_cast<float>(0.5 + rng.NextDouble()));
-      scalars[1] = FloatToHalf(static_cast<float>(0.5 + rng.NextDouble()));
-      return;
-    }
-    for (int j = 0; j < d; ++j) raw[j] = static_cast<uint8_t>(rng.NextBelow(1u << bits));
-    PackBits(raw.data(), d, bits, codes);
-    if (format == cpu_internal::FieldFormat::kCentroids) {
-      scalars[0] = FloatToHalf(static_cast<float>(0.5 + rng.NextDouble()));
-    } else {
-      scalars[0] = FloatToHalf(static_cast<float>((0.5 + rng.NextDouble()) / (1 << bits)));
-      scalars[1] = FloatToHalf(static_cast<float>(rng.NextDouble() - 0.5));
-    }
-  }
-  // What the bytes stand for (coordinate j of a d-dim vector).
-  double Decode(const uint8_t* codes, const uint16_t* scalars, int j, int d) const {
-    switch (format) {
-      case cpu_internal::FieldFormat::kSplitCentroids: {
-        const int hot = d / 2;
-        if (j < hot) return static_cast<double>(HalfToFloat(scalars[0])) * centroids[PackedCodeAt(codes, j, bits)];
-        return static_cast<double>(HalfToFloat(scalars[1])) *
-               cold_centroids[PackedCodeAt(codes + PackedBytes(hot, bits), j - hot, cold_bits)];
-      }
-      case cpu_internal::FieldFormat::kFp16: {
-        uint16_t h;
-        memcpy(&h, codes + 2 * j, 2);
-        return HalfToFloat(h);
-      }
-      case cpu_internal::FieldFormat::kBf16: {
-        uint16_t h;
-        memcpy(&h, codes + 2 * j, 2);
-        return Bf16ToFloat(h);
-      }
-      case cpu_internal::FieldFormat::kFp8:
-        return Fp8E4m3ToFloat(codes[j]);
-      case cpu_internal::FieldFormat::kCentroids:
-        return static_cast<double>(HalfToFloat(scalars[0])) * centroids[PackedCodeAt(codes, j, bits)];
-      default:
-        return static_cast<double>(HalfToFloat(scalars[0])) * PackedCodeAt(codes, j, bits) +
-               HalfToFloat(scalars[1]);
-    }
-  }
-};
 
 // Every format pair the fused kernels accept (including ones no preset uses:
 // 2-bit codes, 8-bit uniform values), at both SIMD widths and in the integer
