@@ -87,6 +87,7 @@ class RopeTable {
   int first(int pair) const { return first_[pair]; }
   int second(int pair) const { return second_[pair]; }
   double inv_freq(int pair) const { return inv_freq_[pair]; }
+  const std::vector<double>& inv_freqs() const { return inv_freq_; }
   // Which pair coordinate j belongs to, or -1 outside the rotary dims.
   int pair_of(int coordinate) const { return pair_of_[coordinate]; }
 

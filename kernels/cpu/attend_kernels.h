@@ -92,9 +92,10 @@ struct ExactTokens {
   const int32_t* block_table = nullptr;  // exact pages, in order (-1 where none is read)
   size_t key_offset = 0;                 // the head's fp16 key and value planes inside an exact page
   size_t value_offset = 0;               // (token-major, 2 * head_dim bytes a token)
-  // [rows][head_dim]: the queries in the original basis, logit scale folded
-  // in (the exact keys are not rotated).
-  const float* queries = nullptr;
+  // Row r's query in the original basis (the exact keys are not rotated),
+  // head_dim floats at query_rows[r], and the logit scale.
+  const float* const* query_rows = nullptr;
+  float query_scale = 0.0f;
   // [rows][head_dim]: the exact tokens' share of each row's output, in the
   // original basis, normalised by the same softmax denominator as out (the
   // caller adds it to out mapped back from the value codec's basis).

@@ -554,14 +554,18 @@ class CpuBackend final : public Backend {
                           std::vector<const cpu_internal::AddBackFrequency*>* freq) {
     const RopeTable& rope = layout.rope();
     const std::vector<cpu_internal::AddBackFrequency>& all = TabulatedFrequencies(rope);
-    pairs->clear();
-    freq->clear();
+    // Without branches: about one pair in eight is kept, in no pattern.
+    pairs->resize(rope.num_pairs());
+    freq->resize(rope.num_pairs());
+    int n = 0;
     for (int i = 0; i < rope.num_pairs(); ++i) {
-      if (mean[rope.first(i)] == 0.0f && mean[rope.second(i)] == 0.0f) continue;
-      pairs->push_back(i);
-      freq->push_back(&all[i]);
+      (*pairs)[n] = i;
+      (*freq)[n] = &all[i];
+      n += mean[rope.first(i)] != 0.0f || mean[rope.second(i)] != 0.0f;
     }
-    return static_cast<int>(pairs->size());
+    pairs->resize(n);
+    freq->resize(n);
+    return n;
   }
 
   // Every rotary frequency of a RopeTable tabulated (AddBackFrequency), kept
@@ -570,9 +574,7 @@ class CpuBackend final : public Backend {
   static const std::vector<cpu_internal::AddBackFrequency>& TabulatedFrequencies(const RopeTable& rope) {
     thread_local std::vector<double> seen;
     thread_local std::vector<cpu_internal::AddBackFrequency> table;
-    bool same = static_cast<int>(seen.size()) == rope.num_pairs();
-    for (int i = 0; same && i < rope.num_pairs(); ++i) same = seen[i] == rope.inv_freq(i);
-    if (!same) {
+    if (seen != rope.inv_freqs()) {
       seen.clear();
       table.clear();
       for (int i = 0; i < rope.num_pairs(); ++i) {
@@ -618,7 +620,8 @@ class CpuBackend final : public Backend {
     const HeadView view = View(layout, item.layer, kv);
     const bool centered = item.key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
     const float* mean = centered ? item.key_mean + static_cast<size_t>(kv) * d : nullptr;
-    thread_local std::vector<float> queries, exact_queries, out, exact_out, state, coef, line, lse;
+    thread_local std::vector<float> queries, out, exact_out, state, coef, line, lse;
+    thread_local std::vector<const float*> query_rows;
     thread_local std::vector<int64_t> visible;
     thread_local std::vector<double> constants;
     thread_local std::vector<int> pairs;
@@ -637,8 +640,8 @@ class CpuBackend final : public Backend {
       const size_t floats = static_cast<size_t>(rows) * d;
       queries.resize(floats);
       out.resize(floats);
-      exact_queries.resize(exact.any() ? floats : 0);
       exact_out.resize(exact.any() ? floats : 0);
+      query_rows.resize(rows);
       visible.resize(rows);
       lse.resize(rows);
       constants.assign(rows, 0.0);
@@ -649,7 +652,7 @@ class CpuBackend final : public Backend {
         visible[r] = item.context_tokens - item.num_query_tokens + 1 + i;
         view.key->PrepareQuery(query, state.data());
         for (int j = 0; j < d; ++j) queries[static_cast<size_t>(r) * d + j] = state[j] * p.scale;
-        for (int j = 0; exact.any() && j < d; ++j) exact_queries[static_cast<size_t>(r) * d + j] = query[j] * p.scale;
+        query_rows[r] = query;
         if (centered) {
           constants[r] = AddBackCoefficients(layout.rope(), mean, query, d, p.scale, pairs,
                                              coef.data() + static_cast<size_t>(r) * 2 * num_pairs);
@@ -672,7 +675,8 @@ class CpuBackend final : public Backend {
       params.addback_freq = freq.data();
       params.addback_coef = coef.data();
       params.exact = exact;
-      params.exact.queries = exact_queries.data();
+      params.exact.query_rows = query_rows.data();
+      params.exact.query_scale = p.scale;
       params.exact.out = exact_out.data();
       params.out = out.data();
       params.lse = lse.data();
@@ -685,7 +689,10 @@ class CpuBackend final : public Backend {
           std::fill(to, to + d, 0.0f);
         } else {
           view.value->FinishAccumulation(out.data() + static_cast<size_t>(r) * d, to);
-          for (int j = 0; exact.any() && j < d; ++j) to[j] += exact_out[static_cast<size_t>(r) * d + j];
+          if (exact.any()) {
+            const float* share = exact_out.data() + static_cast<size_t>(r) * d;
+            for (int j = 0; j < d; ++j) to[j] += share[j];
+          }
         }
         if (item.lse != nullptr) item.lse[row] = static_cast<float>(lse[r] + constants[r]);
       }

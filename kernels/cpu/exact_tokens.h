@@ -132,14 +132,23 @@ class ExactReader {
         typename V::F32 x[4];
         for (int k = 0; k < 4; ++k) x[k] = V::LoadHalves(key[k] + c);
         for (int r = 0; r < kRows; ++r) {
-          const typename V::F32 q = V::Load(e_.queries + static_cast<size_t>(r0 + r) * d_ + c);
+          const typename V::F32 q = V::Load(e_.query_rows[r0 + r] + c);
           for (int k = 0; k < 4; ++k) acc[r][k] = V::Fmadd(q, x[k], acc[r][k]);
         }
       }
+      // Four tokens in a row (the usual case) take one store: a reload of
+      // scalars from a wider store would wait for it.
+      const bool whole = k0 + 4 <= count_ && index_[k0 + 3] == index_[k0] + 3;
       for (int r = 0; r < kRows; ++r) {
-        float sums[4];
-        V::StoreSums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
-        for (int k = 0; k < 4 && k0 + k < count_; ++k) scores[(r0 + r) * kAttendBlock + index_[k0 + k]] = sums[k];
+        const __m128 sums = _mm_mul_ps(V::Sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(e_.query_scale));
+        float* row = scores + (r0 + r) * kAttendBlock;
+        if (whole) {
+          _mm_storeu_ps(row + index_[k0], sums);
+          continue;
+        }
+        alignas(16) float lanes[4];
+        _mm_store_ps(lanes, sums);
+        for (int k = 0; k < 4 && k0 + k < count_; ++k) row[index_[k0 + k]] = lanes[k];
       }
     }
   }

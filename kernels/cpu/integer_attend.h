@@ -229,8 +229,9 @@ class IntegerAddBack : public AddBackRows<simd::Avx512> {
   IntegerAddBack(const HeadAttendParams& p, int64_t first) : AddBackRows(p, first) {
     if (!active()) return;
     const size_t n = static_cast<size_t>(rows_) * pairs_;
+    chunks_ = static_cast<int>((n + 15) / 16);
     thread_local std::vector<float> scales;
-    thread_local std::vector<int32_t> words;
+    thread_local std::vector<int32_t> words, lanes;
     scales.resize(n);
     words.resize(n);
     scales_ = scales.data();
@@ -242,29 +243,83 @@ class IntegerAddBack : public AddBackRows<simd::Avx512> {
       unit_[r] = 1.0f / (scale * (1 << AddBackFrequency::kRotationBits));
       std::fill(scales_ + static_cast<size_t>(r) * pairs_, scales_ + static_cast<size_t>(r + 1) * pairs_, scale);
     }
+    // Up to 16 pairs the block's seeding runs in vectors: the pairs'
+    // e^{i t0 theta} in one (two for 9-16 pairs) of doubles, moved along
+    // together, and each 16 (row, pair) of the flat arrays taking theirs by
+    // a permute (pair_lanes_: the pair of each lane).
+    vector_seed_ = pairs_ <= 16;
+    if (!vector_seed_) return;
+    lanes.resize(16 * static_cast<size_t>(chunks_));
+    pair_lanes_ = lanes.data();
+    for (int i = 0; i < 16 * chunks_; ++i) pair_lanes_[i] = i % pairs_;
+    for (int i = 0; i < 16; ++i) {
+      const bool pair = i < pairs_;
+      seed_c_[i] = pair ? base_c_[i] : 1.0;
+      seed_s_[i] = pair ? base_s_[i] : 0.0;
+      step_c_[i] = pair ? p_.addback_freq[i]->step[0] : 1.0;
+      step_s_[i] = pair ? p_.addback_freq[i]->step[1] : 0.0;
+    }
   }
 
   // As AddBackRows::Next.
   void Next(float* ab) {
-    Reseed();
-    Pack();
+    if (vector_seed_) {
+      SeedVectors();
+    } else {
+      Reseed();
+      Pack();
+      Advance();
+    }
     int r = 0;
     for (; r + 4 <= rows_; r += 4) Tile<4>(r, ab);
     for (; r < rows_; ++r) Tile<1>(r, ab);
-    Advance();
   }
 
  private:
-  // words_[n] = int16 Re(w) | int16 -Im(w) << 16, in units of 1 / scale.
+  // The word of 16 (row, pair)s from at: (im << 16) | (re & 0xffff) of the
+  // rounded w.
+  static __m512i Word(__m512 re, __m512 im, __m512 scale) {
+    const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(re, scale));
+    const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(im, scale));
+    return _mm512_ternarylogic_epi32(_mm512_slli_epi32(high, 16), low, _mm512_set1_epi32(0xffff), 0xf8);
+  }
+
+  static __mmask16 Lanes(int n, int at) { return static_cast<__mmask16>(n - at >= 16 ? 0xffff : (1u << (n - at)) - 1); }
+
+  // words_ from the block's e^{i t0 theta} (Reseed and Pack in vectors),
+  // then e^{i t0 theta} to the next block's (Advance).
+  void SeedVectors() {
+    const __m512d c0 = _mm512_load_pd(seed_c_), s0 = _mm512_load_pd(seed_s_);
+    const __m512d c1 = _mm512_load_pd(seed_c_ + 8), s1 = _mm512_load_pd(seed_s_ + 8);
+    const __m512 c = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(c0)), _mm512_cvtpd_ps(c1), 1);
+    const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(s0)), _mm512_cvtpd_ps(s1), 1);
+    const int n = rows_ * pairs_;
+    for (int k = 0; k < chunks_; ++k) {
+      const __mmask16 lanes = Lanes(n, 16 * k);
+      const __m512i pair = _mm512_loadu_si512(pair_lanes_ + 16 * k);
+      const __m512 ci = _mm512_permutexvar_ps(pair, c), si = _mm512_permutexvar_ps(pair, s);
+      const __m512 x = _mm512_maskz_loadu_ps(lanes, z_re_ + 16 * k), y = _mm512_maskz_loadu_ps(lanes, z_im_ + 16 * k);
+      // w = z e^{i t0 theta}: Re = x c + y s, -Im = y c - x s (AddBackRows::Reseed).
+      const __m512 re = _mm512_fmadd_ps(x, ci, _mm512_mul_ps(y, si));
+      const __m512 im = _mm512_fmsub_ps(y, ci, _mm512_mul_ps(x, si));
+      _mm512_mask_storeu_epi32(words_ + 16 * k, lanes, Word(re, im, _mm512_maskz_loadu_ps(lanes, scales_ + 16 * k)));
+    }
+    const auto advance = [&](__m512d bc, __m512d bs, int at) {
+      const __m512d sc = _mm512_load_pd(step_c_ + at), ss = _mm512_load_pd(step_s_ + at);
+      _mm512_store_pd(seed_c_ + at, _mm512_fmsub_pd(bc, sc, _mm512_mul_pd(bs, ss)));
+      _mm512_store_pd(seed_s_ + at, _mm512_fmadd_pd(bs, sc, _mm512_mul_pd(bc, ss)));
+    };
+    advance(c0, s0, 0);
+    if (pairs_ > 8) advance(c1, s1, 8);
+  }
+
+  // words_ from w_re_ and w_im_ (after Reseed).
   void Pack() {
     const int n = rows_ * pairs_;
     for (int at = 0; at < n; at += 16) {
-      const __mmask16 lanes = static_cast<__mmask16>(n - at >= 16 ? 0xffff : (1u << (n - at)) - 1);
-      const __m512 scale = _mm512_maskz_loadu_ps(lanes, scales_ + at);
-      const __m512i re = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w_re_ + at), scale));
-      const __m512i im = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w_im_ + at), scale));
-      // (im << 16) | (re & 0xffff)
-      const __m512i word = _mm512_ternarylogic_epi32(_mm512_slli_epi32(im, 16), re, _mm512_set1_epi32(0xffff), 0xf8);
+      const __mmask16 lanes = Lanes(n, at);
+      const __m512i word = Word(_mm512_maskz_loadu_ps(lanes, w_re_ + at), _mm512_maskz_loadu_ps(lanes, w_im_ + at),
+                                _mm512_maskz_loadu_ps(lanes, scales_ + at));
       _mm512_mask_storeu_epi32(words_ + at, lanes, word);
     }
   }
@@ -304,6 +359,13 @@ class IntegerAddBack : public AddBackRows<simd::Avx512> {
   float* scales_ = nullptr;   // [rows][pairs]: each row's scale
   int32_t* words_ = nullptr;  // [rows][pairs]
   float unit_[kMaxRows];      // what an int32 sum unit of row r is worth
+  int chunks_ = 0;            // of 16 (row, pair)s
+  bool vector_seed_ = false;
+  int32_t* pair_lanes_ = nullptr;  // [chunks][16]
+  alignas(64) double seed_c_[16];  // e^{i t0 theta} (padded with 1)
+  alignas(64) double seed_s_[16];
+  alignas(64) double step_c_[16];  // e^{i 64 theta}
+  alignas(64) double step_s_[16];
 };
 
 // Where a block's groups of 16 tokens have their codes tiles, and the
@@ -510,7 +572,9 @@ struct IntegerAttention {
         const __mmask16 live = _mm512_cmp_ps_mask(block[i][g], neg_inf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(live, avx512::Exp(_mm512_sub_ps(block[i][g], _mm512_set1_ps(new_max[i]))));
         sum[i] = _mm512_add_ps(sum[i], e);
-        if (exact != 0) _mm512_mask_storeu_ps(x.exact_weights + rows[i] * kBlock + kGroup * g, exact, e);
+        // (All lanes: the exact ones are reloaded one by one, which a
+        // masked store would not forward to.)
+        if (exact != 0) _mm512_storeu_ps(x.exact_weights + rows[i] * kBlock + kGroup * g, e);
         // The compressed values' weights (exact lanes' value scales are zero).
         block[i][g] = _mm512_setzero_ps();
         if (g < x.compressed_groups) {

@@ -68,12 +68,14 @@ struct Avx2 {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  // y[0..3] = the horizontal sums of a0..a3, reduced together.
-  static void StoreSums4(F32 a0, F32 a1, F32 a2, F32 a3, float* y) {
+  // The horizontal sums of a0..a3, reduced together, in lanes 0..3.
+  static __m128 Sums4(F32 a0, F32 a1, F32 a2, F32 a3) {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     // h = [s0 s1 s2 s3 | s0' s1' s2' s3']: the two 128-bit halves' partial sums.
-    _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
+  // y[0..3] = Sums4.
+  static void StoreSums4(F32 a0, F32 a1, F32 a2, F32 a3, float* y) { _mm_storeu_ps(y, Sums4(a0, a1, a2, a3)); }
 
   // Dword vectors, for transposes of 32-bit words.
   using I32 = __m256i;
@@ -139,7 +141,9 @@ struct Avx512 {
     v = _mm512_add_ps(v, _mm512_mask_permute_ps(v, kAll, v, 0xB1));
     return _mm512_cvtss_f32(v);
   }
-  static void StoreSums4(F32 a0, F32 a1, F32 a2, F32 a3, float* y) {
+  static void StoreSums4(F32 a0, F32 a1, F32 a2, F32 a3, float* y) { _mm_storeu_ps(y, Sums4(a0, a1, a2, a3)); }
+  // The horizontal sums of a0..a3, reduced together, in lanes 0..3.
+  static __m128 Sums4(F32 a0, F32 a1, F32 a2, F32 a3) {
     // 128-bit lanes of p01: halves of a0 and a1 folded (a0, a0, a1, a1); same for p23.
     const __m512 p01 = _mm512_add_ps(_mm512_mask_shuffle_f32x4(a0, kAll, a0, a1, 0x44),
                                      _mm512_mask_shuffle_f32x4(a0, kAll, a0, a1, 0xEE));
@@ -152,7 +156,7 @@ struct Avx512 {
     q = _mm512_add_ps(q, _mm512_mask_permute_ps(q, kAll, q, 0xB1));
     // Element 4k holds row k's sum; gather elements 0, 4, 8, 12 to the front.
     const __m512i front = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    _mm512_mask_storeu_ps(y, 0x000F, _mm512_mask_permutexvar_ps(q, kAll, front, q));
+    return _mm512_castps512_ps128(_mm512_mask_permutexvar_ps(q, kAll, front, q));
   }
 
   // Dword vectors, for transposes of 32-bit words.

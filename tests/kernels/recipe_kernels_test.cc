@@ -251,7 +251,8 @@ struct Expected {
 };
 
 Expected Reference(const RecipePages& pages, const RecipeCase& c, const SyntheticField& kf, const SyntheticField& vf,
-                   const float* q, const float* exact_q, const AddBack& addback, int r, int64_t visible) {
+                   const float* q, const float* exact_q, double exact_scale, const AddBack& addback, int r,
+                   int64_t visible) {
   Expected e;
   e.out.assign(c.d, 0.0);
   if (visible <= c.token_begin) return e;
@@ -261,7 +262,7 @@ Expected Reference(const RecipePages& pages, const RecipeCase& c, const Syntheti
     const bool exact = pages.Exact(static_cast<int>(t));
     double dot = 0;
     for (int j = 0; j < c.d; ++j) {
-      dot += (exact ? exact_q[j] : q[j]) * pages.Key(kf, static_cast<int>(t), j, true);
+      dot += (exact ? exact_scale * exact_q[j] : q[j]) * pages.Key(kf, static_cast<int>(t), j, true);
     }
     logits[t] = dot + (addback.theta.empty() ? 0.0 : addback.At(r, t));
     top = std::max(top, logits[t]);
@@ -372,7 +373,10 @@ void CheckCase(const RecipeCase& c, const SyntheticField& kf, const SyntheticFie
     p.addback_pairs = c.pairs;
     p.addback_freq = addback.freq.data();
     p.addback_coef = addback.coef.data();
-    p.exact.queries = exact_queries.data();
+    std::vector<const float*> exact_rows;
+    for (int r = 0; r < rows; ++r) exact_rows.push_back(exact_queries.data() + r * c.d);
+    p.exact.query_rows = exact_rows.data();
+    p.exact.query_scale = 0.5f;
     p.exact.out = exact_out.data();
     p.out = out.data();
     p.lse = lse.data();
@@ -380,7 +384,7 @@ void CheckCase(const RecipeCase& c, const SyntheticField& kf, const SyntheticFie
     for (int r = 0; r < rows; ++r) {
       const Expected want = Reference(pages, c, integer ? kf_int : kf, integer ? vf_int : vf,
                                       (integer ? queries_int : queries).data() + r * c.d,
-                                      exact_queries.data() + r * c.d, addback, r, visible[r]);
+                                      exact_queries.data() + r * c.d, p.exact.query_scale, addback, r, visible[r]);
       double error = 0, norm = 0;
       for (int j = 0; j < c.d; ++j) {
         const double got = out[r * c.d + j] + (p.exact.any() ? exact_out[r * c.d + j] : 0.0);
