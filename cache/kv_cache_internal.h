@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cache/page_allocator.h"
+#include "kernels/float_formats.h"
 #include "kernels/key_centering.h"
 #include "kernels/status_macros.h"
 
@@ -52,6 +53,16 @@ inline void CountBytes(const KvLayout& layout, const std::vector<int64_t>& layer
   *bytes = 0;
   *bytes_bf16 = 0;
   for (int layer = 0; layer < layout.num_layers(); ++layer) {
+    *bytes += layout.layer_bytes(layer, layer_tokens[layer], held_begin[layer]);
+    *bytes_bf16 += static_cast<uint64_t>(layer_tokens[layer] - held_begin[layer]) * layout.token_bytes_bf16();
+  }
+}
+
+// CountBytes over layers [begin, end) only, added to *bytes and *bytes_bf16.
+inline void AddRangeBytes(const KvLayout& layout, const std::vector<int64_t>& layer_tokens,
+                          const std::vector<int64_t>& held_begin, int begin, int end, uint64_t* bytes,
+                          uint64_t* bytes_bf16) {
+  for (int layer = begin; layer < end; ++layer) {
     *bytes += layout.layer_bytes(layer, layer_tokens[layer], held_begin[layer]);
     *bytes_bf16 += static_cast<uint64_t>(layer_tokens[layer] - held_begin[layer]) * layout.token_bytes_bf16();
   }
@@ -184,15 +195,8 @@ struct ReadSnapshot {
 inline absl::Status CheckFinite(const char* name, const float* data, int layer_begin, int layers,
                          int64_t tokens, int heads, int dim) {
   const int64_t count = static_cast<int64_t>(layers) * tokens * heads * dim;
-  // A branch-free pass the compiler vectorizes (an exponent of all ones is
-  // NaN or Inf); the element is looked for only when there is one.
-  uint32_t all_ones = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, data + i, 4);
-    all_ones |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  if (all_ones == 0) return absl::OkStatus();
+  // One branch-free pass; the element is looked for only when there is one.
+  if (AllFinite(data, static_cast<size_t>(count))) return absl::OkStatus();
   for (int64_t i = 0; i < count; ++i) {
     if (std::isfinite(data[i])) continue;
     const int64_t row = i / dim;
@@ -339,14 +343,14 @@ struct KvCache::State {
 
   struct NoWriterArgs {
     State* state;
-    const std::string* a;
-    const std::string* b;
+    const std::string* const* ids;
+    size_t count;
   };
   // Evaluated by absl::Mutex with `mu` held, possibly on another thread.
   static bool NoWriterOn(NoWriterArgs* args) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    for (const std::string* id : {args->a, args->b}) {
-      if (id == nullptr) continue;
-      auto it = args->state->sequences.find(*id);
+    for (size_t i = 0; i < args->count; ++i) {
+      if (args->ids[i] == nullptr) continue;
+      auto it = args->state->sequences.find(*args->ids[i]);
       if (it != args->state->sequences.end() && it->second->writer_active) return false;
     }
     return true;
@@ -354,7 +358,15 @@ struct KvCache::State {
   // Waits until no append is in flight on `a` (nor on `b`, when given).
   void AwaitNoWriter(const std::string& a, const std::string* b = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    NoWriterArgs args{this, &a, b};
+    const std::string* ids[] = {&a, b};
+    NoWriterArgs args{this, ids, 2};
+    mu.Await(absl::Condition(&NoWriterOn, &args));
+  }
+  // Waits until no append is in flight on any of `ids` (null entries are
+  // skipped): a batch claims its sequences together, so two batches never
+  // wait on each other.
+  void AwaitNoWriters(const std::vector<const std::string*>& ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    NoWriterArgs args{this, ids.data(), ids.size()};
     mu.Await(absl::Condition(&NoWriterOn, &args));
   }
 

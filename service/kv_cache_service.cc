@@ -649,6 +649,7 @@ absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequ
   append.create_if_missing = !request.do_not_create();
   append.request_id = request.request_id();
   append.account = auth_.AccountOf(request.sequence_id());
+  append.finite_checked = true;  // DecodeTensorView checked them
   AppendOutcome outcome;
   RETURN_IF_ERROR(cache->Append(append, &outcome));
 
@@ -900,11 +901,17 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
   }
   RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
 
-  // Appends, each all-or-nothing on its own.
+  // One cache call for the layer: every item's append, all-or-nothing on
+  // its own, then one attention batch over the items stored, in one backend
+  // call. An f32 output is written by the kernel straight into the response.
+  const bool f32_output = request.output_dtype() == v1::DTYPE_F32 ||
+                          request.output_dtype() == v1::DTYPE_UNSPECIFIED;
+  std::vector<AppendRequest> appends(num_items);
+  std::vector<AttendRequestItem> attends(num_items);
   for (int i = 0; i < num_items; ++i) {
     const v1::AppendAttendItem& in = request.items(i);
     Item& item = items[i];
-    AppendRequest append;
+    AppendRequest& append = appends[i];
     append.sequence_id = in.sequence_id();
     append.start_position = in.start_position();
     append.layer_begin = layer;
@@ -915,40 +922,19 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
     append.create_if_missing = !in.do_not_create();
     append.request_id = in.request_id();
     append.account = auth_.AccountOf(in.sequence_id());
-    AppendOutcome outcome;
-    item.status = cache->Append(append, &outcome);
-    item.already_stored = outcome.already_stored;
-    if (absl::IsFailedPrecondition(item.status) && in.request_id().empty()) {
-      // A retry of an append that landed: the layer ends exactly where this
-      // one would have.
-      absl::StatusOr<SequenceInfo> seq = cache->GetSequence(in.sequence_id());
-      if (seq.ok() && seq->layer_tokens[layer] == in.start_position() + item.tokens) {
-        item.status = absl::OkStatus();
-        item.already_stored = true;
-      }
-    }
-  }
-
-  // One attention batch over the items stored. An f32 output is written by
-  // the kernel straight into the response.
-  const bool f32_output = request.output_dtype() == v1::DTYPE_F32 ||
-                          request.output_dtype() == v1::DTYPE_UNSPECIFIED;
-  for (int i = 0; i < num_items; ++i) response->add_results();
-  std::vector<AttendRequestItem> attend;
-  std::vector<int> attend_index;
-  for (int i = 0; i < num_items; ++i) {
-    Item& item = items[i];
-    if (!item.status.ok()) continue;
+    // A retry of an append that landed attends without storing again.
+    append.landed_is_stored = true;
+    append.finite_checked = true;  // DecodeTensorView checked them
+    response->add_results();
     if (f32_output) {
-      item.output = PrepareF32Tensor({item.tokens, heads, dim},
-                                     response->mutable_results(i)->mutable_output());
+      item.output = PrepareF32Tensor({item.tokens, heads, dim}, response->mutable_results(i)->mutable_output());
     }
     if (item.output == nullptr) {
       item.output_storage.resize(item.queries.values.size());
       item.output = item.output_storage.data();
     }
-    AttendRequestItem a;
-    a.sequence_id = request.items(i).sequence_id();
+    AttendRequestItem& a = attends[i];
+    a.sequence_id = in.sequence_id();
     a.layer = layer;
     a.num_query_tokens = static_cast<int>(item.tokens);
     a.queries = item.queries.values.data();
@@ -957,18 +943,13 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
       item.lse.resize(static_cast<size_t>(item.tokens * heads));
       a.lse = item.lse.data();
     }
-    attend.push_back(std::move(a));
-    attend_index.push_back(i);
   }
-  if (absl::Status s = cache->Attend(attend, request.scale()); !s.ok()) {
-    // An item's sequence went away after its append (a concurrent drop or
-    // eviction): attend item by item to give each its own status. A stored
-    // item that fails here is reported with its error; resending it attends
-    // without storing again.
-    for (size_t j = 0; j < attend.size(); ++j) {
-      items[attend_index[j]].status =
-          cache->Attend(absl::MakeConstSpan(&attend[j], 1), request.scale());
-    }
+  std::vector<absl::Status> statuses(num_items);
+  std::vector<AppendOutcome> outcomes(num_items);
+  cache->AppendAttend(appends, attends, request.scale(), absl::MakeSpan(statuses), absl::MakeSpan(outcomes));
+  for (int i = 0; i < num_items; ++i) {
+    items[i].status = statuses[i];
+    items[i].already_stored = outcomes[i].already_stored;
   }
 
   int64_t stored = 0;

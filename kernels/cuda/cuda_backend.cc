@@ -516,7 +516,19 @@ class CudaBackend final : public Backend {
     return Guarded([&] { return CopyPages(pool, pages, const_cast<uint8_t*>(host), cudaMemcpyHostToDevice); });
   }
   absl::Status Store(const StoreParams& p) override {
-    return Guarded([&] { return DoStore(p); });
+    return Guarded([&]() -> absl::Status {
+      RETURN_IF_ERROR(DoStore(p));
+      if (p.exact_slots == nullptr) return absl::OkStatus();
+      // The exact copies: a second, small store into the exact pages.
+      std::vector<float> keys, values;
+      std::vector<int32_t> slots;
+      const StoreParams exact = ExactStorePart(p, &keys, &values, &slots);
+      if (exact.num_tokens == 0) return absl::OkStatus();
+      const double main_seconds = last_timing.device_seconds;
+      RETURN_IF_ERROR(DoStore(exact));
+      last_timing.device_seconds += main_seconds;
+      return absl::OkStatus();
+    });
   }
   absl::Status Score(const ScoreParams& p) override {
     return Guarded([&] { return DoScore(p); });
