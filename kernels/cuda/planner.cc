@@ -258,37 +258,81 @@ AttendWorkspace LayOutAttend(const PlanDims& dims, const AttendCounts& c) {
   return at;
 }
 
+namespace {
+
+// Cuts every item into pieces of query tokens (at most
+// kMaxQueryTokensPerPiece; one each in a sliding-window layer). With a
+// split, an item's pieces halve while its widest one (the last: it sees the
+// most) does not fit a workspace at that split; without one (0), they stay
+// at their widest. Returns whether any item was halved.
+bool CutPieces(const AttendPlanInput& in, int64_t split, std::vector<PlanPiece>* pieces) {
+  pieces->clear();
+  bool halved = false;
+  for (size_t i = 0; i < in.items.size(); ++i) {
+    const PlanItem& item = in.items[i];
+    const int widest = item.window > 0 ? 1 : std::min(kMaxQueryTokensPerPiece, item.query_tokens);
+    int per_piece = widest;
+    while (split > 0 && per_piece > 1) {
+      const PlanPiece last{static_cast<int32_t>(i), item.query_tokens - per_piece, per_piece};
+      if (Fits(in.dims, WalkPiece(in.dims, item, last, split, nullptr, nullptr), in.workspace_bytes)) break;
+      per_piece = (per_piece + 1) / 2;
+    }
+    halved = halved || per_piece < widest;
+    for (int t0 = 0; t0 < item.query_tokens; t0 += per_piece) {
+      pieces->push_back({static_cast<int32_t>(i), t0, std::min(per_piece, item.query_tokens - t0)});
+    }
+  }
+  return halved;
+}
+
+// The blocks `pieces` make at `split`: the walk that fills the batches.
+int64_t CountBlocks(const AttendPlanInput& in, const std::vector<PlanPiece>& pieces, int64_t split) {
+  int64_t blocks = 0;
+  for (const PlanPiece& piece : pieces) {
+    blocks = AddSat(blocks, WalkPiece(in.dims, in.items[piece.item], piece, split, nullptr, nullptr).blocks);
+  }
+  return blocks;
+}
+
+// The shortest split (see planner.h) whose blocks fit the fewest waves of
+// `target`. Blocks only decrease as the split grows, and at a split as long
+// as the longest item every (piece, KV head, row chunk, segment) is one
+// block: the fewest there are. Bisects over multiples of kSplitGranularity.
+int64_t ChooseSplit(const AttendPlanInput& in, const std::vector<PlanPiece>& pieces, int64_t target) {
+  int64_t longest = 0;
+  for (const PlanItem& item : in.items) longest = std::max(longest, item.context_tokens);
+  int64_t lo = CeilDiv(kMinSplitTokens, kSplitGranularity);
+  int64_t hi = std::max(lo, CeilDiv(longest, kSplitGranularity));
+  const int64_t fewest = CountBlocks(in, pieces, hi * kSplitGranularity);
+  const int64_t budget = MulSat(CeilDiv(std::max<int64_t>(fewest, 1), target), target);
+  if (CountBlocks(in, pieces, lo * kSplitGranularity) <= budget) return lo * kSplitGranularity;
+  while (hi - lo > 1) {  // lo does not fit, hi does
+    const int64_t mid = lo + (hi - lo) / 2;
+    (CountBlocks(in, pieces, mid * kSplitGranularity) <= budget ? hi : lo) = mid;
+  }
+  return hi * kSplitGranularity;
+}
+
+}  // namespace
+
 absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
   plan->pieces.clear();
   plan->batches.clear();
+  plan->blocks = 0;
+  plan->waves = 0;
   if (absl::Status s = CheckInput(in); !s.ok()) return s;
   const PlanDims& dims = in.dims;
-
-  // The split: the call's (token, KV head) pairs over the resident blocks.
-  int64_t work = 0;
-  for (const PlanItem& item : in.items) work = AddSat(work, MulSat(item.context_tokens, dims.num_kv_heads));
   plan->target_blocks = MulSat(in.device.sm_count, in.device.blocks_per_sm);
-  int64_t split = CeilDiv(work, plan->target_blocks);
-  // No block needs more than a whole int32 context.
-  split = std::min<int64_t>(split, kInt32Max);
-  split = CeilDiv(split, kAttendTile) * kAttendTile;
-  plan->split = std::max(kMinSplitTokens, split);
 
-  // Pieces of query tokens; the widest piece of an item is the one that
-  // ends at its last token (it sees the most).
-  for (size_t i = 0; i < in.items.size(); ++i) {
-    const PlanItem& item = in.items[i];
-    int per_piece = item.window > 0 ? 1 : std::min(kMaxQueryTokensPerPiece, item.query_tokens);
-    while (per_piece > 1) {
-      const PlanPiece last{static_cast<int32_t>(i), item.query_tokens - per_piece, per_piece};
-      if (Fits(dims, WalkPiece(dims, item, last, plan->split, nullptr, nullptr), in.workspace_bytes)) {
-        break;
-      }
-      per_piece = (per_piece + 1) / 2;
-    }
-    for (int t0 = 0; t0 < item.query_tokens; t0 += per_piece) {
-      plan->pieces.push_back({static_cast<int32_t>(i), t0, std::min(per_piece, item.query_tokens - t0)});
-    }
+  // The split from the pieces at their widest; pieces that must halve to
+  // fit a workspace make other blocks, so the split is chosen again from
+  // them. The longer of the two keeps both promises: a longer split makes
+  // no more blocks (the waves hold) and no larger a workspace (the pieces
+  // still fit).
+  CutPieces(in, 0, &plan->pieces);
+  plan->split = ChooseSplit(in, plan->pieces, plan->target_blocks);
+  if (CutPieces(in, plan->split, &plan->pieces)) {
+    plan->split = std::max(plan->split, ChooseSplit(in, plan->pieces, plan->target_blocks));
   }
 
   // Batches: as many pieces as fit, in order.
@@ -297,6 +341,7 @@ absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
     const PlanPiece& piece = plan->pieces[p];
     const PlanItem& item = in.items[piece.item];
     const AttendCounts c = WalkPiece(dims, item, piece, plan->split, nullptr, nullptr);
+    plan->blocks = AddSat(plan->blocks, c.blocks);
     AttendCounts next = batch.counts;
     next += c;
     if (Fits(dims, next, in.workspace_bytes)) {
@@ -322,6 +367,7 @@ absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
     batch.at = LayOutAttend(dims, batch.counts);
     plan->batches.push_back(batch);
   }
+  plan->waves = CeilDiv(plan->blocks, plan->target_blocks);
   return absl::OkStatus();
 }
 
