@@ -176,6 +176,9 @@ struct AttendPlan {
   int64_t waves = 0;
   std::vector<PlanPiece> pieces;
   std::vector<AttendBatch> batches;
+  // PlanAttend's scratch (the lengths of the runs it splits), kept so that
+  // a reused plan allocates nothing.
+  std::vector<int64_t> runs;
 };
 
 // Plans one Attend call into *plan (its vectors are reused).
