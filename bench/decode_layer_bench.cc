@@ -4,7 +4,8 @@
 // server does. Prints, per layer, the handler's time and the backend's time
 // (Store, Attend, CopyPage, as the server's kernel timings count them), and
 // the difference: the server's time outside the kernels, per layer and per
-// item. Medians over --steps decode steps of every layer.
+// item, with the request's parse and the response's serialization per item
+// (parts of it). Medians over --steps decode steps of every layer.
 //
 //   build/bin/decode_layer_bench --batch 8,64 --context 1024
 //
@@ -126,7 +127,7 @@ int Run(int batch) {
     }
   }
   backend->TakeSeconds();
-  std::vector<double> handler_us, kernel_us;
+  std::vector<double> handler_us, kernel_us, parse_us, serialize_us;
   const std::vector<float> token = Normal(static_cast<size_t>(kv) * dim, rng);
   const std::vector<float> query = Normal(static_cast<size_t>(qh) * dim, rng);
   for (int step = 0; step < steps; ++step) {
@@ -145,10 +146,15 @@ int Run(int batch) {
       const Clock::time_point start = Clock::now();
       v1::AppendAttendRequest parsed;
       parsed.ParseFromString(wire);
+      const Clock::time_point parsed_at = Clock::now();
       v1::AppendAttendResponse response;
       const absl::Status status = service.DoAppendAttend(service::Caller::Admin(), parsed, &response);
+      const Clock::time_point worked_at = Clock::now();
       const std::string out = response.SerializeAsString();
-      handler_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - start).count());
+      const Clock::time_point end = Clock::now();
+      handler_us.push_back(std::chrono::duration<double, std::micro>(end - start).count());
+      parse_us.push_back(std::chrono::duration<double, std::micro>(parsed_at - start).count());
+      serialize_us.push_back(std::chrono::duration<double, std::micro>(end - worked_at).count());
       kernel_us.push_back(backend->TakeSeconds() * 1e6);
       if (!status.ok() || response.results(0).code() != 0) {
         std::fprintf(stderr, "step %d layer %d: %s %s\n", step, layer, status.ToString().c_str(),
@@ -161,8 +167,9 @@ int Run(int batch) {
   std::vector<double> outside(handler_us.size());
   for (size_t i = 0; i < outside.size(); ++i) outside[i] = handler_us[i] - kernel_us[i];
   const double out = Median(outside);
-  std::printf("%-16s %6d %8lld %11.1f %11.1f %11.1f %13.2f\n", c.preset().c_str(), batch,
-              static_cast<long long>(context), handler, kernel, out, out / batch);
+  std::printf("%-16s %6d %8lld %11.1f %11.1f %11.1f %13.2f %9.1f %9.1f\n", c.preset().c_str(), batch,
+              static_cast<long long>(context), handler, kernel, out, out / batch, Median(parse_us) / batch,
+              Median(serialize_us) / batch);
   return 0;
 }
 
@@ -174,8 +181,8 @@ int main(int argc, char** argv) {
   std::string load;
   std::getline(std::ifstream("/proc/loadavg"), load);
   std::printf("decode layer in process, one AppendAttend per layer; load average at start: %s\n", load.c_str());
-  std::printf("%-16s %6s %8s %11s %11s %11s %13s\n", "preset", "batch", "context", "handler_us", "kernel_us",
-              "outside_us", "outside/item");
+  std::printf("%-16s %6s %8s %11s %11s %11s %13s %9s %9s\n", "preset", "batch", "context", "handler_us", "kernel_us",
+              "outside_us", "outside/item", "parse/it", "write/it");
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_batch), ',', absl::SkipEmpty())) {
     int batch = 0;
     if (!absl::SimpleAtoi(b, &batch) || batch < 1) return std::fprintf(stderr, "bad --batch %s\n", std::string(b).c_str()), 2;
