@@ -12,15 +12,23 @@
 // device time and wall time (with the host-to-device copy of the float32
 // input).
 //
-// Recipe rows (--recipe_presets): the same preset with pre-RoPE key
-// centering (8 pairs, the add-back inside the kernels) and 4 exact sink plus
-// 128 exact window tokens (two more splits per item, on fp16 exact pages),
-// named "<preset>+center+window", next to the plain preset. Their GB/s
-// counts the compressed bytes only, so the ratio of kernel times is the
-// recipe's cost.
+// Every run decodes what a server holds: each context's state is built by
+// appending the template's tokens through a KvCache of the server's layout
+// for the preset (client/cli/served_layer.h), then copied onto each item's
+// own pages. Not re-derived by hand: an earlier version passed a dense key
+// mean (all 64 RoPE pairs in the add-back, where the server keeps 8) and a
+// 128-token window (the presets keep 64), and measured a recipe nobody runs.
+//
+// Recipe rows (--recipe_presets, default tqkv_k3v4u_csw): a preset with a
+// recipe (PresetRecipe) as served, so pre-RoPE centering with the mean the
+// cache estimates and trims to the layout's centering_pairs, the preset's
+// exact sinks and window on fp16 exact pages ("<preset> reads: ..." says
+// what the state holds), next to the same codecs without the recipe,
+// "<preset> plain", in the same process: "x plain" is the recipe's kernel
+// time over plain's. GB/s counts the compressed bytes only.
 //
 // Prints a table, or JSON with --json. Timings are printed, never asserted.
-// Exits 1 when any run (a preset, or a preset's recipe) failed: every run is
+// Exits 1 when any run (a preset, plain or as served) failed: every run is
 // still attempted, the failed ones are named on stderr, in the table and in
 // the JSON's "failed" list.
 #include <cuda_runtime_api.h>
@@ -37,9 +45,11 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/cli/served_layer.h"
 #include "client/eval/synthetic.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/kv_layout.h"
@@ -59,9 +69,9 @@ ABSL_FLAG(double, peak_gbps, 4800.0, "The device's peak memory bandwidth, GB/s (
 ABSL_FLAG(bool, json, false, "Print JSON instead of tables.");
 ABSL_FLAG(int64_t, prefill_tokens, 16384,
           "Tokens stored through Store (timed), then replicated over the pool; a multiple of 16.");
-ABSL_FLAG(std::string, recipe_presets, "turboquant_k3v4_nc",
-          "Presets also measured with key centering and exact sink/window tokens, comma-separated (empty: "
-          "none).");
+ABSL_FLAG(std::string, recipe_presets, "tqkv_k3v4u_csw",
+          "Presets with a recipe (centering, exact sinks and window), comma-separated, each measured as "
+          "served and without its recipe ('<preset> plain'); empty: none.");
 ABSL_FLAG(bool, tensor_cores, true,
           "Decode on the tensor cores where the layout allows (CudaBackendOptions::tensor_cores); false: "
           "the fp32 CUDA-core kernel.");
@@ -70,17 +80,13 @@ namespace tqkv {
 namespace {
 
 constexpr int kKvHeads = 8, kQueryHeads = 32, kHeadDim = 128, kPageTokens = 16;
-// Exact pages of a recipe run, shared by every item (read only).
-constexpr int kExactPages = 16;
+const cli::ModelShape kLayer{"llama3-8b", 1, kKvHeads, kQueryHeads, kHeadDim};
 
-// A serving recipe on top of a preset: centering and exact tokens.
-struct Recipe {
-  bool centered = false;
-  int sinks = 0;
-  int window = 0;
-  std::string Name(const Preset& preset) const {
-    return std::string(preset.name) + (centered || sinks + window > 0 ? "+center+window" : "");
-  }
+// A preset as served, or (plain) its codecs without its recipe.
+struct Run {
+  const Preset* preset = nullptr;
+  bool plain = false;
+  std::string Name() const { return std::string(preset->name) + (plain ? " plain" : ""); }
 };
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -120,6 +126,7 @@ struct DecodeRow {
   int64_t context = 0;
   int batch = 0;
   double kernel_us = 0, wall_us = 0, gbps = 0, peak_fraction = 0, speedup_vs_bf16 = 0;
+  double vs_plain = 0;  // recipe rows: kernel time over "<preset> plain"'s at the point
 };
 
 struct StoreRow {
@@ -133,147 +140,295 @@ struct Point {
   int batch;
 };
 
-// Runs one preset over every point; false (with a message) on failure.
-// The exact pages of a recipe: the template's first tokens stored through
-// the exact layout into the kExactPages pages after `first_page`.
-bool StoreExactPages(Backend& backend, const KvLayout& layout, const PagePool& pool, int64_t first_page,
-                     const std::vector<float>& keys, const std::vector<float>& values) {
-  const int ept = layout.exact_page_tokens();
-  // As many tokens as the template has (the rest of the pages stays zero).
-  const size_t tokens = std::min(static_cast<size_t>(kExactPages) * ept, keys.size() / (kKvHeads * kHeadDim));
-  std::vector<int32_t> slots(tokens);
-  for (size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<int32_t>(first_page * ept + i);
-  const StoreParams params{layout.exact_layout(), pool, 0, 1, static_cast<int64_t>(slots.size()), slots.data(),
-                           keys.data(), values.data()};
-  const absl::Status status = backend.Store(params);
-  if (!status.ok()) std::fprintf(stderr, "exact Store failed: %s\n", status.ToString().c_str());
-  return status.ok();
-}
+// --prefill_tokens synthetic tokens of the layer (keys with hot channels
+// and offsets per head, Gaussian values), repeated to any length: token t is
+// template token t mod tokens.
+struct Template {
+  int64_t tokens = 0;
+  std::vector<float> keys, values;             // [tokens, kv heads, head dim]
+  std::vector<std::vector<int>> hot_channels;  // per KV head, for split presets
+};
 
-bool RunPreset(Backend& backend, const Preset& preset, const Recipe& recipe, const std::vector<Point>& points,
-               int64_t max_tokens, std::vector<DecodeRow>* rows, StoreRow* store) {
-  const int64_t kTemplateTokens = absl::GetFlag(FLAGS_prefill_tokens);
-  KvLayoutOptions options;
-  options.num_layers = 1;
-  options.num_kv_heads = kKvHeads;
-  options.num_query_heads = kQueryHeads;
-  options.head_dim = kHeadDim;
-  options.page_tokens = kPageTokens;
-  options.preset = std::string(preset.name);
-  options.boundary_layers = 0;
-  if (recipe.centered) {
-    options.key_centering = KeyCentering::kPreRope;
-    options.rope.base = 500000.0;
-    options.centering_pairs = 8;
-  }
-  options.exact_sink_tokens = recipe.sinks;
-  options.exact_window_tokens = recipe.window;
-  const std::string name = recipe.Name(preset);
-  // Synthetic keys: hot channels and offsets per head; values Gaussian.
-  std::vector<float> keys(static_cast<size_t>(kTemplateTokens) * kKvHeads * kHeadDim);
+Template MakeTemplate(const Preset& preset) {
+  Template t;
+  t.tokens = absl::GetFlag(FLAGS_prefill_tokens);
+  t.keys.resize(static_cast<size_t>(t.tokens) * kKvHeads * kHeadDim);
   for (int h = 0; h < kKvHeads; ++h) {
-    std::vector<float> head = eval::OutlierKeys(kTemplateTokens, kHeadDim, DeriveSeed(11, h), {});
-    for (int64_t t = 0; t < kTemplateTokens; ++t) {
-      std::copy(head.begin() + t * kHeadDim, head.begin() + (t + 1) * kHeadDim,
-                keys.begin() + (t * kKvHeads + h) * kHeadDim);
+    std::vector<float> head = eval::OutlierKeys(t.tokens, kHeadDim, DeriveSeed(11, h), {});
+    for (int64_t i = 0; i < t.tokens; ++i) {
+      std::copy(head.begin() + i * kHeadDim, head.begin() + (i + 1) * kHeadDim,
+                t.keys.begin() + (i * kKvHeads + h) * kHeadDim);
     }
     if (preset.NeedsCalibration()) {
-      options.hot_channels.push_back(
-          ChooseHotChannels(head.data(), kTemplateTokens, kHeadDim, preset.key.HotChannels(kHeadDim)));
+      t.hot_channels.push_back(
+          ChooseHotChannels(head.data(), t.tokens, kHeadDim, preset.key.HotChannels(kHeadDim)));
     }
   }
-  const std::vector<float> values = eval::GaussianVectors(kTemplateTokens * kKvHeads, kHeadDim, 12);
+  t.values = eval::GaussianVectors(t.tokens * kKvHeads, kHeadDim, 12);
+  return t;
+}
+
+// Tokens [t0, t0 + n) of the template repeated.
+void TemplateTokens(const Template& t, int64_t t0, int64_t n, std::vector<float>* keys, std::vector<float>* values) {
+  const size_t row = static_cast<size_t>(kKvHeads) * kHeadDim;
+  keys->resize(n * row);
+  values->resize(n * row);
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t from = static_cast<size_t>((t0 + i) % t.tokens) * row;
+    std::copy(t.keys.begin() + from, t.keys.begin() + from + row, keys->begin() + i * row);
+    std::copy(t.values.begin() + from, t.values.begin() + from + row, values->begin() + i * row);
+  }
+}
+
+// The layout a server holds the run's preset in; plain: without its recipe.
+KvLayoutOptions RunLayout(const Run& run, const Template& t) {
+  KvLayoutOptions options = cli::ServedLayoutOptions(run.preset->name, kLayer, kPageTokens);
+  options.hot_channels = t.hot_channels;
+  if (run.plain) {
+    options.key_centering = KeyCentering::kNone;
+    options.exact_sink_tokens = 0;
+    options.exact_window_tokens = 0;
+  }
+  return options;
+}
+
+// The store row: the template stored into the pool's first pages, timed.
+bool TimeStore(Backend& backend, const KvLayout& layout, const PagePool& pool, const Template& t, StoreRow* store) {
+  std::vector<int32_t> slots(t.tokens);
+  std::iota(slots.begin(), slots.end(), 0);
+  const StoreParams params{&layout, pool, 0, 1, t.tokens, slots.data(), t.keys.data(), t.values.data()};
+  double kernel = 0, wall = 0;
+  if (!Measure(backend, 0.0, [&] { return backend.Store(params).ok(); }, &kernel, &wall)) {
+    std::fprintf(stderr, "Store failed: %s\n", backend.Store(params).ToString().c_str());
+    return false;
+  }
+  store->kernel_mtokens_per_s = t.tokens / kernel * 1e-6;
+  store->wall_mtokens_per_s = t.tokens / wall * 1e-6;
+  return true;
+}
+
+// Which served state the pool holds, and in how many copies: copy b on pages
+// [b * num_pages, (b + 1) * num_pages), one per item of a point, so that
+// items never share cache lines.
+struct Placed {
+  int64_t context = -1;
+  int copies = 0;
+};
+
+bool PlaceCopies(Backend& backend, const PagePool& pool, const cli::ServedState& state, int copies, Placed* placed) {
+  if (placed->context != state.context_tokens) {
+    const absl::StatusOr<cli::PlacedTables> first = cli::PlaceServedState(backend, pool, state, 0);
+    if (!first.ok()) {
+      std::fprintf(stderr, "placing the served state failed: %s\n", first.status().ToString().c_str());
+      return false;
+    }
+    *placed = {state.context_tokens, 1};
+  }
+  const size_t bytes = static_cast<size_t>(state.num_pages) * pool.page_bytes;
+  for (; placed->copies < copies; ++placed->copies) {
+    if (cudaMemcpy(pool.base + placed->copies * bytes, pool.base, bytes, cudaMemcpyDeviceToDevice) != cudaSuccess) {
+      std::fprintf(stderr, "page replication failed\n");
+      return false;
+    }
+  }
+  return true;
+}
+
+// One point's Attend over `copies` copies of `state`, timed into *row.
+bool DecodePoint(Backend& backend, const KvLayout& layout, const PagePool& pool, const cli::ServedState& state,
+                 const Point& point, DecodeRow* row) {
+  std::vector<float> queries = eval::GaussianVectors(static_cast<int64_t>(point.batch) * kQueryHeads, kHeadDim, 13);
+  std::vector<float> output(queries.size());
+  std::vector<cli::PlacedTables> tables;
+  std::vector<AttendItem> items(point.batch);
+  for (int b = 0; b < point.batch; ++b) tables.push_back(cli::RenumberServedState(state, b * state.num_pages));
+  for (int b = 0; b < point.batch; ++b) {
+    const size_t q = static_cast<size_t>(b) * kQueryHeads * kHeadDim;
+    items[b] = AttendItem{tables[b].block_table.data(), point.context, 0, 1, queries.data() + q, output.data() + q,
+                          nullptr};
+    if (!tables[b].exact_block_table.empty()) items[b].exact_block_table = tables[b].exact_block_table.data();
+    if (!state.key_mean.empty()) items[b].key_mean = state.key_mean.data();
+  }
+  const AttendParams params{&layout, pool, items, 1.0f / std::sqrt(static_cast<float>(kHeadDim))};
+  double kernel = 0, wall = 0;
+  if (!Measure(backend, absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
+               &wall)) {
+    std::fprintf(stderr, "Attend failed: %s\n", backend.Attend(params).ToString().c_str());
+    return false;
+  }
+  row->sweep = point.sweep;
+  row->context = point.context;
+  row->batch = point.batch;
+  row->kernel_us = kernel * 1e6;
+  row->wall_us = wall * 1e6;
+  return true;
+}
+
+// Runs one preset over every point: its store row, its decode rows, and what
+// its recipe reads (*reads); false (with a message) on failure.
+bool RunPreset(Backend& backend, const Run& run, const std::vector<Point>& points, std::vector<DecodeRow>* rows,
+               StoreRow* store, std::string* reads) {
+  const std::string name = run.Name();
+  const Template t = MakeTemplate(*run.preset);
+  const KvLayoutOptions options = RunLayout(run, t);
   auto layout = KvLayout::Create(options);
   if (!layout.ok()) {
     std::fprintf(stderr, "%s: %s\n", name.c_str(), layout.status().ToString().c_str());
     return false;
   }
-  const int64_t pages = (max_tokens + kPageTokens - 1) / kPageTokens;
-  const bool exact = (*layout)->has_exact_tokens();
-  auto pool = backend.AllocatePool(**layout, static_cast<int32_t>(pages + (exact ? kExactPages : 0)));
+  // The pool first (a point too large fails before anything is built).
+  int64_t pages = (t.tokens + kPageTokens - 1) / kPageTokens;
+  std::vector<int64_t> contexts;
+  for (const Point& point : points) {
+    pages = std::max(pages, point.batch * cli::ServedPagesBound(**layout, point.context));
+    if (std::find(contexts.begin(), contexts.end(), point.context) == contexts.end()) contexts.push_back(point.context);
+  }
+  auto pool = backend.AllocatePool(**layout, static_cast<int32_t>(std::min<int64_t>(pages, INT32_MAX)));
   if (!pool.ok()) {
     std::fprintf(stderr, "%s: %s\n", name.c_str(), pool.status().ToString().c_str());
     return false;
   }
-  // Store the template into the first pages, timed.
-  std::vector<int32_t> slots(kTemplateTokens);
-  std::iota(slots.begin(), slots.end(), 0);
-  const StoreParams store_params{layout->get(), *pool, 0, 1, kTemplateTokens, slots.data(), keys.data(), values.data()};
-  double kernel = 0, wall = 0;
-  if (!Measure(backend, 0.0, [&] { return backend.Store(store_params).ok(); }, &kernel, &wall)) {
-    std::fprintf(stderr, "%s: Store failed: %s\n", name.c_str(),
-                 backend.Store(store_params).ToString().c_str());
-    backend.FreePool(*pool);
-    return false;
-  }
   store->preset = name;
-  store->kernel_mtokens_per_s = kTemplateTokens / kernel * 1e-6;
-  store->wall_mtokens_per_s = kTemplateTokens / wall * 1e-6;
-  // Replicate the template's pages over the pool (device to device).
-  const int64_t template_pages = kTemplateTokens / kPageTokens;
-  const size_t page_bytes = pool->page_bytes;
-  for (int64_t p = template_pages; p < pages; p += template_pages) {
-    const int64_t n = std::min(template_pages, pages - p);
-    if (cudaMemcpy(pool->base + p * page_bytes, pool->base, n * page_bytes, cudaMemcpyDeviceToDevice) !=
-        cudaSuccess) {
-      std::fprintf(stderr, "page replication failed\n");
-      backend.FreePool(*pool);
-      return false;
-    }
+  bool ok = TimeStore(backend, **layout, *pool, t, store);
+  absl::StatusOr<cli::ServedLayer> served = absl::UnknownError("not built");
+  if (ok) {
+    served = cli::BuildServedLayer(options, backend, contexts, [&t](int64_t t0, int64_t n, std::vector<float>* k,
+                                                                    std::vector<float>* v) {
+      TemplateTokens(t, t0, n, k, v);
+    });
+    if (!served.ok()) std::fprintf(stderr, "%s: %s\n", name.c_str(), served.status().ToString().c_str());
+    ok = served.ok();
   }
-  std::vector<int32_t> table(pages);
-  std::iota(table.begin(), table.end(), 0);
-  // Recipes: exact pages cycled over each item's exact table, one key mean.
-  if (exact && !StoreExactPages(backend, **layout, *pool, pages, keys, values)) {
-    backend.FreePool(*pool);
-    return false;
-  }
-  const int ept = exact ? (*layout)->exact_page_tokens() : 1;
-  std::vector<int32_t> exact_table;
-  const std::vector<float> key_mean = eval::GaussianVectors(kKvHeads, kHeadDim, 14);
-  // Bytes of one (token, KV head): the four planes.
-  const size_t token_head_bytes = static_cast<size_t>(preset.BytesPerTokenHead(kHeadDim));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
-  for (const Point& point : points) {
-    const int64_t pages_per_item = (point.context + kPageTokens - 1) / kPageTokens;
-    std::vector<float> queries = eval::GaussianVectors(static_cast<int64_t>(point.batch) * kQueryHeads, kHeadDim, 13);
-    std::vector<float> output(queries.size());
-    std::vector<AttendItem> items(point.batch);
-    for (int b = 0; b < point.batch; ++b) {
-      items[b] = AttendItem{table.data() + b * pages_per_item, point.context, 0, 1,
-                            queries.data() + static_cast<size_t>(b) * kQueryHeads * kHeadDim,
-                            output.data() + static_cast<size_t>(b) * kQueryHeads * kHeadDim, nullptr};
-    }
-    if (exact) {
-      exact_table.resize((point.context + ept - 1) / ept);
-      for (size_t i = 0; i < exact_table.size(); ++i) exact_table[i] = static_cast<int32_t>(pages + i % kExactPages);
-    }
-    for (AttendItem& item : items) {
-      item.exact_block_table = exact ? exact_table.data() : nullptr;
-      item.key_mean = recipe.centered ? key_mean.data() : nullptr;
-    }
-    const AttendParams params{layout->get(), *pool, items, scale};
-    if (!Measure(backend, absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
-                 &wall)) {
-      std::fprintf(stderr, "%s: Attend failed: %s\n", name.c_str(),
-                   backend.Attend(params).ToString().c_str());
-      backend.FreePool(*pool);
-      return false;
-    }
+  const double bytes_per_token = static_cast<double>(run.preset->BytesPerTokenHead(kHeadDim)) * kKvHeads;
+  Placed placed;
+  for (size_t p = 0; ok && p < points.size(); ++p) {
+    const size_t index = std::find(contexts.begin(), contexts.end(), points[p].context) - contexts.begin();
+    const cli::ServedState& state = served->states[index];
     DecodeRow row;
+    ok = PlaceCopies(backend, *pool, state, points[p].batch, &placed) &&
+         DecodePoint(backend, **layout, *pool, state, points[p], &row);
     row.preset = name;
-    row.sweep = point.sweep;
-    row.context = point.context;
-    row.batch = point.batch;
-    row.kernel_us = kernel * 1e6;
-    row.wall_us = wall * 1e6;
-    const double bytes = static_cast<double>(point.batch) * point.context * kKvHeads * token_head_bytes;
-    row.gbps = bytes / kernel * 1e-9;
+    row.gbps = bytes_per_token * points[p].batch * points[p].context / row.kernel_us * 1e-3;
     row.peak_fraction = row.gbps / absl::GetFlag(FLAGS_peak_gbps);
-    rows->push_back(row);
+    if (ok) rows->push_back(row);
+  }
+  if (ok && !contexts.empty()) {
+    const size_t longest = std::max_element(contexts.begin(), contexts.end()) - contexts.begin();
+    *reads = cli::DescribeServedState(**layout, served->states[longest]).Describe();
   }
   backend.FreePool(*pool);
-  return true;
+  return ok;
+}
+
+std::vector<Point> ParsePoints() {
+  std::vector<Point> points;
+  for (int64_t c : ParseList(absl::GetFlag(FLAGS_contexts))) {
+    points.push_back({"context", c, absl::GetFlag(FLAGS_context_batch)});
+  }
+  for (int64_t b : ParseList(absl::GetFlag(FLAGS_batches))) {
+    points.push_back({"batch", absl::GetFlag(FLAGS_batch_context), static_cast<int>(b)});
+  }
+  return points;
+}
+
+// bf16 first (the baseline), the presets, then each recipe preset plain and
+// as served. INVALID_ARGUMENT for an unknown preset or a recipe preset
+// without a recipe.
+absl::StatusOr<std::vector<Run>> ParseRuns() {
+  absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(absl::GetFlag(FLAGS_presets));
+  if (!presets.ok()) return presets.status();
+  std::vector<Run> runs = {{*FindPreset("bf16"), false}};
+  for (const Preset* p : *presets) {
+    if (p->name != "bf16") runs.push_back({p, false});
+  }
+  const std::string recipe_flag = absl::GetFlag(FLAGS_recipe_presets);
+  if (recipe_flag.empty()) return runs;
+  absl::StatusOr<std::vector<const Preset*>> recipes = ParsePresetList(recipe_flag);
+  if (!recipes.ok()) return recipes.status();
+  for (const Preset* p : *recipes) {
+    if (p->recipe.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--recipe_presets: ", std::string(p->name), " has no recipe"));
+    }
+    runs.push_back({p, true});
+    runs.push_back({p, false});
+  }
+  return runs;
+}
+
+// Each row's speedup against bf16 and, for recipe rows, its cost against
+// "<preset> plain", at the same point.
+void Compare(std::vector<DecodeRow>& rows) {
+  for (DecodeRow& row : rows) {
+    for (const DecodeRow& base : rows) {
+      if (base.sweep != row.sweep || base.context != row.context || base.batch != row.batch) continue;
+      if (base.preset == "bf16") row.speedup_vs_bf16 = base.kernel_us / row.kernel_us;
+      if (base.preset == row.preset + " plain") row.vs_plain = row.kernel_us / base.kernel_us;
+    }
+  }
+}
+
+// What every run produced.
+struct Results {
+  std::vector<DecodeRow> rows;
+  std::vector<StoreRow> stores;
+  std::vector<std::pair<std::string, std::string>> reads;  // (recipe preset, what it reads)
+  std::vector<std::string> failed;
+};
+
+void PrintJson(const std::string& device, const Results& r) {
+  std::printf("{\"device\": \"%s\", \"layer\": \"llama3-8b (8 kv heads, 32 query heads, d=128, page 16)\",\n",
+              device.c_str());
+  std::printf(" \"peak_gbps\": %.0f, \"tensor_cores\": %s,\n \"recipes\": [", absl::GetFlag(FLAGS_peak_gbps),
+              absl::GetFlag(FLAGS_tensor_cores) ? "true" : "false");
+  for (size_t i = 0; i < r.reads.size(); ++i) {
+    std::printf("%s{\"preset\": \"%s\", \"reads\": \"%s\"}", i > 0 ? ", " : "", r.reads[i].first.c_str(),
+                r.reads[i].second.c_str());
+  }
+  std::printf("],\n \"decode\": [\n");
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    const DecodeRow& d = r.rows[i];
+    std::printf("  {\"preset\": \"%s\", \"sweep\": \"%s\", \"context\": %lld, \"batch\": %d, \"kernel_us\": %.2f, "
+                "\"wall_us\": %.2f, \"gbps\": %.1f, \"peak_fraction\": %.3f, \"speedup_vs_bf16\": %.3f",
+                d.preset.c_str(), d.sweep.c_str(), static_cast<long long>(d.context), d.batch, d.kernel_us,
+                d.wall_us, d.gbps, d.peak_fraction, d.speedup_vs_bf16);
+    if (d.vs_plain > 0) std::printf(", \"vs_plain\": %.3f", d.vs_plain);
+    std::printf("}%s\n", i + 1 < r.rows.size() ? "," : "");
+  }
+  std::printf(" ],\n \"store\": [\n");
+  for (size_t i = 0; i < r.stores.size(); ++i) {
+    std::printf("  {\"preset\": \"%s\", \"kernel_mtokens_per_s\": %.2f, \"wall_mtokens_per_s\": %.2f}%s\n",
+                r.stores[i].preset.c_str(), r.stores[i].kernel_mtokens_per_s, r.stores[i].wall_mtokens_per_s,
+                i + 1 < r.stores.size() ? "," : "");
+  }
+  std::printf(" ],\n \"failed\": [");
+  for (size_t i = 0; i < r.failed.size(); ++i) std::printf("%s\"%s\"", i > 0 ? ", " : "", r.failed[i].c_str());
+  std::printf("]\n}\n");
+}
+
+void PrintTables(const std::string& device, const Results& r) {
+  std::printf("device: %s; one Llama-3.1-8B layer, one query token per item, kernel time (CUDA events); %s\n",
+              device.c_str(), absl::GetFlag(FLAGS_tensor_cores) ? "tensor-core decode" : "fp32 CUDA-core decode");
+  for (const auto& [preset, reads] : r.reads) std::printf("%s reads: %s\n", preset.c_str(), reads.c_str());
+  std::printf("\n");
+  for (const char* sweep : {"context", "batch"}) {
+    std::printf("%s sweep\n%-24s %8s %6s %12s %12s %9s %7s %9s %8s\n", sweep, "preset", "context", "batch",
+                "kernel us", "wall us", "GB/s", "% peak", "x bf16", "x plain");
+    for (const DecodeRow& d : r.rows) {
+      if (d.sweep != sweep) continue;
+      std::printf("%-24s %8lld %6d %12.1f %12.1f %9.0f %6.1f%% %9.2f", d.preset.c_str(),
+                  static_cast<long long>(d.context), d.batch, d.kernel_us, d.wall_us, d.gbps, 100.0 * d.peak_fraction,
+                  d.speedup_vs_bf16);
+      if (d.vs_plain > 0) std::printf(" %8.2f", d.vs_plain);
+      std::printf("\n");
+    }
+    std::printf("\n");
+  }
+  std::printf("store: %lld-token prefill of one layer (8 KV heads)\n%-24s %18s %18s\n",
+              static_cast<long long>(absl::GetFlag(FLAGS_prefill_tokens)), "preset", "kernel Mtok/s", "wall Mtok/s");
+  for (const StoreRow& s : r.stores) {
+    std::printf("%-24s %18.2f %18.2f\n", s.preset.c_str(), s.kernel_mtokens_per_s, s.wall_mtokens_per_s);
+  }
+  if (!r.failed.empty()) std::printf("\nFAILED: %s\n", absl::StrJoin(r.failed, ", ").c_str());
 }
 
 int Main() {
@@ -289,113 +444,38 @@ int Main() {
     std::fprintf(stderr, "tqkv_gpu_bench: --prefill_tokens must be a positive multiple of %d\n", kPageTokens);
     return 2;
   }
-  std::vector<Point> points;
-  int64_t max_tokens = prefill;
-  for (int64_t c : ParseList(absl::GetFlag(FLAGS_contexts))) {
-    points.push_back({"context", c, absl::GetFlag(FLAGS_context_batch)});
-  }
-  for (int64_t b : ParseList(absl::GetFlag(FLAGS_batches))) {
-    points.push_back({"batch", absl::GetFlag(FLAGS_batch_context), static_cast<int>(b)});
-  }
-  for (const Point& p : points) {
-    // Whole pages per item.
-    max_tokens = std::max(max_tokens, p.batch * ((p.context + kPageTokens - 1) / kPageTokens * kPageTokens));
-  }
-  auto presets = ParsePresetList(absl::GetFlag(FLAGS_presets));
-  if (!presets.ok()) {
-    std::fprintf(stderr, "tqkv_gpu_bench: %s\n", presets.status().ToString().c_str());
+  const std::vector<Point> points = ParsePoints();
+  absl::StatusOr<std::vector<Run>> runs = ParseRuns();
+  if (!runs.ok()) {
+    std::fprintf(stderr, "tqkv_gpu_bench: %s\n", runs.status().ToString().c_str());
     return 2;
   }
-  std::vector<const Preset*> order = {*FindPreset("bf16")};
-  for (const Preset* p : *presets) {
-    if (p->name != "bf16") order.push_back(p);
-  }
-  const std::string recipe_flag = absl::GetFlag(FLAGS_recipe_presets);
-  absl::StatusOr<std::vector<const Preset*>> recipe_presets = std::vector<const Preset*>();
-  if (!recipe_flag.empty()) recipe_presets = ParsePresetList(recipe_flag);
-  if (!recipe_presets.ok()) {
-    std::fprintf(stderr, "tqkv_gpu_bench: %s\n", recipe_presets.status().ToString().c_str());
-    return 2;
-  }
-  std::vector<std::pair<const Preset*, Recipe>> runs;
-  for (const Preset* preset : order) {
-    runs.push_back({preset, Recipe()});
-    for (const Preset* r : *recipe_presets) {
-      if (r == preset) runs.push_back({preset, Recipe{true, 4, 128}});
-    }
-  }
-  std::vector<DecodeRow> rows;
-  std::vector<StoreRow> stores;
   // A failed run is reported and fails the program (after the others ran:
   // their figures help find why), never skipped silently.
-  std::vector<std::string> failed;
-  for (const auto& [preset, recipe] : runs) {
+  Results results;
+  for (const Run& run : *runs) {
     StoreRow store;
-    if (!RunPreset(**backend, *preset, recipe, points, max_tokens, &rows, &store)) {
-      failed.push_back(recipe.Name(*preset));
-      std::fprintf(stderr, "  %s FAILED\n", recipe.Name(*preset).c_str());
+    std::string reads;
+    if (!RunPreset(**backend, run, points, &results.rows, &store, &reads)) {
+      results.failed.push_back(run.Name());
+      std::fprintf(stderr, "  %s FAILED\n", run.Name().c_str());
       continue;
     }
-    stores.push_back(store);
-    std::fprintf(stderr, "  %s done\n", recipe.Name(*preset).c_str());
+    results.stores.push_back(store);
+    if (!run.preset->recipe.empty() && !run.plain) results.reads.push_back({run.Name(), reads});
+    std::fprintf(stderr, "  %s done\n", run.Name().c_str());
   }
-  const int exit_code = failed.empty() ? 0 : 1;
-  if (!failed.empty()) {
-    std::fprintf(stderr, "tqkv_gpu_bench: %zu of %zu runs failed: %s\n", failed.size(), runs.size(),
-                 absl::StrJoin(failed, ", ").c_str());
+  if (!results.failed.empty()) {
+    std::fprintf(stderr, "tqkv_gpu_bench: %zu of %zu runs failed: %s\n", results.failed.size(), runs->size(),
+                 absl::StrJoin(results.failed, ", ").c_str());
   }
-  // Speedups against bf16 at the same point.
-  for (DecodeRow& row : rows) {
-    for (const DecodeRow& base : rows) {
-      if (base.preset == "bf16" && base.sweep == row.sweep && base.context == row.context && base.batch == row.batch) {
-        row.speedup_vs_bf16 = base.kernel_us / row.kernel_us;
-      }
-    }
-  }
+  Compare(results.rows);
   if (absl::GetFlag(FLAGS_json)) {
-    std::printf("{\"device\": \"%s\", \"layer\": \"llama3-8b (8 kv heads, 32 query heads, d=128, page 16)\",\n",
-                (*backend)->device().c_str());
-    std::printf(" \"peak_gbps\": %.0f, \"tensor_cores\": %s,\n \"decode\": [\n", absl::GetFlag(FLAGS_peak_gbps),
-                absl::GetFlag(FLAGS_tensor_cores) ? "true" : "false");
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const DecodeRow& r = rows[i];
-      std::printf("  {\"preset\": \"%s\", \"sweep\": \"%s\", \"context\": %lld, \"batch\": %d, \"kernel_us\": %.2f, "
-                  "\"wall_us\": %.2f, \"gbps\": %.1f, \"peak_fraction\": %.3f, \"speedup_vs_bf16\": %.3f}%s\n",
-                  r.preset.c_str(), r.sweep.c_str(), static_cast<long long>(r.context), r.batch, r.kernel_us,
-                  r.wall_us, r.gbps, r.peak_fraction, r.speedup_vs_bf16, i + 1 < rows.size() ? "," : "");
-    }
-    std::printf(" ],\n \"store\": [\n");
-    for (size_t i = 0; i < stores.size(); ++i) {
-      std::printf("  {\"preset\": \"%s\", \"kernel_mtokens_per_s\": %.2f, \"wall_mtokens_per_s\": %.2f}%s\n",
-                  stores[i].preset.c_str(), stores[i].kernel_mtokens_per_s, stores[i].wall_mtokens_per_s,
-                  i + 1 < stores.size() ? "," : "");
-    }
-    std::printf(" ],\n \"failed\": [");
-    for (size_t i = 0; i < failed.size(); ++i) std::printf("%s\"%s\"", i > 0 ? ", " : "", failed[i].c_str());
-    std::printf("]\n}\n");
-    return exit_code;
+    PrintJson((*backend)->device(), results);
+  } else {
+    PrintTables((*backend)->device(), results);
   }
-  std::printf("device: %s; one Llama-3.1-8B layer, one query token per item, kernel time (CUDA events); %s\n\n",
-              (*backend)->device().c_str(),
-              absl::GetFlag(FLAGS_tensor_cores) ? "tensor-core decode" : "fp32 CUDA-core decode");
-  for (const char* sweep : {"context", "batch"}) {
-    std::printf("%s sweep\n%-20s %8s %6s %12s %12s %9s %7s %9s\n", sweep, "preset", "context", "batch",
-                "kernel us", "wall us", "GB/s", "% peak", "x bf16");
-    for (const DecodeRow& r : rows) {
-      if (r.sweep != sweep) continue;
-      std::printf("%-20s %8lld %6d %12.1f %12.1f %9.0f %6.1f%% %9.2f\n", r.preset.c_str(),
-                  static_cast<long long>(r.context), r.batch, r.kernel_us, r.wall_us, r.gbps,
-                  100.0 * r.peak_fraction, r.speedup_vs_bf16);
-    }
-    std::printf("\n");
-  }
-  std::printf("store: %lld-token prefill of one layer (8 KV heads)\n%-20s %18s %18s\n",
-              static_cast<long long>(prefill), "preset", "kernel Mtok/s", "wall Mtok/s");
-  for (const StoreRow& s : stores) {
-    std::printf("%-20s %18.2f %18.2f\n", s.preset.c_str(), s.kernel_mtokens_per_s, s.wall_mtokens_per_s);
-  }
-  if (!failed.empty()) std::printf("\nFAILED: %s\n", absl::StrJoin(failed, ", ").c_str());
-  return exit_code;
+  return results.failed.empty() ? 0 : 1;
 }
 
 }  // namespace

@@ -97,6 +97,11 @@
 
 namespace tqkv {
 
+namespace cache_internal {
+struct Sequence;      // kv_cache_internal.h
+struct ReadSnapshot;  // kv_cache_internal.h
+}  // namespace cache_internal
+
 struct CacheOptions {
   std::string name = "default";
   KvLayoutOptions layout;
@@ -165,6 +170,14 @@ struct AppendRequest {
   // keeps the account it was created with. An append past its sequence's
   // account limits is RESOURCE_EXHAUSTED and changes nothing.
   std::shared_ptr<UsageAccount> account;
+  // Without a request_id: an append whose tokens every layer of the range
+  // already holds, up to exactly start_position + num_tokens (a retry that
+  // landed), is answered OK with already_stored instead of
+  // FAILED_PRECONDITION (what AppendAttend promises).
+  bool landed_is_stored = false;
+  // The caller has checked that keys and values are finite (the service
+  // does, decoding them): the cache does not scan them again.
+  bool finite_checked = false;
 };
 
 inline constexpr int kRememberedAppends = 64;
@@ -357,6 +370,27 @@ class KvCache {
   // expected position), RESOURCE_EXHAUSTED (pool full, nothing evictable).
   absl::Status Append(const AppendRequest& request, AppendOutcome* outcome = nullptr);
 
+  // Appends to several sequences at once (a layer of a decode step, any
+  // batch): request i is checked, planned and published on its own, with
+  // Append's errors and all-or-nothing guarantee, into statuses[i] and
+  // outcomes[i]; their kernels run together, one backend Store for every
+  // request of one layer range (exact copies included). A request naming
+  // the same sequence as an earlier one of the batch is INVALID_ARGUMENT.
+  // REQUIRES: statuses.size() == requests.size(); outcomes empty or as long.
+  void AppendBatch(absl::Span<const AppendRequest> requests, absl::Span<absl::Status> statuses,
+                   absl::Span<AppendOutcome> outcomes = {});
+
+  // A decode layer: AppendBatch(appends), then, for every item whose append
+  // succeeded (already stored included), attends[i] over its layer with the
+  // new tokens, as Attend does, in one backend call with the store
+  // (Backend::StoreAndAttend). attends[i] names appends[i]'s sequence, its
+  // one layer, and as many query tokens as it appends. statuses[i] is the
+  // append's error, or the attention's; an item that fails leaves its
+  // sequence as it was. INVALID_ARGUMENT for every item when `scale` is bad
+  // or an item does not match its append.
+  void AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<const AttendRequestItem> attends,
+                    float scale, absl::Span<absl::Status> statuses, absl::Span<AppendOutcome> outcomes);
+
   // The child gets the parent's tokens, sharing its pages. NOT_FOUND for the
   // parent, ALREADY_EXISTS for the child. The child is charged to
   // `child_account` (null: none) for every page it shares: RESOURCE_EXHAUSTED
@@ -426,15 +460,41 @@ class KvCache {
   CacheStats Stats();
 
  private:
-  // Implementation-defined; see kv_cache.cc.
+  // Implementation-defined; see kv_cache_internal.h.
   struct State;
+  // One append of a batch, from its plan to its publication; see
+  // kv_cache_append.cc.
+  struct AppendPlan;
+  // The phases of a batch of appends: stateless checks; the plan under the
+  // lock (positions, retries, pages, reservations); the kernels; the
+  // publication (or rollback) under the lock.
+  struct StoreRun;
+  absl::Status CheckAppend(const AppendRequest& request) const;
+  void PlanAppendsLocked(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans);
+  absl::Status PlanAppendLocked(const AppendRequest& request, AppendPlan* plan);
+  absl::Status PlanAppendPages(const AppendRequest& request, const cache_internal::Sequence* seq, AppendPlan* plan,
+                               absl::Time now);
+  void PlanAppendSlots(const AppendRequest& request, AppendPlan* plan) const;
+  // Page copies and centering, per request.
+  void PrepareAppendKernels(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans);
+  // The stores, the last with `attend` (null: none) in the same backend
+  // call; a failed store fails its requests. Returns the last call's status
+  // (the attention's, with `attend`).
+  absl::Status StoreAppends(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans,
+                            const AttendParams* attend);
+  absl::Status StoreRunOf(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans,
+                          const StoreRun& run, const AttendParams* attend);
+  void PublishAppendLocked(const AppendRequest& request, AppendPlan* plan);
+  // AppendAttend's parts: an item's attention against its append, and what
+  // its kernel reads (the planned tables, or the sequence now for a retry).
+  absl::Status CheckAttendOfAppend(const AppendRequest& append, const AttendRequestItem& attend) const;
+  absl::Status SnapshotForAttendLocked(const AppendRequest& append, const AttendRequestItem& attend,
+                                       const AppendPlan& plan, cache_internal::ReadSnapshot* snap);
   // The keys of `request` as stored: k - R_t m per (layer, head), with the
   // means of layers that have none yet (null entries) estimated first.
   void CenterKeys(const AppendRequest& request,
                   std::vector<std::shared_ptr<const std::vector<float>>>* means,
                   std::vector<float>* centered) const;
-  // Stores the exact copies of the tokens in `runs` (positions) of a Store
-  // of tokens [start, start + stored.num_tokens) (one chunk's layers).
   friend class SequenceExport;
   friend class SequenceImport;
   friend class ExportSharing;
@@ -444,9 +504,6 @@ class KvCache {
   // SequenceExport's and SequenceImport's ends.
   void EndExport(const SequenceExport& e);
   absl::Status EndImport(SequenceImport& import, bool commit);
-  absl::Status StoreExact(const StoreParams& stored, int64_t start,
-                          const std::vector<std::pair<int64_t, int64_t>>& runs,
-                          const std::vector<int32_t>& exact_slots);
   KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout, Backend* backend,
           PagePool pool);
 

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,7 +47,22 @@ struct StoreParams {
   // [layer_end - layer_begin, num_tokens, num_kv_heads, head_dim] row-major.
   const float* keys = nullptr;
   const float* values = nullptr;
+  // Exact copies in the same call (kv_layout.h, "exact tokens"): with
+  // exact_slots, token i is also stored, at fp16, in slot exact_slots[i]
+  // (page * exact page_tokens + slot) of exact_layout's pages, or nowhere
+  // where exact_slots[i] is -1. Null: no exact copies. REQUIRES: exact_layout
+  // is layout->exact_layout() when exact_slots is set.
+  const KvLayout* exact_layout = nullptr;
+  const int32_t* exact_slots = nullptr;
 };
+
+// The exact copies a Store asks for (StoreParams::exact_slots) as a Store of
+// their own into params.exact_layout: the tokens that have an exact slot,
+// their rows gathered into `keys` and `values`, their slots into `slots`
+// (which back the returned params). num_tokens 0 when none has one. For
+// backends that store the exact copies in a second pass.
+StoreParams ExactStorePart(const StoreParams& params, std::vector<float>* keys, std::vector<float>* values,
+                           std::vector<int32_t>* slots);
 
 // Centering and exact tokens (kv_layout.h). A sequence's reads carry, with
 // its block table:
@@ -178,6 +194,17 @@ class Backend {
   virtual absl::Status Store(const StoreParams& params) = 0;
   virtual absl::Status Score(const ScoreParams& params) = 0;
   virtual absl::Status Attend(const AttendParams& params) = 0;
+
+  // A decode layer: Store(store), then Attend(attend), as one call, so that
+  // a device runs both on one stream with one synchronization (one copy in,
+  // one copy out). The attend items may read the slots the store writes.
+  // The first failure is returned; after a failed store nothing is
+  // guaranteed about the attention outputs. The default runs the two calls.
+  virtual absl::Status StoreAndAttend(const StoreParams& store, const AttendParams& attend) {
+    absl::Status stored = Store(store);
+    if (!stored.ok()) return stored;
+    return Attend(attend);
+  }
 };
 
 }  // namespace tqkv

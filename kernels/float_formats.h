@@ -144,6 +144,11 @@ inline void HalfBytesToFloats(const char* bytes, size_t n, bool bf16, float* out
 // Largest finite fp16 value.
 inline constexpr float kHalfMax = 65504.0f;
 
+// Whether every one of n floats is finite (no NaN, no infinity): one
+// branch-free pass at the widest vectors the CPU has (the build's baseline
+// is SSE4.2; this runs at AVX-512 or AVX2 where present).
+bool AllFinite(const float* x, size_t n);
+
 }  // namespace tqkv
 
 #endif  // TQKV_KERNELS_FLOAT_FORMATS_H_

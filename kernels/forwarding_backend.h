@@ -37,6 +37,9 @@ class ForwardingBackend : public Backend {
   absl::Status Store(const StoreParams& params) override { return inner_->Store(params); }
   absl::Status Score(const ScoreParams& params) override { return inner_->Score(params); }
   absl::Status Attend(const AttendParams& params) override { return inner_->Attend(params); }
+  absl::Status StoreAndAttend(const StoreParams& store, const AttendParams& attend) override {
+    return inner_->StoreAndAttend(store, attend);
+  }
 
  protected:
   Backend& inner() const { return *inner_; }

@@ -32,6 +32,9 @@ class DeviceWatch final : public ForwardingBackend {
   absl::Status Store(const StoreParams& params) override { return Watched(inner().Store(params)); }
   absl::Status Score(const ScoreParams& params) override { return Watched(inner().Score(params)); }
   absl::Status Attend(const AttendParams& params) override { return Watched(inner().Attend(params)); }
+  absl::Status StoreAndAttend(const StoreParams& store, const AttendParams& attend) override {
+    return Watched(inner().StoreAndAttend(store, attend));
+  }
 
  private:
   absl::Status Watched(absl::Status status) {

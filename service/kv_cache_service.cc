@@ -302,6 +302,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     {
       absl::MutexLock lock(&mu_);
       reading_ = true;
+      read_claim_ = read_started_ = 1;  // no reaction runs before the constructor returns
     }
     StartRead(&buffer_);
     // No reaction runs before the constructor returns, so none sees the
@@ -310,26 +311,30 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void EndForShutdown() override {
+    Actions next;
     {
       absl::MutexLock lock(&mu_);
       draining_ = true;
+      next = DecideLocked();
     }
-    Advance();
+    Act(next);
   }
 
   void OnReadDone(bool ok) override {
+    Actions next;
     {
       absl::MutexLock lock(&mu_);
       reading_ = false;
       if (finished_) return;  // ended while this read was out: its message is not taken
       if (!ok) {
         read_closed_ = true;
+        next = DecideLocked();
       } else {
         computing_ = true;
       }
     }
     if (!ok) {
-      Advance();
+      Act(next);
       return;
     }
     const Clock::time_point start = Clock::now();
@@ -352,13 +357,15 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   void OnWriteDone(bool ok) override {
+    Actions next;
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
       responses_.pop_front();
       if (!ok) broken_ = true;  // the client is gone
+      next = DecideLocked();
     }
-    Advance();
+    Act(next);
   }
 
   void OnDone() override {
@@ -375,13 +382,15 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         metrics->ObserveRpc(Rpc::kDecodeStreamStep, grpc::StatusCode::INVALID_ARGUMENT,
                             std::chrono::duration<double>(Clock::now() - start).count());
       }
+      Actions next;
       {
         absl::MutexLock lock(&mu_);
         computing_ = false;
         read_closed_ = true;
         end_status_ = ToGrpcStatus(parsed);
+        next = DecideLocked();
       }
-      Advance();
+      Act(next);
       return;
     }
     ++messages_;
@@ -407,46 +416,66 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       response.set_message("cannot serialize the answer");
       (void)SerializeMessage(response, &bytes);
     }
+    Actions next;
     {
       absl::MutexLock lock(&mu_);
       computing_ = false;
       responses_.push_back(std::move(bytes));
+      next = DecideLocked();
     }
-    Advance();
+    Act(next);
   }
 
-  // Starts whatever the state allows: the next write, the next read, or the
-  // end of the call.
-  void Advance() {
+  // What the state allows next: the next write, the next read, or the end
+  // of the call. Decided in the same critical section as the state change
+  // that allows it: a thread that changed the state and then decided in a
+  // second one could find the call finished by another thread in between,
+  // and the reactor deleted (OnDone).
+  struct Actions {
     const grpc::ByteBuffer* write = nullptr;
-    bool read = false;
+    uint64_t read = 0;  // the read claimed (read_claim_), 0: none
     bool finish = false;
-    bool cancelled = false;
     grpc::Status end;
-    {
-      absl::MutexLock lock(&mu_);
-      if (finished_) return;
-      if (broken_ && !writing_) responses_.clear();  // nobody will read them
-      if (!writing_ && !broken_ && !responses_.empty()) {
-        writing_ = true;
-        write = &responses_.front();  // deque: stays put while others are pushed
-      }
-      if (!reading_ && !computing_ && !read_closed_ && !draining_ && !broken_ &&
-          responses_.size() < kMaxQueuedResponses) {
-        reading_ = true;
-        read = true;
-      }
-      if ((!reading_ || draining_) && !computing_ && !writing_ &&
-          (broken_ || ((read_closed_ || draining_) && responses_.empty()))) {
-        finished_ = true;
-        finish = true;
-        cancelled = broken_;
-        end = read_closed_ || !end_status_.ok() ? end_status_ : ShuttingDownStatus();
-      }
+  };
+  Actions DecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Actions next;
+    if (finished_) return next;
+    if (broken_ && !writing_) responses_.clear();  // nobody will read them
+    if (!writing_ && !broken_ && !responses_.empty()) {
+      writing_ = true;
+      next.write = &responses_.front();  // deque: stays put while others are pushed
     }
-    if (write != nullptr) StartWrite(write);
-    if (read) StartRead(&buffer_);
-    if (finish) Finish(cancelled ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : end);
+    if (!reading_ && !computing_ && !read_closed_ && !draining_ && !broken_ &&
+        responses_.size() < kMaxQueuedResponses) {
+      reading_ = true;
+      next.read = ++read_claim_;
+    }
+    // Draining ends the call with a read outstanding, but only one already
+    // started: a read claimed and not yet started would start on a call that
+    // may be gone.
+    if ((!reading_ || (draining_ && read_started_ == read_claim_)) && !computing_ && !writing_ &&
+        (broken_ || ((read_closed_ || draining_) && responses_.empty()))) {
+      finished_ = true;
+      next.finish = true;
+      next.end = broken_                               ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
+                 : read_closed_ || !end_status_.ok() ? end_status_
+                                                     : ShuttingDownStatus();
+    }
+    return next;
+  }
+  // Starts what DecideLocked claimed, without mu_. A started read may let
+  // a draining call finish: decided again. After Finish the reactor may be
+  // gone: nothing follows it.
+  void Act(Actions next) {
+    for (;;) {
+      if (next.write != nullptr) StartWrite(next.write);
+      if (next.read == 0) break;
+      StartRead(&buffer_);
+      absl::MutexLock lock(&mu_);
+      read_started_ = std::max(read_started_, next.read);
+      next = DecideLocked();
+    }
+    if (next.finish) Finish(next.end);
   }
 
   static grpc::Status ShuttingDownStatus() {
@@ -464,6 +493,9 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   std::deque<grpc::ByteBuffer> responses_ ABSL_GUARDED_BY(mu_);
   grpc::Status end_status_ ABSL_GUARDED_BY(mu_) = grpc::Status::OK;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  // Reads claimed by DecideLocked, and the last one started, counted from 1.
+  uint64_t read_claim_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t read_started_ ABSL_GUARDED_BY(mu_) = 0;
   bool computing_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
@@ -649,6 +681,7 @@ absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequ
   append.create_if_missing = !request.do_not_create();
   append.request_id = request.request_id();
   append.account = auth_.AccountOf(request.sequence_id());
+  append.finite_checked = true;  // DecodeTensorView checked them
   AppendOutcome outcome;
   RETURN_IF_ERROR(cache->Append(append, &outcome));
 
@@ -900,11 +933,17 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
   }
   RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
 
-  // Appends, each all-or-nothing on its own.
+  // One cache call for the layer: every item's append, all-or-nothing on
+  // its own, then one attention batch over the items stored, in one backend
+  // call. An f32 output is written by the kernel straight into the response.
+  const bool f32_output = request.output_dtype() == v1::DTYPE_F32 ||
+                          request.output_dtype() == v1::DTYPE_UNSPECIFIED;
+  std::vector<AppendRequest> appends(num_items);
+  std::vector<AttendRequestItem> attends(num_items);
   for (int i = 0; i < num_items; ++i) {
     const v1::AppendAttendItem& in = request.items(i);
     Item& item = items[i];
-    AppendRequest append;
+    AppendRequest& append = appends[i];
     append.sequence_id = in.sequence_id();
     append.start_position = in.start_position();
     append.layer_begin = layer;
@@ -915,40 +954,19 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
     append.create_if_missing = !in.do_not_create();
     append.request_id = in.request_id();
     append.account = auth_.AccountOf(in.sequence_id());
-    AppendOutcome outcome;
-    item.status = cache->Append(append, &outcome);
-    item.already_stored = outcome.already_stored;
-    if (absl::IsFailedPrecondition(item.status) && in.request_id().empty()) {
-      // A retry of an append that landed: the layer ends exactly where this
-      // one would have.
-      absl::StatusOr<SequenceInfo> seq = cache->GetSequence(in.sequence_id());
-      if (seq.ok() && seq->layer_tokens[layer] == in.start_position() + item.tokens) {
-        item.status = absl::OkStatus();
-        item.already_stored = true;
-      }
-    }
-  }
-
-  // One attention batch over the items stored. An f32 output is written by
-  // the kernel straight into the response.
-  const bool f32_output = request.output_dtype() == v1::DTYPE_F32 ||
-                          request.output_dtype() == v1::DTYPE_UNSPECIFIED;
-  for (int i = 0; i < num_items; ++i) response->add_results();
-  std::vector<AttendRequestItem> attend;
-  std::vector<int> attend_index;
-  for (int i = 0; i < num_items; ++i) {
-    Item& item = items[i];
-    if (!item.status.ok()) continue;
+    // A retry of an append that landed attends without storing again.
+    append.landed_is_stored = true;
+    append.finite_checked = true;  // DecodeTensorView checked them
+    response->add_results();
     if (f32_output) {
-      item.output = PrepareF32Tensor({item.tokens, heads, dim},
-                                     response->mutable_results(i)->mutable_output());
+      item.output = PrepareF32Tensor({item.tokens, heads, dim}, response->mutable_results(i)->mutable_output());
     }
     if (item.output == nullptr) {
       item.output_storage.resize(item.queries.values.size());
       item.output = item.output_storage.data();
     }
-    AttendRequestItem a;
-    a.sequence_id = request.items(i).sequence_id();
+    AttendRequestItem& a = attends[i];
+    a.sequence_id = in.sequence_id();
     a.layer = layer;
     a.num_query_tokens = static_cast<int>(item.tokens);
     a.queries = item.queries.values.data();
@@ -957,18 +975,13 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
       item.lse.resize(static_cast<size_t>(item.tokens * heads));
       a.lse = item.lse.data();
     }
-    attend.push_back(std::move(a));
-    attend_index.push_back(i);
   }
-  if (absl::Status s = cache->Attend(attend, request.scale()); !s.ok()) {
-    // An item's sequence went away after its append (a concurrent drop or
-    // eviction): attend item by item to give each its own status. A stored
-    // item that fails here is reported with its error; resending it attends
-    // without storing again.
-    for (size_t j = 0; j < attend.size(); ++j) {
-      items[attend_index[j]].status =
-          cache->Attend(absl::MakeConstSpan(&attend[j], 1), request.scale());
-    }
+  std::vector<absl::Status> statuses(num_items);
+  std::vector<AppendOutcome> outcomes(num_items);
+  cache->AppendAttend(appends, attends, request.scale(), absl::MakeSpan(statuses), absl::MakeSpan(outcomes));
+  for (int i = 0; i < num_items; ++i) {
+    items[i].status = statuses[i];
+    items[i].already_stored = outcomes[i].already_stored;
   }
 
   int64_t stored = 0;

@@ -27,7 +27,7 @@ constexpr const char* kRpcNames[kNumRpcs] = {
     "Append",         "AppendStream", "ScoreQuery",  "Attend",       "CreateSequence",
     "ForkSequence",   "DropSequence", "GetSequence", "GetServerInfo", "AppendAttend",
     "DecodeStreamStep", "ExportSequences", "ImportSequences", "SaveSnapshot", "ListSequences", "PullSequences"};
-constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page"};
+constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page", "store_attend"};
 constexpr const char* kCodeNames[17] = {
     "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
     "DEADLINE_EXCEEDED", "NOT_FOUND",   "ALREADY_EXISTS",   "PERMISSION_DENIED",
@@ -158,6 +158,9 @@ class TimedBackend : public ForwardingBackend {
   }
   absl::Status Attend(const AttendParams& params) override {
     return Timed(Kernel::kAttend, [&] { return inner().Attend(params); });
+  }
+  absl::Status StoreAndAttend(const StoreParams& store, const AttendParams& attend) override {
+    return Timed(Kernel::kStoreAttend, [&] { return inner().StoreAndAttend(store, attend); });
   }
 
  private:

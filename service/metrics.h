@@ -104,8 +104,10 @@ enum class Rpc {
 };
 inline constexpr int kNumRpcs = 16;
 
-enum class Kernel { kStore, kScore, kAttend, kCopyPage };
-inline constexpr int kNumKernels = 4;
+// store_attend: a decode layer's store and attention in one backend call
+// (Backend::StoreAndAttend).
+enum class Kernel { kStore, kScore, kAttend, kCopyPage, kStoreAttend };
+inline constexpr int kNumKernels = 5;
 
 class Metrics {
  public:

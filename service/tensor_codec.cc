@@ -119,15 +119,8 @@ void WidenHalves(const char* src, v1::DType dtype, int64_t count, float* dst) {
 // INVALID_ARGUMENT naming the first NaN/Inf element, if any.
 absl::Status CheckFinite(const float* data, int64_t count, std::string_view name,
                          absl::Span<const int64_t> dims) {
-  // A branch-free pass the compiler vectorizes (an exponent of all ones is
-  // NaN or Inf); the index is looked for only when there is one.
-  uint32_t all_ones = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, data + i, 4);
-    all_ones |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  if (all_ones == 0) return absl::OkStatus();
+  // One branch-free pass; the index is looked for only when there is one.
+  if (AllFinite(data, static_cast<size_t>(count))) return absl::OkStatus();
   for (int64_t i = 0; i < count; ++i) {
     if (!std::isfinite(data[i])) {
       return absl::InvalidArgumentError(absl::StrFormat("%s%s is %f; want finite values", name,

@@ -19,6 +19,7 @@
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
 #include "client/cli/model_layouts.h"
+#include "client/cli/served_layer.h"
 #include "client/cli/transport_floor.h"
 #include "client/eval/synthetic.h"
 #include "kernels/backend.h"
@@ -99,23 +100,6 @@ std::vector<std::vector<int>> CalibrateFromSample(const Preset& preset, const Mo
   return hot;
 }
 
-// One layer of a model, stored with a preset, `tokens` long, in a CPU pool.
-struct StoredLayer {
-  std::shared_ptr<const KvLayout> layout;
-  std::unique_ptr<Backend> backend;
-  PagePool pool;
-  std::vector<int32_t> block_table;
-  // With centering and exact tokens (recipe presets): the key means and the
-  // exact pages (-1 where no context the bench runs reads a token exact).
-  std::vector<float> key_mean;
-  std::vector<int32_t> exact_table;
-  double store_seconds = 0.0;
-
-  ~StoredLayer() {
-    if (backend && pool.base) backend->FreePool(pool);
-  }
-};
-
 // Keys with outlier channels per head plus a shared component, Gaussian
 // values; [n, heads, d], tokens t0... of the synthetic sequence.
 void SyntheticTokens(const ModelShape& shape, int64_t t0, int64_t n, uint64_t seed, std::vector<float>* keys,
@@ -136,12 +120,13 @@ void SyntheticTokens(const ModelShape& shape, int64_t t0, int64_t n, uint64_t se
   }
 }
 
-// Recipe overrides from the command line (--key-centering, --sinks, --window).
+// Recipe overrides from the command line (--key-centering, --sinks, --window,
+// --centering-pairs); unset, the served layout's.
 struct RecipeOverrides {
   std::string centering;
   int64_t sinks = -1;
   int64_t window = -1;
-  int64_t pairs = 8;
+  int64_t pairs = -1;
 };
 RecipeOverrides g_recipe;
 // CpuBackendOptions::integer_attention of the benches' backends (--integer-attention).
@@ -159,97 +144,64 @@ absl::Status ApplyRecipeOverrides(KvLayoutOptions* options) {
   }
   if (g_recipe.sinks >= 0) options->exact_sink_tokens = static_cast<int>(g_recipe.sinks);
   if (g_recipe.window >= 0) options->exact_window_tokens = static_cast<int>(g_recipe.window);
-  options->centering_pairs = static_cast<int>(g_recipe.pairs);
+  if (g_recipe.pairs >= 0) options->centering_pairs = static_cast<int>(g_recipe.pairs);
   return absl::OkStatus();
 }
 
-// The bench's model RoPE (Llama-3's base) for pre-RoPE centering.
-RopeOptions BenchRope() {
-  RopeOptions rope;
-  rope.base = 500000.0;
-  rope.pair_layout = RopePairLayout::kHalfSplit;
-  return rope;
-}
-
-// Key means (from the first tokens, as the cache takes them) and exact
-// copies of the sink and window tokens of every context in `contexts`.
-absl::Status StoreRecipeState(StoredLayer& stored, const ModelShape& shape, const std::vector<int64_t>& contexts,
-                              int64_t tokens, uint64_t seed) {
-  const KvLayout& layout = *stored.layout;
-  const KvLayoutOptions& o = layout.options();
-  const int d = shape.head_dim, heads = shape.num_kv_heads;
-  if (layout.key_centering() != KeyCentering::kNone) {
-    const int64_t n = std::min<int64_t>(tokens, o.exact_sink_tokens + o.centering_tokens);
-    std::vector<float> keys, values;
-    SyntheticTokens(shape, 0, n, seed, &keys, &values);
-    const RopeAngles angles = ComputeRopeAngles(layout.rope(), 0, n);
-    stored.key_mean.resize(static_cast<size_t>(heads) * d);
-    for (int h = 0; h < heads; ++h) {
-      EstimateKeyMean(layout.rope(), angles, keys.data() + h * d, std::min<int64_t>(o.exact_sink_tokens, n - 1), n,
-                      static_cast<int64_t>(heads) * d, o.centering_pairs, d, stored.key_mean.data() + h * d);
-    }
-  }
-  if (!layout.has_exact_tokens()) return absl::OkStatus();
-  const int per_page = layout.exact_page_tokens();
-  stored.exact_table.assign((tokens + per_page - 1) / per_page, -1);
-  std::vector<std::pair<int64_t, int64_t>> runs;
-  for (int64_t context : contexts) {
-    const ExactRanges r = layout.exact_ranges(context);
-    runs.push_back({0, r.sink_end});
-    runs.push_back({r.window_begin, context});
-  }
-  int32_t next_page = stored.pool.num_pages;
-  for (const auto& [begin, end] : runs) {
-    for (int64_t b = begin / per_page; b * per_page < end; ++b) {
-      if (stored.exact_table[b] < 0) stored.exact_table[b] = next_page++;
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& preset,
-                                                                 const ModelShape& shape,
-                                                                 int page_tokens, int64_t tokens,
-                                                                 uint64_t seed, int threads,
-                                                                 const std::vector<int64_t>& contexts = {}) {
-  auto stored = std::make_unique<StoredLayer>();
-  KvLayoutOptions options;
-  options.num_layers = 1;
-  options.num_kv_heads = shape.num_kv_heads;
-  options.num_query_heads = shape.num_query_heads;
-  options.head_dim = shape.head_dim;
-  options.page_tokens = page_tokens;
-  options.preset = std::string(preset.name);
-  options.boundary_layers = 0;
+// The layout a bench runs `preset` in: the server's for one layer
+// (ServedLayoutOptions: its RoPE, centering defaults and the preset's
+// recipe), hot channels calibrated from the synthetic keys, and the command
+// line's recipe overrides (never on the bf16 baseline).
+absl::StatusOr<KvLayoutOptions> BenchLayoutOptions(const Preset& preset, const ModelShape& shape, int page_tokens,
+                                                   uint64_t seed) {
+  KvLayoutOptions options = ServedLayoutOptions(preset.name, shape, page_tokens);
   options.hot_channels = CalibrateFromSample(preset, {shape.name, 1, shape.num_kv_heads,
                                                       shape.num_query_heads, shape.head_dim}, seed);
-  options.rope = BenchRope();
-  if (preset.name != "bf16") {  // the baseline stays plain
+  if (preset.name != "bf16") {
     if (absl::Status status = ApplyRecipeOverrides(&options); !status.ok()) return status;
   }
-  absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(options);
-  if (!layout.ok()) return layout.status();
-  stored->layout = *layout;
+  return options;
+}
+
+// One layer of a model, stored with a preset, `tokens` long, in a CPU pool:
+// the store path's speed (`tqkv bench store`).
+struct StoredLayer {
+  std::shared_ptr<const KvLayout> layout;
+  std::unique_ptr<Backend> backend;
+  PagePool pool;
+  double store_seconds = 0.0;
+
+  ~StoredLayer() {
+    if (backend && pool.base) backend->FreePool(pool);
+  }
+};
+
+std::unique_ptr<Backend> BenchBackend(int threads) {
   CpuBackendOptions backend_options;
   backend_options.num_threads = threads;
   backend_options.integer_attention = g_integer_attention;
-  stored->backend = MakeCpuBackend(backend_options);
+  return MakeCpuBackend(backend_options);
+}
+
+absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& preset, const ModelShape& shape,
+                                                                 int page_tokens, int64_t tokens, uint64_t seed,
+                                                                 int threads) {
+  auto stored = std::make_unique<StoredLayer>();
+  absl::StatusOr<KvLayoutOptions> options = BenchLayoutOptions(preset, shape, page_tokens, seed);
+  if (!options.ok()) return options.status();
+  absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(*options);
+  if (!layout.ok()) return layout.status();
+  stored->layout = *layout;
+  stored->backend = BenchBackend(threads);
   const int32_t pages = static_cast<int32_t>((tokens + page_tokens - 1) / page_tokens);
-  stored->pool.num_pages = pages;
-  if (absl::Status status = StoreRecipeState(*stored, shape, contexts, tokens, seed); !status.ok()) return status;
-  const int32_t exact_pages = static_cast<int32_t>(
-      std::count_if(stored->exact_table.begin(), stored->exact_table.end(), [](int32_t p) { return p >= 0; }));
-  absl::StatusOr<PagePool> pool = stored->backend->AllocatePool(**layout, pages + exact_pages);
+  absl::StatusOr<PagePool> pool = stored->backend->AllocatePool(**layout, pages);
   if (!pool.ok()) return pool.status();
   stored->pool = *pool;
   // A warm pool, as a running server's: the first touch of fresh pages (page
   // faults, zeroing) is not the store path's cost.
   memset(stored->pool.base, 0, stored->pool.page_bytes * static_cast<size_t>(stored->pool.num_pages));
-  stored->block_table.resize(pages);
-  std::iota(stored->block_table.begin(), stored->block_table.end(), 0);
   // Store in chunks so that the float inputs stay small.
   const int64_t chunk = 2048;
-  const int row = shape.num_kv_heads * shape.head_dim;
   std::vector<int32_t> slots;
   for (int64_t t0 = 0; t0 < tokens; t0 += chunk) {
     const int64_t n = std::min(chunk, tokens - t0);
@@ -262,36 +214,71 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
     absl::Status status = stored->backend->Store(params);
     stored->store_seconds += Seconds() - start;
     if (!status.ok()) return status;
-    if (!stored->exact_table.empty()) {  // their fp16 copies, untimed
-      const int per_page = (*layout)->exact_page_tokens();
-      std::vector<int32_t> exact_slots;
-      std::vector<float> exact_keys, exact_values;
-      for (int64_t t = 0; t < n; ++t) {
-        const int32_t page = stored->exact_table[(t0 + t) / per_page];
-        if (page < 0) continue;
-        exact_slots.push_back(page * per_page + static_cast<int32_t>((t0 + t) % per_page));
-        exact_keys.insert(exact_keys.end(), keys.begin() + t * row, keys.begin() + (t + 1) * row);
-        exact_values.insert(exact_values.end(), values.begin() + t * row, values.begin() + (t + 1) * row);
-      }
-      if (exact_slots.empty()) continue;
-      StoreParams exact{(*layout)->exact_layout(), stored->pool, 0, 1, static_cast<int64_t>(exact_slots.size()),
-                        exact_slots.data(), exact_keys.data(), exact_values.data()};
-      if (absl::Status s = stored->backend->Store(exact); !s.ok()) return s;
-    }
   }
   return stored;
 }
 
-// The Attend params of `batch` items over `context` tokens of `stored`
-// (all items read the same stored sequence), one query token each.
+// One layer of a model with a preset, as a server holds it at each context
+// the bench reads (served_layer.h: appended through a KvCache, so the key
+// mean, its pairs, the exact sinks and window are the server's), every
+// context's pages side by side in one CPU pool.
+struct ServedContexts {
+  std::shared_ptr<const KvLayout> layout;
+  std::unique_ptr<Backend> backend;
+  PagePool pool;
+  std::vector<int64_t> contexts;
+  std::vector<PlacedTables> tables;           // per context
+  std::vector<std::vector<float>> key_means;  // per context; empty without centering
+  std::vector<ServedRecipe> recipes;          // per context
+
+  ~ServedContexts() {
+    if (backend && pool.base) backend->FreePool(pool);
+  }
+};
+
+absl::StatusOr<std::unique_ptr<ServedContexts>> ServeSyntheticLayer(const Preset& preset, const ModelShape& shape,
+                                                                    int page_tokens,
+                                                                    const std::vector<int64_t>& contexts,
+                                                                    uint64_t seed, int threads) {
+  absl::StatusOr<KvLayoutOptions> options = BenchLayoutOptions(preset, shape, page_tokens, seed);
+  if (!options.ok()) return options.status();
+  auto served = std::make_unique<ServedContexts>();
+  served->backend = BenchBackend(threads);
+  absl::StatusOr<ServedLayer> layer = BuildServedLayer(
+      *options, *served->backend, contexts, [&](int64_t t0, int64_t n, std::vector<float>* k, std::vector<float>* v) {
+        SyntheticTokens(shape, t0, n, seed, k, v);
+      });
+  if (!layer.ok()) return layer.status();
+  served->layout = layer->layout;
+  served->contexts = contexts;
+  int32_t pages = 0;
+  for (const ServedState& state : layer->states) pages += state.num_pages;
+  absl::StatusOr<PagePool> pool = served->backend->AllocatePool(*served->layout, pages);
+  if (!pool.ok()) return pool.status();
+  served->pool = *pool;
+  int32_t first_page = 0;
+  for (ServedState& state : layer->states) {
+    absl::StatusOr<PlacedTables> placed = PlaceServedState(*served->backend, served->pool, state, first_page);
+    if (!placed.ok()) return placed.status();
+    first_page += state.num_pages;
+    served->tables.push_back(*std::move(placed));
+    served->recipes.push_back(DescribeServedState(*served->layout, state));
+    served->key_means.push_back(std::move(state.key_mean));
+  }
+  return served;
+}
+
+// The Attend params of `batch` items over context `index` of `served` (all
+// items read the same stored sequence), one query token each.
 struct AttendCall {
   std::vector<float> queries, outputs, lse;
   std::vector<AttendItem> items;
   AttendParams params;
 };
 
-std::unique_ptr<AttendCall> MakeAttendCall(StoredLayer& stored, int64_t context, int batch) {
-  const KvLayout& layout = *stored.layout;
+std::unique_ptr<AttendCall> MakeAttendCall(const ServedContexts& served, size_t index, int batch) {
+  const KvLayout& layout = *served.layout;
+  const PlacedTables& tables = served.tables[index];
   auto call = std::make_unique<AttendCall>();
   const size_t q_size = static_cast<size_t>(layout.num_query_heads()) * layout.head_dim();
   call->queries = eval::GaussianVectors(batch * layout.num_query_heads(), layout.head_dim(), 77);
@@ -300,12 +287,12 @@ std::unique_ptr<AttendCall> MakeAttendCall(StoredLayer& stored, int64_t context,
   call->items.resize(batch);
   for (int b = 0; b < batch; ++b) {
     AttendItem& item = call->items[b];
-    item = AttendItem{stored.block_table.data(), context, 0, 1, call->queries.data() + b * q_size,
+    item = AttendItem{tables.block_table.data(), served.contexts[index], 0, 1, call->queries.data() + b * q_size,
                       call->outputs.data() + b * q_size, call->lse.data() + b * layout.num_query_heads()};
-    if (!stored.exact_table.empty()) item.exact_block_table = stored.exact_table.data();
-    if (!stored.key_mean.empty()) item.key_mean = stored.key_mean.data();
+    if (!tables.exact_block_table.empty()) item.exact_block_table = tables.exact_block_table.data();
+    if (!served.key_means[index].empty()) item.key_mean = served.key_means[index].data();
   }
-  call->params = AttendParams{&layout, stored.pool, call->items,
+  call->params = AttendParams{&layout, served.pool, call->items,
                               1.0f / std::sqrt(static_cast<float>(layout.head_dim()))};
   return call;
 }
@@ -323,10 +310,11 @@ struct BenchCommon {
   void AddFlags(FlagSet& flags) {
     flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
     flags.AddString("key-centering", &g_recipe.centering,
-                    "override the presets' key centering: none, post_rope or pre_rope (Llama-3 RoPE)");
+                    "override the presets' key centering: none, post_rope or pre_rope (Llama-3.1 RoPE, as served)");
     flags.AddInt("sinks", &g_recipe.sinks, "override the exact sink tokens (-1: the preset's)");
     flags.AddInt("window", &g_recipe.window, "override the exact window tokens (-1: the preset's)");
-    flags.AddInt("centering-pairs", &g_recipe.pairs, "pre-RoPE frequency pairs of the mean kept (0: all)");
+    flags.AddInt("centering-pairs", &g_recipe.pairs,
+                 "override the pre-RoPE frequency pairs of the mean kept (0: all; -1: the server's)");
     flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
     flags.AddInt("page-tokens", &page_tokens, "tokens per page");
     flags.AddInt("seed", &seed, "synthetic data seed");
@@ -348,6 +336,102 @@ struct BenchCommon {
   }
 };
 
+// One row of `tqkv bench attend`: a preset at one context, timed in rounds
+// with the bf16 baseline (and the preset without its recipe).
+struct AttendRow {
+  double seconds = 0.0, baseline_seconds = 0.0, speedup = 0.0;
+  double plain_seconds = 0.0, vs_plain = 0.0;  // with a plain layer
+};
+
+AttendRow TimeAttendRow(const ServedContexts& baseline, const ServedContexts& served, const ServedContexts* plain,
+                        size_t index, int batch, double min_seconds) {
+  const std::unique_ptr<AttendCall> base_call = MakeAttendCall(baseline, index, batch);
+  const std::unique_ptr<AttendCall> call = MakeAttendCall(served, index, batch);
+  std::unique_ptr<AttendCall> plain_call;
+  std::vector<std::function<void()>> bodies = {[&] { (void)baseline.backend->Attend(base_call->params); },
+                                               [&] { (void)served.backend->Attend(call->params); }};
+  if (plain != nullptr) {
+    plain_call = MakeAttendCall(*plain, index, batch);
+    bodies.push_back([&] { (void)plain->backend->Attend(plain_call->params); });
+  }
+  const InterleavedTimes timed(min_seconds, bodies);
+  AttendRow row;
+  row.seconds = timed.Median(1);
+  row.baseline_seconds = timed.Median(0);
+  row.speedup = timed.MedianRatio(0, 1);
+  if (plain != nullptr) {
+    row.plain_seconds = timed.Median(2);
+    row.vs_plain = timed.MedianRatio(1, 2);
+  }
+  return row;
+}
+
+// What every row of one `tqkv bench attend` run shares.
+struct AttendRun {
+  ModelShape shape;
+  int batch = 1;
+  double read_bandwidth = 0.0;  // bytes per second
+  bool json = false;
+  bool compare_plain = false;
+};
+
+void ReportAttendRow(const AttendRun& run, const Preset& preset, const ServedContexts& served, size_t index,
+                     const AttendRow& row, Json* rows) {
+  const int64_t context = served.contexts[index];
+  const double read_bytes = static_cast<double>(served.layout->token_bytes(0)) * context * run.batch;
+  const double bound_seconds = run.read_bandwidth > 0 ? read_bytes / run.read_bandwidth : 0.0;
+  const int bytes = preset.BytesPerTokenHead(run.shape.head_dim);
+  if (!run.json) {
+    printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f %9.3f %6.0f%%", std::string(preset.name).c_str(),
+           static_cast<long long>(context), bytes, row.seconds * 1e3, row.baseline_seconds * 1e3, row.speedup,
+           context * run.batch / row.seconds / 1e6, read_bytes / row.seconds / 1e9, bound_seconds * 1e3,
+           100.0 * bound_seconds / row.seconds);
+    if (run.compare_plain) printf(" %10.3f %8.3f", row.plain_seconds * 1e3, row.vs_plain);
+    printf("\n");
+    fflush(stdout);
+    return;
+  }
+  const ServedRecipe& recipe = served.recipes[index];
+  Json out = {{"preset", std::string(preset.name)},
+              {"context", context},
+              {"batch", run.batch},
+              {"bytes_per_token_head", bytes},
+              {"reads", recipe.Describe()},
+              {"mean_pairs", recipe.mean_pairs},
+              {"exact_sinks", recipe.sinks},
+              {"exact_window", recipe.window},
+              {"attend_ms", row.seconds * 1e3},
+              {"bf16_ms", row.baseline_seconds * 1e3},
+              {"speedup_vs_bf16", row.speedup},
+              {"tokens_per_second", context * run.batch / row.seconds},
+              {"cache_gb_per_second", read_bytes / row.seconds / 1e9},
+              {"memory_bound_ms", bound_seconds * 1e3},
+              {"fraction_of_memory_bound", bound_seconds / row.seconds}};
+  if (run.compare_plain) {
+    out["plain_ms"] = row.plain_seconds * 1e3;
+    out["vs_plain"] = row.vs_plain;
+  }
+  rows->push_back(std::move(out));
+}
+
+// The preset's layer as served at every context, and (compare_plain) the
+// same codecs without centering or exact tokens: the recipe's cost.
+absl::Status ServePreset(const Preset& preset, const AttendRun& run, int page_tokens,
+                         const std::vector<int64_t>& contexts, uint64_t seed, int threads,
+                         std::unique_ptr<ServedContexts>* served, std::unique_ptr<ServedContexts>* plain) {
+  auto layer = ServeSyntheticLayer(preset, run.shape, page_tokens, contexts, seed, threads);
+  if (!layer.ok()) return layer.status();
+  *served = *std::move(layer);
+  if (!run.compare_plain) return absl::OkStatus();
+  const RecipeOverrides given = g_recipe;
+  g_recipe = {"none", 0, 0, -1};
+  layer = ServeSyntheticLayer(preset, run.shape, page_tokens, contexts, seed, threads);
+  g_recipe = given;
+  if (!layer.ok()) return layer.status();
+  *plain = *std::move(layer);
+  return absl::OkStatus();
+}
+
 int RunBenchAttend(int argc, const char* const* argv) {
   FlagSet flags("bench attend",
                 "Decode attention time for one layer of a model (default Llama-3.1-8B: 8 KV heads,\n"
@@ -356,6 +440,8 @@ int RunBenchAttend(int argc, const char* const* argv) {
                 "speedup_vs_bf16 is the median of the per-round ratios), and next to the memory\n"
                 "bound: the bytes each call reads over the read bandwidth measured at start-up\n"
                 "with as many threads (bound_ms, and %bound = bound_ms / attend_ms).\n"
+                "Each layer is what a server holds at that context: appended through the cache with\n"
+                "the server's layout (its RoPE, the mean's pairs, the preset's exact sinks and window).\n"
                 "CPU backend; the items of a batch read one stored sequence.");
   BenchCommon common;
   std::vector<int64_t> contexts = {1024, 8192, 32768};
@@ -369,106 +455,65 @@ int RunBenchAttend(int argc, const char* const* argv) {
   flags.AddBool("integer-attention", &g_integer_attention,
                 "TurboQuant attention through the integer kernel where the CPU has AVX-512 VNNI + VBMI + VBMI2,\n"
                 "as the server by default (its --cpu_integer_attention)");
-  bool compare_plain = false;
-  flags.AddBool("compare-plain", &compare_plain,
+  AttendRun run;
+  flags.AddBool("compare-plain", &run.compare_plain,
                 "also time each preset without centering and exact tokens, alternating calls with the\n"
                 "recipe, and print the median ratio recipe / plain (vs_plain: the recipe's cost)");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   if (absl::Status status = common.Resolve(); !status.ok()) return Fail(status);
   if (threads < 1 || threads > 256) return Fail(absl::InvalidArgumentError("--threads must be in [1, 256]"));
   if (batch < 1 || batch > 1024) return Fail(absl::InvalidArgumentError("--batch must be in [1, 1024]"));
-  const std::vector<const Preset*>* presets = &common.presets;
-  const ModelShape* shape = &common.shape;
-  const int64_t page_tokens = common.page_tokens, seed = common.seed;
-  const bool json = common.json;
   for (int64_t c : contexts) {
     if (c < 1 || c > (int64_t{1} << 22)) return Fail(absl::InvalidArgumentError("--context values must be in [1, 4194304]"));
   }
-  const int64_t max_context = *std::max_element(contexts.begin(), contexts.end());
+  run.shape = common.shape;
+  run.batch = static_cast<int>(batch);
+  run.json = common.json;
+  const int page_tokens = static_cast<int>(common.page_tokens);
 
   // The baseline, kept for the whole run and timed alternately with each
   // preset, so that one disturbed baseline cannot move every ratio.
   absl::StatusOr<const Preset*> bf16 = FindPreset("bf16");
-  auto baseline = StoreSyntheticLayer(**bf16, *shape, static_cast<int>(page_tokens), max_context, seed,
-                                      static_cast<int>(threads));
+  auto baseline =
+      ServeSyntheticLayer(**bf16, run.shape, page_tokens, contexts, common.seed, static_cast<int>(threads));
   if (!baseline.ok()) return Fail(baseline.status());
   const std::string device = (*baseline)->backend->device();
-  const double read_bandwidth = MeasureReadBandwidth(size_t{256} << 20, static_cast<int>(threads), 0.5);
+  run.read_bandwidth = MeasureReadBandwidth(size_t{256} << 20, static_cast<int>(threads), 0.5);
 
   Json rows = Json::array();
-  if (!json) {
-    printf("layout %s, one layer (%d KV heads, %d query heads, d=%d), batch %lld, page %lld tokens, %s\n",
-           std::string(shape->name).c_str(), shape->num_kv_heads, shape->num_query_heads, shape->head_dim,
-           static_cast<long long>(batch), static_cast<long long>(page_tokens), device.c_str());
+  if (!run.json) {
+    printf("layout %s, one layer (%d KV heads, %d query heads, d=%d), batch %lld, page %d tokens, %s\n",
+           std::string(run.shape.name).c_str(), run.shape.num_kv_heads, run.shape.num_query_heads,
+           run.shape.head_dim, static_cast<long long>(batch), page_tokens, device.c_str());
     printf("read bandwidth %.1f GB/s (%lld threads, measured in this run); bf16 timed alternately with each row\n",
-           read_bandwidth / 1e9, static_cast<long long>(threads));
-    printf("%-20s %8s %7s %10s %10s %8s %10s %9s %9s %7s%s\n", "preset", "context", "bytes", "attend_ms",
-           "bf16_ms", "speedup", "Mtok/s", "GB/s", "bound_ms", "%bound", compare_plain ? "   plain_ms vs_plain" : "");
+           run.read_bandwidth / 1e9, static_cast<long long>(threads));
   }
-  for (const Preset* preset : *presets) {
-    auto stored = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
-                                      static_cast<int>(threads), contexts);
-    if (!stored.ok()) return Fail(stored.status());
-    absl::StatusOr<std::unique_ptr<StoredLayer>> plain;
-    if (compare_plain) {
-      const RecipeOverrides given = g_recipe;
-      g_recipe = {"none", 0, 0, 8};
-      plain = StoreSyntheticLayer(*preset, *shape, static_cast<int>(page_tokens), max_context, seed,
-                                  static_cast<int>(threads), contexts);
-      g_recipe = given;
-      if (!plain.ok()) return Fail(plain.status());
+  for (const Preset* preset : common.presets) {
+    std::unique_ptr<ServedContexts> served, plain;
+    if (absl::Status s = ServePreset(*preset, run, page_tokens, contexts, common.seed, static_cast<int>(threads),
+                                     &served, &plain);
+        !s.ok()) {
+      return Fail(s);
+    }
+    if (!run.json) {
+      // What the rows read, from the served state itself at the longest
+      // context (a shorter one may hold fewer exact tokens).
+      const size_t longest = std::max_element(contexts.begin(), contexts.end()) - contexts.begin();
+      printf("%s reads: %s%s\n", std::string(preset->name).c_str(), served->recipes[longest].Describe().c_str(),
+             plain ? absl::StrCat("; plain: ", plain->recipes[longest].Describe()).c_str() : "");
+      printf("%-20s %8s %7s %10s %10s %8s %10s %9s %9s %7s%s\n", "preset", "context", "bytes", "attend_ms",
+             "bf16_ms", "speedup", "Mtok/s", "GB/s", "bound_ms", "%bound",
+             run.compare_plain ? "   plain_ms vs_plain" : "");
     }
     for (size_t i = 0; i < contexts.size(); ++i) {
-      const int64_t context = contexts[i];
-      std::unique_ptr<AttendCall> base_call = MakeAttendCall(**baseline, context, static_cast<int>(batch));
-      std::unique_ptr<AttendCall> call = MakeAttendCall(**stored, context, static_cast<int>(batch));
-      std::unique_ptr<AttendCall> plain_call;
-      std::vector<std::function<void()>> bodies = {
-          [&] { (void)(*baseline)->backend->Attend(base_call->params); },
-          [&] { (void)(*stored)->backend->Attend(call->params); }};
-      if (compare_plain) {
-        plain_call = MakeAttendCall(**plain, context, static_cast<int>(batch));
-        bodies.push_back([&] { (void)(*plain)->backend->Attend(plain_call->params); });
-      }
-      const InterleavedTimes timed(min_seconds, bodies);
-      const double seconds = timed.Median(1), baseline_seconds = timed.Median(0);
-      const double speedup = timed.MedianRatio(0, 1);
-      const double plain_seconds = compare_plain ? timed.Median(2) : 0.0;
-      const double vs_plain = compare_plain ? timed.MedianRatio(1, 2) : 0.0;
-      const double read_bytes = static_cast<double>((*stored)->layout->token_bytes(0)) * context * batch;
-      const double bound_seconds = read_bandwidth > 0 ? read_bytes / read_bandwidth : 0.0;
-      if (json) {
-        Json row = {{"preset", std::string(preset->name)},
-                    {"context", context},
-                    {"batch", batch},
-                    {"bytes_per_token_head", preset->BytesPerTokenHead(shape->head_dim)},
-                    {"attend_ms", seconds * 1e3},
-                    {"bf16_ms", baseline_seconds * 1e3},
-                    {"speedup_vs_bf16", speedup},
-                    {"tokens_per_second", context * batch / seconds},
-                    {"cache_gb_per_second", read_bytes / seconds / 1e9},
-                    {"memory_bound_ms", bound_seconds * 1e3},
-                    {"fraction_of_memory_bound", bound_seconds / seconds}};
-        if (compare_plain) {
-          row["plain_ms"] = plain_seconds * 1e3;
-          row["vs_plain"] = vs_plain;
-        }
-        rows.push_back(std::move(row));
-      } else {
-        printf("%-20s %8lld %7d %10.3f %10.3f %8.2f %10.2f %9.2f %9.3f %6.0f%%", std::string(preset->name).c_str(),
-               static_cast<long long>(context), preset->BytesPerTokenHead(shape->head_dim), seconds * 1e3,
-               baseline_seconds * 1e3, speedup, context * batch / seconds / 1e6, read_bytes / seconds / 1e9,
-               bound_seconds * 1e3, 100.0 * bound_seconds / seconds);
-        if (compare_plain) printf(" %10.3f %8.3f", plain_seconds * 1e3, vs_plain);
-        printf("\n");
-        fflush(stdout);
-      }
+      const AttendRow row = TimeAttendRow(**baseline, *served, plain.get(), i, run.batch, min_seconds);
+      ReportAttendRow(run, *preset, *served, i, row, &rows);
     }
   }
-  if (json) {
-    PrintJson(Json{{"layout", std::string(shape->name)},
+  if (run.json) {
+    PrintJson(Json{{"layout", std::string(run.shape.name)},
                    {"device", device},
-                   {"read_gb_per_second", read_bandwidth / 1e9},
+                   {"read_gb_per_second", run.read_bandwidth / 1e9},
                    {"batch", batch},
                    {"page_tokens", page_tokens},
                    {"results", rows}});

@@ -182,6 +182,17 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status Store(const StoreParams& p) override {
+    RETURN_IF_ERROR(StoreTokens(p));
+    if (p.exact_slots == nullptr) return absl::OkStatus();
+    // The exact copies: a second, small pass over the rows that have one.
+    std::vector<float> keys, values;
+    std::vector<int32_t> slots;
+    const StoreParams exact = ExactStorePart(p, &keys, &values, &slots);
+    return exact.num_tokens > 0 ? StoreTokens(exact) : absl::OkStatus();
+  }
+
+  // Store without the exact copies.
+  absl::Status StoreTokens(const StoreParams& p) {
     const KvLayout& layout = *p.layout;
     const int heads = layout.num_kv_heads();
     const int d = layout.head_dim();

@@ -515,9 +515,143 @@ class CudaBackend final : public Backend {
   absl::Status WritePages(const PagePool& pool, absl::Span<const int32_t> pages, const uint8_t* host) override {
     return Guarded([&] { return CopyPages(pool, pages, const_cast<uint8_t*>(host), cudaMemcpyHostToDevice); });
   }
-  absl::Status Store(const StoreParams& p) override {
-    return Guarded([&] { return DoStore(p); });
+  absl::Status StoreAndAttend(const StoreParams& store, const AttendParams& attend) override {
+    return Guarded([&]() -> absl::Status {
+      ASSIGN_OR_RETURN(bool fused, DoStoreAndAttend(store, attend));
+      if (fused) return absl::OkStatus();
+      // Too large for one workspace: the two calls, each planned its way.
+      const absl::Status stored = StoreWithExact(store);
+      if (!stored.ok()) return stored;
+      const double store_seconds = last_timing.device_seconds;
+      RETURN_IF_ERROR(DoAttend(attend));
+      last_timing.device_seconds += store_seconds;
+      return absl::OkStatus();
+    });
   }
+
+  absl::Status Store(const StoreParams& p) override {
+    return Guarded([&]() -> absl::Status { return StoreWithExact(p); });
+  }
+
+  // A decode layer on one stream (Backend::StoreAndAttend): the store, its
+  // exact copies and the attention staged in one workspace, one copy in,
+  // the launches, one copy out, one synchronization. The attend plan's
+  // workspace is rearranged so that each copy is one range:
+  //   [attend inputs][store inputs][error words][attend outputs][attend scratch]
+  //   '---------------- copy in ---------------'
+  //                                '------- copy out -------'
+  // false, having run nothing, when the call does not fit one workspace and
+  // one attend batch.
+  absl::StatusOr<bool> DoStoreAndAttend(const StoreParams& store, const AttendParams& attend) {
+    if (store.layer_end <= store.layer_begin || store.num_tokens <= 0 || attend.items.empty()) return false;
+    ASSIGN_OR_RETURN(const PoolTables* tables, Enter(store.pool));
+    std::vector<float> exact_keys, exact_values;
+    std::vector<int32_t> exact_slots;
+    const StoreParams exact = ExactStorePart(store, &exact_keys, &exact_values, &exact_slots);
+    cuda::StorePlan store_plan;
+    RETURN_IF_ERROR(cuda::PlanStore(StoreInputOf(store, store.num_tokens), &store_plan));
+    if (store_plan.piece_tokens < store.num_tokens) return false;
+    // The store region, from 0 for now: the main piece, the exact piece, the
+    // two error words last.
+    cuda::StoreWorkspace main_at = cuda::LayOutStore(StoreInputOf(store, store.num_tokens), store.num_tokens);
+    cuda::StoreWorkspace exact_at;
+    size_t errors = Align(main_at.end);
+    if (exact.num_tokens > 0) {
+      exact_at = Moved(cuda::LayOutStore(StoreInputOf(exact, exact.num_tokens), exact.num_tokens), errors);
+      errors = Align(exact_at.end);
+    }
+    const size_t store_bytes = errors + 2 * sizeof(unsigned long long);
+    if (store_bytes + cuda::kWorkspaceAlignment >= options_.workspace_bytes) return false;
+
+    WorkspaceLease lease(this);
+    Workspace& w = lease.get();
+    const KvLayout& layout = *attend.layout;
+    cuda::AttendPlanInput in = DescribeAttend(layout, attend, *tables, w);
+    in.workspace_bytes -= Align(store_bytes) + cuda::kWorkspaceAlignment;
+    RETURN_IF_ERROR(cuda::PlanAttend(in, &w.plan));
+    if (w.plan.batches.size() != 1) return false;
+    const cuda::AttendBatch& batch = w.plan.batches[0];
+    cuda::AttendWorkspace at;
+    if (!Rearrange(batch.at, store_bytes, &at)) return false;
+    const size_t store_base = Align(batch.at.copy_in);
+    main_at = Moved(main_at, store_base);
+    main_at.error = store_base + errors;
+    if (exact.num_tokens > 0) {
+      exact_at = Moved(exact_at, store_base);
+      exact_at.error = store_base + errors + sizeof(unsigned long long);
+    }
+
+    StageStore(store, 0, store.num_tokens, main_at, w);
+    if (exact.num_tokens > 0) StageStore(exact, 0, exact.num_tokens, exact_at, w);
+    RETURN_IF_ERROR(StageBatch(layout, attend, *tables, in, batch, at, w));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
+                               "store and attend: copy in"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(LaunchStorePiece(*tables, store, store.num_tokens, main_at, w));
+    if (exact.num_tokens > 0) RETURN_IF_ERROR(LaunchStorePiece(*tables, exact, exact.num_tokens, exact_at, w));
+    RETURN_IF_ERROR(LaunchBatch(layout, attend, *tables, batch.counts.rows, at, w));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
+    const size_t out_end = at.output + (batch.at.end - batch.at.output);
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + main_at.error, w.device + main_at.error,
+                                               out_end - main_at.error, cudaMemcpyDeviceToHost, w.stream),
+                               "store and attend: copy out"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "store and attend kernels"));
+    last_timing.device_seconds = ElapsedSeconds(w);
+    RETURN_IF_ERROR(CheckStoreError(store, 0, store.num_tokens, main_at, w));
+    if (exact.num_tokens > 0) RETURN_IF_ERROR(CheckStoreError(exact, 0, exact.num_tokens, exact_at, w));
+    UnstageBatch(layout, attend, batch, at, w);
+    return true;
+  }
+
+  static size_t Align(size_t offset) {
+    const size_t a = cuda::kWorkspaceAlignment;
+    return (offset + a - 1) / a * a;
+  }
+  static cuda::StoreWorkspace Moved(cuda::StoreWorkspace at, size_t by) {
+    for (size_t* offset : {&at.keys, &at.values, &at.slots, &at.error, &at.end}) *offset += by;
+    return at;
+  }
+
+  // The attend workspace `planned` rearranged around a store region of
+  // `store_bytes` (see DoStoreAndAttend): its inputs stay, the store region
+  // follows them, then its outputs, then its scratch. false when `planned`
+  // is not [inputs][scratch][outputs] or the result exceeds the workspace.
+  bool Rearrange(const cuda::AttendWorkspace& planned, size_t store_bytes, cuda::AttendWorkspace* at) const {
+    const size_t inputs_end = planned.copy_in;
+    const size_t scratch[] = {planned.prepared, planned.prepared_exact, planned.partial_acc, planned.partial_stats};
+    for (size_t offset : scratch) {
+      if (offset < inputs_end || offset > planned.output) return false;
+    }
+    if (planned.lse < planned.output || planned.end < planned.lse) return false;
+    *at = planned;
+    const size_t store_base = Align(inputs_end);
+    at->copy_in = store_base + store_bytes;
+    const size_t outputs = Align(at->copy_in);
+    at->output = outputs;
+    at->lse = outputs + (planned.lse - planned.output);
+    const size_t scratch_base = Align(outputs + (planned.end - planned.output));
+    at->prepared = scratch_base + (planned.prepared - inputs_end);
+    at->prepared_exact = scratch_base + (planned.prepared_exact - inputs_end);
+    at->partial_acc = scratch_base + (planned.partial_acc - inputs_end);
+    at->partial_stats = scratch_base + (planned.partial_stats - inputs_end);
+    at->end = scratch_base + (planned.output - inputs_end);
+    return at->end <= options_.workspace_bytes;
+  }
+
+  // A store and its exact copies (StoreParams::exact_slots) as two stores.
+  absl::Status StoreWithExact(const StoreParams& p) {
+    RETURN_IF_ERROR(DoStore(p));
+    if (p.exact_slots == nullptr) return absl::OkStatus();
+    std::vector<float> keys, values;
+    std::vector<int32_t> slots;
+    const StoreParams exact = ExactStorePart(p, &keys, &values, &slots);
+    if (exact.num_tokens == 0) return absl::OkStatus();
+    const double main_seconds = last_timing.device_seconds;
+    RETURN_IF_ERROR(DoStore(exact));
+    last_timing.device_seconds += main_seconds;
+    return absl::OkStatus();
+  }
+
   absl::Status Score(const ScoreParams& p) override {
     return Guarded([&] { return DoScore(p); });
   }
@@ -666,12 +800,9 @@ class CudaBackend final : public Backend {
 
   absl::Status DoStore(const StoreParams& p) {
     ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
-    const KvLayout& layout = *p.layout;
     const int layers = p.layer_end - p.layer_begin;
-    const size_t vector_floats = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
     if (layers <= 0 || p.num_tokens <= 0) return absl::OkStatus();
-    const cuda::StoreInput in{layers, layout.num_kv_heads(), layout.head_dim(), p.num_tokens,
-                              options_.workspace_bytes};
+    const cuda::StoreInput in = StoreInputOf(p, p.num_tokens);
     cuda::StorePlan plan;
     RETURN_IF_ERROR(cuda::PlanStore(in, &plan));
     WorkspaceLease lease(this);
@@ -680,46 +811,73 @@ class CudaBackend final : public Backend {
     for (int64_t t0 = 0; t0 < p.num_tokens; t0 += plan.piece_tokens) {
       const int64_t tokens = std::min<int64_t>(plan.piece_tokens, p.num_tokens - t0);
       const cuda::StoreWorkspace at = cuda::LayOutStore(in, tokens);
-      const size_t layer_bytes = static_cast<size_t>(tokens) * vector_floats * sizeof(float);
-      const size_t keys = at.keys, values = at.values, slots = at.slots, error = at.error;
-      for (int l = 0; l < layers; ++l) {
-        const size_t src = (static_cast<size_t>(l) * p.num_tokens + t0) * vector_floats;
-        std::memcpy(w.host + keys + l * layer_bytes, p.keys + src, layer_bytes);
-        std::memcpy(w.host + values + l * layer_bytes, p.values + src, layer_bytes);
-      }
-      std::memcpy(w.host + slots, p.slots + t0, sizeof(int32_t) * tokens);
-      const unsigned long long no_error = ~0ull;
-      std::memcpy(w.host + error, &no_error, sizeof(no_error));
-      cuda::StoreKernelParams k;
-      k.heads = p.layout == tables->exact_layout ? tables->exact.heads : tables->main.heads;
-      k.pool = p.pool.base;
-      k.page_bytes = p.pool.page_bytes;
-      k.page_tokens = layout.page_tokens();
-      k.num_kv_heads = layout.num_kv_heads();
-      k.head_dim = layout.head_dim();
-      k.layer_begin = p.layer_begin;
-      k.num_layers = layers;
-      k.num_tokens = static_cast<int32_t>(tokens);
-      k.slots = reinterpret_cast<const int32_t*>(w.device + slots);
-      k.keys = reinterpret_cast<const float*>(w.device + keys);
-      k.values = reinterpret_cast<const float*>(w.device + values);
-      k.error = reinterpret_cast<unsigned long long*>(w.device + error);
+      StageStore(p, t0, tokens, at, w);
       RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.end, cudaMemcpyHostToDevice, w.stream),
                                  "store: copy in"));
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-      RETURN_IF_ERROR(CudaStatus(cuda::LaunchStore(k, w.stream), "store kernel launch"));
+      RETURN_IF_ERROR(LaunchStorePiece(*tables, p, tokens, at, w));
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
-      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + error, w.device + error, sizeof(unsigned long long),
+      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.error, w.device + at.error, sizeof(unsigned long long),
                                                  cudaMemcpyDeviceToHost, w.stream),
                                  "store: copy error word"));
       RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "store kernel"));
       kernel_seconds += ElapsedSeconds(w);
-      unsigned long long failure;
-      std::memcpy(&failure, w.host + error, sizeof(failure));
-      if (failure != ~0ull) return StoreFailure(failure, layout, p, t0, tokens);
+      RETURN_IF_ERROR(CheckStoreError(p, t0, tokens, at, w));
     }
     last_timing.device_seconds = kernel_seconds;
     return absl::OkStatus();
+  }
+
+  cuda::StoreInput StoreInputOf(const StoreParams& p, int64_t tokens) const {
+    const KvLayout& layout = *p.layout;
+    return cuda::StoreInput{p.layer_end - p.layer_begin, layout.num_kv_heads(), layout.head_dim(), tokens,
+                            options_.workspace_bytes};
+  }
+
+  // Tokens [t0, t0 + tokens) of a store into the pinned buffer at `at`, with
+  // a no-error word.
+  static void StageStore(const StoreParams& p, int64_t t0, int64_t tokens, const cuda::StoreWorkspace& at,
+                         Workspace& w) {
+    const KvLayout& layout = *p.layout;
+    const size_t vector_floats = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
+    const size_t layer_bytes = static_cast<size_t>(tokens) * vector_floats * sizeof(float);
+    for (int l = 0; l < p.layer_end - p.layer_begin; ++l) {
+      const size_t src = (static_cast<size_t>(l) * p.num_tokens + t0) * vector_floats;
+      std::memcpy(w.host + at.keys + l * layer_bytes, p.keys + src, layer_bytes);
+      std::memcpy(w.host + at.values + l * layer_bytes, p.values + src, layer_bytes);
+    }
+    std::memcpy(w.host + at.slots, p.slots + t0, sizeof(int32_t) * tokens);
+    const unsigned long long no_error = ~0ull;
+    std::memcpy(w.host + at.error, &no_error, sizeof(no_error));
+  }
+
+  // The store kernel over a piece staged at `at` (device side).
+  static absl::Status LaunchStorePiece(const PoolTables& tables, const StoreParams& p, int64_t tokens,
+                                       const cuda::StoreWorkspace& at, Workspace& w) {
+    const KvLayout& layout = *p.layout;
+    cuda::StoreKernelParams k;
+    k.heads = p.layout == tables.exact_layout ? tables.exact.heads : tables.main.heads;
+    k.pool = p.pool.base;
+    k.page_bytes = p.pool.page_bytes;
+    k.page_tokens = layout.page_tokens();
+    k.num_kv_heads = layout.num_kv_heads();
+    k.head_dim = layout.head_dim();
+    k.layer_begin = p.layer_begin;
+    k.num_layers = p.layer_end - p.layer_begin;
+    k.num_tokens = static_cast<int32_t>(tokens);
+    k.slots = reinterpret_cast<const int32_t*>(w.device + at.slots);
+    k.keys = reinterpret_cast<const float*>(w.device + at.keys);
+    k.values = reinterpret_cast<const float*>(w.device + at.values);
+    k.error = reinterpret_cast<unsigned long long*>(w.device + at.error);
+    return CudaStatus(cuda::LaunchStore(k, w.stream), "store kernel launch");
+  }
+
+  // The error word of a piece, copied back to the pinned buffer.
+  absl::Status CheckStoreError(const StoreParams& p, int64_t t0, int64_t tokens, const cuda::StoreWorkspace& at,
+                               Workspace& w) {
+    unsigned long long failure;
+    std::memcpy(&failure, w.host + at.error, sizeof(failure));
+    return failure == ~0ull ? absl::OkStatus() : StoreFailure(failure, *p.layout, p, t0, tokens);
   }
 
   absl::Status DoScore(const ScoreParams& p) {
@@ -1034,6 +1192,27 @@ class CudaBackend final : public Backend {
   absl::Status RunBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
                         const cuda::AttendPlanInput& in, const cuda::AttendBatch& batch, Workspace& w,
                         double* kernel_seconds) {
+    const cuda::AttendWorkspace& at = batch.at;
+    RETURN_IF_ERROR(StageBatch(layout, p, tables, in, batch, at, w));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
+                               "attend: copy in"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, batch.counts.rows, at, w));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, at.end - at.output,
+                                               cudaMemcpyDeviceToHost, w.stream),
+                               "attend: copy out"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "attend kernels"));
+    *kernel_seconds += ElapsedSeconds(w);
+    UnstageBatch(layout, p, batch, at, w);
+    return absl::OkStatus();
+  }
+
+  // A batch's inputs into the pinned buffer at `at` (its plan's layout, or
+  // that layout moved: DoStoreAndAttend), its blocks sorted by launch key.
+  absl::Status StageBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
+                          const cuda::AttendPlanInput& in, const cuda::AttendBatch& batch,
+                          const cuda::AttendWorkspace& at, Workspace& w) {
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
     cuda::FillAttendBatch(in, w.plan, batch, &w.batch);
@@ -1060,7 +1239,24 @@ class CudaBackend final : public Backend {
         static_cast<int64_t>(b.head_of_row.size()) != c.rows) {
       return absl::InternalError("the attend plan's counts disagree with the arrays staged for it");
     }
-    // One launch per launch key: sort the blocks by it.
+    SortBlocksByLaunch(tables, b, w);
+    std::memcpy(w.host + at.items, b.items.data(), sizeof(AttendItemDesc) * b.items.size());
+    std::memcpy(w.host + at.blocks, w.sorted_blocks.data(), sizeof(AttendBlock) * w.sorted_blocks.size());
+    std::memcpy(w.host + at.units, b.units.data(), sizeof(MergeUnit) * b.units.size());
+    std::memcpy(w.host + at.head_of_row, b.head_of_row.data(), sizeof(int32_t) * b.head_of_row.size());
+    std::memcpy(w.host + at.tables, w.tables.data(), sizeof(int32_t) * w.tables.size());
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
+      const size_t floats = static_cast<size_t>(piece.tokens) * qh * d;
+      std::memcpy(w.host + at.queries + sizeof(float) * b.items[i].query_row * d,
+                  p.items[piece.item].queries + static_cast<size_t>(piece.token0) * qh * d, sizeof(float) * floats);
+    }
+    CopyAddBack(AddBackOf(at), w);
+    return absl::OkStatus();
+  }
+
+  // One launch per launch key: the blocks sorted by it.
+  static void SortBlocksByLaunch(const PoolTables& tables, const cuda::BatchContents& b, Workspace& w) {
     w.block_keys.clear();
     for (size_t i = 0; i < b.blocks.size(); ++i) {
       const cuda::BlockLaunch& launch = b.launches[i];
@@ -1076,31 +1272,14 @@ class CudaBackend final : public Backend {
       w.sorted_blocks[i] = b.blocks[w.block_order[i]];
       w.sorted_keys[i] = w.block_keys[w.block_order[i]];
     }
+  }
 
-    const cuda::AttendWorkspace& at = batch.at;
-    std::memcpy(w.host + at.items, b.items.data(), sizeof(AttendItemDesc) * b.items.size());
-    std::memcpy(w.host + at.blocks, w.sorted_blocks.data(), sizeof(AttendBlock) * w.sorted_blocks.size());
-    std::memcpy(w.host + at.units, b.units.data(), sizeof(MergeUnit) * b.units.size());
-    std::memcpy(w.host + at.head_of_row, b.head_of_row.data(), sizeof(int32_t) * b.head_of_row.size());
-    std::memcpy(w.host + at.tables, w.tables.data(), sizeof(int32_t) * w.tables.size());
-    for (size_t i = 0; i < b.items.size(); ++i) {
-      const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
-      const size_t floats = static_cast<size_t>(piece.tokens) * qh * d;
-      std::memcpy(w.host + at.queries + sizeof(float) * b.items[i].query_row * d,
-                  p.items[piece.item].queries + static_cast<size_t>(piece.token0) * qh * d, sizeof(float) * floats);
-    }
-    CopyAddBack(AddBackOf(at), w);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
-                               "attend: copy in"));
-    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, c.rows, at, w));
-    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, at.end - at.output,
-                                               cudaMemcpyDeviceToHost, w.stream),
-                               "attend: copy out"));
-    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "attend kernels"));
-    *kernel_seconds += ElapsedSeconds(w);
-
+  // The outputs the batch's copy out brought back, to the items.
+  static void UnstageBatch(const KvLayout& layout, const AttendParams& p, const cuda::AttendBatch& batch,
+                           const cuda::AttendWorkspace& at, Workspace& w) {
+    const int d = layout.head_dim();
+    const int qh = layout.num_query_heads();
+    const cuda::BatchContents& b = w.batch;
     const float* output = reinterpret_cast<const float*>(w.host + at.output);
     const float* lse = reinterpret_cast<const float*>(w.host + at.lse);
     for (size_t i = 0; i < b.items.size(); ++i) {
@@ -1114,7 +1293,6 @@ class CudaBackend final : public Backend {
         std::memcpy(item.lse + static_cast<size_t>(piece.token0) * qh, lse + row, sizeof(float) * rows);
       }
     }
-    return absl::OkStatus();
   }
 
   // The batch's kernels on w's stream: query preparation (for each layout

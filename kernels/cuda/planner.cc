@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 
@@ -69,6 +71,50 @@ int Segments(const PlanItem& item, Segment* out) {
   return n;
 }
 
+// What one piece reads: its causal view, its row chunks and its segments.
+struct PieceView {
+  int64_t view_end = 0;    // after the piece's last query token
+  int64_t first_seen = 0;  // sliding window: the first token its (single) query token sees
+  int32_t tokens = 0;
+  int group = 1;
+  int64_t rows = 0;  // query tokens x group
+  int block_rows = 1;
+  Segment segments[kMaxSegments];
+  int num_segments = 0;
+
+  int64_t ChunkRows(int64_t row0) const { return std::min<int64_t>(block_rows, rows - row0); }
+  // The tokens [lo, hi) the row chunk at row0 reads of segment k (none when
+  // hi <= lo): up to what its last row sees.
+  std::pair<int64_t, int64_t> Run(int64_t row0, int k) const {
+    const int64_t visible = view_end - tokens + 1 + (row0 + ChunkRows(row0) - 1) / group;
+    return {std::max(segments[k].begin, first_seen), std::min(segments[k].end, visible)};
+  }
+};
+
+PieceView ViewOf(const PlanDims& dims, const PlanItem& item, const PlanPiece& piece) {
+  PieceView v;
+  v.view_end = item.context_tokens - item.query_tokens + piece.token0 + piece.tokens;
+  v.first_seen = item.window > 0 ? std::max<int64_t>(0, v.view_end - item.window) : 0;
+  v.tokens = piece.tokens;
+  v.group = dims.num_query_heads / dims.num_kv_heads;
+  v.rows = static_cast<int64_t>(piece.tokens) * v.group;
+  v.block_rows = item.mma ? kMaxBlockRows : BlockRowsFor(static_cast<int>(std::min<int64_t>(v.rows, kMaxBlockRows)));
+  v.num_segments = Segments(item, v.segments);
+  return v;
+}
+
+// Appends the length of every non-empty run (row chunk x segment) `piece`
+// reads in one KV head: ceil(length / split) blocks each, per KV head.
+void AppendRuns(const PlanDims& dims, const PlanItem& item, const PlanPiece& piece, std::vector<int64_t>* runs) {
+  const PieceView v = ViewOf(dims, item, piece);
+  for (int64_t row0 = 0; row0 < v.rows; row0 += v.block_rows) {
+    for (int k = 0; k < v.num_segments; ++k) {
+      const auto [lo, hi] = v.Run(row0, k);
+      if (hi > lo) runs->push_back(hi - lo);
+    }
+  }
+}
+
 // Where FillAttendBatch has got to in the batch's arrays.
 struct Cursor {
   int64_t rows = 0;
@@ -82,18 +128,10 @@ AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPie
                        BatchContents* out, Cursor* cursor) {
   const int heads = dims.num_kv_heads;
   const int qh = dims.num_query_heads;
-  const int group = qh / heads;
-  // The piece's causal view ends after its last query token.
-  const int64_t view_end = item.context_tokens - item.query_tokens + piece.token0 + piece.tokens;
+  const PieceView v = ViewOf(dims, item, piece);
   PieceTables tables;
-  tables.pages = CeilDiv(view_end, dims.page_tokens);
-  tables.exact_pages = item.exact ? CeilDiv(view_end, dims.exact_page_tokens) : 0;
-  const int64_t rows = static_cast<int64_t>(piece.tokens) * group;
-  const int block_rows = item.mma ? kMaxBlockRows : BlockRowsFor(static_cast<int>(std::min<int64_t>(rows, kMaxBlockRows)));
-  // Sliding window: the first token the piece's (single) query token sees.
-  const int64_t first_seen = item.window > 0 ? std::max<int64_t>(0, view_end - item.window) : 0;
-  Segment segments[kMaxSegments];
-  const int num_segments = Segments(item, segments);
+  tables.pages = CeilDiv(v.view_end, dims.page_tokens);
+  tables.exact_pages = item.exact ? CeilDiv(v.view_end, dims.exact_page_tokens) : 0;
 
   AttendCounts c;
   c.items = 1;
@@ -102,28 +140,23 @@ AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPie
   if (dims.centered) {
     c.addback_heads = heads;
     c.theta = item.addback_pairs;
-    c.coef = MulSat(MulSat(rows, 2), item.addback_pairs);
+    c.coef = MulSat(MulSat(v.rows, 2), item.addback_pairs);
     c.constants = c.rows;
   }
   // Blocks of one KV head (every head has the same).
-  const int64_t chunks = CeilDiv(rows, block_rows);
   int64_t head_blocks = 0;
-  for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
-    const int64_t chunk_rows = std::min<int64_t>(block_rows, rows - row0);
-    // The chunk's last row sees the most tokens.
-    const int64_t visible = view_end - piece.tokens + 1 + (row0 + chunk_rows - 1) / group;
-    for (int k = 0; k < num_segments; ++k) {
-      const int64_t lo = std::max(segments[k].begin, first_seen);
-      const int64_t hi = std::min(segments[k].end, visible);
+  for (int64_t row0 = 0; row0 < v.rows; row0 += v.block_rows) {
+    for (int k = 0; k < v.num_segments; ++k) {
+      const auto [lo, hi] = v.Run(row0, k);
       if (hi > lo) head_blocks += CeilDiv(hi - lo, split);
     }
   }
-  c.units = MulSat(heads, chunks);
+  c.units = MulSat(heads, CeilDiv(v.rows, v.block_rows));
   c.blocks = MulSat(heads, head_blocks);
   if (out == nullptr) return c;
 
   AttendItemDesc desc;
-  desc.context_tokens = static_cast<int32_t>(view_end);
+  desc.context_tokens = static_cast<int32_t>(v.view_end);
   desc.num_query_tokens = piece.tokens;
   desc.layer = item.layer;
   desc.query_row = cursor->rows;
@@ -133,22 +166,19 @@ AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPie
   out->items.push_back(desc);
   out->tables.push_back(tables);
   for (int t = 0; t < piece.tokens; ++t) {
-    for (int h = 0; h < qh; ++h) out->head_of_row.push_back(item.layer * heads + h / group);
+    for (int h = 0; h < qh; ++h) out->head_of_row.push_back(item.layer * heads + h / v.group);
   }
   for (int kv = 0; kv < heads; ++kv) {
-    for (int64_t row0 = 0; row0 < rows; row0 += block_rows) {
-      const int64_t chunk_rows = std::min<int64_t>(block_rows, rows - row0);
-      const int64_t visible = view_end - piece.tokens + 1 + (row0 + chunk_rows - 1) / group;
+    for (int64_t row0 = 0; row0 < v.rows; row0 += v.block_rows) {
       MergeUnit unit;
       unit.item = desc_index;
       unit.kv_head = kv;
       unit.row0 = static_cast<int32_t>(row0);
-      unit.rows = static_cast<int32_t>(chunk_rows);
+      unit.rows = static_cast<int32_t>(v.ChunkRows(row0));
       unit.first_partial = static_cast<int32_t>(out->blocks.size());
-      for (int k = 0; k < num_segments; ++k) {  // the compressed segment first
-        const Segment& seg = segments[k];
-        const int64_t hi = std::min(seg.end, visible);
-        for (int64_t t = std::max(seg.begin, first_seen); t < hi; t += split) {
+      for (int k = 0; k < v.num_segments; ++k) {  // the compressed segment first
+        const auto [lo, hi] = v.Run(row0, k);
+        for (int64_t t = lo; t < hi; t += split) {
           AttendBlock b;
           b.item = desc_index;
           b.kv_head = kv;
@@ -158,9 +188,9 @@ AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPie
           b.token_end = static_cast<int32_t>(std::min(hi, t + split));
           b.partial = unit.first_partial + unit.num_splits;
           out->blocks.push_back(b);
-          out->launches.push_back({seg.exact, block_rows});
+          out->launches.push_back({v.segments[k].exact, v.block_rows});
           ++unit.num_splits;
-          if (!seg.exact) ++unit.basis_splits;
+          if (!v.segments[k].exact) ++unit.basis_splits;
         }
       }
       out->units.push_back(unit);
@@ -258,38 +288,107 @@ AttendWorkspace LayOutAttend(const PlanDims& dims, const AttendCounts& c) {
   return at;
 }
 
+namespace {
+
+// Cuts every item into pieces of query tokens (at most
+// kMaxQueryTokensPerPiece; one each in a sliding-window layer). With a
+// split, an item's pieces halve while its widest one (the last: it sees the
+// most) does not fit a workspace at that split; without one (0), they stay
+// at their widest. Returns whether any item was halved.
+bool CutPieces(const AttendPlanInput& in, int64_t split, std::vector<PlanPiece>* pieces) {
+  pieces->clear();
+  bool halved = false;
+  for (size_t i = 0; i < in.items.size(); ++i) {
+    const PlanItem& item = in.items[i];
+    const int widest = item.window > 0 ? 1 : std::min(kMaxQueryTokensPerPiece, item.query_tokens);
+    int per_piece = widest;
+    while (split > 0 && per_piece > 1) {
+      const PlanPiece last{static_cast<int32_t>(i), item.query_tokens - per_piece, per_piece};
+      if (Fits(in.dims, WalkPiece(in.dims, item, last, split, nullptr, nullptr), in.workspace_bytes)) break;
+      per_piece = (per_piece + 1) / 2;
+    }
+    halved = halved || per_piece < widest;
+    for (int t0 = 0; t0 < item.query_tokens; t0 += per_piece) {
+      pieces->push_back({static_cast<int32_t>(i), t0, std::min(per_piece, item.query_tokens - t0)});
+    }
+  }
+  return halved;
+}
+
+// Blocks one KV head makes at `split` from the sorted lengths of its runs:
+// the sum of ceil(length / split), or, where it takes fewer steps (the
+// split near the longest run: a decode batch at its final split), the sum
+// over k >= 0 of the runs longer than k x split, a binary search each.
+int64_t HeadBlocks(const std::vector<int64_t>& sorted, int64_t split) {
+  if (sorted.empty()) return 0;
+  const int64_t n = static_cast<int64_t>(sorted.size());
+  const int64_t steps = CeilDiv(sorted.back(), split);  // blocks of the longest run
+  int64_t blocks = 0;
+  if (steps * (64 - __builtin_clzll(static_cast<uint64_t>(n))) < n) {
+    for (int64_t k = 0; k < steps; ++k) {
+      blocks += sorted.end() - std::upper_bound(sorted.begin(), sorted.end(), k * split);
+    }
+    return blocks;
+  }
+  for (int64_t length : sorted) blocks += CeilDiv(length, split);
+  return blocks;
+}
+
+// The shortest split (see planner.h) whose blocks fit the fewest waves of
+// `target`, from the lengths of the runs one KV head reads (AppendRuns:
+// each makes ceil(length / split) blocks per KV head, as WalkPiece counts;
+// sorted here). Blocks only decrease as the split grows, and at a split as
+// long as the longest run each run is one block: the fewest there are.
+// Bisects over multiples of kSplitGranularity, from below by the split no
+// fewer blocks than the total length over the budget allow.
+int64_t ChooseSplit(std::vector<int64_t>& runs, int heads, int64_t target) {
+  std::sort(runs.begin(), runs.end());
+  int64_t total = 0;
+  for (int64_t length : runs) total = AddSat(total, length);
+  const auto fits = [&](int64_t units, int64_t budget) {
+    return MulSat(HeadBlocks(runs, units * kSplitGranularity), heads) <= budget;
+  };
+  const int64_t fewest = MulSat(static_cast<int64_t>(runs.size()), heads);
+  const int64_t budget = MulSat(CeilDiv(std::max<int64_t>(fewest, 1), target), target);
+  int64_t lo = CeilDiv(kMinSplitTokens, kSplitGranularity);
+  int64_t hi = std::max(lo, runs.empty() ? 0 : CeilDiv(runs.back(), kSplitGranularity));
+  if (fits(lo, budget)) return lo * kSplitGranularity;
+  // Below total x heads / budget tokens even exact division makes too many.
+  lo = std::max(lo, (CeilDiv(MulSat(total, heads), budget) - 1) / kSplitGranularity);
+  while (hi - lo > 1) {  // lo does not fit, hi does
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid, budget) ? hi : lo) = mid;
+  }
+  return hi * kSplitGranularity;
+}
+
+// The split for the call's pieces as cut (plan->pieces), with plan->runs as
+// scratch.
+int64_t SplitFor(const AttendPlanInput& in, AttendPlan* plan) {
+  plan->runs.clear();
+  for (const PlanPiece& piece : plan->pieces) AppendRuns(in.dims, in.items[piece.item], piece, &plan->runs);
+  return ChooseSplit(plan->runs, in.dims.num_kv_heads, plan->target_blocks);
+}
+
+}  // namespace
+
 absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
   plan->pieces.clear();
   plan->batches.clear();
+  plan->blocks = 0;
+  plan->waves = 0;
   if (absl::Status s = CheckInput(in); !s.ok()) return s;
   const PlanDims& dims = in.dims;
-
-  // The split: the call's (token, KV head) pairs over the resident blocks.
-  int64_t work = 0;
-  for (const PlanItem& item : in.items) work = AddSat(work, MulSat(item.context_tokens, dims.num_kv_heads));
   plan->target_blocks = MulSat(in.device.sm_count, in.device.blocks_per_sm);
-  int64_t split = CeilDiv(work, plan->target_blocks);
-  // No block needs more than a whole int32 context.
-  split = std::min<int64_t>(split, kInt32Max);
-  split = CeilDiv(split, kAttendTile) * kAttendTile;
-  plan->split = std::max(kMinSplitTokens, split);
 
-  // Pieces of query tokens; the widest piece of an item is the one that
-  // ends at its last token (it sees the most).
-  for (size_t i = 0; i < in.items.size(); ++i) {
-    const PlanItem& item = in.items[i];
-    int per_piece = item.window > 0 ? 1 : std::min(kMaxQueryTokensPerPiece, item.query_tokens);
-    while (per_piece > 1) {
-      const PlanPiece last{static_cast<int32_t>(i), item.query_tokens - per_piece, per_piece};
-      if (Fits(dims, WalkPiece(dims, item, last, plan->split, nullptr, nullptr), in.workspace_bytes)) {
-        break;
-      }
-      per_piece = (per_piece + 1) / 2;
-    }
-    for (int t0 = 0; t0 < item.query_tokens; t0 += per_piece) {
-      plan->pieces.push_back({static_cast<int32_t>(i), t0, std::min(per_piece, item.query_tokens - t0)});
-    }
-  }
+  // The split from the pieces at their widest; pieces that must halve to
+  // fit a workspace make other blocks, so the split is chosen again from
+  // them. The longer of the two keeps both promises: a longer split makes
+  // no more blocks (the waves hold) and no larger a workspace (the pieces
+  // still fit).
+  CutPieces(in, 0, &plan->pieces);
+  plan->split = SplitFor(in, plan);
+  if (CutPieces(in, plan->split, &plan->pieces)) plan->split = std::max(plan->split, SplitFor(in, plan));
 
   // Batches: as many pieces as fit, in order.
   AttendBatch batch;
@@ -297,6 +396,7 @@ absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
     const PlanPiece& piece = plan->pieces[p];
     const PlanItem& item = in.items[piece.item];
     const AttendCounts c = WalkPiece(dims, item, piece, plan->split, nullptr, nullptr);
+    plan->blocks = AddSat(plan->blocks, c.blocks);
     AttendCounts next = batch.counts;
     next += c;
     if (Fits(dims, next, in.workspace_bytes)) {
@@ -322,6 +422,7 @@ absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
     batch.at = LayOutAttend(dims, batch.counts);
     plan->batches.push_back(batch);
   }
+  plan->waves = CeilDiv(plan->blocks, plan->target_blocks);
   return absl::OkStatus();
 }
 

@@ -22,11 +22,18 @@
 //
 // The split rules (PlanAttend):
 //   - the device's resident AttendBlocks, sm_count x blocks_per_sm, are the
-//     target number of blocks of the whole call;
-//   - the split is the call's (context token, KV head) pairs divided by that
-//     target, rounded up to whole kAttendTile tiles, and at least
-//     kMinSplitTokens: a few long items and many short ones are both cut
-//     into about target blocks, and a small device gets longer splits;
+//     target: a grid of at most that many blocks runs in one wave, and a few
+//     blocks more start a second wave that is nearly empty yet takes as long
+//     as a full one (on an H200, bf16 at 32k context: batch 16, 1664 blocks
+//     for 1584 resident slots, took 3.0x the time of batch 8);
+//   - the split is the shortest multiple of kSplitGranularity tokens, at
+//     least kMinSplitTokens, whose blocks fit the fewest waves the call
+//     allows: one wave whenever one block per (piece, KV head, row chunk,
+//     segment) fits the target, else the fewest whole waves. The shortest
+//     such split makes the longest block, which sets a wave's time, as
+//     short as it can be. Blocks are counted by the walk that fills the
+//     batches, so segments, row chunks and items shorter than a split count
+//     as the blocks they make;
 //   - a block never crosses a segment (compressed run, sinks, window) nor a
 //     row chunk (BlockRowsFor of the piece's rows; 8 rows for the
 //     tensor-core kernel), so segments and chunks add blocks;
@@ -62,6 +69,10 @@ inline constexpr int kMaxQueryTokensPerPiece = 32;
 // The shortest split: below two tiles a block's setup (query load, tables)
 // outweighs its reads.
 inline constexpr int64_t kMinSplitTokens = 2 * kAttendTile;
+// Splits are whole multiples of this many tokens: the tensor-core kernel's
+// token tile. Coarser steps (a whole kAttendTile) leave the block count
+// far from the target: just over it is a second wave.
+inline constexpr int64_t kSplitGranularity = 16;
 // Every buffer in a workspace starts at a multiple of this.
 inline constexpr size_t kWorkspaceAlignment = 256;
 
@@ -157,9 +168,17 @@ struct AttendBatch {
 
 struct AttendPlan {
   int64_t target_blocks = 0;  // sm_count x blocks_per_sm
-  int64_t split = 0;          // tokens per block, a multiple of kAttendTile
+  // Tokens per block: a multiple of kSplitGranularity, >= kMinSplitTokens.
+  int64_t split = 0;
+  // Blocks of the whole call (over its batches) and the waves of
+  // target_blocks they take: 1 whenever one wave is possible.
+  int64_t blocks = 0;
+  int64_t waves = 0;
   std::vector<PlanPiece> pieces;
   std::vector<AttendBatch> batches;
+  // PlanAttend's scratch (the lengths of the runs it splits), kept so that
+  // a reused plan allocates nothing.
+  std::vector<int64_t> runs;
 };
 
 // Plans one Attend call into *plan (its vectors are reused).

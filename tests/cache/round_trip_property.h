@@ -190,12 +190,33 @@ class CacheTarget : public Target {
     RETURN_IF_ERROR(cache_->Append(r, &outcome));
     return outcome.already_stored;
   }
+  // One KvCache::AppendAttend for the layer, as the server runs it.
   std::vector<ReadResult> DecodeLayer(int layer, const std::vector<DecodeItem>& items) override {
+    const KvLayout& layout = cache_->layout();
+    std::vector<AppendRequest> appends(items.size());
+    std::vector<AttendRequestItem> attends(items.size());
+    std::vector<std::vector<float>> outputs(items.size()), lses(items.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      AppendRequest& r = appends[i];
+      r.sequence_id = items[i].id;
+      r.start_position = items[i].start;
+      r.layer_begin = layer;
+      r.layer_end = layer + 1;
+      r.num_tokens = 1;
+      r.keys = items[i].key.data();
+      r.values = items[i].value.data();
+      r.landed_is_stored = true;
+      outputs[i].resize(items[i].query.size());
+      lses[i].resize(layout.num_query_heads());
+      attends[i] = {items[i].id, layer, 1, items[i].query.data(), outputs[i].data(), lses[i].data()};
+    }
+    std::vector<absl::Status> statuses(items.size());
+    std::vector<AppendOutcome> outcomes(items.size());
+    cache_->AppendAttend(appends, attends, 0.0f, absl::MakeSpan(statuses), absl::MakeSpan(outcomes));
     std::vector<ReadResult> out;
-    for (const DecodeItem& item : items) {
-      AppendCall c{item.id, item.start, layer, layer + 1, 1, item.key, item.value, ""};
-      absl::StatusOr<bool> stored = Append(c);
-      out.push_back(stored.ok() ? Attend(item.id, layer, 1, item.query) : ReadResult{stored.status().code(), ""});
+    for (size_t i = 0; i < items.size(); ++i) {
+      out.push_back(statuses[i].ok() ? ReadResult{statuses[i].code(), FloatBytes(outputs[i]) + FloatBytes(lses[i])}
+                                     : ReadResult{statuses[i].code(), ""});
     }
     return out;
   }

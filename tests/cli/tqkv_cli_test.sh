@@ -53,6 +53,8 @@ contains '"speedup_vs_bf16"' "$work/out"
 contains '"fraction_of_memory_bound"' "$work/out"
 check "bench attend plain" "$tqkv" bench attend --preset tqkv_k3v4u_csw --context 200 --min-seconds 0.01 --compare-plain
 contains "vs_plain" "$work/out"
+# The recipe as the server holds it (tests/cli/served_layer_test.cc pins it to the server's config).
+contains "tqkv_k3v4u_csw reads: pre-RoPE centering (8 of 64 pairs), 4 sinks + 64 window exact; plain: plain" "$work/out"
 check "bench store" "$tqkv" bench store --preset turboquant_k3v4_nc --tokens 256 --json
 contains '"tokens_per_second"' "$work/out"
 check "bench transport" "$tqkv" bench transport --batch 2 --wire-dtype bf16 --messages 20 --json

@@ -2,8 +2,10 @@
 // device: workspace sizing at its limits and every split rule.
 #include "kernels/cuda/planner.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -54,6 +56,13 @@ AttendPlan Plan(const AttendPlanInput& in) {
   const absl::Status status = PlanAttend(in, &plan);
   EXPECT_TRUE(status.ok()) << status;
   return plan;
+}
+
+// Blocks of the whole call, over its batches.
+int64_t TotalBlocks(const AttendPlan& plan) {
+  int64_t blocks = 0;
+  for (const AttendBatch& batch : plan.batches) blocks += batch.counts.blocks;
+  return blocks;
 }
 
 // Bytes of one batch holding every piece of `items` (a workspace nothing fills).
@@ -258,13 +267,14 @@ TEST(PlannerSplits, TheSplitIsAtLeastTwoTiles) {
   EXPECT_EQ(kMinSplitTokens, 2 * kAttendTile);
 }
 
-TEST(PlannerSplits, SplitsRoundUpToWholeTiles) {
-  // One SM, one block: the split is the whole (single KV head) context.
-  for (int64_t context : {1000, 1024, 1025}) {
+TEST(PlannerSplits, SplitsAreWholeMultiplesOfSixteenTokens) {
+  // One SM, one block: the split is the whole (single KV head) context,
+  // rounded up to 16 tokens (not to a 128-token tile).
+  for (auto [context, split] : {std::pair<int64_t, int64_t>{1000, 1008}, {1024, 1024}, {1025, 1040}}) {
     const AttendPlan plan = Plan(Call(Dims(1, 1), {Item(context)}, 1, 1, kHuge));
-    EXPECT_EQ(plan.split % kAttendTile, 0) << context;
-    EXPECT_GE(plan.split, context);
-    EXPECT_LT(plan.split, context + kAttendTile);
+    EXPECT_EQ(kSplitGranularity, 16);
+    EXPECT_EQ(plan.split, split) << context;
+    EXPECT_EQ(TotalBlocks(plan), 1) << context;
   }
 }
 
@@ -397,6 +407,201 @@ TEST(PlannerSplits, RowChunksFollowTheGroupAndTheKernel) {
   EXPECT_EQ(rows_of(6, false), (std::vector<int>{3, 4}));      // group 3: 4-row instance
   EXPECT_EQ(rows_of(32, false), (std::vector<int>{8, 8, 8}));  // group 16: two chunks of 8
   EXPECT_EQ(rows_of(2, true), (std::vector<int>{1, 8}));       // the tensor-core kernel holds 8
+}
+
+// --- Waves ------------------------------------------------------------------
+
+// The blocks `plan`'s pieces make at `split` instead of plan.split, all in
+// one batch, as FillAttendBatch (the walk the backend launches) writes them.
+int64_t BlocksAt(const AttendPlanInput& in, AttendPlan plan, int64_t split) {
+  plan.split = split;
+  AttendBatch all;
+  all.piece_end = plan.pieces.size();
+  BatchContents contents;
+  FillAttendBatch(in, plan, all, &contents);
+  return static_cast<int64_t>(contents.blocks.size());
+}
+
+// The split rules (planner.h) as properties of a plan whose pieces were not
+// halved: whole multiples of kSplitGranularity, at least kMinSplitTokens;
+// the fewest waves (one whenever one block per run fits the target); and no
+// shorter split that keeps them.
+void ExpectFewestWaves(const AttendPlanInput& in, const AttendPlan& plan) {
+  EXPECT_EQ(plan.split % kSplitGranularity, 0) << plan.split;
+  EXPECT_GE(plan.split, kMinSplitTokens);
+  int64_t longest = 0;
+  for (const PlanItem& item : in.items) longest = std::max(longest, item.context_tokens);
+  // At a split as long as every item, each run is one block: the fewest.
+  const int64_t fewest = BlocksAt(in, plan, std::max(plan.split, longest));
+  const int64_t target = plan.target_blocks;
+  const int64_t waves = std::max<int64_t>(1, (fewest + target - 1) / target);
+  const int64_t blocks = TotalBlocks(plan);
+  EXPECT_EQ(blocks, BlocksAt(in, plan, plan.split));
+  EXPECT_LE(blocks, waves * target) << "split " << plan.split << ", fewest blocks " << fewest;
+  EXPECT_EQ(plan.blocks, blocks);
+  EXPECT_EQ(plan.waves, (blocks + target - 1) / target);
+  if (plan.split > kMinSplitTokens) {
+    EXPECT_GT(BlocksAt(in, plan, plan.split - kSplitGranularity), waves * target)
+        << "split " << plan.split << " is not the shortest that fits " << waves << " wave(s)";
+  }
+}
+
+// Every unit's blocks are non-empty, no longer than the split, each inside
+// one segment (exact ones in the sinks or window), and together cover the
+// tokens its last row sees exactly once.
+void ExpectBlocksCoverTheirRows(const AttendPlanInput& in, const AttendPlan& plan) {
+  const int group = in.dims.num_query_heads / in.dims.num_kv_heads;
+  for (const AttendBatch& batch : plan.batches) {
+    BatchContents contents;
+    FillAttendBatch(in, plan, batch, &contents);
+    for (const MergeUnit& unit : contents.units) {
+      const PlanPiece& piece = plan.pieces[batch.piece_begin + unit.item];
+      const PlanItem& item = in.items[piece.item];
+      const int64_t view_end = contents.items[unit.item].context_tokens;
+      const int64_t visible = view_end - piece.tokens + 1 + (unit.row0 + unit.rows - 1) / group;
+      const int64_t first_seen = item.window > 0 ? std::max<int64_t>(0, view_end - item.window) : 0;
+      std::vector<std::pair<int64_t, int64_t>> ranges;
+      for (int k = 0; k < unit.num_splits; ++k) {
+        const AttendBlock& b = contents.blocks[unit.first_partial + k];
+        EXPECT_LT(b.token_begin, b.token_end);
+        EXPECT_LE(b.token_end - b.token_begin, plan.split);
+        if (contents.launches[unit.first_partial + k].exact) {
+          EXPECT_TRUE(b.token_end <= item.sink_end || b.token_begin >= item.window_begin);
+        } else if (item.exact) {
+          EXPECT_TRUE(b.token_begin >= item.sink_end && b.token_end <= item.window_begin);
+        }
+        ranges.push_back({b.token_begin, b.token_end});
+      }
+      std::sort(ranges.begin(), ranges.end());
+      int64_t next = first_seen;
+      for (const auto& [begin, end] : ranges) {
+        EXPECT_EQ(begin, next) << "a gap or an overlap";
+        next = end;
+      }
+      EXPECT_EQ(next, visible);
+    }
+  }
+}
+
+// The sizes the H200 ran at (docs/measurements/h200-2026-12-04): 132 SMs,
+// one Llama-3.1-8B layer, one query token per item, the backend's default
+// 64 MiB workspace. Blocks per SM are the backend's figure for the kernel
+// instance each format decodes with (MeasureOccupancy: the occupancy API's
+// thread blocks per SM times the AttendBlocks each runs), here from the
+// registers per thread ptxas gives the sm_90 build, 65536 registers per SM
+// allocated per warp in units of 256; bf16's 12 x 132 is the 1584 resident
+// blocks the H200 showed.
+struct H200Format {
+  const char* what;
+  int blocks_per_sm;
+  bool mma;
+  bool recipe;  // tqkv_k3v4u_csw: exact segments, add-back pairs
+};
+const H200Format kH200Formats[] = {
+    {"bf16 or fp16 (tensor cores, 165 registers: 3 thread blocks of 4 warps)", 12, true, false},
+    {"TurboQuant keys, uniform values (tensor cores, 128 registers: 4 x 4 warps)", 16, true, false},
+    {"TurboQuant keys and values (tensor cores, 166 registers: 3 x 4 warps)", 12, true, false},
+    {"fp8, fp8 + uniform or split keys (fp32 kernel, 4-row blocks, 96 registers: 5 x 1)", 5, false, false},
+    {"tqkv_k3v4u_csw (the TurboQuant + uniform kernel; 4 sinks, 64 window, 8 pairs)", 16, true, true},
+};
+constexpr int kH200Sms = 132;
+constexpr size_t kDefaultWorkspace = size_t{64} << 20;
+
+PlanDims H200Dims(const H200Format& format) {
+  PlanDims dims = Dims();
+  if (format.recipe) {
+    dims.exact_page_tokens = 4;  // sizes the tables only
+    dims.centered = true;
+  }
+  return dims;
+}
+
+std::vector<PlanItem> H200Items(const H200Format& format, int batch, int64_t context) {
+  PlanItem item = Item(context);
+  item.mma = format.mma;
+  if (format.recipe) {
+    item.exact = true;
+    item.sink_end = 4;
+    item.window_begin = context - 64;
+    item.addback_pairs = 8 * 8;
+  }
+  return std::vector<PlanItem>(batch, item);
+}
+
+TEST(PlannerWaves, EveryCallAtTheH200SizesRunsInOneWave) {
+  for (const H200Format& format : kH200Formats) {
+    for (int batch : {1, 8, 16, 32, 64}) {
+      for (int64_t context : {1024, 8192, 32768, 131072}) {
+        SCOPED_TRACE(testing::Message() << format.what << ", batch " << batch << ", context " << context);
+        const Call in(H200Dims(format), H200Items(format, batch, context), kH200Sms, format.blocks_per_sm,
+                      kDefaultWorkspace);
+        const AttendPlan plan = Plan(in);
+        EXPECT_EQ(plan.target_blocks, kH200Sms * format.blocks_per_sm);
+        EXPECT_LE(TotalBlocks(plan), plan.target_blocks) << "split " << plan.split;
+        ExpectFewestWaves(in, plan);
+        ExpectBlocksCoverTheirRows(in, plan);
+        ExpectConsistent(in, plan);
+      }
+    }
+  }
+}
+
+TEST(PlannerWaves, Bf16AtBatch16And32kFitsTheResidentBlocks) {
+  // The partial wave the H200 measured: 128-token splits (2688) made 13
+  // blocks per (item, KV head), 1664 for 1584 resident, 1212 us against
+  // 402 us at batch 8. 2736 makes 12.
+  const Call in(H200Dims(kH200Formats[0]), H200Items(kH200Formats[0], 16, 32768), kH200Sms, 12,
+                kDefaultWorkspace);
+  const AttendPlan plan = Plan(in);
+  EXPECT_EQ(plan.target_blocks, 1584);
+  EXPECT_EQ(plan.split, 2736);
+  EXPECT_EQ(TotalBlocks(plan), 16 * 8 * 12);
+  EXPECT_EQ(BlocksAt(in, plan, 2720), 16 * 8 * 13);
+  EXPECT_EQ(BlocksAt(in, plan, 2688), 1664);
+}
+
+TEST(PlannerWaves, RunsBeyondOneWaveFillTheFewestWaves) {
+  // 200 recipe items: 200 x 8 KV heads x 3 segments = 4800 runs over 1584
+  // resident blocks, so 4 waves at the least; the split fills them.
+  const H200Format& recipe = kH200Formats[4];
+  const Call in(H200Dims(recipe), H200Items(recipe, 200, 32768), kH200Sms, 12, kHuge);
+  const AttendPlan plan = Plan(in);
+  EXPECT_EQ(plan.waves, 4);
+  EXPECT_GT(TotalBlocks(plan), 3 * 1584);
+  EXPECT_LE(TotalBlocks(plan), 4 * 1584);
+  ExpectFewestWaves(in, plan);
+  ExpectBlocksCoverTheirRows(in, plan);
+}
+
+// Random calls: items long and short, multi-token pieces, exact segments,
+// sliding windows, small and large devices.
+TEST(PlannerWaves, RandomCallsKeepEveryRule) {
+  std::mt19937_64 rng(35);
+  auto uniform = [&rng](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int round = 0; round < 300; ++round) {
+    const int kv_heads = 1 << uniform(0, 3);
+    PlanDims dims = Dims(kv_heads, kv_heads * static_cast<int>(uniform(1, 8)));
+    dims.exact_page_tokens = uniform(0, 1) ? 8 : 0;
+    std::vector<PlanItem> items(uniform(1, 24));
+    for (PlanItem& item : items) {
+      item.context_tokens = uniform(1, int64_t{1} << uniform(1, 16));
+      const int64_t most = uniform(0, 3) ? 1 : 8;  // mostly decode, sometimes several query tokens
+      item.query_tokens = static_cast<int32_t>(uniform(1, std::min(item.context_tokens, most)));
+      item.mma = uniform(0, 1);
+      if (uniform(0, 4) == 0) item.window = uniform(1, item.context_tokens);
+      if (dims.exact_page_tokens > 0 && uniform(0, 1)) {
+        item.exact = true;
+        item.sink_end = std::min<int64_t>(item.context_tokens, uniform(0, 8));
+        item.window_begin = std::max(item.sink_end, item.context_tokens - uniform(0, 100));
+      }
+    }
+    SCOPED_TRACE(testing::Message() << "round " << round);
+    const Call in(dims, items, static_cast<int>(uniform(1, 140)), static_cast<int>(uniform(1, 16)), kHuge);
+    const AttendPlan plan = Plan(in);
+    ExpectConsistent(in, plan);
+    ExpectFewestWaves(in, plan);
+    ExpectBlocksCoverTheirRows(in, plan);
+  }
 }
 
 // --- ScoreQuery and Store -----------------------------------------------------

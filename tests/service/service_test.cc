@@ -950,7 +950,18 @@ TEST_F(MetricsTest, MetricsMoveAsDataIsAppended) {
   ASSERT_TRUE(client_->Attend(attend).ok());
   EXPECT_FALSE(client_->GetSequence("", "missing").ok());
 
-  text = HttpGet(server_->metrics_port(), "/metrics");
+  // A call is counted just after it is answered: wait (boundedly) until the
+  // three are, so that no verdict depends on scheduling.
+  const auto counted = [](const std::string& t) {
+    return Sample(t, "tqkv_rpc_requests_total", {"method=\"Append\"", "code=\"OK\""}) >= 1 &&
+           Sample(t, "tqkv_rpc_duration_seconds_count", {"method=\"Attend\""}) >= 1 &&
+           Sample(t, "tqkv_rpc_errors_total", {"method=\"GetSequence\"", "code=\"NOT_FOUND\""}) >= 1;
+  };
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(20);;) {
+    text = HttpGet(server_->metrics_port(), "/metrics");
+    if (counted(text) || absl::Now() > deadline) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   EXPECT_EQ(Sample(text, "tqkv_cache_stored_bytes", {def}), r->stored_bytes);
   EXPECT_EQ(Sample(text, "tqkv_cache_stored_bytes_bf16", {def}), r->stored_bytes_bf16);
   EXPECT_EQ(Sample(text, "tqkv_cache_bytes_saved", {def}), r->stored_bytes_bf16 - r->stored_bytes);

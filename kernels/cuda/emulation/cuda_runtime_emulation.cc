@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/cuda/emulation/call_counts.h"
 #include "kernels/cuda/emulation/fault_injection.h"
 
 struct CUstream_st {};
@@ -32,6 +33,14 @@ constexpr size_t kSharedPerBlock = 227 * 1024;
 constexpr size_t kSharedReservedPerBlock = 1024;
 constexpr size_t kDeviceBytes = size_t{16} << 30;
 thread_local cudaError_t last_error = cudaSuccess;
+std::atomic<int64_t> launches{0}, copies_to_device{0}, copies_to_host{0}, copies_on_device{0},
+    synchronizations{0};
+
+void CountCopy(cudaMemcpyKind kind) {
+  if (kind == cudaMemcpyHostToDevice) ++copies_to_device;
+  if (kind == cudaMemcpyDeviceToHost) ++copies_to_host;
+  if (kind == cudaMemcpyDeviceToDevice) ++copies_on_device;
+}
 std::atomic<cudaError_t> sticky_error{cudaSuccess};
 
 cudaError_t Fail(cudaError_t error) {
@@ -53,6 +62,17 @@ namespace cuda {
 namespace emulation {
 
 void InjectStickyError(cudaError_t error) { sticky_error.store(error); }
+
+CallCounts GetCallCounts() {
+  return CallCounts{launches.load(), copies_to_device.load(), copies_to_host.load(), copies_on_device.load(),
+                    synchronizations.load()};
+}
+void ResetCallCounts() {
+  for (std::atomic<int64_t>* c : {&launches, &copies_to_device, &copies_to_host, &copies_on_device, &synchronizations}) {
+    c->store(0);
+  }
+}
+void CountLaunch() { ++launches; }
 cudaError_t StickyError() { return sticky_error.load(); }
 
 }  // namespace emulation
@@ -143,14 +163,17 @@ cudaError_t cudaFreeHost(void* ptr) {
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind) {
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   TQKV_RETURN_IF_STICKY();
+  CountCopy(kind);
+  ++synchronizations;  // a blocking copy waits for the device
   std::memmove(dst, src, count);
   return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind, cudaStream_t) {
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind, cudaStream_t) {
   TQKV_RETURN_IF_STICKY();
+  CountCopy(kind);
   std::memmove(dst, src, count);
   return cudaSuccess;
 }
@@ -174,10 +197,12 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 
 cudaError_t cudaStreamSynchronize(cudaStream_t) {
   TQKV_RETURN_IF_STICKY();
+  ++synchronizations;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {
   TQKV_RETURN_IF_STICKY();
+  ++synchronizations;
   return cudaSuccess;
 }
 

@@ -1,5 +1,7 @@
 #include "kernels/cuda/emulation/emulated_device.h"
 
+#include "kernels/cuda/emulation/call_counts.h"
+
 #include <array>
 #include <cstdio>
 #if defined(__SANITIZE_ADDRESS__)
@@ -190,6 +192,7 @@ float* DynamicShared() { return State().dynamic_shared.data(); }
 
 void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, const std::function<void()>& body) {
   if (StickyError() != cudaSuccess) return;  // a dead context runs nothing (fault_injection.h)
+  CountLaunch();
   std::lock_guard<std::mutex> lock(LaunchMutex());
   BlockState& s = State();
   const int threads = static_cast<int>(block.x * block.y * block.z);
