@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every metric name (and label) that the Grafana dashboard and the Prometheus
-# alert rules use, and every metric name the README mentions, is exported by
+# alert rules use, and every metric name README.md and the pages under docs/
+# mention (the metrics list is in docs/deploy.md), is exported by
 # a live tqkv-server: start one on loopback with an admin and a tenant token,
 # make it store, fork (copy-on-write), attend, score and fail a call through
 # the CLI so that every series exists, scrape /metrics, compare
@@ -43,6 +44,10 @@ run "$TQKV" score "${C[@]}" --sequence m --layer 1 --queries "$WORK/q.npy"
   fail "an append at the wrong start position succeeded"
 
 curl -sf "http://127.0.0.1:$S_METRICS_PORT/metrics" >"$WORK/metrics.txt" || fail "scrape /metrics"
+# The documents whose metric names must be served: README.md and every page
+# under docs/ (docs/deploy.md carries the metrics list).
+mapfile -t DOCS < <(find "$REPO/docs" -name '*.md' | sort)
+[[ ${#DOCS[@]} -gt 0 ]] || fail "no pages under $REPO/docs"
 "$PY" "$(dirname "$0")/promql_names.py" check "$WORK/metrics.txt" \
   "$REPO"/deploy/grafana/dashboards/*.json "$REPO"/deploy/prometheus/alerts.yml || fail "names"
 # Tokens: two 5-token appends over all 4 layers store 10; one query token
@@ -57,7 +62,7 @@ grep -q '^process_resident_memory_bytes [1-9]' "$WORK/metrics.txt" || fail "no p
 grep -q '^process_cpu_seconds_total ' "$WORK/metrics.txt" || fail "no process_cpu_seconds_total"
 "$TQKV" presets --json >"$WORK/presets.json" || fail "tqkv presets --json"
 "$PY" "$(dirname "$0")/promql_names.py" doc "$WORK/metrics.txt" "$REPO" "$WORK/presets.json" \
-  "$REPO/README.md" || fail "README metric names"
+  "$REPO/README.md" "${DOCS[@]}" || fail "documented metric names"
 # tqkv_build_info{version,revision,backend} 1, as GetServerInfo says.
 "$TQKV" info "${C[@]}" --json >"$WORK/info.json" || fail "info --json"
 "$PY" - "$WORK/metrics.txt" "$WORK/info.json" <<'PY' || fail "tqkv_build_info"
@@ -71,4 +76,4 @@ assert labels["backend"] == info["backend"], (labels, info["backend"])
 assert info["version"] == f'{labels["version"]} (git {labels["revision"]})', (labels, info["version"])
 print("tqkv_build_info:", labels)
 PY
-finish "every metric name the dashboard, the rules and the README use is exported; tqkv_build_info matches"
+finish "every metric name the dashboard, the rules, the README and docs/ use is exported; tqkv_build_info matches"

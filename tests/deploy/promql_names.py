@@ -9,7 +9,8 @@ files, with the tqkv metric names and the label names each one uses.
       a live server), and every label an expression filters or groups by must
       be on one of the metrics it uses (or be a label Prometheus adds).
   promql_names.py doc METRICS.txt REPO_ROOT PRESETS.json DOC.md...
-      every tqkv_* metric name the documents mention is served: names that
+      every tqkv_* metric name the documents (README.md and docs/**/*.md in
+      metric_names_test.sh) mention is served: names that
       are presets (PRESETS.json: `tqkv presets --json`) or CMake targets of
       REPO_ROOT are not metrics; a name ending in '_' is a prefix that some
       served name must start with; a histogram may be named by its family.
@@ -117,7 +118,7 @@ def doc_check(metrics_path, repo, presets_path, docs):
             if not served:
                 print(f"FAIL: {doc} names {name}, which the server's /metrics does not serve")
                 failures += 1
-    print(f"{len(checked)} metric names in {', '.join(docs)} checked: {', '.join(sorted(checked))}")
+    print(f"{len(checked)} metric names in {len(docs)} documents checked: {', '.join(sorted(checked))}")
     if len(checked) < 5:
         print("FAIL: suspiciously few metric names found in the documents")
         failures += 1
