@@ -8,7 +8,7 @@
 // times over (the request, its parse, the tensors, the response). Measured
 // on a decode-loop message (8 sequences, Llama-3.1-8B shape, 320 KB): the
 // serialize/parse/convert path takes ~10x longer with the defaults (see
-// README, "Decode loop"). Keeping blocks below `mmap_threshold_bytes` in the
+// docs/service.md, "Concurrency and limits"). Keeping blocks below `mmap_threshold_bytes` in the
 // heap and keeping up to `trim_threshold_bytes` of freed heap top makes the
 // pages stay mapped and warm.
 //

@@ -36,7 +36,7 @@ const std::vector<Preset>& PresetTable() {
       {"eval_qjl_k3v4", CodecSpec::Qjl(3), CodecSpec::Uniform(4),
        "evaluation only: 2-bit TurboQuant + 1-bit QJL keys, 4-bit uniform values", true},
       // Recipes: the codecs of the preset before them plus centering and
-      // exact tokens (README, "Centering and exact tokens").
+      // exact tokens (docs/cache.md, "Centering and exact tokens").
       {"tqkv_k3v4u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(4),
        "turboquant_k3v4_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens",
        false, kCenteredSinksWindow},

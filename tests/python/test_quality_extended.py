@@ -264,7 +264,7 @@ def test_bytes_formula_counts_windows_sinks_protected_and_sliding_layers():
 def test_bytes_formula_for_served_sliding_window_layers():
     # Gemma 3 270M's shape with every layer served: after a decode step a
     # windowed layer holds its window. The server's figures for this shape
-    # (README, "Sliding-window layers": 8,256 tokens, turboquant_k3v4_nc).
+    # (docs/cache.md, "Sliding-window layers": 8,256 tokens, turboquant_k3v4_nc).
     local = {l: 512 for l in range(18) if (l + 1) % 6}
     gem = kv_bytes.Layout(18, 1, 256, list(range(18)), local)
     assert kv_bytes.row_bytes(gem, 8256, 230) == 7463040

@@ -459,8 +459,8 @@ TEST_F(DecodeLoopTest, AFullExecutorRefusesAtOnceAndNoCallStalls) {
 
 // 64 streams decode their own sequences at once while unary calls run beside
 // them; every stream's outputs must equal a replay of its steps on the
-// library. TQKV_SOAK_SECONDS=60 makes it the minute-long soak the README
-// quotes; the suite runs a bounded slice.
+// library. TQKV_SOAK_SECONDS=60 makes it the minute-long soak
+// docs/decode_loop.md quotes; the suite runs a bounded slice.
 // Resident memory of this process (server, clients and the reference), KiB.
 int64_t ResidentKib() {
   FILE* f = std::fopen("/proc/self/status", "r");
