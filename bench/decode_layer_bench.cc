@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cache/kv_cache.h"
+#include "google/protobuf/arena.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/forwarding_backend.h"
 #include "service/auth.h"
@@ -149,21 +150,26 @@ int Run(int batch) {
       }
       const std::string wire = request.SerializeAsString();
       const Clock::time_point start = Clock::now();
-      v1::AppendAttendRequest parsed;
-      parsed.ParseFromString(wire);
+      // On one arena, as the server's unary handlers do.
+      google::protobuf::ArenaOptions blocks;
+      blocks.start_block_size = 16 << 10;
+      blocks.max_block_size = 256 << 10;
+      google::protobuf::Arena arena(blocks);
+      auto* parsed = google::protobuf::Arena::CreateMessage<v1::AppendAttendRequest>(&arena);
+      parsed->ParseFromString(wire);
       const Clock::time_point parsed_at = Clock::now();
-      v1::AppendAttendResponse response;
-      const absl::Status status = service.DoAppendAttend(service::Caller::Admin(), parsed, &response);
+      auto* response = google::protobuf::Arena::CreateMessage<v1::AppendAttendResponse>(&arena);
+      const absl::Status status = service.DoAppendAttend(service::Caller::Admin(), *parsed, response);
       const Clock::time_point worked_at = Clock::now();
-      const std::string out = response.SerializeAsString();
+      const std::string out = response->SerializeAsString();
       const Clock::time_point end = Clock::now();
       handler_us.push_back(std::chrono::duration<double, std::micro>(end - start).count());
       parse_us.push_back(std::chrono::duration<double, std::micro>(parsed_at - start).count());
       serialize_us.push_back(std::chrono::duration<double, std::micro>(end - worked_at).count());
       kernel_us.push_back(backend->TakeSeconds() * 1e6);
-      if (!status.ok() || response.results(0).code() != 0) {
+      if (!status.ok() || response->results(0).code() != 0) {
         std::fprintf(stderr, "step %d layer %d: %s %s\n", step, layer, status.ToString().c_str(),
-                     response.results(0).message().c_str());
+                     response->results(0).message().c_str());
         return 1;
       }
     }

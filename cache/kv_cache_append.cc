@@ -1,5 +1,8 @@
 #include "cache/kv_cache.h"
 
+#include <algorithm>
+#include <memory>
+
 #include "cache/kv_cache_internal.h"
 
 namespace tqkv {
@@ -498,6 +501,30 @@ absl::Status KvCache::StoreAppends(absl::Span<const AppendRequest> requests, abs
   return last;
 }
 
+namespace {
+
+// Room for `floats` floats of a store's tokens gathered side by side,
+// never zeroed (the gather writes it whole before the store reads it).
+// Slot 0 or 1 (keys, values) keeps up to 4 MiB with the thread for its next
+// call, a decode layer's batch; a larger gather (a batched prefill) is
+// allocated into *own for this call alone.
+float* GatherRoom(int slot, size_t floats, std::unique_ptr<float[]>* own) {
+  constexpr size_t kKept = size_t{1} << 20;
+  if (floats > kKept) {
+    own->reset(new float[floats]);
+    return own->get();
+  }
+  thread_local std::unique_ptr<float[]> kept[2];
+  thread_local size_t kept_size[2] = {0, 0};
+  if (kept_size[slot] < floats) {
+    kept_size[slot] = std::min(kKept, std::max(floats, 2 * kept_size[slot]));
+    kept[slot].reset(new float[kept_size[slot]]);
+  }
+  return kept[slot].get();
+}
+
+}  // namespace
+
 absl::Status KvCache::StoreRunOf(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans,
                                  const StoreRun& run, const AttendParams* attend) {
   const KvLayout& layout = *layout_;
@@ -511,7 +538,7 @@ absl::Status KvCache::StoreRunOf(absl::Span<const AppendRequest> requests, absl:
   const bool exact = layout.has_exact_tokens() &&
                      std::any_of(run.members.begin(), run.members.end(),
                                  [&](size_t i) { return !plans[i].exact_slots[run.chunk].empty(); });
-  std::vector<float> keys, values;
+  std::unique_ptr<float[]> own_keys, own_values;
   std::vector<int32_t> slots, exact_slots;
   if (run.members.size() == 1) {
     // One request: its own arrays, no copy.
@@ -527,10 +554,11 @@ absl::Status KvCache::StoreRunOf(absl::Span<const AppendRequest> requests, absl:
     // Several: their tokens side by side, layer by layer.
     int64_t total = 0;
     for (size_t i : run.members) total += requests[i].num_tokens;
-    keys.resize(static_cast<size_t>(layers) * total * row);
-    values.resize(keys.size());
-    float* k_out = keys.data();
-    float* v_out = values.data();
+    const size_t floats = static_cast<size_t>(layers) * total * row;
+    float* k_out = GatherRoom(0, floats, &own_keys);
+    float* v_out = GatherRoom(1, floats, &own_values);
+    params.keys = k_out;
+    params.values = v_out;
     for (int l = run.layer_begin; l < run.layer_end; ++l) {
       for (size_t i : run.members) {
         const AppendRequest& r = requests[i];
@@ -555,8 +583,6 @@ absl::Status KvCache::StoreRunOf(absl::Span<const AppendRequest> requests, absl:
     }
     params.num_tokens = total;
     params.slots = slots.data();
-    params.keys = keys.data();
-    params.values = values.data();
     if (exact) params.exact_slots = exact_slots.data();
   }
   if (exact) params.exact_layout = layout.exact_layout();

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "google/protobuf/arena.h"
 #include "google/protobuf/descriptor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -619,14 +620,21 @@ void KvCacheService::ServeUnary(const char* method, Rpc rpc, Do do_work) {
       google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("tqkv.v1.KvCache");
   const int index = service->FindMethodByName(method)->index();  // the generated code's method order
   // Parses a Request (INVALID_ARGUMENT when the bytes are not one), runs
-  // do_work(caller, request, &response), serializes the response.
+  // do_work(caller, request, &response), serializes the response. Both
+  // messages live on one arena: a decode layer's request holds a few
+  // objects per item (the item, its tensors, their shapes), which the arena
+  // takes in a few blocks and frees at once.
   unary_work_[index] = [do_work](const Caller& caller, const grpc::ByteBuffer& in,
                                  grpc::ByteBuffer* out) -> absl::Status {
-    Request request;
-    Response response;
-    RETURN_IF_ERROR(ParseMessage(in, &request, "the request"));
-    RETURN_IF_ERROR(do_work(caller, request, &response));
-    return SerializeMessage(response, out);
+    google::protobuf::ArenaOptions blocks;
+    blocks.start_block_size = 16 << 10;
+    blocks.max_block_size = 256 << 10;
+    google::protobuf::Arena arena(blocks);
+    Request* request = google::protobuf::Arena::CreateMessage<Request>(&arena);
+    Response* response = google::protobuf::Arena::CreateMessage<Response>(&arena);
+    RETURN_IF_ERROR(ParseMessage(in, request, "the request"));
+    RETURN_IF_ERROR(do_work(caller, *request, response));
+    return SerializeMessage(*response, out);
   };
   // GetServerInfo takes no sequence lock and runs no kernel: inline.
   CallExecutor* executor = rpc == Rpc::kGetServerInfo ? nullptr : executor_;
@@ -914,17 +922,22 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
           i, in.start_position(), layer));
     }
     Item& item = items[i];
-    const std::string prefix = absl::StrCat("item ", i, " ");
+    // The tensors' names for messages, "item 12 values", formatted on the
+    // stack: a decode layer has many items and these are read only on error.
+    char name[32];
+    const auto named = [&name, i](const char* tensor) {
+      const int n = absl::SNPrintF(name, sizeof(name), "item %d %s", i, tensor);
+      return std::string_view(name, std::min<size_t>(n, sizeof(name) - 1));
+    };
     const Axis key_axes[] = {
         {"tokens", Axis::kAnySize}, {"kv_heads", kv_heads}, {"head_dim", dim}};
     std::vector<int64_t> shape;
-    RETURN_IF_ERROR(DecodeTensorView(in.keys(), prefix + "keys", key_axes, &item.keys, &shape));
+    RETURN_IF_ERROR(DecodeTensorView(in.keys(), named("keys"), key_axes, &item.keys, &shape));
     item.tokens = shape[0];
     const Axis value_axes[] = {{"tokens", item.tokens}, {"kv_heads", kv_heads}, {"head_dim", dim}};
-    RETURN_IF_ERROR(DecodeTensorView(in.values(), prefix + "values", value_axes, &item.values));
+    RETURN_IF_ERROR(DecodeTensorView(in.values(), named("values"), value_axes, &item.values));
     const Axis query_axes[] = {{"tokens", item.tokens}, {"query_heads", heads}, {"head_dim", dim}};
-    RETURN_IF_ERROR(
-        DecodeTensorView(in.queries(), prefix + "queries", query_axes, &item.queries));
+    RETURN_IF_ERROR(DecodeTensorView(in.queries(), named("queries"), query_axes, &item.queries));
   }
 
   int64_t response_bytes = 0;
