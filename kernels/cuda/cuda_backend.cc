@@ -22,7 +22,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_format.h"
 #include "kernels/cuda/planner.h"
-#include "kernels/cuda/store_kernels.cuh"
+#include "kernels/cuda/prologue_kernels.cuh"
 #include "kernels/format_table.h"
 #include "kernels/kv_layout.h"
 #include "kernels/status_macros.h"
@@ -535,7 +535,9 @@ class CudaBackend final : public Backend {
 
   // A decode layer on one stream (Backend::StoreAndAttend): the store, its
   // exact copies and the attention staged in one workspace, one copy in,
-  // the launches, one copy out, one synchronization. The attend plan's
+  // the launches (one prologue storing both parts and preparing the queries
+  // of both layouts, the decode launches, the merge), one copy out, one
+  // synchronization. The attend plan's
   // workspace is rearranged so that each copy is one range:
   //   [attend inputs][store inputs][error words][attend outputs][attend scratch]
   //   '---------------- copy in ---------------'
@@ -586,10 +588,11 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(StageBatch(layout, attend, *tables, in, batch, at, w));
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
                                "store and attend: copy in"));
+    cuda::PrologueParams prologue;
+    prologue.stores[prologue.num_stores++] = StoreOf(*tables, store, store.num_tokens, main_at, w);
+    if (exact.num_tokens > 0) prologue.stores[prologue.num_stores++] = StoreOf(*tables, exact, exact.num_tokens, exact_at, w);
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(LaunchStorePiece(*tables, store, store.num_tokens, main_at, w));
-    if (exact.num_tokens > 0) RETURN_IF_ERROR(LaunchStorePiece(*tables, exact, exact.num_tokens, exact_at, w));
-    RETURN_IF_ERROR(LaunchBatch(layout, attend, *tables, batch.counts.rows, at, w));
+    RETURN_IF_ERROR(LaunchBatch(layout, attend, *tables, batch.counts.rows, at, prologue, w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
     const size_t out_end = at.output + (batch.at.end - batch.at.output);
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + main_at.error, w.device + main_at.error,
@@ -814,8 +817,10 @@ class CudaBackend final : public Backend {
       StageStore(p, t0, tokens, at, w);
       RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.end, cudaMemcpyHostToDevice, w.stream),
                                  "store: copy in"));
+      cuda::PrologueParams prologue;
+      prologue.stores[prologue.num_stores++] = StoreOf(*tables, p, tokens, at, w);
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-      RETURN_IF_ERROR(LaunchStorePiece(*tables, p, tokens, at, w));
+      RETURN_IF_ERROR(LaunchPrologue(prologue, w));
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
       RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.error, w.device + at.error, sizeof(unsigned long long),
                                                  cudaMemcpyDeviceToHost, w.stream),
@@ -851,9 +856,9 @@ class CudaBackend final : public Backend {
     std::memcpy(w.host + at.error, &no_error, sizeof(no_error));
   }
 
-  // The store kernel over a piece staged at `at` (device side).
-  static absl::Status LaunchStorePiece(const PoolTables& tables, const StoreParams& p, int64_t tokens,
-                                       const cuda::StoreWorkspace& at, Workspace& w) {
+  // The store of a piece staged at `at` (device side), for the prologue.
+  static cuda::StoreKernelParams StoreOf(const PoolTables& tables, const StoreParams& p, int64_t tokens,
+                                         const cuda::StoreWorkspace& at, const Workspace& w) {
     const KvLayout& layout = *p.layout;
     cuda::StoreKernelParams k;
     k.heads = p.layout == tables.exact_layout ? tables.exact.heads : tables.main.heads;
@@ -869,7 +874,11 @@ class CudaBackend final : public Backend {
     k.keys = reinterpret_cast<const float*>(w.device + at.keys);
     k.values = reinterpret_cast<const float*>(w.device + at.values);
     k.error = reinterpret_cast<unsigned long long*>(w.device + at.error);
-    return CudaStatus(cuda::LaunchStore(k, w.stream), "store kernel launch");
+    return k;
+  }
+
+  static absl::Status LaunchPrologue(const cuda::PrologueParams& prologue, Workspace& w) {
+    return CudaStatus(cuda::LaunchPrologue(prologue, w.stream), "prologue kernel launch");
   }
 
   // The error word of a piece, copied back to the pinned buffer.
@@ -927,19 +936,10 @@ class CudaBackend final : public Backend {
     const cuda::PoolView view = View(layout, p.pool, tables->main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables->exact) : view;
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    cuda::PrepareParams prep;
-    prep.view = view;
-    prep.num_rows = qh;
-    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + heads);
-    prep.queries = reinterpret_cast<const float*>(w.device + queries);
-    prep.prepared = reinterpret_cast<float*>(w.device + prepared);
-    prep.scale = p.scale;
-    RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
-    if (exact) {
-      prep.view = exact_view;
-      prep.prepared = reinterpret_cast<float*>(w.device + prepared_exact);
-      RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
-    }
+    cuda::PrologueParams prologue;
+    AddPreparation(view, qh, heads, queries, prepared, p.scale, w, &prologue);
+    if (exact) AddPreparation(exact_view, qh, heads, queries, prepared_exact, p.scale, w, &prologue);
+    RETURN_IF_ERROR(LaunchPrologue(prologue, w));
     Segment segments[kMaxSegments];
     const int num_segments = Segments(layout, exact, length, segments);
     double kernel_seconds = 0.0;
@@ -1197,7 +1197,7 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
                                "attend: copy in"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, batch.counts.rows, at, w));
+    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, batch.counts.rows, at, cuda::PrologueParams(), w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, at.end - at.output,
                                                cudaMemcpyDeviceToHost, w.stream),
@@ -1295,27 +1295,39 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // The batch's kernels on w's stream: query preparation (for each layout
-  // read), one decode launch per launch key, the merge.
+  // The preparation of `rows` queries staged at `queries` (rows' KV heads at
+  // `head_of_row`) for `view`, into `prepared` (workspace offsets), added to
+  // the prologue.
+  static void AddPreparation(const cuda::PoolView& view, int64_t rows, size_t head_of_row, size_t queries,
+                             size_t prepared, float scale, const Workspace& w, cuda::PrologueParams* prologue) {
+    cuda::PrepareParams& prep = prologue->preparations[prologue->num_preparations++];
+    prep.view = view;
+    prep.num_rows = rows;
+    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + head_of_row);
+    prep.queries = reinterpret_cast<const float*>(w.device + queries);
+    prep.prepared = reinterpret_cast<float*>(w.device + prepared);
+    prep.scale = scale;
+  }
+
+  // The batch's kernels on w's stream: the prologue (`prologue`'s stores, if
+  // any, and the query preparation for each layout read), one decode launch
+  // per launch key, the merge.
   absl::Status LaunchBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
-                           int64_t rows_total, const cuda::AttendWorkspace& at, Workspace& w) {
+                           int64_t rows_total, const cuda::AttendWorkspace& at, cuda::PrologueParams prologue,
+                           Workspace& w) {
     const bool exact = layout.has_exact_tokens();
     const cuda::PoolView view = View(layout, p.pool, tables.main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables.exact) : view;
-    cuda::PrepareParams prep;
-    prep.view = view;
-    prep.num_rows = rows_total;
-    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + at.head_of_row);
-    prep.queries = reinterpret_cast<const float*>(w.device + at.queries);
-    prep.prepared = reinterpret_cast<float*>(w.device + at.prepared);
-    prep.scale = p.scale;
-    RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
-    if (exact) {
-      prep.view = exact_view;
-      prep.prepared = reinterpret_cast<float*>(w.device + at.prepared_exact);
-      RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
-    }
+    AddPreparation(view, rows_total, at.head_of_row, at.queries, at.prepared, p.scale, w, &prologue);
+    if (exact) AddPreparation(exact_view, rows_total, at.head_of_row, at.queries, at.prepared_exact, p.scale, w, &prologue);
+    RETURN_IF_ERROR(LaunchPrologue(prologue, w));
+    return LaunchDecode(view, exact_view, at, w);
+  }
 
+  // One decode launch per launch key (the blocks sorted by it: StageBatch),
+  // then the merge, over queries the prologue prepared.
+  static absl::Status LaunchDecode(const cuda::PoolView& view, const cuda::PoolView& exact_view,
+                                   const cuda::AttendWorkspace& at, Workspace& w) {
     cuda::AttendKernelParams k;
     k.block_tables = reinterpret_cast<const int32_t*>(w.device + at.tables);
     k.items = reinterpret_cast<const AttendItemDesc*>(w.device + at.items);
