@@ -550,19 +550,9 @@ class CudaBackend final : public Backend {
     std::vector<float> exact_keys, exact_values;
     std::vector<int32_t> exact_slots;
     const StoreParams exact = ExactStorePart(store, &exact_keys, &exact_values, &exact_slots);
-    cuda::StorePlan store_plan;
-    RETURN_IF_ERROR(cuda::PlanStore(StoreInputOf(store, store.num_tokens), &store_plan));
-    if (store_plan.piece_tokens < store.num_tokens) return false;
-    // The store region, from 0 for now: the main piece, the exact piece, the
-    // two error words last.
-    cuda::StoreWorkspace main_at = cuda::LayOutStore(StoreInputOf(store, store.num_tokens), store.num_tokens);
-    cuda::StoreWorkspace exact_at;
-    size_t errors = Align(main_at.end);
-    if (exact.num_tokens > 0) {
-      exact_at = Moved(cuda::LayOutStore(StoreInputOf(exact, exact.num_tokens), exact.num_tokens), errors);
-      errors = Align(exact_at.end);
-    }
-    const size_t store_bytes = errors + 2 * sizeof(unsigned long long);
+    ASSIGN_OR_RETURN(bool one_piece, StoreFitsOnePiece(store));
+    if (!one_piece) return false;
+    const size_t store_bytes = LayOutStoreRegion(store, exact, 0).end;
     if (store_bytes + cuda::kWorkspaceAlignment >= options_.workspace_bytes) return false;
 
     WorkspaceLease lease(this);
@@ -575,35 +565,81 @@ class CudaBackend final : public Backend {
     const cuda::AttendBatch& batch = w.plan.batches[0];
     cuda::AttendWorkspace at;
     if (!Rearrange(batch.at, store_bytes, &at)) return false;
-    const size_t store_base = Align(batch.at.copy_in);
-    main_at = Moved(main_at, store_base);
-    main_at.error = store_base + errors;
-    if (exact.num_tokens > 0) {
-      exact_at = Moved(exact_at, store_base);
-      exact_at.error = store_base + errors + sizeof(unsigned long long);
-    }
+    const StoreRegion region = LayOutStoreRegion(store, exact, Align(batch.at.copy_in));
 
-    StageStore(store, 0, store.num_tokens, main_at, w);
-    if (exact.num_tokens > 0) StageStore(exact, 0, exact.num_tokens, exact_at, w);
+    StageStoreRegion(store, exact, region, w);
     RETURN_IF_ERROR(StageBatch(layout, attend, *tables, in, batch, at, w));
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
                                "store and attend: copy in"));
-    cuda::PrologueParams prologue;
-    prologue.stores[prologue.num_stores++] = StoreOf(*tables, store, store.num_tokens, main_at, w);
-    if (exact.num_tokens > 0) prologue.stores[prologue.num_stores++] = StoreOf(*tables, exact, exact.num_tokens, exact_at, w);
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(LaunchBatch(layout, attend, *tables, batch.counts.rows, at, prologue, w));
+    RETURN_IF_ERROR(
+        LaunchBatch(layout, attend, *tables, batch.counts.rows, at, StoresOf(*tables, store, exact, region, w), w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
     const size_t out_end = at.output + (batch.at.end - batch.at.output);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + main_at.error, w.device + main_at.error,
-                                               out_end - main_at.error, cudaMemcpyDeviceToHost, w.stream),
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + region.errors, w.device + region.errors,
+                                               out_end - region.errors, cudaMemcpyDeviceToHost, w.stream),
                                "store and attend: copy out"));
     RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "store and attend kernels"));
     last_timing.device_seconds = ElapsedSeconds(w);
-    RETURN_IF_ERROR(CheckStoreError(store, 0, store.num_tokens, main_at, w));
-    if (exact.num_tokens > 0) RETURN_IF_ERROR(CheckStoreError(exact, 0, exact.num_tokens, exact_at, w));
+    RETURN_IF_ERROR(CheckStoreRegion(store, exact, region, w));
     UnstageBatch(layout, attend, batch, at, w);
     return true;
+  }
+
+  // A store and its exact part (ExactStorePart; no tokens: none) as one
+  // region of a workspace from `base`: the store's tokens, the exact part's,
+  // then their two error words, [errors, end) what a copy out brings back.
+  struct StoreRegion {
+    cuda::StoreWorkspace main, exact;
+    size_t errors = 0;
+    size_t end = 0;
+  };
+
+  // REQUIRES: the store fits one piece (StoreFitsOnePiece), so that no
+  // offset overflows; `base` aligned.
+  StoreRegion LayOutStoreRegion(const StoreParams& store, const StoreParams& exact, size_t base) const {
+    StoreRegion r;
+    r.main = Moved(cuda::LayOutStore(StoreInputOf(store, store.num_tokens), store.num_tokens), base);
+    r.errors = Align(r.main.end);
+    if (exact.num_tokens > 0) {
+      r.exact = Moved(cuda::LayOutStore(StoreInputOf(exact, exact.num_tokens), exact.num_tokens), r.errors);
+      r.errors = Align(r.exact.end);
+    }
+    r.main.error = r.errors;
+    r.exact.error = r.errors + sizeof(unsigned long long);
+    r.end = r.errors + 2 * sizeof(unsigned long long);
+    return r;
+  }
+
+  // Whether the store's tokens fit one workspace piece (cuda::PlanStore).
+  absl::StatusOr<bool> StoreFitsOnePiece(const StoreParams& store) const {
+    cuda::StorePlan plan;
+    RETURN_IF_ERROR(cuda::PlanStore(StoreInputOf(store, store.num_tokens), &plan));
+    return plan.piece_tokens >= store.num_tokens;
+  }
+
+  static void StageStoreRegion(const StoreParams& store, const StoreParams& exact, const StoreRegion& region,
+                               Workspace& w) {
+    StageStore(store, 0, store.num_tokens, region.main, w);
+    if (exact.num_tokens > 0) StageStore(exact, 0, exact.num_tokens, region.exact, w);
+  }
+
+  // The prologue's stores of a region (its preparations left to add).
+  static cuda::PrologueParams StoresOf(const PoolTables& tables, const StoreParams& store, const StoreParams& exact,
+                                       const StoreRegion& region, const Workspace& w) {
+    cuda::PrologueParams prologue;
+    prologue.stores[prologue.num_stores++] = StoreOf(tables, store, store.num_tokens, region.main, w);
+    if (exact.num_tokens > 0) {
+      prologue.stores[prologue.num_stores++] = StoreOf(tables, exact, exact.num_tokens, region.exact, w);
+    }
+    return prologue;
+  }
+
+  absl::Status CheckStoreRegion(const StoreParams& store, const StoreParams& exact, const StoreRegion& region,
+                                Workspace& w) {
+    RETURN_IF_ERROR(CheckStoreError(store, 0, store.num_tokens, region.main, w));
+    if (exact.num_tokens > 0) RETURN_IF_ERROR(CheckStoreError(exact, 0, exact.num_tokens, region.exact, w));
+    return absl::OkStatus();
   }
 
   static size_t Align(size_t offset) {
@@ -641,18 +677,47 @@ class CudaBackend final : public Backend {
     return at->end <= options_.workspace_bytes;
   }
 
-  // A store and its exact copies (StoreParams::exact_slots) as two stores.
+  // A store and its exact copies (StoreParams::exact_slots): in one piece
+  // when they fit one (DoStoreRegion), else as two stores, each in pieces.
   absl::Status StoreWithExact(const StoreParams& p) {
-    RETURN_IF_ERROR(DoStore(p));
-    if (p.exact_slots == nullptr) return absl::OkStatus();
+    ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
+    if (p.layer_end <= p.layer_begin || p.num_tokens <= 0) return absl::OkStatus();
     std::vector<float> keys, values;
     std::vector<int32_t> slots;
     const StoreParams exact = ExactStorePart(p, &keys, &values, &slots);
+    ASSIGN_OR_RETURN(bool stored, DoStoreRegion(*tables, p, exact));
+    if (stored) return absl::OkStatus();
+    RETURN_IF_ERROR(DoStore(p));
     if (exact.num_tokens == 0) return absl::OkStatus();
     const double main_seconds = last_timing.device_seconds;
     RETURN_IF_ERROR(DoStore(exact));
     last_timing.device_seconds += main_seconds;
     return absl::OkStatus();
+  }
+
+  // A store and its exact part staged as one region: one copy in, one
+  // prologue launch, the error words back, one synchronization. false,
+  // having run nothing, when they do not fit one workspace.
+  absl::StatusOr<bool> DoStoreRegion(const PoolTables& tables, const StoreParams& store, const StoreParams& exact) {
+    ASSIGN_OR_RETURN(bool one_piece, StoreFitsOnePiece(store));
+    if (!one_piece) return false;
+    const StoreRegion region = LayOutStoreRegion(store, exact, 0);
+    if (region.end > options_.workspace_bytes) return false;
+    WorkspaceLease lease(this);
+    Workspace& w = lease.get();
+    StageStoreRegion(store, exact, region, w);
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, region.end, cudaMemcpyHostToDevice, w.stream),
+                               "store: copy in"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(LaunchPrologue(StoresOf(tables, store, exact, region, w), w));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + region.errors, w.device + region.errors,
+                                               region.end - region.errors, cudaMemcpyDeviceToHost, w.stream),
+                               "store: copy error words"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "store kernel"));
+    last_timing.device_seconds = ElapsedSeconds(w);
+    RETURN_IF_ERROR(CheckStoreRegion(store, exact, region, w));
+    return true;
   }
 
   absl::Status Score(const ScoreParams& p) override {
@@ -1319,7 +1384,9 @@ class CudaBackend final : public Backend {
     const cuda::PoolView view = View(layout, p.pool, tables.main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables.exact) : view;
     AddPreparation(view, rows_total, at.head_of_row, at.queries, at.prepared, p.scale, w, &prologue);
-    if (exact) AddPreparation(exact_view, rows_total, at.head_of_row, at.queries, at.prepared_exact, p.scale, w, &prologue);
+    if (exact) {
+      AddPreparation(exact_view, rows_total, at.head_of_row, at.queries, at.prepared_exact, p.scale, w, &prologue);
+    }
     RETURN_IF_ERROR(LaunchPrologue(prologue, w));
     return LaunchDecode(view, exact_view, at, w);
   }
