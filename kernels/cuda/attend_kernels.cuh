@@ -1,8 +1,9 @@
-// The CUDA read-side kernels: query preparation, ScoreQuery logits, and fused
-// split-KV (flash-decoding) decode attention with a log-sum-exp merge.
+// The CUDA read-side kernels: ScoreQuery logits, and fused split-KV
+// (flash-decoding) decode attention with a log-sum-exp merge.
 //
 // They never dequantize the cache. A query is rotated once into the key
-// codec's basis (PrepareQueries, logit scale folded in); a key's logit is then
+// codec's basis before they run (the prologue kernel's query preparation,
+// prologue_kernels.cuh: PrepareParams, logit scale folded in); a key's logit is then
 // the norm times a sum of rotated-query coordinates times codebook centroids
 // read straight from the packed codes. Values with a rotated codec are summed
 // in the rotated basis and mapped back once per output row (Merge). Codes are
@@ -65,18 +66,6 @@ struct PoolView {
   int32_t head_dim = 0;
 };
 
-// Rotates raw queries into each row's key basis and multiplies by the logit
-// scale: prepared[r] = scale * KeyState(queries[r]). head_of_row[r] is
-// layer * num_kv_heads + kv_head.
-struct PrepareParams {
-  PoolView view;
-  int64_t num_rows = 0;
-  const int32_t* head_of_row = nullptr;
-  const float* queries = nullptr;  // [num_rows][head_dim]
-  float* prepared = nullptr;       // [num_rows][head_dim]
-  float scale = 0.0f;
-};
-
 struct AttendKernelParams {
   PoolView view;
   const int32_t* block_tables = nullptr;
@@ -134,7 +123,6 @@ bool ScoreSupported(DeviceFieldFormat key);
 // fp32 kernel to about 2e-3 (TF32 operands).
 bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim);
 
-cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream);
 // One launch of the fp32 kernel for `pair` with block_rows rows per block.
 cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params,
                          cudaStream_t stream);

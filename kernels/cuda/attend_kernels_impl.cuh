@@ -629,34 +629,6 @@ __global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
 }
 
 // ---------------------------------------------------------------------------
-// Query preparation: one warp per row.
-
-__global__ void __launch_bounds__(kAttendThreads) PrepareKernel(PrepareParams p) {
-  __shared__ MergeScratch scratch[kWarps];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (row >= p.num_rows) return;
-  const int d = p.view.head_dim;
-  const DeviceField& key = p.view.heads[p.head_of_row[row]].key;
-  MergeScratch& s = scratch[warp];
-  const float* q = p.queries + row * d;
-  float* out = p.prepared + row * d;
-  if (key.format != DeviceFieldFormat::kTurboQuant) {
-    for (int j = lane; j < d; j += 32) out[j] = q[j] * p.scale;
-    return;
-  }
-  for (int part_index = 0; part_index < key.num_parts; ++part_index) {
-    const DevicePart& part = key.parts[part_index];
-    for (int k = lane; k < part.dim; k += 32) s.y[k] = q[part.channels != nullptr ? part.channels[k] : k];
-    __syncwarp();
-    WarpRotateForward(part.rotation, s.y, s.tmp, lane);
-    for (int k = lane; k < part.dim; k += 32) out[part.state_offset + k] = s.y[k] * p.scale;
-    __syncwarp();
-  }
-}
-
-// ---------------------------------------------------------------------------
 // ScoreQuery: logits of one layer's query heads over a token range.
 // grid.x: tiles of kAttendTile tokens; grid.y: KV head * row chunks.
 
@@ -1228,13 +1200,6 @@ bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int he
     return false;
   };
   return small_codes(key) && small_codes(value);
-}
-
-cudaError_t LaunchPrepare(const PrepareParams& params, cudaStream_t stream) {
-  if (params.num_rows == 0) return cudaSuccess;
-  const int64_t blocks = (params.num_rows + kWarps - 1) / kWarps;
-  TQKV_LAUNCH(PrepareKernel, static_cast<unsigned>(blocks), kAttendThreads, 0, stream, params);
-  return cudaGetLastError();
 }
 
 cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params,

@@ -22,7 +22,7 @@
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_format.h"
 #include "kernels/cuda/planner.h"
-#include "kernels/cuda/store_kernels.cuh"
+#include "kernels/cuda/prologue_kernels.cuh"
 #include "kernels/format_table.h"
 #include "kernels/kv_layout.h"
 #include "kernels/status_macros.h"
@@ -535,7 +535,9 @@ class CudaBackend final : public Backend {
 
   // A decode layer on one stream (Backend::StoreAndAttend): the store, its
   // exact copies and the attention staged in one workspace, one copy in,
-  // the launches, one copy out, one synchronization. The attend plan's
+  // the launches (one prologue storing both parts and preparing the queries
+  // of both layouts, the decode launches, the merge), one copy out, one
+  // synchronization. The attend plan's
   // workspace is rearranged so that each copy is one range:
   //   [attend inputs][store inputs][error words][attend outputs][attend scratch]
   //   '---------------- copy in ---------------'
@@ -548,19 +550,9 @@ class CudaBackend final : public Backend {
     std::vector<float> exact_keys, exact_values;
     std::vector<int32_t> exact_slots;
     const StoreParams exact = ExactStorePart(store, &exact_keys, &exact_values, &exact_slots);
-    cuda::StorePlan store_plan;
-    RETURN_IF_ERROR(cuda::PlanStore(StoreInputOf(store, store.num_tokens), &store_plan));
-    if (store_plan.piece_tokens < store.num_tokens) return false;
-    // The store region, from 0 for now: the main piece, the exact piece, the
-    // two error words last.
-    cuda::StoreWorkspace main_at = cuda::LayOutStore(StoreInputOf(store, store.num_tokens), store.num_tokens);
-    cuda::StoreWorkspace exact_at;
-    size_t errors = Align(main_at.end);
-    if (exact.num_tokens > 0) {
-      exact_at = Moved(cuda::LayOutStore(StoreInputOf(exact, exact.num_tokens), exact.num_tokens), errors);
-      errors = Align(exact_at.end);
-    }
-    const size_t store_bytes = errors + 2 * sizeof(unsigned long long);
+    ASSIGN_OR_RETURN(bool one_piece, StoreFitsOnePiece(store));
+    if (!one_piece) return false;
+    const size_t store_bytes = LayOutStoreRegion(store, exact, 0).end;
     if (store_bytes + cuda::kWorkspaceAlignment >= options_.workspace_bytes) return false;
 
     WorkspaceLease lease(this);
@@ -573,34 +565,81 @@ class CudaBackend final : public Backend {
     const cuda::AttendBatch& batch = w.plan.batches[0];
     cuda::AttendWorkspace at;
     if (!Rearrange(batch.at, store_bytes, &at)) return false;
-    const size_t store_base = Align(batch.at.copy_in);
-    main_at = Moved(main_at, store_base);
-    main_at.error = store_base + errors;
-    if (exact.num_tokens > 0) {
-      exact_at = Moved(exact_at, store_base);
-      exact_at.error = store_base + errors + sizeof(unsigned long long);
-    }
+    const StoreRegion region = LayOutStoreRegion(store, exact, Align(batch.at.copy_in));
 
-    StageStore(store, 0, store.num_tokens, main_at, w);
-    if (exact.num_tokens > 0) StageStore(exact, 0, exact.num_tokens, exact_at, w);
+    StageStoreRegion(store, exact, region, w);
     RETURN_IF_ERROR(StageBatch(layout, attend, *tables, in, batch, at, w));
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
                                "store and attend: copy in"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(LaunchStorePiece(*tables, store, store.num_tokens, main_at, w));
-    if (exact.num_tokens > 0) RETURN_IF_ERROR(LaunchStorePiece(*tables, exact, exact.num_tokens, exact_at, w));
-    RETURN_IF_ERROR(LaunchBatch(layout, attend, *tables, batch.counts.rows, at, w));
+    RETURN_IF_ERROR(
+        LaunchBatch(layout, attend, *tables, batch.counts.rows, at, StoresOf(*tables, store, exact, region, w), w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
     const size_t out_end = at.output + (batch.at.end - batch.at.output);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + main_at.error, w.device + main_at.error,
-                                               out_end - main_at.error, cudaMemcpyDeviceToHost, w.stream),
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + region.errors, w.device + region.errors,
+                                               out_end - region.errors, cudaMemcpyDeviceToHost, w.stream),
                                "store and attend: copy out"));
     RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "store and attend kernels"));
     last_timing.device_seconds = ElapsedSeconds(w);
-    RETURN_IF_ERROR(CheckStoreError(store, 0, store.num_tokens, main_at, w));
-    if (exact.num_tokens > 0) RETURN_IF_ERROR(CheckStoreError(exact, 0, exact.num_tokens, exact_at, w));
+    RETURN_IF_ERROR(CheckStoreRegion(store, exact, region, w));
     UnstageBatch(layout, attend, batch, at, w);
     return true;
+  }
+
+  // A store and its exact part (ExactStorePart; no tokens: none) as one
+  // region of a workspace from `base`: the store's tokens, the exact part's,
+  // then their two error words, [errors, end) what a copy out brings back.
+  struct StoreRegion {
+    cuda::StoreWorkspace main, exact;
+    size_t errors = 0;
+    size_t end = 0;
+  };
+
+  // REQUIRES: the store fits one piece (StoreFitsOnePiece), so that no
+  // offset overflows; `base` aligned.
+  StoreRegion LayOutStoreRegion(const StoreParams& store, const StoreParams& exact, size_t base) const {
+    StoreRegion r;
+    r.main = Moved(cuda::LayOutStore(StoreInputOf(store, store.num_tokens), store.num_tokens), base);
+    r.errors = Align(r.main.end);
+    if (exact.num_tokens > 0) {
+      r.exact = Moved(cuda::LayOutStore(StoreInputOf(exact, exact.num_tokens), exact.num_tokens), r.errors);
+      r.errors = Align(r.exact.end);
+    }
+    r.main.error = r.errors;
+    r.exact.error = r.errors + sizeof(unsigned long long);
+    r.end = r.errors + 2 * sizeof(unsigned long long);
+    return r;
+  }
+
+  // Whether the store's tokens fit one workspace piece (cuda::PlanStore).
+  absl::StatusOr<bool> StoreFitsOnePiece(const StoreParams& store) const {
+    cuda::StorePlan plan;
+    RETURN_IF_ERROR(cuda::PlanStore(StoreInputOf(store, store.num_tokens), &plan));
+    return plan.piece_tokens >= store.num_tokens;
+  }
+
+  static void StageStoreRegion(const StoreParams& store, const StoreParams& exact, const StoreRegion& region,
+                               Workspace& w) {
+    StageStore(store, 0, store.num_tokens, region.main, w);
+    if (exact.num_tokens > 0) StageStore(exact, 0, exact.num_tokens, region.exact, w);
+  }
+
+  // The prologue's stores of a region (its preparations left to add).
+  static cuda::PrologueParams StoresOf(const PoolTables& tables, const StoreParams& store, const StoreParams& exact,
+                                       const StoreRegion& region, const Workspace& w) {
+    cuda::PrologueParams prologue;
+    prologue.stores[prologue.num_stores++] = StoreOf(tables, store, store.num_tokens, region.main, w);
+    if (exact.num_tokens > 0) {
+      prologue.stores[prologue.num_stores++] = StoreOf(tables, exact, exact.num_tokens, region.exact, w);
+    }
+    return prologue;
+  }
+
+  absl::Status CheckStoreRegion(const StoreParams& store, const StoreParams& exact, const StoreRegion& region,
+                                Workspace& w) {
+    RETURN_IF_ERROR(CheckStoreError(store, 0, store.num_tokens, region.main, w));
+    if (exact.num_tokens > 0) RETURN_IF_ERROR(CheckStoreError(exact, 0, exact.num_tokens, region.exact, w));
+    return absl::OkStatus();
   }
 
   static size_t Align(size_t offset) {
@@ -638,18 +677,47 @@ class CudaBackend final : public Backend {
     return at->end <= options_.workspace_bytes;
   }
 
-  // A store and its exact copies (StoreParams::exact_slots) as two stores.
+  // A store and its exact copies (StoreParams::exact_slots): in one piece
+  // when they fit one (DoStoreRegion), else as two stores, each in pieces.
   absl::Status StoreWithExact(const StoreParams& p) {
-    RETURN_IF_ERROR(DoStore(p));
-    if (p.exact_slots == nullptr) return absl::OkStatus();
+    ASSIGN_OR_RETURN(const PoolTables* tables, Enter(p.pool));
+    if (p.layer_end <= p.layer_begin || p.num_tokens <= 0) return absl::OkStatus();
     std::vector<float> keys, values;
     std::vector<int32_t> slots;
     const StoreParams exact = ExactStorePart(p, &keys, &values, &slots);
+    ASSIGN_OR_RETURN(bool stored, DoStoreRegion(*tables, p, exact));
+    if (stored) return absl::OkStatus();
+    RETURN_IF_ERROR(DoStore(p));
     if (exact.num_tokens == 0) return absl::OkStatus();
     const double main_seconds = last_timing.device_seconds;
     RETURN_IF_ERROR(DoStore(exact));
     last_timing.device_seconds += main_seconds;
     return absl::OkStatus();
+  }
+
+  // A store and its exact part staged as one region: one copy in, one
+  // prologue launch, the error words back, one synchronization. false,
+  // having run nothing, when they do not fit one workspace.
+  absl::StatusOr<bool> DoStoreRegion(const PoolTables& tables, const StoreParams& store, const StoreParams& exact) {
+    ASSIGN_OR_RETURN(bool one_piece, StoreFitsOnePiece(store));
+    if (!one_piece) return false;
+    const StoreRegion region = LayOutStoreRegion(store, exact, 0);
+    if (region.end > options_.workspace_bytes) return false;
+    WorkspaceLease lease(this);
+    Workspace& w = lease.get();
+    StageStoreRegion(store, exact, region, w);
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, region.end, cudaMemcpyHostToDevice, w.stream),
+                               "store: copy in"));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(LaunchPrologue(StoresOf(tables, store, exact, region, w), w));
+    RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
+    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + region.errors, w.device + region.errors,
+                                               region.end - region.errors, cudaMemcpyDeviceToHost, w.stream),
+                               "store: copy error words"));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "store kernel"));
+    last_timing.device_seconds = ElapsedSeconds(w);
+    RETURN_IF_ERROR(CheckStoreRegion(store, exact, region, w));
+    return true;
   }
 
   absl::Status Score(const ScoreParams& p) override {
@@ -814,8 +882,10 @@ class CudaBackend final : public Backend {
       StageStore(p, t0, tokens, at, w);
       RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.end, cudaMemcpyHostToDevice, w.stream),
                                  "store: copy in"));
+      cuda::PrologueParams prologue;
+      prologue.stores[prologue.num_stores++] = StoreOf(*tables, p, tokens, at, w);
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-      RETURN_IF_ERROR(LaunchStorePiece(*tables, p, tokens, at, w));
+      RETURN_IF_ERROR(LaunchPrologue(prologue, w));
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
       RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.error, w.device + at.error, sizeof(unsigned long long),
                                                  cudaMemcpyDeviceToHost, w.stream),
@@ -851,9 +921,9 @@ class CudaBackend final : public Backend {
     std::memcpy(w.host + at.error, &no_error, sizeof(no_error));
   }
 
-  // The store kernel over a piece staged at `at` (device side).
-  static absl::Status LaunchStorePiece(const PoolTables& tables, const StoreParams& p, int64_t tokens,
-                                       const cuda::StoreWorkspace& at, Workspace& w) {
+  // The store of a piece staged at `at` (device side), for the prologue.
+  static cuda::StoreKernelParams StoreOf(const PoolTables& tables, const StoreParams& p, int64_t tokens,
+                                         const cuda::StoreWorkspace& at, const Workspace& w) {
     const KvLayout& layout = *p.layout;
     cuda::StoreKernelParams k;
     k.heads = p.layout == tables.exact_layout ? tables.exact.heads : tables.main.heads;
@@ -869,7 +939,11 @@ class CudaBackend final : public Backend {
     k.keys = reinterpret_cast<const float*>(w.device + at.keys);
     k.values = reinterpret_cast<const float*>(w.device + at.values);
     k.error = reinterpret_cast<unsigned long long*>(w.device + at.error);
-    return CudaStatus(cuda::LaunchStore(k, w.stream), "store kernel launch");
+    return k;
+  }
+
+  static absl::Status LaunchPrologue(const cuda::PrologueParams& prologue, Workspace& w) {
+    return CudaStatus(cuda::LaunchPrologue(prologue, w.stream), "prologue kernel launch");
   }
 
   // The error word of a piece, copied back to the pinned buffer.
@@ -927,19 +1001,10 @@ class CudaBackend final : public Backend {
     const cuda::PoolView view = View(layout, p.pool, tables->main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables->exact) : view;
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    cuda::PrepareParams prep;
-    prep.view = view;
-    prep.num_rows = qh;
-    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + heads);
-    prep.queries = reinterpret_cast<const float*>(w.device + queries);
-    prep.prepared = reinterpret_cast<float*>(w.device + prepared);
-    prep.scale = p.scale;
-    RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
-    if (exact) {
-      prep.view = exact_view;
-      prep.prepared = reinterpret_cast<float*>(w.device + prepared_exact);
-      RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
-    }
+    cuda::PrologueParams prologue;
+    AddPreparation(view, qh, heads, queries, prepared, p.scale, w, &prologue);
+    if (exact) AddPreparation(exact_view, qh, heads, queries, prepared_exact, p.scale, w, &prologue);
+    RETURN_IF_ERROR(LaunchPrologue(prologue, w));
     Segment segments[kMaxSegments];
     const int num_segments = Segments(layout, exact, length, segments);
     double kernel_seconds = 0.0;
@@ -1197,7 +1262,7 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
                                "attend: copy in"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, batch.counts.rows, at, w));
+    RETURN_IF_ERROR(LaunchBatch(layout, p, tables, batch.counts.rows, at, cuda::PrologueParams(), w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, at.end - at.output,
                                                cudaMemcpyDeviceToHost, w.stream),
@@ -1295,27 +1360,41 @@ class CudaBackend final : public Backend {
     }
   }
 
-  // The batch's kernels on w's stream: query preparation (for each layout
-  // read), one decode launch per launch key, the merge.
+  // The preparation of `rows` queries staged at `queries` (rows' KV heads at
+  // `head_of_row`) for `view`, into `prepared` (workspace offsets), added to
+  // the prologue.
+  static void AddPreparation(const cuda::PoolView& view, int64_t rows, size_t head_of_row, size_t queries,
+                             size_t prepared, float scale, const Workspace& w, cuda::PrologueParams* prologue) {
+    cuda::PrepareParams& prep = prologue->preparations[prologue->num_preparations++];
+    prep.view = view;
+    prep.num_rows = rows;
+    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + head_of_row);
+    prep.queries = reinterpret_cast<const float*>(w.device + queries);
+    prep.prepared = reinterpret_cast<float*>(w.device + prepared);
+    prep.scale = scale;
+  }
+
+  // The batch's kernels on w's stream: the prologue (`prologue`'s stores, if
+  // any, and the query preparation for each layout read), one decode launch
+  // per launch key, the merge.
   absl::Status LaunchBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
-                           int64_t rows_total, const cuda::AttendWorkspace& at, Workspace& w) {
+                           int64_t rows_total, const cuda::AttendWorkspace& at, cuda::PrologueParams prologue,
+                           Workspace& w) {
     const bool exact = layout.has_exact_tokens();
     const cuda::PoolView view = View(layout, p.pool, tables.main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables.exact) : view;
-    cuda::PrepareParams prep;
-    prep.view = view;
-    prep.num_rows = rows_total;
-    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + at.head_of_row);
-    prep.queries = reinterpret_cast<const float*>(w.device + at.queries);
-    prep.prepared = reinterpret_cast<float*>(w.device + at.prepared);
-    prep.scale = p.scale;
-    RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
+    AddPreparation(view, rows_total, at.head_of_row, at.queries, at.prepared, p.scale, w, &prologue);
     if (exact) {
-      prep.view = exact_view;
-      prep.prepared = reinterpret_cast<float*>(w.device + at.prepared_exact);
-      RETURN_IF_ERROR(CudaStatus(cuda::LaunchPrepare(prep, w.stream), "prepare kernel launch"));
+      AddPreparation(exact_view, rows_total, at.head_of_row, at.queries, at.prepared_exact, p.scale, w, &prologue);
     }
+    RETURN_IF_ERROR(LaunchPrologue(prologue, w));
+    return LaunchDecode(view, exact_view, at, w);
+  }
 
+  // One decode launch per launch key (the blocks sorted by it: StageBatch),
+  // then the merge, over queries the prologue prepared.
+  static absl::Status LaunchDecode(const cuda::PoolView& view, const cuda::PoolView& exact_view,
+                                   const cuda::AttendWorkspace& at, Workspace& w) {
     cuda::AttendKernelParams k;
     k.block_tables = reinterpret_cast<const int32_t*>(w.device + at.tables);
     k.items = reinterpret_cast<const AttendItemDesc*>(w.device + at.items);

@@ -17,9 +17,10 @@
 // bigger than a workspace are processed in pieces (tokens for Store and Score,
 // items and query tokens for Attend).
 //
-// Kernels: store (store_kernels.cuh), query preparation, ScoreQuery and fused
-// split-KV decode (attend_kernels.cuh), on the tensor cores where the layout
-// allows (CudaBackendOptions::tensor_cores). Every call is planned on the
+// Kernels: the prologue (prologue_kernels.cuh: stores, store_kernels.cuh, and
+// query preparation, in one launch), ScoreQuery and fused split-KV decode
+// (attend_kernels.cuh), on the tensor cores where the layout allows
+// (CudaBackendOptions::tensor_cores). Every call is planned on the
 // host first (planner.h): Attend's blocks, splits sized from the SM count and
 // the occupancy API, pieces and batches that fit a workspace, and the offset
 // of every buffer in it; Score's and Store's pieces likewise.

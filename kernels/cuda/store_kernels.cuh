@@ -1,5 +1,7 @@
-// The CUDA store kernel: quantizes and packs K/V vectors into their page slots,
-// writing the bytes the CPU codecs write (codec.cc) for the same input.
+// The CUDA store: quantizes and packs K/V vectors into their page slots,
+// writing the bytes the CPU codecs write (codec.cc) for the same input. The
+// prologue kernel (prologue_kernels.cuh) runs it, beside the query
+// preparation of a decode.
 //
 // One warp per (layer, token, KV head): the key and then the value vector are
 // read into the warp's shared memory, checked (finite; within fp16 range where
@@ -17,20 +19,18 @@
 // Failures go to a device word as (vector index * 4 + StoreError); the
 // smallest wins, so the report names the first failing vector like the CPU.
 //
-// All pointers are device pointers. Launchers return cudaError_t; the backend
-// turns it into an absl::Status.
+// All pointers are device pointers.
 #ifndef TQKV_KERNELS_CUDA_STORE_KERNELS_CUH_
 #define TQKV_KERNELS_CUDA_STORE_KERNELS_CUH_
 
 #include <cstdint>
-
-#include <cuda_runtime_api.h>
 
 #include "kernels/cuda/device_format.h"
 
 namespace tqkv {
 namespace cuda {
 
+// One store: tokens of one layout (the cache's or its exact layout).
 struct StoreKernelParams {
   const DeviceHead* heads = nullptr;  // [num_layers * num_kv_heads] of the layout
   uint8_t* pool = nullptr;
@@ -46,8 +46,6 @@ struct StoreKernelParams {
   const float* values = nullptr;    // same shape
   unsigned long long* error = nullptr;  // ~0ull when nothing failed
 };
-
-cudaError_t LaunchStore(const StoreKernelParams& params, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace tqkv

@@ -1,7 +1,8 @@
-// Kernel bodies and launchers of kernels/cuda/store_kernels.cuh, written once for two compilers:
-// nvcc (the .cu file of the same name includes this) and the host emulation
-// of tests/gpu (kernels/cuda/emulation/), which runs the same source on CPU
-// fibers. Device features come from device_compat.cuh only.
+// The device code of kernels/cuda/store_kernels.cuh: one warp's store of one
+// vector (StoreVector), run by the prologue kernel (prologue_kernels_impl.cuh,
+// which includes this). Written once for two compilers: nvcc and the host
+// emulation of tests/gpu (kernels/cuda/emulation/), which runs the same
+// source on CPU fibers. Device features come from device_compat.cuh only.
 #ifndef TQKV_KERNELS_CUDA_STORE_KERNELS_IMPL_CUH_
 #define TQKV_KERNELS_CUDA_STORE_KERNELS_IMPL_CUH_
 
@@ -19,8 +20,6 @@
 namespace tqkv {
 namespace cuda {
 namespace {
-
-constexpr int kStoreWarps = 4;
 
 // One warp's scratch: the input vector, a part's working copy, the rotation's
 // temporary, the quantization levels, and the field's codes token-major (at
@@ -193,58 +192,42 @@ __device__ StoreError EncodeField(const DeviceField& f, int head_dim, WarpScratc
   return StoreError::kNone;
 }
 
-__global__ void __launch_bounds__(kStoreWarps * 32) StoreKernel(StoreKernelParams p) {
-  __shared__ WarpScratch scratch[kStoreWarps];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  WarpScratch& s = scratch[warp];
-  const int64_t vectors = static_cast<int64_t>(p.num_layers) * p.num_tokens * p.num_kv_heads;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kStoreWarps;
-  for (int64_t v = static_cast<int64_t>(blockIdx.x) * kStoreWarps + warp; v < vectors; v += stride) {
-    const int head = static_cast<int>(v % p.num_kv_heads);
-    const int64_t token = (v / p.num_kv_heads) % p.num_tokens;
-    const int layer = p.layer_begin + static_cast<int>(v / (static_cast<int64_t>(p.num_kv_heads) * p.num_tokens));
-    const DeviceHead& h = p.heads[layer * p.num_kv_heads + head];
-    const int32_t slot_index = p.slots[token];
-    uint8_t* page = p.pool + static_cast<uint64_t>(slot_index / p.page_tokens) * p.page_bytes;
-    const int slot = slot_index % p.page_tokens;
-    const int64_t row = v * p.head_dim;
-    StoreError error = StoreError::kNone;
-    for (int field = 0; field < 2 && error == StoreError::kNone; ++field) {
-      const DeviceField& f = field == 0 ? h.key : h.value;
-      const float* src = (field == 0 ? p.keys : p.values) + row;
-      for (int i = lane; i < p.head_dim; i += 32) s.x[i] = src[i];
-      __syncwarp();
-      uint16_t* scalars =
-          reinterpret_cast<uint16_t*>(page + f.scalars_offset) + static_cast<int64_t>(slot) * f.num_scalars;
-      // Encoded in the warp's scratch, then copied to the plane's layout
-      // (tiled or token-major) in one place. error is the same in every lane.
-      error = EncodeField(f, p.head_dim, s, reinterpret_cast<uint8_t*>(s.codes), scalars, lane);
-      __syncwarp();
-      if (error == StoreError::kNone) StoreTokenCodes(s.codes, FieldTokenCodes(f, page, p.page_tokens, slot), lane);
-    }
-    if (error != StoreError::kNone && lane == 0) {
-      atomicMin(p.error, static_cast<unsigned long long>(v) * 4ull + static_cast<unsigned long long>(error));
-    }
+// Vectors (layer, token, KV head) of store p.
+__host__ __device__ __forceinline__ int64_t StoreVectors(const StoreKernelParams& p) {
+  return static_cast<int64_t>(p.num_layers) * p.num_tokens * p.num_kv_heads;
+}
+
+// Stores vector v < StoreVectors(p), key then value, by one warp with s as
+// its scratch; a failure goes to p.error.
+__device__ void StoreVector(const StoreKernelParams& p, int64_t v, WarpScratch& s, int lane) {
+  const int head = static_cast<int>(v % p.num_kv_heads);
+  const int64_t token = (v / p.num_kv_heads) % p.num_tokens;
+  const int layer = p.layer_begin + static_cast<int>(v / (static_cast<int64_t>(p.num_kv_heads) * p.num_tokens));
+  const DeviceHead& h = p.heads[layer * p.num_kv_heads + head];
+  const int32_t slot_index = p.slots[token];
+  uint8_t* page = p.pool + static_cast<uint64_t>(slot_index / p.page_tokens) * p.page_bytes;
+  const int slot = slot_index % p.page_tokens;
+  const int64_t row = v * p.head_dim;
+  StoreError error = StoreError::kNone;
+  for (int field = 0; field < 2 && error == StoreError::kNone; ++field) {
+    const DeviceField& f = field == 0 ? h.key : h.value;
+    const float* src = (field == 0 ? p.keys : p.values) + row;
+    for (int i = lane; i < p.head_dim; i += 32) s.x[i] = src[i];
+    __syncwarp();
+    uint16_t* scalars =
+        reinterpret_cast<uint16_t*>(page + f.scalars_offset) + static_cast<int64_t>(slot) * f.num_scalars;
+    // Encoded in the warp's scratch, then copied to the plane's layout
+    // (tiled or token-major) in one place. error is the same in every lane.
+    error = EncodeField(f, p.head_dim, s, reinterpret_cast<uint8_t*>(s.codes), scalars, lane);
+    __syncwarp();
+    if (error == StoreError::kNone) StoreTokenCodes(s.codes, FieldTokenCodes(f, page, p.page_tokens, slot), lane);
+  }
+  if (error != StoreError::kNone && lane == 0) {
+    atomicMin(p.error, static_cast<unsigned long long>(v) * 4ull + static_cast<unsigned long long>(error));
   }
 }
 
 }  // namespace
-
-cudaError_t LaunchStore(const StoreKernelParams& params, cudaStream_t stream) {
-  const int64_t vectors = static_cast<int64_t>(params.num_layers) * params.num_tokens * params.num_kv_heads;
-  if (vectors == 0) return cudaSuccess;
-  int device = 0, sms = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess) error = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (error != cudaSuccess) return error;
-  // Enough warps to fill the device several times over; each loops.
-  const int64_t wanted = (vectors + kStoreWarps - 1) / kStoreWarps;
-  const int blocks = static_cast<int>(wanted < 16ll * sms ? wanted : 16ll * sms);
-  TQKV_LAUNCH(StoreKernel, blocks, kStoreWarps * 32, 0, stream, params);
-  return cudaGetLastError();
-}
-
 }  // namespace cuda
 }  // namespace tqkv
 
