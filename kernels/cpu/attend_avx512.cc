@@ -280,7 +280,7 @@ class Kernel {
     // No row sees a token of the run: nothing to read (the padding below needs one).
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
     // The compressed codes are read up to the exact window.
-    const int64_t compressed_end = std::min(end, p.exact.window_begin);
+    const int64_t compressed_end = CompressedEnd(p, first, end);
     BlockPrefetch prefetch(p, kBlock, first, compressed_end);
     for (int64_t t0 = first; t0 < end; t0 += kBlock) {
       if (rows_addback.active()) rows_addback.Next(addback);

@@ -252,7 +252,7 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
     // The compressed codes are read up to the exact window (the sinks' are
     // read and their logits replaced: a few lanes of one group).
-    const int64_t compressed_end = std::min(end, p.exact.window_begin);
+    const int64_t compressed_end = CompressedEnd(p, first, end);
     BlockWalk walk(p, first);
     BlockPrefetch prefetch(p, kBlock, first, compressed_end);
     for (int64_t t0 = first; t0 < end; t0 += kBlock) {

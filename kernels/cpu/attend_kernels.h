@@ -140,6 +140,15 @@ inline int64_t RunBlockStart(const HeadAttendParams& p, int block) {
   return p.token_begin - p.token_begin % step;
 }
 
+// Where a run's compressed reads end, for blocks from `first` to `end`: at
+// the exact window; at `first` (none) when the rows see no compressed token
+// (a sliding window that lies inside the exact one), since a block's tokens
+// before token_begin take the codes of its first token seen.
+inline int64_t CompressedEnd(const HeadAttendParams& p, int64_t first, int64_t end) {
+  const int64_t window = end < p.exact.window_begin ? end : p.exact.window_begin;
+  return window > p.token_begin ? window : first;
+}
+
 // Asks the memory system for the four planes of tokens [begin, end) ahead of
 // their use (through BlockPrefetch, below), into L2 (prefetcht2: on
 // this project's AMD machines it measured steadier than prefetcht0, bf16's

@@ -269,6 +269,23 @@ TEST(SlidingWindowTest, ExactSinkAndWindowTokensStillMatchInsideTheWindow) {
   EXPECT_EQ(f.cache->Stats().pages_used, 0);
 }
 
+// Sliding windows (10 tokens) inside the exact window (6 sinks, 23 recent
+// tokens, pages of 16): a windowed layer's rows see no compressed token,
+// yet the kernels' blocks start below the window, beside the sinks' codes.
+TEST(SlidingWindowTest, WindowsInsideTheExactWindowReadOnlyExactTokens) {
+  KvLayoutOptions o = WindowedLayout("fp16");
+  o.page_tokens = 16;
+  o.exact_sink_tokens = 6;
+  o.exact_window_tokens = 23;
+  Fixture f(o);
+  ReferenceSequence ref(&f.layout());
+  ASSERT_TRUE(f.Append("s", 0, 8, 1, &ref).ok());
+  for (int64_t t = 8; t < 72; ++t) {
+    ASSERT_TRUE(f.Append("s", t, 1, 10 + t, &ref).ok());
+    ASSERT_EQ(f.CheckAttend("s", ref, 1, 200 + t), 0) << "at " << t;
+  }
+}
+
 TEST(SlidingWindowTest, ReadsBelowTheOldestTokenHeldAreOutOfRange) {
   Fixture f(WindowedLayout("fp16"));
   ReferenceSequence ref(&f.layout());
