@@ -1,7 +1,7 @@
 // One decode layer through the service's handler, in process (no gRPC, no
 // network): an AppendAttend of --batch sequences of --context tokens, one new
-// token each, parsed from its wire bytes and answered into wire bytes as the
-// server does. Prints, per layer, the handler's time and the backend's time
+// token each, parsed from its wire bytes (in 16 KiB slices, as gRPC hands
+// them over) and answered into a gRPC buffer, as the server does. Prints, per layer, the handler's time and the backend's time
 // (Store, Attend, CopyPage, as the server's kernel timings count them), and
 // the difference: the server's time outside the kernels, per layer and per
 // item, with the request's parse and the response's serialization per item
@@ -33,6 +33,7 @@
 #include "service/auth.h"
 #include "service/config.h"
 #include "service/kv_cache_service.h"
+#include "service/raw_message.h"
 
 ABSL_FLAG(std::string, batch, "8,64", "sequences per AppendAttend (comma-separated: one run each)");
 ABSL_FLAG(int64_t, context, 1024, "tokens prefilled per sequence");
@@ -148,7 +149,14 @@ int Run(int batch) {
         SetF32(token, {1, kv, dim}, item->mutable_values());
         SetF32(query, {1, qh, dim}, item->mutable_queries());
       }
+      // The request as gRPC hands it to the server: 16 KiB slices (HTTP/2
+      // frames' payloads).
       const std::string wire = request.SerializeAsString();
+      std::vector<grpc::Slice> slices;
+      for (size_t at = 0; at < wire.size(); at += 16 << 10) {
+        slices.emplace_back(wire.data() + at, std::min<size_t>(16 << 10, wire.size() - at));
+      }
+      const grpc::ByteBuffer bytes(slices.data(), slices.size());
       const Clock::time_point start = Clock::now();
       // On one arena, as the server's unary handlers do.
       google::protobuf::ArenaOptions blocks;
@@ -156,12 +164,15 @@ int Run(int batch) {
       blocks.max_block_size = 256 << 10;
       google::protobuf::Arena arena(blocks);
       auto* parsed = google::protobuf::Arena::CreateMessage<v1::AppendAttendRequest>(&arena);
-      parsed->ParseFromString(wire);
+      if (absl::Status p = service::ParseMessage(bytes, parsed, "the request"); !p.ok()) {
+        return std::fprintf(stderr, "%s\n", p.ToString().c_str()), 1;
+      }
       const Clock::time_point parsed_at = Clock::now();
       auto* response = google::protobuf::Arena::CreateMessage<v1::AppendAttendResponse>(&arena);
       const absl::Status status = service.DoAppendAttend(service::Caller::Admin(), *parsed, response);
       const Clock::time_point worked_at = Clock::now();
-      const std::string out = response->SerializeAsString();
+      grpc::ByteBuffer out;
+      (void)service::SerializeMessage(*response, &out);
       const Clock::time_point end = Clock::now();
       handler_us.push_back(std::chrono::duration<double, std::micro>(end - start).count());
       parse_us.push_back(std::chrono::duration<double, std::micro>(parsed_at - start).count());
