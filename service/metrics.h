@@ -18,11 +18,13 @@
 //                                                same way (T queries in one
 //                                                layer add T / L)
 //   tqkv_kernel_duration_seconds{kernel,backend} histogram: store, score,
-//                                                attend, copy_page (wall)
+//                                                attend, copy_page,
+//                                                store_attend (wall)
 //   tqkv_kernel_device_seconds{kernel,backend}  histogram: device time of the
 //                                                call's kernels (CUDA events;
-//                                                store, score, attend on the
-//                                                CUDA backend only)
+//                                                store, score, attend,
+//                                                store_attend on the CUDA
+//                                                backend only)
 //   tqkv_kernel_wait_seconds{kernel,backend}    histogram: time the call
 //                                                waited for a free workspace
 //                                                (CUDA backend only)
@@ -35,6 +37,8 @@
 //   tqkv_cache_sequences{cache}, tqkv_cache_tokens{cache}
 //   tqkv_cache_evictions_total{cache}           LRU + TTL drops
 //   tqkv_cache_copy_on_writes_total{cache}      pages copied on write
+//   tqkv_cache_evicted_lookups_total{cache}     calls that named an evicted
+//                                                sequence
 //   tqkv_executor_running, tqkv_executor_queued  calls on the executor now
 //   tqkv_executor_pending_bytes                  their request bytes
 //   tqkv_executor_max_pending                    the bound on running + queued
