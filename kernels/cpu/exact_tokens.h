@@ -11,6 +11,13 @@
 // row head_dim of each, as a bf16 kernel spends, with no per-call setup
 // beyond a pointer per token.
 //
+// Not prefetched: the exact lines asked for ahead (the next block's, a group
+// at each BlockPrefetch step into L2, or a block's values into L1 while its
+// keys are scored) measured slower in the integer kernel at 1k context
+// (Xeon, 2 threads, batch 8, medians of 4: vs_plain 1.283 and 1.292 against
+// 1.260 and 1.268 without; why was not isolated: the kernel's time at 1k
+// already sits mostly on BlockPrefetch's prefetch instructions).
+//
 // Include only from the kernels' translation units (unnamed namespace,
 // templated on simd_mappings.h's vectors: attend_avx512_common.h says why).
 #ifndef TQKV_KERNELS_CPU_EXACT_TOKENS_H_
