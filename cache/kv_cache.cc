@@ -149,6 +149,7 @@ absl::StatusOr<SequenceInfo> KvCache::GetSequence(const std::string& id) {
     ForEachHeld(table, [&](int32_t) { ++info.exact_pages; });
   }
   info.stored_bytes = seq->stored_bytes;
+  info.stored_bytes_bf16 = seq->stored_bytes_bf16;
   info.last_access = seq->last_access;
   return info;
 }

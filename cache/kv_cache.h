@@ -125,6 +125,7 @@ struct SequenceInfo {
   int32_t pages = 0;                  // pages held, over every chunk's table
   int32_t exact_pages = 0;            // exact pages held (sinks, window)
   uint64_t stored_bytes = 0;          // as CacheStats counts them
+  uint64_t stored_bytes_bf16 = 0;     // the tokens held, in bf16
   absl::Time last_access;
 };
 
@@ -185,6 +186,14 @@ inline constexpr int kRememberedAppends = 64;
 // What an OK Append did.
 struct AppendOutcome {
   bool already_stored = false;  // request_id named an append that had landed: nothing stored
+  // What the append changed in the sequence's bytes as the cache counts
+  // them (SequenceInfo::stored_bytes, CacheStats): its tokens compressed,
+  // their exact copies, a layer's first key mean; less what it released
+  // (exact copies that left the window, tokens that left a sliding
+  // window), so it can be negative. The bf16 figure is the same change for
+  // the tokens held, at 2 bytes per element. Both 0 when already_stored.
+  int64_t stored_bytes = 0;
+  int64_t stored_bytes_bf16 = 0;
 };
 
 struct AttendRequestItem {

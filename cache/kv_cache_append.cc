@@ -43,6 +43,7 @@ struct KvCache::AppendPlan {
   // it with the kernels).
   std::vector<std::shared_ptr<const std::vector<float>>> means;
   uint64_t reserved = 0;           // bytes charged to the account for fresh pages
+  int64_t stored_bytes = 0, stored_bytes_bf16 = 0;  // the change published (AppendOutcome)
   std::vector<int32_t> allocated;  // owned until published
   std::vector<float> centered;     // the keys as stored, when centering
   const float* keys = nullptr;     // the keys as stored
@@ -60,6 +61,17 @@ absl::Status KvCache::Append(const AppendRequest& request, AppendOutcome* outcom
 }
 
 namespace {
+
+// What a published (or refused) plan tells its caller.
+template <typename Plan>
+AppendOutcome OutcomeOf(const Plan& plan) {
+  AppendOutcome out;
+  if (!plan.status.ok()) return out;
+  out.already_stored = plan.already_stored;
+  out.stored_bytes = plan.stored_bytes;
+  out.stored_bytes_bf16 = plan.stored_bytes_bf16;
+  return out;
+}
 
 // INVALID_ARGUMENT for every request naming a sequence an earlier one named.
 template <typename Plan>
@@ -92,7 +104,7 @@ void KvCache::AppendBatch(absl::Span<const AppendRequest> requests, absl::Span<a
   for (size_t i = 0; i < requests.size(); ++i) {
     PublishAppendLocked(requests[i], &plans[i]);
     statuses[i] = plans[i].status;
-    if (!outcomes.empty()) outcomes[i].already_stored = plans[i].status.ok() && plans[i].already_stored;
+    if (!outcomes.empty()) outcomes[i] = OutcomeOf(plans[i]);
   }
 }
 
@@ -153,7 +165,7 @@ void KvCache::AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<c
     PublishAppendLocked(appends[i], &plans[i]);
     if (snapshots[i].serial != 0) s.EndRead(appends[i].sequence_id, snapshots[i]);
     statuses[i] = plans[i].status;
-    if (!outcomes.empty()) outcomes[i].already_stored = plans[i].status.ok() && plans[i].already_stored;
+    if (!outcomes.empty()) outcomes[i] = OutcomeOf(plans[i]);
   }
 }
 
@@ -635,6 +647,8 @@ void KvCache::PublishAppendLocked(const AppendRequest& request, AppendPlan* plan
   }
   AddRangeBytes(layout, seq->layer_tokens, seq->held_begin, request.layer_begin, request.layer_end, &after,
                 &after_bf16);
+  plan->stored_bytes = static_cast<int64_t>(after) - static_cast<int64_t>(before);
+  plan->stored_bytes_bf16 = static_cast<int64_t>(after_bf16) - static_cast<int64_t>(before_bf16);
   seq->stored_bytes += after - before;
   seq->stored_bytes_bf16 += after_bf16 - before_bf16;
   s.stored_bytes += after - before;

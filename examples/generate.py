@@ -22,9 +22,9 @@ the GGUF's byte-level BPE tokenizer (tools/quality/bpe.py). What runs where:
 
 It prints the text, decode tokens/s (and the time per message round trip
 next to the local compute), and the bytes the server holds for the sequence
-against the same tokens in bf16 (GetServerInfo; AppendStream's and
-AppendAttend's stored_bytes count the compressed slots only, without a
-recipe's exact fp16 copies and means).
+against the same tokens in bf16 (GetServerInfo; the stored_bytes of
+AppendStream and AppendAttend, the changes each call made to that count,
+sum to the same figure).
 
 --start-server starts a local tqkv-server (--server-binary, $TQKV_SERVER, or
 build/bin/tqkv-server) with one cache of SmolLM2's shape at --preset, the
@@ -312,9 +312,8 @@ def main(argv=None):
           "vs bf16 %.2fx (GetServerInfo: compressed slots, exact fp16 copies, means)"
           % (s["held_bytes"], held_tokens, model.config.layers, s["held_bytes_bf16"],
              s["held_bytes_bf16"] / max(s["held_bytes"], 1)))
-    print("compressed slots alone (AppendStream + AppendAttend stored_bytes): %d bytes, "
-          "%.2fx vs bf16" % (s["stored_bytes"],
-                                       s["stored_bytes_bf16"] / max(s["stored_bytes"], 1)))
+    print("the AppendStream and AppendAttend replies' stored_bytes sum to %d bytes (%d as bf16)"
+          % (s["stored_bytes"], s["stored_bytes_bf16"]))
     if s["held_bytes"] > s["held_bytes_bf16"]:
         print("(more than bf16 in all: a recipe's exact tokens, such as the *_csw presets' "
               "first 4 and last 64 per layer, are fp16 copies kept beside the compressed "

@@ -115,6 +115,8 @@ void ToProto(const std::string& cache, const SequenceInfo& in, v1::SequenceInfo*
   out->set_pages(in.pages);
   out->clear_layer_oldest_token();
   for (int64_t t : in.layer_held_begin) out->add_layer_oldest_token(t);
+  out->set_stored_bytes(static_cast<int64_t>(in.stored_bytes));
+  out->set_stored_bytes_bf16(static_cast<int64_t>(in.stored_bytes_bf16));
 }
 
 using Clock = CallClock;
@@ -697,11 +699,8 @@ absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequ
     response->set_already_stored(true);
   } else {
     if (metrics_ != nullptr) metrics_->CountStored(cache->options().name, tokens * (layer_end - layer_begin));
-    int64_t stored = 0;
-    for (int l = layer_begin; l < layer_end; ++l) stored += layout.token_bytes(l) * tokens;
-    response->set_stored_bytes(stored);
-    response->set_stored_bytes_bf16(static_cast<int64_t>(layout.token_bytes_bf16()) *
-                                    (layer_end - layer_begin) * tokens);
+    response->set_stored_bytes(outcome.stored_bytes);
+    response->set_stored_bytes_bf16(outcome.stored_bytes_bf16);
   }
   // The append landed; a concurrent Drop may already have removed the
   // sequence, in which case the response carries no sequence state.
@@ -1024,10 +1023,8 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
     result->set_already_stored(item.already_stored);
     stored_tokens += item.already_stored ? 0 : item.tokens;
     attended_tokens += item.tokens;
-    if (!item.already_stored) {
-      stored += static_cast<int64_t>(layout.token_bytes(layer)) * item.tokens;
-      stored_bf16 += static_cast<int64_t>(layout.token_bytes_bf16()) * item.tokens;
-    }
+    stored += outcomes[i].stored_bytes;
+    stored_bf16 += outcomes[i].stored_bytes_bf16;
   }
   response->set_stored_bytes(stored);
   response->set_stored_bytes_bf16(stored_bf16);

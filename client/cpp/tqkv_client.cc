@@ -82,6 +82,8 @@ SequenceState FromProto(const v1::SequenceInfo& info) {
   s.layer_tokens.assign(info.layer_tokens().begin(), info.layer_tokens().end());
   s.pages = info.pages();
   s.layer_oldest_token.assign(info.layer_oldest_token().begin(), info.layer_oldest_token().end());
+  s.stored_bytes = info.stored_bytes();
+  s.stored_bytes_bf16 = info.stored_bytes_bf16();
   return s;
 }
 

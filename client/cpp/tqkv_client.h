@@ -115,6 +115,10 @@ struct SequenceState {
   int32_t pages = 0;
   // Oldest token held per layer (0 but in sliding-window layers).
   std::vector<int64_t> layer_oldest_token;
+  // The bytes the sequence holds as the pool counts them (compressed tokens,
+  // exact copies, key means), and its tokens in bf16.
+  int64_t stored_bytes = 0;
+  int64_t stored_bytes_bf16 = 0;
 };
 
 struct AppendArgs {
@@ -140,8 +144,8 @@ struct AppendArgs {
 
 struct AppendResult {
   SequenceState sequence;
-  int64_t stored_bytes = 0;       // compressed bytes this call stored
-  int64_t stored_bytes_bf16 = 0;  // the same tokens in bf16
+  int64_t stored_bytes = 0;       // the change to the sequence's bytes as the pool counts them
+  int64_t stored_bytes_bf16 = 0;  // the same for its tokens in bf16 (see the proto)
   // A retry found this call's append already stored (by its request_id):
   // nothing was stored again, and the byte counts are 0.
   bool already_stored = false;

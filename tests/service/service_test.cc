@@ -1134,6 +1134,115 @@ TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
   }
 }
 
+// Every byte figure an append answers is the change the pool's accounting
+// made for it: with exact sinks and window, key centering and sliding-window
+// layers, the answers of Append, AppendStream and AppendAttend (a retry
+// included) sum to the sequence's stored_bytes, and the cache's sum is the
+// sequences'.
+TEST(ServerBytes, AppendAnswersSumToWhatThePoolHolds) {
+  service::ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = 0;
+  options.metrics_port = -1;
+  options.threads = 2;
+  options.memory_budget_bytes = uint64_t{16} << 20;
+  absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(R"pb(
+    caches {
+      name: "default" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
+      page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 0
+      exact_sink_tokens: 2 exact_window_tokens: 6
+      sliding_window_layers { layers: 1 layers: 3 window: 5 }
+    }
+  )pb");
+  ASSERT_TRUE(config.ok()) << config.status();
+  options.config = *config;
+  absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ClientOptions client_options;
+  client_options.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  Client client(client_options);
+  constexpr int kKv = 2, kQ = 4, kD = 64, kL = 4;
+  int64_t sum[2] = {0, 0}, sum_bf16[2] = {0, 0};
+  const auto check = [&](int s, const std::string& what) {
+    absl::StatusOr<SequenceState> seq = client.GetSequence("", absl::StrCat("s", s));
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    EXPECT_EQ(seq->stored_bytes, sum[s]) << what;
+    EXPECT_EQ(seq->stored_bytes_bf16, sum_bf16[s]) << what;
+    absl::StatusOr<v1::ServerInfo> info = client.GetServerInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->caches(0).stored_bytes(), sum[0] + sum[1]) << what;
+  };
+  // s0: a prefill in one Append; s1: the same length as an AppendStream.
+  const std::vector<float> kv = RandomFloats(static_cast<size_t>(kL) * 9 * kKv * kD, 3);
+  AppendArgs prefill;
+  prefill.sequence_id = "s0";
+  prefill.shape = {kL, 9, kKv, kD};
+  prefill.keys = kv;
+  prefill.values = kv;
+  absl::StatusOr<AppendResult> first = client.Append(prefill);
+  ASSERT_TRUE(first.ok()) << first.status();
+  sum[0] += first->stored_bytes;
+  sum_bf16[0] += first->stored_bytes_bf16;
+  EXPECT_EQ(first->sequence.stored_bytes, sum[0]);
+  check(0, "after the prefill");
+  std::vector<std::vector<float>> parts;
+  std::vector<AppendArgs> chunks;
+  for (int c = 0; c < 3; ++c) {
+    parts.push_back(RandomFloats(static_cast<size_t>(kL) * 3 * kKv * kD, 10 + c));
+    AppendArgs chunk = prefill;
+    chunk.sequence_id = "s1";
+    chunk.start_position = 3 * c;
+    chunk.shape = {kL, 3, kKv, kD};
+    chunk.keys = parts.back();
+    chunk.values = parts.back();
+    chunks.push_back(chunk);
+  }
+  absl::StatusOr<AppendResult> streamed = client.AppendStream(chunks);
+  ASSERT_TRUE(streamed.ok()) << streamed.status();
+  sum[1] += streamed->stored_bytes;
+  sum_bf16[1] += streamed->stored_bytes_bf16;
+  check(1, "after the stream");
+  // Decode steps, layer by layer, past the exact window and the sliding one.
+  const std::vector<float> token = RandomFloats(kKv * kD, 20);
+  const std::vector<float> query = RandomFloats(kQ * kD, 21);
+  for (int64_t t = 9; t < 20; ++t) {
+    for (int layer = 0; layer < kL; ++layer) {
+      AppendAttendArgs step;
+      step.layer = layer;
+      for (int s = 0; s < 2; ++s) {
+        AppendAttendItemArgs item;
+        item.sequence_id = absl::StrCat("s", s);
+        item.start_position = t;
+        item.kv_shape = {1, kKv, kD};
+        item.query_shape = {1, kQ, kD};
+        item.keys = token;
+        item.values = token;
+        item.queries = query;
+        step.items.push_back(item);
+      }
+      absl::StatusOr<AppendAttendResult> r = client.AppendAttend(step);
+      ASSERT_TRUE(r.ok()) << r.status();
+      for (int s = 0; s < 2; ++s) ASSERT_TRUE(r->items[s].status.ok()) << r->items[s].status;
+      // The answer sums its items: s1's share is the rest once s0's is known.
+      absl::StatusOr<SequenceState> s0 = client.GetSequence("", "s0");
+      ASSERT_TRUE(s0.ok()) << s0.status();
+      const int64_t share = s0->stored_bytes - sum[0], share_bf16 = s0->stored_bytes_bf16 - sum_bf16[0];
+      sum[0] += share;
+      sum_bf16[0] += share_bf16;
+      sum[1] += r->stored_bytes - share;
+      sum_bf16[1] += r->stored_bytes_bf16 - share_bf16;
+      // A retry of the same step lands nothing and counts nothing.
+      absl::StatusOr<AppendAttendResult> again = client.AppendAttend(step);
+      ASSERT_TRUE(again.ok()) << again.status();
+      EXPECT_TRUE(again->items[0].already_stored);
+      EXPECT_EQ(again->stored_bytes, 0);
+      EXPECT_EQ(again->stored_bytes_bf16, 0);
+    }
+    check(0, absl::StrCat("after step ", t));
+    check(1, absl::StrCat("after step ", t));
+  }
+}
+
 TEST(ClientRetries, GiveUpWithUnavailableWhenNoServerListens) {
   ClientOptions options;
   options.target = "127.0.0.1:1";  // nothing listens on port 1

@@ -316,7 +316,7 @@ class ServedAttention:
     def held_bytes(self):
         """What the server says the cache holds now (GetServerInfo): this
         sequence's bytes when it is the cache's only one, exact copies and
-        means included (Append's stored_bytes counts the compressed slots)."""
+        means included (what the Append replies' stored_bytes sum to)."""
         return self.held()["stored_bytes"]
 
     def held(self):

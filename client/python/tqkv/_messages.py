@@ -79,8 +79,8 @@ class AppendAttendResult:
     AppendAttendItemResult per item, in order (indexable and iterable like a
     list), and the bytes the call stored over its OK items."""
     items: List[AppendAttendItemResult] = field(default_factory=list)
-    stored_bytes: int = 0       # compressed bytes stored (0 for already_stored items)
-    stored_bytes_bf16: int = 0  # the same tokens in bf16
+    stored_bytes: int = 0       # the change to the sequences' bytes as the pool counts them
+    stored_bytes_bf16: int = 0  # the same for their tokens in bf16 (0 for already_stored items)
     request_id: Optional[int] = None  # the decode stream request it answers (None: unary)
 
     def __getitem__(self, index):

@@ -67,18 +67,27 @@ class SequenceInfo:
     # The oldest token each layer still holds: 0, except in sliding-window
     # layers, which give older tokens back.
     layer_oldest_token: List[int] = field(default_factory=list)
+    # The bytes the sequence holds as the pool counts them (compressed tokens,
+    # exact copies, key means), and its tokens in bf16.
+    stored_bytes: int = 0
+    stored_bytes_bf16: int = 0
 
     @classmethod
     def from_proto(cls, info):
         return cls(info.cache, info.sequence_id, list(info.layer_tokens), info.pages,
-                   list(info.layer_oldest_token))
+                   list(info.layer_oldest_token), int(info.stored_bytes),
+                   int(info.stored_bytes_bf16))
 
 
 @dataclass
 class AppendResult:
     sequence: SequenceInfo
-    stored_bytes: int       # compressed bytes this call stored (0 when already_stored)
-    stored_bytes_bf16: int  # the same tokens in bf16
+    # What this call changed in the sequence's bytes as the pool counts them
+    # (SequenceInfo.stored_bytes; exact copies and key means included, less
+    # what it released: can be negative), and the same for its tokens in
+    # bf16; 0 when already_stored.
+    stored_bytes: int
+    stored_bytes_bf16: int
     already_stored: bool = False  # this append had landed (a retry or a resend): stored once
 
 
