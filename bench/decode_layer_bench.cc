@@ -159,10 +159,7 @@ int Run(int batch) {
       const grpc::ByteBuffer bytes(slices.data(), slices.size());
       const Clock::time_point start = Clock::now();
       // On one arena, as the server's unary handlers do.
-      google::protobuf::ArenaOptions blocks;
-      blocks.start_block_size = 16 << 10;
-      blocks.max_block_size = 256 << 10;
-      google::protobuf::Arena arena(blocks);
+      google::protobuf::Arena arena(service::CallArenaOptions());
       auto* parsed = google::protobuf::Arena::CreateMessage<v1::AppendAttendRequest>(&arena);
       if (absl::Status p = service::ParseMessage(bytes, parsed, "the request"); !p.ok()) {
         return std::fprintf(stderr, "%s\n", p.ToString().c_str()), 1;

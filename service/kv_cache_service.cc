@@ -622,16 +622,11 @@ void KvCacheService::ServeUnary(const char* method, Rpc rpc, Do do_work) {
       google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("tqkv.v1.KvCache");
   const int index = service->FindMethodByName(method)->index();  // the generated code's method order
   // Parses a Request (INVALID_ARGUMENT when the bytes are not one), runs
-  // do_work(caller, request, &response), serializes the response. Both
-  // messages live on one arena: a decode layer's request holds a few
-  // objects per item (the item, its tensors, their shapes), which the arena
-  // takes in a few blocks and frees at once.
+  // do_work(caller, request, &response), serializes the response; both
+  // messages on one arena (CallArenaOptions).
   unary_work_[index] = [do_work](const Caller& caller, const grpc::ByteBuffer& in,
                                  grpc::ByteBuffer* out) -> absl::Status {
-    google::protobuf::ArenaOptions blocks;
-    blocks.start_block_size = 16 << 10;
-    blocks.max_block_size = 256 << 10;
-    google::protobuf::Arena arena(blocks);
+    google::protobuf::Arena arena(CallArenaOptions());
     Request* request = google::protobuf::Arena::CreateMessage<Request>(&arena);
     Response* response = google::protobuf::Arena::CreateMessage<Response>(&arena);
     RETURN_IF_ERROR(ParseMessage(in, request, "the request"));

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "google/protobuf/arena.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "service/auth.h"
@@ -33,6 +34,16 @@ inline absl::Status RunGuarded(const Work& work) {
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("unexpected error serving this request: ", e.what()));
   }
+}
+
+// The arena a unary call's request and response live on: a decode layer's
+// request holds a few objects per item (the item, its tensors, their
+// shapes), which the arena takes in a few blocks and frees at once.
+inline google::protobuf::ArenaOptions CallArenaOptions() {
+  google::protobuf::ArenaOptions blocks;
+  blocks.start_block_size = 16 << 10;
+  blocks.max_block_size = 256 << 10;
+  return blocks;
 }
 
 // The message `bytes` hold, or INVALID_ARGUMENT naming `what` (gRPC's own

@@ -144,6 +144,15 @@ struct Fixture {
     }
     return bad;
   }
+
+  // One-token appends at [from, to), each followed by CheckAttend; stops at
+  // the first failure.
+  void DecodeAndCheck(const std::string& id, ReferenceSequence* ref, int64_t from, int64_t to) {
+    for (int64_t t = from; t < to; ++t) {
+      ASSERT_TRUE(Append(id, t, 1, 10 + t, ref).ok()) << "at " << t;
+      ASSERT_EQ(CheckAttend(id, *ref, 1, 200 + t), 0) << "at " << t;
+    }
+  }
 };
 
 TEST(SlidingWindowLayoutTest, GemmaShapeSplitsIntoChunksOfThreeLayersWithNoStrideWaste) {
@@ -257,10 +266,7 @@ TEST(SlidingWindowTest, ExactSinkAndWindowTokensStillMatchInsideTheWindow) {
   Fixture f(o);
   ReferenceSequence ref(&f.layout());
   ASSERT_TRUE(f.Append("s", 0, 6, 1, &ref).ok());
-  for (int64_t t = 6; t < 40; ++t) {
-    ASSERT_TRUE(f.Append("s", t, 1, 10 + t, &ref).ok());
-    ASSERT_EQ(f.CheckAttend("s", ref, 1, 200 + t), 0) << "at " << t;
-  }
+  f.DecodeAndCheck("s", &ref, 6, 40);
   // The windowed chunks gave their sink pages back; the full layer kept them.
   auto info = f.cache->GetSequence("s");
   ASSERT_TRUE(info.ok());
@@ -280,10 +286,7 @@ TEST(SlidingWindowTest, WindowsInsideTheExactWindowReadOnlyExactTokens) {
   Fixture f(o);
   ReferenceSequence ref(&f.layout());
   ASSERT_TRUE(f.Append("s", 0, 8, 1, &ref).ok());
-  for (int64_t t = 8; t < 72; ++t) {
-    ASSERT_TRUE(f.Append("s", t, 1, 10 + t, &ref).ok());
-    ASSERT_EQ(f.CheckAttend("s", ref, 1, 200 + t), 0) << "at " << t;
-  }
+  f.DecodeAndCheck("s", &ref, 8, 72);
 }
 
 TEST(SlidingWindowTest, ReadsBelowTheOldestTokenHeldAreOutOfRange) {

@@ -1082,19 +1082,27 @@ TEST(ServerStart, TakesTheCudaBackendExactlyWhereADeviceIsUsable) {
   EXPECT_EQ(service::Server::Start(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// --backend auto, per cache: a head dim of 100 is one the CUDA backend
-// refuses (not a multiple of 8), so that cache runs on the CPU backend
-// wherever a device is usable, and everything does where none is. Either
-// way both caches serve, and the kernel metrics say which backend ran.
-TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
+// Options for a server on an ephemeral loopback port (2 threads, 16 MiB,
+// no metrics) serving the caches of `config`, a ServerConfig textproto.
+service::ServerOptions LoopbackOptions(const char* config) {
   service::ServerOptions options;
   options.host = "127.0.0.1";
   options.port = 0;
   options.metrics_port = -1;
   options.threads = 2;
   options.memory_budget_bytes = uint64_t{16} << 20;
-  options.backend = "auto";
-  absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(R"pb(
+  absl::StatusOr<v1::ServerConfig> parsed = service::ParseServerConfig(config);
+  EXPECT_TRUE(parsed.ok()) << parsed.status();
+  if (parsed.ok()) options.config = *parsed;
+  return options;
+}
+
+// --backend auto, per cache: a head dim of 100 is one the CUDA backend
+// refuses (not a multiple of 8), so that cache runs on the CPU backend
+// wherever a device is usable, and everything does where none is. Either
+// way both caches serve, and the kernel metrics say which backend ran.
+TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
+  service::ServerOptions options = LoopbackOptions(R"pb(
     caches {
       name: "even" num_layers: 2 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
       page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 0
@@ -1104,8 +1112,7 @@ TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
       page_tokens: 4 preset: "fp16" boundary_layers: 0
     }
   )pb");
-  ASSERT_TRUE(config.ok()) << config.status();
-  options.config = *config;
+  options.backend = "auto";
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string taken = (*server)->backend().name();
@@ -1140,13 +1147,7 @@ TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
 // included) sum to the sequence's stored_bytes, and the cache's sum is the
 // sequences'.
 TEST(ServerBytes, AppendAnswersSumToWhatThePoolHolds) {
-  service::ServerOptions options;
-  options.host = "127.0.0.1";
-  options.port = 0;
-  options.metrics_port = -1;
-  options.threads = 2;
-  options.memory_budget_bytes = uint64_t{16} << 20;
-  absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(R"pb(
+  const service::ServerOptions options = LoopbackOptions(R"pb(
     caches {
       name: "default" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
       page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 0
@@ -1154,8 +1155,6 @@ TEST(ServerBytes, AppendAnswersSumToWhatThePoolHolds) {
       sliding_window_layers { layers: 1 layers: 3 window: 5 }
     }
   )pb");
-  ASSERT_TRUE(config.ok()) << config.status();
-  options.config = *config;
   absl::StatusOr<std::unique_ptr<service::Server>> server = service::Server::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
   ClientOptions client_options;
