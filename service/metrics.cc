@@ -86,13 +86,21 @@ class CacheCollector : public prometheus::Collectable {
       MetricType type;
     };
     static constexpr Def kDefs[] = {
-        {"tqkv_cache_stored_bytes", "Compressed bytes of the tokens the cache holds.",
+        {"tqkv_cache_stored_bytes",
+         "Bytes of what the sequences hold: compressed tokens, exact copies of sink and window tokens, "
+         "key means (no page padding).",
          MetricType::Gauge},
         {"tqkv_cache_stored_bytes_bf16", "The same tokens stored as bf16, in bytes.",
          MetricType::Gauge},
         {"tqkv_cache_bytes_saved", "bf16-equivalent bytes minus compressed bytes.",
          MetricType::Gauge},
-        {"tqkv_cache_compression_ratio", "bf16-equivalent bytes / compressed bytes (0: empty).",
+        {"tqkv_cache_compression_ratio", "bf16-equivalent bytes / stored bytes (0: empty).",
+         MetricType::Gauge},
+        {"tqkv_cache_pool_bytes_used",
+         "Pool bytes the sequences' pages take (pages used x page bytes: padding and exact pages included).",
+         MetricType::Gauge},
+        {"tqkv_cache_pool_compression_ratio",
+         "bf16-equivalent bytes / pool bytes used (0: empty): the capacity a pool of this size gains.",
          MetricType::Gauge},
         {"tqkv_cache_pages_total", "Pages in the cache's pool.", MetricType::Gauge},
         {"tqkv_cache_pages_used", "Pages in use by sequences.", MetricType::Gauge},
@@ -117,10 +125,13 @@ class CacheCollector : public prometheus::Collectable {
       const CacheStats s = cache->Stats();
       const double stored = static_cast<double>(s.stored_bytes);
       const double bf16 = static_cast<double>(s.stored_bytes_bf16);
+      const double pool = static_cast<double>(s.pages_used) * static_cast<double>(cache->layout().page_bytes());
       const double values[kDefsCount] = {stored,
                                          bf16,
                                          bf16 - stored,
                                          stored > 0 ? bf16 / stored : 0.0,
+                                         pool,
+                                         pool > 0 ? bf16 / pool : 0.0,
                                          static_cast<double>(s.pages_total),
                                          static_cast<double>(s.pages_used),
                                          static_cast<double>(s.sequences),

@@ -29,10 +29,13 @@
 //                                                waited for a free workspace
 //                                                (CUDA backend only)
 //   (wall minus device minus wait: host planning, staging and copies)
-//   tqkv_cache_stored_bytes{cache}              compressed bytes held
+//   tqkv_cache_stored_bytes{cache}              bytes held: compressed tokens,
+//                                                exact copies, key means
 //   tqkv_cache_stored_bytes_bf16{cache}         the same tokens in bf16
-//   tqkv_cache_bytes_saved{cache}               bf16 minus compressed
-//   tqkv_cache_compression_ratio{cache}         bf16 / compressed (0: empty)
+//   tqkv_cache_bytes_saved{cache}               bf16 minus stored
+//   tqkv_cache_compression_ratio{cache}         bf16 / stored (0: empty)
+//   tqkv_cache_pool_bytes_used{cache}           pages used x page bytes
+//   tqkv_cache_pool_compression_ratio{cache}    bf16 / pool bytes used
 //   tqkv_cache_pages_total{cache}, tqkv_cache_pages_used{cache}
 //   tqkv_cache_sequences{cache}, tqkv_cache_tokens{cache}
 //   tqkv_cache_evictions_total{cache}           LRU + TTL drops

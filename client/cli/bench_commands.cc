@@ -1,5 +1,5 @@
-// Benchmarks and capacity planning: `tqkv bench attend`, `tqkv bench store`,
-// `tqkv bench transport`, `tqkv capacity`. Figures are printed side by side with the uncompressed
+// Benchmarks: `tqkv bench attend`, `tqkv bench store`,
+// `tqkv bench transport`. Figures are printed side by side with the uncompressed
 // bf16 baseline measured in the same run, never asserted.
 #include <algorithm>
 #include <chrono>
@@ -674,91 +674,6 @@ int RunBench(int argc, const char* const* argv) {
   fprintf(help ? stdout : stderr,
           "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
   return help ? 0 : kExitUsage;
-}
-
-int RunCapacity(int argc, const char* const* argv) {
-  FlagSet flags("capacity",
-                "Tokens of a model's KV cache that fit in a memory budget, per preset, counting\n"
-                "whole pages (page padding included) and the protected boundary layers,\n"
-                "next to a bf16 cache of the same budget.");
-  std::string preset_names = "all", layout_name = "llama3-8b", boundary_preset = "fp16";
-  double memory_gib = 40.0;
-  int64_t page_tokens = 16, boundary_layers = 2;
-  bool json = false;
-  flags.AddDouble("memory-gib", &memory_gib, "memory budget in GiB (2^30 bytes)");
-  flags.AddString("preset", &preset_names, "a preset, a comma-separated list, or all");
-  std::string layouts;
-  for (const ModelShape& shape : ModelShapes()) layouts += (layouts.empty() ? "" : " | ") + std::string(shape.name);
-  flags.AddString("layout", &layout_name, layouts);
-  flags.AddInt("page-tokens", &page_tokens, "tokens per page");
-  flags.AddInt("boundary-layers", &boundary_layers, "first and last layers kept at --boundary-preset");
-  flags.AddString("boundary-preset", &boundary_preset, "preset of the boundary layers");
-  flags.AddBool("json", &json, "print JSON instead of a table");
-  if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
-  absl::StatusOr<std::vector<const Preset*>> presets = ParsePresetList(preset_names);
-  if (!presets.ok()) return Fail(presets.status());
-  absl::StatusOr<ModelShape> shape = FindModelShape(layout_name);
-  if (!shape.ok()) return Fail(shape.status());
-  if (!(memory_gib > 0)) return Fail(absl::InvalidArgumentError("--memory-gib must be positive"));
-  const double budget = memory_gib * 1073741824.0;
-
-  auto page_bytes_for = [&](const Preset& preset, int boundary) -> absl::StatusOr<size_t> {
-    KvLayoutOptions options;
-    options.num_layers = shape->num_layers;
-    options.num_kv_heads = shape->num_kv_heads;
-    options.num_query_heads = shape->num_query_heads;
-    options.head_dim = shape->head_dim;
-    options.page_tokens = static_cast<int>(page_tokens);
-    options.preset = std::string(preset.name);
-    options.boundary_layers = boundary;
-    options.boundary_preset = boundary_preset;
-    if (preset.NeedsCalibration()) {
-      // Sizes do not depend on which channels are hot.
-      std::vector<int> hot(preset.key.HotChannels(shape->head_dim));
-      std::iota(hot.begin(), hot.end(), 0);
-      options.hot_channels.assign(static_cast<size_t>(shape->num_layers) * shape->num_kv_heads, hot);
-    }
-    absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create(options);
-    if (!layout.ok()) return layout.status();
-    return (*layout)->page_bytes();
-  };
-  absl::StatusOr<size_t> bf16_page = page_bytes_for(**FindPreset("bf16"), 0);
-  if (!bf16_page.ok()) return Fail(bf16_page.status());
-  const double bf16_tokens = std::floor(budget / *bf16_page) * page_tokens;
-
-  Json rows = Json::array();
-  if (!json) {
-    printf("layout %s (%d layers, %d KV heads, d=%d), %.1f GiB, page %lld tokens, %lld boundary layers at %s\n",
-           std::string(shape->name).c_str(), shape->num_layers, shape->num_kv_heads, shape->head_dim, memory_gib,
-           static_cast<long long>(page_tokens), static_cast<long long>(boundary_layers), boundary_preset.c_str());
-    printf("%-20s %12s %14s %10s\n", "preset", "KiB/token", "tokens", "x_bf16");
-    printf("%-20s %12.2f %14.0f %10.2f\n", "bf16 (no boundary)", *bf16_page / 1024.0 / page_tokens, bf16_tokens, 1.0);
-  }
-  for (const Preset* preset : *presets) {
-    const int boundary = preset->name == "bf16" || preset->name == "fp16" ? 0 : static_cast<int>(boundary_layers);
-    absl::StatusOr<size_t> page = page_bytes_for(*preset, boundary);
-    if (!page.ok()) return Fail(page.status());
-    const double tokens = std::floor(budget / *page) * page_tokens;
-    if (json) {
-      rows.push_back(Json{{"preset", std::string(preset->name)},
-                          {"bytes_per_token", static_cast<double>(*page) / page_tokens},
-                          {"tokens", tokens},
-                          {"ratio_to_bf16", tokens / bf16_tokens},
-                          {"boundary_layers", boundary}});
-    } else {
-      printf("%-20s %12.2f %14.0f %10.2f\n", std::string(preset->name).c_str(), *page / 1024.0 / page_tokens,
-             tokens, tokens / bf16_tokens);
-    }
-  }
-  if (json) {
-    PrintJson(Json{{"layout", std::string(shape->name)},
-                   {"memory_gib", memory_gib},
-                   {"page_tokens", page_tokens},
-                   {"boundary_preset", boundary_preset},
-                   {"bf16_tokens", bf16_tokens},
-                   {"presets", rows}});
-  }
-  return 0;
 }
 
 }  // namespace cli

@@ -140,6 +140,7 @@ int RunInfoImpl(int argc, const char* const* argv) {
                             {"tokens", ci.tokens()},
                             {"stored_bytes", ci.stored_bytes()},
                             {"stored_bytes_bf16", ci.stored_bytes_bf16()},
+                            {"pool_bytes_used", static_cast<int64_t>(ci.pages_used()) * ci.page_bytes()},
                             {"evictions", ci.evictions()},
                             {"bytes_per_token_head", ci.bytes_per_token_head()},
                             {"bytes_per_token", ci.bytes_per_token()}});
@@ -180,6 +181,8 @@ int RunInfoImpl(int argc, const char* const* argv) {
     const double ratio = ci.stored_bytes() > 0
                              ? static_cast<double>(ci.stored_bytes_bf16()) / ci.stored_bytes()
                              : 0.0;
+    const double pool = static_cast<double>(ci.pages_used()) * static_cast<double>(ci.page_bytes());
+    const double pool_ratio = pool > 0 ? static_cast<double>(ci.stored_bytes_bf16()) / pool : 0.0;
     printf("cache '%s': %d layers, %d kv heads, %d query heads, head_dim %d, %d-token pages, "
            "preset %s (%d boundary layers %s)\n",
            k.name().c_str(), k.num_layers(), k.num_kv_heads(), k.num_query_heads(), k.head_dim(),
@@ -189,9 +192,10 @@ int RunInfoImpl(int argc, const char* const* argv) {
     printf("  pages %d / %d used (%lld bytes each), %lld sequences, %lld tokens\n",
            ci.pages_used(), ci.pages_total(), static_cast<long long>(ci.page_bytes()),
            static_cast<long long>(ci.sequences()), static_cast<long long>(ci.tokens()));
-    printf("  stored %lld bytes vs %lld as bf16 (x%.2f), %lld evictions\n",
+    printf("  stored %lld bytes (exact copies and key means included) vs %lld as bf16 (x%.2f; from the "
+           "pool, whole pages: x%.2f), %lld evictions\n",
            static_cast<long long>(ci.stored_bytes()), static_cast<long long>(ci.stored_bytes_bf16()),
-           ratio, static_cast<long long>(ci.evictions()));
+           ratio, pool_ratio, static_cast<long long>(ci.evictions()));
   }
   // A tenant's token sees itself; an admin's every tenant.
   const auto limit = [](int64_t max) { return max == 0 ? std::string("no limit") : absl::StrCat(max); };

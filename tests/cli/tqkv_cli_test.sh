@@ -48,6 +48,10 @@ contains "1.5051" "$work/out"  # outer 2-bit centroid x sqrt(128)
 check "presets" "$tqkv" presets --head-dim 80
 check "capacity" "$tqkv" capacity --memory-gib 1 --layout llama3-70b --json
 contains '"ratio_to_bf16"' "$work/out"
+# The recipe's exact copies take pages of their own (cache/footprint.h).
+check "capacity recipe" "$tqkv" capacity --memory-gib 1 --preset tqkv_k3v4u_csw --context 1000 --boundary-layers 0 --json
+contains '"exact_pages_per_sequence": 24' "$work/out"
+contains '"context": 1000' "$work/out"
 check "bench attend" "$tqkv" bench attend --preset tqkv_k3v3,turboquant_3bit_nc --context 64,200 --min-seconds 0.01 --json
 contains '"speedup_vs_bf16"' "$work/out"
 contains '"fraction_of_memory_bound"' "$work/out"

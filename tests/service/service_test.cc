@@ -938,6 +938,7 @@ TEST_F(MetricsTest, MetricsMoveAsDataIsAppended) {
   ASSERT_FALSE(text.empty());
   const std::string def = "cache=\"default\"";
   EXPECT_EQ(Sample(text, "tqkv_cache_bytes_saved", {def}), 0);
+  EXPECT_EQ(Sample(text, "tqkv_cache_pool_compression_ratio", {def}), 0);
   EXPECT_EQ(Sample(text, "tqkv_cache_pages_total", {def}), static_cast<double>((4u << 20) / page_bytes_));
   EXPECT_EQ(Sample(text, "tqkv_kernel_duration_seconds_count", {"kernel=\"store\"", "backend=\"cpu\""}), 0);
 
@@ -967,6 +968,9 @@ TEST_F(MetricsTest, MetricsMoveAsDataIsAppended) {
   EXPECT_EQ(Sample(text, "tqkv_cache_bytes_saved", {def}), r->stored_bytes_bf16 - r->stored_bytes);
   EXPECT_GT(Sample(text, "tqkv_cache_compression_ratio", {def}), 1.5);
   EXPECT_EQ(Sample(text, "tqkv_cache_pages_used", {def}), 3);
+  EXPECT_EQ(Sample(text, "tqkv_cache_pool_bytes_used", {def}), 3.0 * page_bytes_);
+  EXPECT_DOUBLE_EQ(Sample(text, "tqkv_cache_pool_compression_ratio", {def}),
+                   static_cast<double>(r->stored_bytes_bf16) / (3.0 * page_bytes_));
   EXPECT_EQ(Sample(text, "tqkv_cache_sequences", {def}), 1);
   EXPECT_EQ(Sample(text, "tqkv_cache_tokens", {def}), 9);
   EXPECT_EQ(Sample(text, "tqkv_cache_evictions_total", {def}), 0);
