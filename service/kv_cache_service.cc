@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/preset.h"
 #include "kernels/status_macros.h"
+#include "service/call_reactors.h"
 #include "service/config.h"
 #include "service/raw_message.h"
 #include "service/sequence_transfer.h"
@@ -119,394 +120,6 @@ void ToProto(const std::string& cache, const SequenceInfo& in, v1::SequenceInfo*
   out->set_stored_bytes_bf16(static_cast<int64_t>(in.stored_bytes_bf16));
 }
 
-using Clock = CallClock;
-
-// A unary rpc, served as a stream of one request and one response. gRPC
-// reads a unary request whole before it calls the handler; a stream's
-// handler runs when the call's headers arrive, so the token is checked
-// before a byte of the body is read, and a refused call's body is never
-// taken in (HTTP/2 flow control holds the sender at the stream's window).
-// On the wire nothing changes: clients call it as the unary rpc it is.
-class UnaryCallReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
- public:
-  // work(caller, request bytes, response bytes) -> status, run on
-  // `executor` (null: inline) after the request is read.
-  using Work = std::function<absl::Status(const Caller&, const grpc::ByteBuffer&, grpc::ByteBuffer*)>;
-
-  UnaryCallReactor(const absl::StatusOr<Caller>& caller, Rpc rpc, Metrics* metrics, CallExecutor* executor,
-                   const Work* work)
-      : rpc_(rpc), metrics_(metrics), executor_(executor), work_(work), start_(Clock::now()) {
-    if (!caller.ok()) {
-      Finish(ToGrpcStatus(caller.status()));
-      return;
-    }
-    caller_ = *caller;
-    StartRead(&request_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {  // half-closed without a message, or gone
-      End(absl::InvalidArgumentError("the call carried no request message"));
-      return;
-    }
-    if (executor_ == nullptr) {
-      Run();
-      return;
-    }
-    const absl::Status queued = executor_->Submit(request_.Length(), [this] { Run(); });
-    if (!queued.ok()) End(queued);
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  void Run() {
-    const absl::Status status = RunGuarded([this] { return (*work_)(caller_, request_, &response_); });
-    request_.Clear();
-    End(status);
-  }
-
-  void End(const absl::Status& status) {
-    const grpc::Status done = ToGrpcStatus(status);
-    AccountCall(metrics_, caller_, rpc_, start_, done.error_code());
-    if (done.ok()) {
-      StartWriteAndFinish(&response_, grpc::WriteOptions(), done);
-    } else {
-      Finish(done);
-    }
-  }
-
-  void Finish(grpc::Status status) { grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>::Finish(status); }
-
-  const Rpc rpc_;
-  Metrics* const metrics_;
-  CallExecutor* const executor_;
-  const Work* const work_;  // the service's, which outlives its calls
-  const Clock::time_point start_;
-  Caller caller_;
-  grpc::ByteBuffer request_;
-  grpc::ByteBuffer response_;
-  Metrics::InFlight in_flight_{metrics_, rpc_};  // after the members it reads
-};
-
-// A long prefill in chunks: every chunk is one Append, stored as it arrives.
-class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
- public:
-  // `caller`: the call's authentication; when not OK the stream ends with
-  // it before any chunk is read.
-  AppendStreamReactor(KvCacheService* service, grpc::ByteBuffer* response, const absl::StatusOr<Caller>& caller)
-      : service_(service), out_(response), start_(Clock::now()) {
-    if (!caller.ok()) {
-      Finish(ToGrpcStatus(caller.status()));
-      return;
-    }
-    caller_ = *caller;
-    StartRead(&buffer_);
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed (or the call is gone)
-      if (chunks_ == 0) {
-        Finish(ToGrpcStatus(absl::InvalidArgumentError(
-            "AppendStream carried no AppendRequest; want at least one chunk")));
-      } else {
-        response_.set_stored_bytes(stored_bytes_);
-        response_.set_stored_bytes_bf16(stored_bytes_bf16_);
-        Finish(ToGrpcStatus(SerializeMessage(response_, out_)));
-      }
-      return;
-    }
-    CallExecutor* executor = service_->executor();
-    if (executor == nullptr) {
-      StoreChunk();
-      return;
-    }
-    // No read is started until this chunk is stored: one chunk in flight.
-    const absl::Status queued = executor->Submit(buffer_.Length(), [this] { StoreChunk(); });
-    if (!queued.ok()) {
-      Finish(ToGrpcStatus(
-          absl::Status(queued.code(), absl::StrCat("chunk ", chunks_, ": ", queued.message()))));
-    }
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  // Stores request_ as the next chunk, then reads the next one or finishes.
-  void StoreChunk() {
-    if (absl::Status parsed = ParseMessage(buffer_, &request_, absl::StrCat("chunk ", chunks_)); !parsed.ok()) {
-      Finish(ToGrpcStatus(parsed));
-      return;
-    }
-    if (chunks_ > 0 && (request_.cache() != cache_ || request_.sequence_id() != sequence_id_)) {
-      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrFormat(
-          "chunk %d is for cache '%s' sequence '%s'; want the stream's cache '%s' sequence '%s'",
-          chunks_, request_.cache(), request_.sequence_id(), cache_, sequence_id_))));
-      return;
-    }
-    v1::AppendResponse chunk;
-    const absl::Status status =
-        RunGuarded([this, &chunk] { return service_->DoAppend(caller_, request_, &chunk); });
-    if (!status.ok()) {
-      Finish(ToGrpcStatus(
-          absl::Status(status.code(), absl::StrCat("chunk ", chunks_, ": ", status.message()))));
-      return;
-    }
-    if (chunks_ == 0) {
-      cache_ = request_.cache();
-      sequence_id_ = request_.sequence_id();
-    }
-    ++chunks_;
-    stored_bytes_ += chunk.stored_bytes();
-    stored_bytes_bf16_ += chunk.stored_bytes_bf16();
-    *response_.mutable_sequence() = std::move(*chunk.mutable_sequence());
-    StartRead(&buffer_);
-  }
-
-  void Finish(grpc::Status status) {
-    AccountCall(service_->metrics(), caller_, Rpc::kAppendStream, start_, status.error_code());
-    grpc::ServerReadReactor<grpc::ByteBuffer>::Finish(std::move(status));
-  }
-
-  KvCacheService* const service_;
-  Caller caller_;
-  grpc::ByteBuffer* const out_;
-  grpc::ByteBuffer buffer_;  // the read buffer; StoreChunk parses it
-  v1::AppendRequest request_;
-  v1::AppendResponse response_;
-  std::string cache_;
-  std::string sequence_id_;
-  int chunks_ = 0;
-  int64_t stored_bytes_ = 0;
-  int64_t stored_bytes_bf16_ = 0;
-  const Clock::time_point start_;
-  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kAppendStream};
-};
-
-// DecodeStream: one AppendAttend per message, in order (see the proto).
-// States: a read is outstanding, or a step computes, or neither (waiting for
-// the writes to drain below kMaxQueuedResponses); writes go out one at a
-// time from `responses_`. Start* are called without mu_ held, after the
-// state that licenses them was claimed under it. Draining (the server shuts
-// down): no more reads; the stream ends UNAVAILABLE once the steps read are
-// answered, without waiting for the outstanding read.
-class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
-                            public KvCacheService::ShutdownListener {
- public:
-  static constexpr size_t kMaxQueuedResponses = 4;
-
-  DecodeStreamReactor(KvCacheService* service, const absl::StatusOr<Caller>& caller) : service_(service) {
-    if (!caller.ok()) {
-      finished_ = true;
-      Finish(ToGrpcStatus(caller.status()));
-      return;
-    }
-    caller_ = *caller;
-    {
-      absl::MutexLock lock(&mu_);
-      reading_ = true;
-      read_claim_ = read_started_ = 1;  // no reaction runs before the constructor returns
-    }
-    StartRead(&buffer_);
-    // No reaction runs before the constructor returns, so none sees the
-    // stream unregistered.
-    if (!service_->AddStream(this)) EndForShutdown();
-  }
-
-  void EndForShutdown() override {
-    Actions next;
-    {
-      absl::MutexLock lock(&mu_);
-      draining_ = true;
-      next = DecideLocked();
-    }
-    Act(next);
-  }
-
-  void OnReadDone(bool ok) override {
-    Actions next;
-    {
-      absl::MutexLock lock(&mu_);
-      reading_ = false;
-      if (finished_) return;  // ended while this read was out: its message is not taken
-      if (!ok) {
-        read_closed_ = true;
-        next = DecideLocked();
-      } else {
-        computing_ = true;
-      }
-    }
-    if (!ok) {
-      Act(next);
-      return;
-    }
-    const Clock::time_point start = Clock::now();
-    CallExecutor* executor = service_->executor();
-    if (executor == nullptr) {
-      Compute(start);
-      return;
-    }
-    const absl::Status queued = executor->Submit(buffer_.Length(), [this, start] { Compute(start); });
-    if (!queued.ok()) {
-      // Unparsed: the id is read from the bytes only to answer (0 if they do not parse).
-      (void)ParseMessage(buffer_, &request_, "");
-      ++messages_;
-      v1::DecodeStreamResponse response;
-      response.set_request_id(request_.request_id());
-      response.set_code(static_cast<int>(queued.code()));
-      response.set_message(std::string(queued.message()));
-      Deliver(std::move(response), start);
-    }
-  }
-
-  void OnWriteDone(bool ok) override {
-    Actions next;
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      responses_.pop_front();
-      if (!ok) broken_ = true;  // the client is gone
-      next = DecideLocked();
-    }
-    Act(next);
-  }
-
-  void OnDone() override {
-    service_->RemoveStream(this);
-    delete this;
-  }
-
- private:
-  void Compute(Clock::time_point start) {
-    if (absl::Status parsed = ParseMessage(buffer_, &request_, absl::StrCat("message ", messages_)); !parsed.ok()) {
-      // No id to answer with: the stream ends with the error once the
-      // answers before it are written.
-      if (Metrics* metrics = service_->metrics()) {
-        metrics->ObserveRpc(Rpc::kDecodeStreamStep, grpc::StatusCode::INVALID_ARGUMENT,
-                            std::chrono::duration<double>(Clock::now() - start).count());
-      }
-      Actions next;
-      {
-        absl::MutexLock lock(&mu_);
-        computing_ = false;
-        read_closed_ = true;
-        end_status_ = ToGrpcStatus(parsed);
-        next = DecideLocked();
-      }
-      Act(next);
-      return;
-    }
-    ++messages_;
-    v1::DecodeStreamResponse response;
-    response.set_request_id(request_.request_id());
-    const absl::Status status = RunGuarded(
-        [this, &response] { return service_->DoAppendAttend(caller_, request_.step(), response.mutable_step()); });
-    if (!status.ok()) {
-      response.clear_step();
-      response.set_code(static_cast<int>(status.code()));
-      response.set_message(std::string(status.message()));
-    }
-    Deliver(std::move(response), start);
-  }
-
-  void Deliver(v1::DecodeStreamResponse response, Clock::time_point start) {
-    AccountCall(service_->metrics(), caller_, Rpc::kDecodeStreamStep, start,
-                static_cast<grpc::StatusCode>(response.code()));
-    grpc::ByteBuffer bytes;
-    if (!SerializeMessage(response, &bytes).ok()) {
-      response.clear_step();
-      response.set_code(static_cast<int>(absl::StatusCode::kInternal));
-      response.set_message("cannot serialize the answer");
-      (void)SerializeMessage(response, &bytes);
-    }
-    Actions next;
-    {
-      absl::MutexLock lock(&mu_);
-      computing_ = false;
-      responses_.push_back(std::move(bytes));
-      next = DecideLocked();
-    }
-    Act(next);
-  }
-
-  // What the state allows next: the next write, the next read, or the end
-  // of the call. Decided in the same critical section as the state change
-  // that allows it: a thread that changed the state and then decided in a
-  // second one could find the call finished by another thread in between,
-  // and the reactor deleted (OnDone).
-  struct Actions {
-    const grpc::ByteBuffer* write = nullptr;
-    uint64_t read = 0;  // the read claimed (read_claim_), 0: none
-    bool finish = false;
-    grpc::Status end;
-  };
-  Actions DecideLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Actions next;
-    if (finished_) return next;
-    if (broken_ && !writing_) responses_.clear();  // nobody will read them
-    if (!writing_ && !broken_ && !responses_.empty()) {
-      writing_ = true;
-      next.write = &responses_.front();  // deque: stays put while others are pushed
-    }
-    if (!reading_ && !computing_ && !read_closed_ && !draining_ && !broken_ &&
-        responses_.size() < kMaxQueuedResponses) {
-      reading_ = true;
-      next.read = ++read_claim_;
-    }
-    // Draining ends the call with a read outstanding, but only one already
-    // started: a read claimed and not yet started would start on a call that
-    // may be gone.
-    if ((!reading_ || (draining_ && read_started_ == read_claim_)) && !computing_ && !writing_ &&
-        (broken_ || ((read_closed_ || draining_) && responses_.empty()))) {
-      finished_ = true;
-      next.finish = true;
-      next.end = broken_                               ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
-                 : read_closed_ || !end_status_.ok() ? end_status_
-                                                     : ShuttingDownStatus();
-    }
-    return next;
-  }
-  // Starts what DecideLocked claimed, without mu_. A started read may let
-  // a draining call finish: decided again. After Finish the reactor may be
-  // gone: nothing follows it.
-  void Act(Actions next) {
-    for (;;) {
-      if (next.write != nullptr) StartWrite(next.write);
-      if (next.read == 0) break;
-      StartRead(&buffer_);
-      absl::MutexLock lock(&mu_);
-      read_started_ = std::max(read_started_, next.read);
-      next = DecideLocked();
-    }
-    if (next.finish) Finish(next.end);
-  }
-
-  static grpc::Status ShuttingDownStatus() {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "the server is shutting down; send the steps not answered again on a new stream "
-                        "(to another server, or to this one once it restarts)");
-  }
-
-  KvCacheService* const service_;
-  Caller caller_;
-  grpc::ByteBuffer buffer_;          // the read buffer; the step computing parses it
-  v1::DecodeStreamRequest request_;  // the step computing
-  int64_t messages_ = 0;             // parsed so far (only Compute touches it)
-  absl::Mutex mu_;
-  std::deque<grpc::ByteBuffer> responses_ ABSL_GUARDED_BY(mu_);
-  grpc::Status end_status_ ABSL_GUARDED_BY(mu_) = grpc::Status::OK;
-  bool reading_ ABSL_GUARDED_BY(mu_) = false;
-  // Reads claimed by DecideLocked, and the last one started, counted from 1.
-  uint64_t read_claim_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t read_started_ ABSL_GUARDED_BY(mu_) = 0;
-  bool computing_ ABSL_GUARDED_BY(mu_) = false;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool read_closed_ ABSL_GUARDED_BY(mu_) = false;
-  bool broken_ ABSL_GUARDED_BY(mu_) = false;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;  // EndForShutdown
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  Metrics::InFlight in_flight_{service_->metrics(), Rpc::kDecodeStreamStep};
-};
 
 }  // namespace
 
@@ -521,50 +134,44 @@ KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Bac
     if (metrics_ != nullptr) metrics_->AddCache(name, cache->layout().num_layers());
     caches_.emplace(name, std::move(cache));
   }
-  ServeUnary<v1::AppendRequest, v1::AppendResponse>("Append", Rpc::kAppend, [this](const Caller& c, const auto& r, auto* out) {
-    return DoAppend(c, r, out);
-  });
+  RegisterHandlers();
+}
+
+void KvCacheService::RegisterHandlers() {
+  ServeUnary<v1::AppendRequest, v1::AppendResponse>(
+      Rpc::kAppend, [this](const Caller& c, const auto& r, auto* out) { return DoAppend(c, r, out); });
   ServeUnary<v1::ScoreQueryRequest, v1::ScoreQueryResponse>(
-      "ScoreQuery", Rpc::kScoreQuery, [this](const Caller& c, const auto& r, auto* out) { return DoScoreQuery(c, r, out); });
-  ServeUnary<v1::AttendRequest, v1::AttendResponse>("Attend", Rpc::kAttend, [this](const Caller& c, const auto& r, auto* out) {
-    return DoAttend(c, r, out);
-  });
+      Rpc::kScoreQuery, [this](const Caller& c, const auto& r, auto* out) { return DoScoreQuery(c, r, out); });
+  ServeUnary<v1::AttendRequest, v1::AttendResponse>(
+      Rpc::kAttend, [this](const Caller& c, const auto& r, auto* out) { return DoAttend(c, r, out); });
   ServeUnary<v1::AppendAttendRequest, v1::AppendAttendResponse>(
-      "AppendAttend", Rpc::kAppendAttend,
-      [this](const Caller& c, const auto& r, auto* out) { return DoAppendAttend(c, r, out); });
+      Rpc::kAppendAttend, [this](const Caller& c, const auto& r, auto* out) { return DoAppendAttend(c, r, out); });
   ServeUnary<v1::CreateSequenceRequest, v1::SequenceInfo>(
-      "CreateSequence", Rpc::kCreateSequence,
-      [this](const Caller& c, const auto& r, auto* out) { return DoCreateSequence(c, r, out); });
+      Rpc::kCreateSequence, [this](const Caller& c, const auto& r, auto* out) { return DoCreateSequence(c, r, out); });
   ServeUnary<v1::ForkSequenceRequest, v1::SequenceInfo>(
-      "ForkSequence", Rpc::kForkSequence,
-      [this](const Caller& c, const auto& r, auto* out) { return DoForkSequence(c, r, out); });
+      Rpc::kForkSequence, [this](const Caller& c, const auto& r, auto* out) { return DoForkSequence(c, r, out); });
   ServeUnary<v1::DropSequenceRequest, v1::DropSequenceResponse>(
-      "DropSequence", Rpc::kDropSequence, [this](const Caller& c, const auto& r, auto*) { return DoDropSequence(c, r); });
+      Rpc::kDropSequence, [this](const Caller& c, const auto& r, auto*) { return DoDropSequence(c, r); });
   ServeUnary<v1::GetSequenceRequest, v1::SequenceInfo>(
-      "GetSequence", Rpc::kGetSequence,
-      [this](const Caller& c, const auto& r, auto* out) { return DoGetSequence(c, r, out); });
+      Rpc::kGetSequence, [this](const Caller& c, const auto& r, auto* out) { return DoGetSequence(c, r, out); });
   // ExportSequences: one request, then a stream of chunks; like the unary
   // rpcs, served so that the token is checked before the request is read.
-  MarkMethodStreamed(google::protobuf::DescriptorPool::generated_pool()
-                         ->FindServiceByName("tqkv.v1.KvCache")
-                         ->FindMethodByName("ExportSequences")
-                         ->index(),
-                     new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
-                         [this](grpc::CallbackServerContext* context) { return NewExportReactor(this, context); }));
+  MarkMethodStreamed(MethodIndex(Rpc::kExportSequences),
+                     NewStreamedHandler([this](grpc::CallbackServerContext* context) {
+                       return NewExportReactor(this, context);
+                     }));
   ServeUnary<v1::PullSequencesRequest, v1::ImportResponse>(
-      "PullSequences", Rpc::kPullSequences,
+      Rpc::kPullSequences,
       [this](const Caller& c, const auto& r, auto* out) { return service::PullSequences(this, c, r, out); });
   ServeUnary<v1::ListSequencesRequest, v1::ListSequencesResponse>(
-      "ListSequences", Rpc::kListSequences,
-      [this](const Caller& c, const auto& r, auto* out) { return DoListSequences(c, r, out); });
+      Rpc::kListSequences, [this](const Caller& c, const auto& r, auto* out) { return DoListSequences(c, r, out); });
   ServeUnary<v1::SaveSnapshotRequest, v1::SaveSnapshotResponse>(
-      "SaveSnapshot", Rpc::kSaveSnapshot,
-      [this](const Caller& c, const auto&, v1::SaveSnapshotResponse* out) { return DoSaveSnapshot(c, out); });
-  ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>("GetServerInfo", Rpc::kGetServerInfo,
-                                               [this](const Caller& c, const auto&, v1::ServerInfo* out) {
-                                                 DoGetServerInfo(c, out);
-                                                 return absl::OkStatus();
-                                               });
+      Rpc::kSaveSnapshot, [this](const Caller& c, const auto&, auto* out) { return DoSaveSnapshot(c, out); });
+  ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>(Rpc::kGetServerInfo,
+                                                       [this](const Caller& c, const auto&, v1::ServerInfo* out) {
+                                                         DoGetServerInfo(c, out);
+                                                         return absl::OkStatus();
+                                                       });
 }
 
 KvCacheService::~KvCacheService() = default;
@@ -617,15 +224,12 @@ absl::Status KvCacheService::FillSequenceInfo(KvCache& cache, const std::string&
 }
 
 template <typename Request, typename Response, typename Do>
-void KvCacheService::ServeUnary(const char* method, Rpc rpc, Do do_work) {
-  const google::protobuf::ServiceDescriptor* service =
-      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName("tqkv.v1.KvCache");
-  const int index = service->FindMethodByName(method)->index();  // the generated code's method order
+void KvCacheService::ServeUnary(Rpc rpc, Do do_work) {
   // Parses a Request (INVALID_ARGUMENT when the bytes are not one), runs
   // do_work(caller, request, &response), serializes the response; both
   // messages on one arena (CallArenaOptions).
-  unary_work_[index] = [do_work](const Caller& caller, const grpc::ByteBuffer& in,
-                                 grpc::ByteBuffer* out) -> absl::Status {
+  unary_work_[static_cast<int>(rpc)] = [do_work](const Caller& caller, const grpc::ByteBuffer& in,
+                                                 grpc::ByteBuffer* out) -> absl::Status {
     google::protobuf::Arena arena(CallArenaOptions());
     Request* request = google::protobuf::Arena::CreateMessage<Request>(&arena);
     Response* response = google::protobuf::Arena::CreateMessage<Response>(&arena);
@@ -635,12 +239,10 @@ void KvCacheService::ServeUnary(const char* method, Rpc rpc, Do do_work) {
   };
   // GetServerInfo takes no sequence lock and runs no kernel: inline.
   CallExecutor* executor = rpc == Rpc::kGetServerInfo ? nullptr : executor_;
-  const UnaryCallReactor::Work* work = &unary_work_[index];
-  MarkMethodStreamed(index, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(
-                                [this, rpc, executor, work](grpc::CallbackServerContext* context) {
-                                  return new UnaryCallReactor(auth_.Authenticate(*context), rpc, metrics_,
-                                                              executor, work);
-                                }));
+  const UnaryWork* work = &unary_work_[static_cast<int>(rpc)];
+  MarkMethodStreamed(MethodIndex(rpc), NewStreamedHandler([this, rpc, executor, work](grpc::CallbackServerContext* c) {
+                       return NewUnaryCallReactor(auth_.Authenticate(*c), rpc, metrics_, executor, work);
+                     }));
 }
 
 absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequest& request,
@@ -862,42 +464,25 @@ absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequ
   return absl::OkStatus();
 }
 
-absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::AppendAttendRequest& request,
-                                            v1::AppendAttendResponse* response) {
-  // As in Attend: one item outside the caller's namespace refuses the batch.
-  for (int i = 0; i < request.items_size(); ++i) {
-    const std::string& id = request.items(i).sequence_id();
-    if (absl::Status s = Authenticator::Authorize(caller, id, "sequence_id"); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
-    }
-  }
-  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
-  const KvLayout& layout = cache->layout();
-  const int layer = request.layer();
-  RETURN_IF_ERROR(CheckLayer(layer, layout, "layer"));
-  RETURN_IF_ERROR(CheckOutputDType(request.output_dtype()));
-  RETURN_IF_ERROR(CheckScale(request.scale()));
-  const int heads = layout.num_query_heads();
-  const int kv_heads = layout.num_kv_heads();
-  const int dim = layout.head_dim();
-  std::vector<float> sinks;
-  RETURN_IF_ERROR(DecodeSinkLogits(request.sink_logits(), heads, &sinks));
-  const bool want_lse = request.return_lse() || !sinks.empty();
+namespace {
 
-  // Everything a malformed request can get wrong is checked here, before any
-  // item is stored.
-  struct Item {
-    FloatTensor keys, values, queries;
-    std::vector<float> output_storage, lse;
-    float* output = nullptr;  // the response's bytes (f32 out) or output_storage
-    int64_t tokens = 0;
-    absl::Status status;
-    bool already_stored = false;
-  };
-  const int num_items = request.items_size();
-  std::vector<Item> items(num_items);
+// An AppendAttend item as decoded and checked, and where its output goes.
+struct DecodedItem {
+  FloatTensor keys, values, queries;
+  std::vector<float> output_storage, lse;
+  float* output = nullptr;  // the response's bytes (f32 out) or output_storage
+  int64_t tokens = 0;
+};
+
+// Everything a malformed item can get wrong, checked before any item is
+// stored: ids (one item per sequence), start positions, tensor shapes and
+// values. The first error names its item.
+absl::Status DecodeItems(const v1::AppendAttendRequest& request, const KvLayout& layout,
+                         std::vector<DecodedItem>* items) {
+  const int heads = layout.num_query_heads(), kv_heads = layout.num_kv_heads(), dim = layout.head_dim();
+  items->resize(request.items_size());
   absl::flat_hash_map<std::string_view, int> first_item;
-  for (int i = 0; i < num_items; ++i) {
+  for (int i = 0; i < request.items_size(); ++i) {
     const v1::AppendAttendItem& in = request.items(i);
     const auto at = [i](const absl::Status& s) {
       return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
@@ -913,9 +498,9 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
     if (in.start_position() < 0) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "item %d: start_position is %d; want the sequence's current length in layer %d (>= 0)",
-          i, in.start_position(), layer));
+          i, in.start_position(), request.layer()));
     }
-    Item& item = items[i];
+    DecodedItem& item = (*items)[i];
     // The tensors' names for messages, "item 12 values", formatted on the
     // stack: a decode layer has many items and these are read only on error.
     char name[32];
@@ -923,8 +508,7 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
       const int n = absl::SNPrintF(name, sizeof(name), "item %d %s", i, tensor);
       return std::string_view(name, std::min<size_t>(n, sizeof(name) - 1));
     };
-    const Axis key_axes[] = {
-        {"tokens", Axis::kAnySize}, {"kv_heads", kv_heads}, {"head_dim", dim}};
+    const Axis key_axes[] = {{"tokens", Axis::kAnySize}, {"kv_heads", kv_heads}, {"head_dim", dim}};
     std::vector<int64_t> shape;
     RETURN_IF_ERROR(DecodeTensorView(in.keys(), named("keys"), key_axes, &item.keys, &shape));
     item.tokens = shape[0];
@@ -933,34 +517,34 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
     const Axis query_axes[] = {{"tokens", item.tokens}, {"query_heads", heads}, {"head_dim", dim}};
     RETURN_IF_ERROR(DecodeTensorView(in.queries(), named("queries"), query_axes, &item.queries));
   }
+  return absl::OkStatus();
+}
 
-  int64_t response_bytes = 0;
-  for (const Item& item : items) {
-    response_bytes += item.tokens * heads * (dim * OutputBytes(request.output_dtype()) + (want_lse ? 4 : 0));
-  }
-  RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
-
-  // One cache call for the layer: every item's append, all-or-nothing on
-  // its own, then one attention batch over the items stored, in one backend
-  // call. An f32 output is written by the kernel straight into the response.
+// The cache's requests for the decoded items: item i's append of its tokens
+// to the layer, and its attention. An f32 output is written by the kernel
+// straight into the response's result i (added here, in order).
+void PlanCacheCalls(const v1::AppendAttendRequest& request, const KvLayout& layout, const Authenticator& auth,
+                    bool want_lse, std::vector<DecodedItem>& items, std::vector<AppendRequest>* appends,
+                    std::vector<AttendRequestItem>* attends, v1::AppendAttendResponse* response) {
+  const int heads = layout.num_query_heads(), dim = layout.head_dim();
   const bool f32_output = request.output_dtype() == v1::DTYPE_F32 ||
                           request.output_dtype() == v1::DTYPE_UNSPECIFIED;
-  std::vector<AppendRequest> appends(num_items);
-  std::vector<AttendRequestItem> attends(num_items);
-  for (int i = 0; i < num_items; ++i) {
+  appends->resize(items.size());
+  attends->resize(items.size());
+  for (int i = 0; i < static_cast<int>(items.size()); ++i) {
     const v1::AppendAttendItem& in = request.items(i);
-    Item& item = items[i];
-    AppendRequest& append = appends[i];
+    DecodedItem& item = items[i];
+    AppendRequest& append = (*appends)[i];
     append.sequence_id = in.sequence_id();
     append.start_position = in.start_position();
-    append.layer_begin = layer;
-    append.layer_end = layer + 1;
+    append.layer_begin = request.layer();
+    append.layer_end = request.layer() + 1;
     append.num_tokens = item.tokens;
     append.keys = item.keys.values.data();
     append.values = item.values.values.data();
     append.create_if_missing = !in.do_not_create();
     append.request_id = in.request_id();
-    append.account = auth_.AccountOf(in.sequence_id());
+    append.account = auth.AccountOf(in.sequence_id());
     // A retry of an append that landed attends without storing again.
     append.landed_is_stored = true;
     append.finite_checked = true;  // DecodeTensorView checked them
@@ -972,9 +556,9 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
       item.output_storage.resize(item.queries.values.size());
       item.output = item.output_storage.data();
     }
-    AttendRequestItem& a = attends[i];
+    AttendRequestItem& a = (*attends)[i];
     a.sequence_id = in.sequence_id();
-    a.layer = layer;
+    a.layer = request.layer();
     a.num_query_tokens = static_cast<int>(item.tokens);
     a.queries = item.queries.values.data();
     a.output = item.output;
@@ -983,51 +567,90 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
       a.lse = item.lse.data();
     }
   }
-  std::vector<absl::Status> statuses(num_items);
-  std::vector<AppendOutcome> outcomes(num_items);
-  cache->AppendAttend(appends, attends, request.scale(), absl::MakeSpan(statuses), absl::MakeSpan(outcomes));
-  for (int i = 0; i < num_items; ++i) {
-    items[i].status = statuses[i];
-    items[i].already_stored = outcomes[i].already_stored;
-  }
+}
 
-  int64_t stored = 0;
-  int64_t stored_bf16 = 0;
+// The response's results from the cache's answers: per-item errors, the
+// sink logits applied, outputs not written in place encoded; the bytes
+// stored and the tokens counted in `metrics` (null: none).
+absl::Status AnswerItems(const KvCache& cache, const v1::AppendAttendRequest& request, absl::Span<const float> sinks,
+                         std::vector<DecodedItem>& items, absl::Span<const absl::Status> statuses,
+                         absl::Span<const AppendOutcome> outcomes, Metrics* metrics,
+                         v1::AppendAttendResponse* response) {
+  const int heads = cache.layout().num_query_heads(), dim = cache.layout().head_dim();
+  int64_t stored = 0, stored_bf16 = 0;
   int64_t stored_tokens = 0, attended_tokens = 0;  // in this one layer
-  for (int i = 0; i < num_items; ++i) {
-    Item& item = items[i];
+  for (int i = 0; i < static_cast<int>(items.size()); ++i) {
+    DecodedItem& item = items[i];
     v1::AppendAttendItemResult* result = response->mutable_results(i);
-    if (!item.status.ok()) {
+    if (!statuses[i].ok()) {
       result->Clear();
-      result->set_code(static_cast<int>(item.status.code()));
-      result->set_message(std::string(item.status.message()));
+      result->set_code(static_cast<int>(statuses[i].code()));
+      result->set_message(std::string(statuses[i].message()));
       continue;
     }
-    if (!sinks.empty()) {
-      ApplySinkLogits(sinks, item.tokens, heads, dim, item.output, item.lse.data());
-    }
+    if (!sinks.empty()) ApplySinkLogits(sinks, item.tokens, heads, dim, item.output, item.lse.data());
     if (item.output_storage.data() == item.output) {
-      RETURN_IF_ERROR(EncodeTensor(item.output_storage, {item.tokens, heads, dim},
-                                   request.output_dtype(), result->mutable_output()));
+      RETURN_IF_ERROR(EncodeTensor(item.output_storage, {item.tokens, heads, dim}, request.output_dtype(),
+                                   result->mutable_output()));
     }
     if (request.return_lse()) {
-      RETURN_IF_ERROR(
-          EncodeTensor(item.lse, {item.tokens, heads}, v1::DTYPE_F32, result->mutable_lse()));
+      RETURN_IF_ERROR(EncodeTensor(item.lse, {item.tokens, heads}, v1::DTYPE_F32, result->mutable_lse()));
     }
     result->set_layer_tokens(request.items(i).start_position() + item.tokens);
-    result->set_already_stored(item.already_stored);
-    stored_tokens += item.already_stored ? 0 : item.tokens;
+    result->set_already_stored(outcomes[i].already_stored);
+    stored_tokens += outcomes[i].already_stored ? 0 : item.tokens;
     attended_tokens += item.tokens;
     stored += outcomes[i].stored_bytes;
     stored_bf16 += outcomes[i].stored_bytes_bf16;
   }
   response->set_stored_bytes(stored);
   response->set_stored_bytes_bf16(stored_bf16);
-  if (metrics_ != nullptr) {
-    metrics_->CountStored(cache->options().name, stored_tokens);
-    metrics_->CountAttended(cache->options().name, attended_tokens);
+  if (metrics != nullptr) {
+    metrics->CountStored(cache.options().name, stored_tokens);
+    metrics->CountAttended(cache.options().name, attended_tokens);
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::AppendAttendRequest& request,
+                                            v1::AppendAttendResponse* response) {
+  // As in Attend: one item outside the caller's namespace refuses the batch.
+  for (int i = 0; i < request.items_size(); ++i) {
+    const std::string& id = request.items(i).sequence_id();
+    if (absl::Status s = Authenticator::Authorize(caller, id, "sequence_id"); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
+    }
+  }
+  ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
+  const KvLayout& layout = cache->layout();
+  RETURN_IF_ERROR(CheckLayer(request.layer(), layout, "layer"));
+  RETURN_IF_ERROR(CheckOutputDType(request.output_dtype()));
+  RETURN_IF_ERROR(CheckScale(request.scale()));
+  const int heads = layout.num_query_heads();
+  std::vector<float> sinks;
+  RETURN_IF_ERROR(DecodeSinkLogits(request.sink_logits(), heads, &sinks));
+  const bool want_lse = request.return_lse() || !sinks.empty();
+  std::vector<DecodedItem> items;
+  RETURN_IF_ERROR(DecodeItems(request, layout, &items));
+  int64_t response_bytes = 0;
+  for (const DecodedItem& item : items) {
+    response_bytes +=
+        item.tokens * heads * (layout.head_dim() * OutputBytes(request.output_dtype()) + (want_lse ? 4 : 0));
+  }
+  RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
+
+  // One cache call for the layer: every item's append, all-or-nothing on
+  // its own, then one attention batch over the items stored, in one backend
+  // call.
+  std::vector<AppendRequest> appends;
+  std::vector<AttendRequestItem> attends;
+  PlanCacheCalls(request, layout, auth_, want_lse, items, &appends, &attends, response);
+  std::vector<absl::Status> statuses(items.size());
+  std::vector<AppendOutcome> outcomes(items.size());
+  cache->AppendAttend(appends, attends, request.scale(), absl::MakeSpan(statuses), absl::MakeSpan(outcomes));
+  return AnswerItems(*cache, request, sinks, items, statuses, outcomes, metrics_, response);
 }
 
 absl::Status KvCacheService::DoCreateSequence(const Caller& caller, const v1::CreateSequenceRequest& request,
@@ -1146,12 +769,12 @@ void KvCacheService::DoGetServerInfo(const Caller& caller, v1::ServerInfo* info)
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvCacheService::AppendStream(grpc::CallbackServerContext* context,
                                                                         Raw* response) {
-  return new AppendStreamReactor(this, response, auth_.Authenticate(*context));
+  return NewAppendStreamReactor(this, response, auth_.Authenticate(*context));
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::DecodeStream(
     grpc::CallbackServerContext* context) {
-  return new DecodeStreamReactor(this, auth_.Authenticate(*context));
+  return NewDecodeStreamReactor(this, auth_.Authenticate(*context));
 }
 
 absl::Status KvCacheService::DoListSequences(const Caller& caller, const v1::ListSequencesRequest& request,

@@ -176,18 +176,20 @@ class KvCacheService final : public RawKvCacheService {
 
  private:
   absl::Status FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info);
-  // Serves unary rpc `method` (its name in the proto) as a stream of one
+  // The unary handlers and ExportSequences' stream (the constructor's).
+  void RegisterHandlers();
+  // Serves unary `rpc` (its method: service/rpc_table.h) as a stream of one
   // request and one response: the call's token is checked when its headers
   // arrive, before its request is read; then the request is parsed as a
   // Request (INVALID_ARGUMENT when the bytes are not one) and
   // do_work(caller, request, &response) runs on the executor (inline for
   // GetServerInfo), its status finishing the call.
   template <typename Request, typename Response, typename Do>
-  void ServeUnary(const char* method, Rpc rpc, Do do_work);
+  void ServeUnary(Rpc rpc, Do do_work);
 
-  // What each unary method does with its bytes, by method index; set in the
+  // What each unary rpc does with its bytes, by Rpc; set in the
   // constructor, read by the calls.
-  std::array<std::function<absl::Status(const Caller&, const grpc::ByteBuffer&, grpc::ByteBuffer*)>, 16>
+  std::array<std::function<absl::Status(const Caller&, const grpc::ByteBuffer&, grpc::ByteBuffer*)>, kNumRpcs>
       unary_work_;
 
   // Immutable after construction: read without a lock.

@@ -23,10 +23,6 @@ namespace tqkv {
 namespace service {
 namespace {
 
-constexpr const char* kRpcNames[kNumRpcs] = {
-    "Append",         "AppendStream", "ScoreQuery",  "Attend",       "CreateSequence",
-    "ForkSequence",   "DropSequence", "GetSequence", "GetServerInfo", "AppendAttend",
-    "DecodeStreamStep", "ExportSequences", "ImportSequences", "SaveSnapshot", "ListSequences", "PullSequences"};
 constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page", "store_attend"};
 constexpr const char* kCodeNames[17] = {
     "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
@@ -203,7 +199,7 @@ Metrics::Metrics(const std::vector<std::string>& backends)
                            .Help("Wall time of each rpc, from handler start to finish.")
                            .Register(*registry_);
   for (int i = 0; i < kNumRpcs; ++i) {
-    rpc_duration_[i] = &rpc_duration.Add({{"method", kRpcNames[i]}}, LatencyBuckets());
+    rpc_duration_[i] = &rpc_duration.Add({{"method", kRpcTable[i].label}}, LatencyBuckets());
   }
   requests_ = &prometheus::BuildCounter()
                    .Name("tqkv_rpc_requests_total")
@@ -245,7 +241,7 @@ Metrics::Metrics(const std::vector<std::string>& backends)
                         .Name("tqkv_rpc_in_flight")
                         .Help("Calls started and not yet finished, by method (an open stream counts).")
                         .Register(*registry_);
-  for (int i = 0; i < kNumRpcs; ++i) in_flight_[i] = &in_flight.Add({{"method", kRpcNames[i]}});
+  for (int i = 0; i < kNumRpcs; ++i) in_flight_[i] = &in_flight.Add({{"method", kRpcTable[i].label}});
   prometheus::BuildGauge()
       .Name("tqkv_build_info")
       .Help("Always 1: the version, git revision and main compute backend of this server.")
@@ -267,7 +263,7 @@ prometheus::Counter& Metrics::CodeCounter(prometheus::Family<prometheus::Counter
   counter = slot->load(std::memory_order_relaxed);
   if (counter == nullptr) {
     counter = &family.Add(
-        {{"method", kRpcNames[static_cast<int>(rpc)]}, {"code", kCodeNames[static_cast<int>(code)]}});
+        {{"method", RowOf(rpc).label}, {"code", kCodeNames[static_cast<int>(code)]}});
     slot->store(counter, std::memory_order_release);
   }
   return *counter;
@@ -328,24 +324,26 @@ void Metrics::ObserveKernelParts(Kernel kernel, const CallTiming& timing, int ba
 
 namespace {
 
-template <size_t N>
-std::vector<Metrics::Total> Totals(const std::array<prometheus::Histogram*, N>& histograms,
-                                   const char* const* names) {
+// The histograms' totals; `name(i)` names histogram i.
+template <size_t N, typename Name>
+std::vector<Metrics::Total> Totals(const std::array<prometheus::Histogram*, N>& histograms, Name name) {
   std::vector<Metrics::Total> totals;
   for (size_t i = 0; i < N; ++i) {
     const prometheus::ClientMetric m = histograms[i]->Collect();
-    totals.push_back({names[i], static_cast<int64_t>(m.histogram.sample_count),
-                      m.histogram.sample_sum});
+    totals.push_back({name(i), static_cast<int64_t>(m.histogram.sample_count), m.histogram.sample_sum});
   }
   return totals;
 }
 
+const char* KernelName(size_t i) { return kKernelNames[i]; }
+const char* RpcLabel(size_t i) { return kRpcTable[i].label; }
+
 }  // namespace
 
 std::vector<Metrics::Total> Metrics::KernelTotals() const {
-  std::vector<Total> totals = Totals(kernel_duration_[0], kKernelNames);
+  std::vector<Total> totals = Totals(kernel_duration_[0], KernelName);
   for (size_t b = 1; b < kernel_duration_.size(); ++b) {
-    const std::vector<Total> more = Totals(kernel_duration_[b], kKernelNames);
+    const std::vector<Total> more = Totals(kernel_duration_[b], KernelName);
     for (size_t i = 0; i < totals.size(); ++i) {
       totals[i].calls += more[i].calls;
       totals[i].seconds += more[i].seconds;
@@ -354,7 +352,7 @@ std::vector<Metrics::Total> Metrics::KernelTotals() const {
   return totals;
 }
 
-std::vector<Metrics::Total> Metrics::RpcTotals() const { return Totals(rpc_duration_, kRpcNames); }
+std::vector<Metrics::Total> Metrics::RpcTotals() const { return Totals(rpc_duration_, RpcLabel); }
 
 std::shared_ptr<prometheus::Collectable> MakeCacheCollector(std::vector<KvCache*> caches) {
   return std::make_shared<CacheCollector>(std::move(caches));

@@ -85,31 +85,12 @@
 #include "kernels/backend.h"
 #include "service/auth.h"
 #include "service/executor.h"
+#include "service/rpc_table.h"
 
 namespace tqkv {
 namespace service {
 
-enum class Rpc {
-  kAppend,
-  kAppendStream,
-  kScoreQuery,
-  kAttend,
-  kCreateSequence,
-  kForkSequence,
-  kDropSequence,
-  kGetSequence,
-  kGetServerInfo,
-  kAppendAttend,
-  // One DecodeStream message (request read to response queued), not the
-  // stream: a stream lives for many steps.
-  kDecodeStreamStep,
-  kExportSequences,
-  kImportSequences,
-  kSaveSnapshot,
-  kListSequences,
-  kPullSequences,
-};
-inline constexpr int kNumRpcs = 16;
+// Rpc, kNumRpcs and the method labels: service/rpc_table.h.
 
 // store_attend: a decode layer's store and attention in one backend call
 // (Backend::StoreAndAttend).

@@ -36,6 +36,7 @@
 #include "kernels/status_macros.h"
 #include "service/config.h"
 #include "service/device_watch.h"
+#include "service/rpc_table.h"
 
 namespace tqkv {
 namespace service {
@@ -165,7 +166,11 @@ std::string OpenAccessWarning(const ServerOptions& options, int port) {
                       "a token, or --host 127.0.0.1 to serve this machine only");
 }
 
-absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+namespace {
+
+// Every range Start checks before it touches a port, a device or memory.
+absl::Status CheckOptions(const ServerOptions& options) {
+  RETURN_IF_ERROR(CheckRpcTable());
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("port ", options.port, " is not in [0, 65535]"));
   }
@@ -173,8 +178,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         absl::StrCat("max_message_bytes is ", options.max_message_bytes, "; want >= 1024"));
   }
-  ASSIGN_OR_RETURN(std::vector<CacheOptions> cache_options,
-                   ToCacheOptions(options.config, options.memory_budget_bytes));
   if (options.metrics_port < -1 || options.metrics_port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics_port ", options.metrics_port, " is not in [-1, 65535]"));
@@ -190,6 +193,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     return absl::InvalidArgumentError(
         "TLS needs both a certificate chain and a private key, or neither");
   }
+  if (!options.data_dir.empty() && !(options.snapshot_interval_seconds >= 0)) {
+    return absl::InvalidArgumentError("snapshot_interval_seconds must be >= 0 (0: only on shutdown and on demand)");
+  }
+  return absl::OkStatus();
+}
+
+// "[v6]" for an IPv6 literal, the host as it is otherwise.
+std::string Bracketed(const std::string& host) {
+  return host.find(':') != std::string::npos ? absl::StrCat("[", host, "]") : host;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& options) {
+  RETURN_IF_ERROR(CheckOptions(options));
+  ASSIGN_OR_RETURN(std::vector<CacheOptions> cache_options,
+                   ToCacheOptions(options.config, options.memory_budget_bytes));
   const std::string listen_host = ListenHost(options);
   const std::string& raw_metrics_host = options.metrics_host.empty() ? listen_host : options.metrics_host;
   // Before the backend and the page pools: a busy port fails in a moment.
@@ -199,14 +219,32 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   }
   std::unique_ptr<Server> server(new Server());
   server->host_ = listen_host;
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<KvCache>> caches, server->StartBackends(options, cache_options));
+  server->executor_ = std::make_unique<CallExecutor>(options.executor);
+  server->service_ = std::make_unique<KvCacheService>(
+      std::move(caches), server->backend_.get(), server->metrics_.get(),
+      Authenticator(options.auth), server->executor_.get());
+  server->service_->set_max_response_bytes(options.max_message_bytes);
+  RETURN_IF_ERROR(server->OpenSnapshots(options));
+  server->cache_collector_ = MakeCacheCollector(server->service_->caches());
+  server->executor_collector_ = MakeExecutorCollector(server->executor_.get());
+  server->tenant_collector_ = MakeTenantCollector(server->service_->auth().tenants());
+  RETURN_IF_ERROR(server->StartGrpc(options, listen_host));
+  if (options.metrics_port >= 0) RETURN_IF_ERROR(server->StartMetrics(options, raw_metrics_host));
+  server->StartPeriodicSnapshots(options);
+  server->SetHealthServing();
+  return server;
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<KvCache>>> Server::StartBackends(
+    const ServerOptions& options, const std::vector<CacheOptions>& cache_options) {
   BackendOptions backend_options;
   backend_options.name = options.backend;
   backend_options.cpu_threads = options.threads;
   backend_options.cuda_device = options.cuda_device;
   backend_options.cuda_tensor_cores = options.cuda_tensor_cores;
   backend_options.cpu_integer_attention = options.cpu_integer_attention;
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
-                   MakeBackend(backend_options, &server->why_not_cuda_));
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, MakeBackend(backend_options, &why_not_cuda_));
   // With "auto" on a device, each cache whose layout the device backend
   // cannot serve goes to the CPU backend instead (one line each says why).
   const std::vector<bool> on_cpu = ChooseCpuFallbacks(options.backend, *backend, cache_options);
@@ -218,15 +256,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     ASSIGN_OR_RETURN(cpu, MakeBackend(cpu_options));
     labels.push_back(cpu->name());
   }
-  server->metrics_ = std::make_unique<Metrics>(labels);
-  Server* watched = server.get();
-  backend = WithDeviceWatch(std::move(backend), [watched](const absl::Status& lost) { watched->OnDeviceLost(lost); });
-  server->backend_ = WithKernelTimings(std::move(backend), server->metrics_.get(), 0);
-  if (cpu != nullptr) server->cpu_fallback_ = WithKernelTimings(std::move(cpu), server->metrics_.get(), 1);
+  metrics_ = std::make_unique<Metrics>(labels);
+  backend = WithDeviceWatch(std::move(backend), [this](const absl::Status& lost) { OnDeviceLost(lost); });
+  backend_ = WithKernelTimings(std::move(backend), metrics_.get(), 0);
+  if (cpu != nullptr) cpu_fallback_ = WithKernelTimings(std::move(cpu), metrics_.get(), 1);
   std::vector<std::unique_ptr<KvCache>> caches;
   for (size_t i = 0; i < cache_options.size(); ++i) {
     const CacheOptions& c = cache_options[i];
-    Backend* on = on_cpu[i] ? server->cpu_fallback_.get() : server->backend_.get();
+    Backend* on = on_cpu[i] ? cpu_fallback_.get() : backend_.get();
     absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(c, on);
     if (!cache.ok()) {
       return absl::Status(cache.status().code(),
@@ -234,30 +271,24 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     }
     caches.push_back(*std::move(cache));
   }
-  server->executor_ = std::make_unique<CallExecutor>(options.executor);
-  server->service_ = std::make_unique<KvCacheService>(
-      std::move(caches), server->backend_.get(), server->metrics_.get(),
-      Authenticator(options.auth), server->executor_.get());
-  server->service_->set_max_response_bytes(options.max_message_bytes);
-  if (!options.data_dir.empty()) {
-    if (mkdir(options.data_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cannot create the data directory '", options.data_dir, "': ", std::strerror(errno)));
-    }
-    if (!(options.snapshot_interval_seconds >= 0)) {
-      return absl::InvalidArgumentError("snapshot_interval_seconds must be >= 0 (0: only on shutdown and on demand)");
-    }
-    ASSIGN_OR_RETURN(server->snapshotter_,
-                     Snapshotter::Open(options.data_dir, server->service_->caches(), &server->service_->auth()));
-    for (const std::string& line : server->snapshotter_->LoadAll()) {
-      std::fprintf(stderr, "tqkv-server: %s\n", line.c_str());
-    }
-    server->service_->set_snapshotter(server->snapshotter_.get());
-  }
-  server->cache_collector_ = MakeCacheCollector(server->service_->caches());
-  server->executor_collector_ = MakeExecutorCollector(server->executor_.get());
-  server->tenant_collector_ = MakeTenantCollector(server->service_->auth().tenants());
+  return caches;
+}
 
+absl::Status Server::OpenSnapshots(const ServerOptions& options) {
+  if (options.data_dir.empty()) return absl::OkStatus();
+  if (mkdir(options.data_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot create the data directory '", options.data_dir, "': ", std::strerror(errno)));
+  }
+  ASSIGN_OR_RETURN(snapshotter_, Snapshotter::Open(options.data_dir, service_->caches(), &service_->auth()));
+  for (const std::string& line : snapshotter_->LoadAll()) {
+    std::fprintf(stderr, "tqkv-server: %s\n", line.c_str());
+  }
+  service_->set_snapshotter(snapshotter_.get());
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartGrpc(const ServerOptions& options, const std::string& listen_host) {
   // Process-wide switches; both must be set before the builder is created.
   static std::once_flag process_setup;
   std::call_once(process_setup, [] {
@@ -265,73 +296,67 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     google::protobuf::SetLogHandler(&ThrottledProtobufLog);
   });
-
   grpc::ServerBuilder builder;
-  const std::string host = listen_host.find(':') != std::string::npos ? absl::StrCat("[", listen_host, "]")
-                                                                       : listen_host;
-  const std::string address = absl::StrCat(host, ":", options.port);
+  const std::string address = absl::StrCat(Bracketed(listen_host), ":", options.port);
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!options.tls_cert_chain_pem.empty()) {
     grpc::SslServerCredentialsOptions ssl;
     ssl.pem_key_cert_pairs.push_back({options.tls_private_key_pem, options.tls_cert_chain_pem});
     credentials = grpc::SslServerCredentials(ssl);
   }
-  builder.AddListeningPort(address, credentials, &server->port_);
+  builder.AddListeningPort(address, credentials, &port_);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
-  builder.RegisterService(server->service_.get());
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartMetrics(const ServerOptions& options, const std::string& raw_metrics_host) {
+  const std::string metrics_address = absl::StrCat(Bracketed(raw_metrics_host), ":", options.metrics_port);
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(metrics_address);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", metrics_address, ": ", e.what()));
   }
-  if (options.metrics_port >= 0) {
-    const std::string metrics_host = raw_metrics_host.find(':') != std::string::npos
-                                         ? absl::StrCat("[", raw_metrics_host, "]")
-                                         : raw_metrics_host;
-    const std::string metrics_address = absl::StrCat(metrics_host, ":", options.metrics_port);
-    try {
-      server->exposer_ = std::make_unique<prometheus::Exposer>(metrics_address);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot serve /metrics on ", metrics_address, ": ", e.what()));
+  exposer_->RegisterCollectable(metrics_->registry());
+  exposer_->RegisterCollectable(cache_collector_);
+  exposer_->RegisterCollectable(executor_collector_);
+  exposer_->RegisterCollectable(tenant_collector_);
+  exposer_->RegisterCollectable(ProcessCollector());
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
+  // The wildcard addresses are reached on loopback.
+  metrics_connect_host_ = raw_metrics_host == "0.0.0.0" || raw_metrics_host.empty() ? "127.0.0.1"
+                          : raw_metrics_host == "::"                               ? "::1"
+                                                                                   : raw_metrics_host;
+  return absl::OkStatus();
+}
+
+void Server::StartPeriodicSnapshots(const ServerOptions& options) {
+  if (snapshotter_ == nullptr || options.snapshot_interval_seconds <= 0) return;
+  const absl::Duration every = absl::Seconds(options.snapshot_interval_seconds);
+  snapshot_thread_ = std::thread([this, every] {
+    while (!stop_snapshots_.WaitForNotificationWithTimeout(every)) {
+      absl::StatusOr<v1::SaveSnapshotResponse> saved = snapshotter_->SaveAll();
+      if (!saved.ok()) std::fprintf(stderr, "tqkv-server: periodic snapshot failed: %s\n", saved.status().ToString().c_str());
     }
-    server->exposer_->RegisterCollectable(server->metrics_->registry());
-    server->exposer_->RegisterCollectable(server->cache_collector_);
-    server->exposer_->RegisterCollectable(server->executor_collector_);
-    server->exposer_->RegisterCollectable(server->tenant_collector_);
-    server->exposer_->RegisterCollectable(ProcessCollector());
-    const std::vector<int> ports = server->exposer_->GetListeningPorts();
-    server->metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
-    // The wildcard addresses are reached on loopback.
-    server->metrics_connect_host_ = raw_metrics_host == "0.0.0.0" || raw_metrics_host.empty() ? "127.0.0.1"
-                                    : raw_metrics_host == "::"                               ? "::1"
-                                                                                             : raw_metrics_host;
-  }
-  if (server->snapshotter_ != nullptr && options.snapshot_interval_seconds > 0) {
-    Server* s = server.get();
-    const absl::Duration every = absl::Seconds(options.snapshot_interval_seconds);
-    server->snapshot_thread_ = std::thread([s, every] {
-      while (!s->stop_snapshots_.WaitForNotificationWithTimeout(every)) {
-        absl::StatusOr<v1::SaveSnapshotResponse> saved = s->snapshotter_->SaveAll();
-        if (!saved.ok()) std::fprintf(stderr, "tqkv-server: periodic snapshot failed: %s\n", saved.status().ToString().c_str());
-      }
-    });
-  }
+  });
+}
+
+void Server::SetHealthServing() {
   // Health: "" (the whole server) and the service by name are SERVING until
   // Shutdown, or until the device is lost (OnDeviceLost), which may happen
   // as soon as calls arrive.
-  {
-    absl::MutexLock lock(&server->health_mu_);
-    server->health_ = server->server_->GetHealthCheckService();
-    if (server->health_ != nullptr) {
-      if (server->device_lost_) {
-        server->health_->SetServingStatus(false);
-      } else {
-        server->health_->SetServingStatus(v1::KvCache::service_full_name(), true);
-      }
-    }
+  absl::MutexLock lock(&health_mu_);
+  health_ = server_->GetHealthCheckService();
+  if (health_ == nullptr) return;
+  if (device_lost_) {
+    health_->SetServingStatus(false);
+  } else {
+    health_->SetServingStatus(v1::KvCache::service_full_name(), true);
   }
-  return server;
 }
 
 void Server::OnDeviceLost(const absl::Status& lost) {

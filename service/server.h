@@ -151,6 +151,16 @@ class Server {
   // gRPC's Shutdown(deadline), returning once no KvCache call is in flight
   // (or at the deadline), when what clients keep open is cancelled.
   void StopServing(absl::Time deadline);
+  // Start's steps, in order: the backends (and metrics_, which labels
+  // them) and the caches on them; the snapshots of data_dir loaded; gRPC
+  // listening; /metrics; the periodic snapshot thread; health SERVING.
+  absl::StatusOr<std::vector<std::unique_ptr<KvCache>>> StartBackends(const ServerOptions& options,
+                                                                      const std::vector<CacheOptions>& cache_options);
+  absl::Status OpenSnapshots(const ServerOptions& options);
+  absl::Status StartGrpc(const ServerOptions& options, const std::string& listen_host);
+  absl::Status StartMetrics(const ServerOptions& options, const std::string& raw_metrics_host);
+  void StartPeriodicSnapshots(const ServerOptions& options);
+  void SetHealthServing();
   // The backend found the device lost (service/device_watch.h): logs, and
   // health turns NOT_SERVING for good (the calls fail UNAVAILABLE already).
   void OnDeviceLost(const absl::Status& lost);
