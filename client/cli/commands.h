@@ -27,6 +27,10 @@ int RunPresets(int argc, const char* const* argv);
 // plan for a byte budget (calibrate_command.cc).
 int RunCalibrate(int argc, const char* const* argv);
 
+// A server config for a model, from its config.json or GGUF file
+// (config_command.cc).
+int RunConfig(int argc, const char* const* argv);
+
 // Benchmarks (CPU backend): `bench attend`, `bench store`; and `capacity`.
 int RunBench(int argc, const char* const* argv);
 int RunCapacity(int argc, const char* const* argv);

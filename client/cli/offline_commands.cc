@@ -434,6 +434,7 @@ const std::vector<Command>& AllCommands() {
        RunCalibrate},
       {"bench", "attend / store speed per preset next to a bf16 cache (CPU backend); the transport floor", RunBench},
       {"capacity", "tokens that fit in a memory budget per preset, vs bf16", RunCapacity},
+      {"config", "a tqkv-server cache config for a model, from its config.json or GGUF file", RunConfig},
       {"info", "server backend, caches (pages, tokens, bytes vs bf16) and presets", RunInfo},
       {"append", "append K/V .npy [layers, tokens, kv_heads, head_dim] to a sequence", RunAppend},
       {"attend", "fused decode attention of queries .npy over a sequence's layer", RunAttend},

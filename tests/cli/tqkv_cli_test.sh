@@ -52,6 +52,22 @@ contains '"ratio_to_bf16"' "$work/out"
 check "capacity recipe" "$tqkv" capacity --memory-gib 1 --preset tqkv_k3v4u_csw --context 1000 --boundary-layers 0 --json
 contains '"exact_pages_per_sequence": 24' "$work/out"
 contains '"context": 1000' "$work/out"
+models=$(dirname "$0")/../data/model_configs
+check "config from hf" "$tqkv" config --from-hf "$models/llama-3.1-8b.json"
+contains 'scaling_type: "llama3"' "$work/out"
+contains 'pair_layout: HALF_SPLIT' "$work/out"
+mkdir -p "$work/gemma" && cp "$models/gemma-3-27b.json" "$work/gemma/config.json"
+check "config from a model dir" "$tqkv" config --from-hf "$work/gemma" --preset turboquant_k3v4_nc --name gemma
+contains 'window: 1024' "$work/out"
+contains '# Per-layer RoPE' "$work/out"
+expect_code 2 "config without a source" "$tqkv" config
+expect_code 2 "config with two sources" "$tqkv" config --from-hf "$work/gemma" --from-gguf x.gguf
+expect_code 2 "config with an unknown preset" "$tqkv" config --from-hf "$work/gemma" --preset nope
+expect_code 2 "config with a bad --rope-of" "$tqkv" config --from-hf "$work/gemma" --rope-of middle
+expect_code 1 "config of a missing file" "$tqkv" config --from-gguf "$work/missing.gguf"
+echo '{"model_type": "llama", "num_hidden_layers": 2}' >"$work/broken.json"
+expect_code 1 "config of an incomplete config.json" "$tqkv" config --from-hf "$work/broken.json"
+contains "num_attention_heads is missing" "$work/out"
 check "bench attend" "$tqkv" bench attend --preset tqkv_k3v3,turboquant_3bit_nc --context 64,200 --min-seconds 0.01 --json
 contains '"speedup_vs_bf16"' "$work/out"
 contains '"fraction_of_memory_bound"' "$work/out"
