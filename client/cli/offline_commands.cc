@@ -207,6 +207,46 @@ int RunRoundtripImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+// One preset's `tqkv eval` row as JSON.
+Json EvalRowJson(const eval::PresetEvaluation& result, const Preset& preset) {
+  const eval::AttentionQuality& q = result.quality;
+  Json needles = Json::array();
+  for (const eval::NeedleResult& n : result.needles) {
+    needles.push_back(Json{{"gap", n.gap},
+                           {"top1_rate", n.top1_rate},
+                           {"exact_weight", n.exact_weight},
+                           {"approx_weight", n.approx_weight}});
+  }
+  return Json{{"preset", result.preset},
+              {"bytes_per_token_head", result.bytes_per_token_head},
+              {"compression_vs_bf16", result.compression_vs_bf16},
+              {"key_rel_mse", result.key_rel_mse},
+              {"value_rel_mse", result.value_rel_mse},
+              {"logit_rmse", q.logit_rmse},
+              {"logit_std", q.logit_std},
+              {"top1_agreement", q.top1_agreement},
+              {"top8_agreement", q.top8_agreement},
+              {"tv_distance", q.tv_distance},
+              {"output_rel_error", q.output_rel_error},
+              {"needles", needles},
+              {"evaluation_only", preset.evaluation_only}};
+}
+
+// One preset's `tqkv eval` row in the table.
+void PrintEvalRow(const eval::PresetEvaluation& result) {
+  const eval::AttentionQuality& q = result.quality;
+  std::string needle_columns;
+  for (const eval::NeedleResult& n : result.needles) absl::StrAppendFormat(&needle_columns, " %5.2f", n.top1_rate);
+  if (result.needles.size() > 1 && result.needles[1].exact_weight > 0) {
+    absl::StrAppendFormat(&needle_columns, " %6.3f", result.needles[1].approx_weight / result.needles[1].exact_weight);
+  }
+  printf("%-20s %6d %6.2f %9.5f %9.4f %9.4f %7.3f %7.3f %8.5f %9s%s\n", result.preset.c_str(),
+         result.bytes_per_token_head, result.compression_vs_bf16, result.key_rel_mse, q.logit_rmse, q.logit_std,
+         q.top1_agreement, q.top8_agreement, q.tv_distance,
+         std::isnan(q.output_rel_error) ? "-" : absl::StrFormat("%.5f", q.output_rel_error).c_str(),
+         needle_columns.c_str());
+}
+
 int RunEvalImpl(int argc, const char* const* argv) {
   FlagSet flags("eval",
                 "Attention quality per preset against exact float64 attention: key relative MSE,\n"
@@ -284,43 +324,10 @@ int RunEvalImpl(int argc, const char* const* argv) {
                                absl::StrFormat("preset %s: %s", std::string(preset->name),
                                                result.status().message())));
     }
-    const eval::AttentionQuality& q = result->quality;
-    Json needles = Json::array();
-    for (const eval::NeedleResult& n : result->needles) {
-      needles.push_back(Json{{"gap", n.gap},
-                             {"top1_rate", n.top1_rate},
-                             {"exact_weight", n.exact_weight},
-                             {"approx_weight", n.approx_weight}});
-    }
     if (json) {
-      rows.push_back(Json{{"preset", result->preset},
-                          {"bytes_per_token_head", result->bytes_per_token_head},
-                          {"compression_vs_bf16", result->compression_vs_bf16},
-                          {"key_rel_mse", result->key_rel_mse},
-                          {"value_rel_mse", result->value_rel_mse},
-                          {"logit_rmse", q.logit_rmse},
-                          {"logit_std", q.logit_std},
-                          {"top1_agreement", q.top1_agreement},
-                          {"top8_agreement", q.top8_agreement},
-                          {"tv_distance", q.tv_distance},
-                          {"output_rel_error", q.output_rel_error},
-                          {"needles", needles},
-                          {"evaluation_only", preset->evaluation_only}});
+      rows.push_back(EvalRowJson(*result, *preset));
     } else {
-      std::string needle_columns;
-      for (const eval::NeedleResult& n : result->needles) {
-        absl::StrAppendFormat(&needle_columns, " %5.2f", n.top1_rate);
-      }
-      if (result->needles.size() > 1 && result->needles[1].exact_weight > 0) {
-        absl::StrAppendFormat(&needle_columns, " %6.3f",
-                              result->needles[1].approx_weight / result->needles[1].exact_weight);
-      }
-      printf("%-20s %6d %6.2f %9.5f %9.4f %9.4f %7.3f %7.3f %8.5f %9s%s\n", result->preset.c_str(),
-             result->bytes_per_token_head, result->compression_vs_bf16, result->key_rel_mse,
-             q.logit_rmse, q.logit_std, q.top1_agreement, q.top8_agreement, q.tv_distance,
-             std::isnan(q.output_rel_error) ? "-"
-                                            : absl::StrFormat("%.5f", q.output_rel_error).c_str(),
-             needle_columns.c_str());
+      PrintEvalRow(*result);
     }
   }
   if (json) {
