@@ -19,10 +19,14 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/codec.h"
 #include "kernels/cuda/attend_kernels.cuh"
+#include "kernels/cuda/attend_launch.h"
+#include "kernels/cuda/call_workspace.h"
 #include "kernels/cuda/device.h"
 #include "kernels/cuda/device_format.h"
+#include "kernels/cuda/device_tables.h"
 #include "kernels/cuda/planner.h"
 #include "kernels/cuda/prologue_kernels.cuh"
+#include "kernels/cuda/store_launch.h"
 #include "kernels/format_table.h"
 #include "kernels/kv_layout.h"
 #include "kernels/status_macros.h"
@@ -40,411 +44,46 @@ using cuda::DevicePart;
 using cuda::DeviceRotation;
 using cuda::DeviceRotationKind;
 using cuda::MergeUnit;
+// Host-side tables and workspaces (device_tables.h, call_workspace.h).
+using cuda::ActivePairs;
+using cuda::AddBackAt;
+using cuda::AddBackOf;
+using cuda::AddPreparation;
+using cuda::AlignUp;
+using cuda::AppendExactTable;
+using cuda::Centered;
+using cuda::ClearAddBack;
+using cuda::CopyAddBack;
+using cuda::DescribeLayout;
+using cuda::ElapsedSeconds;
+using cuda::KeyOf;
+using cuda::LaunchDecode;
+using cuda::kMaxSegments;
+using cuda::LaunchKey;
+using cuda::MeasureOccupancy;
+using cuda::LayoutTables;
+using cuda::PlanAddBack;
+using cuda::PlanItemAddBack;
+using cuda::PlanScoreAddBack;
+using cuda::PoolTables;
+using cuda::Relocate;
+using cuda::Segment;
+using cuda::Segments;
+using cuda::SortBlocksByLaunch;
+using cuda::StageStore;
+using cuda::StoreOf;
+using cuda::TableBuilder;
+using cuda::UnstageBatch;
+using cuda::View;
+using cuda::Workspace;
 
 // LastCallTiming: one per thread, shared by the process's CUDA backends (a
 // caller asks the backend it just called, on the same thread).
 thread_local CallTiming last_timing;
 
-// Which decode launch runs a block: blocks with equal keys go in one launch.
-// Ordered as the launches are made: fp32 before tensor-core kernels, reads
-// of compressed pages before reads of exact pages, then by format pair and rows.
-struct LaunchKey {
-  bool exact = false;  // reads exact pages (the exact layout's view)
-  bool mma = false;    // the tensor-core kernel
-  FormatPair pair = FormatPair::kFp16Fp16;  // the layer's formats (kernels/format_table.h)
-  int block_rows = 0;  // the fp32 kernel's rows per block (template argument)
-
-  auto Tied() const { return std::tie(exact, mma, pair, block_rows); }
-  bool operator<(const LaunchKey& o) const { return Tied() < o.Tied(); }
-  bool operator==(const LaunchKey& o) const { return Tied() == o.Tied(); }
-};
 // Bytes read past a pool's last page by vectorised loads of a tail group.
 constexpr size_t kPoolTailPadding = 256;
 
-size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
-
-// ---------------------------------------------------------------------------
-// Format tables: DeviceHead structs whose pointers are offsets into one blob
-// until the blob has a device address.
-
-class TableBuilder {
- public:
-  TableBuilder() : blob_(16, 0) {}  // offset 0 stands for null
-
-  // Appends `bytes` of `data`, once per distinct `key`; returns the offset.
-  size_t Add(const void* key, const void* data, size_t bytes) {
-    auto it = offsets_.find(key);
-    if (it != offsets_.end()) return it->second;
-    const size_t offset = AlignUp(blob_.size(), 16);
-    blob_.resize(offset + bytes);
-    std::memcpy(blob_.data() + offset, data, bytes);
-    offsets_[key] = offset;
-    return offset;
-  }
-  template <typename T>
-  const T* AddVector(const std::vector<T>& v) {
-    return reinterpret_cast<const T*>(Add(v.data(), v.data(), v.size() * sizeof(T)));
-  }
-  const std::vector<uint8_t>& blob() const { return blob_; }
-
- private:
-  std::vector<uint8_t> blob_;
-  std::map<const void*, size_t> offsets_;
-};
-
-template <typename T>
-void Relocate(const T*& pointer, const uint8_t* base) {
-  if (pointer != nullptr) pointer = reinterpret_cast<const T*>(base + reinterpret_cast<uintptr_t>(pointer));
-}
-
-void Relocate(DeviceField& field, const uint8_t* base) {
-  for (int p = 0; p < field.num_parts; ++p) {
-    DevicePart& part = field.parts[p];
-    Relocate(part.centroids, base);
-    Relocate(part.boundaries, base);
-    Relocate(part.channels, base);
-    Relocate(part.rotation.signs, base);
-    Relocate(part.rotation.factor, base);
-    Relocate(part.rotation.factor_t, base);
-    Relocate(part.rotation.matrix, base);
-  }
-}
-
-absl::StatusOr<DeviceRotation> DescribeRotation(const Rotation& rotation, TableBuilder& tables) {
-  DeviceRotation r;
-  r.dim = rotation.dim();
-  switch (rotation.kind()) {
-    case Rotation::Kind::kRandomizedHadamard: {
-      r.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(r.dim)));
-      r.signs = tables.AddVector(rotation.signs());
-      const int m = rotation.hadamard_factor_order();
-      if (m == 1) {
-        r.kind = DeviceRotationKind::kHadamard;
-        return r;
-      }
-      r.kind = DeviceRotationKind::kKron;
-      r.factor_order = m;
-      r.factor_rows = r.dim / m;
-      const std::vector<float>& factor = rotation.hadamard_factor();
-      r.factor = tables.AddVector(factor);
-      std::vector<float> transpose(factor.size());
-      for (int i = 0; i < m; ++i) {
-        for (int j = 0; j < m; ++j) transpose[j * m + i] = factor[i * m + j];
-      }
-      // One transpose per m: name it by the factor's last element.
-      r.factor_t = reinterpret_cast<const float*>(
-          tables.Add(&factor.back(), transpose.data(), transpose.size() * sizeof(float)));
-      return r;
-    }
-    case Rotation::Kind::kDense:
-      r.kind = DeviceRotationKind::kDense;
-      r.matrix = tables.AddVector(rotation.matrix());
-      return r;
-    default:
-      return absl::UnimplementedError("the CUDA backend reads randomized Hadamard and dense rotations only");
-  }
-}
-
-absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes_offset,
-                                          size_t scalars_offset, TableBuilder& tables) {
-  DeviceField f;
-  f.code_bytes = codec.code_bytes();
-  f.num_scalars = codec.num_scalars();
-  f.codes_offset = codes_offset;
-  f.scalars_offset = scalars_offset;
-  const CodecSpec& spec = codec.spec();
-  f.tiled = TiledCodes(spec.kind) ? 1 : 0;
-  // The readers of raw fields (attend_kernels_impl.cuh) load runs of
-  // coordinates contiguously: token-major planes only.
-  const bool raw = spec.kind == CodecKind::kFp16 || spec.kind == CodecKind::kBf16 || spec.kind == CodecKind::kFp8;
-  if (raw && f.tiled) {
-    return absl::UnimplementedError(
-        absl::StrFormat("the CUDA kernels read %s codes token-major, not tiled", spec.Name()));
-  }
-  switch (spec.kind) {
-    case CodecKind::kFp16:
-      f.format = DeviceFieldFormat::kFp16;
-      f.bits = 16;
-      return f;
-    case CodecKind::kBf16:
-      f.format = DeviceFieldFormat::kBf16;
-      f.bits = 16;
-      return f;
-    case CodecKind::kFp8:
-      f.format = DeviceFieldFormat::kFp8;
-      f.bits = 8;
-      return f;
-    case CodecKind::kUniform:
-      f.format = DeviceFieldFormat::kUniform;
-      f.bits = spec.bits;
-      return f;
-    case CodecKind::kTurboQuant:
-    case CodecKind::kOutlierSplit: {
-      f.format = DeviceFieldFormat::kTurboQuant;
-      const std::vector<TurboQuantPart>& parts = codec.turboquant_parts();
-      f.num_parts = static_cast<int>(parts.size());
-      int state_offset = 0;
-      for (int p = 0; p < f.num_parts; ++p) {
-        const TurboQuantPart& src = parts[p];
-        DevicePart& part = f.parts[p];
-        part.dim = static_cast<int>(src.channels.size());
-        part.bits = src.codebook->bits;
-        part.code_offset = src.code_offset;
-        part.scalar_index = src.scalar_index;
-        part.state_offset = state_offset;
-        part.norm_correction = spec.norm_correction ? 1 : 0;
-        part.centroids = tables.AddVector(src.codebook->centroids);
-        part.boundaries = tables.AddVector(src.codebook->boundaries);
-        bool identity = part.dim == codec.head_dim();
-        for (int k = 0; identity && k < part.dim; ++k) identity = src.channels[k] == k;
-        if (!identity) part.channels = tables.AddVector(src.channels);
-        ASSIGN_OR_RETURN(part.rotation, DescribeRotation(*src.rotation, tables));
-        if (part.dim % 4 != 0) {
-          return absl::UnimplementedError(absl::StrFormat(
-              "the CUDA kernels need TurboQuant parts of a multiple of 4 channels, got %d", part.dim));
-        }
-        state_offset += part.dim;
-      }
-      f.bits = f.parts[0].bits;
-      return f;
-    }
-    case CodecKind::kQjl:
-      break;
-  }
-  return absl::UnimplementedError(absl::StrFormat(
-      "the CUDA backend has no kernels for %s (evaluation only); use --backend cpu", spec.Name()));
-}
-
-// One layout's pages as the kernels see them: the cache's layout, or its
-// exact layout (same pool, same page stride).
-struct LayoutTables {
-  const DeviceHead* heads = nullptr;  // [num_layers * num_kv_heads], in PoolTables::memory
-  std::vector<FormatPair> layer_pair;  // each layer's (key, value) formats
-  std::vector<bool> layer_mma;        // whether the tensor-core kernel reads it
-  // AttendBlocks of the layer's kernel one SM runs at once (occupancy API);
-  // filled by AllocatePool.
-  std::vector<int> layer_blocks_per_sm;
-  std::vector<DeviceFieldFormat> layer_key_format;
-};
-
-// A pool's device-side description: one allocation holding the blob and the
-// DeviceHead arrays of both layouts.
-struct PoolTables {
-  void* memory = nullptr;
-  LayoutTables main;
-  LayoutTables exact;                     // heads null without exact tokens
-  const KvLayout* exact_layout = nullptr;  // identifies Store calls for exact pages
-};
-
-// The DeviceHeads of `layout` (offsets into the blob) and its per-layer
-// kernel choices; UNIMPLEMENTED for what the kernels cannot read.
-absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuilder& tables,
-                            std::vector<DeviceHead>* heads, LayoutTables* out) {
-  const int d = layout.head_dim();
-  heads->assign(static_cast<size_t>(layout.num_layers()) * layout.num_kv_heads(), DeviceHead());
-  for (int layer = 0; layer < layout.num_layers(); ++layer) {
-    for (int head = 0; head < layout.num_kv_heads(); ++head) {
-      const KvLayout::HeadPlanes& planes = layout.planes(layer, head);
-      DeviceHead& h = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads() + head];
-      ASSIGN_OR_RETURN(h.key, DescribeField(layout.key_codec(layer, head), planes.key_codes,
-                                            planes.key_scalars, tables));
-      ASSIGN_OR_RETURN(h.value, DescribeField(layout.value_codec(layer, head), planes.value_codes,
-                                              planes.value_scalars, tables));
-      if (h.value.format == DeviceFieldFormat::kTurboQuant && h.value.num_parts != 1) {
-        return absl::UnimplementedError("the CUDA backend reads single-part TurboQuant values only");
-      }
-    }
-    const DeviceHead& first = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads()];
-    FormatPair pair;
-    if (!FindFormatPair(first.key.format, first.value.format, &pair) || !cuda::ScoreSupported(first.key.format)) {
-      return absl::UnimplementedError(absl::StrFormat(
-          "the CUDA backend has no attention kernel for preset %s (layer %d)",
-          std::string(layout.layer_preset(layer).name), layer));
-    }
-    out->layer_pair.push_back(pair);
-    out->layer_mma.push_back(tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
-    out->layer_key_format.push_back(first.key.format);
-  }
-  return absl::OkStatus();
-}
-
-// The runs of tokens a read of a layer holding `length` tokens covers
-// (backend.h): the compressed run first, then the exact runs (sinks,
-// window); empty runs left out.
-struct Segment {
-  bool exact;
-  int64_t begin;
-  int64_t end;
-};
-constexpr int kMaxSegments = 3;
-
-int Segments(const KvLayout& layout, bool has_exact_table, int64_t length, Segment* out) {
-  if (!layout.has_exact_tokens() || !has_exact_table) {
-    out[0] = {false, 0, length};
-    return 1;
-  }
-  const ExactRanges r = layout.exact_ranges(length);
-  int n = 0;
-  if (r.window_begin > r.sink_end) out[n++] = {false, r.sink_end, r.window_begin};
-  if (r.sink_end > 0) out[n++] = {true, 0, r.sink_end};
-  if (length > r.window_begin) out[n++] = {true, r.window_begin, length};
-  return n;
-}
-
-// Appends the exact block table of a read of `length` tokens whose view ends
-// at `view_end` to `tables`: the entries of pages holding exact-range tokens,
-// -1 for the others (which may be released).
-void AppendExactTable(const KvLayout& layout, const int32_t* exact_table, int64_t length, int64_t view_end,
-                      std::vector<int32_t>* tables) {
-  const ExactRanges r = layout.exact_ranges(length);
-  const int64_t ept = layout.exact_page_tokens();
-  const int64_t pages = (view_end + ept - 1) / ept;
-  for (int64_t i = 0; i < pages; ++i) {
-    const bool needed = i * ept < r.sink_end || (i + 1) * ept > r.window_begin;
-    tables->push_back(needed ? exact_table[i] : -1);
-  }
-}
-
-// ---------------------------------------------------------------------------
-
-struct Workspace {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr;
-  cudaEvent_t stop = nullptr;
-  uint8_t* host = nullptr;    // pinned
-  uint8_t* device = nullptr;
-  // Host-side plans, reused from call to call.
-  std::vector<cuda::PlanItem> plan_items;
-  cuda::AttendPlan plan;
-  cuda::BatchContents batch;
-  std::vector<LaunchKey> block_keys;  // batch.blocks[i]'s launch
-  std::vector<int32_t> block_order;   // blocks by launch key
-  std::vector<AttendBlock> sorted_blocks;
-  std::vector<LaunchKey> sorted_keys;
-  std::vector<int32_t> tables;
-  // The add-back (AddBackDesc): per (item, KV head), thetas, coefficients,
-  // and each row's constant.
-  std::vector<cuda::AddBackDesc> addback;
-  std::vector<double> theta;
-  std::vector<float> coef;
-  std::vector<float> constants;
-  std::vector<int> pairs;
-};
-
-// The add-back of `rows` query rows against one KV head's key mean `mean`
-// (key_centering.h, MakeAddBackTerms, in the same double arithmetic): appends
-// the mean's active pairs' thetas and each row's coefficients (A then B,
-// `scale` folded in) to w and returns their desc; constant(r, c) receives
-// each row's constant part. query_of(r) is row r's query.
-template <typename QueryOf, typename Constant>
-cuda::AddBackDesc PlanAddBack(const KvLayout& layout, const float* mean, int rows, float scale,
-                              const QueryOf& query_of, const Constant& constant, Workspace& w) {
-  const RopeTable& rope = layout.rope();
-  const int d = layout.head_dim();
-  w.pairs.clear();
-  for (int i = 0; i < rope.num_pairs(); ++i) {
-    if (mean[rope.first(i)] != 0.0f || mean[rope.second(i)] != 0.0f) w.pairs.push_back(i);
-  }
-  cuda::AddBackDesc desc;
-  desc.pairs = static_cast<int32_t>(w.pairs.size());
-  desc.theta = static_cast<int64_t>(w.theta.size());
-  desc.coef = static_cast<int64_t>(w.coef.size());
-  for (int i : w.pairs) w.theta.push_back(rope.inv_freq(i));
-  for (int r = 0; r < rows; ++r) {
-    const float* q = query_of(r);
-    double c = 0.0;
-    for (int j = 0; j < d; ++j) {
-      if (rope.num_pairs() == 0 || rope.pair_of(j) < 0) c += static_cast<double>(q[j]) * mean[j];
-    }
-    constant(r, static_cast<float>(c * scale));
-    for (int i : w.pairs) {
-      const double qa = q[rope.first(i)], qb = q[rope.second(i)];
-      w.coef.push_back(static_cast<float>(scale * (qa * mean[rope.first(i)] + qb * mean[rope.second(i)])));
-    }
-    for (int i : w.pairs) {
-      const double qa = q[rope.first(i)], qb = q[rope.second(i)];
-      w.coef.push_back(static_cast<float>(scale * (qb * mean[rope.first(i)] - qa * mean[rope.second(i)])));
-    }
-  }
-  return desc;
-}
-
-bool Centered(const KvLayout& layout, const float* key_mean) {
-  return key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
-}
-
-// The active RoPE pairs of a key mean (those PlanAddBack adds back), summed
-// over KV heads: what the planner sizes the add-back arrays by.
-int64_t ActivePairs(const KvLayout& layout, const float* key_mean) {
-  const RopeTable& rope = layout.rope();
-  int64_t pairs = 0;
-  for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
-    const float* mean = key_mean + static_cast<size_t>(kv) * layout.head_dim();
-    for (int i = 0; i < rope.num_pairs(); ++i) {
-      if (mean[rope.first(i)] != 0.0f || mean[rope.second(i)] != 0.0f) ++pairs;
-    }
-  }
-  return pairs;
-}
-
-// Where a call's add-back arrays sit in its workspace (the plan's offsets);
-// none without centering.
-struct AddBackAt {
-  bool any = false;
-  size_t heads = 0, theta = 0, coef = 0, constants = 0;
-
-  cuda::AddBackTables Tables(const uint8_t* device) const {
-    cuda::AddBackTables t;
-    if (!any) return t;
-    t.heads = reinterpret_cast<const cuda::AddBackDesc*>(device + heads);
-    t.theta = reinterpret_cast<const double*>(device + theta);
-    t.coef = reinterpret_cast<const float*>(device + coef);
-    return t;
-  }
-  const float* Constants(const uint8_t* device) const {
-    return any ? reinterpret_cast<const float*>(device + constants) : nullptr;
-  }
-};
-
-// The add-back offsets of an AttendWorkspace or a ScoreWorkspace.
-template <typename PlannedWorkspace>
-AddBackAt AddBackOf(const PlannedWorkspace& at) {
-  return AddBackAt{at.addback, at.addback_heads, at.theta, at.coef, at.constants};
-}
-
-// The add-back arrays into the workspace's pinned buffer, at `at`.
-void CopyAddBack(const AddBackAt& at, Workspace& w) {
-  if (!at.any) return;
-  std::memcpy(w.host + at.heads, w.addback.data(), sizeof(cuda::AddBackDesc) * w.addback.size());
-  std::memcpy(w.host + at.theta, w.theta.data(), sizeof(double) * w.theta.size());
-  std::memcpy(w.host + at.coef, w.coef.data(), sizeof(float) * w.coef.size());
-  std::memcpy(w.host + at.constants, w.constants.data(), sizeof(float) * w.constants.size());
-}
-
-void ClearAddBack(Workspace& w) {
-  w.addback.clear();
-  w.theta.clear();
-  w.coef.clear();
-  w.constants.clear();
-}
-
-// ScoreQuery's add-back: one desc per KV head, its rows the group's query
-// heads; constants per query head (added to every logit).
-void PlanScoreAddBack(const KvLayout& layout, const ScoreParams& p, Workspace& w) {
-  ClearAddBack(w);
-  if (!Centered(layout, p.key_mean)) return;
-  const int d = layout.head_dim();
-  const int group = layout.query_heads_per_kv_head();
-  w.constants.assign(layout.num_query_heads(), 0.0f);
-  for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
-    const float* queries = p.queries + static_cast<size_t>(kv) * group * d;
-    float* constants = w.constants.data() + kv * group;
-    w.addback.push_back(PlanAddBack(
-        layout, p.key_mean + static_cast<size_t>(kv) * d, group, p.scale,
-        [&](int r) { return queries + static_cast<size_t>(r) * d; },
-        [&](int r, float c) { constants[r] = c; }, w));
-  }
-}
 
 class CudaBackend final : public Backend {
  public:
@@ -812,21 +451,6 @@ class CudaBackend final : public Backend {
     return pool;
   }
 
-  // Every layer's resident AttendBlocks per SM (the split planner's
-  // figure), for the kernel instance a one-token decode of the layout uses.
-  static absl::Status MeasureOccupancy(const KvLayout& layout, LayoutTables* t) {
-    const int rows = cuda::BlockRowsFor(std::min(layout.query_heads_per_kv_head(), cuda::kMaxBlockRows));
-    t->layer_blocks_per_sm.clear();
-    for (int layer = 0; layer < layout.num_layers(); ++layer) {
-      int blocks = 0;
-      RETURN_IF_ERROR(CudaStatus(cuda::AttendBlocksPerSm(t->layer_pair[layer], t->layer_mma[layer], rows,
-                                                         layout.head_dim(), &blocks),
-                                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
-      t->layer_blocks_per_sm.push_back(std::max(1, blocks));
-    }
-    return absl::OkStatus();
-  }
-
   absl::Status DoCopyPage(const PagePool& pool, int32_t from, int32_t to) {
     if (from < 0 || from >= pool.num_pages || to < 0 || to >= pool.num_pages) {
       return absl::InvalidArgumentError(absl::StrFormat("page copy %d -> %d outside a %d-page pool",
@@ -902,44 +526,6 @@ class CudaBackend final : public Backend {
     const KvLayout& layout = *p.layout;
     return cuda::StoreInput{p.layer_end - p.layer_begin, layout.num_kv_heads(), layout.head_dim(), tokens,
                             options_.workspace_bytes};
-  }
-
-  // Tokens [t0, t0 + tokens) of a store into the pinned buffer at `at`, with
-  // a no-error word.
-  static void StageStore(const StoreParams& p, int64_t t0, int64_t tokens, const cuda::StoreWorkspace& at,
-                         Workspace& w) {
-    const KvLayout& layout = *p.layout;
-    const size_t vector_floats = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
-    const size_t layer_bytes = static_cast<size_t>(tokens) * vector_floats * sizeof(float);
-    for (int l = 0; l < p.layer_end - p.layer_begin; ++l) {
-      const size_t src = (static_cast<size_t>(l) * p.num_tokens + t0) * vector_floats;
-      std::memcpy(w.host + at.keys + l * layer_bytes, p.keys + src, layer_bytes);
-      std::memcpy(w.host + at.values + l * layer_bytes, p.values + src, layer_bytes);
-    }
-    std::memcpy(w.host + at.slots, p.slots + t0, sizeof(int32_t) * tokens);
-    const unsigned long long no_error = ~0ull;
-    std::memcpy(w.host + at.error, &no_error, sizeof(no_error));
-  }
-
-  // The store of a piece staged at `at` (device side), for the prologue.
-  static cuda::StoreKernelParams StoreOf(const PoolTables& tables, const StoreParams& p, int64_t tokens,
-                                         const cuda::StoreWorkspace& at, const Workspace& w) {
-    const KvLayout& layout = *p.layout;
-    cuda::StoreKernelParams k;
-    k.heads = p.layout == tables.exact_layout ? tables.exact.heads : tables.main.heads;
-    k.pool = p.pool.base;
-    k.page_bytes = p.pool.page_bytes;
-    k.page_tokens = layout.page_tokens();
-    k.num_kv_heads = layout.num_kv_heads();
-    k.head_dim = layout.head_dim();
-    k.layer_begin = p.layer_begin;
-    k.num_layers = p.layer_end - p.layer_begin;
-    k.num_tokens = static_cast<int32_t>(tokens);
-    k.slots = reinterpret_cast<const int32_t*>(w.device + at.slots);
-    k.keys = reinterpret_cast<const float*>(w.device + at.keys);
-    k.values = reinterpret_cast<const float*>(w.device + at.values);
-    k.error = reinterpret_cast<unsigned long long*>(w.device + at.error);
-    return k;
   }
 
   static absl::Status LaunchPrologue(const cuda::PrologueParams& prologue, Workspace& w) {
@@ -1176,30 +762,6 @@ class CudaBackend final : public Backend {
     return &it->second;
   }
 
-  // `layout` and `tables` of the same layout: the cache's or its exact one.
-  static cuda::PoolView View(const KvLayout& layout, const PagePool& pool, const LayoutTables& tables) {
-    cuda::PoolView v;
-    v.heads = tables.heads;
-    v.pool = pool.base;
-    v.page_bytes = pool.page_bytes;
-    v.page_tokens = layout.page_tokens();
-    const int pt = layout.page_tokens();
-    v.page_shift = (pt & (pt - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(pt)) : -1;
-    v.num_kv_heads = layout.num_kv_heads();
-    v.num_query_heads = layout.num_query_heads();
-    v.head_dim = layout.head_dim();
-    return v;
-  }
-
-  static double ElapsedSeconds(Workspace& w) {
-    float ms = 0.0f;
-    if (cudaEventElapsedTime(&ms, w.start, w.stop) != cudaSuccess) {
-      cudaGetLastError();
-      return 0.0;
-    }
-    return ms * 1e-3;
-  }
-
   absl::Status StoreFailure(unsigned long long failure, const KvLayout& layout, const StoreParams& p,
                             int64_t t0, int64_t tokens) {
     const unsigned long long vector = failure / 4;
@@ -1213,42 +775,6 @@ class CudaBackend final : public Backend {
                                                                 : "the vector norm is beyond the fp16 range of the stored norm";
     return absl::InvalidArgumentError(
         absl::StrFormat("layer %d, token %d, KV head %d: %s", layer, token, head, what));
-  }
-
-  // The launch of a block of `layer` with `block_rows` rows that reads exact
-  // pages or not.
-  static LaunchKey KeyOf(const PoolTables& tables, int layer, bool exact, int block_rows) {
-    const LayoutTables& t = exact ? tables.exact : tables.main;
-    LaunchKey key;
-    key.exact = exact;
-    key.mma = t.layer_mma[layer];
-    key.pair = t.layer_pair[layer];
-    key.block_rows = block_rows;
-    return key;
-  }
-
-  // The add-back of one piece (nothing without centering): a desc per KV
-  // head (pairs 0 for an item without a mean) and each row's constant.
-  static void PlanItemAddBack(const KvLayout& layout, float scale, const AttendItem& item,
-                              const cuda::PlanPiece& piece, const AttendItemDesc& desc, Workspace& w) {
-    if (layout.key_centering() == KeyCentering::kNone) return;
-    const int d = layout.head_dim();
-    const int qh = layout.num_query_heads();
-    const int group = layout.query_heads_per_kv_head();
-    w.constants.resize(desc.query_row + static_cast<size_t>(piece.tokens) * qh, 0.0f);
-    for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
-      if (!Centered(layout, item.key_mean)) {
-        w.addback.push_back(cuda::AddBackDesc());
-        continue;
-      }
-      // Row r = i * group + g: query token token0 + i, query head kv * group + g.
-      const auto row_of = [&](int r) { return static_cast<size_t>(r / group) * qh + kv * group + r % group; };
-      const float* queries = item.queries + static_cast<size_t>(piece.token0) * qh * d;
-      float* constants = w.constants.data() + desc.query_row;
-      w.addback.push_back(PlanAddBack(
-          layout, item.key_mean + static_cast<size_t>(kv) * d, piece.tokens * group, scale,
-          [&](int r) { return queries + row_of(r) * d; }, [&](int r, float c) { constants[row_of(r)] = c; }, w));
-    }
   }
 
   // Runs one batch of the plan: its arrays (FillAttendBatch), block tables,
@@ -1320,60 +846,6 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  // One launch per launch key: the blocks sorted by it.
-  static void SortBlocksByLaunch(const PoolTables& tables, const cuda::BatchContents& b, Workspace& w) {
-    w.block_keys.clear();
-    for (size_t i = 0; i < b.blocks.size(); ++i) {
-      const cuda::BlockLaunch& launch = b.launches[i];
-      w.block_keys.push_back(KeyOf(tables, b.items[b.blocks[i].item].layer, launch.exact, launch.block_rows));
-    }
-    w.block_order.resize(b.blocks.size());
-    std::iota(w.block_order.begin(), w.block_order.end(), 0);
-    std::stable_sort(w.block_order.begin(), w.block_order.end(),
-                     [&w](int32_t x, int32_t y) { return w.block_keys[x] < w.block_keys[y]; });
-    w.sorted_blocks.resize(b.blocks.size());
-    w.sorted_keys.resize(b.blocks.size());
-    for (size_t i = 0; i < w.block_order.size(); ++i) {
-      w.sorted_blocks[i] = b.blocks[w.block_order[i]];
-      w.sorted_keys[i] = w.block_keys[w.block_order[i]];
-    }
-  }
-
-  // The outputs the batch's copy out brought back, to the items.
-  static void UnstageBatch(const KvLayout& layout, const AttendParams& p, const cuda::AttendBatch& batch,
-                           const cuda::AttendWorkspace& at, Workspace& w) {
-    const int d = layout.head_dim();
-    const int qh = layout.num_query_heads();
-    const cuda::BatchContents& b = w.batch;
-    const float* output = reinterpret_cast<const float*>(w.host + at.output);
-    const float* lse = reinterpret_cast<const float*>(w.host + at.lse);
-    for (size_t i = 0; i < b.items.size(); ++i) {
-      const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
-      const AttendItem& item = p.items[piece.item];
-      const int64_t row = b.items[i].query_row;
-      const size_t rows = static_cast<size_t>(piece.tokens) * qh;
-      std::memcpy(item.output + static_cast<size_t>(piece.token0) * qh * d, output + row * d,
-                  sizeof(float) * rows * d);
-      if (item.lse != nullptr) {
-        std::memcpy(item.lse + static_cast<size_t>(piece.token0) * qh, lse + row, sizeof(float) * rows);
-      }
-    }
-  }
-
-  // The preparation of `rows` queries staged at `queries` (rows' KV heads at
-  // `head_of_row`) for `view`, into `prepared` (workspace offsets), added to
-  // the prologue.
-  static void AddPreparation(const cuda::PoolView& view, int64_t rows, size_t head_of_row, size_t queries,
-                             size_t prepared, float scale, const Workspace& w, cuda::PrologueParams* prologue) {
-    cuda::PrepareParams& prep = prologue->preparations[prologue->num_preparations++];
-    prep.view = view;
-    prep.num_rows = rows;
-    prep.head_of_row = reinterpret_cast<const int32_t*>(w.device + head_of_row);
-    prep.queries = reinterpret_cast<const float*>(w.device + queries);
-    prep.prepared = reinterpret_cast<float*>(w.device + prepared);
-    prep.scale = scale;
-  }
-
   // The batch's kernels on w's stream: the prologue (`prologue`'s stores, if
   // any, and the query preparation for each layout read), one decode launch
   // per launch key, the merge.
@@ -1389,48 +861,6 @@ class CudaBackend final : public Backend {
     }
     RETURN_IF_ERROR(LaunchPrologue(prologue, w));
     return LaunchDecode(view, exact_view, at, w);
-  }
-
-  // One decode launch per launch key (the blocks sorted by it: StageBatch),
-  // then the merge, over queries the prologue prepared.
-  static absl::Status LaunchDecode(const cuda::PoolView& view, const cuda::PoolView& exact_view,
-                                   const cuda::AttendWorkspace& at, Workspace& w) {
-    cuda::AttendKernelParams k;
-    k.block_tables = reinterpret_cast<const int32_t*>(w.device + at.tables);
-    k.items = reinterpret_cast<const AttendItemDesc*>(w.device + at.items);
-    k.partial_acc = reinterpret_cast<float*>(w.device + at.partial_acc);
-    k.partial_stats = reinterpret_cast<float*>(w.device + at.partial_stats);
-    k.addback = AddBackOf(at).Tables(w.device);
-    const AttendBlock* device_blocks = reinterpret_cast<const AttendBlock*>(w.device + at.blocks);
-    for (size_t first = 0; first < w.sorted_blocks.size();) {
-      size_t last = first;
-      const LaunchKey& key = w.sorted_keys[first];
-      while (last < w.sorted_keys.size() && w.sorted_keys[last] == key) ++last;
-      k.blocks = device_blocks + first;
-      k.num_blocks = static_cast<int32_t>(last - first);
-      k.exact = key.exact ? 1 : 0;
-      k.view = key.exact ? exact_view : view;
-      k.prepared = reinterpret_cast<const float*>(w.device + (key.exact ? at.prepared_exact : at.prepared));
-      if (key.mma) {
-        RETURN_IF_ERROR(CudaStatus(cuda::LaunchAttendMma(key.pair, k, w.stream), "tensor-core attend kernel launch"));
-      } else {
-        RETURN_IF_ERROR(
-            CudaStatus(cuda::LaunchAttend(key.pair, key.block_rows, k, w.stream), "attend kernel launch"));
-      }
-      first = last;
-    }
-
-    cuda::MergeParams merge;
-    merge.view = view;
-    merge.items = k.items;
-    merge.units = reinterpret_cast<const MergeUnit*>(w.device + at.units);
-    merge.num_units = static_cast<int32_t>(w.batch.units.size());
-    merge.partial_acc = k.partial_acc;
-    merge.partial_stats = k.partial_stats;
-    merge.output = reinterpret_cast<float*>(w.device + at.output);
-    merge.lse = reinterpret_cast<float*>(w.device + at.lse);
-    merge.lse_constant = AddBackOf(at).Constants(w.device);
-    return CudaStatus(cuda::LaunchMerge(merge, w.stream), "merge kernel launch");
   }
 
   const CudaBackendOptions options_;
