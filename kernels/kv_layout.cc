@@ -137,6 +137,62 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> MakeExactLayout(
       o.page_tokens, page_bytes, token_bytes));
 }
 
+// The shape's ranges: layers, heads, head dim, page tokens, boundary layers.
+absl::Status CheckShape(const KvLayoutOptions& o) {
+  if (o.num_layers < 1 || o.num_layers > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat("num_layers must be in [1, 1024], got %d", o.num_layers));
+  }
+  if (o.num_kv_heads < 1 || o.num_kv_heads > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat("num_kv_heads must be in [1, 1024], got %d", o.num_kv_heads));
+  }
+  if (o.num_query_heads < o.num_kv_heads || o.num_query_heads % o.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "num_query_heads (%d) must be a positive multiple of num_kv_heads (%d)", o.num_query_heads,
+        o.num_kv_heads));
+  }
+  if (o.head_dim < 16 || o.head_dim > kMaxHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("head_dim must be in [16, %d], got %d", kMaxHeadDim, o.head_dim));
+  }
+  if (o.page_tokens < 1 || o.page_tokens > 1024) {
+    return absl::InvalidArgumentError(absl::StrFormat("page_tokens must be in [1, 1024], got %d", o.page_tokens));
+  }
+  if (o.boundary_layers < 0 || 2 * o.boundary_layers > o.num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "boundary_layers must be in [0, num_layers / 2 = %d], got %d", o.num_layers / 2, o.boundary_layers));
+  }
+  return absl::OkStatus();
+}
+
+// Each layer's preset: the boundary preset in the boundary layers, the
+// main one elsewhere, a layer_presets entry where one is given.
+absl::StatusOr<std::vector<const Preset*>> LayerPresets(const KvLayoutOptions& o) {
+  ASSIGN_OR_RETURN(const Preset* preset, FindPreset(o.preset));
+  const Preset* boundary = preset;
+  if (o.boundary_layers > 0) {
+    ASSIGN_OR_RETURN(boundary, FindPreset(o.boundary_preset));
+  }
+  if (!o.layer_presets.empty() && static_cast<int>(o.layer_presets.size()) != o.num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layer_presets has %d entries; want none or one per layer (%d)", o.layer_presets.size(),
+        o.num_layers));
+  }
+  std::vector<const Preset*> presets(o.num_layers);
+  for (int layer = 0; layer < o.num_layers; ++layer) {
+    const bool is_boundary = layer < o.boundary_layers || layer >= o.num_layers - o.boundary_layers;
+    presets[layer] = is_boundary ? boundary : preset;
+    if (!o.layer_presets.empty() && !o.layer_presets[layer].empty()) {
+      absl::StatusOr<const Preset*> found = FindPreset(o.layer_presets[layer]);
+      if (!found.ok()) {
+        return absl::Status(found.status().code(),
+                            absl::StrFormat("layer %d: %s", layer, found.status().message()));
+      }
+      presets[layer] = *found;
+    }
+  }
+  return presets;
+}
+
 }  // namespace
 
 uint64_t KvLayout::HeadSeed(int layer, int head) const {
@@ -180,54 +236,11 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
     if (o.exact_sink_tokens == -1) o.exact_sink_tokens = recipe.exact_sink_tokens;
     if (o.exact_window_tokens == -1) o.exact_window_tokens = recipe.exact_window_tokens;
   }
-  if (o.num_layers < 1 || o.num_layers > 1024) {
-    return absl::InvalidArgumentError(absl::StrFormat("num_layers must be in [1, 1024], got %d", o.num_layers));
-  }
-  if (o.num_kv_heads < 1 || o.num_kv_heads > 1024) {
-    return absl::InvalidArgumentError(absl::StrFormat("num_kv_heads must be in [1, 1024], got %d", o.num_kv_heads));
-  }
-  if (o.num_query_heads < o.num_kv_heads || o.num_query_heads % o.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "num_query_heads (%d) must be a positive multiple of num_kv_heads (%d)", o.num_query_heads,
-        o.num_kv_heads));
-  }
-  if (o.head_dim < 16 || o.head_dim > kMaxHeadDim) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("head_dim must be in [16, %d], got %d", kMaxHeadDim, o.head_dim));
-  }
-  if (o.page_tokens < 1 || o.page_tokens > 1024) {
-    return absl::InvalidArgumentError(absl::StrFormat("page_tokens must be in [1, 1024], got %d", o.page_tokens));
-  }
-  if (o.boundary_layers < 0 || 2 * o.boundary_layers > o.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "boundary_layers must be in [0, num_layers / 2 = %d], got %d", o.num_layers / 2, o.boundary_layers));
-  }
-  ASSIGN_OR_RETURN(const Preset* preset, FindPreset(o.preset));
-  const Preset* boundary = preset;
-  if (o.boundary_layers > 0) {
-    ASSIGN_OR_RETURN(boundary, FindPreset(o.boundary_preset));
-  }
+  RETURN_IF_ERROR(CheckShape(o));
+  ASSIGN_OR_RETURN(const std::vector<const Preset*> presets, LayerPresets(o));
+  const bool needs_calibration =
+      std::any_of(presets.begin(), presets.end(), [](const Preset* p) { return p->NeedsCalibration(); });
   const int heads = o.num_kv_heads;
-  if (!o.layer_presets.empty() && static_cast<int>(o.layer_presets.size()) != o.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer_presets has %d entries; want none or one per layer (%d)", o.layer_presets.size(),
-        o.num_layers));
-  }
-  std::vector<const Preset*> presets(o.num_layers);
-  bool needs_calibration = false;
-  for (int layer = 0; layer < o.num_layers; ++layer) {
-    const bool is_boundary = layer < o.boundary_layers || layer >= o.num_layers - o.boundary_layers;
-    presets[layer] = is_boundary ? boundary : preset;
-    if (!o.layer_presets.empty() && !o.layer_presets[layer].empty()) {
-      absl::StatusOr<const Preset*> found = FindPreset(o.layer_presets[layer]);
-      if (!found.ok()) {
-        return absl::Status(found.status().code(),
-                            absl::StrFormat("layer %d: %s", layer, found.status().message()));
-      }
-      presets[layer] = *found;
-    }
-    needs_calibration = needs_calibration || presets[layer]->NeedsCalibration();
-  }
   RETURN_IF_ERROR(CheckCenteringAndExactTokens(o));
   RETURN_IF_ERROR(CheckWindows(o));
   if (needs_calibration && o.hot_channels.size() != static_cast<size_t>(o.num_layers) * heads) {

@@ -1,4 +1,4 @@
-// Helpers of the raw handlers (kv_cache_service.cc, sequence_transfer.cc):
+// Helpers of the raw handlers (kv_cache_service.cc, call_reactors.cc, sequence_transfer.cc):
 // parsing and serializing messages from and to grpc::ByteBuffer with precise
 // errors, running a call's work so that no exception reaches gRPC, and
 // accounting for a finished call.

@@ -191,12 +191,55 @@ class CpuBackend final : public Backend {
     return exact.num_tokens > 0 ? StoreTokens(exact) : absl::OkStatus();
   }
 
+  // The page and slot of tokens [i0, i0 + n) of a store.
+  static void LocateSlots(const StoreParams& p, int64_t i0, int n, uint8_t** pages, int* slots) {
+    const int page_tokens = p.layout->page_tokens();
+    for (int k = 0; k < n; ++k) {
+      const int32_t slot_index = p.slots[i0 + k];
+      pages[k] = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
+      slots[k] = slot_index % page_tokens;
+    }
+  }
+
+  // Where a run of n tokens of one head goes: each token's codes (in its
+  // page, or for a tiled plane its row of the staged buffer, token-major)
+  // and scalars, at pages[k] / slots[k].
+  static void PointAtSlots(const HeadView& view, int n, uint8_t* const* pages, const int* slots,
+                           uint8_t* staged_keys, uint8_t* staged_values, uint8_t** key_codes,
+                           uint8_t** value_codes, uint16_t** key_scalars, uint16_t** value_scalars) {
+    for (int k = 0; k < n; ++k) {
+      uint8_t* page = pages[k];
+      const int slot = slots[k];
+      key_codes[k] = view.key_plane.tiled ? staged_keys + k * view.key_plane.code_bytes
+                                          : page + view.planes->key_codes +
+                                                static_cast<size_t>(slot) * view.key_plane.code_bytes;
+      value_codes[k] = view.value_plane.tiled ? staged_values + k * view.value_plane.code_bytes
+                                              : page + view.planes->value_codes +
+                                                    static_cast<size_t>(slot) * view.value_plane.code_bytes;
+      key_scalars[k] = const_cast<uint16_t*>(view.key_scalars(page, slot));
+      value_scalars[k] = const_cast<uint16_t*>(view.value_scalars(page, slot));
+    }
+  }
+
+  // Tiled planes: asks for a run's tiles to write while the codecs work, so
+  // that StoreTiled's stores do not wait on them.
+  static void PrefetchTilesToWrite(const HeadView& view, int n, uint8_t* const* pages, const int* slots) {
+    for (int k = 0; k < n; k += kTileTokens) {
+      for (const auto& [plane, offset] : {std::pair{view.key_plane, view.planes->key_codes},
+                                           std::pair{view.value_plane, view.planes->value_codes}}) {
+        if (!plane.tiled) continue;
+        const uint8_t* tile =
+            pages[k] + offset + static_cast<size_t>(slots[k] - slots[k] % kTileTokens) * plane.code_bytes;
+        for (int b = 0; b < kTileTokens * plane.code_bytes; b += 64) __builtin_prefetch(tile + b, 1, 3);
+      }
+    }
+  }
+
   // Store without the exact copies.
   absl::Status StoreTokens(const StoreParams& p) {
     const KvLayout& layout = *p.layout;
     const int heads = layout.num_kv_heads();
     const int d = layout.head_dim();
-    const int page_tokens = layout.page_tokens();
     // One task per (layer, run of kRun tokens), each storing every KV head
     // of its run: tasks write disjoint slots. Heads go inside a run, not
     // across the whole call, so that the run's input rows (one per token,
@@ -249,11 +292,7 @@ class CpuBackend final : public Backend {
       // Each token's page and slot, once for every head.
       uint8_t* pages[kRun];
       int slots[kRun];
-      for (int k = 0; k < n; ++k) {
-        const int32_t slot_index = p.slots[i0 + k];
-        pages[k] = p.pool.base + static_cast<size_t>(slot_index / page_tokens) * p.pool.page_bytes;
-        slots[k] = slot_index % page_tokens;
-      }
+      LocateSlots(p, i0, n, pages, slots);
       if (i0 == 0) {
         prefetch_rows(p.keys, layer, i0, n, 0);
         prefetch_rows(p.values, layer, i0, n, 0);
@@ -272,31 +311,14 @@ class CpuBackend final : public Backend {
         uint8_t* const staged_keys = staged_rows(head, 0);
         uint8_t* const staged_values = staged_rows(head, 1);
         for (int k = 0; k < n; ++k) {
-          const uint8_t* page = pages[k];
-          const int slot = slots[k];
           const size_t row = static_cast<size_t>((layer_offset + i0 + k) * heads + head) * d;
           key_in[k] = p.keys + row;
           value_in[k] = p.values + row;
-          key_codes[k] = view.key_plane.tiled ? staged_keys + k * view.key_plane.code_bytes
-                                              : const_cast<uint8_t*>(page + view.planes->key_codes) +
-                                                    static_cast<size_t>(slot) * view.key_plane.code_bytes;
-          value_codes[k] = view.value_plane.tiled ? staged_values + k * view.value_plane.code_bytes
-                                                  : const_cast<uint8_t*>(page + view.planes->value_codes) +
-                                                        static_cast<size_t>(slot) * view.value_plane.code_bytes;
-          key_scalars[k] = const_cast<uint16_t*>(view.key_scalars(page, slot));
-          value_scalars[k] = const_cast<uint16_t*>(view.value_scalars(page, slot));
         }
+        PointAtSlots(view, n, pages, slots, staged_keys, staged_values, key_codes, value_codes, key_scalars,
+                     value_scalars);
         int key_failed = n, value_failed = n;
-        // Tiled planes: ask for the run's tiles to write while the codecs
-        // work, so that StoreTiled's stores do not wait on them.
-        for (int k = 0; k < n; k += kTileTokens) {
-          for (const auto& [plane, offset] : {std::pair{view.key_plane, view.planes->key_codes},
-                                               std::pair{view.value_plane, view.planes->value_codes}}) {
-            if (!plane.tiled) continue;
-            const uint8_t* tile = pages[k] + offset + static_cast<size_t>(slots[k] - slots[k] % kTileTokens) * plane.code_bytes;
-            for (int b = 0; b < kTileTokens * plane.code_bytes; b += 64) __builtin_prefetch(tile + b, 1, 3);
-          }
-        }
+        PrefetchTilesToWrite(view, n, pages, slots);
         if (next_n > 0) prefetch_rows(p.keys, layer, next_i0, next_n, next_head);
         absl::Status key_status = view.key->EncodeMany(n, key_in, key_codes, key_scalars, &key_failed);
         if (pending_values != nullptr) {

@@ -510,6 +510,60 @@ struct IntegerAttention {
     if (pending >= 0) SoftmaxRows<1>(&pending, t0, groups, raw, tokens, x, weights, weight_unit, correction);
   }
 
+  // Unsigned 8-bit fixed point of one row's block of weights (`block`, per
+  // group of kGroup lanes), in units of the block's largest weight / 255,
+  // rounded with the error carried from token to token: the weights are
+  // first taken to 1/256 of a unit (W, exact integers), and token k of the
+  // block (in the order lane-major over its groups: any fixed order works)
+  // gets round(C_k / 256) - round(C_{k-1} / 256), C_k the sum of W up to k.
+  // So any run of tokens weighs within 0.6 units of its exact weight, and
+  // weights too small for a unit are not all dropped (each dropped alone, a
+  // block of them would lose their mass). A negative or NaN weight (a value
+  // scale the encoder never writes) weighs zero. Writes kBlock weights to
+  // `to` (zero past `groups`) and returns the unit.
+  __attribute__((always_inline)) static float FixedPointWeights(const __m512* block, int groups, uint8_t* to) {
+    constexpr int kGroups = kBlock / kGroup;
+    const __m512i zero = _mm512_setzero_si512(), half = _mm512_set1_epi32(128);
+    __m512 w_max = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroups; ++g) {
+      if (g >= groups) break;
+      w_max = _mm512_max_ps(w_max, _mm512_abs_ps(block[g]));
+    }
+    const float top = avx512::Max(w_max);
+    const __m512 to_fixed = _mm512_set1_ps(top > 0.0f ? 65280.0f / top : 0.0f);
+    __m512i fixed[kGroups], upto[kGroups];  // W, and its sum over the groups up to g
+    __m512i running = zero;
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroups; ++g) {
+      if (g >= groups) break;
+      fixed[g] = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(block[g], to_fixed)), zero);
+      upto[g] = running = _mm512_add_epi32(running, fixed[g]);
+    }
+    // before[i]: the sum of W over lanes below i, every group.
+    __m512i scan = _mm512_add_epi32(running, _mm512_alignr_epi32(running, zero, 15));
+    scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 14));
+    scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 12));
+    scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 8));
+    const __m512i before = _mm512_sub_epi32(scan, running);
+    // round(C / 256) at each token, and at its predecessor in the order:
+    // the same lane's previous group, or for group 0 the sum before the
+    // lane (the previous lane's last group).
+    __m512i rounded_before = _mm512_srli_epi32(_mm512_add_epi32(before, half), 8);
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroups; ++g) {
+      uint8_t* out = to + kGroup * g;
+      if (g >= groups) {
+        _mm_store_si128(reinterpret_cast<__m128i*>(out), _mm_setzero_si128());
+        continue;
+      }
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(before, upto[g]), half), 8);
+      _mm_store_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_sub_epi32(rounded, rounded_before)));
+      rounded_before = rounded;
+    }
+    return top > 0.0f ? top * (1.0f / 255.0f) : 1.0f;
+  }
+
   // SoftmaxBlock for kRows rows (rows[i], each seeing the block) at once.
   template <int kRows>
   void SoftmaxRows(const int* rows, int64_t t0, int groups, const int32_t* const* raw, const BlockTokens& tokens,
@@ -553,7 +607,7 @@ struct IntegerAttention {
       }
     }
     float new_max[kRows];
-    __m512 sum[kRows], zero_sum[kRows], w_max[kRows];
+    __m512 sum[kRows], zero_sum[kRows];
 #pragma GCC unroll 2
     for (int i = 0; i < kRows; ++i) {
       const int r = rows[i];
@@ -561,7 +615,7 @@ struct IntegerAttention {
       // exp(0) without the call: most blocks do not raise the maximum.
       correction[r] = row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max[i] ? 1.0f : std::exp(row_max[r] - new_max[i]);
       row_max[r] = new_max[i];
-      sum[i] = zero_sum[i] = w_max[i] = _mm512_setzero_ps();
+      sum[i] = zero_sum[i] = _mm512_setzero_ps();
     }
 #pragma GCC unroll 4
     for (int g = 0; g < kGroups; ++g) {
@@ -583,55 +637,12 @@ struct IntegerAttention {
           }
           block[i][g] = _mm512_mul_ps(e, _mm512_load_ps(tokens.value_scale + kGroup * g));
         }
-        w_max[i] = _mm512_max_ps(w_max[i], _mm512_abs_ps(block[i][g]));
       }
     }
-    // Unsigned 8-bit fixed point per row and block, in units of the block's
-    // largest weight / 255, rounded with the error carried from token to
-    // token: the weights are first taken to 1/256 of a unit (W, exact
-    // integers), and token k of the block (in the order lane-major over its
-    // groups: any fixed order works) gets round(C_k / 256) - round(C_{k-1} /
-    // 256), C_k the sum of W up to k. So any run of tokens weighs within 0.6
-    // units of its exact weight, and weights too small for a unit are not
-    // all dropped (each dropped alone, a block of them would lose their
-    // mass). A negative or NaN weight (a value scale the encoder never
-    // writes) weighs zero.
-    const __m512i zero = _mm512_setzero_si512(), half = _mm512_set1_epi32(128);
 #pragma GCC unroll 2
     for (int i = 0; i < kRows; ++i) {
       const int r = rows[i];
-      const float top = avx512::Max(w_max[i]);
-      weight_unit[r] = top > 0.0f ? top * (1.0f / 255.0f) : 1.0f;
-      const __m512 to_fixed = _mm512_set1_ps(top > 0.0f ? 65280.0f / top : 0.0f);
-      __m512i fixed[kGroups], upto[kGroups];  // W, and its sum over the groups up to g
-      __m512i running = zero;
-#pragma GCC unroll 4
-      for (int g = 0; g < kGroups; ++g) {
-        if (g >= groups) break;
-        fixed[g] = _mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(block[i][g], to_fixed)), zero);
-        upto[g] = running = _mm512_add_epi32(running, fixed[g]);
-      }
-      // before[i]: the sum of W over lanes below i, every group.
-      __m512i scan = _mm512_add_epi32(running, _mm512_alignr_epi32(running, zero, 15));
-      scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 14));
-      scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 12));
-      scan = _mm512_add_epi32(scan, _mm512_alignr_epi32(scan, zero, 8));
-      const __m512i before = _mm512_sub_epi32(scan, running);
-      // round(C / 256) at each token, and at its predecessor in the order:
-      // the same lane's previous group, or for group 0 the sum before the
-      // lane (the previous lane's last group).
-      __m512i rounded_before = _mm512_srli_epi32(_mm512_add_epi32(before, half), 8);
-#pragma GCC unroll 4
-      for (int g = 0; g < kGroups; ++g) {
-        uint8_t* to = weights + r * kBlock + kGroup * g;
-        if (g >= groups) {
-          _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm_setzero_si128());
-          continue;
-        }
-        const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(before, upto[g]), half), 8);
-        _mm_store_si128(reinterpret_cast<__m128i*>(to), _mm512_cvtepi32_epi8(_mm512_sub_epi32(rounded, rounded_before)));
-        rounded_before = rounded;
-      }
+      weight_unit[r] = FixedPointWeights(block[i], groups, weights + r * kBlock);
       row_sum[r] = row_sum[r] * correction[r] + avx512::Sum(sum[i]);
       row_zero[r] = row_zero[r] * correction[r] + avx512::Sum(zero_sum[i]);
     }

@@ -108,8 +108,14 @@ def head_name(head):
 
 
 def tracked_sources(root):
-    files = subprocess.run(["git", "-C", str(root), "ls-files"], capture_output=True, text=True, check=True)
-    for name in files.stdout.split():
+    """The tracked sources (git ls-files), or every file under root when it is
+    not a git checkout."""
+    files = subprocess.run(["git", "-C", str(root), "ls-files"], capture_output=True, text=True)
+    if files.returncode == 0:
+        names = files.stdout.split()
+    else:
+        names = [str(p.relative_to(root)) for p in pathlib.Path(root).rglob("*") if p.is_file()]
+    for name in sorted(names):
         if name.endswith(SOURCES) and not name.startswith(EXCLUDED_DIRS):
             yield name
 
