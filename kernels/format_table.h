@@ -9,10 +9,16 @@
 //   TQKV_FORMAT_FAMILIES(X)  X(Name, reads_keys, code_bits)
 //     reads_keys: the family can hold keys (scores are read from it);
 //     code_bits:  FormatBits() mask of the code widths a field may have.
-//   TQKV_FORMAT_PAIRS(X)     X(Name, KeyFamily, ValueFamily, tensor_cores)
+//   TQKV_FORMAT_PAIRS(X)     X(Name, KeyFamily, ValueFamily, tensor_cores, fused_on)
 //     every pair with a fused attention kernel; tensor_cores: the CUDA
 //     tensor-core kernel has an instance for it (its own limits on head dim
-//     and bits still apply: cuda::AttendMmaSupported).
+//     and bits still apply: cuda::AttendMmaSupported); fused_on: the backends
+//     with a fused kernel for it (kFusedCpu, kFusedCuda). A pair a backend
+//     lacks still attends there when the backend has a general path (the
+//     CPU's reference loop) or is refused at layout time (CUDA: UNIMPLEMENTED).
+//   TQKV_SPLIT_KEY_BITS(X)   X(hot_bits, cold_bits)
+//     TurboQuant keys in two parts (the outlier split): the widths the CPU
+//     kernels are compiled for (the CUDA kernels read parts at run time).
 //
 // From the tables: FormatFamily and FormatPair (one enumerator per entry, in
 // table order), kFormatPairs (each pair's parameters), FindFormatPair
@@ -27,12 +33,12 @@
 //   - a switch over FormatFamily or FormatPair written by hand has no default,
 //     so -Wswitch names a missing case.
 //
-// The CPU backend (kernels/cpu/attend_dispatch.h) has not moved onto the
-// table yet; it reads a superset (split TurboQuant keys as a family of their
-// own, fp16 keys with compressed values) and dispatches bits at compile time
-// too. Moving it means: families for its FieldFormats, its extra pairs as
-// entries (with a column for which backends serve them), and its
-// PickAttendKernel switches generated from VisitFormatPair and code_bits.
+// The CPU backend (kernels/cpu/attend_dispatch.h) generates its kernel
+// choice from the same rows: every pair with kFusedCpu, every width in its
+// families' code_bits (and TQKV_SPLIT_KEY_BITS for TurboQuant keys), each
+// instruction set's kernels saying which of those they read. The
+// conformance test (tests/kernels/format_conformance_test.cc) walks the
+// table x backend x instruction set against float64 attention.
 //
 // Plain constexpr C++ with no includes beyond <cstdint>: nvcc, the host
 // emulation and the CPU build all read it.
@@ -45,6 +51,10 @@ namespace tqkv {
 
 // Code widths as a bit mask: bit b set = b-bit codes.
 constexpr uint32_t FormatBits(int bits) { return uint32_t{1} << bits; }
+
+// The fused_on column: backends with a fused attention kernel for a pair.
+constexpr uint32_t kFusedCpu = 1;
+constexpr uint32_t kFusedCuda = 2;
 
 // Fp16 / Bf16: raw half or bfloat16 coordinates; Fp8: raw E4M3, no scale;
 // Uniform: b-bit codes with an fp16 scale and zero; TurboQuant: one or two
@@ -59,14 +69,33 @@ constexpr uint32_t FormatBits(int bits) { return uint32_t{1} << bits; }
                              ::tqkv::FormatBits(8))                                                  \
   X(TurboQuant,  true,       ::tqkv::FormatBits(2) | ::tqkv::FormatBits(3) | ::tqkv::FormatBits(4))
 
-#define TQKV_FORMAT_PAIRS(X)                                                                           \
-  /* Name                  Key          Value        tensor_cores */                                   \
-  X(Fp16Fp16,              Fp16,        Fp16,        true)                                             \
-  X(Bf16Bf16,              Bf16,        Bf16,        true)                                             \
-  X(Fp8Fp8,                Fp8,         Fp8,         false)                                            \
-  X(Fp8Uniform,            Fp8,         Uniform,     false)                                            \
-  X(TurboQuantUniform,     TurboQuant,  Uniform,     true)                                             \
-  X(TurboQuantTurboQuant,  TurboQuant,  TurboQuant,  true)
+#define TQKV_FORMAT_PAIRS(X)                                                                                 \
+  /* Name                 Key          Value        tensor_cores  fused_on */                                \
+  X(Fp16Fp16,              Fp16,        Fp16,        true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(Bf16Bf16,              Bf16,        Bf16,        true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(Fp8Fp8,                Fp8,         Fp8,         false,         ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(Fp8Uniform,            Fp8,         Uniform,     false,         ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(TurboQuantUniform,     TurboQuant,  Uniform,     true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(TurboQuantTurboQuant,  TurboQuant,  TurboQuant,  true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(Fp16Bf16,              Fp16,        Bf16,        false,         ::tqkv::kFusedCpu)                       \
+  X(Fp16Fp8,               Fp16,        Fp8,         false,         ::tqkv::kFusedCpu)                       \
+  X(Fp16Uniform,           Fp16,        Uniform,     false,         ::tqkv::kFusedCpu)                       \
+  X(Fp16TurboQuant,        Fp16,        TurboQuant,  false,         ::tqkv::kFusedCpu)                       \
+  X(Bf16Fp16,              Bf16,        Fp16,        false,         ::tqkv::kFusedCpu)                       \
+  X(Bf16Fp8,               Bf16,        Fp8,         false,         ::tqkv::kFusedCpu)                       \
+  X(Bf16Uniform,           Bf16,        Uniform,     false,         ::tqkv::kFusedCpu)                       \
+  X(Bf16TurboQuant,        Bf16,        TurboQuant,  false,         ::tqkv::kFusedCpu)                       \
+  X(Fp8Fp16,               Fp8,         Fp16,        false,         ::tqkv::kFusedCpu)                       \
+  X(Fp8Bf16,               Fp8,         Bf16,        false,         ::tqkv::kFusedCpu)                       \
+  X(Fp8TurboQuant,         Fp8,         TurboQuant,  false,         ::tqkv::kFusedCpu)                       \
+  X(TurboQuantFp16,        TurboQuant,  Fp16,        false,         ::tqkv::kFusedCpu)                       \
+  X(TurboQuantBf16,        TurboQuant,  Bf16,        false,         ::tqkv::kFusedCpu)                       \
+  X(TurboQuantFp8,         TurboQuant,  Fp8,         false,         ::tqkv::kFusedCpu)
+
+#define TQKV_SPLIT_KEY_BITS(X) \
+  X(4, 3)                      \
+  X(4, 2)                      \
+  X(3, 2)
 // clang-format on
 
 enum class FormatFamily : int32_t {
@@ -76,7 +105,7 @@ enum class FormatFamily : int32_t {
 };
 
 enum class FormatPair : int32_t {
-#define TQKV_PAIR_ENUM_(name, key, value, tensor_cores) k##name,
+#define TQKV_PAIR_ENUM_(name, key, value, tensor_cores, fused_on) k##name,
   TQKV_FORMAT_PAIRS(TQKV_PAIR_ENUM_)
 #undef TQKV_PAIR_ENUM_
 };
@@ -94,6 +123,7 @@ struct FormatPairInfo {
   FormatFamily key;
   FormatFamily value;
   bool tensor_cores;
+  uint32_t fused_on;  // kFusedCpu | kFusedCuda
 };
 
 inline constexpr FormatFamilyInfo kFormatFamilies[] = {
@@ -104,8 +134,8 @@ inline constexpr FormatFamilyInfo kFormatFamilies[] = {
 inline constexpr int kNumFormatFamilies = sizeof(kFormatFamilies) / sizeof(kFormatFamilies[0]);
 
 inline constexpr FormatPairInfo kFormatPairs[] = {
-#define TQKV_PAIR_INFO_(name, key, value, tensor_cores) \
-  {FormatPair::k##name, #name, FormatFamily::k##key, FormatFamily::k##value, tensor_cores},
+#define TQKV_PAIR_INFO_(name, key, value, tensor_cores, fused_on) \
+  {FormatPair::k##name, #name, FormatFamily::k##key, FormatFamily::k##value, tensor_cores, fused_on},
     TQKV_FORMAT_PAIRS(TQKV_PAIR_INFO_)
 #undef TQKV_PAIR_INFO_
 };
@@ -128,12 +158,36 @@ constexpr bool FindFormatPair(FormatFamily key, FormatFamily value, FormatPair* 
   return false;
 }
 
+// Whether a family stores `bits`-bit codes (FormatBits of its code_bits).
+constexpr bool FamilyHasBits(FormatFamily family, int bits) {
+  return bits > 0 && bits < 32 && (FamilyInfo(family).code_bits & FormatBits(bits)) != 0;
+}
+
+// Two-part TurboQuant keys dispatch as one width: 10 * hot + cold (43, 42,
+// 32; hot and cold of 2-8 bits), above every single-part width (at most 16).
+constexpr int SplitKeyBits(int hot_bits, int cold_bits) { return 10 * hot_bits + cold_bits; }
+constexpr bool IsSplitKeyBits(int bits) { return bits >= 22 && bits <= 88 && bits % 10 >= 2 && bits % 10 <= 8; }
+constexpr bool SplitKeyBitsListed(int bits) {
+#define TQKV_SPLIT_LISTED_(hot, cold) \
+  if (bits == SplitKeyBits(hot, cold)) return true;
+  TQKV_SPLIT_KEY_BITS(TQKV_SPLIT_LISTED_)
+#undef TQKV_SPLIT_LISTED_
+  return false;
+}
+// Whether keys of `family` come in width `bits` (a split width for
+// TurboQuant included).
+constexpr bool KeyFamilyHasBits(FormatFamily family, int bits) {
+  if (IsSplitKeyBits(bits)) return family == FormatFamily::kTurboQuant && SplitKeyBitsListed(bits);
+  return FamilyInfo(family).reads_keys && FamilyHasBits(family, bits);
+}
+
 // A pair or a family as compile-time constants.
-template <FormatFamily kKeyFamily, FormatFamily kValueFamily, bool kHasTensorCores>
+template <FormatFamily kKeyFamily, FormatFamily kValueFamily, bool kHasTensorCores, uint32_t kFusedOnBackends>
 struct FormatPairTag {
   static constexpr FormatFamily kKey = kKeyFamily;
   static constexpr FormatFamily kValue = kValueFamily;
   static constexpr bool kTensorCores = kHasTensorCores;
+  static constexpr uint32_t kFusedOn = kFusedOnBackends;
 };
 template <FormatFamily kFamily>
 struct FormatFamilyTag {
@@ -145,9 +199,9 @@ struct FormatFamilyTag {
 template <typename R, typename F>
 constexpr R VisitFormatPair(FormatPair pair, R fallback, F&& f) {
   switch (pair) {
-#define TQKV_PAIR_CASE_(name, key, value, tensor_cores) \
-  case FormatPair::k##name:                             \
-    return f(FormatPairTag<FormatFamily::k##key, FormatFamily::k##value, tensor_cores>{});
+#define TQKV_PAIR_CASE_(name, key, value, tensor_cores, fused_on) \
+  case FormatPair::k##name:                                       \
+    return f(FormatPairTag<FormatFamily::k##key, FormatFamily::k##value, tensor_cores, fused_on>{});
     TQKV_FORMAT_PAIRS(TQKV_PAIR_CASE_)
 #undef TQKV_PAIR_CASE_
   }

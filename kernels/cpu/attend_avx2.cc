@@ -96,7 +96,7 @@ inline int Load32(const uint8_t* p) {
 
 // Reads one field of a token, 16 coordinates at a time as two vectors, before
 // the token's scale and zero (which the kernel folds into scores and weights).
-template <FieldFormat kFormat, int kBits>
+template <FormatFamily kFormat, int kBits>
 class Decoder {
  public:
   explicit Decoder(const FieldReader& field) {
@@ -107,7 +107,7 @@ class Decoder {
       alignas(32) float table[16];
       for (int i = 0; i < 16; ++i) {
         const int code = i % (1 << kBits);
-        table[i] = kFormat == FieldFormat::kCentroids ? field.centroids[code] : static_cast<float>(code);
+        table[i] = kFormat == FormatFamily::kTurboQuant ? field.centroids[code] : static_cast<float>(code);
       }
       low_ = _mm256_load_ps(table);
       high_ = _mm256_load_ps(table + 8);
@@ -125,20 +125,20 @@ class Decoder {
 
   // Where coordinate j of a 16-coordinate block lands in the output of
   // Block(): positions 0-7 in the first vector, 8-15 in the second.
-  static int Position(int j) { return kFormat == FieldFormat::kBf16 ? (j % 2) * 8 + j / 2 : j; }
+  static int Position(int j) { return kFormat == FormatFamily::kBf16 ? (j % 2) * 8 + j / 2 : j; }
 
   // Coordinates 16 * block ... + 15, in Position() order.
   void Block(const uint8_t* codes, int block, __m256* first, __m256* second) const {
-    if constexpr (kFormat == FieldFormat::kBf16) {
+    if constexpr (kFormat == FormatFamily::kBf16) {
       // A bf16 is the top half of a float: even coordinates shift up, odd
       // ones need only their low half cleared.
       const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * block));
       *first = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
       *second = _mm256_castsi256_ps(_mm256_and_si256(both, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-    } else if constexpr (kFormat == FieldFormat::kFp16) {
+    } else if constexpr (kFormat == FormatFamily::kFp16) {
       *first = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * block)));
       *second = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 32 * block + 16)));
-    } else if constexpr (kFormat == FieldFormat::kFp8) {
+    } else if constexpr (kFormat == FormatFamily::kFp8) {
       // E4M3 -> binary16 bits: sign to bit 15, exponent and mantissa to bits
       // 13-7 (x << 8, an arithmetic shift right by one, a mask). That half is
       // the fp8 value times 2^-8, subnormals included; kUnitScale undoes it.
@@ -164,9 +164,9 @@ class Decoder {
   static void Scalars(const uint8_t* scalars, int n, float* scale, float* zero) {
     int k = 0;
     for (; k + 8 <= n; k += 8) {
-      if constexpr (kFormat == FieldFormat::kCentroids) {
+      if constexpr (kFormat == FormatFamily::kTurboQuant) {
         _mm256_storeu_ps(scale + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 2 * k))));
-      } else if constexpr (kFormat == FieldFormat::kUniform) {  // [scale, zero] per token
+      } else if constexpr (kFormat == FormatFamily::kUniform) {  // [scale, zero] per token
         ScalarPairs(scalars + 4 * k, scale + k, zero + k);
       } else {
         _mm256_storeu_ps(scale + k, _mm256_set1_ps(kUnitScale));
@@ -182,14 +182,14 @@ class Decoder {
 
  private:
   static constexpr bool kPacked =
-      kFormat == FieldFormat::kCentroids || (kFormat == FieldFormat::kUniform && kBits <= 4);
+      kFormat == FormatFamily::kTurboQuant || (kFormat == FormatFamily::kUniform && kBits <= 4);
   static constexpr int kScalars =
-      kFormat == FieldFormat::kUniform ? 2 : kFormat == FieldFormat::kCentroids ? 1 : 0;
+      kFormat == FormatFamily::kUniform ? 2 : kFormat == FormatFamily::kTurboQuant ? 1 : 0;
   // The scale of a field without scalars: Block() reads fp8 as 2^-8 times its value.
-  static constexpr float kUnitScale = kFormat == FieldFormat::kFp8 ? 256.0f : 1.0f;
+  static constexpr float kUnitScale = kFormat == FormatFamily::kFp8 ? 256.0f : 1.0f;
 
   __m256 Lookup(__m256i index) const {
-    if constexpr (kBits == 4 && kFormat == FieldFormat::kCentroids) {
+    if constexpr (kBits == 4 && kFormat == FormatFamily::kTurboQuant) {
       // Bit 3 of the code, moved to the sign bit, picks the table.
       return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_, index), _mm256_permutevar8x32_ps(high_, index),
                               _mm256_castsi256_ps(_mm256_slli_epi32(index, 28)));
@@ -243,18 +243,18 @@ class SplitDecoder {
     return field;
   }
 
-  Decoder<FieldFormat::kCentroids, kHotBits> hot_;
-  Decoder<FieldFormat::kCentroids, kColdBits> cold_;
+  Decoder<FormatFamily::kTurboQuant, kHotBits> hot_;
+  Decoder<FormatFamily::kTurboQuant, kColdBits> cold_;
   int hot_blocks_;
   int cold_offset_;
 };
 
-template <FieldFormat kKey, int kKeyBits>
+template <FormatFamily kKey, int kKeyBits, bool kSplit = IsSplitKeyBits(kKeyBits)>
 struct KeyDecoderFor {
   using type = Decoder<kKey, kKeyBits>;
 };
 template <int kKeyBits>
-struct KeyDecoderFor<FieldFormat::kSplitCentroids, kKeyBits> {  // kKeyBits = 10 * hot + cold
+struct KeyDecoderFor<FormatFamily::kTurboQuant, kKeyBits, true> {  // kKeyBits = SplitKeyBits(hot, cold)
   using type = SplitDecoder<kKeyBits / 10, kKeyBits % 10>;
 };
 
@@ -355,10 +355,10 @@ inline void ValueTile(const ValueDecoder& value, const uint8_t* const* codes, in
 // compressed tokens' raw scores (Scores), the online softmax with the exact
 // tokens' logits in their lanes and the add-back (Softmax), then the
 // compressed values (Values) and the exact ones (ExactReader::Values).
-template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
 class Kernel {
  public:
-  static constexpr bool kSplit = kKey == FieldFormat::kSplitCentroids;
+  static constexpr bool kSplit = IsSplitKeyBits(kKeyBits);
   using KeyDecoder = typename KeyDecoderFor<kKey, kKeyBits>::type;
   using ValueDecoder = Decoder<kValue, kValueBits>;
 
@@ -508,7 +508,7 @@ class Kernel {
           g < compressed_groups ? _mm256_load_ps(tokens.value_scale + kGroup * g) : _mm256_setzero_ps();
       _mm256_store_ps(w + kGroup * g, _mm256_mul_ps(e, value_scale));
       sum = _mm256_add_ps(sum, e);
-      if constexpr (kValue == FieldFormat::kUniform) {
+      if constexpr (kValue == FormatFamily::kUniform) {
         if (g < compressed_groups) {
           zero_sum = _mm256_fmadd_ps(e, _mm256_load_ps(tokens.value_zero + kGroup * g), zero_sum);
         }
@@ -586,15 +586,15 @@ class Kernel {
   float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
 };
 
-template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
 void AttendHead(const HeadAttendParams& p) {
   Kernel<kKey, kKeyBits, kValue, kValueBits>(p).Run();
 }
 
 struct Avx2Kernels {
-  static constexpr bool kReadsFp8 = true;
-  static constexpr bool kReadsSplit = true;
-  template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+  // Every pair and width of the table.
+  static constexpr bool Reads(FormatFamily, int, FormatFamily, int) { return true; }
+  template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
   static void Run(const HeadAttendParams& params) {
     AttendHead<kKey, kKeyBits, kValue, kValueBits>(params);
   }
@@ -603,7 +603,7 @@ struct Avx2Kernels {
 }  // namespace
 
 bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, int head_dim) {
-  if (key.format == FieldFormat::kSplitCentroids && key.hot_dims % 16 != 0) return false;
+  if (key.split() && key.hot_dims % 16 != 0) return false;
   return head_dim % 16 == 0 && PickAttendKernel<Avx2Kernels>(key, value) != nullptr;
 }
 

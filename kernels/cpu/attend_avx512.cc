@@ -73,7 +73,7 @@ inline long long Load64(const uint8_t* p) {
 
 // Reads one field of a token, before the token's scale and zero (which the
 // kernel folds into scores and weights), in a lane order of its choosing.
-template <FieldFormat kFormat, int kBits>
+template <FormatFamily kFormat, int kBits>
 class Decoder {
  public:
   explicit Decoder(const FieldReader& field) {
@@ -84,7 +84,7 @@ class Decoder {
       alignas(64) float table[16];
       for (int i = 0; i < 16; ++i) {
         const int code = i % (1 << kBits);
-        table[i] = kFormat == FieldFormat::kCentroids ? field.centroids[code] : static_cast<float>(code);
+        table[i] = kFormat == FormatFamily::kTurboQuant ? field.centroids[code] : static_cast<float>(code);
       }
       table_ = _mm512_load_ps(table);
       // Pairs(): code 8h + j of a 16-code block sits at bit pair_shift_[h][j]
@@ -109,13 +109,13 @@ class Decoder {
   // Where coordinate j of a 16-coordinate block lands in the output of
   // Pairs(): positions 0-7 in the first vector, 8-15 in the second.
   static int PairPosition(int j) {
-    return kFormat == FieldFormat::kBf16 ? (j % 2) * 8 + j / 2 : j;
+    return kFormat == FormatFamily::kBf16 ? (j % 2) * 8 + j / 2 : j;
   }
 
   // Keys: coordinates 16 * block ... + 15 of tokens a and b as two vectors,
   // each holding 8 coordinates of a (lanes 0-7) and the same 8 of b.
   void Pairs(const uint8_t* a, const uint8_t* b, int block, __m512* first, __m512* second) const {
-    if constexpr (kFormat == FieldFormat::kBf16) {
+    if constexpr (kFormat == FormatFamily::kBf16) {
       // A bf16 is the top half of a float: even coordinates shift up, odd
       // ones need only their low half cleared.
       const __m512i both = _mm512_inserti64x4(
@@ -123,13 +123,13 @@ class Decoder {
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * block)), 1);
       *first = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
       *second = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-    } else if constexpr (kFormat == FieldFormat::kFp16) {
+    } else if constexpr (kFormat == FormatFamily::kFp16) {
       const auto halves = [&](int at) {
         return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + at), reinterpret_cast<const __m128i*>(a + at));
       };
       *first = _mm512_cvtph_ps(halves(32 * block));
       *second = _mm512_cvtph_ps(halves(32 * block + 16));
-    } else if constexpr (kFormat == FieldFormat::kFp8) {
+    } else if constexpr (kFormat == FormatFamily::kFp8) {
       // Bytes a0-7 b0-7 and a8-15 b8-15, each then as halves (Fp8Halves).
       const __m128i ra = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * block));
       const __m128i rb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * block));
@@ -151,7 +151,7 @@ class Decoder {
   // Where coordinate j of a head_dim vector lands in the output of Chunk().
   static int ChunkPosition(int j, int head_dim) {
     const int base = j / 32 * 32;
-    if constexpr (kFormat == FieldFormat::kBf16) {
+    if constexpr (kFormat == FormatFamily::kBf16) {
       if (base + 32 <= head_dim) return base + (j % 2) * 16 + (j - base) / 2;
       return j;
     } else if constexpr (kLookup) {
@@ -163,7 +163,7 @@ class Decoder {
 
   // Values: 16 coordinates (chunk c, in ChunkPosition order).
   __m512 Chunk(const uint8_t* codes, int c, int chunks) const {
-    if constexpr (kFormat == FieldFormat::kBf16) {
+    if constexpr (kFormat == FormatFamily::kBf16) {
       if (c / 2 * 2 + 1 < chunks) {  // 32 coordinates: even ones, then odd ones
         const __m512i both = _mm512_loadu_si512(codes + 64 * (c / 2));
         return _mm512_castsi512_ps(c % 2 == 0 ? _mm512_slli_epi32(both, 16)
@@ -171,9 +171,9 @@ class Decoder {
       }
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    } else if constexpr (kFormat == FieldFormat::kFp16) {
+    } else if constexpr (kFormat == FormatFamily::kFp16) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
-    } else if constexpr (kFormat == FieldFormat::kFp8) {
+    } else if constexpr (kFormat == FormatFamily::kFp8) {
       return _mm512_cvtph_ps(Fp8Halves(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c))));
     } else if constexpr (!kLookup) {  // 8-bit uniform
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * c));
@@ -193,9 +193,9 @@ class Decoder {
   // The scales of n <= 64 tokens whose scalars follow each other, and for
   // uniform codes their zeros (x = scale * decoded + zero).
   static void Scalars(const uint8_t* scalars, int n, float* scale, float* zero) {
-    if constexpr (kFormat == FieldFormat::kCentroids) {
+    if constexpr (kFormat == FormatFamily::kTurboQuant) {
       avx512::LoadScalars(scalars, n, scale, nullptr);
-    } else if constexpr (kFormat == FieldFormat::kUniform) {  // [scale, zero] per token
+    } else if constexpr (kFormat == FormatFamily::kUniform) {  // [scale, zero] per token
       avx512::LoadScalars(scalars, n, scale, zero);
     } else {
       for (int k = 0; k < n; k += 16) {
@@ -207,7 +207,7 @@ class Decoder {
 
  private:
   // The scale of a field without scalars: fp8 is read as 2^-8 times its value.
-  static constexpr float kUnitScale = kFormat == FieldFormat::kFp8 ? 256.0f : 1.0f;
+  static constexpr float kUnitScale = kFormat == FormatFamily::kFp8 ? 256.0f : 1.0f;
 
   // 16 fp8 E4M3 bytes as binary16 bits: sign to bit 15, exponent and
   // mantissa to bits 13-7 (x << 8, an arithmetic shift right by one, a
@@ -219,7 +219,7 @@ class Decoder {
   }
 
   static constexpr bool kLookup =
-      kFormat == FieldFormat::kCentroids || (kFormat == FieldFormat::kUniform && kBits <= 4);
+      kFormat == FormatFamily::kTurboQuant || (kFormat == FormatFamily::kUniform && kBits <= 4);
   __m512 table_;
   __m512i pair_shift_[2];
   __m512i chunk_shift_;
@@ -246,7 +246,7 @@ struct BlockTokens {
 // compressed groups' scores (Scores), the exact tokens' logits in place of
 // theirs and the add-back (FinishScores), the online softmax (Softmax), then
 // the compressed values (Values) and the exact ones (ExactReader::Values).
-template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
 class Kernel {
  public:
   using KeyDecoder = Decoder<kKey, kKeyBits>;
@@ -413,7 +413,7 @@ class Kernel {
         const __m512 e = _mm512_maskz_mov_ps(live, Exp(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
         _mm512_store_ps(w + kGroup * g, e);
         sum = _mm512_add_ps(sum, e);
-        if constexpr (kValue == FieldFormat::kUniform) {
+        if constexpr (kValue == FormatFamily::kUniform) {
           if (g < compressed_groups) {
             zero_sum = _mm512_fmadd_ps(e, _mm512_load_ps(tokens.value_zero + kGroup * g), zero_sum);
           }
@@ -500,16 +500,16 @@ class Kernel {
   float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
 };
 
-template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
 void AttendHead(const HeadAttendParams& p) {
   Kernel<kKey, kKeyBits, kValue, kValueBits>(p).Run();
 }
 
 struct Avx512Kernels {
-  static constexpr bool kReadsFp8 = true;
-  // Split keys take the AVX2 kernel (the dispatch in cpu_backend.cc falls back).
-  static constexpr bool kReadsSplit = false;
-  template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+  // Every pair of the table; two-part keys take the AVX2 kernel (the
+  // backend falls back).
+  static constexpr bool Reads(FormatFamily, int key_bits, FormatFamily, int) { return !IsSplitKeyBits(key_bits); }
+  template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
   static void Run(const HeadAttendParams& params) {
     AttendHead<kKey, kKeyBits, kValue, kValueBits>(params);
   }

@@ -40,6 +40,7 @@
 
 #include "kernels/cpu/addback.h"
 #include "kernels/cpu/attend_avx512_common.h"
+#include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu/exact_tokens.h"
 #include "kernels/cpu/integer_attend.h"
@@ -77,7 +78,7 @@ float* BlockScratch(size_t n) {
 }
 
 // The integer kernel: scores and values through vpdpbusd on codes tiles.
-template <int kKeyBits, FieldFormat kValue, int kValueBits>
+template <int kKeyBits, FormatFamily kValue, int kValueBits>
 struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
   using Base = IntegerAttention<kKeyBits, kValue, kValueBits>;
   using Base::cold_keys;
@@ -302,59 +303,27 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
   }
 };
 
-template <int kKeyBits, FieldFormat kValue, int kValueBits>
-void Run(const HeadAttendParams& params) {
-  Kernel<kKeyBits, kValue, kValueBits>(params).Run();
-}
-
-template <int kKeyBits, FieldFormat kValue>
-AttendKernel PickForBits(int value_bits) {
-  switch (value_bits) {
-    case 2:
-      return &Run<kKeyBits, kValue, 2>;
-    case 3:
-      return &Run<kKeyBits, kValue, 3>;
-    case 4:
-      return &Run<kKeyBits, kValue, 4>;
+// The integer kernel's share of the table: TurboQuant keys (one or two
+// parts) with TurboQuant or uniform values of at most 4 bits.
+struct VnniKernels {
+  static constexpr bool Reads(FormatFamily key, int, FormatFamily value, int value_bits) {
+    return key == FormatFamily::kTurboQuant &&
+           (value == FormatFamily::kTurboQuant || value == FormatFamily::kUniform) && value_bits <= 4;
   }
-  return nullptr;
-}
-
-template <int kKeyBits>
-AttendKernel PickForValue(const FieldReader& value) {
-  if (value.format == FieldFormat::kCentroids) return PickForBits<kKeyBits, FieldFormat::kCentroids>(value.bits);
-  if (value.format == FieldFormat::kUniform) return PickForBits<kKeyBits, FieldFormat::kUniform>(value.bits);
-  return nullptr;
-}
+  template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
+  static void Run(const HeadAttendParams& params) {
+    Kernel<kKeyBits, kValue, kValueBits>(params).Run();
+  }
+};
 
 // A key part's coordinates as the score tiles take them: whole periods of
 // words at every width (TileKeys).
 bool WholeSegments(int dims) { return dims == 64 || (dims > 0 && dims % 128 == 0); }
 
 AttendKernel Pick(const FieldReader& key, const FieldReader& value, int head_dim) {
-  if (key.format == FieldFormat::kSplitCentroids) {
-    if (!WholeSegments(key.hot_dims) || !WholeSegments(head_dim - key.hot_dims)) return nullptr;
-    switch (10 * key.bits + key.cold_bits) {
-      case 43:
-        return PickForValue<43>(value);
-      case 42:
-        return PickForValue<42>(value);
-      case 32:
-        return PickForValue<32>(value);
-    }
-    return nullptr;
-  }
-  if (key.format != FieldFormat::kCentroids) return nullptr;
-  if (!WholeSegments(head_dim)) return nullptr;
-  switch (key.bits) {
-    case 2:
-      return PickForValue<2>(value);
-    case 3:
-      return PickForValue<3>(value);
-    case 4:
-      return PickForValue<4>(value);
-  }
-  return nullptr;
+  const bool whole = key.split() ? WholeSegments(key.hot_dims) && WholeSegments(head_dim - key.hot_dims)
+                                 : WholeSegments(head_dim);
+  return whole ? PickAttendKernel<VnniKernels>(key, value) : nullptr;
 }
 
 }  // namespace

@@ -1,88 +1,83 @@
 // Internal to the CPU backend: the one place where the runtime key and value
 // formats of a head become the compile-time parameters of a fused attention
-// kernel. Each ISA file instantiates it with its own kernel template:
+// kernel, generated from the shared format table (kernels/format_table.h):
+// every pair whose fused_on column has kFusedCpu, every code width its
+// families list (FamilyHasBits; two-part TurboQuant keys: KeyFamilyHasBits
+// over TQKV_SPLIT_KEY_BITS). Each ISA file instantiates it with its own
+// kernel set:
 //
 //   struct Avx512Kernels {
-//     static constexpr bool kReadsFp8 = false;    // whether Run takes kFp8 fields
-//     static constexpr bool kReadsSplit = false;  // and kSplitCentroids keys
-//     template <FieldFormat kKey, int kKeyBits, FieldFormat kValue, int kValueBits>
+//     // Which (family, width) instances this instruction set has.
+//     static constexpr bool Reads(FormatFamily key, int key_bits, FormatFamily value, int value_bits);
+//     template <FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
 //     static void Run(const HeadAttendParams& params);
 //   };
 //   ... PickAttendKernel<Avx512Kernels>(key, value) ...
 //
 // Only the including file's instantiation exists, so the per-ISA compile flags
-// of that file apply to it.
+// of that file apply to it. A pair the table lists for the CPU that no
+// instruction set reads is caught by tests/kernels/format_conformance_test.cc.
 #ifndef TQKV_KERNELS_CPU_ATTEND_DISPATCH_H_
 #define TQKV_KERNELS_CPU_ATTEND_DISPATCH_H_
 
+#include <utility>
+
 #include "kernels/cpu/attend_kernels.h"
+#include "kernels/format_table.h"
 
 namespace tqkv {
 namespace cpu_internal {
 
-using AttendKernel = void (*)(const HeadAttendParams&);
+// Every width a field may be dispatched at: the families' code widths and
+// the two-part key widths (SplitKeyBits).
+using KeyWidths = std::integer_sequence<int, 2, 3, 4, 8, 16, SplitKeyBits(3, 2), SplitKeyBits(4, 2),
+                                        SplitKeyBits(4, 3)>;
+using ValueWidths = std::integer_sequence<int, 2, 3, 4, 8, 16>;
 
-template <typename Kernels, FieldFormat kKey, int kKeyBits>
-AttendKernel PickAttendKernelForValue(const FieldReader& value) {
-  switch (value.format) {
-    case FieldFormat::kCentroids:
-      switch (value.bits) {
-        case 2: return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kCentroids, 2>;
-        case 3: return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kCentroids, 3>;
-        case 4: return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kCentroids, 4>;
-      }
-      return nullptr;
-    case FieldFormat::kUniform:
-      switch (value.bits) {
-        case 2: return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kUniform, 2>;
-        case 3: return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kUniform, 3>;
-        case 4: return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kUniform, 4>;
-        case 8: return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kUniform, 8>;
-      }
-      return nullptr;
-    case FieldFormat::kFp16:
-      return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kFp16, 16>;
-    case FieldFormat::kBf16:
-      return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kBf16, 16>;
-    case FieldFormat::kFp8:
-      if constexpr (Kernels::kReadsFp8) return &Kernels::template Run<kKey, kKeyBits, FieldFormat::kFp8, 8>;
-      return nullptr;
-    default:
-      return nullptr;
+// The kernel for one (pair, widths), or null where the table has no such
+// width or this instruction set does not read it (never instantiated then).
+template <typename Kernels, FormatFamily kKey, int kKeyBits, FormatFamily kValue, int kValueBits>
+constexpr AttendKernel KernelInstance() {
+  if constexpr (KeyFamilyHasBits(kKey, kKeyBits) && FamilyHasBits(kValue, kValueBits) &&
+                Kernels::Reads(kKey, kKeyBits, kValue, kValueBits)) {
+    return &Kernels::template Run<kKey, kKeyBits, kValue, kValueBits>;
+  } else {
+    return nullptr;
   }
 }
 
-// nullptr when the pair of formats has no fused kernel (reference path).
+template <typename Kernels, FormatFamily kKey, int kKeyBits, FormatFamily kValue, int... kValueBits>
+AttendKernel PickValueWidth(int value_bits, std::integer_sequence<int, kValueBits...>) {
+  AttendKernel kernel = nullptr;
+  ((value_bits == kValueBits ? (kernel = KernelInstance<Kernels, kKey, kKeyBits, kValue, kValueBits>(), 0) : 0), ...);
+  return kernel;
+}
+
+template <typename Kernels, FormatFamily kKey, FormatFamily kValue, int... kKeyBits>
+AttendKernel PickKeyWidth(int key_bits, int value_bits, std::integer_sequence<int, kKeyBits...>) {
+  AttendKernel kernel = nullptr;
+  ((key_bits == kKeyBits ? (kernel = PickValueWidth<Kernels, kKey, kKeyBits, kValue>(value_bits, ValueWidths{}), 0)
+                         : 0),
+   ...);
+  return kernel;
+}
+
+// nullptr when the pair of fields has no fused kernel on this instruction
+// set (the backend then tries the next one, down to the reference path).
 template <typename Kernels>
 AttendKernel PickAttendKernel(const FieldReader& key, const FieldReader& value) {
-  switch (key.format) {
-    case FieldFormat::kCentroids:
-      switch (key.bits) {
-        case 2: return PickAttendKernelForValue<Kernels, FieldFormat::kCentroids, 2>(value);
-        case 3: return PickAttendKernelForValue<Kernels, FieldFormat::kCentroids, 3>(value);
-        case 4: return PickAttendKernelForValue<Kernels, FieldFormat::kCentroids, 4>(value);
-      }
-      return nullptr;
-    case FieldFormat::kFp16:
-      return PickAttendKernelForValue<Kernels, FieldFormat::kFp16, 16>(value);
-    case FieldFormat::kBf16:
-      return PickAttendKernelForValue<Kernels, FieldFormat::kBf16, 16>(value);
-    case FieldFormat::kFp8:
-      if constexpr (Kernels::kReadsFp8) return PickAttendKernelForValue<Kernels, FieldFormat::kFp8, 8>(value);
-      return nullptr;
-    case FieldFormat::kSplitCentroids:
-      // kKeyBits packs both parts: 10 * hot bits + cold bits.
-      if constexpr (Kernels::kReadsSplit) {
-        switch (10 * key.bits + key.cold_bits) {
-          case 43: return PickAttendKernelForValue<Kernels, FieldFormat::kSplitCentroids, 43>(value);
-          case 42: return PickAttendKernelForValue<Kernels, FieldFormat::kSplitCentroids, 42>(value);
-          case 32: return PickAttendKernelForValue<Kernels, FieldFormat::kSplitCentroids, 32>(value);
-        }
-      }
-      return nullptr;
-    default:
-      return nullptr;
+  FormatPair pair;
+  if (!key.readable || !value.readable || value.split() || !FindFormatPair(key.format, value.format, &pair)) {
+    return nullptr;
   }
+  return VisitFormatPair(pair, AttendKernel{nullptr}, [&](auto tag) -> AttendKernel {
+    using Tag = decltype(tag);
+    if constexpr ((Tag::kFusedOn & kFusedCpu) == 0) {
+      return nullptr;
+    } else {
+      return PickKeyWidth<Kernels, Tag::kKey, Tag::kValue>(key.dispatch_bits(), value.bits, KeyWidths{});
+    }
+  });
 }
 
 }  // namespace cpu_internal

@@ -13,45 +13,45 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <cstdint>
 #include <type_traits>
 
 #include "kernels/code_tiles.h"
 #include "kernels/codec.h"
+#include "kernels/format_table.h"
 
 namespace tqkv {
 namespace cpu_internal {
 
-// How the kernel reads one field of a vector.
-enum class FieldFormat {
-  kUnsupported,  // take the reference path
-  kCentroids,    // TurboQuant: packed b-bit codebook indices, 1 fp16 scale
-  kUniform,      // packed b-bit uniform codes, fp16 [scale, zero]
-  kFp16,         // raw fp16
-  kBf16,         // raw bf16
-  kFp8,          // raw fp8 E4M3, no scalars
-  kSplitCentroids,  // split TurboQuant: hot part, then cold part, each with its
-                    // own codebook and fp16 scale [hot, cold] (AVX2 kernel only)
-};
-
+// How the kernel reads one field of a vector: its family in the shared
+// format table (kernels/format_table.h) and its code width. TurboQuant comes
+// in one part (packed b-bit codebook indices, 1 fp16 scale) or two (the
+// outlier split: hot part, then cold part, each with its own codebook and
+// fp16 scale [hot, cold]; keys only).
 struct FieldReader {
-  FieldFormat format = FieldFormat::kUnsupported;
-  int bits = 0;
-  const float* centroids = nullptr;  // kCentroids: 2^bits
+  bool readable = false;             // false: no family (QJL): the reference path
+  FormatFamily format = FormatFamily::kFp16;
+  int bits = 0;                      // code width (the hot part's when split)
+  const float* centroids = nullptr;  // TurboQuant: 2^bits
   size_t codes_offset = 0;           // plane offsets inside a page
   size_t scalars_offset = 0;
   int code_bytes = 0;                // per token
   int num_scalars = 0;               // per token
   bool tiled = false;                // the codes plane is tiled (kernels/code_tiles.h)
-  // kSplitCentroids: `bits` and `centroids` are the hot part's; the hot part
-  // covers the first hot_dims coordinates of the (rotated) query.
+  // Two-part TurboQuant: `bits` and `centroids` are the hot part's; the hot
+  // part covers the first hot_dims coordinates of the (rotated) query.
+  int parts = 1;
   int hot_dims = 0;
   int cold_bits = 0;
   const float* cold_centroids = nullptr;
   int cold_code_offset = 0;          // bytes from a token's codes to its cold codes
+
+  bool split() const { return parts == 2; }
+  // The width the kernels are instantiated for: bits, or SplitKeyBits(hot,
+  // cold) for two parts.
+  int dispatch_bits() const { return split() ? SplitKeyBits(bits, cold_bits) : bits; }
 };
 
-// The format a codec's field has for the fast kernels (kUnsupported for QJL,
+// The format a codec's field has for the fast kernels (not readable for QJL,
 // which uses the reference path), its sizes and whether its codes plane is
 // tiled (KvLayout's rule); the plane offsets are left to the caller.
 FieldReader DescribeField(const VectorCodec& codec);

@@ -830,32 +830,34 @@ FieldReader DescribeField(const VectorCodec& codec) {
   field.code_bytes = codec.code_bytes();
   field.num_scalars = codec.num_scalars();
   field.tiled = TiledCodes(codec.spec().kind);
+  field.readable = true;
   const CodecSpec& spec = codec.spec();
   switch (spec.kind) {
     case CodecKind::kTurboQuant:
-      field.format = FieldFormat::kCentroids;
+      field.format = FormatFamily::kTurboQuant;
       field.bits = spec.bits;
       field.centroids = codec.turboquant_parts()[0].codebook->centroids.data();
       break;
     case CodecKind::kUniform:
-      field.format = FieldFormat::kUniform;
+      field.format = FormatFamily::kUniform;
       field.bits = spec.bits;
       break;
     case CodecKind::kFp16:
-      field.format = FieldFormat::kFp16;
+      field.format = FormatFamily::kFp16;
       field.bits = 16;
       break;
     case CodecKind::kBf16:
-      field.format = FieldFormat::kBf16;
+      field.format = FormatFamily::kBf16;
       field.bits = 16;
       break;
     case CodecKind::kFp8:
-      field.format = FieldFormat::kFp8;
+      field.format = FormatFamily::kFp8;
       field.bits = 8;
       break;
     case CodecKind::kOutlierSplit: {
       const std::vector<TurboQuantPart>& parts = codec.turboquant_parts();
-      field.format = FieldFormat::kSplitCentroids;
+      field.format = FormatFamily::kTurboQuant;
+      field.parts = 2;
       field.bits = spec.hot_bits;
       field.centroids = parts[0].codebook->centroids.data();
       field.hot_dims = static_cast<int>(parts[0].channels.size());
@@ -864,8 +866,9 @@ FieldReader DescribeField(const VectorCodec& codec) {
       field.cold_code_offset = parts[1].code_offset;
       break;
     }
-    default:
-      field.format = FieldFormat::kUnsupported;
+    case CodecKind::kQjl:
+      field.readable = false;
+      break;
   }
   return field;
 }

@@ -158,12 +158,12 @@ struct TileValueIndex {
 template <int kBits>
 inline constexpr TileValueIndex<kBits> kTileValueIndex{};
 
-template <FieldFormat kFormat, int kBits>
+template <FormatFamily kFormat, int kBits>
 class TileValues {
  public:
   explicit TileValues(const float* centroids) {
     shift_ = _mm512_load_si512(kTileValueIndex<kBits>.shift);
-    if constexpr (kFormat == FieldFormat::kCentroids) {
+    if constexpr (kFormat == FormatFamily::kTurboQuant) {
       // vpermb reads index bits [5:0]: the 2^b entries repeat over 64, so the
       // bits above a code do not matter.
       unit_ = CachedIntegerUnit<1>(centroids, 1 << kBits);
@@ -200,7 +200,7 @@ class TileValues {
   __m512i Quad(__m512i source, int m, int q) const {
     const __m512i gather = _mm512_load_si512(kTileValueIndex<kBits>.gather[ChunkOffset(m) / 16][q]);
     const __m512i codes = _mm512_multishift_epi64_epi8(shift_, _mm512_permutexvar_epi8(gather, source));
-    if constexpr (kFormat == FieldFormat::kUniform) {
+    if constexpr (kFormat == FormatFamily::kUniform) {
       return _mm512_and_si512(codes, _mm512_set1_epi8((1 << kBits) - 1));
     } else {
       return _mm512_permutexvar_epi8(codes, table_);
@@ -418,10 +418,10 @@ struct KeyPart {
 // Rescale, and ends with Finish.
 //
 // kKeyBits: the key codes' bits, or for split keys 10 x hot bits + cold bits.
-template <int kKeyBits, FieldFormat kValue, int kValueBits>
+template <int kKeyBits, FormatFamily kValue, int kValueBits>
 struct IntegerAttention {
-  static constexpr bool kUniform = kValue == FieldFormat::kUniform;
-  static constexpr bool kSplit = kKeyBits >= 10;
+  static constexpr bool kUniform = kValue == FormatFamily::kUniform;
+  static constexpr bool kSplit = IsSplitKeyBits(kKeyBits);
   static constexpr int kParts = kSplit ? 2 : 1;
   static constexpr int kHotBits = kSplit ? kKeyBits / 10 : kKeyBits;
   static constexpr int kColdBits = kSplit ? kKeyBits % 10 : kKeyBits;

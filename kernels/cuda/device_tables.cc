@@ -146,7 +146,8 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
     }
     const DeviceHead& first = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads()];
     FormatPair pair;
-    if (!FindFormatPair(first.key.format, first.value.format, &pair) || !cuda::ScoreSupported(first.key.format)) {
+    if (!FindFormatPair(first.key.format, first.value.format, &pair) || (PairInfo(pair).fused_on & kFusedCuda) == 0 ||
+        !cuda::ScoreSupported(first.key.format)) {
       return absl::UnimplementedError(absl::StrFormat(
           "the CUDA backend has no attention kernel for preset %s (layer %d)",
           std::string(layout.layer_preset(layer).name), layer));

@@ -8,9 +8,10 @@
 //
 // runs the braced statements with kKey and kValue (DeviceFieldFormat) and
 // kTensorCores (the table's column) as constexpr for the pair; a value that
-// is no table entry gives cudaErrorInvalidValue. TQKV_CUDA_DISPATCH_KEY_FORMAT
+// is no table entry, or a pair without kFusedCuda in its fused_on column (not
+// instantiated), gives cudaErrorInvalidValue. TQKV_CUDA_DISPATCH_KEY_FORMAT
 // does the same for a key family (families that cannot hold keys give
-// cudaErrorInvalidValue). Every table entry is instantiated: a new pair is
+// cudaErrorInvalidValue). Every kFusedCuda entry is instantiated: a new pair is
 // compiled into every launcher that dispatches through these, and fails to
 // compile where a kernel cannot read its families.
 //
@@ -25,10 +26,14 @@
 
 #define TQKV_CUDA_DISPATCH_FORMAT_PAIR(pair, KEY, VALUE, TENSOR_CORES, ...)                                  \
   ::tqkv::VisitFormatPair((pair), cudaErrorInvalidValue, [&](auto tqkv_pair_tag_) -> cudaError_t {          \
-    [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat KEY = decltype(tqkv_pair_tag_)::kKey;         \
-    [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat VALUE = decltype(tqkv_pair_tag_)::kValue;     \
-    [[maybe_unused]] constexpr bool TENSOR_CORES = decltype(tqkv_pair_tag_)::kTensorCores;                  \
-    __VA_ARGS__                                                                                            \
+    if constexpr ((decltype(tqkv_pair_tag_)::kFusedOn & ::tqkv::kFusedCuda) == 0) {                          \
+      return cudaErrorInvalidValue;                                                                          \
+    } else {                                                                                                 \
+      [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat KEY = decltype(tqkv_pair_tag_)::kKey;       \
+      [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat VALUE = decltype(tqkv_pair_tag_)::kValue;   \
+      [[maybe_unused]] constexpr bool TENSOR_CORES = decltype(tqkv_pair_tag_)::kTensorCores;                \
+      __VA_ARGS__                                                                                            \
+    }                                                                                                        \
   })
 
 #define TQKV_CUDA_DISPATCH_KEY_FORMAT(format, KEY, ...)                                                      \

@@ -29,16 +29,36 @@ TEST(FormatTable, RowsAreIndexedByTheirEnumerators) {
   }
   FormatPair none;
   EXPECT_FALSE(FindFormatPair(FormatFamily::kUniform, FormatFamily::kUniform, &none));
-  EXPECT_FALSE(FindFormatPair(FormatFamily::kFp16, FormatFamily::kTurboQuant, &none));
+  EXPECT_FALSE(FindFormatPair(FormatFamily::kUniform, FormatFamily::kFp16, &none));
+}
+
+TEST(FormatTable, WidthsAndBackendsColumns) {
+  for (const FormatPairInfo& info : kFormatPairs) {
+    EXPECT_NE(info.fused_on & kFusedCpu, 0u) << info.name << ": the CPU reads every pair";
+    if (info.tensor_cores) {
+      EXPECT_NE(info.fused_on & kFusedCuda, 0u) << info.name;
+    }
+  }
+  EXPECT_TRUE(FamilyHasBits(FormatFamily::kUniform, 8));
+  EXPECT_FALSE(FamilyHasBits(FormatFamily::kTurboQuant, 8));
+  EXPECT_FALSE(FamilyHasBits(FormatFamily::kTurboQuant, 43));
+  EXPECT_TRUE(KeyFamilyHasBits(FormatFamily::kTurboQuant, SplitKeyBits(4, 3)));
+  EXPECT_FALSE(KeyFamilyHasBits(FormatFamily::kTurboQuant, SplitKeyBits(2, 2)));
+  EXPECT_FALSE(KeyFamilyHasBits(FormatFamily::kFp16, SplitKeyBits(4, 3)));
+  EXPECT_FALSE(KeyFamilyHasBits(FormatFamily::kUniform, 4)) << "uniform codes hold no keys";
+  EXPECT_TRUE(IsSplitKeyBits(SplitKeyBits(3, 2)));
+  EXPECT_FALSE(IsSplitKeyBits(16));
 }
 
 TEST(FormatTable, VisitorsHandTheRowsOverAsConstants) {
   for (const FormatPairInfo& info : kFormatPairs) {
     const int got = VisitFormatPair(info.pair, -1, [](auto tag) {
       using Tag = decltype(tag);
-      return static_cast<int>(Tag::kKey) * 100 + static_cast<int>(Tag::kValue) * 10 + (Tag::kTensorCores ? 1 : 0);
+      return static_cast<int>(Tag::kKey) * 1000 + static_cast<int>(Tag::kValue) * 100 + (Tag::kTensorCores ? 10 : 0) +
+             static_cast<int>(Tag::kFusedOn);
     });
-    EXPECT_EQ(got, static_cast<int>(info.key) * 100 + static_cast<int>(info.value) * 10 + (info.tensor_cores ? 1 : 0))
+    EXPECT_EQ(got, static_cast<int>(info.key) * 1000 + static_cast<int>(info.value) * 100 + (info.tensor_cores ? 10 : 0) +
+                       static_cast<int>(info.fused_on))
         << info.name;
   }
   EXPECT_EQ(VisitFormatPair(static_cast<FormatPair>(kNumFormatPairs), -1, [](auto) { return 0; }), -1);

@@ -26,7 +26,6 @@
 namespace tqkv {
 namespace {
 
-using cpu_internal::FieldFormat;
 using cpu_internal::FieldReader;
 
 struct RecipeCase {
@@ -118,23 +117,8 @@ class RecipePages {
 
  private:
   void DescribeFields() {
-    const auto tiled = [](FieldFormat f) {
-      return f == FieldFormat::kCentroids || f == FieldFormat::kUniform || f == FieldFormat::kSplitCentroids;
-    };
-    for (auto [field, from] : {std::pair{&key_, &kf_}, {&value_, &vf_}}) {
-      field->format = from->format;
-      field->bits = from->bits;
-      field->centroids = from->centroids.data();
-      field->code_bytes = from->CodeBytes(c_.d);
-      field->num_scalars = from->NumScalars();
-      field->tiled = tiled(from->format);
-      if (from->split()) {
-        field->hot_dims = c_.d / 2;
-        field->cold_bits = from->cold_bits;
-        field->cold_centroids = from->cold_centroids.data();
-        field->cold_code_offset = PackedBytes(c_.d / 2, from->bits);
-      }
-    }
+    key_ = kf_.Reader(c_.d);
+    value_ = vf_.Reader(c_.d);
     const size_t n = c_.page_tokens;
     key_.codes_offset = 0;
     key_.scalars_offset = Align(n * key_.code_bytes);
@@ -273,7 +257,7 @@ Expected Reference(const RecipePages& pages, const RecipeCase& c, const Syntheti
     if (pages.Exact(static_cast<int>(t))) continue;
     const FieldReader& vr = pages.value_field();
     const double scale = vr.num_scalars > 0 ? HalfToFloat(pages.Scalars(vr, static_cast<int>(t))[0]) : 1.0;
-    const double zero = vr.format == FieldFormat::kUniform ? HalfToFloat(pages.Scalars(vr, static_cast<int>(t))[1]) : 0.0;
+    const double zero = vr.format == FormatFamily::kUniform ? HalfToFloat(pages.Scalars(vr, static_cast<int>(t))[1]) : 0.0;
     double sq = 0;
     for (int j = 0; j < c.d; ++j) {
       const double v = pages.Value(vf, static_cast<int>(t), j, true) - zero;
@@ -407,20 +391,13 @@ void CheckCase(const RecipeCase& c, const SyntheticField& kf, const SyntheticFie
 }
 
 std::vector<std::pair<SyntheticField, SyntheticField>> FormatPairs(Random& rng) {
-  const auto field = [&](FieldFormat format, int bits, int cold_bits = 0) {
-    SyntheticField f{format, bits, {}, cold_bits, {}};
-    if (format == FieldFormat::kCentroids || format == FieldFormat::kSplitCentroids) {
-      for (int i = 0; i < (1 << bits); ++i) f.centroids.push_back(static_cast<float>(rng.NextGaussian()));
-    }
-    for (int i = 0; i < (cold_bits > 0 ? 1 << cold_bits : 0); ++i) {
-      f.cold_centroids.push_back(static_cast<float>(rng.NextGaussian()));
-    }
-    return f;
+  const auto field = [&](FormatFamily format, int bits, int cold_bits = 0) {
+    return SyntheticField::Make(format, bits, cold_bits, rng);
   };
-  return {{field(FieldFormat::kCentroids, 3), field(FieldFormat::kUniform, 4)},
-          {field(FieldFormat::kCentroids, 4), field(FieldFormat::kCentroids, 3)},
-          {field(FieldFormat::kSplitCentroids, 4, 3), field(FieldFormat::kUniform, 2)},
-          {field(FieldFormat::kBf16, 16), field(FieldFormat::kFp16, 16)}};
+  return {{field(FormatFamily::kTurboQuant, 3), field(FormatFamily::kUniform, 4)},
+          {field(FormatFamily::kTurboQuant, 4), field(FormatFamily::kTurboQuant, 3)},
+          {field(FormatFamily::kTurboQuant, 4, 3), field(FormatFamily::kUniform, 2)},
+          {field(FormatFamily::kBf16, 16), field(FormatFamily::kFp16, 16)}};
 }
 
 TEST(RecipeKernels, ExactTokensAndAddBackAgainstFloat64AtEveryBoundary) {
