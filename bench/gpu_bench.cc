@@ -50,7 +50,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/cli/served_layer.h"
-#include "client/eval/synthetic.h"
+#include "eval/synthetic.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"

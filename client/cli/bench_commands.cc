@@ -21,7 +21,7 @@
 #include "client/cli/model_layouts.h"
 #include "client/cli/served_layer.h"
 #include "client/cli/transport_floor.h"
-#include "client/eval/synthetic.h"
+#include "eval/synthetic.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/kv_layout.h"

@@ -1,6 +1,6 @@
 // `tqkv calibrate`: per-layer attention error of candidate presets on a
 // capture of a real model's Q/K/V, and a protection plan for a byte budget
-// (client/eval/calibration.h; docs/calibrate.md).
+// (eval/calibration.h; docs/calibrate.md).
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,7 +16,7 @@
 #include "client/cli/command_util.h"
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
-#include "client/eval/calibration.h"
+#include "eval/calibration.h"
 #include "kernels/key_centering.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"

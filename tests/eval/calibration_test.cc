@@ -1,4 +1,4 @@
-#include "client/eval/calibration.h"
+#include "eval/calibration.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "client/cli/npy.h"
-#include "client/eval/synthetic.h"
+#include "eval/synthetic.h"
 #include "kernels/key_centering.h"
 #include "kernels/preset.h"
 #include "kernels/random.h"

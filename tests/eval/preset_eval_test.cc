@@ -1,11 +1,11 @@
-#include "client/eval/preset_eval.h"
+#include "eval/preset_eval.h"
 
 #include <cmath>
 #include <vector>
 
 #include <gtest/gtest.h>
 
-#include "client/eval/synthetic.h"
+#include "eval/synthetic.h"
 #include "kernels/preset.h"
 
 namespace tqkv {

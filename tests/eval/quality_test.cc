@@ -1,4 +1,4 @@
-#include "client/eval/quality.h"
+#include "eval/quality.h"
 
 #include <cmath>
 #include <string>

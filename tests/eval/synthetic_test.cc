@@ -1,4 +1,4 @@
-#include "client/eval/synthetic.h"
+#include "eval/synthetic.h"
 
 #include <algorithm>
 #include <cmath>

@@ -7,9 +7,9 @@
 #include <numeric>
 #include <vector>
 
-#include "client/eval/preset_eval.h"
-#include "client/eval/quality.h"
-#include "client/eval/synthetic.h"
+#include "eval/preset_eval.h"
+#include "eval/quality.h"
+#include "eval/synthetic.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cpu_features.h"

@@ -13,8 +13,8 @@
 // and the noise of OutlierKeys(n, d, s) are independent of one another.
 //
 // Functions keep no state and are safe to call concurrently.
-#ifndef TQKV_CLIENT_EVAL_SYNTHETIC_H_
-#define TQKV_CLIENT_EVAL_SYNTHETIC_H_
+#ifndef TQKV_EVAL_SYNTHETIC_H_
+#define TQKV_EVAL_SYNTHETIC_H_
 
 #include <cstdint>
 #include <vector>
@@ -63,4 +63,4 @@ std::vector<int> OutlierHotChannels(int dim, uint64_t seed, const OutlierKeyOpti
 }  // namespace eval
 }  // namespace tqkv
 
-#endif  // TQKV_CLIENT_EVAL_SYNTHETIC_H_
+#endif  // TQKV_EVAL_SYNTHETIC_H_

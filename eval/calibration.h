@@ -33,8 +33,8 @@
 // byte that still fits the budget, until none does.
 //
 // Functions keep no state and are safe to call concurrently.
-#ifndef TQKV_CLIENT_EVAL_CALIBRATION_H_
-#define TQKV_CLIENT_EVAL_CALIBRATION_H_
+#ifndef TQKV_EVAL_CALIBRATION_H_
+#define TQKV_EVAL_CALIBRATION_H_
 
 #include <cstdint>
 #include <string>
@@ -247,4 +247,4 @@ std::string ProtectionConfigText(const ProtectionPlan& plan, const PlanOptions& 
 }  // namespace eval
 }  // namespace tqkv
 
-#endif  // TQKV_CLIENT_EVAL_CALIBRATION_H_
+#endif  // TQKV_EVAL_CALIBRATION_H_

@@ -1,4 +1,4 @@
-#include "client/eval/calibration.h"
+#include "eval/calibration.h"
 
 #include <algorithm>
 #include <cctype>

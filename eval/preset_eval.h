@@ -2,15 +2,15 @@
 // the engine of `tqkv eval`. Scores go through the codec's rotated-domain path
 // and values through its accumulate path, exactly what the attention kernels
 // compute, and are compared with exact float64 attention over the originals.
-#ifndef TQKV_CLIENT_EVAL_PRESET_EVAL_H_
-#define TQKV_CLIENT_EVAL_PRESET_EVAL_H_
+#ifndef TQKV_EVAL_PRESET_EVAL_H_
+#define TQKV_EVAL_PRESET_EVAL_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "client/eval/quality.h"
+#include "eval/quality.h"
 #include "kernels/preset.h"
 
 namespace tqkv {
@@ -72,4 +72,4 @@ absl::StatusOr<PresetEvaluation> EvaluatePreset(const Preset& preset, const Eval
 }  // namespace eval
 }  // namespace tqkv
 
-#endif  // TQKV_CLIENT_EVAL_PRESET_EVAL_H_
+#endif  // TQKV_EVAL_PRESET_EVAL_H_

@@ -1,4 +1,4 @@
-#include "client/eval/preset_eval.h"
+#include "eval/preset_eval.h"
 
 #include <algorithm>
 #include <cmath>

@@ -17,8 +17,8 @@
 //   outputs [num_queries, head_dim]
 // Spans are not retained past the call. Functions keep no state and are
 // safe to call concurrently.
-#ifndef TQKV_CLIENT_EVAL_QUALITY_H_
-#define TQKV_CLIENT_EVAL_QUALITY_H_
+#ifndef TQKV_EVAL_QUALITY_H_
+#define TQKV_EVAL_QUALITY_H_
 
 #include <cstdint>
 #include <vector>
@@ -94,4 +94,4 @@ absl::StatusOr<std::vector<double>> ScaledLogits(int64_t num_queries, int64_t nu
 }  // namespace eval
 }  // namespace tqkv
 
-#endif  // TQKV_CLIENT_EVAL_QUALITY_H_
+#endif  // TQKV_EVAL_QUALITY_H_
