@@ -17,10 +17,10 @@
 #include "benchmark/benchmark.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace {

@@ -54,7 +54,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 ABSL_FLAG(std::string, presets,
           "bf16,fp8,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,tqkv_k4v4,"

@@ -21,10 +21,10 @@
 #include "kernels/codec.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/kv_layout.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/float_formats.h"
 #include "kernels/preset.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace {

@@ -31,7 +31,7 @@
 #include "cache/page_allocator.h"
 #include "kernels/float_formats.h"
 #include "kernels/key_centering.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace cache_internal {

@@ -18,7 +18,7 @@
 #include "kernels/codec.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/key_centering.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace eval {

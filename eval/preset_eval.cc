@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kernels/codec.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace eval {

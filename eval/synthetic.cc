@@ -5,7 +5,7 @@
 #include <numeric>
 #include <vector>
 
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace eval {

@@ -1,6 +1,6 @@
 // Deterministic synthetic keys and queries for tests and benchmarks.
 //
-// Every number comes from tqkv::Random (kernels/random.h), never from
+// Every number comes from tqkv::Random (base/random.h), never from
 // std::*_distribution, so the same seed gives the same data on every
 // platform and compiler, and published figures can be reproduced. The
 // recipes below are part of that contract: changing one changes every

@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "kernels/cpu/encode_kernels.h"
+#include "kernels/simd/encode_kernels.h"
 
 namespace tqkv {
 

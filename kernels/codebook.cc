@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/cpu/encode_kernels.h"
+#include "kernels/simd/encode_kernels.h"
 
 namespace tqkv {
 namespace {

@@ -10,10 +10,10 @@
 #include "kernels/bitpack.h"
 #include "kernels/codec_internal.h"
 #include "kernels/blocked_sums.h"
-#include "kernels/cpu/encode_kernels.h"
+#include "kernels/simd/encode_kernels.h"
 #include "kernels/float_formats.h"
-#include "kernels/random.h"
-#include "kernels/status_macros.h"
+#include "base/random.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace codec_internal {

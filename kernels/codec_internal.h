@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/codec.h"
-#include "kernels/cpu/encode_kernels.h"
+#include "kernels/simd/encode_kernels.h"
 
 namespace tqkv {
 namespace codec_internal {

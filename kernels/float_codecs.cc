@@ -10,9 +10,9 @@
 #include "kernels/bitpack.h"
 #include "kernels/codec.h"
 #include "kernels/codec_internal.h"
-#include "kernels/cpu/encode_kernels.h"
+#include "kernels/simd/encode_kernels.h"
 #include "kernels/float_formats.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace codec_internal {

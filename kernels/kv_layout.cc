@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
-#include "kernels/random.h"
-#include "kernels/status_macros.h"
+#include "base/random.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace {

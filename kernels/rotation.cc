@@ -9,9 +9,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/rotation_kernels.h"
-#include "kernels/cpu_features.h"
-#include "kernels/random.h"
+#include "kernels/simd/rotation_kernels.h"
+#include "kernels/simd/cpu_features.h"
+#include "base/random.h"
 
 // This file is compiled for baseline x86-64: it holds no intrinsics and reaches
 // the AVX code only through ActiveSimdLevel().

@@ -14,7 +14,7 @@
 #include "google/protobuf/text_format.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace service {

@@ -18,7 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "kernels/preset.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "service/call_reactors.h"
 #include "service/config.h"
 #include "service/raw_message.h"

@@ -22,7 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "google/protobuf/util/message_differencer.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "service/auth.h"
 #include "service/config.h"
 #include "service/crc32c.h"

@@ -33,7 +33,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "kernels/backend_factory.h"
 #include "kernels/kv_layout.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "service/config.h"
 #include "service/device_watch.h"
 #include "service/rpc_table.h"

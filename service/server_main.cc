@@ -30,7 +30,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "kernels/malloc_tuning.h"
+#include "base/malloc_tuning.h"
 #include "service/auth.h"
 #include "service/config.h"
 #include "service/server.h"

@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 #include "service/crc32c.h"
 #include "service/sequence_transfer.h"
 

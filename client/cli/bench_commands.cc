@@ -26,7 +26,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace cli {

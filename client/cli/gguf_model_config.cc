@@ -13,7 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "client/cli/model_config.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace cli {

@@ -12,7 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/cli/load_common.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace cli {

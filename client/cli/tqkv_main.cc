@@ -7,7 +7,7 @@
 
 #include "client/cli/commands.h"
 #include "client/cli/flags.h"
-#include "kernels/malloc_tuning.h"
+#include "base/malloc_tuning.h"
 #include "version/version.h"
 
 namespace {

@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {

@@ -24,7 +24,7 @@
 #include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu/exact_tokens.h"
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {

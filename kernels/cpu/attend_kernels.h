@@ -6,7 +6,7 @@
 #define TQKV_KERNELS_CPU_ATTEND_KERNELS_H_
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/simd_mappings.h"
 #endif
 
 #include <algorithm>

@@ -16,10 +16,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/cpu/thread_pool.h"
-#include "kernels/cpu_features.h"
+#include "base/thread_pool.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/key_centering.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace {

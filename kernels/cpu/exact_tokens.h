@@ -29,7 +29,7 @@
 #include <cstring>
 
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {

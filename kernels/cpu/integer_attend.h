@@ -22,7 +22,7 @@
 #include "kernels/cpu/addback.h"
 #include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/simd_mappings.h"
 
 namespace tqkv {
 namespace cpu_internal {

@@ -7,7 +7,7 @@
 #include <numeric>
 
 #include "kernels/cuda/device.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace cuda {

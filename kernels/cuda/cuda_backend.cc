@@ -29,7 +29,7 @@
 #include "kernels/cuda/store_launch.h"
 #include "kernels/format_table.h"
 #include "kernels/kv_layout.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace {

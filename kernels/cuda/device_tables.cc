@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kernels/cuda/attend_kernels.cuh"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace cuda {

@@ -44,7 +44,7 @@
 #include "cache/kv_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/kv_layout.h"
-#include "kernels/status_macros.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace round_trip {

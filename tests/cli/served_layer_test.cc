@@ -15,7 +15,7 @@
 #include "client/cli/model_layouts.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/random.h"
+#include "base/random.h"
 #include "service/config.h"
 
 namespace tqkv {

@@ -14,7 +14,7 @@
 #include "eval/synthetic.h"
 #include "kernels/key_centering.h"
 #include "kernels/preset.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace eval {

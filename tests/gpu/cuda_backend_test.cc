@@ -44,7 +44,7 @@
 #endif
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace {

@@ -5,7 +5,7 @@
 #include "kernels/codec.h"
 #include "kernels/cuda/device.h"
 #include "tests/gpu/rotated_decode.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace {

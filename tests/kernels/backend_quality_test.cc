@@ -12,7 +12,7 @@
 #include "eval/synthetic.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/kv_layout.h"
 #include "tests/kernels/one_head_layout.h"
 

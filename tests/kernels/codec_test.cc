@@ -8,7 +8,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/codebook.h"
-#include "kernels/random.h"
+#include "base/random.h"
 #include "kernels/rotation.h"
 
 namespace tqkv {

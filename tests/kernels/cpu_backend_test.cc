@@ -14,10 +14,10 @@
 #include "kernels/code_tiles.h"
 #include "kernels/codec.h"
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/float_formats.h"
 #include "kernels/kv_layout.h"
-#include "kernels/random.h"
+#include "base/random.h"
 #include "tests/kernels/synthetic_field.h"
 
 namespace tqkv {

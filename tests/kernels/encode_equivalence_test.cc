@@ -16,10 +16,10 @@
 #include "kernels/blocked_sums.h"
 #include "kernels/codebook.h"
 #include "kernels/codec.h"
-#include "kernels/cpu/encode_kernels.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/encode_kernels.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/float_formats.h"
-#include "kernels/random.h"
+#include "base/random.h"
 #include "tests/kernels/simd_level_guard.h"
 
 namespace tqkv {

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace {

@@ -18,12 +18,12 @@
 #include "kernels/code_tiles.h"
 #include "kernels/codec.h"
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/float_formats.h"
 #include "kernels/format_table.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
-#include "kernels/random.h"
+#include "base/random.h"
 #include "tests/kernels/synthetic_field.h"
 
 namespace tqkv {

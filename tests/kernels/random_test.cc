@@ -1,4 +1,4 @@
-#include "kernels/random.h"
+#include "base/random.h"
 
 #include <algorithm>
 #include <cstdint>

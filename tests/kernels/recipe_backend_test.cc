@@ -16,11 +16,11 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/float_formats.h"
 #include "kernels/key_centering.h"
 #include "kernels/kv_layout.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace {

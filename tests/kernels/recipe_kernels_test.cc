@@ -18,9 +18,9 @@
 #include "gtest/gtest.h"
 #include "kernels/code_tiles.h"
 #include "kernels/cpu/attend_kernels.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 #include "kernels/float_formats.h"
-#include "kernels/random.h"
+#include "base/random.h"
 #include "tests/kernels/synthetic_field.h"
 
 namespace tqkv {

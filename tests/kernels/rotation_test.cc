@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu_features.h"
-#include "kernels/random.h"
+#include "kernels/simd/cpu_features.h"
+#include "base/random.h"
 
 namespace tqkv {
 namespace {

@@ -3,7 +3,7 @@
 #ifndef TQKV_TESTS_KERNELS_SIMD_LEVEL_GUARD_H_
 #define TQKV_TESTS_KERNELS_SIMD_LEVEL_GUARD_H_
 
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 
 namespace tqkv {
 

@@ -10,7 +10,7 @@
 #include "kernels/bitpack.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/float_formats.h"
-#include "kernels/random.h"
+#include "base/random.h"
 
 namespace tqkv {
 

@@ -7,8 +7,8 @@
 // Everything is in an anonymous namespace on purpose: each source file gets
 // its own copies, so the linker can never pick one ISA's inline code for
 // another's, or for baseline code.
-#ifndef TQKV_KERNELS_CPU_SIMD_MAPPINGS_H_
-#define TQKV_KERNELS_CPU_SIMD_MAPPINGS_H_
+#ifndef TQKV_KERNELS_SIMD_SIMD_MAPPINGS_H_
+#define TQKV_KERNELS_SIMD_SIMD_MAPPINGS_H_
 
 #include <immintrin.h>
 
@@ -184,4 +184,4 @@ struct Avx512 {
 }  // namespace simd
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CPU_SIMD_MAPPINGS_H_
+#endif  // TQKV_KERNELS_SIMD_SIMD_MAPPINGS_H_

@@ -1,4 +1,4 @@
-// AVX-512 kernels of the store path; see kernels/cpu/encode_kernels.h.
+// AVX-512 kernels of the store path; see kernels/simd/encode_kernels.h.
 // Compiled with -mavx512f -mavx512bw -mavx512vl -ffp-contract=off: the
 // float operations must be exactly those of the portable code (no FMA).
 #include <immintrin.h>
@@ -8,8 +8,8 @@
 
 #include "kernels/blocked_sums.h"
 
-#include "kernels/cpu/encode_kernels.h"
-#include "kernels/cpu/hadamard_body.h"
+#include "kernels/simd/encode_kernels.h"
+#include "kernels/simd/hadamard_body.h"
 #include "kernels/float_formats.h"
 
 namespace tqkv {

@@ -1,9 +1,9 @@
 // The rotation kernels of rotation_kernels.h for AVX-512 F (16 floats): the bodies in
 // hadamard_body.h on simd::Avx512. Compiled with -mavx512f -mavx512bw -mavx512vl -mfma; called only
 // when ActiveSimdLevel() allows it.
-#include "kernels/cpu/hadamard_body.h"
-#include "kernels/cpu/rotation_kernels.h"
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/hadamard_body.h"
+#include "kernels/simd/rotation_kernels.h"
+#include "kernels/simd/simd_mappings.h"
 #include "kernels/rotation.h"
 
 namespace tqkv {

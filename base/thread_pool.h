@@ -3,8 +3,8 @@
 // `threads` workers uses threads + 1 cores at most while a call runs. Calls
 // from several caller threads share the workers. No allocation per task; one
 // small job record per call.
-#ifndef TQKV_KERNELS_CPU_THREAD_POOL_H_
-#define TQKV_KERNELS_CPU_THREAD_POOL_H_
+#ifndef TQKV_BASE_THREAD_POOL_H_
+#define TQKV_BASE_THREAD_POOL_H_
 
 #include <atomic>
 #include <deque>
@@ -50,4 +50,4 @@ class ThreadPool {
 
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CPU_THREAD_POOL_H_
+#endif  // TQKV_BASE_THREAD_POOL_H_

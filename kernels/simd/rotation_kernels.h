@@ -2,8 +2,8 @@
 // dispatches to on ActiveSimdLevel(), defined in hadamard_avx2.cc and
 // hadamard_avx512.cc on one body (hadamard_body.h); the portable versions live
 // in rotation.cc. Each returns with a clean upper register state.
-#ifndef TQKV_KERNELS_CPU_ROTATION_KERNELS_H_
-#define TQKV_KERNELS_CPU_ROTATION_KERNELS_H_
+#ifndef TQKV_KERNELS_SIMD_ROTATION_KERNELS_H_
+#define TQKV_KERNELS_SIMD_ROTATION_KERNELS_H_
 
 namespace tqkv {
 namespace rotation_internal {
@@ -44,4 +44,4 @@ void KronHadamardAvx512(const float* x, float* y, int rows, int m, const float* 
 }  // namespace rotation_internal
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CPU_ROTATION_KERNELS_H_
+#endif  // TQKV_KERNELS_SIMD_ROTATION_KERNELS_H_

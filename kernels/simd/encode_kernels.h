@@ -4,8 +4,8 @@
 // bitpack.cc through ActiveEncodeKernels(). Every kernel returns exactly the
 // bytes / floats of the portable code it replaces (same float operations, no
 // FMA), so the stored format does not depend on the SIMD level.
-#ifndef TQKV_KERNELS_CPU_ENCODE_KERNELS_H_
-#define TQKV_KERNELS_CPU_ENCODE_KERNELS_H_
+#ifndef TQKV_KERNELS_SIMD_ENCODE_KERNELS_H_
+#define TQKV_KERNELS_SIMD_ENCODE_KERNELS_H_
 
 #include <cstdint>
 
@@ -143,4 +143,4 @@ void UniformLevelsAvx2(const float* x, int n, float zero, float inv_scale, int m
 }  // namespace encode_internal
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CPU_ENCODE_KERNELS_H_
+#endif  // TQKV_KERNELS_SIMD_ENCODE_KERNELS_H_

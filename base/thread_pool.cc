@@ -1,4 +1,4 @@
-#include "kernels/cpu/thread_pool.h"
+#include "base/thread_pool.h"
 
 namespace tqkv {
 

@@ -2,8 +2,8 @@
 // format (rotation signs, dense rotations, sketch matrices) and for synthetic
 // test data. std::*_distribution is implementation-defined, so tqkv uses its own
 // generator and transforms: the same seed gives the same numbers everywhere.
-#ifndef TQKV_KERNELS_RANDOM_H_
-#define TQKV_KERNELS_RANDOM_H_
+#ifndef TQKV_BASE_RANDOM_H_
+#define TQKV_BASE_RANDOM_H_
 
 #include <cstdint>
 
@@ -40,4 +40,4 @@ class Random {
 
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_RANDOM_H_
+#endif  // TQKV_BASE_RANDOM_H_

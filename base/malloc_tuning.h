@@ -19,8 +19,8 @@
 // Call it once at the start of main(), before threads start; tqkv-server and
 // the tqkv CLI do. A library must not: it is the program's choice. No-op
 // where the C library is not glibc.
-#ifndef TQKV_KERNELS_MALLOC_TUNING_H_
-#define TQKV_KERNELS_MALLOC_TUNING_H_
+#ifndef TQKV_BASE_MALLOC_TUNING_H_
+#define TQKV_BASE_MALLOC_TUNING_H_
 
 #include <cstddef>
 
@@ -37,4 +37,4 @@ bool TuneMallocForLargeMessages(const MallocTuning& tuning = MallocTuning());
 
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_MALLOC_TUNING_H_
+#endif  // TQKV_BASE_MALLOC_TUNING_H_

@@ -1,4 +1,4 @@
-#include "kernels/malloc_tuning.h"
+#include "base/malloc_tuning.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>

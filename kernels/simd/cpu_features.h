@@ -3,8 +3,8 @@
 // Kernels with intrinsics are compiled per ISA in their own translation units
 // (foo_avx2.cc, foo_avx512.cc) and chosen at run time from ActiveSimdLevel().
 // Tests force each level the machine supports to cover every path.
-#ifndef TQKV_KERNELS_CPU_FEATURES_H_
-#define TQKV_KERNELS_CPU_FEATURES_H_
+#ifndef TQKV_KERNELS_SIMD_CPU_FEATURES_H_
+#define TQKV_KERNELS_SIMD_CPU_FEATURES_H_
 
 #include <string_view>
 #include <vector>
@@ -41,4 +41,4 @@ SimdLevel SetActiveSimdLevel(SimdLevel level);
 
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CPU_FEATURES_H_
+#endif  // TQKV_KERNELS_SIMD_CPU_FEATURES_H_

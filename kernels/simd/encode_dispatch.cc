@@ -1,7 +1,7 @@
 // Which store-path kernels run (kernels/cpu/encode_kernels.h). Compiled for
 // the baseline ISA: it only picks.
-#include "kernels/cpu/encode_kernels.h"
-#include "kernels/cpu_features.h"
+#include "kernels/simd/encode_kernels.h"
+#include "kernels/simd/cpu_features.h"
 
 namespace tqkv {
 namespace encode_internal {

@@ -1,4 +1,4 @@
-// AVX2 kernels of the store path; see kernels/cpu/encode_kernels.h. The
+// AVX2 kernels of the store path; see kernels/simd/encode_kernels.h. The
 // AVX-512 file's kernels at 8 lanes: whole vectors here, the tail of a
 // vector that is not a multiple of 8 in the portable code's own expressions.
 // Compiled with -mavx2 -mf16c -mbmi2 -mfma -ffp-contract=off: the float
@@ -11,8 +11,8 @@
 #include <cstring>
 
 #include "kernels/blocked_sums.h"
-#include "kernels/cpu/encode_kernels.h"
-#include "kernels/cpu/hadamard_body.h"
+#include "kernels/simd/encode_kernels.h"
+#include "kernels/simd/hadamard_body.h"
 #include "kernels/float_formats.h"
 
 namespace tqkv {

@@ -1,7 +1,7 @@
 // Small status-propagation macros. The abseil in Debian bookworm (20220623) has
 // no public status macros, so tqkv keeps its own two.
-#ifndef TQKV_KERNELS_STATUS_MACROS_H_
-#define TQKV_KERNELS_STATUS_MACROS_H_
+#ifndef TQKV_BASE_STATUS_MACROS_H_
+#define TQKV_BASE_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,4 +28,4 @@
   if (!statusor.ok()) return statusor.status();          \
   lhs = std::move(statusor).value()
 
-#endif  // TQKV_KERNELS_STATUS_MACROS_H_
+#endif  // TQKV_BASE_STATUS_MACROS_H_

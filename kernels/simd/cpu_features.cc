@@ -1,4 +1,4 @@
-#include "kernels/cpu_features.h"
+#include "kernels/simd/cpu_features.h"
 
 #include <atomic>
 #include <cctype>

@@ -19,15 +19,15 @@
 // vzeroupper, and a last call may become a tail jump, which would leave the
 // caller's SSE code running with a dirty upper state (on the Xeon, that made
 // the whole TurboQuant store 1.8x slower).
-#ifndef TQKV_KERNELS_CPU_HADAMARD_BODY_H_
-#define TQKV_KERNELS_CPU_HADAMARD_BODY_H_
+#ifndef TQKV_KERNELS_SIMD_HADAMARD_BODY_H_
+#define TQKV_KERNELS_SIMD_HADAMARD_BODY_H_
 
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstddef>
 
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/simd_mappings.h"
 #include "kernels/rotation.h"
 
 namespace tqkv {
@@ -433,4 +433,4 @@ void KronHadamard(const float* x, float* y, int rows, int m, const float* column
 }  // namespace hadamard
 }  // namespace tqkv
 
-#endif  // TQKV_KERNELS_CPU_HADAMARD_BODY_H_
+#endif  // TQKV_KERNELS_SIMD_HADAMARD_BODY_H_

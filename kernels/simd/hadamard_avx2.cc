@@ -1,9 +1,9 @@
 // The rotation kernels of rotation_kernels.h for AVX2 + FMA (8 floats): the bodies in
 // hadamard_body.h on simd::Avx2. Compiled with -mavx2 -mfma; called only
 // when ActiveSimdLevel() allows it.
-#include "kernels/cpu/hadamard_body.h"
-#include "kernels/cpu/rotation_kernels.h"
-#include "kernels/cpu/simd_mappings.h"
+#include "kernels/simd/hadamard_body.h"
+#include "kernels/simd/rotation_kernels.h"
+#include "kernels/simd/simd_mappings.h"
 #include "kernels/rotation.h"
 
 namespace tqkv {
