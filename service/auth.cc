@@ -177,13 +177,13 @@ Tenant::Tenant(const TenantSpec& spec)
 
 void Tenant::CountCall(grpc::StatusCode code) const {
   const int index = static_cast<int>(code);
-  calls_[index >= 0 && index < 17 ? index : static_cast<int>(grpc::StatusCode::UNKNOWN)].fetch_add(
+  calls_[index >= 0 && index < kNumGrpcCodes ? index : static_cast<int>(grpc::StatusCode::UNKNOWN)].fetch_add(
       1, std::memory_order_relaxed);
 }
 
-std::array<uint64_t, 17> Tenant::Calls() const {
-  std::array<uint64_t, 17> calls;
-  for (int i = 0; i < 17; ++i) calls[i] = calls_[i].load(std::memory_order_relaxed);
+std::array<uint64_t, kNumGrpcCodes> Tenant::Calls() const {
+  std::array<uint64_t, kNumGrpcCodes> calls;
+  for (int i = 0; i < kNumGrpcCodes; ++i) calls[i] = calls_[i].load(std::memory_order_relaxed);
   return calls;
 }
 

@@ -57,6 +57,7 @@
 #include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
+#include "service/status_util.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "cache/usage_account.h"
@@ -115,13 +116,13 @@ class Tenant {
   // A finished call made with one of the tenant's tokens.
   void CountCall(grpc::StatusCode code) const;
   // Calls so far by status code (index = code, 0..16).
-  std::array<uint64_t, 17> Calls() const;
+  std::array<uint64_t, kNumGrpcCodes> Calls() const;
 
  private:
   std::string name_;
   std::string prefix_;
   std::shared_ptr<UsageAccount> account_;
-  mutable std::array<std::atomic<uint64_t>, 17> calls_{};
+  mutable std::array<std::atomic<uint64_t>, kNumGrpcCodes> calls_{};
 };
 
 // Who is calling: an admin (or anyone, with auth off) or one tenant.

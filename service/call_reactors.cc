@@ -407,9 +407,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
 }  // namespace
 
-grpc::internal::MethodHandler* NewStreamedHandler(StreamFactory factory) {
-  return new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer, grpc::ByteBuffer>(std::move(factory));
-}
+RawMethodHandler* NewStreamedHandler(StreamFactory factory) { return NewRawBidiHandler(std::move(factory)); }
 
 int MethodIndex(Rpc rpc) {
   return google::protobuf::DescriptorPool::generated_pool()

@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "proto/grpc_raw.h"
 #include "service/auth.h"
 #include "service/executor.h"
 #include "service/metrics.h"
@@ -51,15 +52,14 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* NewAppendStreamReactor(KvCacheService
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewDecodeStreamReactor(
     KvCacheService* service, const absl::StatusOr<Caller>& caller);
 
-// The gRPC plumbing below the public API, in one place (written against
-// gRPC 1.51's callback API; check it when gRPC moves): a handler that
-// serves a method of the raw service as a bidi stream of bytes, which
+// A handler (over proto/grpc_raw.h, the one file that uses gRPC's internal
+// API) that serves a method of the raw service as a bidi stream of bytes, which
 // KvCacheService registers with grpc::Service::MarkMethodStreamed for its
 // unary rpcs and ExportSequences, so that a call's token is checked before
 // its request is read. `factory` makes the call's reactor.
 using StreamFactory =
     std::function<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*(grpc::CallbackServerContext*)>;
-grpc::internal::MethodHandler* NewStreamedHandler(StreamFactory factory);
+RawMethodHandler* NewStreamedHandler(StreamFactory factory);
 
 // The index of `rpc`'s method in tqkv.v1.KvCache (the generated code's
 // method order, which MarkMethodStreamed takes).

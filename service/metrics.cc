@@ -24,7 +24,7 @@ namespace service {
 namespace {
 
 constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page", "store_attend"};
-constexpr const char* kCodeNames[17] = {
+constexpr const char* kCodeNames[kNumGrpcCodes] = {
     "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
     "DEADLINE_EXCEEDED", "NOT_FOUND",   "ALREADY_EXISTS",   "PERMISSION_DENIED",
     "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
@@ -523,8 +523,8 @@ class TenantCollector : public prometheus::Collectable {
     calls.help = "Calls made with the tenant's tokens, by gRPC status code (errors: code != OK).";
     calls.type = MetricType::Counter;
     for (const Tenant* tenant : tenants_) {
-      const std::array<uint64_t, 17> counts = tenant->Calls();
-      for (int code = 0; code < 17; ++code) {
+      const std::array<uint64_t, kNumGrpcCodes> counts = tenant->Calls();
+      for (int code = 0; code < kNumGrpcCodes; ++code) {
         if (counts[code] == 0 && code != 0) continue;
         prometheus::ClientMetric m;
         m.label.push_back({"code", kCodeNames[code]});

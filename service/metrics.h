@@ -182,8 +182,8 @@ class Metrics {
   std::vector<KernelHistograms> kernel_wait_;
   // [rpc][code], created on first use.
   absl::Mutex create_mu_;
-  std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> request_counters_{};
-  std::array<std::array<std::atomic<prometheus::Counter*>, 17>, kNumRpcs> error_counters_{};
+  std::array<std::array<std::atomic<prometheus::Counter*>, kNumGrpcCodes>, kNumRpcs> request_counters_{};
+  std::array<std::array<std::atomic<prometheus::Counter*>, kNumGrpcCodes>, kNumRpcs> error_counters_{};
 };
 
 // The tqkv_cache_* families, read from each cache's Stats() when collected.

@@ -23,6 +23,7 @@
 #include "absl/strings/str_replace.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "base/status_macros.h"
+#include "proto/grpc_raw.h"
 #include "service/auth.h"
 #include "service/config.h"
 #include "service/crc32c.h"
@@ -596,11 +597,8 @@ absl::Status PullSequences(KvCacheService* service, const Caller& caller, const 
   if (!request.source_auth_token().empty()) {
     context.AddMetadata("authorization", absl::StrCat("Bearer ", request.source_auth_token()));
   }
-  const grpc::internal::RpcMethod method("/tqkv.v1.KvCache/ExportSequences",
-                                         grpc::internal::RpcMethod::SERVER_STREAMING);
-  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(channel.get(), method, &context,
-                                                                    request.export_request()));
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader =
+      OpenRawServerStream(channel.get(), "/tqkv.v1.KvCache/ExportSequences", &context, request.export_request());
   ImportSession session(service, caller);
   grpc::ByteBuffer message;
   bool first = true;

@@ -11,6 +11,11 @@
 namespace tqkv {
 namespace service {
 
+// How many gRPC status codes there are (OK = 0 ... UNAUTHENTICATED = 16):
+// the size of every per-code table (calls per tenant, metrics).
+inline constexpr int kNumGrpcCodes = static_cast<int>(grpc::StatusCode::UNAUTHENTICATED) + 1;
+static_assert(kNumGrpcCodes == 17);
+
 // Same code, same message. Never fails; an out-of-range code (impossible for a
 // canonical absl::Status) becomes UNKNOWN.
 grpc::Status ToGrpcStatus(const absl::Status& status);

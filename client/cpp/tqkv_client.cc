@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "kernels/float_formats.h"
+#include "proto/grpc_raw.h"
 
 namespace tqkv {
 namespace {
@@ -504,18 +505,13 @@ absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const
   // The messages are relayed as raw bytes (only the header is parsed, when
   // the target cache is renamed): the pages are never decoded here. The
   // export is read on a second thread and handed over one message at a time.
-  const grpc::internal::RpcMethod export_method("/tqkv.v1.KvCache/ExportSequences",
-                                                grpc::internal::RpcMethod::SERVER_STREAMING);
-  const grpc::internal::RpcMethod import_method("/tqkv.v1.KvCache/ImportSequences",
-                                                grpc::internal::RpcMethod::CLIENT_STREAMING);
   Mailbox box;
   grpc::ClientContext export_context;
   from.PrepareStream(&export_context, request.sequence_ids_size() > 0 ? absl::string_view(request.sequence_ids(0))
                                                                       : absl::string_view(request.id_prefix()));
   std::thread exporter([&] {
-    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(from.channel_.get(), export_method,
-                                                                      &export_context, request));
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader =
+        OpenRawServerStream(from.channel_.get(), "/tqkv.v1.KvCache/ExportSequences", &export_context, request);
     grpc::ByteBuffer message;
     bool first = true;
     absl::Status relay;
@@ -552,9 +548,8 @@ absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const
   grpc::ClientContext import_context;
   to.PrepareStream(&import_context, absl::string_view());
   grpc::ByteBuffer response_bytes;
-  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
-      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(to.channel_.get(), import_method,
-                                                                    &import_context, &response_bytes));
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer =
+      OpenRawClientStream(to.channel_.get(), "/tqkv.v1.KvCache/ImportSequences", &import_context, &response_bytes);
   absl::Status export_failed;
   for (;;) {
     grpc::ByteBuffer message;
