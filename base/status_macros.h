@@ -11,17 +11,16 @@
 
 // Evaluates `expr` (an absl::Status); returns it from the enclosing function if
 // it is not OK.
-#define RETURN_IF_ERROR(expr)                        \
-  do {                                               \
-    ::absl::Status tqkv_status_ = (expr);            \
-    if (!tqkv_status_.ok()) return tqkv_status_;     \
+#define RETURN_IF_ERROR(expr)                    \
+  do {                                           \
+    ::absl::Status tqkv_status_ = (expr);        \
+    if (!tqkv_status_.ok()) return tqkv_status_; \
   } while (false)
 
 // ASSIGN_OR_RETURN(lhs, expr): evaluates `expr` (an absl::StatusOr<T>); on
 // error returns its status, otherwise moves the value into `lhs`, which may be
 // a declaration ("auto x") or an existing variable.
-#define ASSIGN_OR_RETURN(lhs, expr) \
-  TQKV_ASSIGN_OR_RETURN_IMPL_(TQKV_CONCAT_(tqkv_statusor_, __LINE__), lhs, expr)
+#define ASSIGN_OR_RETURN(lhs, expr) TQKV_ASSIGN_OR_RETURN_IMPL_(TQKV_CONCAT_(tqkv_statusor_, __LINE__), lhs, expr)
 
 #define TQKV_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
   auto statusor = (expr);                                \

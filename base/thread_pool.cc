@@ -47,9 +47,7 @@ void ThreadPool::WorkerLoop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](ThreadPool* pool) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return pool->stopping_ || !pool->jobs_.empty();
-          },
+          +[](ThreadPool* pool) ABSL_NO_THREAD_SAFETY_ANALYSIS { return pool->stopping_ || !pool->jobs_.empty(); },
           this));
       if (jobs_.empty()) return;  // stopping
       job = jobs_.front();

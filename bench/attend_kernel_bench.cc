@@ -117,8 +117,8 @@ void BM_AttendKernel(benchmark::State& state, const char* preset_name, cpu_inter
     kernel(p);
     benchmark::DoNotOptimize(out.data());
   }
-  state.counters["ns_per_token"] = benchmark::Counter(
-      static_cast<double>(state.iterations()) * context, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["ns_per_token"] = benchmark::Counter(static_cast<double>(state.iterations()) * context,
+                                                      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
 void Register() {
@@ -132,8 +132,8 @@ void Register() {
       {"avx2", cpu_internal::AttendHeadAvx2, cpu_internal::AttendHeadAvx2Supported,
        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")},
       {"avx512", cpu_internal::AttendHeadAvx512, cpu_internal::AttendHeadAvx512Supported,
-       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")},
+       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq")},
       {"avx512_vnni", cpu_internal::AttendHeadAvx512Vnni, cpu_internal::AttendHeadAvx512VnniSupported,
        DetectedSimdLevel() >= SimdLevel::kAvx512Vnni},
   };
@@ -141,8 +141,8 @@ void Register() {
     if (!isa.usable) continue;
     for (const char* preset : {"bf16", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_3bit_nc",
                                "tqkv_k3v4", "tqkv_k3v3", "tqkv_k2p5v3"}) {
-      benchmark::RegisterBenchmark((std::string(isa.name) + "/" + preset).c_str(), BM_AttendKernel, preset,
-                                   isa.kernel, isa.supported)
+      benchmark::RegisterBenchmark((std::string(isa.name) + "/" + preset).c_str(), BM_AttendKernel, preset, isa.kernel,
+                                   isa.supported)
           ->Arg(512)
           ->Arg(8192)
           ->Arg(32768)

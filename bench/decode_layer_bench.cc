@@ -1,10 +1,9 @@
 // One decode layer through the service's handler, in process (no gRPC, no
 // network): an AppendAttend of --batch sequences of --context tokens, one new
 // token each, parsed from its wire bytes (in 16 KiB slices, as gRPC hands
-// them over) and answered into a gRPC buffer, as the server does. Prints, per layer, the handler's time and the backend's time
-// (Store, Attend, CopyPage, as the server's kernel timings count them), and
-// the difference: the server's time outside the kernels, per layer and per
-// item, with the request's parse and the response's serialization per item
+// them over) and answered into a gRPC buffer, as the server does. Prints, per layer, the handler's time and the
+// backend's time (Store, Attend, CopyPage, as the server's kernel timings count them), and the difference: the server's
+// time outside the kernels, per layer and per item, with the request's parse and the response's serialization per item
 // (parts of it). Medians over --steps decode steps of every layer.
 //
 //   build/bin/decode_layer_bench --batch 8,64 --context 1024
@@ -50,8 +49,12 @@ using Clock = std::chrono::steady_clock;
 class TimedBackend : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
-  absl::Status Store(const StoreParams& p) override { return Time([&] { return inner().Store(p); }); }
-  absl::Status Attend(const AttendParams& p) override { return Time([&] { return inner().Attend(p); }); }
+  absl::Status Store(const StoreParams& p) override {
+    return Time([&] { return inner().Store(p); });
+  }
+  absl::Status Attend(const AttendParams& p) override {
+    return Time([&] { return inner().Attend(p); });
+  }
   absl::Status StoreAndAttend(const StoreParams& s, const AttendParams& a) override {
     return Time([&] { return inner().StoreAndAttend(s, a); });
   }
@@ -102,7 +105,8 @@ int Run(int batch) {
   if (!options.ok()) return std::fprintf(stderr, "%s\n", options.status().ToString().c_str()), 1;
   CacheOptions& o = (*options)[0];
   std::shared_ptr<const KvLayout> layout = *KvLayout::Create(o.layout);
-  o.memory_budget_bytes = layout->page_bytes() * (static_cast<size_t>(batch) * ((context + steps) / o.layout.page_tokens + 8) * 2 + 64);
+  o.memory_budget_bytes =
+      layout->page_bytes() * (static_cast<size_t>(batch) * ((context + steps) / o.layout.page_tokens + 8) * 2 + 64);
   absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(o, backend);
   if (!cache.ok()) return std::fprintf(stderr, "%s\n", cache.status().ToString().c_str()), 1;
   KvCache* raw = cache->get();
@@ -204,7 +208,8 @@ int main(int argc, char** argv) {
               "outside_us", "outside/item", "parse/it", "write/it");
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_batch), ',', absl::SkipEmpty())) {
     int batch = 0;
-    if (!absl::SimpleAtoi(b, &batch) || batch < 1) return std::fprintf(stderr, "bad --batch %s\n", std::string(b).c_str()), 2;
+    if (!absl::SimpleAtoi(b, &batch) || batch < 1)
+      return std::fprintf(stderr, "bad --batch %s\n", std::string(b).c_str()), 2;
     if (int code = tqkv::Run(batch); code != 0) return code;
   }
   return 0;

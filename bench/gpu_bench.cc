@@ -160,8 +160,7 @@ Template MakeTemplate(const Preset& preset) {
                 t.keys.begin() + (i * kKvHeads + h) * kHeadDim);
     }
     if (preset.NeedsCalibration()) {
-      t.hot_channels.push_back(
-          ChooseHotChannels(head.data(), t.tokens, kHeadDim, preset.key.HotChannels(kHeadDim)));
+      t.hot_channels.push_back(ChooseHotChannels(head.data(), t.tokens, kHeadDim, preset.key.HotChannels(kHeadDim)));
     }
   }
   t.values = eval::GaussianVectors(t.tokens * kKvHeads, kHeadDim, 12);
@@ -198,7 +197,8 @@ bool TimeStore(Backend& backend, const KvLayout& layout, const PagePool& pool, c
   std::iota(slots.begin(), slots.end(), 0);
   const StoreParams params{&layout, pool, 0, 1, t.tokens, slots.data(), t.keys.data(), t.values.data()};
   double kernel = 0, wall = 0;
-  if (!Measure(backend, 0.0, [&] { return backend.Store(params).ok(); }, &kernel, &wall)) {
+  if (!Measure(
+          backend, 0.0, [&] { return backend.Store(params).ok(); }, &kernel, &wall)) {
     std::fprintf(stderr, "Store failed: %s\n", backend.Store(params).ToString().c_str());
     return false;
   }
@@ -244,15 +244,15 @@ bool DecodePoint(Backend& backend, const KvLayout& layout, const PagePool& pool,
   for (int b = 0; b < point.batch; ++b) tables.push_back(cli::RenumberServedState(state, b * state.num_pages));
   for (int b = 0; b < point.batch; ++b) {
     const size_t q = static_cast<size_t>(b) * kQueryHeads * kHeadDim;
-    items[b] = AttendItem{tables[b].block_table.data(), point.context, 0, 1, queries.data() + q, output.data() + q,
-                          nullptr};
+    items[b] =
+        AttendItem{tables[b].block_table.data(), point.context, 0, 1, queries.data() + q, output.data() + q, nullptr};
     if (!tables[b].exact_block_table.empty()) items[b].exact_block_table = tables[b].exact_block_table.data();
     if (!state.key_mean.empty()) items[b].key_mean = state.key_mean.data();
   }
   const AttendParams params{&layout, pool, items, 1.0f / std::sqrt(static_cast<float>(kHeadDim))};
   double kernel = 0, wall = 0;
-  if (!Measure(backend, absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel,
-               &wall)) {
+  if (!Measure(
+          backend, absl::GetFlag(FLAGS_min_seconds), [&] { return backend.Attend(params).ok(); }, &kernel, &wall)) {
     std::fprintf(stderr, "Attend failed: %s\n", backend.Attend(params).ToString().c_str());
     return false;
   }
@@ -292,10 +292,9 @@ bool RunPreset(Backend& backend, const Run& run, const std::vector<Point>& point
   bool ok = TimeStore(backend, **layout, *pool, t, store);
   absl::StatusOr<cli::ServedLayer> served = absl::UnknownError("not built");
   if (ok) {
-    served = cli::BuildServedLayer(options, backend, contexts, [&t](int64_t t0, int64_t n, std::vector<float>* k,
-                                                                    std::vector<float>* v) {
-      TemplateTokens(t, t0, n, k, v);
-    });
+    served = cli::BuildServedLayer(
+        options, backend, contexts,
+        [&t](int64_t t0, int64_t n, std::vector<float>* k, std::vector<float>* v) { TemplateTokens(t, t0, n, k, v); });
     if (!served.ok()) std::fprintf(stderr, "%s: %s\n", name.c_str(), served.status().ToString().c_str());
     ok = served.ok();
   }
@@ -387,10 +386,11 @@ void PrintJson(const std::string& device, const Results& r) {
   std::printf("],\n \"decode\": [\n");
   for (size_t i = 0; i < r.rows.size(); ++i) {
     const DecodeRow& d = r.rows[i];
-    std::printf("  {\"preset\": \"%s\", \"sweep\": \"%s\", \"context\": %lld, \"batch\": %d, \"kernel_us\": %.2f, "
-                "\"wall_us\": %.2f, \"gbps\": %.1f, \"peak_fraction\": %.3f, \"speedup_vs_bf16\": %.3f",
-                d.preset.c_str(), d.sweep.c_str(), static_cast<long long>(d.context), d.batch, d.kernel_us,
-                d.wall_us, d.gbps, d.peak_fraction, d.speedup_vs_bf16);
+    std::printf(
+        "  {\"preset\": \"%s\", \"sweep\": \"%s\", \"context\": %lld, \"batch\": %d, \"kernel_us\": %.2f, "
+        "\"wall_us\": %.2f, \"gbps\": %.1f, \"peak_fraction\": %.3f, \"speedup_vs_bf16\": %.3f",
+        d.preset.c_str(), d.sweep.c_str(), static_cast<long long>(d.context), d.batch, d.kernel_us, d.wall_us, d.gbps,
+        d.peak_fraction, d.speedup_vs_bf16);
     if (d.vs_plain > 0) std::printf(", \"vs_plain\": %.3f", d.vs_plain);
     std::printf("}%s\n", i + 1 < r.rows.size() ? "," : "");
   }
@@ -411,8 +411,8 @@ void PrintTables(const std::string& device, const Results& r) {
   for (const auto& [preset, reads] : r.reads) std::printf("%s reads: %s\n", preset.c_str(), reads.c_str());
   std::printf("\n");
   for (const char* sweep : {"context", "batch"}) {
-    std::printf("%s sweep\n%-24s %8s %6s %12s %12s %9s %7s %9s %8s\n", sweep, "preset", "context", "batch",
-                "kernel us", "wall us", "GB/s", "% peak", "x bf16", "x plain");
+    std::printf("%s sweep\n%-24s %8s %6s %12s %12s %9s %7s %9s %8s\n", sweep, "preset", "context", "batch", "kernel us",
+                "wall us", "GB/s", "% peak", "x bf16", "x plain");
     for (const DecodeRow& d : r.rows) {
       if (d.sweep != sweep) continue;
       std::printf("%-24s %8lld %6d %12.1f %12.1f %9.0f %6.1f%% %9.2f", d.preset.c_str(),

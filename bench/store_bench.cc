@@ -46,8 +46,7 @@ void BM_StorePreset(benchmark::State& state, const Preset* preset) {
   const std::vector<float> keys = Inputs();
   const std::vector<float> values = Inputs();
   if (preset->key.NeedsCalibration()) {
-    options.hot_channels = ChooseHotChannels(keys.data(), kTokens, kHeadDim,
-                                             preset->key.HotChannels(kHeadDim));
+    options.hot_channels = ChooseHotChannels(keys.data(), kTokens, kHeadDim, preset->key.HotChannels(kHeadDim));
   }
   auto key_codec = MakeCodec(preset->key, options);
   auto value_codec = MakeCodec(preset->value, options);
@@ -178,8 +177,7 @@ int RegisterAll() {
   benchmark::RegisterBenchmark("memcpy_bf16", BM_MemcpyBf16);
   benchmark::RegisterBenchmark("convert_copy_bf16", BM_ConvertAndCopyBf16);
   for (const Preset& preset : AllPresets()) {
-    benchmark::RegisterBenchmark(("store/" + std::string(preset.name)).c_str(), BM_StorePreset,
-                                 &preset);
+    benchmark::RegisterBenchmark(("store/" + std::string(preset.name)).c_str(), BM_StorePreset, &preset);
   }
   for (const Preset& preset : AllPresets()) {
     if (preset.NeedsCalibration()) continue;

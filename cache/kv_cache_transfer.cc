@@ -5,26 +5,25 @@
 namespace tqkv {
 
 using cache_internal::CeilDiv;
-using cache_internal::ForEachHeld;
-using cache_internal::CountBytes;
-using cache_internal::ExactRuns;
-using cache_internal::TablePlan;
-using cache_internal::PlanTableWrites;
-using cache_internal::Sequence;
-using cache_internal::ForEachPage;
-using cache_internal::ReadSnapshot;
 using cache_internal::CheckFinite;
 using cache_internal::CheckScale;
+using cache_internal::CountBytes;
 using cache_internal::EffectiveScale;
+using cache_internal::ExactRuns;
+using cache_internal::ForEachHeld;
+using cache_internal::ForEachPage;
+using cache_internal::PlanTableWrites;
+using cache_internal::ReadSnapshot;
+using cache_internal::Sequence;
+using cache_internal::TablePlan;
 namespace {
-
 
 // A sequence's pages as an export numbers them (SequenceImage): carried
 // pages first, in table order (block tables, then exact ones), then those
 // `kept` (an ExportSharing's pages, by stream index; null: none) already has.
 struct PageNumbering {
-  std::vector<int32_t> carried;  // pool pages, by image index
-  std::vector<int64_t> shared;   // stream indices of the pages after them
+  std::vector<int32_t> carried;                            // pool pages, by image index
+  std::vector<int64_t> shared;                             // stream indices of the pages after them
   std::vector<std::vector<int32_t>> tables, exact_tables;  // by image index
 };
 
@@ -61,8 +60,7 @@ PageNumbering NumberPages(const Sequence& seq, const absl::flat_hash_map<int32_t
 // What a read (Attend item, Score) took from a sequence under the lock: the
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SequenceExport>> KvCache::BeginExport(const std::string& id,
-                                                                     ExportSharing* sharing) {
+absl::StatusOr<std::unique_ptr<SequenceExport>> KvCache::BeginExport(const std::string& id, ExportSharing* sharing) {
   State& s = *state_;
   std::unique_ptr<SequenceExport> e(new SequenceExport());
   e->cache_ = this;
@@ -176,9 +174,9 @@ absl::Status CheckImageLayers(const KvLayout& layout, const SequenceImage& image
   const int layers = layout.num_layers();
   if (static_cast<int>(image.layer_tokens.size()) != layers || static_cast<int>(image.held_begin.size()) != layers ||
       static_cast<int>(image.key_means.size()) != layers) {
-    return DoesNotFit(image.id, absl::StrFormat("it has %d layers (%d oldest-token entries, %d means); the cache has %d",
-                                                image.layer_tokens.size(), image.held_begin.size(),
-                                                image.key_means.size(), layers));
+    return DoesNotFit(
+        image.id, absl::StrFormat("it has %d layers (%d oldest-token entries, %d means); the cache has %d",
+                                  image.layer_tokens.size(), image.held_begin.size(), image.key_means.size(), layers));
   }
   for (int l = 0; l < layers; ++l) {
     const int64_t length = image.layer_tokens[l], held = image.held_begin[l];
@@ -201,8 +199,8 @@ absl::Status CheckImageLayers(const KvLayout& layout, const SequenceImage& image
 
 // Pages [begin, end) of `table` (`page_tokens` per page) are present. An
 // empty range needs none.
-absl::Status NeedPages(const std::string& id, const std::vector<int32_t>& table, int64_t page_tokens,
-                       int64_t begin, int64_t end, const char* what, int layer) {
+absl::Status NeedPages(const std::string& id, const std::vector<int32_t>& table, int64_t page_tokens, int64_t begin,
+                       int64_t end, const char* what, int layer) {
   for (int64_t k = begin / page_tokens; begin < end && k < CeilDiv(end, page_tokens); ++k) {
     if (table[k] < 0) {
       return DoesNotFit(id, absl::StrFormat("layer %d reads tokens [%d, %d) from its %s, whose entry %d holds no page",
@@ -231,8 +229,8 @@ absl::Status CheckImageTables(const KvLayout& layout, const SequenceImage& image
     }
     for (int32_t page : table) {
       if (page < -1 || page >= image.num_pages || (page >= 0 && seen[page])) {
-        return DoesNotFit(id, absl::StrFormat("chunk %d's %s names page %d twice or outside its %d pages", chunk,
-                                              what, page, image.num_pages));
+        return DoesNotFit(id, absl::StrFormat("chunk %d's %s names page %d twice or outside its %d pages", chunk, what,
+                                              page, image.num_pages));
       }
       if (page >= 0) seen[page] = true;
     }
@@ -279,8 +277,8 @@ absl::Status CheckImageSharing(const SequenceImage& image, const std::vector<int
   for (int64_t stream_index : image.shared_pages) {
     if (stream_index < 0 || stream_index >= static_cast<int64_t>(stream_pages->size()) ||
         (*stream_pages)[stream_index] < 0 || !named.emplace(stream_index, true).second) {
-      return DoesNotFit(id, absl::StrFormat("it shares stream page %d, which no earlier sequence offered (or twice)",
-                                            stream_index));
+      return DoesNotFit(
+          id, absl::StrFormat("it shares stream page %d, which no earlier sequence offered (or twice)", stream_index));
     }
   }
   for (size_t i = 0; i < image.offered_pages.size(); ++i) {
@@ -295,7 +293,8 @@ absl::Status CheckImageSharing(const SequenceImage& image, const std::vector<int
                                           kRememberedAppends));
   }
   for (const SequenceImage::RememberedAppend& r : image.recent_appends) {
-    if (r.request_id.empty() || r.request_id.size() > 64) return DoesNotFit(id, "a remembered request id is not 1..64 bytes");
+    if (r.request_id.empty() || r.request_id.size() > 64)
+      return DoesNotFit(id, "a remembered request id is not 1..64 bytes");
   }
   return absl::OkStatus();
 }
@@ -314,8 +313,9 @@ absl::StatusOr<std::unique_ptr<SequenceImport>> KvCache::BeginImport(const Seque
   if (image.num_pages < 0) return DoesNotFit(id, absl::StrFormat("it has %d pages", image.num_pages));
   RETURN_IF_ERROR(CheckImageSharing(image, sharing == nullptr ? nullptr : &sharing->pool_page_));
   if (image.carried_pages() > pool_.num_pages) {
-    return absl::ResourceExhaustedError(absl::StrFormat("cache '%s' cannot hold sequence '%s': %d pages, the pool has %d",
-                                                        options_.name, id, image.carried_pages(), pool_.num_pages));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("cache '%s' cannot hold sequence '%s': %d pages, the pool has %d", options_.name, id,
+                        image.carried_pages(), pool_.num_pages));
   }
   RETURN_IF_ERROR(CheckImageTables(layout, image));
 
@@ -439,9 +439,9 @@ absl::Status KvCache::EndImport(SequenceImport& import, bool commit) {
 absl::Status KvCache::ImportSequence(const SequenceImage& image, std::shared_ptr<UsageAccount> account) {
   if (image.num_pages < 0 || image.shared_pages.size() > static_cast<size_t>(image.num_pages) ||
       image.pages.size() != static_cast<size_t>(image.carried_pages()) * layout_->page_bytes()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "sequence '%s' does not fit this cache: %d carried pages in %d bytes; want pages of %d bytes", image.id,
-        image.carried_pages(), image.pages.size(), layout_->page_bytes()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("sequence '%s' does not fit this cache: %d carried pages in %d bytes; want pages of %d bytes",
+                        image.id, image.carried_pages(), image.pages.size(), layout_->page_bytes()));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<SequenceImport> import, BeginImport(image, std::move(account)));
   RETURN_IF_ERROR(import->WritePages(0, import->num_pages(), image.pages.data()));

@@ -68,10 +68,10 @@ class UsageAccount {
     do {
       if (max_sequences_ != 0 && held >= max_sequences_) {
         refusals_.fetch_add(1, std::memory_order_relaxed);
-        return absl::ResourceExhaustedError(absl::StrFormat(
-            "%s is at its quota: it holds %d sequences and max_sequences is %d; drop sequences it no "
-            "longer needs",
-            description_, held, max_sequences_));
+        return absl::ResourceExhaustedError(
+            absl::StrFormat("%s is at its quota: it holds %d sequences and max_sequences is %d; drop sequences it no "
+                            "longer needs",
+                            description_, held, max_sequences_));
       }
     } while (!sequences_.compare_exchange_weak(held, held + 1, std::memory_order_relaxed));
     return absl::OkStatus();

@@ -53,8 +53,7 @@ class FlatJsonReader {
   }
 
  private:
-  absl::StatusOr<std::map<std::string, std::string>> Finish(
-      std::map<std::string, std::string> members) {
+  absl::StatusOr<std::map<std::string, std::string>> Finish(std::map<std::string, std::string> members) {
     SkipSpace();
     if (pos_ != text_.size()) return Error("trailing text after the object");
     return members;
@@ -119,8 +118,7 @@ class FlatJsonReader {
   size_t pos_ = 0;
 };
 
-absl::StatusOr<int64_t> IntegerMember(const std::map<std::string, std::string>& members,
-                                      const char* name) {
+absl::StatusOr<int64_t> IntegerMember(const std::map<std::string, std::string>& members, const char* name) {
   auto it = members.find(name);
   if (it == members.end()) {
     return absl::InvalidArgumentError(absl::StrFormat("missing member \"%s\"", name));
@@ -130,8 +128,7 @@ absl::StatusOr<int64_t> IntegerMember(const std::map<std::string, std::string>& 
   errno = 0;
   const long long value = std::strtoll(text.c_str(), &end, 10);
   if (text.empty() || *end != '\0' || errno != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("\"%s\" must be an integer, got '%s'", name, text));
+    return absl::InvalidArgumentError(absl::StrFormat("\"%s\" must be an integer, got '%s'", name, text));
   }
   return static_cast<int64_t>(value);
 }
@@ -145,9 +142,8 @@ absl::Status CheckMeta(const CaptureMeta& m) {
   }
   if (m.num_kv_heads < 1) return absl::InvalidArgumentError("\"num_kv_heads\" must be >= 1");
   if (m.num_query_heads < 1 || m.num_query_heads % m.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("\"num_query_heads\" %d is not a positive multiple of \"num_kv_heads\" %d",
-                        m.num_query_heads, m.num_kv_heads));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "\"num_query_heads\" %d is not a positive multiple of \"num_kv_heads\" %d", m.num_query_heads, m.num_kv_heads));
   }
   return absl::OkStatus();
 }
@@ -156,24 +152,21 @@ absl::Status Prefixed(const absl::Status& status, const std::string& prefix) {
   return absl::Status(status.code(), absl::StrCat(prefix, ": ", status.message()));
 }
 
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
+std::string ShapeText(const std::vector<int64_t>& shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
 
-absl::StatusOr<std::vector<float>> ReadTensor(const std::string& path, int64_t tokens, int heads,
-                                              int head_dim, const char* heads_name) {
+absl::StatusOr<std::vector<float>> ReadTensor(const std::string& path, int64_t tokens, int heads, int head_dim,
+                                              const char* heads_name) {
   absl::StatusOr<NpyArray> array = ReadNpy(path);
   if (!array.ok()) return array.status();
   const std::vector<int64_t> want = {tokens, heads, head_dim};
   if (array->shape != want) {
     return absl::InvalidArgumentError(
-        absl::StrFormat("%s has shape %s, want [tokens %d, %s %d, head_dim %d] from meta.json",
-                        path, ShapeText(array->shape), tokens, heads_name, heads, head_dim));
+        absl::StrFormat("%s has shape %s, want [tokens %d, %s %d, head_dim %d] from meta.json", path,
+                        ShapeText(array->shape), tokens, heads_name, heads, head_dim));
   }
   for (size_t i = 0; i < array->data.size(); ++i) {
     if (!std::isfinite(array->data[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s: entry %d is not finite (%f)", path, i, array->data[i]));
+      return absl::InvalidArgumentError(absl::StrFormat("%s: entry %d is not finite (%f)", path, i, array->data[i]));
     }
   }
   return std::move(array->data);
@@ -232,8 +225,7 @@ ExactReference ExactAttention(const CaptureMeta& meta, const LayerCapture& captu
 // ---------------------------------------------------------------------------
 // The approximate side: a one-layer KvCache, appended up to each position.
 
-absl::StatusOr<std::vector<std::vector<int>>> LayerHotChannels(const CaptureMeta& meta,
-                                                               const LayerCapture& capture,
+absl::StatusOr<std::vector<std::vector<int>>> LayerHotChannels(const CaptureMeta& meta, const LayerCapture& capture,
                                                                const Preset& preset) {
   std::vector<std::vector<int>> hot;
   if (!preset.NeedsCalibration()) return hot;
@@ -248,8 +240,8 @@ absl::StatusOr<std::vector<std::vector<int>>> LayerHotChannels(const CaptureMeta
   return hot;
 }
 
-absl::StatusOr<CacheOptions> OneLayerCache(const CaptureMeta& meta, const LayerCapture& capture,
-                                           const Preset& preset, const KvLayoutOptions& base) {
+absl::StatusOr<CacheOptions> OneLayerCache(const CaptureMeta& meta, const LayerCapture& capture, const Preset& preset,
+                                           const KvLayoutOptions& base) {
   CacheOptions options;
   options.name = "calibration";
   options.layout = base;
@@ -270,9 +262,8 @@ absl::StatusOr<CacheOptions> OneLayerCache(const CaptureMeta& meta, const LayerC
   int64_t pages = ceil_div(meta.tokens, layout.page_tokens) + 1;
   if (created->has_exact_tokens()) {
     const KvLayoutOptions& in_effect = created->options();
-    const int64_t exact =
-        std::min<int64_t>(meta.tokens, int64_t{std::max(0, in_effect.exact_sink_tokens)} +
-                                           std::max(0, in_effect.exact_window_tokens));
+    const int64_t exact = std::min<int64_t>(
+        meta.tokens, int64_t{std::max(0, in_effect.exact_sink_tokens)} + std::max(0, in_effect.exact_window_tokens));
     pages += 2 * ceil_div(exact, created->exact_page_tokens()) + 4;
   }
   options.memory_budget_bytes = created->page_bytes() * pages;
@@ -315,8 +306,8 @@ struct ErrorSums {
   }
 
   void WriteTo(PresetError& out) const {
-    out.output_rel_error = output_energy > 0 ? std::sqrt(output_error / output_energy)
-                                             : (output_error > 0 ? INFINITY : 0.0);
+    out.output_rel_error =
+        output_energy > 0 ? std::sqrt(output_error / output_energy) : (output_error > 0 ? INFINITY : 0.0);
     out.logit_rmse = logit_count ? std::sqrt(logit_error / logit_count) : 0.0;
     out.tv_distance = rows ? tv / rows : 0.0;
     out.kl_divergence = rows ? kl / rows : 0.0;
@@ -340,20 +331,17 @@ void DescribeLayout(const KvLayout& layout, PresetError& error) {
   error.token_bytes = static_cast<int64_t>(layout.token_bytes(0));
   error.token_bytes_bf16 = static_cast<int64_t>(layout.token_bytes_bf16());
   if (layout.has_exact_tokens()) {
-    error.exact_tokens = std::max(0, layout.options().exact_sink_tokens) +
-                         std::max(0, layout.options().exact_window_tokens);
+    error.exact_tokens =
+        std::max(0, layout.options().exact_sink_tokens) + std::max(0, layout.options().exact_window_tokens);
   }
   error.fixed_bytes = 4 * static_cast<int64_t>(layout.mean_floats());
   error.key_centering = CenteringName(layout.key_centering());
 }
 
-absl::StatusOr<PresetError> MeasurePreset(const CaptureMeta& meta, const LayerCapture& capture,
-                                          const Preset& preset,
-                                          const std::vector<int64_t>& positions,
-                                          const ExactReference& ref,
+absl::StatusOr<PresetError> MeasurePreset(const CaptureMeta& meta, const LayerCapture& capture, const Preset& preset,
+                                          const std::vector<int64_t>& positions, const ExactReference& ref,
                                           const CalibrationOptions& options) {
-  ASSIGN_OR_RETURN(CacheOptions cache_options,
-                   OneLayerCache(meta, capture, preset, options.layout));
+  ASSIGN_OR_RETURN(CacheOptions cache_options, OneLayerCache(meta, capture, preset, options.layout));
   std::unique_ptr<Backend> backend = MakeCpuBackend(options.threads);
   ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(cache_options, backend.get()));
   const int d = meta.head_dim, hq = meta.num_query_heads;
@@ -395,9 +383,9 @@ absl::Status CheckCapture(const CaptureMeta& meta, const LayerCapture& capture) 
   const size_t q = static_cast<size_t>(meta.tokens) * meta.num_query_heads * meta.head_dim;
   const size_t kv = static_cast<size_t>(meta.tokens) * meta.num_kv_heads * meta.head_dim;
   if (capture.queries.size() != q || capture.keys.size() != kv || capture.values.size() != kv) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "tensors hold %d / %d / %d floats (q / k / v), want %d / %d / %d from the capture's shape",
-        capture.queries.size(), capture.keys.size(), capture.values.size(), q, kv, kv));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("tensors hold %d / %d / %d floats (q / k / v), want %d / %d / %d from the capture's shape",
+                        capture.queries.size(), capture.keys.size(), capture.values.size(), q, kv, kv));
   }
   return absl::OkStatus();
 }
@@ -417,22 +405,19 @@ absl::Status CheckLayers(absl::Span<const LayerCalibration> layers, const PlanOp
   if (options.context < 1) return absl::InvalidArgumentError("context must be >= 1");
   for (size_t l = 0; l < layers.size(); ++l) {
     if (layers[l].layer != static_cast<int>(l)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("layer %d is numbered %d; want layers 0..%d in order", l, layers[l].layer,
-                          layers.size() - 1));
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d is numbered %d; want layers 0..%d in order", l,
+                                                        layers[l].layer, layers.size() - 1));
     }
     bool same = layers[l].presets.size() == layers[0].presets.size();
     for (size_t i = 0; same && i < layers[l].presets.size(); ++i) {
       same = layers[l].presets[i].preset == layers[0].presets[i].preset;
     }
     if (!same) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("layer %d was measured with other presets than layer 0", l));
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d was measured with other presets than layer 0", l));
     }
   }
   if (FindPresetIndex(layers[0], options.base_preset) < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("base preset %s was not measured", options.base_preset));
+    return absl::InvalidArgumentError(absl::StrFormat("base preset %s was not measured", options.base_preset));
   }
   return absl::OkStatus();
 }
@@ -449,9 +434,7 @@ struct PlanState {
     for (size_t l = 0; l < layers.size(); ++l) chosen.push_back(&layers[l].presets[choice[l]]);
     return AverageBitsPerCoordinate(chosen, *meta, options->context);
   }
-  double Error(int layer, int preset) const {
-    return MetricValue(layers[layer].presets[preset], options->metric);
-  }
+  double Error(int layer, int preset) const { return MetricValue(layers[layer].presets[preset], options->metric); }
   double TotalError() const {
     double total = 0.0;
     for (size_t l = 0; l < layers.size(); ++l) total += Error(static_cast<int>(l), choice[l]);
@@ -497,9 +480,7 @@ bool BestStep(PlanState& state, PlanStep& step, int& layer_out, int& preset_out)
 // The preset most layers of the plan use; the base on a tie with it, else
 // the one reached first in layer order.
 const Preset* MostCommonPreset(const ProtectionPlan& plan) {
-  auto count = [&](const Preset* p) {
-    return std::count(plan.layer_presets.begin(), plan.layer_presets.end(), p);
-  };
+  auto count = [&](const Preset* p) { return std::count(plan.layer_presets.begin(), plan.layer_presets.end(), p); };
   const Preset* best = plan.base;
   for (const Preset* p : plan.layer_presets) {
     if (count(p) > count(best)) best = p;
@@ -557,24 +538,20 @@ absl::StatusOr<CaptureMeta> ReadCaptureMeta(const std::string& dir) {
   return meta;
 }
 
-absl::StatusOr<LayerCapture> ReadCaptureLayer(const std::string& dir, const CaptureMeta& meta,
-                                              int layer) {
+absl::StatusOr<LayerCapture> ReadCaptureLayer(const std::string& dir, const CaptureMeta& meta, int layer) {
   LayerCapture capture;
-  ASSIGN_OR_RETURN(capture.queries,
-                   ReadTensor(CaptureTensorPath(dir, layer, 'q'), meta.tokens, meta.num_query_heads,
-                              meta.head_dim, "num_query_heads"));
-  ASSIGN_OR_RETURN(capture.keys, ReadTensor(CaptureTensorPath(dir, layer, 'k'), meta.tokens,
-                                            meta.num_kv_heads, meta.head_dim, "num_kv_heads"));
-  ASSIGN_OR_RETURN(capture.values, ReadTensor(CaptureTensorPath(dir, layer, 'v'), meta.tokens,
-                                              meta.num_kv_heads, meta.head_dim, "num_kv_heads"));
+  ASSIGN_OR_RETURN(capture.queries, ReadTensor(CaptureTensorPath(dir, layer, 'q'), meta.tokens, meta.num_query_heads,
+                                               meta.head_dim, "num_query_heads"));
+  ASSIGN_OR_RETURN(capture.keys, ReadTensor(CaptureTensorPath(dir, layer, 'k'), meta.tokens, meta.num_kv_heads,
+                                            meta.head_dim, "num_kv_heads"));
+  ASSIGN_OR_RETURN(capture.values, ReadTensor(CaptureTensorPath(dir, layer, 'v'), meta.tokens, meta.num_kv_heads,
+                                              meta.head_dim, "num_kv_heads"));
   return capture;
 }
 
-absl::Status WriteCapture(const std::string& dir, const CaptureMeta& meta,
-                          absl::Span<const LayerCapture> layers) {
+absl::Status WriteCapture(const std::string& dir, const CaptureMeta& meta, absl::Span<const LayerCapture> layers) {
   if (static_cast<int>(layers.size()) != meta.layers) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%d layers given, meta says %d", layers.size(), meta.layers));
+    return absl::InvalidArgumentError(absl::StrFormat("%d layers given, meta says %d", layers.size(), meta.layers));
   }
   for (int l = 0; l < meta.layers; ++l) {
     RETURN_IF_ERROR(Prefixed(CheckCapture(meta, layers[l]), absl::StrCat("layer ", l)));
@@ -608,8 +585,7 @@ std::vector<int64_t> SamplePositions(int64_t tokens, int count) {
   return positions;
 }
 
-absl::StatusOr<LayerCalibration> CalibrateLayer(const CaptureMeta& meta, int layer,
-                                                const LayerCapture& capture,
+absl::StatusOr<LayerCalibration> CalibrateLayer(const CaptureMeta& meta, int layer, const LayerCapture& capture,
                                                 absl::Span<const Preset* const> presets,
                                                 const CalibrationOptions& options) {
   RETURN_IF_ERROR(CheckMeta(meta));
@@ -620,11 +596,9 @@ absl::StatusOr<LayerCalibration> CalibrateLayer(const CaptureMeta& meta, int lay
   result.positions = SamplePositions(meta.tokens, options.positions);
   const ExactReference ref = ExactAttention(meta, capture, result.positions);
   for (const Preset* preset : presets) {
-    absl::StatusOr<PresetError> error =
-        MeasurePreset(meta, capture, *preset, result.positions, ref, options);
+    absl::StatusOr<PresetError> error = MeasurePreset(meta, capture, *preset, result.positions, ref, options);
     if (!error.ok()) {
-      return Prefixed(error.status(),
-                      absl::StrFormat("layer %d, preset %s", layer, std::string(preset->name)));
+      return Prefixed(error.status(), absl::StrFormat("layer %d, preset %s", layer, std::string(preset->name)));
     }
     result.presets.push_back(*error);
   }
@@ -659,22 +633,18 @@ double MetricValue(const PresetError& error, CalibrationMetric metric) {
 
 double LayerBytesPerToken(const PresetError& error, int64_t context) {
   const double per_sequence =
-      static_cast<double>(std::min(error.exact_tokens, context)) * error.token_bytes_bf16 +
-      error.fixed_bytes;
+      static_cast<double>(std::min(error.exact_tokens, context)) * error.token_bytes_bf16 + error.fixed_bytes;
   return error.token_bytes + per_sequence / context;
 }
 
-double AverageBitsPerCoordinate(absl::Span<const PresetError* const> layers,
-                                const CaptureMeta& meta, int64_t context) {
+double AverageBitsPerCoordinate(absl::Span<const PresetError* const> layers, const CaptureMeta& meta, int64_t context) {
   double bytes = 0.0;
   for (const PresetError* e : layers) bytes += LayerBytesPerToken(*e, context);
-  const double coordinates =
-      2.0 * meta.num_kv_heads * meta.head_dim * static_cast<double>(layers.size());
+  const double coordinates = 2.0 * meta.num_kv_heads * meta.head_dim * static_cast<double>(layers.size());
   return 8.0 * bytes / coordinates;
 }
 
-absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta,
-                                              absl::Span<const LayerCalibration> layers,
+absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta, absl::Span<const LayerCalibration> layers,
                                               const PlanOptions& options) {
   RETURN_IF_ERROR(CheckLayers(layers, options));
   const int base = FindPresetIndex(layers[0], options.base_preset);
@@ -684,9 +654,9 @@ absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta,
   plan.base_bits = state.Bits();
   plan.base_error = state.TotalError();
   if (plan.base_bits > options.budget_bits + 1e-9) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "the budget of %.3f bits per coordinate is below the %.3f that %s takes on every layer",
-        options.budget_bits, plan.base_bits, options.base_preset));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the budget of %.3f bits per coordinate is below the %.3f that %s takes on every layer",
+                        options.budget_bits, plan.base_bits, options.base_preset));
   }
   PlanStep step;
   int layer = 0, preset = 0;
@@ -703,8 +673,7 @@ absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta,
 
 std::string ProtectionConfigText(const ProtectionPlan& plan, const PlanOptions& options) {
   const Preset* common = MostCommonPreset(plan);
-  std::string text =
-      absl::StrFormat("preset: \"%s\"\nboundary_layers: 0\n", std::string(common->name));
+  std::string text = absl::StrFormat("preset: \"%s\"\nboundary_layers: 0\n", std::string(common->name));
   std::vector<const Preset*> order;
   for (const Preset* p : plan.layer_presets) {
     if (p != common && std::find(order.begin(), order.end(), p) == order.end()) {
@@ -716,8 +685,8 @@ std::string ProtectionConfigText(const ProtectionPlan& plan, const PlanOptions& 
     for (size_t l = 0; l < plan.layer_presets.size(); ++l) {
       if (plan.layer_presets[l] == p) layers.push_back(static_cast<int>(l));
     }
-    absl::StrAppendFormat(&text, "protected_layers { layers: [%s] preset: \"%s\" }\n",
-                          absl::StrJoin(layers, ", "), std::string(p->name));
+    absl::StrAppendFormat(&text, "protected_layers { layers: [%s] preset: \"%s\" }\n", absl::StrJoin(layers, ", "),
+                          std::string(p->name));
   }
   if (!options.recipe.empty()) absl::StrAppendFormat(&text, "# measured with %s\n", options.recipe);
   absl::StrAppendFormat(&text,

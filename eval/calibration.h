@@ -91,14 +91,12 @@ absl::StatusOr<CaptureMeta> ReadCaptureMeta(const std::string& dir);
 // [12, 2, 64], want [tokens 16, num_kv_heads 2, head_dim 64] from
 // meta.json"), for a bad .npy, or for a NaN or infinite entry.
 // REQUIRES: 0 <= layer < meta.layers.
-absl::StatusOr<LayerCapture> ReadCaptureLayer(const std::string& dir, const CaptureMeta& meta,
-                                              int layer);
+absl::StatusOr<LayerCapture> ReadCaptureLayer(const std::string& dir, const CaptureMeta& meta, int layer);
 
 // Writes meta.json and every layer's files into `dir` (which must exist).
 // INVALID_ARGUMENT when layers.size() != meta.layers or a tensor has the
 // wrong number of elements; I/O errors as WriteNpy reports them.
-absl::Status WriteCapture(const std::string& dir, const CaptureMeta& meta,
-                          absl::Span<const LayerCapture> layers);
+absl::Status WriteCapture(const std::string& dir, const CaptureMeta& meta, absl::Span<const LayerCapture> layers);
 
 // ---------------------------------------------------------------------------
 // Measuring one layer.
@@ -161,8 +159,7 @@ struct LayerCalibration {
 // page_tokens outside the layout's range); whatever KvLayout::Create and
 // KvCache return otherwise (e.g. NOT_FOUND for an unknown preset), prefixed
 // with the layer and preset.
-absl::StatusOr<LayerCalibration> CalibrateLayer(const CaptureMeta& meta, int layer,
-                                                const LayerCapture& capture,
+absl::StatusOr<LayerCalibration> CalibrateLayer(const CaptureMeta& meta, int layer, const LayerCapture& capture,
                                                 absl::Span<const Preset* const> presets,
                                                 const CalibrationOptions& options);
 
@@ -222,8 +219,7 @@ double LayerBytesPerToken(const PresetError& error, int64_t context);
 
 // Average bits per coordinate, keys and values, of a model whose layer i uses
 // `layers[i]`. REQUIRES: layers non-empty, context >= 1.
-double AverageBitsPerCoordinate(absl::Span<const PresetError* const> layers,
-                                const CaptureMeta& meta, int64_t context);
+double AverageBitsPerCoordinate(absl::Span<const PresetError* const> layers, const CaptureMeta& meta, int64_t context);
 
 // Greedy plan over `layers` (one LayerCalibration per layer of the model, in
 // order, each with the same presets). Upgrades that cost no bytes and lower
@@ -231,8 +227,7 @@ double AverageBitsPerCoordinate(absl::Span<const PresetError* const> layers,
 // numbered 0..n-1 or measured with different presets, the base preset not
 // measured, context < 1, or a budget below what the base preset alone takes
 // (the message gives both).
-absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta,
-                                              absl::Span<const LayerCalibration> layers,
+absl::StatusOr<ProtectionPlan> PlanProtection(const CaptureMeta& meta, absl::Span<const LayerCalibration> layers,
                                               const PlanOptions& options);
 
 // The plan as cache-config lines in protobuf text format, ready to paste

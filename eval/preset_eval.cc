@@ -26,8 +26,7 @@ struct EncodedSet {
   }
 };
 
-absl::StatusOr<EncodedSet> EncodeSet(const CodecSpec& spec, const EvalInputs& in, const float* x,
-                                     const char* what) {
+absl::StatusOr<EncodedSet> EncodeSet(const CodecSpec& spec, const EvalInputs& in, const float* x, const char* what) {
   CodecOptions options;
   options.head_dim = in.head_dim;
   options.seed = in.seed;
@@ -48,8 +47,7 @@ absl::StatusOr<EncodedSet> EncodeSet(const CodecSpec& spec, const EvalInputs& in
     uint16_t* scalars = codec.num_scalars() ? &set.scalars[t * codec.num_scalars()] : nullptr;
     absl::Status status = codec.Encode(x + t * d, &set.codes[t * codec.code_bytes()], scalars);
     if (!status.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s row %d: %s", what, t, status.message()));
+      return absl::InvalidArgumentError(absl::StrFormat("%s row %d: %s", what, t, status.message()));
     }
     codec.Decode(set.codes_at(t), set.scalars_at(t), decoded.data());
     for (int i = 0; i < d; ++i) {
@@ -64,8 +62,7 @@ absl::StatusOr<EncodedSet> EncodeSet(const CodecSpec& spec, const EvalInputs& in
 
 // Needle retrieval (see kNeedleGaps in the header) over the crowd's exact and
 // approximate logits [nq, nk], already scaled.
-absl::StatusOr<std::vector<NeedleResult>> MeasureNeedles(const EvalInputs& in,
-                                                         const EncodedSet& keys,
+absl::StatusOr<std::vector<NeedleResult>> MeasureNeedles(const EvalInputs& in, const EncodedSet& keys,
                                                          const std::vector<double>& exact,
                                                          const std::vector<double>& approx) {
   const int d = in.head_dim;
@@ -102,11 +99,9 @@ absl::StatusOr<std::vector<NeedleResult>> MeasureNeedles(const EvalInputs& in,
       double needle_exact = 0.0;
       for (int i = 0; i < d; ++i) needle_exact += static_cast<double>(needle[i]) * query[i];
       needle_exact *= scale;
-      absl::Status status =
-          codec.Encode(needle.data(), codes.data(), scalars.empty() ? nullptr : scalars.data());
+      absl::Status status = codec.Encode(needle.data(), codes.data(), scalars.empty() ? nullptr : scalars.data());
       if (!status.ok()) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("needle (gap %g, query %d): %s", gap, q, status.message()));
+        return absl::InvalidArgumentError(absl::StrFormat("needle (gap %g, query %d): %s", gap, q, status.message()));
       }
       codec.PrepareQuery(query, state.data());
       const uint16_t* needle_scalars = scalars.empty() ? nullptr : scalars.data();
@@ -161,13 +156,11 @@ absl::StatusOr<PresetEvaluation> EvaluatePreset(const Preset& preset, const Eval
   for (int64_t q = 0; q < nq; ++q) {
     keys.codec->PrepareQuery(in.queries + q * d, state.data());
     for (int64_t t = 0; t < nk; ++t) {
-      approx_logits[q * nk + t] =
-          scale * keys.codec->Score(state.data(), keys.codes_at(t), keys.scalars_at(t));
+      approx_logits[q * nk + t] = scale * keys.codec->Score(state.data(), keys.codes_at(t), keys.scalars_at(t));
     }
   }
-  ASSIGN_OR_RETURN(std::vector<double> exact_logits,
-                   ScaledLogits(nq, nk, d, absl::MakeConstSpan(in.queries, nq * d),
-                                absl::MakeConstSpan(in.keys, nk * d)));
+  ASSIGN_OR_RETURN(std::vector<double> exact_logits, ScaledLogits(nq, nk, d, absl::MakeConstSpan(in.queries, nq * d),
+                                                                  absl::MakeConstSpan(in.keys, nk * d)));
 
   ASSIGN_OR_RETURN(result.needles, MeasureNeedles(in, keys, exact_logits, approx_logits));
 
@@ -196,8 +189,8 @@ absl::StatusOr<PresetEvaluation> EvaluatePreset(const Preset& preset, const Eval
       for (int i = 0; i < d; ++i) approx_outputs[q * d + i] = out[i];
     }
   }
-  ASSIGN_OR_RETURN(result.quality, MeasureAttentionQuality(nq, nk, exact_logits, approx_logits,
-                                                           exact_outputs, approx_outputs));
+  ASSIGN_OR_RETURN(result.quality,
+                   MeasureAttentionQuality(nq, nk, exact_logits, approx_logits, exact_outputs, approx_outputs));
   return result;
 }
 

@@ -27,21 +27,19 @@ absl::Status CheckPositive(absl::string_view name, int64_t value) {
 
 // Checks that `span` holds rows * cols values, all finite. `shape` names the
 // dimensions for the message, e.g. "[num_queries, num_keys]".
-absl::Status CheckMatrix(absl::string_view name, absl::Span<const double> span, int64_t rows,
-                         int64_t cols, absl::string_view shape) {
+absl::Status CheckMatrix(absl::string_view name, absl::Span<const double> span, int64_t rows, int64_t cols,
+                         absl::string_view shape) {
   if (cols != 0 && rows > std::numeric_limits<int64_t>::max() / cols) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, " ", shape, " = [", rows, ", ", cols, "] is too large"));
+    return absl::InvalidArgumentError(absl::StrCat(name, " ", shape, " = [", rows, ", ", cols, "] is too large"));
   }
   if (static_cast<int64_t>(span.size()) != rows * cols) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " has ", span.size(), " values; want ",
-                                                   shape, " = ", rows, " * ", cols, " = ",
-                                                   rows * cols));
+    return absl::InvalidArgumentError(absl::StrCat(name, " has ", span.size(), " values; want ", shape, " = ", rows,
+                                                   " * ", cols, " = ", rows * cols));
   }
   for (size_t i = 0; i < span.size(); ++i) {
     if (!std::isfinite(span[i])) {
-      return absl::InvalidArgumentError(absl::StrCat(name, "[", i / cols, ", ", i % cols, "] is ",
-                                                     span[i], "; want a finite value"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "[", i / cols, ", ", i % cols, "] is ", span[i], "; want a finite value"));
     }
   }
   return absl::OkStatus();
@@ -63,9 +61,8 @@ void Softmax(absl::Span<const double> row, std::vector<double>& probs) {
 // sorted by index. `order` is scratch of size row.size().
 std::vector<int64_t> TopK(absl::Span<const double> row, int64_t k, std::vector<int64_t>& order) {
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
-    return row[a] > row[b] || (row[a] == row[b] && a < b);
-  });
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
   std::vector<int64_t> top(order.begin(), order.begin() + k);
   std::sort(top.begin(), top.end());
   return top;
@@ -81,12 +78,10 @@ absl::StatusOr<AttentionQuality> MeasureAttentionQuality(int64_t num_queries, in
   absl::Status status = CheckPositive("num_queries", num_queries);
   if (status.ok()) status = CheckPositive("num_keys", num_keys);
   if (status.ok()) {
-    status =
-        CheckMatrix("exact_logits", exact_logits, num_queries, num_keys, "[num_queries, num_keys]");
+    status = CheckMatrix("exact_logits", exact_logits, num_queries, num_keys, "[num_queries, num_keys]");
   }
   if (status.ok()) {
-    status = CheckMatrix("approx_logits", approx_logits, num_queries, num_keys,
-                         "[num_queries, num_keys]");
+    status = CheckMatrix("approx_logits", approx_logits, num_queries, num_keys, "[num_queries, num_keys]");
   }
   if (!status.ok()) return status;
 
@@ -94,21 +89,19 @@ absl::StatusOr<AttentionQuality> MeasureAttentionQuality(int64_t num_queries, in
   int64_t head_dim = 0;
   if (have_outputs) {
     if (exact_outputs.empty() || approx_outputs.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("only ", exact_outputs.empty() ? "approx_outputs" : "exact_outputs",
-                       " given; want both exact and approximate outputs, or neither"));
+      return absl::InvalidArgumentError(absl::StrCat("only ",
+                                                     exact_outputs.empty() ? "approx_outputs" : "exact_outputs",
+                                                     " given; want both exact and approximate outputs, or neither"));
     }
     if (exact_outputs.size() % num_queries != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "exact_outputs has ", exact_outputs.size(), " values, not a multiple of num_queries = ",
-          num_queries, "; want [num_queries, head_dim]"));
+      return absl::InvalidArgumentError(absl::StrCat("exact_outputs has ", exact_outputs.size(),
+                                                     " values, not a multiple of num_queries = ", num_queries,
+                                                     "; want [num_queries, head_dim]"));
     }
     head_dim = static_cast<int64_t>(exact_outputs.size()) / num_queries;
-    status = CheckMatrix("exact_outputs", exact_outputs, num_queries, head_dim,
-                         "[num_queries, head_dim]");
+    status = CheckMatrix("exact_outputs", exact_outputs, num_queries, head_dim, "[num_queries, head_dim]");
     if (status.ok()) {
-      status = CheckMatrix("approx_outputs", approx_outputs, num_queries, head_dim,
-                           "[num_queries, head_dim]");
+      status = CheckMatrix("approx_outputs", approx_outputs, num_queries, head_dim, "[num_queries, head_dim]");
     }
     if (!status.ok()) return status;
   }
@@ -178,8 +171,7 @@ absl::StatusOr<AttentionQuality> MeasureAttentionQuality(int64_t num_queries, in
   return quality;
 }
 
-absl::StatusOr<std::vector<double>> SoftmaxWeightedOutputs(int64_t num_queries, int64_t num_keys,
-                                                           int64_t head_dim,
+absl::StatusOr<std::vector<double>> SoftmaxWeightedOutputs(int64_t num_queries, int64_t num_keys, int64_t head_dim,
                                                            absl::Span<const double> logits,
                                                            absl::Span<const double> values) {
   absl::Status status = CheckPositive("num_queries", num_queries);
@@ -209,9 +201,8 @@ absl::StatusOr<std::vector<double>> SoftmaxWeightedOutputs(int64_t num_queries, 
   return outputs;
 }
 
-absl::StatusOr<std::vector<double>> ScaledLogits(int64_t num_queries, int64_t num_keys,
-                                                 int64_t head_dim, absl::Span<const float> queries,
-                                                 absl::Span<const float> keys) {
+absl::StatusOr<std::vector<double>> ScaledLogits(int64_t num_queries, int64_t num_keys, int64_t head_dim,
+                                                 absl::Span<const float> queries, absl::Span<const float> keys) {
   absl::Status status = CheckPositive("num_queries", num_queries);
   if (status.ok()) status = CheckPositive("num_keys", num_keys);
   if (status.ok()) status = CheckPositive("head_dim", head_dim);
@@ -221,14 +212,13 @@ absl::StatusOr<std::vector<double>> ScaledLogits(int64_t num_queries, int64_t nu
     return absl::InvalidArgumentError("queries, keys or logits would be too large");
   }
   if (static_cast<int64_t>(queries.size()) != num_queries * head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "queries has ", queries.size(), " values; want [num_queries, head_dim] = ", num_queries,
-        " * ", head_dim, " = ", num_queries * head_dim));
+    return absl::InvalidArgumentError(absl::StrCat("queries has ", queries.size(),
+                                                   " values; want [num_queries, head_dim] = ", num_queries, " * ",
+                                                   head_dim, " = ", num_queries * head_dim));
   }
   if (static_cast<int64_t>(keys.size()) != num_keys * head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("keys has ", keys.size(), " values; want [num_keys, head_dim] = ", num_keys,
-                     " * ", head_dim, " = ", num_keys * head_dim));
+    return absl::InvalidArgumentError(absl::StrCat("keys has ", keys.size(), " values; want [num_keys, head_dim] = ",
+                                                   num_keys, " * ", head_dim, " = ", num_keys * head_dim));
   }
 
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));

@@ -67,18 +67,18 @@ struct AttentionQuality {
 // outputs of different sizes or a size that is not a positive multiple of
 // num_queries; a NaN or infinite entry in any input (reported with its row
 // and column).
-absl::StatusOr<AttentionQuality> MeasureAttentionQuality(
-    int64_t num_queries, int64_t num_keys, absl::Span<const double> exact_logits,
-    absl::Span<const double> approx_logits, absl::Span<const double> exact_outputs = {},
-    absl::Span<const double> approx_outputs = {});
+absl::StatusOr<AttentionQuality> MeasureAttentionQuality(int64_t num_queries, int64_t num_keys,
+                                                         absl::Span<const double> exact_logits,
+                                                         absl::Span<const double> approx_logits,
+                                                         absl::Span<const double> exact_outputs = {},
+                                                         absl::Span<const double> approx_outputs = {});
 
 // Attention outputs o[q, :] = sum_k softmax(logits[q, :])_k * values[k, :],
 // with a max-subtracted softmax in float64. Returns [num_queries, head_dim].
 //
 // Errors (INVALID_ARGUMENT): any dimension < 1, a span of the wrong size, or
 // a NaN or infinite entry.
-absl::StatusOr<std::vector<double>> SoftmaxWeightedOutputs(int64_t num_queries, int64_t num_keys,
-                                                           int64_t head_dim,
+absl::StatusOr<std::vector<double>> SoftmaxWeightedOutputs(int64_t num_queries, int64_t num_keys, int64_t head_dim,
                                                            absl::Span<const double> logits,
                                                            absl::Span<const double> values);
 
@@ -87,9 +87,8 @@ absl::StatusOr<std::vector<double>> SoftmaxWeightedOutputs(int64_t num_queries, 
 // [num_queries, num_keys]. The exact-side input of MeasureAttentionQuality.
 //
 // Errors (INVALID_ARGUMENT): any dimension < 1 or a span of the wrong size.
-absl::StatusOr<std::vector<double>> ScaledLogits(int64_t num_queries, int64_t num_keys,
-                                                 int64_t head_dim, absl::Span<const float> queries,
-                                                 absl::Span<const float> keys);
+absl::StatusOr<std::vector<double>> ScaledLogits(int64_t num_queries, int64_t num_keys, int64_t head_dim,
+                                                 absl::Span<const float> queries, absl::Span<const float> keys);
 
 }  // namespace eval
 }  // namespace tqkv

@@ -52,8 +52,7 @@ std::vector<int> OutlierHotChannels(int dim, uint64_t seed, const OutlierKeyOpti
   return channels;
 }
 
-std::vector<float> OutlierKeys(int64_t n, int dim, uint64_t seed,
-                               const OutlierKeyOptions& options) {
+std::vector<float> OutlierKeys(int64_t n, int dim, uint64_t seed, const OutlierKeyOptions& options) {
   if (n <= 0 || dim <= 0) return {};
   std::vector<double> scale(dim, 1.0);
   for (int c : OutlierHotChannels(dim, seed, options)) scale[c] = options.hot_scale;

@@ -53,8 +53,7 @@ struct OutlierKeyOptions {
 //            N(0, 1) drawn row by row from a stream seeded DeriveSeed(seed, 4).
 // So channel c has mean offset[c] and standard deviation hot_scale (hot) or 1.
 // Empty when n <= 0 or dim <= 0.
-std::vector<float> OutlierKeys(int64_t n, int dim, uint64_t seed,
-                               const OutlierKeyOptions& options = {});
+std::vector<float> OutlierKeys(int64_t n, int dim, uint64_t seed, const OutlierKeyOptions& options = {});
 
 // The hot channels OutlierKeys(n, dim, seed, options) uses, in increasing
 // order. Empty when dim <= 0.

@@ -31,8 +31,7 @@ std::unique_ptr<Backend> MakeCpu(const BackendOptions& options) {
 
 bool CudaBackendBuilt() { return TQKV_HAVE_CUDA_BACKEND != 0; }
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options,
-                                                     std::string* why_not_cuda) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* why_not_cuda) {
   if (why_not_cuda != nullptr) why_not_cuda->clear();
   if (options.name == "cpu") return MakeCpu(options);
   if (options.name == "cuda") return MakeCuda(options);
@@ -42,8 +41,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& optio
     if (why_not_cuda != nullptr) *why_not_cuda = std::string(cuda.status().message());
     return MakeCpu(options);
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("backend '", options.name, "' is unknown; want auto, cpu or cuda"));
+  return absl::InvalidArgumentError(absl::StrCat("backend '", options.name, "' is unknown; want auto, cpu or cuda"));
 }
 
 }  // namespace tqkv

@@ -77,8 +77,7 @@ const GaussLegendre& GaussRule() {
 // for small d where (1 - t^2)^k has a root singularity at t = 1.
 class SphereIntegrator {
  public:
-  explicit SphereIntegrator(int dim)
-      : dim_(dim), exponent_(dim - 2.0), half_exponent_t_(0.5 * (dim - 3.0)) {
+  explicit SphereIntegrator(int dim) : dim_(dim), exponent_(dim - 2.0), half_exponent_t_(0.5 * (dim - 3.0)) {
     const double cut = kTruncationSigmas / std::sqrt(static_cast<double>(dim));
     if (cut < 1.0) {
       t_max_ = cut;
@@ -89,8 +88,8 @@ class SphereIntegrator {
     }
     panel_width_ = theta_max_ / kPanels;
     for (int p = 0; p < kPanels; ++p) {
-      panel_mass_[p] = Integrate([this](double th) { return ThetaWeight(th); }, p * panel_width_,
-                                 (p + 1) * panel_width_);
+      panel_mass_[p] =
+          Integrate([this](double th) { return ThetaWeight(th); }, p * panel_width_, (p + 1) * panel_width_);
     }
   }
 
@@ -167,8 +166,7 @@ class SphereIntegrator {
     if (first == last) return Integrate(fn, lo, hi);
     double sum = Integrate(fn, lo, (first + 1) * panel_width_);
     for (int p = first + 1; p < last; ++p) {
-      sum +=
-          use_panel_mass ? panel_mass_[p] : Integrate(fn, p * panel_width_, (p + 1) * panel_width_);
+      sum += use_panel_mass ? panel_mass_[p] : Integrate(fn, p * panel_width_, (p + 1) * panel_width_);
     }
     return sum + Integrate(fn, last * panel_width_, hi);
   }
@@ -267,8 +265,8 @@ struct LloydState {
 
 absl::Status ValidateArgs(int dim, int bits) {
   if (dim < kMinCodebookDim || dim > kMaxCodebookDim) {
-    return absl::InvalidArgumentError(absl::StrCat("codebook dim must be in [", kMinCodebookDim,
-                                                   ", ", kMaxCodebookDim, "], got ", dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("codebook dim must be in [", kMinCodebookDim, ", ", kMaxCodebookDim, "], got ", dim));
   }
   if (bits < 1 || bits > 8) {
     return absl::InvalidArgumentError(absl::StrCat("codebook bits must be in [1, 8], got ", bits));
@@ -292,8 +290,7 @@ struct CodebookCache {
 
 double SphereCoordinateDensity(int dim, double t) {
   if (!(t >= -1.0 && t <= 1.0)) return 0.0;
-  const double log_norm =
-      std::lgamma(0.5 * dim) - std::lgamma(0.5 * (dim - 1.0)) - 0.5 * std::log(kPi);
+  const double log_norm = std::lgamma(0.5 * dim) - std::lgamma(0.5 * (dim - 1.0)) - 0.5 * std::log(kPi);
   if (dim == 3) return std::exp(log_norm);  // (1 - t^2)^0, including t = +-1.
   return std::exp(log_norm + 0.5 * (dim - 3.0) * std::log1p(-t * t));
 }
@@ -322,9 +319,8 @@ absl::StatusOr<Codebook> ComputeCodebook(int dim, int bits) {
   int iterations = 0;
   for (;;) {
     if (iterations >= kMaxIterations) {
-      return absl::InternalError(absl::StrCat("codebook for dim ", dim, " bits ", bits,
-                                              " did not converge in ", kMaxIterations,
-                                              " iterations (residual ", cur.residual, ")"));
+      return absl::InternalError(absl::StrCat("codebook for dim ", dim, " bits ", bits, " did not converge in ",
+                                              kMaxIterations, " iterations (residual ", cur.residual, ")"));
     }
     ++iterations;
     // Thomas algorithm for (dg/dx - I) delta = x - g.

@@ -70,8 +70,8 @@ double SphereCoordinateDensity(int dim, double t);
 
 // Index of the codebook level for coordinate value y: the number of boundaries
 // strictly below y. REQUIRES: num_boundaries + 1 is a power of two (a
-// codebook's boundaries). NaN maps to level 0 (codecs reject NaN earlier). A value exactly on a boundary maps to the lower level; the
-// CUDA store kernel follows the same rule so that both produce the same bytes.
+// codebook's boundaries). NaN maps to level 0 (codecs reject NaN earlier). A value exactly on a boundary maps to the
+// lower level; the CUDA store kernel follows the same rule so that both produce the same bytes.
 inline uint32_t QuantizeToLevel(const float* boundaries, int num_boundaries, float y) {
   // Branch-free binary search (the comparison feeds an add, not a jump):
   // quantization decisions are data-dependent and would mispredict.

@@ -34,8 +34,7 @@ absl::Status CheckAllFinite(const float* x, int n, const encode_internal::Encode
 absl::Status NonFiniteError(const float* x, int n) {
   for (int i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("coordinate %d is %f; vectors must be finite", i, x[i]));
+      return absl::InvalidArgumentError(absl::StrFormat("coordinate %d is %f; vectors must be finite", i, x[i]));
     }
   }
   return absl::InvalidArgumentError("vector is not finite");
@@ -48,8 +47,8 @@ absl::Status CheckFiniteAndInRange(const float* x, int n, float limit, const cha
   for (int i = 0; i < n; ++i) {
     if (!std::isfinite(x[i])) return NonFiniteError(x, n);
     if (std::fabs(x[i]) > limit) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "coordinate %d is %g, beyond the %s range (|x| <= %g)", i, x[i], format, limit));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("coordinate %d is %g, beyond the %s range (|x| <= %g)", i, x[i], format, limit));
     }
   }
   return absl::OkStatus();
@@ -94,13 +93,11 @@ float CodewordSum(const float* centroids, int bits, const uint8_t* levels, int n
   });
 }
 
-
 // Asks for the cache lines of x[0, n).
 void PrefetchVector(const float* x, int n) {
   const char* bytes = reinterpret_cast<const char*>(x);
   for (int offset = 0; offset < n * static_cast<int>(sizeof(float)); offset += 64) __builtin_prefetch(bytes + offset);
 }
-
 
 // ---------------------------------------------------------------------------
 // TurboQuant-MSE over a set of channels: the building block of kTurboQuant
@@ -110,11 +107,9 @@ class TurboQuantQuantizer {
  public:
   TurboQuantQuantizer(int dim, int bits, bool norm_correction, const Codebook* codebook,
                       std::shared_ptr<const Rotation> rotation)
-      : dim_(dim), bits_(bits), norm_correction_(norm_correction), codebook_(codebook),
-        rotation_(std::move(rotation)),
+      : dim_(dim), bits_(bits), norm_correction_(norm_correction), codebook_(codebook), rotation_(std::move(rotation)),
         tables_(encode_internal::MakeQuantizeTables(codebook->boundaries.data(),
-                                                    norm_correction ? codebook->centroids.data() : nullptr,
-                                                    bits)) {
+                                                    norm_correction ? codebook->centroids.data() : nullptr, bits)) {
     const Rotation::Kind kind = rotation_->kind();
     fused_hadamard_ = (kind == Rotation::Kind::kRandomizedHadamard || kind == Rotation::Kind::kPlainHadamard) &&
                       rotation_->hadamard_factor_order() == 1 && encode_internal::CanRotateQuantizePack(dim, bits);
@@ -133,8 +128,7 @@ class TurboQuantQuantizer {
   }
 
   // Encode with sum_sq = SumOfSquares(x) already computed (finite).
-  absl::Status EncodeWithSumOfSquares(const float* x, double sum_sq, uint8_t* codes,
-                                      uint16_t* scale_out) const {
+  absl::Status EncodeWithSumOfSquares(const float* x, double sum_sq, uint8_t* codes, uint16_t* scale_out) const {
     const double norm = std::sqrt(sum_sq);
     if (norm == 0.0) return WriteZero(codes, scale_out);
     float y[kMaxHeadDim];
@@ -183,9 +177,9 @@ class TurboQuantQuantizer {
         }
       }
       for (int v = 0; v < good; ++v) {
-        absl::Status status = norm[v] == 0.0 ? WriteZero(codes[k0 + v], scale_out[k0 + v])
-                                             : Finish(norm[v], codeword_sq[v], packed + v * dim_,
-                                                      codes[k0 + v], scale_out[k0 + v]);
+        absl::Status status =
+            norm[v] == 0.0 ? WriteZero(codes[k0 + v], scale_out[k0 + v])
+                           : Finish(norm[v], codeword_sq[v], packed + v * dim_, codes[k0 + v], scale_out[k0 + v]);
         if (!status.ok()) {
           *failed = k0 + v;
           return status;
@@ -283,8 +277,8 @@ class TurboQuantQuantizer {
     double scale = norm;
     if (norm_correction_) scale /= std::sqrt(static_cast<double>(codeword_sq));
     if (!(scale <= kHalfMax)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm, kHalfMax));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm, kHalfMax));
     }
     std::copy_n(packed, code_bytes(), codes);
     *scale_out = FloatToHalf(static_cast<float>(scale));
@@ -301,8 +295,7 @@ class TurboQuantQuantizer {
   bool fused_hadamard_ = false;
 };
 
-absl::StatusOr<TurboQuantQuantizer> MakeQuantizer(int dim, int bits, bool norm_correction,
-                                                  uint64_t seed) {
+absl::StatusOr<TurboQuantQuantizer> MakeQuantizer(int dim, int bits, bool norm_correction, uint64_t seed) {
   ASSIGN_OR_RETURN(const Codebook* codebook, GetCodebook(dim, bits));
   ASSIGN_OR_RETURN(std::shared_ptr<const Rotation> rotation, Rotation::Create(dim, seed));
   return TurboQuantQuantizer(dim, bits, norm_correction, codebook, std::move(rotation));
@@ -342,22 +335,17 @@ class TurboQuantCodec final : public VectorCodec {
     quantizer_.rotation()->Inverse(x, x);
   }
 
-  void PrepareQuery(const float* q, float* state) const override {
-    quantizer_.rotation()->Forward(q, state);
-  }
+  void PrepareQuery(const float* q, float* state) const override { quantizer_.rotation()->Forward(q, state); }
 
   float Score(const float* state, const uint8_t* codes, const uint16_t* scalars) const override {
     return quantizer_.Score(state, codes, scalars[0]);
   }
 
-  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars,
-                  float* acc) const override {
+  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars, float* acc) const override {
     quantizer_.Accumulate(weight, codes, scalars[0], acc);
   }
 
-  void FinishAccumulation(const float* acc, float* out) const override {
-    quantizer_.rotation()->Inverse(acc, out);
-  }
+  void FinishAccumulation(const float* acc, float* out) const override { quantizer_.rotation()->Inverse(acc, out); }
 
  private:
   TurboQuantQuantizer quantizer_;
@@ -369,18 +357,16 @@ class TurboQuantCodec final : public VectorCodec {
 
 class OutlierSplitCodec final : public VectorCodec {
  public:
-  OutlierSplitCodec(const CodecSpec& spec, int head_dim, std::vector<int> hot,
-                    std::vector<int> cold, TurboQuantQuantizer hot_part,
-                    TurboQuantQuantizer cold_part)
-      : VectorCodec(spec, head_dim), hot_(std::move(hot)), cold_(std::move(cold)),
-        hot_part_(std::move(hot_part)), cold_part_(std::move(cold_part)) {
+  OutlierSplitCodec(const CodecSpec& spec, int head_dim, std::vector<int> hot, std::vector<int> cold,
+                    TurboQuantQuantizer hot_part, TurboQuantQuantizer cold_part)
+      : VectorCodec(spec, head_dim), hot_(std::move(hot)), cold_(std::move(cold)), hot_part_(std::move(hot_part)),
+        cold_part_(std::move(cold_part)) {
     code_bytes_ = hot_part_.code_bytes() + cold_part_.code_bytes();
     num_scalars_ = 2;
     query_state_floats_ = head_dim;  // [Pi_hot q_hot | Pi_cold q_cold]
     accumulator_floats_ = head_dim;
     TurboQuantPart hot_desc{hot_, 0, 0, hot_part_.codebook(), hot_part_.rotation()};
-    TurboQuantPart cold_desc{cold_, hot_part_.code_bytes(), 1, cold_part_.codebook(),
-                             cold_part_.rotation()};
+    TurboQuantPart cold_desc{cold_, hot_part_.code_bytes(), 1, cold_part_.codebook(), cold_part_.rotation()};
     parts_.push_back(std::move(hot_desc));
     parts_.push_back(std::move(cold_desc));
   }
@@ -418,8 +404,7 @@ class OutlierSplitCodec final : public VectorCodec {
            cold_part_.Score(state + h, codes + hot_part_.code_bytes(), scalars[1]);
   }
 
-  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars,
-                  float* acc) const override {
+  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars, float* acc) const override {
     const int h = static_cast<int>(hot_.size());
     hot_part_.Accumulate(weight, codes, scalars[0], acc);
     cold_part_.Accumulate(weight, codes + hot_part_.code_bytes(), scalars[1], acc + h);
@@ -461,8 +446,8 @@ class QjlCodec final : public VectorCodec {
       : VectorCodec(spec, head_dim), mse_(std::move(mse)), sketch_(std::move(sketch)) {
     code_bytes_ = mse_.code_bytes() + PackedBytes(head_dim, 1);
     num_scalars_ = 2;
-    query_state_floats_ = 2 * head_dim;   // [Pi q | S Pi q]
-    accumulator_floats_ = 2 * head_dim;   // [sum w n c | sum w n |r| k sign]
+    query_state_floats_ = 2 * head_dim;  // [Pi q | S Pi q]
+    accumulator_floats_ = 2 * head_dim;  // [sum w n c | sum w n |r| k sign]
     sketch_gain_ = static_cast<float>(std::sqrt(M_PI / 2.0) / head_dim);
     TurboQuantPart part;
     part.channels.resize(head_dim);
@@ -484,8 +469,8 @@ class QjlCodec final : public VectorCodec {
       return absl::OkStatus();
     }
     if (norm > kHalfMax) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm, kHalfMax));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("vector norm %g is beyond the fp16 range of the stored norm (<= %g)", norm, kHalfMax));
     }
     // The MSE part quantizes the unit vector; its stored scale is then 1.
     float unit[kMaxHeadDim];
@@ -545,8 +530,7 @@ class QjlCodec final : public VectorCodec {
     return norm * (mse_dot + residual_norm * sketch_gain_ * sketch_dot);
   }
 
-  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars,
-                  float* acc) const override {
+  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars, float* acc) const override {
     const int d = head_dim_;
     const float norm = HalfToFloat(scalars[0]);
     const float residual_norm = HalfToFloat(scalars[1]);
@@ -579,15 +563,13 @@ class QjlCodec final : public VectorCodec {
 
 absl::Status ValidateHotChannels(const std::vector<int>& hot, int expected, int head_dim) {
   if (static_cast<int>(hot.size()) != expected) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "outlier split needs %d hot channels for head_dim %d, got %d", expected, head_dim,
-        hot.size()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("outlier split needs %d hot channels for head_dim %d, got %d", expected, head_dim, hot.size()));
   }
   std::vector<bool> seen(head_dim, false);
   for (int channel : hot) {
     if (channel < 0 || channel >= head_dim) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "hot channel %d is out of range [0, %d)", channel, head_dim));
+      return absl::InvalidArgumentError(absl::StrFormat("hot channel %d is out of range [0, %d)", channel, head_dim));
     }
     if (seen[channel]) {
       return absl::InvalidArgumentError(absl::StrFormat("hot channel %d is listed twice", channel));
@@ -599,8 +581,8 @@ absl::Status ValidateHotChannels(const std::vector<int>& hot, int expected, int 
 
 }  // namespace
 
-absl::Status VectorCodec::EncodeMany(int n, const float* const* x, uint8_t* const* codes,
-                                     uint16_t* const* scalars, int* failed) const {
+absl::Status VectorCodec::EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scalars,
+                                     int* failed) const {
   for (int k = 0; k < n; ++k) {
     // The next vector's lines start arriving while this one is encoded: a
     // store's inputs are mostly not in cache, and one vector's encode is a
@@ -630,8 +612,7 @@ std::string CodecSpec::Name() const {
     case CodecKind::kQjl:
       return absl::StrCat("qjl", bits);
     case CodecKind::kOutlierSplit:
-      return absl::StrCat("tq", hot_bits, "/", bits, "_split", hot_divisor,
-                          norm_correction ? "_nc" : "");
+      return absl::StrCat("tq", hot_bits, "/", bits, "_split", hot_divisor, norm_correction ? "_nc" : "");
   }
   return "unknown";
 }
@@ -647,14 +628,12 @@ absl::Status CodecSpec::Validate() const {
       return absl::OkStatus();
     case CodecKind::kTurboQuant:
       if (bits < 1 || bits > 8) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("TurboQuant bits must be in [1, 8], got %d", bits));
+        return absl::InvalidArgumentError(absl::StrFormat("TurboQuant bits must be in [1, 8], got %d", bits));
       }
       return absl::OkStatus();
     case CodecKind::kUniform:
       if (bits < 1 || bits > 8) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("uniform bits must be in [1, 8], got %d", bits));
+        return absl::InvalidArgumentError(absl::StrFormat("uniform bits must be in [1, 8], got %d", bits));
       }
       return absl::OkStatus();
     case CodecKind::kQjl:
@@ -665,8 +644,8 @@ absl::Status CodecSpec::Validate() const {
       return absl::OkStatus();
     case CodecKind::kOutlierSplit:
       if (bits < 1 || bits > 8 || hot_bits < 1 || hot_bits > 8) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "outlier split bits must be in [1, 8], got hot %d cold %d", hot_bits, bits));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("outlier split bits must be in [1, 8], got hot %d cold %d", hot_bits, bits));
       }
       if (hot_divisor < 2) {
         return absl::InvalidArgumentError(
@@ -703,13 +682,12 @@ int CodecBytesPerVector(const CodecSpec& spec, int head_dim) {
   return 0;
 }
 
-absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec,
-                                                       const CodecOptions& options) {
+absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec, const CodecOptions& options) {
   RETURN_IF_ERROR(spec.Validate());
   const int d = options.head_dim;
   if (d < kMinHeadDim || d > kMaxHeadDim) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "head_dim must be in [%d, %d], got %d", kMinHeadDim, kMaxHeadDim, d));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("head_dim must be in [%d, %d], got %d", kMinHeadDim, kMaxHeadDim, d));
   }
   switch (spec.kind) {
     case CodecKind::kFp16:
@@ -721,8 +699,7 @@ absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec,
     case CodecKind::kUniform:
       return codec_internal::MakeUniformCodec(spec, d);
     case CodecKind::kTurboQuant: {
-      ASSIGN_OR_RETURN(TurboQuantQuantizer quantizer,
-                       MakeQuantizer(d, spec.bits, spec.norm_correction, options.seed));
+      ASSIGN_OR_RETURN(TurboQuantQuantizer quantizer, MakeQuantizer(d, spec.bits, spec.norm_correction, options.seed));
       return std::make_unique<TurboQuantCodec>(spec, d, std::move(quantizer));
     }
     case CodecKind::kQjl: {
@@ -736,8 +713,8 @@ absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec,
     case CodecKind::kOutlierSplit: {
       const int hot_count = spec.HotChannels(d);
       if (hot_count < kMinCodebookDim || d - hot_count < kMinCodebookDim) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "head_dim %d is too small to split %d hot channels", d, hot_count));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("head_dim %d is too small to split %d hot channels", d, hot_count));
       }
       RETURN_IF_ERROR(ValidateHotChannels(options.hot_channels, hot_count, d));
       std::vector<int> hot = options.hot_channels;
@@ -750,14 +727,12 @@ absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec,
           cold.push_back(c);
         }
       }
-      ASSIGN_OR_RETURN(TurboQuantQuantizer hot_part,
-                       MakeQuantizer(hot_count, spec.hot_bits, spec.norm_correction,
-                                     DeriveSeed(options.seed, kHotPartStream)));
-      ASSIGN_OR_RETURN(TurboQuantQuantizer cold_part,
-                       MakeQuantizer(d - hot_count, spec.bits, spec.norm_correction,
-                                     DeriveSeed(options.seed, kColdPartStream)));
-      return std::make_unique<OutlierSplitCodec>(spec, d, std::move(hot), std::move(cold),
-                                                 std::move(hot_part), std::move(cold_part));
+      ASSIGN_OR_RETURN(TurboQuantQuantizer hot_part, MakeQuantizer(hot_count, spec.hot_bits, spec.norm_correction,
+                                                                   DeriveSeed(options.seed, kHotPartStream)));
+      ASSIGN_OR_RETURN(TurboQuantQuantizer cold_part, MakeQuantizer(d - hot_count, spec.bits, spec.norm_correction,
+                                                                    DeriveSeed(options.seed, kColdPartStream)));
+      return std::make_unique<OutlierSplitCodec>(spec, d, std::move(hot), std::move(cold), std::move(hot_part),
+                                                 std::move(cold_part));
     }
   }
   return absl::InvalidArgumentError("unknown codec kind");
@@ -771,8 +746,7 @@ std::vector<int> ChooseHotChannels(const float* keys, int64_t n, int head_dim, i
   }
   std::vector<int> order(head_dim);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return mean_abs[a] > mean_abs[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return mean_abs[a] > mean_abs[b]; });
   order.resize(count);
   std::sort(order.begin(), order.end());
   return order;

@@ -134,8 +134,8 @@ class VectorCodec {
   virtual absl::Status Encode(const float* x, uint8_t* codes, uint16_t* scalars) const = 0;
 
   // Encode of n vectors: x[k] into codes[k] and scalars[k], the same bytes as
-  // n Encode calls (a codec may work on several vectors at once). On failure returns the error of the first failing vector and
-  // sets *failed to its index; what any vector's bytes are then is unspecified.
+  // n Encode calls (a codec may work on several vectors at once). On failure returns the error of the first failing
+  // vector and sets *failed to its index; what any vector's bytes are then is unspecified.
   virtual absl::Status EncodeMany(int n, const float* const* x, uint8_t* const* codes, uint16_t* const* scalars,
                                   int* failed) const;
 
@@ -155,8 +155,7 @@ class VectorCodec {
   // basis; FinishAccumulation writes the sum in the original basis to
   // out[head_dim]. acc and out may not alias.
   int accumulator_floats() const { return accumulator_floats_; }
-  virtual void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars,
-                          float* acc) const = 0;
+  virtual void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars, float* acc) const = 0;
   virtual void FinishAccumulation(const float* acc, float* out) const = 0;
 
   // The TurboQuant-MSE parts (empty for codecs without one).
@@ -176,8 +175,7 @@ class VectorCodec {
 
 // Creates a codec. Fails with INVALID_ARGUMENT for an invalid spec, a head dim
 // outside [kMinHeadDim, kMaxHeadDim], or a missing / malformed hot channel list.
-absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec,
-                                                       const CodecOptions& options);
+absl::StatusOr<std::unique_ptr<VectorCodec>> MakeCodec(const CodecSpec& spec, const CodecOptions& options);
 
 // Bytes per vector of a spec at a head dim, without building the codec.
 // REQUIRES: spec.Validate().ok().

@@ -60,9 +60,7 @@ class Float16Codec final : public VectorCodec {
     for (int i = 0; i < head_dim_; ++i) x[i] = ValueAt(codes, i);
   }
 
-  void PrepareQuery(const float* q, float* state) const override {
-    std::copy(q, q + head_dim_, state);
-  }
+  void PrepareQuery(const float* q, float* state) const override { std::copy(q, q + head_dim_, state); }
 
   float Score(const float* state, const uint8_t* codes, const uint16_t*) const override {
     float dot = 0.0f;
@@ -74,9 +72,7 @@ class Float16Codec final : public VectorCodec {
     for (int i = 0; i < head_dim_; ++i) acc[i] += weight * ValueAt(codes, i);
   }
 
-  void FinishAccumulation(const float* acc, float* out) const override {
-    std::copy(acc, acc + head_dim_, out);
-  }
+  void FinishAccumulation(const float* acc, float* out) const override { std::copy(acc, acc + head_dim_, out); }
 
  private:
   static float ValueAt(const uint8_t* codes, int i) {
@@ -110,9 +106,7 @@ class Fp8Codec final : public VectorCodec {
     for (int i = 0; i < head_dim_; ++i) x[i] = table[codes[i]];
   }
 
-  void PrepareQuery(const float* q, float* state) const override {
-    std::copy(q, q + head_dim_, state);
-  }
+  void PrepareQuery(const float* q, float* state) const override { std::copy(q, q + head_dim_, state); }
 
   float Score(const float* state, const uint8_t* codes, const uint16_t*) const override {
     const float* table = Fp8E4m3Table();
@@ -126,9 +120,7 @@ class Fp8Codec final : public VectorCodec {
     for (int i = 0; i < head_dim_; ++i) acc[i] += weight * table[codes[i]];
   }
 
-  void FinishAccumulation(const float* acc, float* out) const override {
-    std::copy(acc, acc + head_dim_, out);
-  }
+  void FinishAccumulation(const float* acc, float* out) const override { std::copy(acc, acc + head_dim_, out); }
 };
 
 // ---------------------------------------------------------------------------
@@ -138,7 +130,7 @@ class UniformCodec final : public VectorCodec {
  public:
   UniformCodec(const CodecSpec& spec, int head_dim) : VectorCodec(spec, head_dim) {
     code_bytes_ = PackedBytes(head_dim, spec.bits);
-    num_scalars_ = 2;  // [scale, zero]
+    num_scalars_ = 2;                    // [scale, zero]
     query_state_floats_ = head_dim + 1;  // q, then sum(q) for the zero point
     accumulator_floats_ = head_dim;
   }
@@ -200,8 +192,7 @@ class UniformCodec final : public VectorCodec {
     return HalfToFloat(scalars[0]) * dot + HalfToFloat(scalars[1]) * state[head_dim_];
   }
 
-  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars,
-                  float* acc) const override {
+  void Accumulate(float weight, const uint8_t* codes, const uint16_t* scalars, float* acc) const override {
     const float scale = weight * HalfToFloat(scalars[0]);
     const float zero = weight * HalfToFloat(scalars[1]);
     uint8_t unpacked[kMaxHeadDim];
@@ -209,9 +200,7 @@ class UniformCodec final : public VectorCodec {
     for (int i = 0; i < head_dim_; ++i) acc[i] += zero + scale * static_cast<float>(unpacked[i]);
   }
 
-  void FinishAccumulation(const float* acc, float* out) const override {
-    std::copy(acc, acc + head_dim_, out);
-  }
+  void FinishAccumulation(const float* acc, float* out) const override { std::copy(acc, acc + head_dim_, out); }
 
  private:
   // Quantize against the fp16-rounded scale and zero that decode will use.

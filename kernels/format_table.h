@@ -142,9 +142,7 @@ inline constexpr FormatPairInfo kFormatPairs[] = {
 inline constexpr int kNumFormatPairs = sizeof(kFormatPairs) / sizeof(kFormatPairs[0]);
 
 // REQUIRES: the value is an enumerator (the tables are indexed by it).
-constexpr const FormatFamilyInfo& FamilyInfo(FormatFamily family) {
-  return kFormatFamilies[static_cast<int>(family)];
-}
+constexpr const FormatFamilyInfo& FamilyInfo(FormatFamily family) { return kFormatFamilies[static_cast<int>(family)]; }
 constexpr const FormatPairInfo& PairInfo(FormatPair pair) { return kFormatPairs[static_cast<int>(pair)]; }
 
 // The pair of these families, if the table has it.
@@ -213,12 +211,12 @@ constexpr R VisitFormatPair(FormatPair pair, R fallback, F&& f) {
 template <typename R, typename F>
 constexpr R VisitKeyFamily(FormatFamily family, R fallback, F&& f) {
   switch (family) {
-#define TQKV_KEY_CASE_(name, reads_keys, bits)             \
-  case FormatFamily::k##name:                              \
-    if constexpr (reads_keys) {                            \
+#define TQKV_KEY_CASE_(name, reads_keys, bits)            \
+  case FormatFamily::k##name:                             \
+    if constexpr (reads_keys) {                           \
       return f(FormatFamilyTag<FormatFamily::k##name>{}); \
-    } else {                                               \
-      return fallback;                                     \
+    } else {                                              \
+      return fallback;                                    \
     }
     TQKV_FORMAT_FAMILIES(TQKV_KEY_CASE_)
 #undef TQKV_KEY_CASE_

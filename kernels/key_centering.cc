@@ -20,8 +20,8 @@ double Llama3Frequency(const RopeOptions& o, double inv_freq) {
   const double high_wavelength = o.original_max_position / o.high_freq_factor;
   if (wavelength < high_wavelength) return inv_freq;
   if (wavelength > low_wavelength) return inv_freq / o.scaling_factor;
-  const double smooth = (o.original_max_position / wavelength - o.low_freq_factor) /
-                        (o.high_freq_factor - o.low_freq_factor);
+  const double smooth =
+      (o.original_max_position / wavelength - o.low_freq_factor) / (o.high_freq_factor - o.low_freq_factor);
   return (1.0 - smooth) * inv_freq / o.scaling_factor + smooth * inv_freq;
 }
 
@@ -30,16 +30,16 @@ double Llama3Frequency(const RopeOptions& o, double inv_freq) {
 absl::StatusOr<RopeTable> RopeTable::Create(const RopeOptions& o, int head_dim) {
   const int dims = o.rotary_dims == 0 ? head_dim : o.rotary_dims;
   if (dims < 2 || dims > head_dim || dims % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "rope rotary_dims is %d; want an even number in [2, head_dim = %d] (0 means head_dim)",
-        o.rotary_dims, head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("rope rotary_dims is %d; want an even number in [2, head_dim = %d] (0 means head_dim)",
+                        o.rotary_dims, head_dim));
   }
   const int pairs = dims / 2;
   std::vector<double> inv_freq;
   if (!o.inv_freq.empty()) {
     if (static_cast<int>(o.inv_freq.size()) != pairs) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "rope inv_freq has %d entries; want rotary_dims / 2 = %d", o.inv_freq.size(), pairs));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("rope inv_freq has %d entries; want rotary_dims / 2 = %d", o.inv_freq.size(), pairs));
     }
     inv_freq = o.inv_freq;
   } else {
@@ -48,28 +48,26 @@ absl::StatusOr<RopeTable> RopeTable::Create(const RopeOptions& o, int head_dim) 
           absl::StrFormat("rope base is %g; want a finite value > 1 (e.g. 10000)", o.base));
     }
     for (int i = 0; i < pairs; ++i) inv_freq.push_back(std::pow(o.base, -2.0 * i / dims));
-    if (o.scaling != RopeScaling::kNone &&
-        (!(o.scaling_factor > 0.0) || !std::isfinite(o.scaling_factor))) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "rope scaling_factor is %g; want a finite value > 0", o.scaling_factor));
+    if (o.scaling != RopeScaling::kNone && (!(o.scaling_factor > 0.0) || !std::isfinite(o.scaling_factor))) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("rope scaling_factor is %g; want a finite value > 0", o.scaling_factor));
     }
     if (o.scaling == RopeScaling::kLinear) {
       for (double& f : inv_freq) f /= o.scaling_factor;
     } else if (o.scaling == RopeScaling::kLlama3) {
-      if (!(o.low_freq_factor > 0.0) || !(o.high_freq_factor > o.low_freq_factor) ||
-          o.original_max_position < 1) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "llama3 rope scaling wants 0 < low_freq_factor < high_freq_factor and "
-            "original_max_position >= 1; got %g, %g, %d",
-            o.low_freq_factor, o.high_freq_factor, o.original_max_position));
+      if (!(o.low_freq_factor > 0.0) || !(o.high_freq_factor > o.low_freq_factor) || o.original_max_position < 1) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("llama3 rope scaling wants 0 < low_freq_factor < high_freq_factor and "
+                            "original_max_position >= 1; got %g, %g, %d",
+                            o.low_freq_factor, o.high_freq_factor, o.original_max_position));
       }
       for (double& f : inv_freq) f = Llama3Frequency(o, f);
     }
   }
   for (int i = 0; i < pairs; ++i) {
     if (!(inv_freq[i] > 0.0) || !std::isfinite(inv_freq[i])) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "rope frequency of pair %d is %g; want a finite value > 0", i, inv_freq[i]));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("rope frequency of pair %d is %g; want a finite value > 0", i, inv_freq[i]));
     }
   }
   RopeTable table;
@@ -174,8 +172,8 @@ std::vector<int> ActivePairs(const RopeTable& rope, const float* mean) {
   return pairs;
 }
 
-AddBackTerms MakeAddBackTerms(const RopeTable& rope, const float* mean, const float* query,
-                              int head_dim, double scale) {
+AddBackTerms MakeAddBackTerms(const RopeTable& rope, const float* mean, const float* query, int head_dim,
+                              double scale) {
   AddBackTerms terms;
   for (int j = 0; j < head_dim; ++j) {
     if (rope.num_pairs() == 0 || rope.pair_of(j) < 0) {
@@ -207,9 +205,8 @@ RopeAngles ComputeRopeAngles(const RopeTable& rope, int64_t first_position, int6
   return angles;
 }
 
-void EstimateKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* keys,
-                     int64_t begin, int64_t end, int64_t stride, int keep_pairs, int head_dim,
-                     float* mean) {
+void EstimateKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* keys, int64_t begin, int64_t end,
+                     int64_t stride, int keep_pairs, int head_dim, float* mean) {
   std::vector<double> sum(head_dim, 0.0);
   for (int64_t t = begin; t < end; ++t) {
     const float* k = keys + t * stride;
@@ -242,8 +239,8 @@ void EstimateKeyMean(const RopeTable& rope, const RopeAngles& angles, const floa
   }
 }
 
-void SubtractKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* mean,
-                     const float* keys, int64_t stride, int head_dim, float* out) {
+void SubtractKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* mean, const float* keys,
+                     int64_t stride, int head_dim, float* out) {
   // The mean's non-zero pairs (ActivePairs, without its allocation: a
   // one-token append calls this once per layer and head) and whether any
   // coordinate lies outside the rotary dims.

@@ -63,9 +63,9 @@ struct RopeOptions {
   double base = 0.0;
   RopeScaling scaling = RopeScaling::kNone;
   double scaling_factor = 1.0;
-  double low_freq_factor = 1.0;            // kLlama3
-  double high_freq_factor = 4.0;           // kLlama3
-  int64_t original_max_position = 8192;    // kLlama3
+  double low_freq_factor = 1.0;          // kLlama3
+  double high_freq_factor = 4.0;         // kLlama3
+  int64_t original_max_position = 8192;  // kLlama3
   // Explicit per-pair frequencies (rotary_dims / 2 of them), overriding base
   // and scaling.
   std::vector<double> inv_freq;
@@ -118,17 +118,16 @@ class RopeTable {
 // Only pairs where m is non-zero are listed.
 struct AddBackTerms {
   double constant = 0.0;
-  std::vector<int> pairs;         // indices into the RopeTable
-  std::vector<double> inv_freq;   // theta of each listed pair
-  std::vector<double> a, b;       // A_i, B_i of each listed pair
+  std::vector<int> pairs;        // indices into the RopeTable
+  std::vector<double> inv_freq;  // theta of each listed pair
+  std::vector<double> a, b;      // A_i, B_i of each listed pair
 
   // q . R_t m, in double (the reference the kernels are tested against).
   double At(int64_t position) const;
 };
 
 // `scale` multiplies every term (the logit scale).
-AddBackTerms MakeAddBackTerms(const RopeTable& rope, const float* mean, const float* query,
-                              int head_dim, double scale);
+AddBackTerms MakeAddBackTerms(const RopeTable& rope, const float* mean, const float* query, int head_dim, double scale);
 
 // The pairs of a mean that are non-zero, and its constant part (coordinates
 // outside every pair), for kernels that build the terms themselves.
@@ -151,14 +150,13 @@ RopeAngles ComputeRopeAngles(const RopeTable& rope, int64_t first_position, int6
 // rotary pair but the `keep_pairs` with the most energy is zeroed (0 keeps
 // all). With an empty table this is the plain mean.
 // REQUIRES: begin < end <= angles.n.
-void EstimateKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* keys,
-                     int64_t begin, int64_t end, int64_t stride, int keep_pairs, int head_dim,
-                     float* mean);
+void EstimateKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* keys, int64_t begin, int64_t end,
+                     int64_t stride, int keep_pairs, int head_dim, float* mean);
 
 // out_i = k_i - R_t m at t = angles.first_position + i, for i in [0, angles.n);
 // rows `stride` floats apart in keys and out (which may alias).
-void SubtractKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* mean,
-                     const float* keys, int64_t stride, int head_dim, float* out);
+void SubtractKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* mean, const float* keys,
+                     int64_t stride, int head_dim, float* out);
 
 }  // namespace tqkv
 

@@ -12,11 +12,9 @@ constexpr PresetRecipe kCenteredSinksWindow{KeyCentering::kPreRope, 4, 64};
 const std::vector<Preset>& PresetTable() {
   static const std::vector<Preset> table = {
       {"fp16", CodecSpec::Fp16(), CodecSpec::Fp16(), "uncompressed fp16 keys and values"},
-      {"bf16", CodecSpec::Bf16(), CodecSpec::Bf16(),
-       "uncompressed bf16 keys and values: the speed baseline"},
+      {"bf16", CodecSpec::Bf16(), CodecSpec::Bf16(), "uncompressed bf16 keys and values: the speed baseline"},
       {"fp8", CodecSpec::Fp8(), CodecSpec::Fp8(), "fp8 e4m3 keys and values, no scale"},
-      {"turboquant_k8v4", CodecSpec::Fp8(), CodecSpec::Uniform(4),
-       "vLLM preset: fp8 keys, 4-bit uniform values"},
+      {"turboquant_k8v4", CodecSpec::Fp8(), CodecSpec::Uniform(4), "vLLM preset: fp8 keys, 4-bit uniform values"},
       {"turboquant_4bit_nc", CodecSpec::TurboQuant(4, true), CodecSpec::Uniform(4),
        "vLLM preset: 4-bit TurboQuant keys with norm correction, 4-bit uniform values"},
       {"turboquant_k3v4_nc", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(4),
@@ -29,8 +27,7 @@ const std::vector<Preset>& PresetTable() {
        "3-bit TurboQuant keys, 4-bit TurboQuant values"},
       {"tqkv_k3p5v3", CodecSpec::OutlierSplit(4, 3, 2, true), CodecSpec::TurboQuant(3, true),
        "3.5-bit keys (hot half of the channels at 4 bits, the rest at 3), 3-bit TurboQuant values"},
-      {"tqkv_k3v3", CodecSpec::TurboQuant(3, true), CodecSpec::TurboQuant(3, true),
-       "3-bit TurboQuant keys and values"},
+      {"tqkv_k3v3", CodecSpec::TurboQuant(3, true), CodecSpec::TurboQuant(3, true), "3-bit TurboQuant keys and values"},
       {"tqkv_k2p5v3", CodecSpec::OutlierSplit(3, 2, 2, true), CodecSpec::TurboQuant(3, true),
        "2.5-bit keys (hot half of the channels at 3 bits, the rest at 2), 3-bit TurboQuant values"},
       {"eval_qjl_k3v4", CodecSpec::Qjl(3), CodecSpec::Uniform(4),
@@ -38,17 +35,17 @@ const std::vector<Preset>& PresetTable() {
       // Recipes: the codecs of the preset before them plus centering and
       // exact tokens (docs/cache.md, "Centering and exact tokens").
       {"tqkv_k3v4u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(4),
-       "turboquant_k3v4_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens",
-       false, kCenteredSinksWindow},
+       "turboquant_k3v4_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
+       kCenteredSinksWindow},
       {"tqkv_k3v3u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(3),
-       "turboquant_3bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens",
-       false, kCenteredSinksWindow},
+       "turboquant_3bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
+       kCenteredSinksWindow},
       {"tqkv_k3v4_csw", CodecSpec::TurboQuant(3, true), CodecSpec::TurboQuant(4, true),
        "tqkv_k3v4's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
        kCenteredSinksWindow},
       {"tqkv_k4v4u_csw", CodecSpec::TurboQuant(4, true), CodecSpec::Uniform(4),
-       "turboquant_4bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens",
-       false, kCenteredSinksWindow},
+       "turboquant_4bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
+       kCenteredSinksWindow},
   };
   return table;
 }
@@ -76,8 +73,7 @@ absl::StatusOr<const Preset*> FindPreset(std::string_view name) {
   for (const Preset& preset : PresetTable()) {
     if (preset.name == name) return &preset;
   }
-  return absl::NotFoundError(
-      absl::StrCat("unknown preset '", std::string(name), "'; known presets: ", PresetNames()));
+  return absl::NotFoundError(absl::StrCat("unknown preset '", std::string(name), "'; known presets: ", PresetNames()));
 }
 
 absl::StatusOr<std::vector<const Preset*>> ParsePresetList(std::string_view names) {
@@ -87,8 +83,7 @@ absl::StatusOr<std::vector<const Preset*>> ParsePresetList(std::string_view name
     return out;
   }
   // Debian's abseil has its own string_view type, hence the conversions.
-  for (absl::string_view name :
-       absl::StrSplit(absl::string_view(names.data(), names.size()), ',', absl::SkipEmpty())) {
+  for (absl::string_view name : absl::StrSplit(absl::string_view(names.data(), names.size()), ',', absl::SkipEmpty())) {
     absl::StatusOr<const Preset*> preset = FindPreset(std::string_view(name.data(), name.size()));
     if (!preset.ok()) return preset.status();
     out.push_back(*preset);

@@ -48,9 +48,7 @@ struct Preset {
     return CodecBytesPerVector(key, head_dim) + CodecBytesPerVector(value, head_dim);
   }
   // Compression versus a bf16 cache (2 bytes per coordinate, keys and values).
-  double CompressionVsBf16(int head_dim) const {
-    return 4.0 * head_dim / BytesPerTokenHead(head_dim);
-  }
+  double CompressionVsBf16(int head_dim) const { return 4.0 * head_dim / BytesPerTokenHead(head_dim); }
   bool NeedsCalibration() const { return key.NeedsCalibration() || value.NeedsCalibration(); }
 };
 

@@ -92,8 +92,8 @@ HadamardFactor MakeHadamardFactor(int m) {
 
 // The tables for m = 12, 20, 28, built on first use and never destroyed.
 const HadamardFactor& GetHadamardFactor(int m) {
-  static const std::array<HadamardFactor, 3>* const factors = new std::array<HadamardFactor, 3>{
-      MakeHadamardFactor(12), MakeHadamardFactor(20), MakeHadamardFactor(28)};
+  static const std::array<HadamardFactor, 3>* const factors =
+      new std::array<HadamardFactor, 3>{MakeHadamardFactor(12), MakeHadamardFactor(20), MakeHadamardFactor(28)};
   return (*factors)[m == 12 ? 0 : m == 20 ? 1 : 2];
 }
 
@@ -263,8 +263,8 @@ void SignedFwht(const float* x, float* y, int n, const float* pre_signs, const f
 // compile-time widths, in exactly the operation order that the SIMD versions
 // reproduce.
 template <int kM>
-void KronHadamardRows(const float* x, float* y, int rows, const float* columns, const float* pre,
-                      const float* post, float scale) {
+void KronHadamardRows(const float* x, float* y, int rows, const float* columns, const float* pre, const float* post,
+                      float scale) {
   // Rows times F. Each row is read into t before its output is written, so
   // x == y is safe.
   for (int r = 0; r < rows; ++r) {
@@ -329,16 +329,14 @@ void KronHadamardRows(const float* x, float* y, int rows, const float* columns, 
 }
 
 // y = diag(post) (H_rows kron F) diag(pre) x * scale on the active level.
-void KronHadamard(const float* x, float* y, int rows, int m, const float* columns,
-                  const float* pre_signs, const float* post_signs, float scale) {
+void KronHadamard(const float* x, float* y, int rows, int m, const float* columns, const float* pre_signs,
+                  const float* post_signs, float scale) {
   switch (ActiveSimdLevel()) {
     case SimdLevel::kAvx512:
     case SimdLevel::kAvx512Vnni:
-      return rotation_internal::KronHadamardAvx512(x, y, rows, m, columns, pre_signs, post_signs,
-                                                   scale);
+      return rotation_internal::KronHadamardAvx512(x, y, rows, m, columns, pre_signs, post_signs, scale);
     case SimdLevel::kAvx2:
-      return rotation_internal::KronHadamardAvx2(x, y, rows, m, columns, pre_signs, post_signs,
-                                                 scale);
+      return rotation_internal::KronHadamardAvx2(x, y, rows, m, columns, pre_signs, post_signs, scale);
     case SimdLevel::kScalar:
       break;
   }
@@ -349,9 +347,7 @@ void KronHadamard(const float* x, float* y, int rows, int m, const float* column
 // REQUIRES: n <= kMaxDenseRotationDim.
 class Scratch {
  public:
-  Scratch(const float* src, int n) {
-    std::memcpy(data_, src, static_cast<size_t>(n) * sizeof(float));
-  }
+  Scratch(const float* src, int n) { std::memcpy(data_, src, static_cast<size_t>(n) * sizeof(float)); }
   const float* data() const { return data_; }
 
  private:
@@ -362,8 +358,8 @@ class Scratch {
 
 namespace rotation_internal {
 
-void KronHadamardScalar(const float* x, float* y, int rows, int m, const float* columns,
-                        const float* pre, const float* post, float scale) {
+void KronHadamardScalar(const float* x, float* y, int rows, int m, const float* columns, const float* pre,
+                        const float* post, float scale) {
   switch (m) {
     case 12:
       return KronHadamardRows<12>(x, y, rows, columns, pre, post, scale);
@@ -395,11 +391,9 @@ int HadamardFactorOrder(int dim) {
   }
 }
 
-absl::StatusOr<std::shared_ptr<const Rotation>> Rotation::Create(int dim, uint64_t seed,
-                                                                 Kind kind) {
+absl::StatusOr<std::shared_ptr<const Rotation>> Rotation::Create(int dim, uint64_t seed, Kind kind) {
   if (dim < 1 || dim > kMaxRotationDim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rotation dim must be in [1, ", kMaxRotationDim, "], got ", dim));
+    return absl::InvalidArgumentError(absl::StrCat("rotation dim must be in [1, ", kMaxRotationDim, "], got ", dim));
   }
   const int order = HadamardFactorOrder(dim);
   if (kind == Kind::kAuto) {
@@ -409,21 +403,19 @@ absl::StatusOr<std::shared_ptr<const Rotation>> Rotation::Create(int dim, uint64
     case Kind::kRandomizedHadamard:
     case Kind::kPlainHadamard:
       if (order == 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("Hadamard rotation needs ", kHadamardDims, ", got ", dim));
+        return absl::InvalidArgumentError(absl::StrCat("Hadamard rotation needs ", kHadamardDims, ", got ", dim));
       }
       break;
     case Kind::kDense:
       if (dim > kMaxDenseRotationDim) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("dense rotation supports dim <= ", kMaxDenseRotationDim, ", got ", dim,
-                         " (Hadamard rotations support ", kHadamardDims, ")"));
+        return absl::InvalidArgumentError(absl::StrCat("dense rotation supports dim <= ", kMaxDenseRotationDim,
+                                                       ", got ", dim, " (Hadamard rotations support ", kHadamardDims,
+                                                       ")"));
       }
       break;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown rotation kind ", static_cast<int>(kind),
-                       ", want kAuto, kRandomizedHadamard, kDense or kPlainHadamard"));
+      return absl::InvalidArgumentError(absl::StrCat("unknown rotation kind ", static_cast<int>(kind),
+                                                     ", want kAuto, kRandomizedHadamard, kDense or kPlainHadamard"));
   }
 
   std::shared_ptr<Rotation> rotation(new Rotation(dim, seed, kind));
@@ -461,8 +453,7 @@ void Rotation::Forward(const float* x, float* y) const {
         SignedFwht(x, y, dim_, pre, nullptr);
       } else {
         // y = (H kron P) (D x): rows times P, i.e. columns given by P^T.
-        KronHadamard(x, y, factor_rows_, factor_order_, factor_transpose_->data(), pre, nullptr,
-                     scale_);
+        KronHadamard(x, y, factor_rows_, factor_order_, factor_transpose_->data(), pre, nullptr, scale_);
       }
       return;
     }

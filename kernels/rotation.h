@@ -64,8 +64,7 @@ class Rotation {
   // Cost: Hadamard kinds O(dim). kDense runs an O(dim^3) float64 QR and keeps
   // dim^2 floats (about 1 ms at dim 100, 0.2 s at 576, 1 s at 1024): build it
   // once per (dim, seed), not per request.
-  static absl::StatusOr<std::shared_ptr<const Rotation>> Create(int dim, uint64_t seed,
-                                                                Kind kind = Kind::kAuto);
+  static absl::StatusOr<std::shared_ptr<const Rotation>> Create(int dim, uint64_t seed, Kind kind = Kind::kAuto);
 
   int dim() const { return dim_; }
   uint64_t seed() const { return seed_; }

@@ -57,9 +57,9 @@ inline std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> OpenRawServerStream
 // Starts a client-streaming call of `method`; its one response lands in
 // `response` when Finish() returns.
 inline std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> OpenRawClientStream(grpc::ChannelInterface* channel,
-                                                                                  const char* method,
-                                                                                  grpc::ClientContext* context,
-                                                                                  grpc::ByteBuffer* response) {
+                                                                                 const char* method,
+                                                                                 grpc::ClientContext* context,
+                                                                                 grpc::ByteBuffer* response) {
   const grpc::internal::RpcMethod rpc(method, grpc::internal::RpcMethod::CLIENT_STREAMING);
   return std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>>(
       grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel, rpc, context, response));

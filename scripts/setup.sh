@@ -37,6 +37,8 @@ if [ "$build_only" -eq 0 ]; then
     docker-compose prometheus prometheus-alertmanager haproxy curl python3 python3-yaml yamllint
     # The Python client's venv and tests; openssl for the TLS tests.
     python3-venv openssl
+    # Lint.ClangFormat: the tree follows .clang-format.
+    clang-format
   )
 fi
 

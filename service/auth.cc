@@ -39,8 +39,8 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
     absl::string_view suffix;
     double scale;
   };
-  static constexpr Unit kUnits[] = {{"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0},
-                                    {"KiB", 1024.0}, {"B", 1.0}};
+  static constexpr Unit kUnits[] = {
+      {"TiB", 1099511627776.0}, {"GiB", 1073741824.0}, {"MiB", 1048576.0}, {"KiB", 1024.0}, {"B", 1.0}};
   double scale = 1.0;
   absl::string_view number = text;
   for (const Unit& unit : kUnits) {
@@ -150,8 +150,7 @@ absl::StatusOr<AuthConfig> LoadAuthConfig(const std::string& path) {
   text << in.rdbuf();
   absl::StatusOr<AuthConfig> config = ParseAuthConfig(text.str());
   if (!config.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("auth token file '", path, "': ", config.status().message()));
+    return absl::InvalidArgumentError(absl::StrCat("auth token file '", path, "': ", config.status().message()));
   }
   return config;
 }
@@ -170,8 +169,7 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
 }
 
 Tenant::Tenant(const TenantSpec& spec)
-    : name_(spec.name),
-      prefix_(spec.name + ":"),
+    : name_(spec.name), prefix_(spec.name + ":"),
       account_(std::make_shared<UsageAccount>(absl::StrCat("tenant '", spec.name, "'"), spec.max_bytes,
                                               spec.max_sequences)) {}
 
@@ -193,7 +191,8 @@ Authenticator::Authenticator(const AuthConfig& config) {
     const Tenant* tenant = nullptr;
     if (!grant.tenant.empty()) {
       auto it = tenants_.find(grant.tenant);
-      if (it == tenants_.end()) it = tenants_.emplace(grant.tenant, std::make_unique<Tenant>(TenantSpec{grant.tenant})).first;
+      if (it == tenants_.end())
+        it = tenants_.emplace(grant.tenant, std::make_unique<Tenant>(TenantSpec{grant.tenant})).first;
       tenant = it->second.get();
     }
     grants_.push_back({grant.token, tenant});
@@ -230,9 +229,9 @@ absl::StatusOr<Caller> Authenticator::Authenticate(const grpc::CallbackServerCon
 
 absl::Status Authenticator::Authorize(const Caller& caller, const std::string& id, const char* field) {
   if (caller.admin() || absl::StartsWith(id, caller.tenant->prefix())) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrFormat(
-      "%s '%s' is outside tenant '%s': its token reaches only sequence ids starting with '%s'", field, id,
-      caller.tenant->name(), caller.tenant->prefix()));
+  return absl::PermissionDeniedError(
+      absl::StrFormat("%s '%s' is outside tenant '%s': its token reaches only sequence ids starting with '%s'", field,
+                      id, caller.tenant->name(), caller.tenant->prefix()));
 }
 
 const Tenant* Authenticator::TenantOfId(absl::string_view id) const {

@@ -104,8 +104,8 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed (or the call is gone)
       if (chunks_ == 0) {
-        Finish(ToGrpcStatus(absl::InvalidArgumentError(
-            "AppendStream carried no AppendRequest; want at least one chunk")));
+        Finish(
+            ToGrpcStatus(absl::InvalidArgumentError("AppendStream carried no AppendRequest; want at least one chunk")));
       } else {
         response_.set_stored_bytes(stored_bytes_);
         response_.set_stored_bytes_bf16(stored_bytes_bf16_);
@@ -121,8 +121,7 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     // No read is started until this chunk is stored: one chunk in flight.
     const absl::Status queued = executor->Submit(buffer_.Length(), [this] { StoreChunk(); });
     if (!queued.ok()) {
-      Finish(ToGrpcStatus(
-          absl::Status(queued.code(), absl::StrCat("chunk ", chunks_, ": ", queued.message()))));
+      Finish(ToGrpcStatus(absl::Status(queued.code(), absl::StrCat("chunk ", chunks_, ": ", queued.message()))));
     }
   }
 
@@ -136,17 +135,15 @@ class AppendStreamReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
       return;
     }
     if (chunks_ > 0 && (request_.cache() != cache_ || request_.sequence_id() != sequence_id_)) {
-      Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrFormat(
-          "chunk %d is for cache '%s' sequence '%s'; want the stream's cache '%s' sequence '%s'",
-          chunks_, request_.cache(), request_.sequence_id(), cache_, sequence_id_))));
+      Finish(ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrFormat("chunk %d is for cache '%s' sequence '%s'; want the stream's cache '%s' sequence '%s'",
+                          chunks_, request_.cache(), request_.sequence_id(), cache_, sequence_id_))));
       return;
     }
     v1::AppendResponse chunk;
-    const absl::Status status =
-        RunGuarded([this, &chunk] { return service_->DoAppend(caller_, request_, &chunk); });
+    const absl::Status status = RunGuarded([this, &chunk] { return service_->DoAppend(caller_, request_, &chunk); });
     if (!status.ok()) {
-      Finish(ToGrpcStatus(
-          absl::Status(status.code(), absl::StrCat("chunk ", chunks_, ": ", status.message()))));
+      Finish(ToGrpcStatus(absl::Status(status.code(), absl::StrCat("chunk ", chunks_, ": ", status.message()))));
       return;
     }
     if (chunks_ == 0) {
@@ -357,7 +354,7 @@ class DecodeStreamReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         (broken_ || ((read_closed_ || draining_) && responses_.empty()))) {
       finished_ = true;
       next.finish = true;
-      next.end = broken_                               ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
+      next.end = broken_                             ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
                  : read_closed_ || !end_status_.ok() ? end_status_
                                                      : ShuttingDownStatus();
     }
@@ -416,13 +413,14 @@ int MethodIndex(Rpc rpc) {
       ->index();
 }
 
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewUnaryCallReactor(
-    const absl::StatusOr<Caller>& caller, Rpc rpc, Metrics* metrics, CallExecutor* executor, const UnaryWork* work) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewUnaryCallReactor(const absl::StatusOr<Caller>& caller,
+                                                                                 Rpc rpc, Metrics* metrics,
+                                                                                 CallExecutor* executor,
+                                                                                 const UnaryWork* work) {
   return new UnaryCallReactor(caller, rpc, metrics, executor, work);
 }
 
-grpc::ServerReadReactor<grpc::ByteBuffer>* NewAppendStreamReactor(KvCacheService* service,
-                                                                  grpc::ByteBuffer* response,
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewAppendStreamReactor(KvCacheService* service, grpc::ByteBuffer* response,
                                                                   const absl::StatusOr<Caller>& caller) {
   return new AppendStreamReactor(service, response, caller);
 }

@@ -40,12 +40,13 @@ using UnaryWork = std::function<absl::Status(const Caller&, const grpc::ByteBuff
 // is read; otherwise `work` runs on `executor` (null: inline) once the
 // request is read, and its status ends the call, counted as `rpc` in
 // `metrics` (null: not counted). `work` must outlive the call.
-grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewUnaryCallReactor(
-    const absl::StatusOr<Caller>& caller, Rpc rpc, Metrics* metrics, CallExecutor* executor, const UnaryWork* work);
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewUnaryCallReactor(const absl::StatusOr<Caller>& caller,
+                                                                                 Rpc rpc, Metrics* metrics,
+                                                                                 CallExecutor* executor,
+                                                                                 const UnaryWork* work);
 
 // AppendStream into `response` (the AppendResponse's bytes).
-grpc::ServerReadReactor<grpc::ByteBuffer>* NewAppendStreamReactor(KvCacheService* service,
-                                                                  grpc::ByteBuffer* response,
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewAppendStreamReactor(KvCacheService* service, grpc::ByteBuffer* response,
                                                                   const absl::StatusOr<Caller>& caller);
 
 // DecodeStream; registered with the service for BeginShutdown while open.

@@ -39,8 +39,7 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 // names, non-positive shapes, a negative TTL, a layout KvLayout::Create
 // rejects (its message, prefixed with the cache name), or a budget below one
 // page; NOT_FOUND for an unknown preset.
-absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig& config,
-                                                         uint64_t process_budget_bytes);
+absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig& config, uint64_t process_budget_bytes);
 
 // The effective configuration of a cache, as GetServerInfo reports it.
 v1::CacheConfig ToCacheConfig(const CacheOptions& options);

@@ -9,8 +9,7 @@ namespace tqkv {
 namespace service {
 
 CallExecutor::CallExecutor(const ExecutorOptions& options)
-    : max_pending_(std::max(1, options.max_pending)),
-      max_pending_bytes_(options.max_pending_bytes) {
+    : max_pending_(std::max(1, options.max_pending)), max_pending_bytes_(options.max_pending_bytes) {
   int threads = options.threads;
   if (threads <= 0) {
     threads = std::max(4, 2 * static_cast<int>(std::thread::hardware_concurrency()));
@@ -32,15 +31,15 @@ absl::Status CallExecutor::Submit(size_t request_bytes, absl::AnyInvocable<void(
   const int pending = running_ + static_cast<int>(queue_.size());
   if (pending >= max_pending_) {
     ++rejected_;
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "the server has %d calls pending (its --max_pending_calls); retry later", pending));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("the server has %d calls pending (its --max_pending_calls); retry later", pending));
   }
   if (pending > 0 && pending_bytes_ + request_bytes > max_pending_bytes_) {
     ++rejected_;
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "the server's pending calls hold %d request bytes and this one %d, over its "
-        "--max_pending_bytes %d; retry later",
-        pending_bytes_, request_bytes, max_pending_bytes_));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("the server's pending calls hold %d request bytes and this one %d, over its "
+                        "--max_pending_bytes %d; retry later",
+                        pending_bytes_, request_bytes, max_pending_bytes_));
   }
   pending_bytes_ += request_bytes;
   queue_.push_back(Task{request_bytes, std::move(work)});
@@ -53,9 +52,7 @@ void CallExecutor::WorkerLoop() {
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](CallExecutor* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) {
-            return e->stopping_ || !e->queue_.empty();
-          },
+          +[](CallExecutor* e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(e->mu_) { return e->stopping_ || !e->queue_.empty(); },
           this));
       if (queue_.empty()) return;  // stopping, and nothing left to run
       task = std::move(queue_.front());

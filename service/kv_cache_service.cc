@@ -33,26 +33,25 @@ namespace {
 
 absl::Status CheckId(const std::string& id, const char* field) {
   if (id.empty() || id.size() > kMaxSequenceIdBytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s is %d bytes; want 1..%d bytes", field, id.size(), kMaxSequenceIdBytes));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s is %d bytes; want 1..%d bytes", field, id.size(), kMaxSequenceIdBytes));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckLayer(int layer, const KvLayout& layout, const char* what) {
   if (layer < 0 || layer >= layout.num_layers()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s %d is outside the cache's %d layers; want [0, %d)", what, layer,
-        layout.num_layers(), layout.num_layers()));
+    return absl::InvalidArgumentError(absl::StrFormat("%s %d is outside the cache's %d layers; want [0, %d)", what,
+                                                      layer, layout.num_layers(), layout.num_layers()));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckOutputDType(v1::DType dtype) {
   if (dtype != v1::DTYPE_UNSPECIFIED && DTypeBytes(dtype) == 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "output_dtype %d is unknown; want DTYPE_F32 (or unspecified), DTYPE_F16 or DTYPE_BF16",
-        static_cast<int>(dtype)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("output_dtype %d is unknown; want DTYPE_F32 (or unspecified), DTYPE_F16 or DTYPE_BF16",
+                        static_cast<int>(dtype)));
   }
   return absl::OkStatus();
 }
@@ -63,16 +62,15 @@ int OutputBytes(v1::DType dtype) { return dtype == v1::DTYPE_UNSPECIFIED ? 4 : D
 // An optional idempotency key: empty, or 1..64 bytes.
 absl::Status CheckRequestId(const std::string& id) {
   if (id.size() > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("request_id has %d bytes; want at most 64 (or none)", id.size()));
+    return absl::InvalidArgumentError(absl::StrFormat("request_id has %d bytes; want at most 64 (or none)", id.size()));
   }
   return absl::OkStatus();
 }
 
 absl::Status CheckScale(float scale) {
   if (!std::isfinite(scale) || scale < 0.0f) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "scale is %g; want a finite value >= 0 (0 means 1 / sqrt(head_dim))", scale));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scale is %g; want a finite value >= 0 (0 means 1 / sqrt(head_dim))", scale));
   }
   return absl::OkStatus();
 }
@@ -81,8 +79,7 @@ absl::Status CheckScale(float scale) {
 // f16 / bf16 [query_heads], finite.
 absl::Status DecodeSinkLogits(const v1::Tensor& tensor, int heads, std::vector<float>* sinks) {
   sinks->clear();
-  if (tensor.dtype() == v1::DTYPE_UNSPECIFIED && tensor.shape_size() == 0 &&
-      tensor.data().empty()) {
+  if (tensor.dtype() == v1::DTYPE_UNSPECIFIED && tensor.shape_size() == 0 && tensor.data().empty()) {
     return absl::OkStatus();
   }
   const Axis axes[] = {{"query_heads", heads}};
@@ -92,8 +89,7 @@ absl::Status DecodeSinkLogits(const v1::Tensor& tensor, int heads, std::vector<f
 // Each head's sink joins its softmax as one more logit with a zero value:
 // the output scales by e^lse / (e^lse + e^sink) and lse becomes
 // log(e^lse + e^sink). `lse` [tokens, heads] as the kernel returned it.
-void ApplySinkLogits(absl::Span<const float> sinks, int64_t tokens, int heads, int dim,
-                     float* output, float* lse) {
+void ApplySinkLogits(absl::Span<const float> sinks, int64_t tokens, int heads, int dim, float* output, float* lse) {
   for (int64_t t = 0; t < tokens; ++t) {
     for (int h = 0; h < heads; ++h) {
       const double l = lse[t * heads + h];
@@ -120,11 +116,10 @@ void ToProto(const std::string& cache, const SequenceInfo& in, v1::SequenceInfo*
   out->set_stored_bytes_bf16(static_cast<int64_t>(in.stored_bytes_bf16));
 }
 
-
 }  // namespace
 
-KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
-                               Metrics* metrics, Authenticator auth, CallExecutor* executor)
+KvCacheService::KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend, Metrics* metrics,
+                               Authenticator auth, CallExecutor* executor)
     : backend_(backend), metrics_(metrics), auth_(std::move(auth)), executor_(executor) {
   std::random_device random;
   instance_id_ = absl::StrFormat("%08x%08x", random(), random());
@@ -156,10 +151,9 @@ void KvCacheService::RegisterHandlers() {
       Rpc::kGetSequence, [this](const Caller& c, const auto& r, auto* out) { return DoGetSequence(c, r, out); });
   // ExportSequences: one request, then a stream of chunks; like the unary
   // rpcs, served so that the token is checked before the request is read.
-  MarkMethodStreamed(MethodIndex(Rpc::kExportSequences),
-                     NewStreamedHandler([this](grpc::CallbackServerContext* context) {
-                       return NewExportReactor(this, context);
-                     }));
+  MarkMethodStreamed(
+      MethodIndex(Rpc::kExportSequences),
+      NewStreamedHandler([this](grpc::CallbackServerContext* context) { return NewExportReactor(this, context); }));
   ServeUnary<v1::PullSequencesRequest, v1::ImportResponse>(
       Rpc::kPullSequences,
       [this](const Caller& c, const auto& r, auto* out) { return service::PullSequences(this, c, r, out); });
@@ -186,8 +180,8 @@ absl::StatusOr<KvCache*> KvCacheService::Find(const std::string& name) const {
   if (it == caches_.end()) {
     std::vector<std::string> names;
     for (const KvCache* c : order_) names.push_back(c->options().name);
-    return absl::NotFoundError(absl::StrFormat("cache '%s' not found; this server has: %s", name,
-                                               absl::StrJoin(names, ", ")));
+    return absl::NotFoundError(
+        absl::StrFormat("cache '%s' not found; this server has: %s", name, absl::StrJoin(names, ", ")));
   }
   return it->second.get();
 }
@@ -216,8 +210,7 @@ int KvCacheService::EvictExpired() {
   return dropped;
 }
 
-absl::Status KvCacheService::FillSequenceInfo(KvCache& cache, const std::string& id,
-                                              v1::SequenceInfo* info) {
+absl::Status KvCacheService::FillSequenceInfo(KvCache& cache, const std::string& id, v1::SequenceInfo* info) {
   ASSIGN_OR_RETURN(SequenceInfo seq, cache.GetSequence(id));
   ToProto(cache.options().name, seq, info);
   return absl::OkStatus();
@@ -256,15 +249,14 @@ absl::Status KvCacheService::DoAppend(const Caller& caller, const v1::AppendRequ
   const int layer_begin = request.layer_begin();
   const int layer_end = request.layer_end() == 0 ? layers : request.layer_end();
   if (layer_begin < 0 || layer_begin >= layer_end || layer_end > layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer range [%d, %d) is not inside the cache's %d layers; want 0 <= layer_begin < "
-        "layer_end <= %d (layer_end 0 means %d)",
-        layer_begin, request.layer_end(), layers, layers, layers));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer range [%d, %d) is not inside the cache's %d layers; want 0 <= layer_begin < "
+                        "layer_end <= %d (layer_end 0 means %d)",
+                        layer_begin, request.layer_end(), layers, layers, layers));
   }
   if (request.start_position() < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "start_position is %d; want the sequence's current length (>= 0)",
-        request.start_position()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("start_position is %d; want the sequence's current length (>= 0)", request.start_position()));
   }
   const Axis axes[] = {{"layers", layer_end - layer_begin},
                        {"tokens", Axis::kAnySize},
@@ -309,9 +301,9 @@ absl::Status KvCacheService::CheckResponseBytes(int64_t bytes, const char* advic
   // Protobuf framing: field tags, lengths, shapes; a few dozen bytes per tensor.
   constexpr int64_t kFraming = 4096;
   if (max_response_bytes_ <= 0 || bytes + kFraming <= max_response_bytes_) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrFormat(
-      "the response would be about %d bytes, above the server's limit of %d (--max_message_bytes); %s",
-      bytes + kFraming, max_response_bytes_, advice));
+  return absl::ResourceExhaustedError(
+      absl::StrFormat("the response would be about %d bytes, above the server's limit of %d (--max_message_bytes); %s",
+                      bytes + kFraming, max_response_bytes_, advice));
 }
 
 absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQueryRequest& request,
@@ -322,14 +314,13 @@ absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQ
   const KvLayout& layout = cache->layout();
   RETURN_IF_ERROR(CheckLayer(request.layer(), layout, "layer"));
   if (request.token_begin() < 0 || request.token_end() < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "token range [%d, %d) is negative; want 0 <= token_begin <= token_end (token_end 0: the "
-        "layer's length)",
-        request.token_begin(), request.token_end()));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("token range [%d, %d) is negative; want 0 <= token_begin <= token_end (token_end 0: the "
+                        "layer's length)",
+                        request.token_begin(), request.token_end()));
   }
   if (request.top_k() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("top_k is %d; want >= 0 (0: every logit)", request.top_k()));
+    return absl::InvalidArgumentError(absl::StrFormat("top_k is %d; want >= 0 (0: every logit)", request.top_k()));
   }
   const int heads = layout.num_query_heads();
   const Axis axes[] = {{"query_heads", heads}, {"head_dim", layout.head_dim()}};
@@ -339,8 +330,8 @@ absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQ
   const int64_t begin = request.token_begin();
   int64_t end = request.token_end();
   if (end != 0 && end < begin) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "token range [%d, %d) ends before it begins; want token_begin <= token_end", begin, end));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("token range [%d, %d) ends before it begins; want token_begin <= token_end", begin, end));
   }
   // The range is checked against what the layer holds before anything is
   // sized from it, so a request's cost is bounded by the stored tokens. A
@@ -350,9 +341,9 @@ absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQ
   const int64_t length = seq.layer_tokens[request.layer()];
   if (end == 0) end = length;
   if (begin > length || end > length) {
-    return absl::OutOfRangeError(absl::StrFormat(
-        "token range [%d, %d) is beyond sequence '%s' layer %d, which holds %d tokens", begin,
-        end, request.sequence_id(), request.layer(), length));
+    return absl::OutOfRangeError(
+        absl::StrFormat("token range [%d, %d) is beyond sequence '%s' layer %d, which holds %d tokens", begin, end,
+                        request.sequence_id(), request.layer(), length));
   }
   const int64_t n = end - begin;
   const int64_t kept = request.top_k() > 0 ? std::min<int64_t>(request.top_k(), n) : n;
@@ -362,8 +353,8 @@ absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQ
     return EncodeTensor({}, {heads, 0}, v1::DTYPE_F32, response->mutable_logits());
   }
   std::vector<float> logits(static_cast<size_t>(heads * n));
-  RETURN_IF_ERROR(cache->Score(request.sequence_id(), request.layer(), begin, end, queries.data(),
-                               logits.data(), request.scale()));
+  RETURN_IF_ERROR(
+      cache->Score(request.sequence_id(), request.layer(), begin, end, queries.data(), logits.data(), request.scale()));
 
   if (request.top_k() == 0) {
     return EncodeTensor(logits, {heads, n}, v1::DTYPE_F32, response->mutable_logits());
@@ -375,9 +366,8 @@ absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQ
     const float* row = logits.data() + h * n;
     std::iota(order.begin(), order.end(), 0);
     // Descending logit; ties go to the earlier token so results are stable.
-    std::partial_sort(order.begin(), order.begin() + k, order.end(), [row](int64_t a, int64_t b) {
-      return row[a] > row[b] || (row[a] == row[b] && a < b);
-    });
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [row](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
     for (int64_t i = 0; i < k; ++i) {
       top[h * k + i] = row[order[i]];
       response->add_positions(begin + order[i]);
@@ -422,8 +412,7 @@ absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequ
     RETURN_IF_ERROR(DecodeTensorView(in.queries(), name, axes, &queries[i], &shape));
     query_tokens[i] = shape[0];
     if (shape[0] > (int64_t{1} << 20)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s has %d query tokens; want at most 2^20", name, shape[0]));
+      return absl::InvalidArgumentError(absl::StrFormat("%s has %d query tokens; want at most 2^20", name, shape[0]));
     }
     outputs[i].resize(queries[i].values.size());
     AttendRequestItem& item = items[i];
@@ -454,11 +443,10 @@ absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequ
       ApplySinkLogits(sinks, query_tokens[i], heads, dim, outputs[i].data(), lses[i].data());
     }
     v1::AttendResult* result = response->add_results();
-    RETURN_IF_ERROR(EncodeTensor(outputs[i], {query_tokens[i], heads, dim},
-                                 request.output_dtype(), result->mutable_output()));
+    RETURN_IF_ERROR(
+        EncodeTensor(outputs[i], {query_tokens[i], heads, dim}, request.output_dtype(), result->mutable_output()));
     if (request.return_lse()) {
-      RETURN_IF_ERROR(
-          EncodeTensor(lses[i], {query_tokens[i], heads}, v1::DTYPE_F32, result->mutable_lse()));
+      RETURN_IF_ERROR(EncodeTensor(lses[i], {query_tokens[i], heads}, v1::DTYPE_F32, result->mutable_lse()));
     }
   }
   return absl::OkStatus();
@@ -490,15 +478,15 @@ absl::Status DecodeItems(const v1::AppendAttendRequest& request, const KvLayout&
     if (absl::Status s = CheckId(in.sequence_id(), "sequence_id"); !s.ok()) return at(s);
     if (absl::Status s = CheckRequestId(in.request_id()); !s.ok()) return at(s);
     if (auto [it, inserted] = first_item.emplace(in.sequence_id(), i); !inserted) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "item %d: sequence '%s' is also item %d; want at most one item per sequence (send "
-          "a sequence's tokens in one item)",
-          i, in.sequence_id(), it->second));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("item %d: sequence '%s' is also item %d; want at most one item per sequence (send "
+                          "a sequence's tokens in one item)",
+                          i, in.sequence_id(), it->second));
     }
     if (in.start_position() < 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "item %d: start_position is %d; want the sequence's current length in layer %d (>= 0)",
-          i, in.start_position(), request.layer()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("item %d: start_position is %d; want the sequence's current length in layer %d (>= 0)", i,
+                          in.start_position(), request.layer()));
     }
     DecodedItem& item = (*items)[i];
     // The tensors' names for messages, "item 12 values", formatted on the
@@ -527,8 +515,7 @@ void PlanCacheCalls(const v1::AppendAttendRequest& request, const KvLayout& layo
                     bool want_lse, std::vector<DecodedItem>& items, std::vector<AppendRequest>* appends,
                     std::vector<AttendRequestItem>* attends, v1::AppendAttendResponse* response) {
   const int heads = layout.num_query_heads(), dim = layout.head_dim();
-  const bool f32_output = request.output_dtype() == v1::DTYPE_F32 ||
-                          request.output_dtype() == v1::DTYPE_UNSPECIFIED;
+  const bool f32_output = request.output_dtype() == v1::DTYPE_F32 || request.output_dtype() == v1::DTYPE_UNSPECIFIED;
   appends->resize(items.size());
   attends->resize(items.size());
   for (int i = 0; i < static_cast<int>(items.size()); ++i) {
@@ -780,8 +767,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvCacheService::Dec
 absl::Status KvCacheService::DoListSequences(const Caller& caller, const v1::ListSequencesRequest& request,
                                              v1::ListSequencesResponse* response) {
   if (request.max_ids() < 0 || request.max_ids() > 100000) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("max_ids is %d; want 0..100000 (0: 1000)", request.max_ids()));
+    return absl::InvalidArgumentError(absl::StrFormat("max_ids is %d; want 0..100000 (0: 1000)", request.max_ids()));
   }
   std::string prefix = request.id_prefix();
   if (!caller.admin()) {
@@ -803,9 +789,9 @@ absl::Status KvCacheService::DoListSequences(const Caller& caller, const v1::Lis
 
 absl::Status KvCacheService::DoSaveSnapshot(const Caller& caller, v1::SaveSnapshotResponse* response) {
   if (!caller.admin()) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "SaveSnapshot writes every tenant's sequences: it takes an admin token, not tenant '%s''s",
-        caller.tenant->name()));
+    return absl::PermissionDeniedError(
+        absl::StrFormat("SaveSnapshot writes every tenant's sequences: it takes an admin token, not tenant '%s''s",
+                        caller.tenant->name()));
   }
   if (snapshotter_ == nullptr) {
     return absl::FailedPreconditionError("this server has no data directory (start it with --data_dir)");

@@ -60,18 +60,17 @@ inline constexpr size_t kMaxSequenceIdBytes = 256;
 // streams of one message (KvCacheService::ServeUnary), so that a call
 // without a valid token is refused when its headers arrive, before its
 // body is read: gRPC reads a unary request whole before its handler runs.
-using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<
-    v1::KvCache::WithRawCallbackMethod_AppendStream<v1::KvCache::WithRawCallbackMethod_ScoreQuery<
-        v1::KvCache::WithRawCallbackMethod_Attend<v1::KvCache::WithRawCallbackMethod_AppendAttend<
-            v1::KvCache::WithRawCallbackMethod_DecodeStream<v1::KvCache::WithRawCallbackMethod_CreateSequence<
-                v1::KvCache::WithRawCallbackMethod_ForkSequence<v1::KvCache::WithRawCallbackMethod_DropSequence<
-                    v1::KvCache::WithRawCallbackMethod_GetSequence<
-                        v1::KvCache::WithRawCallbackMethod_GetServerInfo<
-                            v1::KvCache::WithRawCallbackMethod_ExportSequences<
-                                v1::KvCache::WithRawCallbackMethod_ImportSequences<
-                                    v1::KvCache::WithRawCallbackMethod_SaveSnapshot<
-                                        v1::KvCache::WithRawCallbackMethod_ListSequences<
-                                            v1::KvCache::WithRawCallbackMethod_PullSequences<v1::KvCache::Service>>>>>>>>>>>>>>>>;
+using RawKvCacheService = v1::KvCache::WithRawCallbackMethod_Append<v1::KvCache::WithRawCallbackMethod_AppendStream<
+    v1::KvCache::WithRawCallbackMethod_ScoreQuery<v1::KvCache::WithRawCallbackMethod_Attend<
+        v1::KvCache::WithRawCallbackMethod_AppendAttend<v1::KvCache::WithRawCallbackMethod_DecodeStream<
+            v1::KvCache::WithRawCallbackMethod_CreateSequence<v1::KvCache::WithRawCallbackMethod_ForkSequence<
+                v1::KvCache::WithRawCallbackMethod_DropSequence<v1::KvCache::WithRawCallbackMethod_GetSequence<
+                    v1::KvCache::WithRawCallbackMethod_GetServerInfo<v1::KvCache::WithRawCallbackMethod_ExportSequences<
+                        v1::KvCache::WithRawCallbackMethod_ImportSequences<
+                            v1::KvCache::WithRawCallbackMethod_SaveSnapshot<
+                                v1::KvCache::WithRawCallbackMethod_ListSequences<
+                                    v1::KvCache::WithRawCallbackMethod_PullSequences<
+                                        v1::KvCache::Service>>>>>>>>>>>>>>>>;
 
 class KvCacheService final : public RawKvCacheService {
  public:
@@ -83,9 +82,8 @@ class KvCacheService final : public RawKvCacheService {
   // a tenant's token reaches only the tenant's sequences, charged to its
   // account (PERMISSION_DENIED / RESOURCE_EXHAUSTED otherwise).
   // `executor` (null: run inline) must outlive the service.
-  KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend,
-                 Metrics* metrics = nullptr, Authenticator auth = Authenticator(),
-                 CallExecutor* executor = nullptr);
+  KvCacheService(std::vector<std::unique_ptr<KvCache>> caches, Backend* backend, Metrics* metrics = nullptr,
+                 Authenticator auth = Authenticator(), CallExecutor* executor = nullptr);
 
   // The caches, in config order.
   const std::vector<KvCache*>& caches() const { return order_; }
@@ -145,13 +143,10 @@ class KvCacheService final : public RawKvCacheService {
   // Call-level errors as the return value; per-item ones in the results.
   absl::Status DoAppendAttend(const Caller& caller, const v1::AppendAttendRequest& request,
                               v1::AppendAttendResponse* response);
-  absl::Status DoCreateSequence(const Caller& caller, const v1::CreateSequenceRequest& request,
-                                v1::SequenceInfo* info);
-  absl::Status DoForkSequence(const Caller& caller, const v1::ForkSequenceRequest& request,
-                              v1::SequenceInfo* info);
+  absl::Status DoCreateSequence(const Caller& caller, const v1::CreateSequenceRequest& request, v1::SequenceInfo* info);
+  absl::Status DoForkSequence(const Caller& caller, const v1::ForkSequenceRequest& request, v1::SequenceInfo* info);
   absl::Status DoDropSequence(const Caller& caller, const v1::DropSequenceRequest& request);
-  absl::Status DoGetSequence(const Caller& caller, const v1::GetSequenceRequest& request,
-                             v1::SequenceInfo* info);
+  absl::Status DoGetSequence(const Caller& caller, const v1::GetSequenceRequest& request, v1::SequenceInfo* info);
   // A tenant's call gets its own TenantInfo; an admin's every tenant's.
   void DoGetServerInfo(const Caller& caller, v1::ServerInfo* info);
   absl::Status DoSaveSnapshot(const Caller& caller, v1::SaveSnapshotResponse* response);

@@ -54,8 +54,8 @@ inline absl::Status ParseMessage(const grpc::ByteBuffer& bytes, Message* message
   grpc::ByteBuffer shared(bytes);  // shares the slices; Deserialize consumes its buffer
   if (grpc::SerializationTraits<Message>::Deserialize(&shared, message).ok()) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrFormat(
-      "%s is not a valid %s: %d bytes that do not parse as protobuf, or a string field that is not UTF-8",
-      what, Message::descriptor()->full_name(), bytes.Length()));
+      "%s is not a valid %s: %d bytes that do not parse as protobuf, or a string field that is not UTF-8", what,
+      Message::descriptor()->full_name(), bytes.Length()));
 }
 
 template <typename Message>

@@ -27,7 +27,8 @@ absl::Status CheckRpcTable() {
   std::set<std::string> rows;
   for (int i = 0; i < kNumRpcs; ++i) {
     const RpcRow& row = kRpcTable[i];
-    if (static_cast<int>(row.rpc) != i) return absl::InternalError(absl::StrCat("rpc table row ", i, " is out of order"));
+    if (static_cast<int>(row.rpc) != i)
+      return absl::InternalError(absl::StrCat("rpc table row ", i, " is out of order"));
     if (!rows.insert(row.method).second) {
       return absl::InternalError(absl::StrCat("rpc table: method ", row.method, " has two rows"));
     }

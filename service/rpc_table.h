@@ -22,22 +22,22 @@ enum class RpcShape { kUnary, kClientStream, kServerStream, kBidiStream };
 // `method` label of the tqkv_rpc_* metrics and of ServerInfo.rpc_timings;
 // it differs from the method where a row counts something else than a call
 // (kDecodeStreamStep: one DecodeStream message, read to answer queued).
-#define TQKV_RPC_TABLE(X)                                                         \
-  X(kAppend, "Append", "Append", kUnary)                                          \
-  X(kAppendStream, "AppendStream", "AppendStream", kClientStream)                 \
-  X(kScoreQuery, "ScoreQuery", "ScoreQuery", kUnary)                              \
-  X(kAttend, "Attend", "Attend", kUnary)                                          \
-  X(kCreateSequence, "CreateSequence", "CreateSequence", kUnary)                  \
-  X(kForkSequence, "ForkSequence", "ForkSequence", kUnary)                        \
-  X(kDropSequence, "DropSequence", "DropSequence", kUnary)                        \
-  X(kGetSequence, "GetSequence", "GetSequence", kUnary)                           \
-  X(kGetServerInfo, "GetServerInfo", "GetServerInfo", kUnary)                     \
-  X(kAppendAttend, "AppendAttend", "AppendAttend", kUnary)                        \
-  X(kDecodeStreamStep, "DecodeStream", "DecodeStreamStep", kBidiStream)           \
-  X(kExportSequences, "ExportSequences", "ExportSequences", kServerStream)        \
-  X(kImportSequences, "ImportSequences", "ImportSequences", kClientStream)        \
-  X(kSaveSnapshot, "SaveSnapshot", "SaveSnapshot", kUnary)                        \
-  X(kListSequences, "ListSequences", "ListSequences", kUnary)                     \
+#define TQKV_RPC_TABLE(X)                                                  \
+  X(kAppend, "Append", "Append", kUnary)                                   \
+  X(kAppendStream, "AppendStream", "AppendStream", kClientStream)          \
+  X(kScoreQuery, "ScoreQuery", "ScoreQuery", kUnary)                       \
+  X(kAttend, "Attend", "Attend", kUnary)                                   \
+  X(kCreateSequence, "CreateSequence", "CreateSequence", kUnary)           \
+  X(kForkSequence, "ForkSequence", "ForkSequence", kUnary)                 \
+  X(kDropSequence, "DropSequence", "DropSequence", kUnary)                 \
+  X(kGetSequence, "GetSequence", "GetSequence", kUnary)                    \
+  X(kGetServerInfo, "GetServerInfo", "GetServerInfo", kUnary)              \
+  X(kAppendAttend, "AppendAttend", "AppendAttend", kUnary)                 \
+  X(kDecodeStreamStep, "DecodeStream", "DecodeStreamStep", kBidiStream)    \
+  X(kExportSequences, "ExportSequences", "ExportSequences", kServerStream) \
+  X(kImportSequences, "ImportSequences", "ImportSequences", kClientStream) \
+  X(kSaveSnapshot, "SaveSnapshot", "SaveSnapshot", kUnary)                 \
+  X(kListSequences, "ListSequences", "ListSequences", kUnary)              \
   X(kPullSequences, "PullSequences", "PullSequences", kUnary)
 
 enum class Rpc {

@@ -145,7 +145,8 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       End(absl::InvalidArgumentError("the call carried no ExportRequest"));
       return;
     }
-    Schedule(service_, [this] { Step(RunGuarded([this] { return Plan(); })); }, [this](const absl::Status& s) { End(s); });
+    Schedule(
+        service_, [this] { Step(RunGuarded([this] { return Plan(); })); }, [this](const absl::Status& s) { End(s); });
   }
 
   void OnWriteDone(bool ok) override {
@@ -153,7 +154,8 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
       End(absl::CancelledError("the client went away"));
       return;
     }
-    Schedule(service_, [this] { Step(RunGuarded([this] { return Next(); })); }, [this](const absl::Status& s) { End(s); });
+    Schedule(
+        service_, [this] { Step(RunGuarded([this] { return Next(); })); }, [this](const absl::Status& s) { End(s); });
   }
 
   void OnDone() override { delete this; }
@@ -200,16 +202,17 @@ class ExportReactor : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::Byt
     ASSIGN_OR_RETURN(cache_, service_->Find(request.cache()));
     if (static_cast<int64_t>(cache_->layout().page_bytes()) + 4096 > service_->max_response_bytes() &&
         service_->max_response_bytes() > 0) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "a page of cache '%s' is %d bytes, above the server's message limit of %d", cache_->options().name,
-          cache_->layout().page_bytes(), service_->max_response_bytes()));
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("a page of cache '%s' is %d bytes, above the server's message limit of %d",
+                          cache_->options().name, cache_->layout().page_bytes(), service_->max_response_bytes()));
     }
     if (listing) {
       for (const std::string& id : cache_->ListSequences()) {
         if (absl::StartsWith(id, prefix) && named.count(id) == 0) ids_.push_back({id, /*named=*/false});
       }
     }
-    pages_per_message_ = std::max<int64_t>(1, kExportMessageBytes / static_cast<int64_t>(cache_->layout().page_bytes()));
+    pages_per_message_ =
+        std::max<int64_t>(1, kExportMessageBytes / static_cast<int64_t>(cache_->layout().page_bytes()));
     sharing_ = std::make_unique<ExportSharing>(cache_);
     v1::ExportChunk chunk;
     *chunk.mutable_header() = MakeExportHeader(*cache_);
@@ -347,9 +350,9 @@ class ImportSession {
   absl::Status TakeSequence(const v1::ExportedSequence& sequence) {
     if (cache_ == nullptr) return absl::InvalidArgumentError("a sequence before the header");
     if (import_ != nullptr) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "sequence '%s' starts before the %d pages of sequence '%s' are complete (%d came)", sequence.sequence_id(),
-          import_->num_pages(), id_, pages_received_));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("sequence '%s' starts before the %d pages of sequence '%s' are complete (%d came)",
+                          sequence.sequence_id(), import_->num_pages(), id_, pages_received_));
     }
     id_ = sequence.sequence_id();
     if (id_.empty() || id_.size() > kMaxSequenceIdBytes) {
@@ -387,8 +390,8 @@ class ImportSession {
           size, page_bytes, pages_received_, import_->num_pages() - pages_received_));
     }
     if (Crc32c(0, pages.data().data(), pages.data().size()) != pages.crc32c()) {
-      return absl::DataLossError(
-          absl::StrFormat("pages [%d, %d): the bytes do not match their CRC-32C", pages_received_, pages_received_ + count));
+      return absl::DataLossError(absl::StrFormat("pages [%d, %d): the bytes do not match their CRC-32C",
+                                                 pages_received_, pages_received_ + count));
     }
     RETURN_IF_ERROR(import_->WritePages(pages_received_, count, reinterpret_cast<const uint8_t*>(pages.data().data())));
     pages_received_ += count;
@@ -413,7 +416,8 @@ class ImportSession {
     if (tag == (v1::ExportPages::kFirstPageFieldNumber << 3 | 0)) {
       if (!reader.Varint(&first_page) || !reader.Varint(&tag)) return absl::OkStatus();
     }
-    if (tag != (v1::ExportPages::kDataFieldNumber << 3 | 2) || !reader.Varint(&size) || size + 5 != reader.remaining()) {
+    if (tag != (v1::ExportPages::kDataFieldNumber << 3 | 2) || !reader.Varint(&size) ||
+        size + 5 != reader.remaining()) {
       return absl::OkStatus();
     }
     const uint64_t page_bytes = cache_->layout().page_bytes();
@@ -442,8 +446,8 @@ class ImportSession {
     const uint32_t want = static_cast<uint32_t>(tail[1]) | static_cast<uint32_t>(tail[2]) << 8 |
                           static_cast<uint32_t>(tail[3]) << 16 | static_cast<uint32_t>(tail[4]) << 24;
     if (tail[0] != (v1::ExportPages::kCrc32CFieldNumber << 3 | 5) || crc != want) {
-      return absl::DataLossError(
-          absl::StrFormat("pages [%d, %d): the bytes do not match their CRC-32C", pages_received_, pages_received_ + count));
+      return absl::DataLossError(absl::StrFormat("pages [%d, %d): the bytes do not match their CRC-32C",
+                                                 pages_received_, pages_received_ + count));
     }
     pages_received_ += count;
     total_bytes_ += static_cast<int64_t>(size);
@@ -535,17 +539,18 @@ class ImportReactor : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void OnReadDone(bool ok) override {
-    Schedule(service_,
-             [this, ok] {
-               const absl::Status status =
-                   RunGuarded([this, ok] { return ok ? session_->Take(in_) : session_->EndOfStream(response_bytes_); });
-               if (!status.ok() || !ok) {
-                 End(status);
-               } else {
-                 StartRead(&in_);
-               }
-             },
-             [this](const absl::Status& s) { End(s); });
+    Schedule(
+        service_,
+        [this, ok] {
+          const absl::Status status =
+              RunGuarded([this, ok] { return ok ? session_->Take(in_) : session_->EndOfStream(response_bytes_); });
+          if (!status.ok() || !ok) {
+            End(status);
+          } else {
+            StartRead(&in_);
+          }
+        },
+        [this](const absl::Status& s) { End(s); });
   }
 
   void OnDone() override { delete this; }
@@ -581,11 +586,12 @@ v1::CacheConfig LayoutOnly(v1::CacheConfig config) {
 absl::Status PullSequences(KvCacheService* service, const Caller& caller, const v1::PullSequencesRequest& request,
                            v1::ImportResponse* response) {
   if (!caller.admin()) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "PullSequences opens a connection from the server: it takes an admin token, not tenant '%s''s",
-        caller.tenant->name()));
+    return absl::PermissionDeniedError(
+        absl::StrFormat("PullSequences opens a connection from the server: it takes an admin token, not tenant '%s''s",
+                        caller.tenant->name()));
   }
-  if (request.source().empty()) return absl::InvalidArgumentError("source is empty; want the exporting server's host:port");
+  if (request.source().empty())
+    return absl::InvalidArgumentError("source is empty; want the exporting server's host:port");
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);  // page messages are sized by the exporter
   const std::shared_ptr<grpc::ChannelCredentials> credentials =
@@ -607,7 +613,8 @@ absl::Status PullSequences(KvCacheService* service, const Caller& caller, const 
     if (first && !request.target_cache().empty()) {
       v1::ExportChunk header;
       status = ParseMessage(message, &header, "the source's first message");
-      if (status.ok() && !header.has_header()) status = absl::DataLossError("the source's first message is not a header");
+      if (status.ok() && !header.has_header())
+        status = absl::DataLossError("the source's first message is not a header");
       if (!status.ok()) break;
       header.mutable_header()->set_cache(request.target_cache());
       message.Clear();  // serializing needs an empty buffer
@@ -624,9 +631,9 @@ absl::Status PullSequences(KvCacheService* service, const Caller& caller, const 
   }
   const grpc::Status source = reader->Finish();
   if (!source.ok()) {
-    return session.Abandon(absl::Status(static_cast<absl::StatusCode>(source.error_code()),
-                                        absl::StrCat("the export from ", request.source(), " failed: ",
-                                                     source.error_message())));
+    return session.Abandon(
+        absl::Status(static_cast<absl::StatusCode>(source.error_code()),
+                     absl::StrCat("the export from ", request.source(), " failed: ", source.error_message())));
   }
   RETURN_IF_ERROR(session.Abandon(session.EndOfStream(nullptr)));
   *response = session.response();
@@ -634,13 +641,13 @@ absl::Status PullSequences(KvCacheService* service, const Caller& caller, const 
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewExportReactor(KvCacheService* service,
-                                                                             grpc::CallbackServerContext* context) {
+                                                                              grpc::CallbackServerContext* context) {
   return new ExportReactor(service, service->auth().Authenticate(*context));
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewImportReactor(KvCacheService* service,
-                                                           grpc::CallbackServerContext* context,
-                                                           grpc::ByteBuffer* response) {
+                                                            grpc::CallbackServerContext* context,
+                                                            grpc::ByteBuffer* response) {
   return new ImportReactor(service, service->auth().Authenticate(*context), response);
 }
 
@@ -674,8 +681,8 @@ v1::ExportHeader MakeExportHeader(const KvCache& cache) {
 absl::Status CheckImportable(const v1::ExportHeader& header, const KvCache& cache) {
   if (header.format_version() < kOldestImportableFormatVersion || header.format_version() > kExportFormatVersion) {
     return absl::FailedPreconditionError(
-        absl::StrFormat("the export is format version %d; this server reads versions %d to %d",
-                        header.format_version(), kOldestImportableFormatVersion, kExportFormatVersion));
+        absl::StrFormat("the export is format version %d; this server reads versions %d to %d", header.format_version(),
+                        kOldestImportableFormatVersion, kExportFormatVersion));
   }
   const v1::ExportHeader mine = MakeExportHeader(cache);
   std::string differences;

@@ -43,10 +43,10 @@ inline constexpr uint32_t kOldestImportableFormatVersion = 2;
 inline constexpr int64_t kExportMessageBytes = int64_t{2} << 20;
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* NewExportReactor(KvCacheService* service,
-                                                                             grpc::CallbackServerContext* context);
+                                                                              grpc::CallbackServerContext* context);
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewImportReactor(KvCacheService* service,
-                                                           grpc::CallbackServerContext* context,
-                                                           grpc::ByteBuffer* response);
+                                                            grpc::CallbackServerContext* context,
+                                                            grpc::ByteBuffer* response);
 
 // The protobuf bytes before and after `size` page bytes that make them an
 // ExportChunk holding ExportPages {first_page, data, crc32c}: how page

@@ -64,8 +64,8 @@ void ThrottledProtobufLog(google::protobuf::LogLevel level, const char* filename
   const absl::Time now = absl::Now();
   if (now - last_summary < absl::Minutes(1)) return;
   last_summary = now;
-  fprintf(stderr, "[libprotobuf %s %s:%d] %s (%lld similar lines dropped; at most one a minute from now on)\n",
-          name, filename, line, message.c_str(), static_cast<long long>(dropped));
+  fprintf(stderr, "[libprotobuf %s %s:%d] %s (%lld similar lines dropped; at most one a minute from now on)\n", name,
+          filename, line, message.c_str(), static_cast<long long>(dropped));
   dropped = 0;
 }
 
@@ -100,7 +100,8 @@ absl::Status CheckPortFree(const std::string& host, int port, const char* what, 
   if (!in_use) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat(what, " port ", port, " on ", host,
                                              " is already in use (another tqkv-server?); stop that process "
-                                             "or choose another port with ", flag));
+                                             "or choose another port with ",
+                                             flag));
 }
 
 // process_* (metrics.h): one per process, shared by every Server in it.
@@ -179,19 +180,16 @@ absl::Status CheckOptions(const ServerOptions& options) {
         absl::StrCat("max_message_bytes is ", options.max_message_bytes, "; want >= 1024"));
   }
   if (options.metrics_port < -1 || options.metrics_port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics_port ", options.metrics_port, " is not in [-1, 65535]"));
+    return absl::InvalidArgumentError(absl::StrCat("metrics_port ", options.metrics_port, " is not in [-1, 65535]"));
   }
-  if (options.executor.threads < 0 || options.executor.threads > 4096 ||
-      options.executor.max_pending < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "executor threads ", options.executor.threads, " and max_pending_calls ",
-        options.executor.max_pending, "; want threads in [0, 4096] (0: 2 x cores) and "
-        "max_pending_calls >= 1"));
+  if (options.executor.threads < 0 || options.executor.threads > 4096 || options.executor.max_pending < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("executor threads ", options.executor.threads,
+                                                   " and max_pending_calls ", options.executor.max_pending,
+                                                   "; want threads in [0, 4096] (0: 2 x cores) and "
+                                                   "max_pending_calls >= 1"));
   }
   if (options.tls_cert_chain_pem.empty() != options.tls_private_key_pem.empty()) {
-    return absl::InvalidArgumentError(
-        "TLS needs both a certificate chain and a private key, or neither");
+    return absl::InvalidArgumentError("TLS needs both a certificate chain and a private key, or neither");
   }
   if (!options.data_dir.empty() && !(options.snapshot_interval_seconds >= 0)) {
     return absl::InvalidArgumentError("snapshot_interval_seconds must be >= 0 (0: only on shutdown and on demand)");
@@ -221,9 +219,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerOptions& optio
   server->host_ = listen_host;
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<KvCache>> caches, server->StartBackends(options, cache_options));
   server->executor_ = std::make_unique<CallExecutor>(options.executor);
-  server->service_ = std::make_unique<KvCacheService>(
-      std::move(caches), server->backend_.get(), server->metrics_.get(),
-      Authenticator(options.auth), server->executor_.get());
+  server->service_ = std::make_unique<KvCacheService>(std::move(caches), server->backend_.get(), server->metrics_.get(),
+                                                      Authenticator(options.auth), server->executor_.get());
   server->service_->set_max_response_bytes(options.max_message_bytes);
   RETURN_IF_ERROR(server->OpenSnapshots(options));
   server->cache_collector_ = MakeCacheCollector(server->service_->caches());
@@ -266,8 +263,7 @@ absl::StatusOr<std::vector<std::unique_ptr<KvCache>>> Server::StartBackends(
     Backend* on = on_cpu[i] ? cpu_fallback_.get() : backend_.get();
     absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create(c, on);
     if (!cache.ok()) {
-      return absl::Status(cache.status().code(),
-                          absl::StrCat("cache '", c.name, "': ", cache.status().message()));
+      return absl::Status(cache.status().code(), absl::StrCat("cache '", c.name, "': ", cache.status().message()));
     }
     caches.push_back(*std::move(cache));
   }
@@ -329,8 +325,8 @@ absl::Status Server::StartMetrics(const ServerOptions& options, const std::strin
   metrics_port_ = ports.empty() ? options.metrics_port : ports.front();
   // The wildcard addresses are reached on loopback.
   metrics_connect_host_ = raw_metrics_host == "0.0.0.0" || raw_metrics_host.empty() ? "127.0.0.1"
-                          : raw_metrics_host == "::"                               ? "::1"
-                                                                                   : raw_metrics_host;
+                          : raw_metrics_host == "::"                                ? "::1"
+                                                                                    : raw_metrics_host;
   return absl::OkStatus();
 }
 
@@ -340,7 +336,8 @@ void Server::StartPeriodicSnapshots(const ServerOptions& options) {
   snapshot_thread_ = std::thread([this, every] {
     while (!stop_snapshots_.WaitForNotificationWithTimeout(every)) {
       absl::StatusOr<v1::SaveSnapshotResponse> saved = snapshotter_->SaveAll();
-      if (!saved.ok()) std::fprintf(stderr, "tqkv-server: periodic snapshot failed: %s\n", saved.status().ToString().c_str());
+      if (!saved.ok())
+        std::fprintf(stderr, "tqkv-server: periodic snapshot failed: %s\n", saved.status().ToString().c_str());
     }
   });
 }

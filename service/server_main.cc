@@ -48,8 +48,7 @@ ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
 ABSL_FLAG(std::string, config, "",
           "Text-format tqkv.v1.ServerConfig file; the embedded default (one Llama-3.1-8B "
           "cache) when empty.");
-ABSL_FLAG(std::string, backend, "auto",
-          "Compute backend: auto (CUDA when a device is usable, else CPU) | cpu | cuda.");
+ABSL_FLAG(std::string, backend, "auto", "Compute backend: auto (CUDA when a device is usable, else CPU) | cpu | cuda.");
 ABSL_FLAG(int, cuda_device, 0, "CUDA device ordinal for the CUDA backend.");
 ABSL_FLAG(bool, cuda_tensor_cores, true,
           "CUDA decode on the tensor cores where the layout allows (TF32, outputs within about 2e-3 of "
@@ -59,8 +58,7 @@ ABSL_FLAG(bool, cpu_integer_attention, true,
           "AVX-512 VNNI, VBMI and VBMI2: about twice as fast, outputs within 2% of the fp32 kernel's error; "
           "false: fp32 attention everywhere.");
 ABSL_FLAG(int, threads, 0, "CPU backend worker threads (0: hardware concurrency).");
-ABSL_FLAG(int, executor_threads, 0,
-          "Threads calls run on, off gRPC's own (0: 2 x hardware concurrency, at least 4).");
+ABSL_FLAG(int, executor_threads, 0, "Threads calls run on, off gRPC's own (0: 2 x hardware concurrency, at least 4).");
 ABSL_FLAG(int, max_pending_calls, 1024,
           "Calls queued or running at once; past it a call is RESOURCE_EXHAUSTED at once.");
 ABSL_FLAG(double, max_pending_gib, 1.0,
@@ -221,8 +219,7 @@ int main(int argc, char** argv) {
     return Fail("--memory_budget_gib must be in (0, 2^20]");
   }
 
-  absl::StatusOr<tqkv::v1::ServerConfig> config =
-      tqkv::service::LoadServerConfig(absl::GetFlag(FLAGS_config));
+  absl::StatusOr<tqkv::v1::ServerConfig> config = tqkv::service::LoadServerConfig(absl::GetFlag(FLAGS_config));
   if (!config.ok()) return Fail(config.status().ToString());
 
   tqkv::service::ServerOptions options;
@@ -274,8 +271,7 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
 
-  absl::StatusOr<std::unique_ptr<tqkv::service::Server>> server =
-      tqkv::service::Server::Start(options);
+  absl::StatusOr<std::unique_ptr<tqkv::service::Server>> server = tqkv::service::Server::Start(options);
   if (!server.ok()) return Fail(server.status().ToString());
   tqkv::service::Server& s = **server;
   if (!s.why_not_cuda().empty()) {
@@ -287,10 +283,9 @@ int main(int argc, char** argv) {
                ? ", bearer-token auth"
                : absl::StrCat(", bearer-token auth, ", options.auth.tenants.size(), " tenants");
   }
-  std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)%s%s\n",
-              s.host().c_str(), s.port(), s.metrics_port(), s.backend().name().c_str(),
-              s.backend().device().c_str(), options.tls_cert_chain_pem.empty() ? "" : ", TLS",
-              auth.c_str());
+  std::printf("tqkv-server listening on %s:%d (metrics %d), backend %s (%s)%s%s\n", s.host().c_str(), s.port(),
+              s.metrics_port(), s.backend().name().c_str(), s.backend().device().c_str(),
+              options.tls_cert_chain_pem.empty() ? "" : ", TLS", auth.c_str());
   std::fflush(stdout);
   if (const std::string warning = tqkv::service::OpenAccessWarning(options, s.port()); !warning.empty()) {
     std::fprintf(stderr, "%s\n", warning.c_str());

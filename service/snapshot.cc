@@ -122,7 +122,8 @@ class SnapshotReader {
     r->file_ = std::fopen(path.c_str(), "rb");
     if (r->file_ == nullptr) return IoError("cannot open", path);
     char magic[kMagicBytes];
-    if (std::fread(magic, 1, kMagicBytes, r->file_) != kMagicBytes || std::memcmp(magic, kSnapshotMagic, kMagicBytes) != 0) {
+    if (std::fread(magic, 1, kMagicBytes, r->file_) != kMagicBytes ||
+        std::memcmp(magic, kSnapshotMagic, kMagicBytes) != 0) {
       return absl::DataLossError("not a tqkv snapshot (no TQKVSNP1 magic)");
     }
     r->offset_ = kMagicBytes;
@@ -274,7 +275,7 @@ std::string FileSafe(const std::string& name) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Snapshotter>> Snapshotter::Open(std::string data_dir, std::vector<KvCache*> caches,
-                                                              const Authenticator* auth) {
+                                                               const Authenticator* auth) {
   std::unique_ptr<Snapshotter> snapshotter(new Snapshotter(std::move(data_dir), std::move(caches), auth));
   const std::string lock_path = absl::StrCat(snapshotter->data_dir_, "/LOCK");
   snapshotter->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -315,8 +316,8 @@ absl::StatusOr<v1::SaveSnapshotResponse> Snapshotter::SaveAll() {
   }
   if (failed == 0) return response;
   if (failed == 1) return first_error;
-  return absl::Status(first_error.code(), absl::StrFormat("%s (and %d more caches failed)", first_error.message(),
-                                                          failed - 1));
+  return absl::Status(first_error.code(),
+                      absl::StrFormat("%s (and %d more caches failed)", first_error.message(), failed - 1));
 }
 
 absl::StatusOr<v1::SnapshotFileInfo> Snapshotter::Save(KvCache& cache) {
@@ -353,7 +354,8 @@ absl::StatusOr<v1::SnapshotFileInfo> Snapshotter::Save(KvCache& cache) {
       RETURN_IF_ERROR((*e)->ReadPages(first, count, buffer.data()));
       std::string prefix, suffix;
       FramePagesChunk(first, size, Crc32c(0, buffer.data(), size), &prefix, &suffix);
-      RETURN_IF_ERROR(writer->Record({{prefix.data(), prefix.size()}, {buffer.data(), size}, {suffix.data(), suffix.size()}}));
+      RETURN_IF_ERROR(
+          writer->Record({{prefix.data(), prefix.size()}, {buffer.data(), size}, {suffix.data(), suffix.size()}}));
       bytes += static_cast<int64_t>(size);
     }
     ++sequences;
@@ -424,8 +426,8 @@ std::string Snapshotter::Load(KvCache& cache) {
     for (const std::string& id : loaded) (void)cache.Drop(id);
     return SetAside(path, name, std::string(ok.message()));
   }
-  return absl::StrFormat("snapshot '%s': loaded %d sequences (%d pages) into cache '%s' in %.2f s", path,
-                         loaded.size(), summary.pages, name, absl::ToDoubleSeconds(absl::Now() - start));
+  return absl::StrFormat("snapshot '%s': loaded %d sequences (%d pages) into cache '%s' in %.2f s", path, loaded.size(),
+                         summary.pages, name, absl::ToDoubleSeconds(absl::Now() - start));
 }
 
 std::string Snapshotter::SetAside(const std::string& path, const std::string& cache, const std::string& why) {

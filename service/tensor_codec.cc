@@ -20,14 +20,11 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "tqkv assumes a little-
 constexpr int64_t kMaxElements = int64_t{1} << 40;
 
 std::string AxisNames(absl::Span<const Axis> axes) {
-  return absl::StrCat("[", absl::StrJoin(axes, ", ", [](std::string* s, const Axis& a) {
-                        absl::StrAppend(s, a.name);
-                      }), "]");
+  return absl::StrCat("[", absl::StrJoin(axes, ", ", [](std::string* s, const Axis& a) { absl::StrAppend(s, a.name); }),
+                      "]");
 }
 
-std::string ShapeString(absl::Span<const int64_t> shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
+std::string ShapeString(absl::Span<const int64_t> shape) { return absl::StrCat("[", absl::StrJoin(shape, ", "), "]"); }
 
 std::string IndexString(int64_t flat, absl::Span<const int64_t> shape) {
   std::vector<int64_t> index(shape.size());
@@ -68,44 +65,42 @@ std::string_view DTypeName(v1::DType dtype) {
 namespace {
 
 // Checks dtype, rank, axes and byte length; the element count in `count`.
-absl::Status CheckTensor(const v1::Tensor& tensor, std::string_view name,
-                         absl::Span<const Axis> axes, std::vector<int64_t>* dims,
-                         int64_t* count) {
+absl::Status CheckTensor(const v1::Tensor& tensor, std::string_view name, absl::Span<const Axis> axes,
+                         std::vector<int64_t>* dims, int64_t* count) {
   const int elem_bytes = DTypeBytes(tensor.dtype());
   if (elem_bytes == 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has dtype %d (%s); want DTYPE_F32, DTYPE_F16 or DTYPE_BF16", name,
-        static_cast<int>(tensor.dtype()), DTypeName(tensor.dtype())));
+    return absl::InvalidArgumentError(absl::StrFormat("%s has dtype %d (%s); want DTYPE_F32, DTYPE_F16 or DTYPE_BF16",
+                                                      name, static_cast<int>(tensor.dtype()),
+                                                      DTypeName(tensor.dtype())));
   }
   if (tensor.shape_size() != static_cast<int>(axes.size())) {
-    return absl::InvalidArgumentError(absl::StrFormat("%s has %d dims, want %s", name,
-                                                      tensor.shape_size(), AxisNames(axes)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s has %d dims, want %s", name, tensor.shape_size(), AxisNames(axes)));
   }
   dims->assign(tensor.shape().begin(), tensor.shape().end());
   int64_t n = 1;
   for (size_t i = 0; i < axes.size(); ++i) {
     const int64_t d = (*dims)[i];
     if (axes[i].size != Axis::kAnySize && d != axes[i].size) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s axis %s is %d, want %d (shape %s, axes %s)",
-                                                        name, axes[i].name, d, axes[i].size,
-                                                        ShapeString(*dims), AxisNames(axes)));
+      return absl::InvalidArgumentError(absl::StrFormat("%s axis %s is %d, want %d (shape %s, axes %s)", name,
+                                                        axes[i].name, d, axes[i].size, ShapeString(*dims),
+                                                        AxisNames(axes)));
     }
     if (d < 1) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s axis %s is %d, want at least 1 (shape %s, axes %s)", name, axes[i].name, d,
-          ShapeString(*dims), AxisNames(axes)));
+      return absl::InvalidArgumentError(absl::StrFormat("%s axis %s is %d, want at least 1 (shape %s, axes %s)", name,
+                                                        axes[i].name, d, ShapeString(*dims), AxisNames(axes)));
     }
     if (d > kMaxElements / n) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s shape %s has more than 2^40 elements", name, ShapeString(*dims)));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s shape %s has more than 2^40 elements", name, ShapeString(*dims)));
     }
     n *= d;
   }
   const int64_t want_bytes = n * elem_bytes;
   if (static_cast<int64_t>(tensor.data().size()) != want_bytes) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has %d bytes, want %d (shape %s x %d bytes of %s)", name, tensor.data().size(),
-        want_bytes, ShapeString(*dims), elem_bytes, DTypeName(tensor.dtype())));
+    return absl::InvalidArgumentError(absl::StrFormat("%s has %d bytes, want %d (shape %s x %d bytes of %s)", name,
+                                                      tensor.data().size(), want_bytes, ShapeString(*dims), elem_bytes,
+                                                      DTypeName(tensor.dtype())));
   }
   *count = n;
   return absl::OkStatus();
@@ -117,14 +112,13 @@ void WidenHalves(const char* src, v1::DType dtype, int64_t count, float* dst) {
 }
 
 // INVALID_ARGUMENT naming the first NaN/Inf element, if any.
-absl::Status CheckFinite(const float* data, int64_t count, std::string_view name,
-                         absl::Span<const int64_t> dims) {
+absl::Status CheckFinite(const float* data, int64_t count, std::string_view name, absl::Span<const int64_t> dims) {
   // One branch-free pass; the index is looked for only when there is one.
   if (AllFinite(data, static_cast<size_t>(count))) return absl::OkStatus();
   for (int64_t i = 0; i < count; ++i) {
     if (!std::isfinite(data[i])) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s%s is %f; want finite values", name,
-                                                        IndexString(i, dims), data[i]));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s%s is %f; want finite values", name, IndexString(i, dims), data[i]));
     }
   }
   return absl::OkStatus();
@@ -132,9 +126,8 @@ absl::Status CheckFinite(const float* data, int64_t count, std::string_view name
 
 }  // namespace
 
-absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name,
-                          absl::Span<const Axis> axes, std::vector<float>* out,
-                          std::vector<int64_t>* shape) {
+absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name, absl::Span<const Axis> axes,
+                          std::vector<float>* out, std::vector<int64_t>* shape) {
   std::vector<int64_t> dims;
   int64_t count = 0;
   if (absl::Status s = CheckTensor(tensor, name, axes, &dims, &count); !s.ok()) return s;
@@ -149,15 +142,13 @@ absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name,
   return absl::OkStatus();
 }
 
-absl::Status DecodeTensorView(const v1::Tensor& tensor, std::string_view name,
-                              absl::Span<const Axis> axes, FloatTensor* out,
-                              std::vector<int64_t>* shape) {
+absl::Status DecodeTensorView(const v1::Tensor& tensor, std::string_view name, absl::Span<const Axis> axes,
+                              FloatTensor* out, std::vector<int64_t>* shape) {
   std::vector<int64_t> dims;
   int64_t count = 0;
   if (absl::Status s = CheckTensor(tensor, name, axes, &dims, &count); !s.ok()) return s;
   const char* src = tensor.data().data();
-  if (tensor.dtype() == v1::DTYPE_F32 &&
-      reinterpret_cast<uintptr_t>(src) % alignof(float) == 0) {
+  if (tensor.dtype() == v1::DTYPE_F32 && reinterpret_cast<uintptr_t>(src) % alignof(float) == 0) {
     out->storage.clear();
     out->values = absl::MakeConstSpan(reinterpret_cast<const float*>(src), static_cast<size_t>(count));
   } else {
@@ -174,14 +165,13 @@ absl::Status DecodeTensorView(const v1::Tensor& tensor, std::string_view name,
   return absl::OkStatus();
 }
 
-absl::Status EncodeTensor(absl::Span<const float> data, absl::Span<const int64_t> shape,
-                          v1::DType dtype, v1::Tensor* out) {
+absl::Status EncodeTensor(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::DType dtype,
+                          v1::Tensor* out) {
   if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_F32;
   const int elem_bytes = DTypeBytes(dtype);
   if (elem_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "output dtype %d is unknown; want DTYPE_F32, DTYPE_F16 or DTYPE_BF16",
-        static_cast<int>(dtype)));
+        "output dtype %d is unknown; want DTYPE_F32, DTYPE_F16 or DTYPE_BF16", static_cast<int>(dtype)));
   }
   out->set_dtype(dtype);
   out->clear_shape();

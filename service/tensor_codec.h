@@ -38,9 +38,8 @@ std::string_view DTypeName(v1::DType dtype);
 // INVALID_ARGUMENT: unknown dtype, wrong rank, an axis of the wrong size,
 // byte length != product(shape) * sizeof(dtype), or a NaN/Inf element (the
 // message gives its index). On error `out` is unspecified.
-absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name,
-                          absl::Span<const Axis> axes, std::vector<float>* out,
-                          std::vector<int64_t>* shape = nullptr);
+absl::Status DecodeTensor(const v1::Tensor& tensor, std::string_view name, absl::Span<const Axis> axes,
+                          std::vector<float>* out, std::vector<int64_t>* shape = nullptr);
 
 // A decoded tensor: `values` views the request's own bytes when they are
 // f32 and float-aligned (no copy: the request must outlive it), else
@@ -51,15 +50,14 @@ struct FloatTensor {
 };
 
 // DecodeTensor without the copy for f32: the same checks and errors.
-absl::Status DecodeTensorView(const v1::Tensor& tensor, std::string_view name,
-                              absl::Span<const Axis> axes, FloatTensor* out,
-                              std::vector<int64_t>* shape = nullptr);
+absl::Status DecodeTensorView(const v1::Tensor& tensor, std::string_view name, absl::Span<const Axis> axes,
+                              FloatTensor* out, std::vector<int64_t>* shape = nullptr);
 
 // Encodes float32 `data` of `shape` as `dtype` (f32 when unspecified),
 // rounding to nearest even for f16 / bf16. INVALID_ARGUMENT for an unknown
 // dtype. REQUIRES: data.size() == product(shape).
-absl::Status EncodeTensor(absl::Span<const float> data, absl::Span<const int64_t> shape,
-                          v1::DType dtype, v1::Tensor* out);
+absl::Status EncodeTensor(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::DType dtype,
+                          v1::Tensor* out);
 
 // Makes `out` an f32 tensor of `shape` and returns its bytes as floats for
 // the caller to fill (zeroed), so that a kernel writes the response itself;

@@ -14,9 +14,7 @@ namespace tqkv {
 namespace cli {
 namespace {
 
-double Seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // Four independent accumulators keep the loads, not the adds, the bound.
 __attribute__((target("avx2"))) uint64_t SumAvx2(const uint8_t* p, size_t n) {
@@ -61,7 +59,8 @@ double MeasureReadBandwidth(size_t bytes, int threads, double min_seconds) {
   const auto pass = [&] {
     std::vector<std::thread> workers;
     for (int t = 1; t < threads; ++t) {
-      workers.emplace_back([&, t] { sums[t] = avx2 ? SumAvx2(buffer + t * slice, slice) : SumSse2(buffer + t * slice, slice); });
+      workers.emplace_back(
+          [&, t] { sums[t] = avx2 ? SumAvx2(buffer + t * slice, slice) : SumSse2(buffer + t * slice, slice); });
     }
     sums[0] = avx2 ? SumAvx2(buffer, slice) : SumSse2(buffer, slice);
     for (std::thread& w : workers) w.join();

@@ -32,9 +32,7 @@ namespace tqkv {
 namespace cli {
 namespace {
 
-double Seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double Seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 // Median seconds per call of `body`, after one warm-up call, over at least
 // three calls and at least `min_seconds` in total.
@@ -86,15 +84,13 @@ class InterleavedTimes {
 
 // Hot channels for split presets: from the synthetic keys' own statistics,
 // the way a deployment calibrates from a prefill.
-std::vector<std::vector<int>> CalibrateFromSample(const Preset& preset, const ModelShape& shape,
-                                                  uint64_t seed) {
+std::vector<std::vector<int>> CalibrateFromSample(const Preset& preset, const ModelShape& shape, uint64_t seed) {
   std::vector<std::vector<int>> hot;
   if (!preset.NeedsCalibration()) return hot;
   for (int layer = 0; layer < shape.num_layers; ++layer) {
     for (int head = 0; head < shape.num_kv_heads; ++head) {
       std::vector<float> sample = eval::OutlierKeys(512, shape.head_dim, DeriveSeed(seed, head));
-      hot.push_back(ChooseHotChannels(sample.data(), 512, shape.head_dim,
-                                      preset.key.HotChannels(shape.head_dim)));
+      hot.push_back(ChooseHotChannels(sample.data(), 512, shape.head_dim, preset.key.HotChannels(shape.head_dim)));
     }
   }
   return hot;
@@ -155,8 +151,8 @@ absl::Status ApplyRecipeOverrides(KvLayoutOptions* options) {
 absl::StatusOr<KvLayoutOptions> BenchLayoutOptions(const Preset& preset, const ModelShape& shape, int page_tokens,
                                                    uint64_t seed) {
   KvLayoutOptions options = ServedLayoutOptions(preset.name, shape, page_tokens);
-  options.hot_channels = CalibrateFromSample(preset, {shape.name, 1, shape.num_kv_heads,
-                                                      shape.num_query_heads, shape.head_dim}, seed);
+  options.hot_channels =
+      CalibrateFromSample(preset, {shape.name, 1, shape.num_kv_heads, shape.num_query_heads, shape.head_dim}, seed);
   if (preset.name != "bf16") {
     if (absl::Status status = ApplyRecipeOverrides(&options); !status.ok()) return status;
   }
@@ -238,8 +234,8 @@ struct ServedContexts {
 
 absl::StatusOr<std::unique_ptr<ServedContexts>> ServeSyntheticLayer(const Preset& preset, const ModelShape& shape,
                                                                     int page_tokens,
-                                                                    const std::vector<int64_t>& contexts,
-                                                                    uint64_t seed, int threads) {
+                                                                    const std::vector<int64_t>& contexts, uint64_t seed,
+                                                                    int threads) {
   absl::StatusOr<KvLayoutOptions> options = BenchLayoutOptions(preset, shape, page_tokens, seed);
   if (!options.ok()) return options.status();
   auto served = std::make_unique<ServedContexts>();
@@ -287,13 +283,18 @@ std::unique_ptr<AttendCall> MakeAttendCall(const ServedContexts& served, size_t 
   call->items.resize(batch);
   for (int b = 0; b < batch; ++b) {
     AttendItem& item = call->items[b];
-    item = AttendItem{tables.block_table.data(), served.contexts[index], 0, 1, call->queries.data() + b * q_size,
-                      call->outputs.data() + b * q_size, call->lse.data() + b * layout.num_query_heads()};
+    item = AttendItem{tables.block_table.data(),
+                      served.contexts[index],
+                      0,
+                      1,
+                      call->queries.data() + b * q_size,
+                      call->outputs.data() + b * q_size,
+                      call->lse.data() + b * layout.num_query_heads()};
     if (!tables.exact_block_table.empty()) item.exact_block_table = tables.exact_block_table.data();
     if (!served.key_means[index].empty()) item.key_mean = served.key_means[index].data();
   }
-  call->params = AttendParams{&layout, served.pool, call->items,
-                              1.0f / std::sqrt(static_cast<float>(layout.head_dim()))};
+  call->params =
+      AttendParams{&layout, served.pool, call->items, 1.0f / std::sqrt(static_cast<float>(layout.head_dim()))};
   return call;
 }
 
@@ -464,7 +465,8 @@ int RunBenchAttend(int argc, const char* const* argv) {
   if (threads < 1 || threads > 256) return Fail(absl::InvalidArgumentError("--threads must be in [1, 256]"));
   if (batch < 1 || batch > 1024) return Fail(absl::InvalidArgumentError("--batch must be in [1, 1024]"));
   for (int64_t c : contexts) {
-    if (c < 1 || c > (int64_t{1} << 22)) return Fail(absl::InvalidArgumentError("--context values must be in [1, 4194304]"));
+    if (c < 1 || c > (int64_t{1} << 22))
+      return Fail(absl::InvalidArgumentError("--context values must be in [1, 4194304]"));
   }
   run.shape = common.shape;
   run.batch = static_cast<int>(batch);
@@ -474,8 +476,7 @@ int RunBenchAttend(int argc, const char* const* argv) {
   // The baseline, kept for the whole run and timed alternately with each
   // preset, so that one disturbed baseline cannot move every ratio.
   absl::StatusOr<const Preset*> bf16 = FindPreset("bf16");
-  auto baseline =
-      ServeSyntheticLayer(**bf16, run.shape, page_tokens, contexts, common.seed, static_cast<int>(threads));
+  auto baseline = ServeSyntheticLayer(**bf16, run.shape, page_tokens, contexts, common.seed, static_cast<int>(threads));
   if (!baseline.ok()) return Fail(baseline.status());
   const std::string device = (*baseline)->backend->device();
   run.read_bandwidth = MeasureReadBandwidth(size_t{256} << 20, static_cast<int>(threads), 0.5);
@@ -483,15 +484,15 @@ int RunBenchAttend(int argc, const char* const* argv) {
   Json rows = Json::array();
   if (!run.json) {
     printf("layout %s, one layer (%d KV heads, %d query heads, d=%d), batch %lld, page %d tokens, %s\n",
-           std::string(run.shape.name).c_str(), run.shape.num_kv_heads, run.shape.num_query_heads,
-           run.shape.head_dim, static_cast<long long>(batch), page_tokens, device.c_str());
+           std::string(run.shape.name).c_str(), run.shape.num_kv_heads, run.shape.num_query_heads, run.shape.head_dim,
+           static_cast<long long>(batch), page_tokens, device.c_str());
     printf("read bandwidth %.1f GB/s (%lld threads, measured in this run); bf16 timed alternately with each row\n",
            run.read_bandwidth / 1e9, static_cast<long long>(threads));
   }
   for (const Preset* preset : common.presets) {
     std::unique_ptr<ServedContexts> served, plain;
-    if (absl::Status s = ServePreset(*preset, run, page_tokens, contexts, common.seed, static_cast<int>(threads),
-                                     &served, &plain);
+    if (absl::Status s =
+            ServePreset(*preset, run, page_tokens, contexts, common.seed, static_cast<int>(threads), &served, &plain);
         !s.ok()) {
       return Fail(s);
     }
@@ -501,9 +502,8 @@ int RunBenchAttend(int argc, const char* const* argv) {
       const size_t longest = std::max_element(contexts.begin(), contexts.end()) - contexts.begin();
       printf("%s reads: %s%s\n", std::string(preset->name).c_str(), served->recipes[longest].Describe().c_str(),
              plain ? absl::StrCat("; plain: ", plain->recipes[longest].Describe()).c_str() : "");
-      printf("%-20s %8s %7s %10s %10s %8s %10s %9s %9s %7s%s\n", "preset", "context", "bytes", "attend_ms",
-             "bf16_ms", "speedup", "Mtok/s", "GB/s", "bound_ms", "%bound",
-             run.compare_plain ? "   plain_ms vs_plain" : "");
+      printf("%-20s %8s %7s %10s %10s %8s %10s %9s %9s %7s%s\n", "preset", "context", "bytes", "attend_ms", "bf16_ms",
+             "speedup", "Mtok/s", "GB/s", "bound_ms", "%bound", run.compare_plain ? "   plain_ms vs_plain" : "");
     }
     for (size_t i = 0; i < contexts.size(); ++i) {
       const AttendRow row = TimeAttendRow(**baseline, *served, plain.get(), i, run.batch, min_seconds);
@@ -540,8 +540,7 @@ int RunBenchStore(int argc, const char* const* argv) {
   // Baseline: the bf16 bytes of the same tokens, copied into place.
   const size_t bf16_bytes = static_cast<size_t>(tokens) * shape->num_kv_heads * shape->head_dim * 4;
   std::vector<uint8_t> source(bf16_bytes, 1), destination(bf16_bytes);
-  const double copy_seconds =
-      MedianSeconds(0.3, [&] { memcpy(destination.data(), source.data(), bf16_bytes); });
+  const double copy_seconds = MedianSeconds(0.3, [&] { memcpy(destination.data(), source.data(), bf16_bytes); });
   const double copy_rate = tokens / copy_seconds;
 
   Json rows = Json::array();
@@ -562,8 +561,8 @@ int RunBenchStore(int argc, const char* const* argv) {
                           {"bf16_copy_tokens_per_second", copy_rate},
                           {"ratio_to_bf16_copy", rate / copy_rate}});
     } else {
-      printf("%-20s %7d %12.3f %14.4f\n", std::string(preset->name).c_str(),
-             preset->BytesPerTokenHead(shape->head_dim), rate / 1e6, rate / copy_rate);
+      printf("%-20s %7d %12.3f %14.4f\n", std::string(preset->name).c_str(), preset->BytesPerTokenHead(shape->head_dim),
+             rate / 1e6, rate / copy_rate);
       fflush(stdout);
     }
   }
@@ -618,11 +617,12 @@ int RunBenchTransport(int argc, const char* const* argv) {
   if (!echo.ok()) return Fail(echo.status());
   Json results = Json::array();
   if (!json) {
-    printf("layout %s, loopback to a child process, a worker-thread hop per message, %lld round "
-           "trips per row\n",
-           std::string(shape->name).c_str(), static_cast<long long>(messages));
-    printf("%-32s %-8s %12s %12s %9s %9s %9s\n", "message", "shape", "request_B", "response_B",
-           "p50_us", "p90_us", "p99_us");
+    printf(
+        "layout %s, loopback to a child process, a worker-thread hop per message, %lld round "
+        "trips per row\n",
+        std::string(shape->name).c_str(), static_cast<long long>(messages));
+    printf("%-32s %-8s %12s %12s %9s %9s %9s\n", "message", "shape", "request_B", "response_B", "p50_us", "p90_us",
+           "p99_us");
   }
   for (const Row& row : rows) {
     TransportFloorOptions options;
@@ -642,17 +642,13 @@ int RunBenchTransport(int argc, const char* const* argv) {
                              {"p90_us", floor->p90_us},
                              {"p99_us", floor->p99_us}});
     } else {
-      printf("%-32s %-8s %12lld %12lld %9.0f %9.0f %9.0f\n", row.what.c_str(), how,
-             static_cast<long long>(row.request), static_cast<long long>(row.response),
-             floor->p50_us, floor->p90_us, floor->p99_us);
+      printf("%-32s %-8s %12lld %12lld %9.0f %9.0f %9.0f\n", row.what.c_str(), how, static_cast<long long>(row.request),
+             static_cast<long long>(row.response), floor->p50_us, floor->p90_us, floor->p99_us);
       fflush(stdout);
     }
   }
   if (json) {
-    PrintJson(Json{{"layout", std::string(shape->name)},
-                   {"batch", batch},
-                   {"wire_dtype", wire},
-                   {"results", results}});
+    PrintJson(Json{{"layout", std::string(shape->name)}, {"batch", batch}, {"wire_dtype", wire}, {"results", results}});
   }
   return 0;
 }
@@ -671,8 +667,7 @@ int RunBench(int argc, const char* const* argv) {
     fprintf(stderr, "tqkv: unknown bench subcommand '%s'%s\n", what.c_str(),
             closest.empty() ? "" : absl::StrCat("; did you mean '", closest, "'?").c_str());
   }
-  fprintf(help ? stdout : stderr,
-          "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
+  fprintf(help ? stdout : stderr, "usage: tqkv bench attend|store|transport|move [flags]  (--help for each)\n");
   return help ? 0 : kExitUsage;
 }
 

@@ -28,8 +28,7 @@ namespace {
 using eval::CalibrationMetric;
 using eval::LayerCalibration;
 
-constexpr char kDefaultPresets[] =
-    "turboquant_k3v4_nc,tqkv_k3v4,turboquant_4bit_nc,tqkv_k4v4,turboquant_k8v4,fp8,fp16";
+constexpr char kDefaultPresets[] = "turboquant_k3v4_nc,tqkv_k3v4,turboquant_4bit_nc,tqkv_k4v4,turboquant_k8v4,fp8,fp16";
 
 // The serving recipe beside the preset: key centering and exact tokens
 // (kernels/kv_layout.h), passed through to the measured cache's layout so
@@ -109,8 +108,7 @@ struct RecipeFlags {
       parts.push_back(part);
     }
     if (flags.IsSet("sinks") || flags.IsSet("window")) {
-      parts.push_back(absl::StrFormat("%lld sink + %lld window tokens exact",
-                                      static_cast<long long>(sinks),
+      parts.push_back(absl::StrFormat("%lld sink + %lld window tokens exact", static_cast<long long>(sinks),
                                       static_cast<long long>(window)));
     }
     return absl::StrJoin(parts, ", ");
@@ -130,8 +128,7 @@ struct CalibrateFlags {
   std::vector<const Preset*> presets;
 
   void Register(FlagSet& flags) {
-    flags.AddRequiredString("capture", &capture,
-                            "capture directory: meta.json and layer_NNN_{q,k,v}.npy");
+    flags.AddRequiredString("capture", &capture, "capture directory: meta.json and layer_NNN_{q,k,v}.npy");
     flags.AddString("presets", &preset_names, "candidate presets, comma-separated, or all");
     flags.AddString("base-preset", &plan.base_preset, "every layer starts at this preset");
     flags.AddInt("positions", &positions, "query positions sampled per layer (second half)");
@@ -160,8 +157,7 @@ struct CalibrateFlags {
     absl::StatusOr<CalibrationMetric> metric = eval::ParseCalibrationMetric(metric_name);
     if (!metric.ok()) return std::string(metric.status().message());
     plan.metric = *metric;
-    if (budget_bits > 0 && budget_ratio > 0)
-      return "give --budget-bits or --budget-ratio, not both";
+    if (budget_bits > 0 && budget_ratio > 0) return "give --budget-bits or --budget-ratio, not both";
     if (budget_bits < 0 || budget_ratio < 0) return "budgets must be positive";
     plan.budget_bits = budget_ratio > 0 ? 16.0 / budget_ratio : budget_bits;
     if (positions < 1 || positions > 100000) return "--positions must be in [1, 100000]";
@@ -186,8 +182,7 @@ struct CalibrateFlags {
 
 // Rows of what each preset costs: bytes and bits of its tokens, and with
 // centering or exact tokens in effect, the recipe and bits at `context`.
-void PrintCostRows(const std::vector<eval::PresetError>& presets, const eval::CaptureMeta& meta,
-                   int64_t context) {
+void PrintCostRows(const std::vector<eval::PresetError>& presets, const eval::CaptureMeta& meta, int64_t context) {
   const double coordinates = 2.0 * meta.num_kv_heads * meta.head_dim;
   bool recipe = false;
   printf("| bytes/token |");
@@ -211,8 +206,8 @@ void PrintCostRows(const std::vector<eval::PresetError>& presets, const eval::Ca
 }
 
 // `context` > 0 adds the cost rows.
-void PrintMetricTable(const char* title, const std::vector<LayerCalibration>& layers,
-                      const eval::CaptureMeta& meta, CalibrationMetric metric, int64_t context) {
+void PrintMetricTable(const char* title, const std::vector<LayerCalibration>& layers, const eval::CaptureMeta& meta,
+                      CalibrationMetric metric, int64_t context) {
   const std::vector<eval::PresetError>& first = layers[0].presets;
   printf("\n## %s\n\n| layer |", title);
   for (const eval::PresetError& e : first) printf(" %s |", std::string(e.preset->name).c_str());
@@ -237,8 +232,7 @@ void PrintBetterBases(const std::vector<LayerCalibration>& layers, const eval::P
   for (size_t i = 0; i < first.size(); ++i) {
     bool better = first[i].token_bytes <= first[base].token_bytes && static_cast<int>(i) != base;
     for (const LayerCalibration& layer : layers) {
-      better = better &&
-               MetricValue(layer.presets[i], metric) < MetricValue(layer.presets[base], metric);
+      better = better && MetricValue(layer.presets[i], metric) < MetricValue(layer.presets[base], metric);
     }
     if (better) {
       printf(
@@ -256,17 +250,17 @@ void PrintPlan(const eval::ProtectionPlan& plan, const CalibrateFlags& flags) {
       "context %lld\n\n",
       flags.plan.budget_bits, 16.0 / flags.plan.budget_bits, flags.metric_name.c_str(),
       static_cast<long long>(flags.plan.context));
-  printf("start: every layer at %s, %.3f bits/coordinate, total error %.5f\n\n",
-         std::string(plan.base->name).c_str(), plan.base_bits, plan.base_error);
+  printf("start: every layer at %s, %.3f bits/coordinate, total error %.5f\n\n", std::string(plan.base->name).c_str(),
+         plan.base_bits, plan.base_error);
   int n = 0;
   for (const eval::PlanStep& s : plan.steps) {
     printf("%d. layer %d: %s -> %s, error %.5f -> %.5f, %+.4f bits/coordinate\n", ++n, s.layer,
-           std::string(s.from->name).c_str(), std::string(s.to->name).c_str(), s.error_before,
-           s.error_after, s.extra_bits);
+           std::string(s.from->name).c_str(), std::string(s.to->name).c_str(), s.error_before, s.error_after,
+           s.extra_bits);
   }
   if (plan.steps.empty()) printf("(no upgrade fits the budget)\n");
-  printf("\nresult: %.3f bits/coordinate (%.2fx vs bf16), total error %.5f\n\n",
-         plan.bits_per_coordinate, plan.ratio_vs_bf16, plan.total_error);
+  printf("\nresult: %.3f bits/coordinate (%.2fx vs bf16), total error %.5f\n\n", plan.bits_per_coordinate,
+         plan.ratio_vs_bf16, plan.total_error);
   printf("```\n%s```\n", eval::ProtectionConfigText(plan, flags.plan).c_str());
 }
 
@@ -276,17 +270,15 @@ void PrintMarkdown(const std::vector<LayerCalibration>& layers, const eval::Capt
   printf(
       "# Calibration of %s\n\n%d layers, %lld tokens, %d query heads, %d KV heads, head_dim %d; "
       "%zu positions per layer in [%lld, %lld]\n",
-      flags.capture.c_str(), meta.layers, static_cast<long long>(meta.tokens), meta.num_query_heads,
-      meta.num_kv_heads, meta.head_dim, positions.size(), static_cast<long long>(positions.front()),
+      flags.capture.c_str(), meta.layers, static_cast<long long>(meta.tokens), meta.num_query_heads, meta.num_kv_heads,
+      meta.head_dim, positions.size(), static_cast<long long>(positions.front()),
       static_cast<long long>(positions.back()));
-  printf("serving recipe: %s\n",
-         flags.plan.recipe.empty()
-             ? "each preset's own (no --key-centering, --sinks or --window given)"
-             : flags.plan.recipe.c_str());
-  PrintMetricTable("Attention output relative error per layer", layers, meta,
-                   CalibrationMetric::kOutputError, flags.plan.context);
-  PrintMetricTable("KL divergence of attention per layer (nats)", layers, meta,
-                   CalibrationMetric::kKlDivergence, 0);
+  printf("serving recipe: %s\n", flags.plan.recipe.empty()
+                                     ? "each preset's own (no --key-centering, --sinks or --window given)"
+                                     : flags.plan.recipe.c_str());
+  PrintMetricTable("Attention output relative error per layer", layers, meta, CalibrationMetric::kOutputError,
+                   flags.plan.context);
+  PrintMetricTable("KL divergence of attention per layer (nats)", layers, meta, CalibrationMetric::kKlDivergence, 0);
   if (!plan) return;
   PrintPlan(*plan, flags);
   PrintBetterBases(layers, *plan, flags.plan.metric);
@@ -358,19 +350,16 @@ void PrintReportJson(const std::vector<LayerCalibration>& layers, const eval::Ca
 
 // ---------------------------------------------------------------------------
 
-absl::StatusOr<std::vector<LayerCalibration>> MeasureAll(const eval::CaptureMeta& meta,
-                                                         const CalibrateFlags& flags) {
+absl::StatusOr<std::vector<LayerCalibration>> MeasureAll(const eval::CaptureMeta& meta, const CalibrateFlags& flags) {
   std::vector<LayerCalibration> layers;
   for (int l = 0; l < meta.layers; ++l) {
     absl::StatusOr<eval::LayerCapture> capture = eval::ReadCaptureLayer(flags.capture, meta, l);
     if (!capture.ok()) return capture.status();
-    absl::StatusOr<LayerCalibration> layer =
-        eval::CalibrateLayer(meta, l, *capture, flags.presets, flags.measure);
+    absl::StatusOr<LayerCalibration> layer = eval::CalibrateLayer(meta, l, *capture, flags.presets, flags.measure);
     if (!layer.ok()) return layer.status();
     layers.push_back(std::move(*layer));
     if (isatty(STDERR_FILENO)) {
-      fprintf(stderr, "\rtqkv calibrate: layer %d/%d measured%s", l + 1, meta.layers,
-              l + 1 == meta.layers ? "\n" : "");
+      fprintf(stderr, "\rtqkv calibrate: layer %d/%d measured%s", l + 1, meta.layers, l + 1 == meta.layers ? "\n" : "");
     }
   }
   return layers;

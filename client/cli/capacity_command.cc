@@ -75,11 +75,12 @@ absl::StatusOr<CapacityRow> RowFor(const CapacityOptions& o, const ModelShape& s
 
 void PrintTable(const CapacityOptions& o, const ModelShape& shape, const CapacityRow& bf16,
                 const std::vector<CapacityRow>& rows) {
-  printf("layout %s (%d layers, %d KV heads, d=%d), %.1f GiB pool, sequences of %lld tokens, page %lld tokens, "
-         "%lld boundary layers at %s\n",
-         std::string(shape.name).c_str(), shape.num_layers, shape.num_kv_heads, shape.head_dim, o.memory_gib,
-         static_cast<long long>(o.context), static_cast<long long>(o.page_tokens),
-         static_cast<long long>(o.boundary_layers), o.boundary_preset.c_str());
+  printf(
+      "layout %s (%d layers, %d KV heads, d=%d), %.1f GiB pool, sequences of %lld tokens, page %lld tokens, "
+      "%lld boundary layers at %s\n",
+      std::string(shape.name).c_str(), shape.num_layers, shape.num_kv_heads, shape.head_dim, o.memory_gib,
+      static_cast<long long>(o.context), static_cast<long long>(o.page_tokens),
+      static_cast<long long>(o.boundary_layers), o.boundary_preset.c_str());
   printf("%-20s %10s %8s %10s %12s %8s %10s\n", "preset", "KiB/token", "exact%", "sequences", "tokens", "x_bf16",
          "means_KiB");
   printf("%-20s %10.2f %8.1f %10lld %12lld %8.2f %10.1f\n", "bf16 (no boundary)", bf16.bytes_per_token / 1024, 0.0,
@@ -90,9 +91,10 @@ void PrintTable(const CapacityOptions& o, const ModelShape& shape, const Capacit
            static_cast<long long>(r.sequences), static_cast<long long>(r.sequences * o.context),
            bf16.bytes_per_token / r.bytes_per_token, r.footprint.mean_bytes / 1024.0);
   }
-  printf("(KiB/token: the pool's bytes per token at this length, whole pages: padding and the exact copies'\n"
-         " pages included; exact%%: their share of the pages; x_bf16: bf16's KiB/token over this one;\n"
-         " means_KiB: a sequence's key means, held beside the pool)\n");
+  printf(
+      "(KiB/token: the pool's bytes per token at this length, whole pages: padding and the exact copies'\n"
+      " pages included; exact%%: their share of the pages; x_bf16: bf16's KiB/token over this one;\n"
+      " means_KiB: a sequence's key means, held beside the pool)\n");
 }
 
 Json ToJson(const CapacityOptions& o, const ModelShape& shape, const CapacityRow& bf16,
@@ -155,7 +157,8 @@ int RunCapacity(int argc, const char* const* argv) {
   std::vector<CapacityRow> rows;
   for (const Preset* preset : *presets) {
     const bool uncompressed = preset->name == "bf16" || preset->name == "fp16";
-    absl::StatusOr<CapacityRow> row = RowFor(o, *shape, *preset, uncompressed ? 0 : static_cast<int>(o.boundary_layers));
+    absl::StatusOr<CapacityRow> row =
+        RowFor(o, *shape, *preset, uncompressed ? 0 : static_cast<int>(o.boundary_layers));
     if (!row.ok()) return Fail(row.status());
     rows.push_back(*row);
   }

@@ -120,33 +120,34 @@ int RunInfoImpl(int argc, const char* const* argv) {
          info->backend().c_str(), info->device().c_str());
   for (const v1::CacheInfo& ci : info->caches()) {
     const v1::CacheConfig& k = ci.config();
-    const double ratio = ci.stored_bytes() > 0
-                             ? static_cast<double>(ci.stored_bytes_bf16()) / ci.stored_bytes()
-                             : 0.0;
+    const double ratio = ci.stored_bytes() > 0 ? static_cast<double>(ci.stored_bytes_bf16()) / ci.stored_bytes() : 0.0;
     const double pool = static_cast<double>(ci.pages_used()) * static_cast<double>(ci.page_bytes());
     const double pool_ratio = pool > 0 ? static_cast<double>(ci.stored_bytes_bf16()) / pool : 0.0;
-    printf("cache '%s': %d layers, %d kv heads, %d query heads, head_dim %d, %d-token pages, "
-           "preset %s (%d boundary layers %s)\n",
-           k.name().c_str(), k.num_layers(), k.num_kv_heads(), k.num_query_heads(), k.head_dim(),
-           k.page_tokens(), k.preset().c_str(), k.boundary_layers(), k.boundary_preset().c_str());
+    printf(
+        "cache '%s': %d layers, %d kv heads, %d query heads, head_dim %d, %d-token pages, "
+        "preset %s (%d boundary layers %s)\n",
+        k.name().c_str(), k.num_layers(), k.num_kv_heads(), k.num_query_heads(), k.head_dim(), k.page_tokens(),
+        k.preset().c_str(), k.boundary_layers(), k.boundary_preset().c_str());
     printf("  %lld bytes per token (%d per token and KV head in a compressed layer)\n",
            static_cast<long long>(ci.bytes_per_token()), ci.bytes_per_token_head());
-    printf("  pages %d / %d used (%lld bytes each), %lld sequences, %lld tokens\n",
-           ci.pages_used(), ci.pages_total(), static_cast<long long>(ci.page_bytes()),
-           static_cast<long long>(ci.sequences()), static_cast<long long>(ci.tokens()));
-    printf("  stored %lld bytes (exact copies and key means included) vs %lld as bf16 (x%.2f; from the "
-           "pool, whole pages: x%.2f), %lld evictions\n",
-           static_cast<long long>(ci.stored_bytes()), static_cast<long long>(ci.stored_bytes_bf16()),
-           ratio, pool_ratio, static_cast<long long>(ci.evictions()));
+    printf("  pages %d / %d used (%lld bytes each), %lld sequences, %lld tokens\n", ci.pages_used(), ci.pages_total(),
+           static_cast<long long>(ci.page_bytes()), static_cast<long long>(ci.sequences()),
+           static_cast<long long>(ci.tokens()));
+    printf(
+        "  stored %lld bytes (exact copies and key means included) vs %lld as bf16 (x%.2f; from the "
+        "pool, whole pages: x%.2f), %lld evictions\n",
+        static_cast<long long>(ci.stored_bytes()), static_cast<long long>(ci.stored_bytes_bf16()), ratio, pool_ratio,
+        static_cast<long long>(ci.evictions()));
   }
   // A tenant's token sees itself; an admin's every tenant.
   const auto limit = [](int64_t max) { return max == 0 ? std::string("no limit") : absl::StrCat(max); };
   const auto print_tenant = [&limit](const char* what, const v1::TenantInfo& t) {
-    printf("%s '%s' (ids '%s...'): %lld bytes of pages (max %s), %lld sequences (max %s), %lld tokens, "
-           "%lld quota refusals\n",
-           what, t.name().c_str(), t.sequence_prefix().c_str(), static_cast<long long>(t.bytes()),
-           limit(t.max_bytes()).c_str(), static_cast<long long>(t.sequences()), limit(t.max_sequences()).c_str(),
-           static_cast<long long>(t.tokens()), static_cast<long long>(t.quota_refusals()));
+    printf(
+        "%s '%s' (ids '%s...'): %lld bytes of pages (max %s), %lld sequences (max %s), %lld tokens, "
+        "%lld quota refusals\n",
+        what, t.name().c_str(), t.sequence_prefix().c_str(), static_cast<long long>(t.bytes()),
+        limit(t.max_bytes()).c_str(), static_cast<long long>(t.sequences()), limit(t.max_sequences()).c_str(),
+        static_cast<long long>(t.tokens()), static_cast<long long>(t.quota_refusals()));
   };
   if (info->has_tenant()) print_tenant("you are tenant", info->tenant());
   for (const v1::TenantInfo& t : info->tenants()) print_tenant("tenant", t);
@@ -157,15 +158,12 @@ int RunInfoImpl(int argc, const char* const* argv) {
 }
 
 void PrintSequence(const SequenceState& s) {
-  printf("sequence '%s' (cache '%s'): %d pages, layer tokens [%s]\n", s.sequence_id.c_str(),
-         s.cache.c_str(), s.pages, absl::StrJoin(s.layer_tokens, ", ").c_str());
+  printf("sequence '%s' (cache '%s'): %d pages, layer tokens [%s]\n", s.sequence_id.c_str(), s.cache.c_str(), s.pages,
+         absl::StrJoin(s.layer_tokens, ", ").c_str());
 }
 
 Json SequenceJson(const SequenceState& s) {
-  return Json{{"sequence", s.sequence_id},
-              {"cache", s.cache},
-              {"pages", s.pages},
-              {"layer_tokens", s.layer_tokens}};
+  return Json{{"sequence", s.sequence_id}, {"cache", s.cache}, {"pages", s.pages}, {"layer_tokens", s.layer_tokens}};
 }
 
 // The sequence as text, or as one JSON object.
@@ -220,14 +218,12 @@ int RunAppendImpl(int argc, const char* const* argv) {
   absl::StatusOr<NpyArray> values = ReadNpy(values_path);
   if (!values.ok()) return Fail(values.status());
   if (keys->shape.size() != 4) {
-    return Fail(absl::InvalidArgumentError(absl::StrFormat(
-        "%s has %d dims; want [layers, tokens, kv_heads, head_dim]", keys_path,
-        keys->shape.size())));
+    return Fail(absl::InvalidArgumentError(
+        absl::StrFormat("%s has %d dims; want [layers, tokens, kv_heads, head_dim]", keys_path, keys->shape.size())));
   }
   if (values->shape != keys->shape) {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat(values_path, " has shape [", absl::StrJoin(values->shape, ", "),
-                     "]; want the keys' [", absl::StrJoin(keys->shape, ", "), "]")));
+    return Fail(absl::InvalidArgumentError(absl::StrCat(values_path, " has shape [", absl::StrJoin(values->shape, ", "),
+                                                        "]; want the keys' [", absl::StrJoin(keys->shape, ", "), "]")));
   }
   absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
   if (!options.ok()) return Fail(options.status());
@@ -267,9 +263,9 @@ int RunAppendImpl(int argc, const char* const* argv) {
                    {"sequence", SequenceJson(r->sequence)}});
     return 0;
   }
-  printf("appended %lld tokens at %lld: stored %lld bytes (%lld as bf16)\n",
-         static_cast<long long>(keys->shape[1]), static_cast<long long>(start),
-         static_cast<long long>(r->stored_bytes), static_cast<long long>(r->stored_bytes_bf16));
+  printf("appended %lld tokens at %lld: stored %lld bytes (%lld as bf16)\n", static_cast<long long>(keys->shape[1]),
+         static_cast<long long>(start), static_cast<long long>(r->stored_bytes),
+         static_cast<long long>(r->stored_bytes_bf16));
   PrintSequence(r->sequence);
   return 0;
 }
@@ -295,9 +291,9 @@ int RunAttendImpl(int argc, const char* const* argv) {
   if (!q.ok()) return Fail(q.status());
   if (q->shape.size() == 2) q->shape.insert(q->shape.begin(), 1);
   if (q->shape.size() != 3) {
-    return Fail(absl::InvalidArgumentError(absl::StrFormat(
-        "%s has %d dims; want [query_tokens, query_heads, head_dim] or [query_heads, head_dim]",
-        queries_path, q->shape.size())));
+    return Fail(absl::InvalidArgumentError(
+        absl::StrFormat("%s has %d dims; want [query_tokens, query_heads, head_dim] or [query_heads, head_dim]",
+                        queries_path, q->shape.size())));
   }
   absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
   if (!options.ok()) return Fail(options.status());
@@ -321,9 +317,7 @@ int RunAttendImpl(int argc, const char* const* argv) {
     }
   }
   if (json) {
-    PrintJson(Json{{"out", out_path},
-                   {"shape", shape},
-                   {"lse_out", lse_path.empty() ? Json() : Json(lse_path)}});
+    PrintJson(Json{{"out", out_path}, {"shape", shape}, {"lse_out", lse_path.empty() ? Json() : Json(lse_path)}});
     return 0;
   }
   printf("wrote %s [%s]\n", out_path.c_str(), absl::StrJoin(shape, ", ").c_str());
@@ -353,8 +347,8 @@ int RunScoreImpl(int argc, const char* const* argv) {
   absl::StatusOr<NpyArray> q = ReadNpy(queries_path);
   if (!q.ok()) return Fail(q.status());
   if (q->shape.size() != 2) {
-    return Fail(absl::InvalidArgumentError(absl::StrFormat(
-        "%s has %d dims; want [query_heads, head_dim]", queries_path, q->shape.size())));
+    return Fail(absl::InvalidArgumentError(
+        absl::StrFormat("%s has %d dims; want [query_heads, head_dim]", queries_path, q->shape.size())));
   }
   absl::StatusOr<ClientOptions> options = MakeClientOptions(c);
   if (!options.ok()) return Fail(options.status());
@@ -370,16 +364,14 @@ int RunScoreImpl(int argc, const char* const* argv) {
   absl::StatusOr<ScoreResult> r = Client(*options).Score(args);
   if (!r.ok()) return FailRpc(r.status(), c.target);
   if (!out_path.empty()) {
-    if (absl::Status s = WriteNpy(out_path, {r->query_heads, r->columns}, r->logits.data());
-        !s.ok()) {
+    if (absl::Status s = WriteNpy(out_path, {r->query_heads, r->columns}, r->logits.data()); !s.ok()) {
       return Fail(s);
     }
   }
   if (json) {
     Json heads = Json::array();
     for (int64_t h = 0; h < r->query_heads; ++h) {
-      Json row = {{"head", h},
-                  {"logits", FloatArray(r->logits.data() + h * r->columns, r->columns)}};
+      Json row = {{"head", h}, {"logits", FloatArray(r->logits.data() + h * r->columns, r->columns)}};
       if (!r->positions.empty()) {
         const auto first = r->positions.begin() + h * r->columns;
         row["positions"] = std::vector<int64_t>(first, first + r->columns);
@@ -389,15 +381,13 @@ int RunScoreImpl(int argc, const char* const* argv) {
     PrintJson(Json{{"query_heads", r->query_heads}, {"columns", r->columns}, {"heads", heads}});
     return 0;
   }
-  printf("logits [%lld, %lld]\n", static_cast<long long>(r->query_heads),
-         static_cast<long long>(r->columns));
+  printf("logits [%lld, %lld]\n", static_cast<long long>(r->query_heads), static_cast<long long>(r->columns));
   for (int64_t h = 0; h < r->query_heads; ++h) {
     printf("head %lld:", static_cast<long long>(h));
     const int64_t shown = std::min<int64_t>(r->columns, 8);
     for (int64_t i = 0; i < shown; ++i) {
       if (!r->positions.empty()) {
-        printf(" %lld:%.4f", static_cast<long long>(r->positions[h * r->columns + i]),
-               r->logits[h * r->columns + i]);
+        printf(" %lld:%.4f", static_cast<long long>(r->positions[h * r->columns + i]), r->logits[h * r->columns + i]);
       } else {
         printf(" %.4f", r->logits[h * r->columns + i]);
       }

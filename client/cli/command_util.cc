@@ -24,8 +24,7 @@ int ParseOrExit(FlagSet& flags, int argc, const char* const* argv) {
 }
 
 void PrintJson(const Json& value) {
-  const std::string text =
-      value.dump(2, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
+  const std::string text = value.dump(2, ' ', /*ensure_ascii=*/false, Json::error_handler_t::replace);
   fwrite(text.data(), 1, text.size(), stdout);
   fputc('\n', stdout);
 }

@@ -16,8 +16,7 @@ namespace cli {
 void AddConnectionFlags(FlagSet& flags, Connection* c) {
   flags.AddString("target", &c->target, "host[:port] of the tqkv-server (port 50051 when none)");
   flags.AddString("cache", &c->cache, "cache name (empty: the server's default)");
-  flags.AddString("auth-token-file", &c->auth_token_file,
-                  "file whose first token is sent as the bearer token");
+  flags.AddString("auth-token-file", &c->auth_token_file, "file whose first token is sent as the bearer token");
   flags.AddString("tls-ca-file", &c->tls_ca_file, "PEM CA certificate: connect with TLS");
   flags.AddString("tls-server-name", &c->tls_server_name,
                   "name the server certificate must carry, if not the target host");

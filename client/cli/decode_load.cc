@@ -39,8 +39,7 @@ double KernelSeconds(const v1::ServerInfo& info) {
 double DecodeHandlerSeconds(const v1::ServerInfo& info) {
   double total = 0;
   for (const v1::TimingTotal& t : info.rpc_timings()) {
-    if (t.name() == "Append" || t.name() == "Attend" || t.name() == "AppendAttend" ||
-        t.name() == "DecodeStreamStep") {
+    if (t.name() == "Append" || t.name() == "Attend" || t.name() == "AppendAttend" || t.name() == "DecodeStreamStep") {
       total += t.seconds();
     }
   }
@@ -73,8 +72,7 @@ struct Run {
 class Engine {
  public:
   Engine(Run* run, Client* client, int index)
-      : run_(run), client_(client),
-        random_(DeriveSeed(run->options->seed, static_cast<uint64_t>(index))) {
+      : run_(run), client_(client), random_(DeriveSeed(run->options->seed, static_cast<uint64_t>(index))) {
     const DecodeLoadOptions& o = *run_->options;
     const Shape& s = run_->shape;
     for (int i = 0; i < o.batch; ++i) {
@@ -82,8 +80,7 @@ class Engine {
     }
     const int64_t chunk = std::min(o.context, o.prefill_chunk_tokens);
     const int64_t largest =
-        std::max<int64_t>({int64_t{s.layers} * chunk * s.kv_heads * s.head_dim,
-                           int64_t{s.query_heads} * s.head_dim});
+        std::max<int64_t>({int64_t{s.layers} * chunk * s.kv_heads * s.head_dim, int64_t{s.query_heads} * s.head_dim});
     pool_.resize(static_cast<size_t>(2 * largest + 1));
     for (float& x : pool_) x = static_cast<float>(random_.NextGaussian());
   }
@@ -93,8 +90,8 @@ class Engine {
     const DecodeLoadOptions& o = *run_->options;
     const Shape& s = run_->shape;
     // Chunks stay under 16 MiB, far below gRPC's message bound.
-    const int64_t token_bytes = int64_t{2} * s.layers * s.kv_heads * s.head_dim *
-                                (o.wire_dtype == v1::DTYPE_F32 ? 4 : 2);
+    const int64_t token_bytes =
+        int64_t{2} * s.layers * s.kv_heads * s.head_dim * (o.wire_dtype == v1::DTYPE_F32 ? 4 : 2);
     const int64_t chunk_tokens =
         std::max<int64_t>(1, std::min(o.prefill_chunk_tokens, (int64_t{16} << 20) / token_bytes));
     for (const std::string& id : ids_) {
@@ -240,8 +237,7 @@ class Engine {
 
 // Runs `work(engine)` on one thread per engine; progress while they run.
 template <typename Work>
-void OnEveryEngine(Run& run, std::vector<std::unique_ptr<Engine>>& engines, const char* phase,
-                   Work work) {
+void OnEveryEngine(Run& run, std::vector<std::unique_ptr<Engine>>& engines, const char* phase, Work work) {
   std::atomic<int> running{static_cast<int>(engines.size())};
   std::vector<std::thread> threads;
   for (auto& e : engines) {
@@ -285,8 +281,7 @@ absl::StatusOr<std::vector<DecodeVariant>> ParseDecodeVariants(const std::string
     } else if (name == "stream") {
       out.push_back(DecodeVariant::kStream);
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown variant '", name, "'; want unary, fused or stream"));
+      return absl::InvalidArgumentError(absl::StrCat("unknown variant '", name, "'; want unary, fused or stream"));
     }
   }
   if (out.empty()) return absl::InvalidArgumentError("no variant given; want unary,fused,stream");
@@ -315,11 +310,10 @@ absl::StatusOr<DecodeLoadReport> RunDecodeLoad(const DecodeLoadOptions& options)
   if (cache == nullptr) {
     return absl::NotFoundError(absl::StrCat("the server has no cache '", options.cache, "'"));
   }
-  Shape shape{cache->config().num_layers(), cache->config().num_kv_heads(),
-              cache->config().num_query_heads(), cache->config().head_dim()};
+  Shape shape{cache->config().num_layers(), cache->config().num_kv_heads(), cache->config().num_query_heads(),
+              cache->config().head_dim()};
   if (options.layers < 0 || options.layers > shape.layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layers must be in [0, ", shape.layers, "] for this cache"));
+    return absl::InvalidArgumentError(absl::StrCat("layers must be in [0, ", shape.layers, "] for this cache"));
   }
   if (options.layers > 0) shape.layers = options.layers;
 
@@ -328,8 +322,7 @@ absl::StatusOr<DecodeLoadReport> RunDecodeLoad(const DecodeLoadOptions& options)
   report.kv_heads = shape.kv_heads;
   report.query_heads = shape.query_heads;
   report.head_dim = shape.head_dim;
-  const std::string run_tag =
-      absl::StrCat(absl::ToUnixNanos(absl::Now()) % 1000000000, "-", options.seed);
+  const std::string run_tag = absl::StrCat(absl::ToUnixNanos(absl::Now()) % 1000000000, "-", options.seed);
   for (const DecodeVariant variant : options.variants) {
     Run run;
     run.options = &options;
@@ -349,13 +342,12 @@ absl::StatusOr<DecodeLoadReport> RunDecodeLoad(const DecodeLoadOptions& options)
     });
     if (!prefill_status.ok()) {
       for (auto& e : engines) e->Drop();
-      return absl::Status(prefill_status.code(),
-                          absl::StrCat("prefill: ", prefill_status.message()));
+      return absl::Status(prefill_status.code(), absl::StrCat("prefill: ", prefill_status.message()));
     }
     absl::StatusOr<v1::ServerInfo> before = client.GetServerInfo();
     if (options.max_seconds_per_variant > 0) {
-      run.deadline = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(
-                                        options.max_seconds_per_variant * 1e6));
+      run.deadline =
+          Clock::now() + std::chrono::microseconds(static_cast<int64_t>(options.max_seconds_per_variant * 1e6));
     }
     const Clock::time_point start = Clock::now();
     OnEveryEngine(run, engines, "decode", [](Engine& e) { e.Decode(); });
@@ -386,14 +378,11 @@ absl::StatusOr<DecodeLoadReport> RunDecodeLoad(const DecodeLoadOptions& options)
         const double kernels = KernelSeconds(*after) - KernelSeconds(*before);
         r.kernel_ms_per_step = 1e3 * kernels / r.steps;
         r.kernel_share = r.step_mean_ms > 0 ? r.kernel_ms_per_step / r.step_mean_ms : -1;
-        r.outside_us_per_layer =
-            1e3 * std::max(0.0, r.step_mean_ms - r.kernel_ms_per_step) / shape.layers;
+        r.outside_us_per_layer = 1e3 * std::max(0.0, r.step_mean_ms - r.kernel_ms_per_step) / shape.layers;
         const double handlers = DecodeHandlerSeconds(*after) - DecodeHandlerSeconds(*before);
         const double handler_ms_per_step = 1e3 * handlers / r.steps;
-        r.server_us_per_layer =
-            1e3 * std::max(0.0, handler_ms_per_step - r.kernel_ms_per_step) / shape.layers;
-        r.transport_us_per_layer =
-            1e3 * std::max(0.0, r.step_mean_ms - handler_ms_per_step) / shape.layers;
+        r.server_us_per_layer = 1e3 * std::max(0.0, handler_ms_per_step - r.kernel_ms_per_step) / shape.layers;
+        r.transport_us_per_layer = 1e3 * std::max(0.0, r.step_mean_ms - handler_ms_per_step) / shape.layers;
       }
     }
     report.variants.push_back(std::move(r));

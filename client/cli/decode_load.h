@@ -46,15 +46,14 @@ struct DecodeLoadOptions {
   // max_attempts is forced to 1: errors are counted, not retried away.
   ClientOptions client;
   std::string cache;  // "" means the server's default cache
-  std::vector<DecodeVariant> variants = {DecodeVariant::kUnary, DecodeVariant::kFused,
-                                         DecodeVariant::kStream};
+  std::vector<DecodeVariant> variants = {DecodeVariant::kUnary, DecodeVariant::kFused, DecodeVariant::kStream};
   int clients = 1;         // engines, each with its own batch, concurrently
   int batch = 8;           // sequences per engine, attended together
   int64_t context = 1024;  // tokens prefilled per sequence
   int64_t steps = 16;      // decode steps per variant
   // Stop a variant's decode phase after this long (0: no time bound).
   double max_seconds_per_variant = 0;
-  int layers = 0;          // [0, layers); 0: all the cache's layers
+  int layers = 0;  // [0, layers); 0: all the cache's layers
   int64_t prefill_chunk_tokens = 256;
   // Wire dtype of keys, values, queries and the attention outputs.
   v1::DType wire_dtype = v1::DTYPE_F32;
@@ -66,11 +65,11 @@ struct DecodeLoadOptions {
 
 struct DecodeVariantReport {
   DecodeVariant variant = DecodeVariant::kUnary;
-  int64_t steps = 0;         // decode steps completed, over all engines
+  int64_t steps = 0;  // decode steps completed, over all engines
   int64_t errors = 0;
   double rpcs_per_step = 0;  // calls (unary, fused) or stream messages
   double messages_per_step = 0;
-  double step_p50_ms = 0;    // one decode step of one engine (all layers)
+  double step_p50_ms = 0;  // one decode step of one engine (all layers)
   double step_p99_ms = 0;
   double step_mean_ms = 0;
   // Server kernel time (store + attend) per step, and its share of the step;

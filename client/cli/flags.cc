@@ -46,9 +46,8 @@ std::string OptionNames(const std::string& name) {
 
 bool ValidName(std::string_view name) {
   if (name.empty() || name.front() == '-') return false;
-  return std::all_of(name.begin(), name.end(), [](char c) {
-    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-';
-  });
+  return std::all_of(name.begin(), name.end(),
+                     [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-'; });
 }
 
 // CLI11 takes the next argument as the value even when it is another flag
@@ -70,8 +69,8 @@ absl::Status ParseInt(std::string_view text, int64_t* value) {
   const char* end = body.data() + body.size();
   const auto [ptr, ec] = std::from_chars(body.data(), end, *value);
   if (!body.empty() && !bad_sign && ptr == end && ec == std::errc::result_out_of_range) {
-    return absl::InvalidArgumentError(absl::StrCat("expected an integer in [-2^63, 2^63), got '",
-                                                   Absl(text), "' (out of range)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected an integer in [-2^63, 2^63), got '", Absl(text), "' (out of range)"));
   }
   if (body.empty() || bad_sign || ptr != end || ec != std::errc()) {
     return absl::InvalidArgumentError(absl::StrCat("expected an integer, got '", Absl(text), "'"));
@@ -138,9 +137,8 @@ absl::Status ParseIntList(std::string_view text, std::vector<int64_t>* values) {
     item = absl::StripAsciiWhitespace(item);
     int64_t value = 0;
     if (!ParseInt(std::string_view(item.data(), item.size()), &value).ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("expected a comma-separated list of integers, got '", Absl(text),
-                       "': item '", item, "' is not an integer in [-2^63, 2^63)"));
+      return absl::InvalidArgumentError(absl::StrCat("expected a comma-separated list of integers, got '", Absl(text),
+                                                     "': item '", item, "' is not an integer in [-2^63, 2^63)"));
     }
     values->push_back(value);
   }
@@ -152,8 +150,7 @@ absl::Status ParseIntList(std::string_view text, std::vector<int64_t>* values) {
 // the footer says so.
 class HelpFormatter : public CLI::Formatter {
  public:
-  std::string make_help(const CLI::App* app, std::string name,
-                        CLI::AppFormatMode mode) const override {
+  std::string make_help(const CLI::App* app, std::string name, CLI::AppFormatMode mode) const override {
     std::string out = make_usage(app, std::move(name));
     const std::string description = make_description(app);
     if (!description.empty()) absl::StrAppend(&out, "\n", description);
@@ -173,8 +170,7 @@ class HelpFormatter : public CLI::Formatter {
 };
 
 absl::Status HelpRequested(const std::string& subcommand) {
-  absl::Status help =
-      absl::CancelledError(absl::StrCat("help requested for 'tqkv ", subcommand, "'"));
+  absl::Status help = absl::CancelledError(absl::StrCat("help requested for 'tqkv ", subcommand, "'"));
   help.SetPayload(kHelpPayloadUrl, absl::Cord("1"));
   return help;
 }
@@ -228,8 +224,8 @@ bool FlagSet::Register(const std::string& name, const void* target) {
   }
   names_.push_back(name);
   if (name.find('-') != std::string::npos && app_->get_footer().empty()) {
-    app_->footer(absl::StrCat("Each flag also takes its snake_case spelling (--",
-                              Replace(name, '-', '_'), " is --", name, ")."));
+    app_->footer(absl::StrCat("Each flag also takes its snake_case spelling (--", Replace(name, '-', '_'), " is --",
+                              name, ")."));
   }
   return true;
 }
@@ -308,8 +304,7 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
   reversed.reserve(args.size());
   for (auto arg = args.rbegin(); arg != args.rend(); ++arg) {
     const CLI::Option* option = nullptr;
-    if (arg->size() > 3 && arg->back() == '=' && arg->compare(0, 2, "--") == 0 &&
-        arg->find('=') == arg->size() - 1) {
+    if (arg->size() > 3 && arg->back() == '=' && arg->compare(0, 2, "--") == 0 && arg->find('=') == arg->size() - 1) {
       option = Find(std::string_view(*arg).substr(2, arg->size() - 3));
     }
     if (option != nullptr && option->get_type_size() != 0) {
@@ -348,8 +343,7 @@ absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
 absl::Status FlagSet::UnknownArgument(const std::string& arg) const {
   const std::string see = absl::StrCat(" (see 'tqkv ", subcommand_, " --help')");
   if (arg.size() > 2 && arg.compare(0, 2, "--") == 0) {
-    const std::string name =
-        arg.substr(2, arg.find('=') == std::string::npos ? arg.npos : arg.find('=') - 2);
+    const std::string name = arg.substr(2, arg.find('=') == std::string::npos ? arg.npos : arg.find('=') - 2);
     std::string message = absl::StrCat("unknown flag --", name, " for 'tqkv ", subcommand_, "'");
     std::vector<std::string> candidates = names_;
     candidates.push_back("help");
@@ -358,11 +352,10 @@ absl::Status FlagSet::UnknownArgument(const std::string& arg) const {
     return absl::InvalidArgumentError(absl::StrCat(message, see));
   }
   if (arg.size() >= 2 && arg[0] == '-' && arg[1] != '-') {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown flag '", arg, "'; flags are spelled --name", see));
+    return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'; flags are spelled --name", see));
   }
-  return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", arg, "'; 'tqkv ",
-                                                 subcommand_, "' takes only --flags", see));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unexpected argument '", arg, "'; 'tqkv ", subcommand_, "' takes only --flags", see));
 }
 
 // CLI11 names the first missing flag; this names them all at once.
@@ -371,16 +364,14 @@ absl::Status FlagSet::MissingRequired() const {
   for (const CLI::Option* option : app_->get_options()) {
     if (option->get_required() && option->count() == 0) missing.push_back(option->get_name());
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("'tqkv ", subcommand_, "' requires ", absl::StrJoin(missing, ", "),
-                   missing.size() == 1 ? " (missing)" : " (all missing)"));
+  return absl::InvalidArgumentError(absl::StrCat("'tqkv ", subcommand_, "' requires ", absl::StrJoin(missing, ", "),
+                                                 missing.size() == 1 ? " (missing)" : " (all missing)"));
 }
 
 std::string FlagSet::Usage() const { return app_->help(); }
 
 bool IsHelpRequest(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kCancelled &&
-         status.GetPayload(kHelpPayloadUrl).has_value();
+  return status.code() == absl::StatusCode::kCancelled && status.GetPayload(kHelpPayloadUrl).has_value();
 }
 
 std::string ClosestMatch(std::string_view word, const std::vector<std::string>& candidates) {

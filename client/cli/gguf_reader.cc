@@ -63,8 +63,7 @@ class Cursor {
   absl::Status Bytes(void* out, uint64_t n, absl::string_view what) {
     if (n > left()) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "GGUF: %s needs %d bytes at offset %d, but the file has %d left (truncated?)", what, n,
-          offset_, left()));
+          "GGUF: %s needs %d bytes at offset %d, but the file has %d left (truncated?)", what, n, offset_, left()));
     }
     if (n > 0 && !in_.read(static_cast<char*>(out), static_cast<std::streamsize>(n))) {
       return absl::InvalidArgumentError(absl::StrFormat("GGUF: read error at offset %d (%s)", offset_, what));
@@ -89,8 +88,8 @@ class Cursor {
   absl::StatusOr<std::string> String(absl::string_view what) {
     ASSIGN_OR_RETURN(const uint64_t length, Unsigned(8, what));
     if (length > left()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "GGUF: %s has length %d at offset %d, past the end of the file", what, length, offset_));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("GGUF: %s has length %d at offset %d, past the end of the file", what, length, offset_));
     }
     std::string s(length, '\0');
     RETURN_IF_ERROR(Bytes(s.data(), length, what));
@@ -158,13 +157,13 @@ absl::StatusOr<GgufType> ReadType(Cursor& cursor, absl::string_view what) {
 // Reads an array's elements (after its element type and count). Numbers and
 // bools go to out->numbers (skipped when `out` is null); strings and nested
 // arrays are only walked.
-absl::Status ReadArrayElements(Cursor& cursor, GgufType element, uint64_t count, absl::string_view what,
-                               int depth, GgufValue* out) {
+absl::Status ReadArrayElements(Cursor& cursor, GgufType element, uint64_t count, absl::string_view what, int depth,
+                               GgufValue* out) {
   const int bytes = TypeBytes(element);
   if (bytes > 0) {
     if (count > cursor.left() / bytes) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "GGUF: %s holds %d elements of %d bytes, past the end of the file", what, count, bytes));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("GGUF: %s holds %d elements of %d bytes, past the end of the file", what, count, bytes));
     }
     if (out == nullptr) return cursor.Skip(count * bytes, what);
     out->numbers.reserve(count);
@@ -217,8 +216,8 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& cursor, GgufType type, const std::st
 absl::Status ReadHeader(Cursor& cursor, GgufFile* file, uint64_t* tensor_count, uint64_t* kv_count) {
   ASSIGN_OR_RETURN(const uint64_t magic, cursor.Unsigned(4, "the magic"));
   if (magic != kMagic) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s is not a GGUF file (bad magic 0x%08x; want the bytes \"GGUF\")", file->path, magic));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s is not a GGUF file (bad magic 0x%08x; want the bytes \"GGUF\")", file->path, magic));
   }
   ASSIGN_OR_RETURN(const uint64_t version, cursor.Unsigned(4, "the version"));
   if (version != 2 && version != 3) {
@@ -266,15 +265,13 @@ absl::Status ReadTensorInfos(Cursor& cursor, uint64_t count, GgufFile* file) {
 }  // namespace
 
 absl::string_view GgufTypeName(GgufType type) {
-  static constexpr absl::string_view kNames[] = {"uint8", "int8",  "uint16", "int16",  "uint32", "int32",  "float32",
-                                                "bool",  "string", "array", "uint64", "int64",  "float64"};
+  static constexpr absl::string_view kNames[] = {"uint8", "int8",   "uint16", "int16",  "uint32", "int32",  "float32",
+                                                 "bool",  "string", "array",  "uint64", "int64",  "float64"};
   const auto index = static_cast<uint32_t>(type);
   return index < std::size(kNames) ? kNames[index] : "unknown";
 }
 
-bool GgufValue::is_integer() const {
-  return type != GgufType::kFloat32 && type != GgufType::kFloat64 && is_number();
-}
+bool GgufValue::is_integer() const { return type != GgufType::kFloat32 && type != GgufType::kFloat64 && is_number(); }
 
 bool GgufValue::is_number() const { return type != GgufType::kString && type != GgufType::kArray; }
 
@@ -297,8 +294,7 @@ absl::StatusOr<double> GgufFile::Number(absl::string_view key) const {
   const GgufValue* v = Find(key);
   if (v == nullptr) return absl::InvalidArgumentError(absl::StrCat("GGUF has no '", key, "'"));
   if (!v->is_number()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GGUF '", key, "' is a ", GgufTypeName(v->type), "; want a number"));
+    return absl::InvalidArgumentError(absl::StrCat("GGUF '", key, "' is a ", GgufTypeName(v->type), "; want a number"));
   }
   return v->number;
 }
@@ -307,8 +303,7 @@ absl::StatusOr<std::string> GgufFile::String(absl::string_view key) const {
   const GgufValue* v = Find(key);
   if (v == nullptr) return absl::InvalidArgumentError(absl::StrCat("GGUF has no '", key, "'"));
   if (v->type != GgufType::kString) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GGUF '", key, "' is a ", GgufTypeName(v->type), "; want a string"));
+    return absl::InvalidArgumentError(absl::StrCat("GGUF '", key, "' is a ", GgufTypeName(v->type), "; want a string"));
   }
   return v->text;
 }
@@ -339,8 +334,7 @@ absl::StatusOr<GgufFile> ReadGgufFile(const std::string& path) {
   if (file.Find("general.alignment") != nullptr) {
     ASSIGN_OR_RETURN(const int64_t a, file.Int("general.alignment"));
     if (a <= 0 || (a & (a - 1)) != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s: general.alignment is %d; want a power of two", path, a));
+      return absl::InvalidArgumentError(absl::StrFormat("%s: general.alignment is %d; want a power of two", path, a));
     }
     alignment = static_cast<uint64_t>(a);
   }
@@ -355,8 +349,8 @@ absl::StatusOr<std::vector<float>> ReadGgufF32Tensor(const GgufFile& file, absl:
   }
   const GgufTensorInfo& info = it->second;
   if (info.ggml_type != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "GGUF tensor '%s' has ggml type %d; want 0 (F32)", std::string(name), info.ggml_type));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("GGUF tensor '%s' has ggml type %d; want 0 (F32)", std::string(name), info.ggml_type));
   }
   uint64_t count = 1;
   for (uint64_t d : info.dims) {
@@ -366,8 +360,7 @@ absl::StatusOr<std::vector<float>> ReadGgufF32Tensor(const GgufFile& file, absl:
   const uint64_t start = file.data_offset + info.offset;
   if (start < file.data_offset || start > file.file_size || count > (file.file_size - start) / 4) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "GGUF tensor '%s' (%d floats at offset %d) runs past the end of the file", std::string(name), count,
-        start));
+        "GGUF tensor '%s' (%d floats at offset %d) runs past the end of the file", std::string(name), count, start));
   }
   std::ifstream in(file.path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", file.path, "'"));

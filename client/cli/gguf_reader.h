@@ -91,8 +91,8 @@ struct GgufFile {
 
   const GgufValue* Find(absl::string_view key) const;
   // INVALID_ARGUMENT naming the key when it is absent or of another kind.
-  absl::StatusOr<int64_t> Int(absl::string_view key) const;      // integer or bool
-  absl::StatusOr<double> Number(absl::string_view key) const;    // any number
+  absl::StatusOr<int64_t> Int(absl::string_view key) const;    // integer or bool
+  absl::StatusOr<double> Number(absl::string_view key) const;  // any number
   absl::StatusOr<std::string> String(absl::string_view key) const;
 };
 

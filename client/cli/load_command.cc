@@ -50,12 +50,9 @@ int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet, 
                       {"tokens_per_second", v.tokens_per_second}};
       row["kernel_ms_per_step"] = v.kernel_ms_per_step >= 0 ? Json(v.kernel_ms_per_step) : Json();
       row["kernel_share"] = v.kernel_share >= 0 ? Json(v.kernel_share) : Json();
-      row["outside_us_per_layer"] =
-          v.outside_us_per_layer >= 0 ? Json(v.outside_us_per_layer) : Json();
-      row["server_us_per_layer"] =
-          v.server_us_per_layer >= 0 ? Json(v.server_us_per_layer) : Json();
-      row["transport_us_per_layer"] =
-          v.transport_us_per_layer >= 0 ? Json(v.transport_us_per_layer) : Json();
+      row["outside_us_per_layer"] = v.outside_us_per_layer >= 0 ? Json(v.outside_us_per_layer) : Json();
+      row["server_us_per_layer"] = v.server_us_per_layer >= 0 ? Json(v.server_us_per_layer) : Json();
+      row["transport_us_per_layer"] = v.transport_us_per_layer >= 0 ? Json(v.transport_us_per_layer) : Json();
       if (!v.first_error.empty()) row["first_error"] = v.first_error;
       variants.push_back(row);
     }
@@ -70,35 +67,34 @@ int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet, 
                    {"variants", variants}});
     return errors > 0 ? kExitFailure : 0;
   }
-  printf("layer-by-layer decode: %d layers, %d KV heads, %d query heads, head_dim %d; %d "
-         "engine(s) x batch %d, context %lld\n",
-         r.layers, r.kv_heads, r.query_heads, r.head_dim, options.clients, options.batch,
-         static_cast<long long>(options.context));
-  printf("%-7s %6s %6s %9s %9s %9s %10s %8s %12s %10s %10s %10s %10s\n", "variant", "steps",
-         "errors", "rpcs/step", "p50_ms", "p99_ms", "kernel_ms", "kernel%", "outside_us/l",
-         "server_us", "grpc_us", "tok/s/seq", "tok/s");
+  printf(
+      "layer-by-layer decode: %d layers, %d KV heads, %d query heads, head_dim %d; %d "
+      "engine(s) x batch %d, context %lld\n",
+      r.layers, r.kv_heads, r.query_heads, r.head_dim, options.clients, options.batch,
+      static_cast<long long>(options.context));
+  printf("%-7s %6s %6s %9s %9s %9s %10s %8s %12s %10s %10s %10s %10s\n", "variant", "steps", "errors", "rpcs/step",
+         "p50_ms", "p99_ms", "kernel_ms", "kernel%", "outside_us/l", "server_us", "grpc_us", "tok/s/seq", "tok/s");
   const DecodeVariantReport* unary = nullptr;
   for (const DecodeVariantReport& v : r.variants) {
     errors += v.errors;
     if (v.variant == DecodeVariant::kUnary) unary = &v;
     const double calls = v.variant == DecodeVariant::kStream ? v.messages_per_step : v.rpcs_per_step;
     printf("%-7s %6lld %6lld %8.0f%s %9.2f %9.2f %10.2f %7.1f%% %12.0f %10.0f %10.0f %10.1f %10.1f\n",
-           DecodeVariantName(v.variant), static_cast<long long>(v.steps),
-           static_cast<long long>(v.errors), calls,
-           v.variant == DecodeVariant::kStream ? "m" : " ", v.step_p50_ms, v.step_p99_ms,
-           v.kernel_ms_per_step, 100 * v.kernel_share, v.outside_us_per_layer,
-           v.server_us_per_layer, v.transport_us_per_layer, v.tokens_per_second_per_sequence,
-           v.tokens_per_second);
+           DecodeVariantName(v.variant), static_cast<long long>(v.steps), static_cast<long long>(v.errors), calls,
+           v.variant == DecodeVariant::kStream ? "m" : " ", v.step_p50_ms, v.step_p99_ms, v.kernel_ms_per_step,
+           100 * v.kernel_share, v.outside_us_per_layer, v.server_us_per_layer, v.transport_us_per_layer,
+           v.tokens_per_second_per_sequence, v.tokens_per_second);
   }
-  printf("(m: stream messages per step, on one stream; outside_us/l: mean step time minus the "
-         "server's kernel time, per layer = server_us (handlers minus kernels) + grpc_us (beyond "
-         "the handlers: gRPC, loopback, the client))\n");
+  printf(
+      "(m: stream messages per step, on one stream; outside_us/l: mean step time minus the "
+      "server's kernel time, per layer = server_us (handlers minus kernels) + grpc_us (beyond "
+      "the handlers: gRPC, loopback, the client))\n");
   if (unary != nullptr && unary->outside_us_per_layer > 0) {
     for (const DecodeVariantReport& v : r.variants) {
       if (&v == unary || v.outside_us_per_layer < 0) continue;
       printf("%s: time outside the kernels per layer is %.2fx unary's (%.0f vs %.0f us)\n",
-             DecodeVariantName(v.variant), v.outside_us_per_layer / unary->outside_us_per_layer,
-             v.outside_us_per_layer, unary->outside_us_per_layer);
+             DecodeVariantName(v.variant), v.outside_us_per_layer / unary->outside_us_per_layer, v.outside_us_per_layer,
+             unary->outside_us_per_layer);
     }
   }
   for (const DecodeVariantReport& v : r.variants) {
@@ -113,8 +109,8 @@ int RunDecodeLoadTable(const DecodeLoadOptions& options, bool json, bool quiet, 
 struct LoadFlags {
   Connection c;
   std::string mode = "decode", variants = "unary,fused,stream", wire = "f32";
-  int64_t clients = 0, requests = 0, prefill = 512, chunk = 0, steps = 0, per_client = 0, layers = 0,
-          score_every = 16, top_k = 8, seed = 1, batch = 8, context = 1024;
+  int64_t clients = 0, requests = 0, prefill = 512, chunk = 0, steps = 0, per_client = 0, layers = 0, score_every = 16,
+          top_k = 8, seed = 1, batch = 8, context = 1024;
   double duration = 10, max_seconds = 0, give_up = 10;
   bool json = false, quiet = false;
 };
@@ -191,9 +187,8 @@ void PrintMixedReport(const LoadReport& r, const LoadFlags& f) {
                              {"p50_ms", m.p50_ms},
                              {"p99_ms", m.p99_ms}});
     }
-    Json out =
-        Json{{"clients", f.clients}, {"elapsed_seconds", r.elapsed_seconds}, {"calls", r.calls},
-             {"errors", r.errors}, {"tokens_appended", r.tokens_appended}, {"methods", methods}};
+    Json out = Json{{"clients", f.clients}, {"elapsed_seconds", r.elapsed_seconds}, {"calls", r.calls},
+                    {"errors", r.errors},   {"tokens_appended", r.tokens_appended}, {"methods", methods}};
     out["server_attend_seconds"] = r.server_attend_seconds >= 0 ? Json(r.server_attend_seconds) : Json();
     out["attend_kernel_share"] = r.attend_kernel_share >= 0 ? Json(r.attend_kernel_share) : Json();
     if (!r.first_error.empty()) out["first_error"] = r.first_error;
@@ -201,9 +196,9 @@ void PrintMixedReport(const LoadReport& r, const LoadFlags& f) {
     PrintJson(out);
     return;
   }
-  printf("%lld clients, %.2f s, %lld calls, %lld errors, %lld tokens appended\n",
-         static_cast<long long>(f.clients), r.elapsed_seconds, static_cast<long long>(r.calls),
-         static_cast<long long>(r.errors), static_cast<long long>(r.tokens_appended));
+  printf("%lld clients, %.2f s, %lld calls, %lld errors, %lld tokens appended\n", static_cast<long long>(f.clients),
+         r.elapsed_seconds, static_cast<long long>(r.calls), static_cast<long long>(r.errors),
+         static_cast<long long>(r.tokens_appended));
   printf("%-14s %9s %7s %10s %9s %9s\n", "method", "calls", "errors", "calls/s", "p50_ms", "p99_ms");
   for (const MethodStats& m : r.methods) {
     printf("%-14s %9lld %7lld %10.1f %9.3f %9.3f\n", m.method.c_str(), static_cast<long long>(m.calls),
@@ -240,8 +235,8 @@ int RunMixedMode(const LoadFlags& f, const ClientOptions& client) {
   options.give_up_seconds = f.give_up;
   if (!f.quiet) {
     options.progress = [](double elapsed, int64_t calls, int64_t errors) {
-      fprintf(stderr, "\r%6.1f s  %9lld calls  %9.1f calls/s  %lld errors ", elapsed,
-              static_cast<long long>(calls), elapsed > 0 ? calls / elapsed : 0.0, static_cast<long long>(errors));
+      fprintf(stderr, "\r%6.1f s  %9lld calls  %9.1f calls/s  %lld errors ", elapsed, static_cast<long long>(calls),
+              elapsed > 0 ? calls / elapsed : 0.0, static_cast<long long>(errors));
       fflush(stderr);
     };
   }

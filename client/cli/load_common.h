@@ -23,8 +23,7 @@ inline double Percentile(const std::vector<double>& sorted, double p) {
 inline const v1::CacheInfo* FindCache(const v1::ServerInfo& info, const std::string& name) {
   const v1::CacheInfo* cache = nullptr;
   for (const v1::CacheInfo& c : info.caches()) {
-    if (c.config().name() == name ||
-        (name.empty() && (cache == nullptr || c.config().name() == "default"))) {
+    if (c.config().name() == name || (name.empty() && (cache == nullptr || c.config().name() == "default"))) {
       cache = &c;
     }
   }

@@ -19,8 +19,7 @@ namespace cli {
 namespace {
 
 enum Method { kAppend, kAppendStream, kAttend, kScoreQuery, kDropSequence, kNumMethods };
-constexpr const char* kMethodNames[kNumMethods] = {"Append", "AppendStream", "Attend",
-                                                   "ScoreQuery", "DropSequence"};
+constexpr const char* kMethodNames[kNumMethods] = {"Append", "AppendStream", "Attend", "ScoreQuery", "DropSequence"};
 
 struct Layout {
   int layers = 0;
@@ -59,9 +58,9 @@ class LoadClient {
     const Layout& l = shared_->layout;
     const LoadOptions& o = *shared_->options;
     const int64_t chunk = std::min(o.prefill_tokens, o.prefill_chunk_tokens);
-    const int64_t largest = std::max<int64_t>(
-        {int64_t{l.layers} * chunk * l.kv_heads * l.head_dim,
-         int64_t{l.layers} * l.kv_heads * l.head_dim, int64_t{l.query_heads} * l.head_dim});
+    const int64_t largest =
+        std::max<int64_t>({int64_t{l.layers} * chunk * l.kv_heads * l.head_dim,
+                           int64_t{l.layers} * l.kv_heads * l.head_dim, int64_t{l.query_heads} * l.head_dim});
     // Twice the largest tensor: every tensor is a window at a random offset.
     pool_.resize(static_cast<size_t>(2 * largest));
     for (float& x : pool_) x = static_cast<float>(random_.NextGaussian());
@@ -75,8 +74,7 @@ class LoadClient {
     }
     absl::MutexLock lock(&shared_->mu);
     for (int m = 0; m < kNumMethods; ++m) {
-      shared_->latencies[m].insert(shared_->latencies[m].end(), latencies_[m].begin(),
-                                   latencies_[m].end());
+      shared_->latencies[m].insert(shared_->latencies[m].end(), latencies_[m].begin(), latencies_[m].end());
       shared_->method_errors[m] += errors_[m];
     }
   }
@@ -103,8 +101,7 @@ class LoadClient {
   bool Call(Method method, F call) {
     const auto start = std::chrono::steady_clock::now();
     const absl::Status status = call();
-    latencies_[method].push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    latencies_[method].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     shared_->calls.fetch_add(1, std::memory_order_relaxed);
     if (status.ok()) {
       backoff_ = absl::ZeroDuration();
@@ -127,9 +124,9 @@ class LoadClient {
   // for give_up_seconds, else waits (50 ms doubling to 1 s) before the next
   // call, waking early when the run stops.
   void BackOff(const absl::Status& status) {
-    const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                            std::chrono::steady_clock::now().time_since_epoch())
-                            .count();
+    const int64_t now =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
     int64_t since = 0;
     if (!shared_->unavailable_since_ns.compare_exchange_strong(since, now)) {
       if (now - since >= static_cast<int64_t>(shared_->options->give_up_seconds * 1e9)) {
@@ -139,8 +136,7 @@ class LoadClient {
         return;
       }
     }
-    backoff_ = backoff_ == absl::ZeroDuration() ? absl::Milliseconds(50)
-                                                : std::min(2 * backoff_, absl::Seconds(1));
+    backoff_ = backoff_ == absl::ZeroDuration() ? absl::Milliseconds(50) : std::min(2 * backoff_, absl::Seconds(1));
     const absl::Time until = absl::Now() + backoff_;
     while (!Stopped() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
   }
@@ -172,8 +168,7 @@ class LoadClient {
       } else {
         std::vector<AppendArgs> chunks;
         for (int64_t t = 0; t < o.prefill_tokens; t += o.prefill_chunk_tokens) {
-          chunks.push_back(
-              MakeAppend(id, t, std::min(o.prefill_chunk_tokens, o.prefill_tokens - t)));
+          chunks.push_back(MakeAppend(id, t, std::min(o.prefill_chunk_tokens, o.prefill_tokens - t)));
         }
         ok = Call(kAppendStream, [&] { return client_->AppendStream(chunks).status(); });
       }
@@ -274,19 +269,17 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& options) {
   }
   Shared shared;
   shared.options = &options;
-  shared.layout = {cache->config().num_layers(), cache->config().num_kv_heads(),
-                   cache->config().num_query_heads(), cache->config().head_dim()};
+  shared.layout = {cache->config().num_layers(), cache->config().num_kv_heads(), cache->config().num_query_heads(),
+                   cache->config().head_dim()};
   if (options.layers < 0 || options.layers > shared.layout.layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layers must be in [0, ",
-                                                   shared.layout.layers, "] for this cache"));
+    return absl::InvalidArgumentError(absl::StrCat("layers must be in [0, ", shared.layout.layers, "] for this cache"));
   }
   if (options.layers > 0) shared.layout.layers = options.layers;
   shared.run_tag = absl::StrCat(absl::ToUnixNanos(absl::Now()) % 1000000000, "-", options.seed);
 
   const absl::Time start = absl::Now();
-  shared.deadline = options.duration_seconds > 0
-                        ? start + absl::Seconds(options.duration_seconds)
-                        : absl::InfiniteFuture();
+  shared.deadline =
+      options.duration_seconds > 0 ? start + absl::Seconds(options.duration_seconds) : absl::InfiniteFuture();
   std::vector<std::unique_ptr<LoadClient>> load_clients;
   for (int i = 0; i < options.clients; ++i) {
     load_clients.push_back(std::make_unique<LoadClient>(&shared, &client, i));
@@ -304,8 +297,7 @@ absl::StatusOr<LoadReport> RunLoad(const LoadOptions& options) {
   while (running.load() > 0) {
     absl::SleepFor(absl::Milliseconds(20));
     if (options.progress && absl::Now() >= next) {
-      options.progress(absl::ToDoubleSeconds(absl::Now() - start), shared.calls.load(),
-                       shared.errors.load());
+      options.progress(absl::ToDoubleSeconds(absl::Now() - start), shared.calls.load(), shared.errors.load());
       next += absl::Seconds(1);
     }
   }

@@ -67,7 +67,7 @@ struct MethodStats {
   int64_t calls = 0;   // including errors
   int64_t errors = 0;
   double calls_per_second = 0;
-  double p50_ms = 0;   // latency of successful and failed calls alike
+  double p50_ms = 0;  // latency of successful and failed calls alike
   double p99_ms = 0;
 };
 

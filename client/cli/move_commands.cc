@@ -97,7 +97,8 @@ int RunMoveImpl(int argc, const char* const* argv) {
   Client from(*from_options), to(*to_options);
   v1::ExportRequest request;
   request.set_cache(c.cache);
-  for (absl::string_view id : absl::StrSplit(sequences, ',', absl::SkipEmpty())) request.add_sequence_ids(std::string(id));
+  for (absl::string_view id : absl::StrSplit(sequences, ',', absl::SkipEmpty()))
+    request.add_sequence_ids(std::string(id));
   request.set_id_prefix(prefix);
   request.set_all(all);
   const absl::Time start = absl::Now();
@@ -198,8 +199,8 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
         if (!instance.ok()) return Fail(instance.status());
         auto shard = by_instance.find(*instance);
         if (shard == by_instance.end()) {
-          return Fail(absl::FailedPreconditionError(absl::StrFormat(
-              "the router sends key '%s' to a server not in --servers (instance %s)", key, *instance)));
+          return Fail(absl::FailedPreconditionError(
+              absl::StrFormat("the router sends key '%s' to a server not in --servers (instance %s)", key, *instance)));
         }
         it = owner_of_key.emplace(key, shard->second).first;
       }
@@ -209,10 +210,10 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
         continue;
       }
       for (const std::string& id : group) {
-        moves.push_back(
-            Json{{"sequence", id}, {"from", shards[from].target}, {"to", shards[to].target}});
-        if (!json) printf("%s %s: %s -> %s\n", dry_run ? "would move" : "moving", id.c_str(), shards[from].target.c_str(),
-                          shards[to].target.c_str());
+        moves.push_back(Json{{"sequence", id}, {"from", shards[from].target}, {"to", shards[to].target}});
+        if (!json)
+          printf("%s %s: %s -> %s\n", dry_run ? "would move" : "moving", id.c_str(), shards[from].target.c_str(),
+                 shards[to].target.c_str());
       }
       if (dry_run) {
         moved += static_cast<int64_t>(group.size());
@@ -223,9 +224,9 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
       for (const std::string& id : group) request.add_sequence_ids(id);
       absl::StatusOr<v1::ImportResponse> copied = CopySequences(*shards[from].client, *shards[to].client, request);
       if (!copied.ok()) {
-        return Fail(absl::Status(copied.status().code(), absl::StrCat("moving key '", key, "' from ", shards[from].target,
-                                                                      " to ", shards[to].target, ": ",
-                                                                      copied.status().message())));
+        return Fail(absl::Status(copied.status().code(),
+                                 absl::StrCat("moving key '", key, "' from ", shards[from].target, " to ",
+                                              shards[to].target, ": ", copied.status().message())));
       }
       // Dropped from the old home only once the new one holds them all.
       for (const std::string& id : group) {
@@ -253,8 +254,8 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
 // Prefills `id` with `context` tokens of random K/V in chunks of at most
 // ~32 MiB on the wire, the same random chunk each time (what the bytes are
 // does not change what moving them costs).
-absl::Status PrefillRandom(Client& from, const std::string& cache, const std::string& id,
-                           const v1::CacheConfig& layout, int64_t context, std::mt19937& rng) {
+absl::Status PrefillRandom(Client& from, const std::string& cache, const std::string& id, const v1::CacheConfig& layout,
+                           int64_t context, std::mt19937& rng) {
   const int64_t layers = layout.num_layers(), heads = layout.num_kv_heads(), dim = layout.head_dim();
   const int64_t chunk_tokens = std::max<int64_t>(1, (int64_t{32} << 20) / (layers * heads * dim * 2 * 2));
   std::normal_distribution<float> normal;
@@ -386,10 +387,11 @@ int RunBenchMoveImpl(int argc, const char* const* argv) {
     printf("moved %lld tokens (%lld layers, preset %s): %lld bytes = %.3fx their %lld bf16 bytes\n",
            static_cast<long long>(context), static_cast<long long>(layers), layout->preset().c_str(),
            static_cast<long long>(bytes), ratio, static_cast<long long>(bf16_bytes));
-    printf("median of %zu rounds %.3f s (%s): %.2f GB/s of compressed bytes (bf16 at that rate: %.3f s); attend "
-           "on the copy %s\n",
-           seconds.size(), median, pull ? "pulled by the destination" : "relayed by this process", gbps,
-           bf16_bytes / (gbps * 1e9), identical ? "identical" : "DIFFERS");
+    printf(
+        "median of %zu rounds %.3f s (%s): %.2f GB/s of compressed bytes (bf16 at that rate: %.3f s); attend "
+        "on the copy %s\n",
+        seconds.size(), median, pull ? "pulled by the destination" : "relayed by this process", gbps,
+        bf16_bytes / (gbps * 1e9), identical ? "identical" : "DIFFERS");
   }
   return identical ? 0 : kExitFailure;
 }

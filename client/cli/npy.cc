@@ -78,8 +78,8 @@ absl::StatusOr<int64_t> CheckedNumElements(const std::vector<int64_t>& shape, in
   bool has_zero = false;
   for (int64_t dim : shape) {
     if (dim < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(what, "shape ", ShapeRepr(shape),
-                                                     " has a negative dimension; want all >= 0"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, "shape ", ShapeRepr(shape), " has a negative dimension; want all >= 0"));
     }
     has_zero |= dim == 0;
   }
@@ -141,14 +141,13 @@ class HeaderParser {
 
  private:
   absl::Status Error(absl::string_view what) const {
-    return absl::InvalidArgumentError(
-        absl::StrCat("malformed header (", what, " at offset ", pos_, "): '",
-                     absl::StripTrailingAsciiWhitespace(text_.substr(0, 200)), "'"));
+    return absl::InvalidArgumentError(absl::StrCat("malformed header (", what, " at offset ", pos_, "): '",
+                                                   absl::StripTrailingAsciiWhitespace(text_.substr(0, 200)), "'"));
   }
 
   void SkipSpace() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
-                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
+    while (pos_ < text_.size() &&
+           (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r')) {
       ++pos_;
     }
   }
@@ -282,8 +281,7 @@ absl::StatusOr<Header> ParseHeader(absl::string_view text) {
         header.descr = value.text;
       } else if (value.kind == HeaderValue::Kind::kOther) {
         return absl::InvalidArgumentError(
-            absl::StrCat("structured dtype ", value.text,
-                         " not supported; want float32 ('<f4') or float16 ('<f2')"));
+            absl::StrCat("structured dtype ", value.text, " not supported; want float32 ('<f4') or float16 ('<f2')"));
       } else {
         return absl::InvalidArgumentError("header 'descr' is not a dtype string");
       }
@@ -301,8 +299,7 @@ absl::StatusOr<Header> ParseHeader(absl::string_view text) {
       header.shape = value.ints;
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat("header has unexpected key '", key,
-                       "'; want exactly 'descr', 'fortran_order' and 'shape'"));
+          absl::StrCat("header has unexpected key '", key, "'; want exactly 'descr', 'fortran_order' and 'shape'"));
     }
     if (*seen) {
       return absl::InvalidArgumentError(absl::StrCat("header repeats key '", key, "'"));
@@ -310,8 +307,7 @@ absl::StatusOr<Header> ParseHeader(absl::string_view text) {
     *seen = true;
   }
   if (!have_descr || !have_fortran || !have_shape) {
-    return absl::InvalidArgumentError(
-        "header lacks one of the keys 'descr', 'fortran_order', 'shape'");
+    return absl::InvalidArgumentError("header lacks one of the keys 'descr', 'fortran_order', 'shape'");
   }
   return header;
 }
@@ -338,13 +334,12 @@ absl::StatusOr<NpyArray> ReadNpyFile(std::FILE* file, uint64_t file_size) {
   unsigned char prefix[12];
   if (file_size < kMagicLen + 4 || std::fread(prefix, 1, kMagicLen + 2, file) != kMagicLen + 2 ||
       std::memcmp(prefix, kMagic, kMagicLen) != 0) {
-    return absl::InvalidArgumentError(
-        "not a .npy file: it does not start with the magic \"\\x93NUMPY\"");
+    return absl::InvalidArgumentError("not a .npy file: it does not start with the magic \"\\x93NUMPY\"");
   }
   const int major = prefix[6], minor = prefix[7];
   if ((major != 1 && major != 2 && major != 3) || minor != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(".npy format version ", major, ".", minor,
-                                                   " not supported; want 1.0, 2.0 or 3.0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(".npy format version ", major, ".", minor, " not supported; want 1.0, 2.0 or 3.0"));
   }
   const size_t len_bytes = major == 1 ? 2 : 4;
   if (std::fread(prefix + 8, 1, len_bytes, file) != len_bytes) {
@@ -354,13 +349,13 @@ absl::StatusOr<NpyArray> ReadNpyFile(std::FILE* file, uint64_t file_size) {
   for (size_t i = 0; i < len_bytes; ++i) header_len |= uint32_t{prefix[8 + i]} << (8 * i);
   const uint64_t data_offset = 8 + len_bytes + header_len;
   if (header_len > kMaxHeaderLen) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header length ", header_len, " is implausible; want at most ", kMaxHeaderLen));
+    return absl::InvalidArgumentError(
+        absl::StrCat("header length ", header_len, " is implausible; want at most ", kMaxHeaderLen));
   }
   if (data_offset > file_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "truncated: the header says it is ", header_len, " bytes but the file has only ",
-        file_size - (8 + len_bytes), " bytes after the header length"));
+    return absl::InvalidArgumentError(absl::StrCat("truncated: the header says it is ", header_len,
+                                                   " bytes but the file has only ", file_size - (8 + len_bytes),
+                                                   " bytes after the header length"));
   }
   std::string header_text(header_len, '\0');
   if (std::fread(header_text.data(), 1, header_len, file) != header_len) {
@@ -375,13 +370,13 @@ absl::StatusOr<NpyArray> ReadNpyFile(std::FILE* file, uint64_t file_size) {
   } else if (header->descr == "<f2") {
     item_size = 2;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "dtype '", header->descr, "' not supported; want float32 ('<f4') or float16 ('<f2')"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype '", header->descr, "' not supported; want float32 ('<f4') or float16 ('<f2')"));
   }
   if (header->fortran_order) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("fortran_order is True (column-major, shape ", ShapeRepr(header->shape),
-                     "); want C order: save np.ascontiguousarray(x)"));
+    return absl::InvalidArgumentError(absl::StrCat("fortran_order is True (column-major, shape ",
+                                                   ShapeRepr(header->shape),
+                                                   "); want C order: save np.ascontiguousarray(x)"));
   }
   absl::StatusOr<int64_t> count = CheckedNumElements(header->shape, item_size, "");
   if (!count.ok()) return count.status();
@@ -390,9 +385,8 @@ absl::StatusOr<NpyArray> ReadNpyFile(std::FILE* file, uint64_t file_size) {
   const uint64_t have_bytes = file_size - data_offset;
   if (have_bytes != want_bytes) {
     return absl::InvalidArgumentError(
-        absl::StrCat(have_bytes < want_bytes ? "truncated: " : "trailing bytes: ", "shape ",
-                     ShapeRepr(header->shape), " of '", header->descr, "' needs ", want_bytes,
-                     " data bytes, the file has ", have_bytes));
+        absl::StrCat(have_bytes < want_bytes ? "truncated: " : "trailing bytes: ", "shape ", ShapeRepr(header->shape),
+                     " of '", header->descr, "' needs ", want_bytes, " data bytes, the file has ", have_bytes));
   }
 
   NpyArray array;
@@ -437,18 +431,16 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path) {
   return array;
 }
 
-absl::Status WriteNpy(const std::string& path, const std::vector<int64_t>& shape,
-                      const float* data) {
+absl::Status WriteNpy(const std::string& path, const std::vector<int64_t>& shape, const float* data) {
   absl::StatusOr<int64_t> count = CheckedNumElements(shape, 4, absl::StrCat(path, ": "));
   if (!count.ok()) return count.status();
   if (data == nullptr && *count != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": data is null but shape ",
-                                                   ShapeRepr(shape), " has ", *count, " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": data is null but shape ", ShapeRepr(shape), " has ", *count, " elements"));
   }
 
   // Laid out exactly as numpy.lib.format._write_array_header (numpy 1.24).
-  std::string dict =
-      absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': ", ShapeRepr(shape), ", }");
+  std::string dict = absl::StrCat("{'descr': '<f4', 'fortran_order': False, 'shape': ", ShapeRepr(shape), ", }");
   if (!shape.empty()) {
     dict.append(kGrowthAxisMaxDigits - absl::StrCat(shape[0]).size(), ' ');
   }
@@ -457,8 +449,8 @@ absl::Status WriteNpy(const std::string& path, const std::vector<int64_t>& shape
   dict.append(kAlign - unpadded % kAlign, ' ');
   dict.push_back('\n');
   if (dict.size() > 0xffff) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": shape ", ShapeRepr(shape),
-                                                   " needs a header too long for format 1.0"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": shape ", ShapeRepr(shape), " needs a header too long for format 1.0"));
   }
   std::string prefix(kMagic, kMagicLen);
   prefix.push_back('\x01');

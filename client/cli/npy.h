@@ -65,8 +65,7 @@ absl::StatusOr<NpyArray> ReadNpy(const std::string& path);
 // overflows, or null `data` with a non-zero element count; the errno-mapped
 // code (e.g. NOT_FOUND for a missing directory, PERMISSION_DENIED) when the
 // file cannot be created or written. A failed write may leave a partial file.
-absl::Status WriteNpy(const std::string& path, const std::vector<int64_t>& shape,
-                      const float* data);
+absl::Status WriteNpy(const std::string& path, const std::vector<int64_t>& shape, const float* data);
 
 }  // namespace tqkv
 

@@ -33,16 +33,16 @@ absl::StatusOr<Matrix> ReadMatrix(const std::string& path, const char* what, boo
   if (!array.ok()) return array.status();
   const std::vector<int64_t>& shape = array->shape;
   if (shape.size() < 2 || (!allow_higher_rank && shape.size() != 2)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: %s has %d dims, want [rows, head_dim]%s", path, what, shape.size(),
-        allow_higher_rank ? " (or more leading dims)" : ""));
+    return absl::InvalidArgumentError(absl::StrFormat("%s: %s has %d dims, want [rows, head_dim]%s", path, what,
+                                                      shape.size(),
+                                                      allow_higher_rank ? " (or more leading dims)" : ""));
   }
   Matrix m;
   m.head_dim = static_cast<int>(shape.back());
   m.rows = shape.back() == 0 ? 0 : static_cast<int64_t>(array->data.size()) / shape.back();
   if (m.head_dim < kMinHeadDim || m.head_dim > kMaxHeadDim) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s: head_dim (last axis) is %d, want %d..%d", path, m.head_dim, kMinHeadDim, kMaxHeadDim));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s: head_dim (last axis) is %d, want %d..%d", path, m.head_dim, kMinHeadDim, kMaxHeadDim));
   }
   if (m.rows == 0) return absl::InvalidArgumentError(absl::StrFormat("%s: %s is empty", path, what));
   m.shape = shape;
@@ -90,34 +90,32 @@ int RunDistortionImpl(int argc, const char* const* argv) {
 }
 
 int RunCodebookImpl(int argc, const char* const* argv) {
-  FlagSet flags("codebook", "Centroids and decision midpoints of the Lloyd-Max codebook for (D, B),\n"
-                            "in coordinate units of a unit vector (times sqrt(D) alongside).");
+  FlagSet flags("codebook",
+                "Centroids and decision midpoints of the Lloyd-Max codebook for (D, B),\n"
+                "in coordinate units of a unit vector (times sqrt(D) alongside).");
   int64_t head_dim = 0, bits = 0;
   bool json = false;
   flags.AddRequiredInt("head-dim", &head_dim, "head dim D");
   flags.AddRequiredInt("bits", &bits, "bits B (1..8)");
   flags.AddBool("json", &json, "print JSON instead of a table");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
-  absl::StatusOr<const Codebook*> result =
-      GetCodebook(static_cast<int>(head_dim), static_cast<int>(bits));
+  absl::StatusOr<const Codebook*> result = GetCodebook(static_cast<int>(head_dim), static_cast<int>(bits));
   if (!result.ok()) return UsageError(std::string(result.status().message()));
   const Codebook& codebook = **result;
   const double root_d = std::sqrt(static_cast<double>(head_dim));
   if (json) {
-    PrintJson(
-        Json{{"head_dim", head_dim},
-             {"bits", bits},
-             {"d_mse", codebook.distortion},
-             {"iterations", codebook.iterations},
-             {"centroids", FloatArray(codebook.centroids.data(), codebook.centroids.size())},
-             {"midpoints", FloatArray(codebook.boundaries.data(), codebook.boundaries.size())}});
+    PrintJson(Json{{"head_dim", head_dim},
+                   {"bits", bits},
+                   {"d_mse", codebook.distortion},
+                   {"iterations", codebook.iterations},
+                   {"centroids", FloatArray(codebook.centroids.data(), codebook.centroids.size())},
+                   {"midpoints", FloatArray(codebook.boundaries.data(), codebook.boundaries.size())}});
     return 0;
   }
   printf("head_dim %lld, bits %lld: %d levels, D_mse %.6f (%d Lloyd-Max iterations)\n",
-         static_cast<long long>(head_dim), static_cast<long long>(bits), codebook.levels(),
-         codebook.distortion, codebook.iterations);
-  printf("%-6s %-14s %-12s %-14s %-12s\n", "level", "centroid", "x sqrt(D)", "upper midpoint",
-         "x sqrt(D)");
+         static_cast<long long>(head_dim), static_cast<long long>(bits), codebook.levels(), codebook.distortion,
+         codebook.iterations);
+  printf("%-6s %-14s %-12s %-14s %-12s\n", "level", "centroid", "x sqrt(D)", "upper midpoint", "x sqrt(D)");
   for (int i = 0; i < codebook.levels(); ++i) {
     const float c = codebook.centroids[i];
     if (i + 1 < codebook.levels()) {
@@ -167,13 +165,13 @@ int RunRoundtripImpl(int argc, const char* const* argv) {
       absl::StatusOr<Matrix> loaded = ReadMatrix(calibration_path, "calibration keys", true);
       if (!loaded.ok()) return Fail(loaded.status());
       if (loaded->head_dim != x->head_dim) {
-        return Fail(absl::InvalidArgumentError(absl::StrFormat(
-            "calibration head_dim %d differs from the input's %d", loaded->head_dim, x->head_dim)));
+        return Fail(absl::InvalidArgumentError(
+            absl::StrFormat("calibration head_dim %d differs from the input's %d", loaded->head_dim, x->head_dim)));
       }
       calibration = std::move(*loaded);
     }
-    options.hot_channels = ChooseHotChannels(calibration.data.data(), calibration.rows,
-                                             x->head_dim, spec->HotChannels(x->head_dim));
+    options.hot_channels =
+        ChooseHotChannels(calibration.data.data(), calibration.rows, x->head_dim, spec->HotChannels(x->head_dim));
   }
   absl::StatusOr<std::unique_ptr<VectorCodec>> codec = MakeCodec(*spec, options);
   if (!codec.ok()) return Fail(codec.status());
@@ -187,8 +185,7 @@ int RunRoundtripImpl(int argc, const char* const* argv) {
     const float* v = &x->data[row * d];
     absl::Status status = (*codec)->Encode(v, codes.data(), scalars.data());
     if (!status.ok()) {
-      return Fail(absl::InvalidArgumentError(
-          absl::StrFormat("%s: row %d: %s", in_path, row, status.message())));
+      return Fail(absl::InvalidArgumentError(absl::StrFormat("%s: row %d: %s", in_path, row, status.message())));
     }
     (*codec)->Decode(codes.data(), scalars.data(), &decoded[row * d]);
     for (int i = 0; i < d; ++i) {
@@ -199,8 +196,8 @@ int RunRoundtripImpl(int argc, const char* const* argv) {
   }
   absl::Status written = WriteNpy(out_path, x->shape, decoded.data());
   if (!written.ok()) return Fail(written);
-  printf("preset %s, %s codec %s, head_dim %d, %lld vectors\n", preset_name.c_str(), part.c_str(),
-         spec->Name().c_str(), d, static_cast<long long>(x->rows));
+  printf("preset %s, %s codec %s, head_dim %d, %lld vectors\n", preset_name.c_str(), part.c_str(), spec->Name().c_str(),
+         d, static_cast<long long>(x->rows));
   printf("relative MSE %.6f\n", energy > 0 ? error / energy : 0.0);
   printf("bytes per vector %d (bf16: %d, %.2fx smaller)\n", (*codec)->bytes_per_vector(), 2 * d,
          2.0 * d / (*codec)->bytes_per_vector());
@@ -275,8 +272,8 @@ int RunEvalImpl(int argc, const char* const* argv) {
   absl::StatusOr<Matrix> queries = ReadMatrix(queries_path, "queries", false);
   if (!queries.ok()) return Fail(queries.status());
   if (queries->head_dim != keys->head_dim) {
-    return Fail(absl::InvalidArgumentError(absl::StrFormat(
-        "queries head_dim %d differs from keys head_dim %d", queries->head_dim, keys->head_dim)));
+    return Fail(absl::InvalidArgumentError(
+        absl::StrFormat("queries head_dim %d differs from keys head_dim %d", queries->head_dim, keys->head_dim)));
   }
   Matrix values, calibration;
   eval::EvalInputs inputs;
@@ -290,9 +287,9 @@ int RunEvalImpl(int argc, const char* const* argv) {
     absl::StatusOr<Matrix> loaded = ReadMatrix(values_path, "values", false);
     if (!loaded.ok()) return Fail(loaded.status());
     if (loaded->rows != keys->rows || loaded->head_dim != keys->head_dim) {
-      return Fail(absl::InvalidArgumentError(absl::StrFormat(
-          "values are [%d, %d], want the keys' shape [%d, %d]", loaded->rows, loaded->head_dim,
-          keys->rows, keys->head_dim)));
+      return Fail(
+          absl::InvalidArgumentError(absl::StrFormat("values are [%d, %d], want the keys' shape [%d, %d]", loaded->rows,
+                                                     loaded->head_dim, keys->rows, keys->head_dim)));
     }
     values = std::move(*loaded);
     inputs.values = values.data.data();
@@ -311,18 +308,15 @@ int RunEvalImpl(int argc, const char* const* argv) {
   Json rows = Json::array();
   if (!json) {
     printf("%lld keys, %lld queries, head_dim %d%s\n", static_cast<long long>(keys->rows),
-           static_cast<long long>(queries->rows), keys->head_dim,
-           inputs.values ? ", with values" : "");
-    printf("%-20s %6s %6s %9s %9s %9s %7s %7s %8s %9s %5s %5s %5s %5s %6s\n", "preset", "bytes",
-           "x_bf16", "key_mse", "logit_rmse", "logit_std", "top1", "top8", "tv", "out_err", "n3",
-           "n5", "n7", "n9", "w5");
+           static_cast<long long>(queries->rows), keys->head_dim, inputs.values ? ", with values" : "");
+    printf("%-20s %6s %6s %9s %9s %9s %7s %7s %8s %9s %5s %5s %5s %5s %6s\n", "preset", "bytes", "x_bf16", "key_mse",
+           "logit_rmse", "logit_std", "top1", "top8", "tv", "out_err", "n3", "n5", "n7", "n9", "w5");
   }
   for (const Preset* preset : *presets) {
     absl::StatusOr<eval::PresetEvaluation> result = eval::EvaluatePreset(*preset, inputs);
     if (!result.ok()) {
       return Fail(absl::Status(result.status().code(),
-                               absl::StrFormat("preset %s: %s", std::string(preset->name),
-                                               result.status().message())));
+                               absl::StrFormat("preset %s: %s", std::string(preset->name), result.status().message())));
     }
     if (json) {
       rows.push_back(EvalRowJson(*result, *preset));
@@ -398,8 +392,7 @@ int RunPresetsImpl(int argc, const char* const* argv) {
   const int d = static_cast<int>(head_dim);
   Json rows = Json::array();
   if (!json) {
-    printf("%-20s %-18s %-10s %6s %7s  %s\n", "preset", "keys", "values", "bytes", "x_bf16",
-           "description");
+    printf("%-20s %-18s %-10s %6s %7s  %s\n", "preset", "keys", "values", "bytes", "x_bf16", "description");
   }
   for (const Preset& preset : AllPresets()) {
     if (json) {
@@ -411,9 +404,9 @@ int RunPresetsImpl(int argc, const char* const* argv) {
                           {"evaluation_only", preset.evaluation_only},
                           {"description", std::string(preset.description)}});
     } else {
-      printf("%-20s %-18s %-10s %6d %7.2f  %s\n", std::string(preset.name).c_str(),
-             preset.key.Name().c_str(), preset.value.Name().c_str(), preset.BytesPerTokenHead(d),
-             preset.CompressionVsBf16(d), std::string(preset.description).c_str());
+      printf("%-20s %-18s %-10s %6d %7.2f  %s\n", std::string(preset.name).c_str(), preset.key.Name().c_str(),
+             preset.value.Name().c_str(), preset.BytesPerTokenHead(d), preset.CompressionVsBf16(d),
+             std::string(preset.description).c_str());
     }
   }
   if (json) PrintJson(Json{{"head_dim", head_dim}, {"presets", rows}});

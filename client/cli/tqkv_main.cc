@@ -47,11 +47,10 @@ int main(int argc, char** argv) {
     if (command.name == name) return command.run(argc - 2, argv + 2);
   }
   std::vector<std::string> names;
-  for (const tqkv::cli::Command& command : tqkv::cli::AllCommands())
-    names.emplace_back(command.name);
+  for (const tqkv::cli::Command& command : tqkv::cli::AllCommands()) names.emplace_back(command.name);
   const std::string closest = tqkv::ClosestMatch(name, names);
-  fprintf(stderr, "tqkv: unknown subcommand '%s'%s%s%s\n\n", argv[1],
-          closest.empty() ? "" : "; did you mean '", closest.c_str(), closest.empty() ? "" : "'?");
+  fprintf(stderr, "tqkv: unknown subcommand '%s'%s%s%s\n\n", argv[1], closest.empty() ? "" : "; did you mean '",
+          closest.c_str(), closest.empty() ? "" : "'?");
   PrintUsage(stderr);
   return 2;
 }

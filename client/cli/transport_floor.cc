@@ -197,8 +197,8 @@ EchoServerProcess::~EchoServerProcess() {
 }
 
 absl::StatusOr<TransportFloor> MeasureTransportFloor(int port, const TransportFloorOptions& options) {
-  if (options.request_bytes < 8 || options.response_bytes < 0 ||
-      options.request_bytes > kMaxBytes || options.response_bytes > kMaxBytes) {
+  if (options.request_bytes < 8 || options.response_bytes < 0 || options.request_bytes > kMaxBytes ||
+      options.response_bytes > kMaxBytes) {
     return absl::InvalidArgumentError(
         "want a request of [8, 256 MiB] bytes (it carries the answer's size) and an answer of at "
         "most 256 MiB");
@@ -207,8 +207,8 @@ absl::StatusOr<TransportFloor> MeasureTransportFloor(int port, const TransportFl
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(kMaxBytes);
   arguments.SetMaxSendMessageSize(kMaxBytes);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), arguments);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), arguments);
   grpc::GenericStub stub(channel);
   grpc::CompletionQueue cq;
   const std::string method = "/tqkv.bench.Echo/Echo";

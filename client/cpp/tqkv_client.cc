@@ -30,17 +30,15 @@ int64_t Product(absl::Span<const int64_t> shape) {
   return n;
 }
 
-absl::Status CheckSize(const char* name, absl::Span<const float> data,
-                       absl::Span<const int64_t> shape) {
+absl::Status CheckSize(const char* name, absl::Span<const float> data, absl::Span<const int64_t> shape) {
   if (static_cast<int64_t>(data.size()) != Product(shape)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has %d floats but its shape holds %d", name, data.size(), Product(shape)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s has %d floats but its shape holds %d", name, data.size(), Product(shape)));
   }
   return absl::OkStatus();
 }
 
-void Encode(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::DType dtype,
-            v1::Tensor* out) {
+void Encode(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::DType dtype, v1::Tensor* out) {
   if (dtype == v1::DTYPE_UNSPECIFIED) dtype = v1::DTYPE_F32;
   out->set_dtype(dtype);
   for (int64_t d : shape) out->add_shape(d);
@@ -59,7 +57,8 @@ void Encode(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::D
 absl::StatusOr<std::vector<float>> Decode(const v1::Tensor& t) {
   int64_t n = 1;
   for (int64_t d : t.shape()) {
-    if (d < 0 || (d > 0 && n > (int64_t{1} << 40) / d)) return absl::InternalError("server sent a tensor with a bad shape");
+    if (d < 0 || (d > 0 && n > (int64_t{1} << 40) / d))
+      return absl::InternalError("server sent a tensor with a bad shape");
     n *= d;
   }
   const size_t elem = t.dtype() == v1::DTYPE_F32 ? 4 : 2;
@@ -149,8 +148,7 @@ absl::StatusOr<AttendOutput> FromProto(const v1::Tensor& output, const v1::Tenso
 
 }  // namespace
 
-absl::Status FillAppendAttendRequest(const AppendAttendArgs& args,
-                                     v1::AppendAttendRequest* request) {
+absl::Status FillAppendAttendRequest(const AppendAttendArgs& args, v1::AppendAttendRequest* request) {
   request->set_cache(args.cache);
   request->set_layer(args.layer);
   request->set_scale(args.scale);
@@ -162,8 +160,7 @@ absl::Status FillAppendAttendRequest(const AppendAttendArgs& args,
   }
   for (size_t i = 0; i < args.items.size(); ++i) {
     const AppendAttendItemArgs& item = args.items[i];
-    for (absl::Status s : {CheckSize("keys", item.keys, item.kv_shape),
-                           CheckSize("values", item.values, item.kv_shape),
+    for (absl::Status s : {CheckSize("keys", item.keys, item.kv_shape), CheckSize("values", item.values, item.kv_shape),
                            CheckSize("queries", item.queries, item.query_shape)}) {
       if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
     }
@@ -181,8 +178,7 @@ absl::Status FillAppendAttendRequest(const AppendAttendArgs& args,
   return absl::OkStatus();
 }
 
-absl::StatusOr<AppendAttendResult> FromProto(const v1::AppendAttendResponse& response,
-                                             bool with_lse) {
+absl::StatusOr<AppendAttendResult> FromProto(const v1::AppendAttendResponse& response, bool with_lse) {
   AppendAttendResult result;
   result.stored_bytes = response.stored_bytes();
   result.stored_bytes_bf16 = response.stored_bytes_bf16();
@@ -233,8 +229,7 @@ absl::StatusOr<uint64_t> DecodeStream::Send(v1::AppendAttendRequest step, bool w
 
 absl::StatusOr<DecodeStream::Response> DecodeStream::Receive() {
   if (finished_) {
-    return final_status_.ok() ? absl::FailedPreconditionError("the decode stream is closed")
-                              : final_status_;
+    return final_status_.ok() ? absl::FailedPreconditionError("the decode stream is closed") : final_status_;
   }
   v1::DecodeStreamResponse in;
   if (!stream_->Read(&in)) {
@@ -249,8 +244,7 @@ absl::StatusOr<DecodeStream::Response> DecodeStream::Receive() {
   out.request_id = in.request_id();
   out.status = ItemStatus(in.code(), in.message());
   if (out.status.ok()) {
-    const bool with_lse = in.request_id() >= 1 && in.request_id() <= with_lse_.size() &&
-                          with_lse_[in.request_id() - 1];
+    const bool with_lse = in.request_id() >= 1 && in.request_id() <= with_lse_.size() && with_lse_[in.request_id() - 1];
     absl::StatusOr<AppendAttendResult> result = FromProto(in.step(), with_lse);
     if (!result.ok()) return result.status();
     out.result = *std::move(result);
@@ -267,8 +261,7 @@ absl::StatusOr<AppendAttendResult> DecodeStream::Step(const AppendAttendArgs& st
   absl::StatusOr<Response> response = Receive();
   if (!response.ok()) return response.status();
   if (response->request_id != *id) {
-    return absl::InternalError(absl::StrCat("decode stream answered request ",
-                                            response->request_id, " while ", *id,
+    return absl::InternalError(absl::StrCat("decode stream answered request ", response->request_id, " while ", *id,
                                             " was expected (responses pending from Send?)"));
   }
   if (!response->status.ok()) return response->status;
@@ -304,8 +297,7 @@ absl::StatusOr<AppendAttendResult> Client::AppendAttend(const AppendAttendArgs& 
   int attempts = 0;
   const grpc::Status status = WithRetries(
       args.items.empty() ? absl::string_view() : args.items[0].sequence_id,
-      [&](grpc::ClientContext* c) { return stub_->AppendAttend(c, request, &response); },
-      &attempts);
+      [&](grpc::ClientContext* c) { return stub_->AppendAttend(c, request, &response); }, &attempts);
   if (!status.ok()) return FromGrpcStatus(status);
   return FromProto(response, args.return_lse);
 }
@@ -313,9 +305,8 @@ absl::StatusOr<AppendAttendResult> Client::AppendAttend(const AppendAttendArgs& 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   const int code = static_cast<int>(status.error_code());
-  const absl::StatusCode absl_code = (code >= 0 && code <= 16)
-                                         ? static_cast<absl::StatusCode>(code)
-                                         : absl::StatusCode::kUnknown;
+  const absl::StatusCode absl_code =
+      (code >= 0 && code <= 16) ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown;
   return absl::Status(absl_code, status.error_message());
 }
 
@@ -358,8 +349,7 @@ Client::Client(ClientOptions options) : options_(std::move(options)) {
 }
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
-    : options_(std::move(options)), channel_(std::move(channel)),
-      stub_(v1::KvCache::NewStub(channel_)) {}
+    : options_(std::move(options)), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
 
 void Client::Prepare(grpc::ClientContext* context, absl::string_view route_id) const {
   context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
@@ -389,8 +379,7 @@ grpc::Status Client::WithRetries(absl::string_view route_id, Rpc rpc, int* attem
     Prepare(&context, route_id);
     status = rpc(&context);
     *attempts = attempt;
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
-        attempt >= options_.max_attempts) {
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= options_.max_attempts) {
       return status;
     }
     const double factor = std::uniform_real_distribution<double>(0.8, 1.2)(jitter);
@@ -405,8 +394,7 @@ absl::StatusOr<AppendResult> Client::Append(const AppendArgs& args) {
   v1::AppendResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
-      args.sequence_id,
-      [&](grpc::ClientContext* c) { return stub_->Append(c, request, &response); }, &attempts);
+      args.sequence_id, [&](grpc::ClientContext* c) { return stub_->Append(c, request, &response); }, &attempts);
   // A retry of an append that had landed is answered already_stored (the
   // request carries its request_id), so nothing needs reading back here.
   if (status.ok()) return FromProto(response);
@@ -418,8 +406,7 @@ absl::StatusOr<AppendResult> Client::AppendStream(absl::Span<const AppendArgs> c
   // Every chunk must name the first chunk's sequence (the server checks).
   Prepare(&context, chunks.empty() ? absl::string_view() : chunks[0].sequence_id);
   v1::AppendResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer =
-      stub_->AppendStream(&context, &response);
+  std::unique_ptr<grpc::ClientWriter<v1::AppendRequest>> writer = stub_->AppendStream(&context, &response);
   for (const AppendArgs& chunk : chunks) {
     v1::AppendRequest request;
     if (absl::Status s = FillAppendRequest(chunk, &request); !s.ok()) {
@@ -518,8 +505,7 @@ absl::StatusOr<v1::ImportResponse> CopySequences(Client& from, Client& to, const
     while (relay.ok() && reader->Read(&message)) {
       if (first && !target_cache.empty()) {
         v1::ExportChunk header;
-        if (!grpc::SerializationTraits<v1::ExportChunk>::Deserialize(&message, &header).ok() ||
-            !header.has_header()) {
+        if (!grpc::SerializationTraits<v1::ExportChunk>::Deserialize(&message, &header).ok() || !header.has_header()) {
           relay = absl::DataLossError("the export's first message is not its header");
           break;
         }
@@ -604,8 +590,7 @@ absl::StatusOr<ScoreResult> Client::Score(const ScoreArgs& args) {
   v1::ScoreQueryResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
-      args.sequence_id,
-      [&](grpc::ClientContext* c) { return stub_->ScoreQuery(c, request, &response); }, &attempts);
+      args.sequence_id, [&](grpc::ClientContext* c) { return stub_->ScoreQuery(c, request, &response); }, &attempts);
   if (!status.ok()) return FromGrpcStatus(status);
   ScoreResult result;
   absl::StatusOr<std::vector<float>> logits = Decode(response.logits());
@@ -663,17 +648,14 @@ absl::StatusOr<std::vector<AttendOutput>> Client::Attend(const AttendArgs& args)
   return outputs;
 }
 
-absl::StatusOr<SequenceState> Client::CreateSequence(const std::string& cache,
-                                                     const std::string& id) {
+absl::StatusOr<SequenceState> Client::CreateSequence(const std::string& cache, const std::string& id) {
   v1::CreateSequenceRequest request;
   request.set_cache(cache);
   request.set_sequence_id(id);
   v1::SequenceInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
-      id,
-      [&](grpc::ClientContext* c) { return stub_->CreateSequence(c, request, &response); },
-      &attempts);
+      id, [&](grpc::ClientContext* c) { return stub_->CreateSequence(c, request, &response); }, &attempts);
   if (status.ok()) return FromProto(response);
   if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS && attempts > 1) {
     return GetSequence(cache, id);
@@ -681,8 +663,7 @@ absl::StatusOr<SequenceState> Client::CreateSequence(const std::string& cache,
   return FromGrpcStatus(status);
 }
 
-absl::StatusOr<SequenceState> Client::ForkSequence(const std::string& cache,
-                                                   const std::string& parent,
+absl::StatusOr<SequenceState> Client::ForkSequence(const std::string& cache, const std::string& parent,
                                                    const std::string& child) {
   v1::ForkSequenceRequest request;
   request.set_cache(cache);
@@ -691,9 +672,7 @@ absl::StatusOr<SequenceState> Client::ForkSequence(const std::string& cache,
   v1::SequenceInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
-      parent,
-      [&](grpc::ClientContext* c) { return stub_->ForkSequence(c, request, &response); },
-      &attempts);
+      parent, [&](grpc::ClientContext* c) { return stub_->ForkSequence(c, request, &response); }, &attempts);
   if (status.ok()) return FromProto(response);
   if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS && attempts > 1) {
     return GetSequence(cache, child);
@@ -708,26 +687,21 @@ absl::Status Client::DropSequence(const std::string& cache, const std::string& i
   v1::DropSequenceResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
-      id,
-      [&](grpc::ClientContext* c) { return stub_->DropSequence(c, request, &response); },
-      &attempts);
+      id, [&](grpc::ClientContext* c) { return stub_->DropSequence(c, request, &response); }, &attempts);
   if (status.error_code() == grpc::StatusCode::NOT_FOUND && attempts > 1) {
     return absl::OkStatus();
   }
   return FromGrpcStatus(status);
 }
 
-absl::StatusOr<SequenceState> Client::GetSequence(const std::string& cache,
-                                                  const std::string& id) {
+absl::StatusOr<SequenceState> Client::GetSequence(const std::string& cache, const std::string& id) {
   v1::GetSequenceRequest request;
   request.set_cache(cache);
   request.set_sequence_id(id);
   v1::SequenceInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
-      id,
-      [&](grpc::ClientContext* c) { return stub_->GetSequence(c, request, &response); },
-      &attempts);
+      id, [&](grpc::ClientContext* c) { return stub_->GetSequence(c, request, &response); }, &attempts);
   if (!status.ok()) return FromGrpcStatus(status);
   return FromProto(response);
 }
@@ -737,8 +711,7 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   v1::ServerInfo response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
-      absl::string_view(),
-      [&](grpc::ClientContext* c) { return stub_->GetServerInfo(c, request, &response); },
+      absl::string_view(), [&](grpc::ClientContext* c) { return stub_->GetServerInfo(c, request, &response); },
       &attempts);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;

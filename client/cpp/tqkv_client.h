@@ -166,8 +166,8 @@ struct ScoreArgs {
 
 struct ScoreResult {
   int64_t query_heads = 0;
-  int64_t columns = 0;          // tokens, or top-k entries per head
-  std::vector<float> logits;    // [query_heads, columns]
+  int64_t columns = 0;             // tokens, or top-k entries per head
+  std::vector<float> logits;       // [query_heads, columns]
   std::vector<int64_t> positions;  // with top_k: token of each logit
 };
 
@@ -194,7 +194,6 @@ struct AttendOutput {
   std::vector<float> output;
   std::vector<float> lse;  // [query_tokens, query_heads] with return_lse
 };
-
 
 // One sequence of an AppendAttend: its new tokens for the call's layer.
 struct AppendAttendItemArgs {
@@ -243,10 +242,8 @@ struct AppendAttendResult {
 // The request an AppendAttendArgs describes (INVALID_ARGUMENT when a span's
 // size does not match its shape); for callers that build DecodeStream
 // requests once and resend them.
-absl::Status FillAppendAttendRequest(const AppendAttendArgs& args,
-                                     v1::AppendAttendRequest* request);
-absl::StatusOr<AppendAttendResult> FromProto(const v1::AppendAttendResponse& response,
-                                             bool with_lse);
+absl::Status FillAppendAttendRequest(const AppendAttendArgs& args, v1::AppendAttendRequest* request);
+absl::StatusOr<AppendAttendResult> FromProto(const v1::AppendAttendResponse& response, bool with_lse);
 
 // A DecodeStream: an engine's decode loop, one AppendAttend per message (see
 // the proto for ordering, flow control, errors and resuming). Send may run
@@ -283,8 +280,7 @@ class DecodeStream {
   DecodeStream() = default;
 
   std::unique_ptr<grpc::ClientContext> context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>>
-      stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeStreamRequest, v1::DecodeStreamResponse>> stream_;
   uint64_t next_id_ = 1;
   std::vector<bool> with_lse_;  // by request id - 1: decode lse?
   bool writes_done_ = false;
@@ -343,8 +339,7 @@ class Client {
                                const std::function<absl::Status(v1::ExportChunk&)>& sink);
   // ImportSequences fed by `next`, which fills the next message and returns
   // true, or returns false at the end of the stream. Under stream_timeout.
-  absl::StatusOr<v1::ImportResponse> ImportSequences(
-      const std::function<absl::StatusOr<bool>(v1::ExportChunk*)>& next);
+  absl::StatusOr<v1::ImportResponse> ImportSequences(const std::function<absl::StatusOr<bool>(v1::ExportChunk*)>& next);
 
   v1::KvCache::Stub& stub() { return *stub_; }
 

@@ -62,7 +62,8 @@ inline __m256 SumEach(const __m256 v[8]) {
     a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
   for (int i = 0; i < 2; ++i) {
-    b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
+    b[i] =
+        _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
   }
   return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
@@ -148,8 +149,10 @@ class Decoder {
       *first = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
       *second = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
     } else if constexpr (!kPacked) {  // 8-bit uniform
-      *first = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block))));
-      *second = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block + 8))));
+      *first = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block))));
+      *second = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * block + 8))));
     } else {
       // 8 codes take kBits bytes; the second dword is placed so that neither
       // read leaves the block's 2 * kBits bytes.
@@ -165,7 +168,8 @@ class Decoder {
     int k = 0;
     for (; k + 8 <= n; k += 8) {
       if constexpr (kFormat == FormatFamily::kTurboQuant) {
-        _mm256_storeu_ps(scale + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 2 * k))));
+        _mm256_storeu_ps(scale + k,
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scalars + 2 * k))));
       } else if constexpr (kFormat == FormatFamily::kUniform) {  // [scale, zero] per token
         ScalarPairs(scalars + 4 * k, scale + k, zero + k);
       } else {
@@ -183,8 +187,7 @@ class Decoder {
  private:
   static constexpr bool kPacked =
       kFormat == FormatFamily::kTurboQuant || (kFormat == FormatFamily::kUniform && kBits <= 4);
-  static constexpr int kScalars =
-      kFormat == FormatFamily::kUniform ? 2 : kFormat == FormatFamily::kTurboQuant ? 1 : 0;
+  static constexpr int kScalars = kFormat == FormatFamily::kUniform ? 2 : kFormat == FormatFamily::kTurboQuant ? 1 : 0;
   // The scale of a field without scalars: Block() reads fp8 as 2^-8 times its value.
   static constexpr float kUnitScale = kFormat == FormatFamily::kFp8 ? 256.0f : 1.0f;
 
@@ -486,7 +489,8 @@ class Kernel {
         }
       }
       if (((exact_lanes >> (kGroup * g)) & 0xff) != 0) {
-        score = _mm256_blendv_ps(score, _mm256_load_ps(exact_scores + r * kBlock + kGroup * g), LaneMask(exact_lanes, g));
+        score =
+            _mm256_blendv_ps(score, _mm256_load_ps(exact_scores + r * kBlock + kGroup * g), LaneMask(exact_lanes, g));
       }
       if (with_addback) score = _mm256_add_ps(score, _mm256_load_ps(addback + r * kBlock + kGroup * g));
       score = _mm256_blendv_ps(neg_inf, score, live);
@@ -494,8 +498,9 @@ class Kernel {
       m = _mm256_max_ps(m, score);
     }
     const float new_max = std::max(row_max[r], Max(m));
-    const float correction =
-        row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
+    const float correction = row_max[r] == kNegInf   ? 0.0f
+                             : row_max[r] == new_max ? 1.0f
+                                                     : std::exp(row_max[r] - new_max);
     row_max[r] = new_max;
     __m256 sum = _mm256_setzero_ps(), zero_sum = _mm256_setzero_ps();
     for (int g = 0; g < groups; ++g) {
@@ -537,7 +542,8 @@ class Kernel {
       const float* w = weights + r0 * kBlock;
       constexpr int kBlocks = 4 / kRows;
       int b = 0;
-      for (; b + kBlocks <= blocks; b += kBlocks) ValueTile<kRows, kBlocks>(value, tokens.value_codes, compressed, w, b, out, d);
+      for (; b + kBlocks <= blocks; b += kBlocks)
+        ValueTile<kRows, kBlocks>(value, tokens.value_codes, compressed, w, b, out, d);
       if constexpr (kBlocks == 4) {
         if (blocks - b >= 2) {
           ValueTile<kRows, 2>(value, tokens.value_codes, compressed, w, b, out, d);
@@ -607,9 +613,7 @@ bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, i
   return head_dim % 16 == 0 && PickAttendKernel<Avx2Kernels>(key, value) != nullptr;
 }
 
-void AttendHeadAvx2(const HeadAttendParams& params) {
-  PickAttendKernel<Avx2Kernels>(params.key, params.value)(params);
-}
+void AttendHeadAvx2(const HeadAttendParams& params) { PickAttendKernel<Avx2Kernels>(params.key, params.value)(params); }
 
 }  // namespace cpu_internal
 }  // namespace tqkv

@@ -50,11 +50,12 @@ constexpr int kPairFirst[8] = {0, 1, 2, 3, 8, 9, 10, 11};
 inline __m512 SumPairs(const __m512 acc[8]) {
   __m512 a[4], b[2];
   for (int i = 0; i < 4; ++i) {
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
-                         _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    a[i] =
+        _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
   }
   for (int i = 0; i < 2; ++i) {
-    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
+    b[i] =
+        _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xee));
   }
   return _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
 }
@@ -108,9 +109,7 @@ class Decoder {
 
   // Where coordinate j of a 16-coordinate block lands in the output of
   // Pairs(): positions 0-7 in the first vector, 8-15 in the second.
-  static int PairPosition(int j) {
-    return kFormat == FormatFamily::kBf16 ? (j % 2) * 8 + j / 2 : j;
-  }
+  static int PairPosition(int j) { return kFormat == FormatFamily::kBf16 ? (j % 2) * 8 + j / 2 : j; }
 
   // Keys: coordinates 16 * block ... + 15 of tokens a and b as two vectors,
   // each holding 8 coordinates of a (lanes 0-7) and the same 8 of b.
@@ -166,8 +165,9 @@ class Decoder {
     if constexpr (kFormat == FormatFamily::kBf16) {
       if (c / 2 * 2 + 1 < chunks) {  // 32 coordinates: even ones, then odd ones
         const __m512i both = _mm512_loadu_si512(codes + 64 * (c / 2));
-        return _mm512_castsi512_ps(c % 2 == 0 ? _mm512_slli_epi32(both, 16)
-                                              : _mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+        return _mm512_castsi512_ps(c % 2 == 0
+                                       ? _mm512_slli_epi32(both, 16)
+                                       : _mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
       }
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c));
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -403,8 +403,9 @@ class Kernel {
       for (int g = 0; g < groups; ++g) m = _mm512_max_ps(m, _mm512_load_ps(w + kGroup * g));
       const float new_max = std::max(row_max[r], Max(m));
       // exp(0) without the call: most blocks do not raise the maximum.
-      const float correction =
-          row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max ? 1.0f : std::exp(row_max[r] - new_max);
+      const float correction = row_max[r] == kNegInf   ? 0.0f
+                               : row_max[r] == new_max ? 1.0f
+                                                       : std::exp(row_max[r] - new_max);
       row_max[r] = new_max;
       __m512 sum = _mm512_setzero_ps(), zero_sum = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {
@@ -442,7 +443,8 @@ class Kernel {
     }
     const uint8_t* const* codes = tokens.value_codes + kGroup * g;
     for (int i = 0; i < kGroup; ++i) {
-      for (int c = 0; c < chunks; ++c) _mm512_store_ps(lines + (kGroup * c + i) * kLanes, value.Chunk(codes[i], c, chunks));
+      for (int c = 0; c < chunks; ++c)
+        _mm512_store_ps(lines + (kGroup * c + i) * kLanes, value.Chunk(codes[i], c, chunks));
     }
     for (int c = 0; c < chunks; ++c) {
       __m512 v[kGroup];

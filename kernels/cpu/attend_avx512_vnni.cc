@@ -212,8 +212,7 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
 
   // The block's compressed values, tile by tile; rows that see none of the
   // block weigh zero.
-  void ValueBlock(int64_t t0, const BlockTokens& tokens, int groups, const uint8_t* weights,
-                  const float* weight_unit) {
+  void ValueBlock(int64_t t0, const BlockTokens& tokens, int groups, const uint8_t* weights, const float* weight_unit) {
     ForRowTiles(p.rows, [&](auto tile_rows, int r0) {
       constexpr int kRows = decltype(tile_rows)::value;
       if (*std::max_element(p.visible + r0, p.visible + r0 + kRows) <= t0) return;
@@ -321,8 +320,8 @@ struct VnniKernels {
 bool WholeSegments(int dims) { return dims == 64 || (dims > 0 && dims % 128 == 0); }
 
 AttendKernel Pick(const FieldReader& key, const FieldReader& value, int head_dim) {
-  const bool whole = key.split() ? WholeSegments(key.hot_dims) && WholeSegments(head_dim - key.hot_dims)
-                                 : WholeSegments(head_dim);
+  const bool whole =
+      key.split() ? WholeSegments(key.hot_dims) && WholeSegments(head_dim - key.hot_dims) : WholeSegments(head_dim);
   return whole ? PickAttendKernel<VnniKernels>(key, value) : nullptr;
 }
 

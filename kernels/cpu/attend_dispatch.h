@@ -30,8 +30,8 @@ namespace cpu_internal {
 
 // Every width a field may be dispatched at: the families' code widths and
 // the two-part key widths (SplitKeyBits).
-using KeyWidths = std::integer_sequence<int, 2, 3, 4, 8, 16, SplitKeyBits(3, 2), SplitKeyBits(4, 2),
-                                        SplitKeyBits(4, 3)>;
+using KeyWidths =
+    std::integer_sequence<int, 2, 3, 4, 8, 16, SplitKeyBits(3, 2), SplitKeyBits(4, 2), SplitKeyBits(4, 3)>;
 using ValueWidths = std::integer_sequence<int, 2, 3, 4, 8, 16>;
 
 // The kernel for one (pair, widths), or null where the table has no such

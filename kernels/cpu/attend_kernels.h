@@ -28,22 +28,22 @@ namespace cpu_internal {
 // outlier split: hot part, then cold part, each with its own codebook and
 // fp16 scale [hot, cold]; keys only).
 struct FieldReader {
-  bool readable = false;             // false: no family (QJL): the reference path
+  bool readable = false;  // false: no family (QJL): the reference path
   FormatFamily format = FormatFamily::kFp16;
   int bits = 0;                      // code width (the hot part's when split)
   const float* centroids = nullptr;  // TurboQuant: 2^bits
   size_t codes_offset = 0;           // plane offsets inside a page
   size_t scalars_offset = 0;
-  int code_bytes = 0;                // per token
-  int num_scalars = 0;               // per token
-  bool tiled = false;                // the codes plane is tiled (kernels/code_tiles.h)
+  int code_bytes = 0;   // per token
+  int num_scalars = 0;  // per token
+  bool tiled = false;   // the codes plane is tiled (kernels/code_tiles.h)
   // Two-part TurboQuant: `bits` and `centroids` are the hot part's; the hot
   // part covers the first hot_dims coordinates of the (rotated) query.
   int parts = 1;
   int hot_dims = 0;
   int cold_bits = 0;
   const float* cold_centroids = nullptr;
-  int cold_code_offset = 0;          // bytes from a token's codes to its cold codes
+  int cold_code_offset = 0;  // bytes from a token's codes to its cold codes
 
   bool split() const { return parts == 2; }
   // The width the kernels are instantiated for: bits, or SplitKeyBits(hot,
@@ -123,7 +123,7 @@ struct HeadAttendParams {
   // part is the caller's.
   int addback_pairs = 0;
   const AddBackFrequency* const* addback_freq = nullptr;  // [addback_pairs]
-  const float* addback_coef = nullptr;             // [rows][2 * addback_pairs]
+  const float* addback_coef = nullptr;                    // [rows][2 * addback_pairs]
   ExactTokens exact;
   // Outputs: the value accumulator (in the value codec's basis) normalised by
   // the softmax denominator, and the log-sum-exp of each row.
@@ -178,8 +178,10 @@ inline void PrefetchPageTokens(const HeadAttendParams& p, const uint8_t* page, i
   for (const FieldReader* f : {&p.key, &p.value}) {
     // A tiled plane's tokens [slot, slot + n) lie inside their tiles' span.
     const int from = f->tiled ? slot - slot % kTileTokens : slot;
-    const int to = f->tiled ? std::min(p.page_tokens, (slot + n + kTileTokens - 1) / kTileTokens * kTileTokens) : slot + n;
-    lines(page + f->codes_offset + static_cast<size_t>(from) * f->code_bytes, static_cast<size_t>(to - from) * f->code_bytes);
+    const int to =
+        f->tiled ? std::min(p.page_tokens, (slot + n + kTileTokens - 1) / kTileTokens * kTileTokens) : slot + n;
+    lines(page + f->codes_offset + static_cast<size_t>(from) * f->code_bytes,
+          static_cast<size_t>(to - from) * f->code_bytes);
     lines(page + f->scalars_offset + static_cast<size_t>(slot) * 2 * f->num_scalars,
           static_cast<size_t>(n) * 2 * f->num_scalars);
   }
@@ -354,7 +356,8 @@ class BlockWalk {
           for (int t = 0; t < kTileTokens; ++t) {
             for (int b = whole; b < f.code_bytes; ++b) {
               to[static_cast<size_t>(t) * f.code_bytes + b] =
-                  tile[static_cast<size_t>(whole) * kTileTokens + static_cast<size_t>(f.code_bytes - whole) * t + b - whole];
+                  tile[static_cast<size_t>(whole) * kTileTokens + static_cast<size_t>(f.code_bytes - whole) * t + b -
+                       whole];
             }
             codes[i + k + t] = to + static_cast<size_t>(t) * f.code_bytes;
           }
@@ -370,7 +373,8 @@ class BlockWalk {
             memcpy(to + b, tile + static_cast<size_t>(b) * tile_tokens + kTileWordBytes * t, kTileWordBytes);
           }
           for (int b = whole; b < f.code_bytes; ++b) {
-            to[b] = tile[static_cast<size_t>(whole) * tile_tokens + static_cast<size_t>(f.code_bytes - whole) * t + b - whole];
+            to[b] = tile[static_cast<size_t>(whole) * tile_tokens + static_cast<size_t>(f.code_bytes - whole) * t + b -
+                         whole];
           }
           codes[i + k] = to;
         }
@@ -416,7 +420,8 @@ class BlockWalk {
     const uint8_t* value_codes[kStagedTokens];
     Next(t0, count, padded, key_codes, value_codes, scalars, zero);
     // Copies into tiles, after the token-major copies Next may have made.
-    uint8_t* tiles = staged_values_ + kStagedTokens * static_cast<size_t>(std::max(p_.key.code_bytes, p_.value.code_bytes)) +
+    uint8_t* tiles = staged_values_ +
+                     kStagedTokens * static_cast<size_t>(std::max(p_.key.code_bytes, p_.value.code_bytes)) +
                      kStageSlack;
     const auto retile = [&](const FieldReader& f, const uint8_t* const* codes, const uint8_t** out) {
       for (int g = 0; g < groups; ++g) {

@@ -147,7 +147,8 @@ class ExactReader {
       // scalars from a wider store would wait for it.
       const bool whole = k0 + 4 <= count_ && index_[k0 + 3] == index_[k0] + 3;
       for (int r = 0; r < kRows; ++r) {
-        const __m128 sums = _mm_mul_ps(V::Sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(e_.query_scale));
+        const __m128 sums =
+            _mm_mul_ps(V::Sums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(e_.query_scale));
         float* row = scores + (r0 + r) * kAttendBlock;
         if (whole) {
           _mm_storeu_ps(row + index_[k0], sums);
@@ -184,7 +185,8 @@ class ExactReader {
       }
       for (int r = 0; r < kRows; ++r) {
         if (p_.visible[r0 + r] <= t0) continue;
-        for (int c = 0; c < chunks; ++c) V::Store(e_.out + static_cast<size_t>(r0 + r) * d_ + c0 + c * kLanes, acc[r][c]);
+        for (int c = 0; c < chunks; ++c)
+          V::Store(e_.out + static_cast<size_t>(r0 + r) * d_ + c0 + c * kLanes, acc[r][c]);
       }
     }
   }

@@ -385,8 +385,8 @@ struct BlockExtras {
   // Groups [0, compressed_groups) have raw scores; the block's later groups
   // only exact tokens (or none that any row sees).
   int compressed_groups = 0;
-  const float* addback = nullptr;  // [rows][kBlock], or null: none
-  uint64_t exact = 0;              // lanes read exact; their tokens' value scales must be zero
+  const float* addback = nullptr;       // [rows][kBlock], or null: none
+  uint64_t exact = 0;                   // lanes read exact; their tokens' value scales must be zero
   const float* exact_scores = nullptr;  // [rows][kBlock]: their logits, before the add-back
   // [rows][kBlock]: written for the exact lanes of the rows that see the
   // block: their softmax weights, relative to the running maximum (as out).
@@ -404,11 +404,10 @@ int32_t* QueryWords(size_t bytes) {
 // all of them, or (split keys) the hot part and then the cold part, each 64
 // coordinates or a multiple of 128 (so its codes are whole words).
 struct KeyPart {
-  int begin = 0;        // first coordinate (of the rotated query)
+  int begin = 0;  // first coordinate (of the rotated query)
   int dims = 0;
   int code_offset = 0;  // bytes from a token's codes to this part's
 };
-
 
 // The state and the steps both integer kernels share, for one call: the
 // codebooks' integer tables, the int8 query, the rows' online softmax. A
@@ -448,11 +447,8 @@ struct IntegerAttention {
   float row_max[kMaxRows], row_sum[kMaxRows], row_zero[kMaxRows];
 
   explicit IntegerAttention(const HeadAttendParams& params)
-      : p(params),
-        d(params.head_dim),
-        keys(params.key.centroids),
-        cold_keys(kSplit ? params.key.cold_centroids : params.key.centroids),
-        values(params.value.centroids) {
+      : p(params), d(params.head_dim), keys(params.key.centroids),
+        cold_keys(kSplit ? params.key.cold_centroids : params.key.centroids), values(params.value.centroids) {
     if constexpr (kSplit) {
       parts[0] = {0, params.key.hot_dims, 0};
       parts[1] = {params.key.hot_dims, d - params.key.hot_dims, params.key.cold_code_offset};
@@ -486,8 +482,8 @@ struct IntegerAttention {
   //   correction[r]            the factor out[r] takes before this block's
   //                            values join it (1 for such a row)
   // and moves row_max, row_sum and row_zero on.
-  void SoftmaxBlock(int64_t t0, int groups, const int32_t* const* raw, const BlockTokens& tokens,
-                    const BlockExtras& x, uint8_t* weights, float* weight_unit, float* correction) {
+  void SoftmaxBlock(int64_t t0, int groups, const int32_t* const* raw, const BlockTokens& tokens, const BlockExtras& x,
+                    uint8_t* weights, float* weight_unit, float* correction) {
     // Rows two at a time where both see the block: each row's steps form
     // one long chain (two horizontal maxima, the exponentials, a scan), and
     // two independent chains side by side keep the core busy.
@@ -589,7 +585,8 @@ struct IntegerAttention {
         __m512 s = neg_inf;
         if (g < x.compressed_groups) {
           const __m512i dots = _mm512_sub_epi32(_mm512_load_si512(raw[0] + r * kBlock + kGroup * g), bias);
-          s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), unit), _mm512_load_ps(tokens.key_scale + kGroup * g));
+          s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots), unit),
+                            _mm512_load_ps(tokens.key_scale + kGroup * g));
           if constexpr (kSplit) {
             const __m512i cold =
                 _mm512_sub_epi32(_mm512_load_si512(raw[kParts - 1] + r * kBlock + kGroup * g), cold_bias);
@@ -613,7 +610,9 @@ struct IntegerAttention {
       const int r = rows[i];
       new_max[i] = std::max(row_max[r], avx512::Max(m[i]));
       // exp(0) without the call: most blocks do not raise the maximum.
-      correction[r] = row_max[r] == kNegInf ? 0.0f : row_max[r] == new_max[i] ? 1.0f : std::exp(row_max[r] - new_max[i]);
+      correction[r] = row_max[r] == kNegInf      ? 0.0f
+                      : row_max[r] == new_max[i] ? 1.0f
+                                                 : std::exp(row_max[r] - new_max[i]);
       row_max[r] = new_max[i];
       sum[i] = zero_sum[i] = _mm512_setzero_ps();
     }

@@ -102,9 +102,9 @@ __device__ __forceinline__ void DotCentroids(const TokenCodes<const uint8_t>& co
 // Any code width: one code at a time from the bit stream of the part whose
 // codes start at byte part_offset.
 template <int kRows>
-__device__ __forceinline__ void DotCentroidsGeneric(const TokenCodes<const uint8_t>& codes, int part_offset,
-                                                    int first, int bits, int count, const float* centroids,
-                                                    const float* q, int q_stride, float (&dot)[kRows]) {
+__device__ __forceinline__ void DotCentroidsGeneric(const TokenCodes<const uint8_t>& codes, int part_offset, int first,
+                                                    int bits, int count, const float* centroids, const float* q,
+                                                    int q_stride, float (&dot)[kRows]) {
   for (int j = 0; j < count; ++j) {
     const float c = centroids[PackedCodeIn(codes, part_offset, first + j, bits)];
 #pragma unroll
@@ -114,8 +114,7 @@ __device__ __forceinline__ void DotCentroidsGeneric(const TokenCodes<const uint8
 
 // dot[r] += sum over 8 raw coordinates v[0..8).
 template <int kRows>
-__device__ __forceinline__ void Dot8(const float (&v)[8], const float* q, int q_stride,
-                                     float (&dot)[kRows]) {
+__device__ __forceinline__ void Dot8(const float (&v)[8], const float* q, int q_stride, float (&dot)[kRows]) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float4 a = *reinterpret_cast<const float4*>(q + r * q_stride);
@@ -134,9 +133,9 @@ __device__ __forceinline__ void Dot8(const float (&v)[8], const float* q, int q_
 // Eight raw coordinates of a 16-bit or fp8 field.
 template <DeviceFieldFormat kFormat>
 __device__ __forceinline__ void LoadRaw8(const uint8_t* codes, const float* fp8_table, float (&v)[8]) {
-  static_assert(kFormat == DeviceFieldFormat::kFp16 || kFormat == DeviceFieldFormat::kBf16 ||
-                    kFormat == DeviceFieldFormat::kFp8,
-                "a format family without a reader here (kernels/format_table.h)");
+  static_assert(
+      kFormat == DeviceFieldFormat::kFp16 || kFormat == DeviceFieldFormat::kBf16 || kFormat == DeviceFieldFormat::kFp8,
+      "a format family without a reader here (kernels/format_table.h)");
   if constexpr (kFormat == DeviceFieldFormat::kFp8) {
     const uint2 raw = *reinterpret_cast<const uint2*>(codes);
 #pragma unroll
@@ -187,9 +186,9 @@ __device__ void LoadTables(const DeviceHead& head, BlockTables& t) {
 
 // This lane's share of one token's logits: dot[r] += <q_r, key> over group g.
 template <DeviceFieldFormat kKey, int kRows>
-__device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim, int page_tokens,
-                                            const BlockTables& t, const uint8_t* page, int slot, int g,
-                                            const float* s_q, int q_stride, float (&dot)[kRows]) {
+__device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim, int page_tokens, const BlockTables& t,
+                                            const uint8_t* page, int slot, int g, const float* s_q, int q_stride,
+                                            float (&dot)[kRows]) {
   if constexpr (kKey == DeviceFieldFormat::kTurboQuant) {
     const TokenCodes<const uint8_t> codes = FieldTokenCodes(key, page, page_tokens, slot);
     const int groups0 = CeilDiv(key.parts[0].dim, 32);
@@ -214,11 +213,10 @@ __device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim
         DotCentroids<4, kRows>(codes, part.code_offset + base / 2, count, centroids, q, q_stride, part_dot);
         break;
       default:
-        DotCentroidsGeneric<kRows>(codes, part.code_offset, base, part.bits, count, centroids, q, q_stride,
-                                   part_dot);
+        DotCentroidsGeneric<kRows>(codes, part.code_offset, base, part.bits, count, centroids, q, q_stride, part_dot);
     }
-    const uint16_t* scalars = reinterpret_cast<const uint16_t*>(page + key.scalars_offset) +
-                              static_cast<int64_t>(slot) * key.num_scalars;
+    const uint16_t* scalars =
+        reinterpret_cast<const uint16_t*>(page + key.scalars_offset) + static_cast<int64_t>(slot) * key.num_scalars;
     const float scale = HalfBitsToFloat(scalars[part.scalar_index]);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) dot[r] = fmaf(scale, part_dot[r], dot[r]);
@@ -244,8 +242,8 @@ __device__ __forceinline__ void KeyGroupDot(const DeviceField& key, int head_dim
 // past `count`.
 template <DeviceFieldFormat kKey, int kRows>
 __device__ void ScoreTile(const PoolView& view, const DeviceField& key, const BlockTables& t,
-                          const int32_t* block_table, int tile_begin, int count, const int* visible,
-                          const float* s_q, int q_stride, float* s_logit) {
+                          const int32_t* block_table, int tile_begin, int count, const int* visible, const float* s_q,
+                          int q_stride, float* s_logit) {
   const int groups = KeyGroups(key, view.head_dim);
   const int lanes = LanesPerToken(groups);
   const int tokens_per_step = kAttendThreads / lanes;
@@ -291,8 +289,8 @@ __device__ __forceinline__ void RopeCosSin(int64_t t, double theta, float* c, fl
 // tile_begin + k, for rows < rows, k < count and unmasked (finite) logits.
 // One thread per token; the caller synchronises before and after.
 template <int kRows>
-__device__ void AddBackTile(const AddBackTables& ab, const AddBackDesc& desc, int row0, int rows,
-                            int tile_begin, int count, float* s_logit) {
+__device__ void AddBackTile(const AddBackTables& ab, const AddBackDesc& desc, int row0, int rows, int tile_begin,
+                            int count, float* s_logit) {
   const double* theta = ab.theta + desc.theta;
   const float* coef = ab.coef + desc.coef + static_cast<int64_t>(row0) * 2 * desc.pairs;
   for (int k = threadIdx.x; k < count; k += blockDim.x) {
@@ -326,8 +324,8 @@ __device__ void AddBackTile(const AddBackTables& ab, const AddBackDesc& desc, in
 // codebook centroids (kCentroids) or the code values themselves. The chunk's
 // kBits bytes come from the one or two words they fall in.
 template <int kBits, bool kCentroids>
-__device__ __forceinline__ void DecodeChunk(const TokenCodes<const uint8_t>& codes, int chunk,
-                                            const float* centroids, float (&v)[8]) {
+__device__ __forceinline__ void DecodeChunk(const TokenCodes<const uint8_t>& codes, int chunk, const float* centroids,
+                                            float (&v)[8]) {
   const uint64_t w = LoadCodeBytes<kBits>(codes, chunk * kBits);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
@@ -360,9 +358,8 @@ __device__ __forceinline__ void DecodeChunkAnyBits(const TokenCodes<const uint8_
 // point's share goes to zero_acc[r], added to every coordinate at the end).
 template <DeviceFieldFormat kValue, int kRows>
 __device__ __forceinline__ void AccumulateToken(const DeviceField& value, int page_tokens, const BlockTables& t,
-                                                const uint8_t* page, int slot, int chunk,
-                                                const float* s_p, int k, float (&acc)[kRows][8],
-                                                float (&zero_acc)[kRows]) {
+                                                const uint8_t* page, int slot, int chunk, const float* s_p, int k,
+                                                float (&acc)[kRows][8], float (&zero_acc)[kRows]) {
   float p[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) p[r] = s_p[r * kAttendTile + k];
@@ -371,8 +368,8 @@ __device__ __forceinline__ void AccumulateToken(const DeviceField& value, int pa
     constexpr bool kCentroids = kValue == DeviceFieldFormat::kTurboQuant;
     DecodeChunkAnyBits<kCentroids>(FieldTokenCodes(value, page, page_tokens, slot), chunk, value.bits,
                                    t.value_centroids, v);
-    const uint16_t* scalars = reinterpret_cast<const uint16_t*>(page + value.scalars_offset) +
-                              static_cast<int64_t>(slot) * value.num_scalars;
+    const uint16_t* scalars =
+        reinterpret_cast<const uint16_t*>(page + value.scalars_offset) + static_cast<int64_t>(slot) * value.num_scalars;
     const float scale = HalfBitsToFloat(scalars[0]);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -397,7 +394,6 @@ __device__ __forceinline__ void AccumulateToken(const DeviceField& value, int pa
     }
   }
 }
-
 
 }  // namespace
 }  // namespace cuda

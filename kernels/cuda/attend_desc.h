@@ -73,9 +73,7 @@ struct AddBackDesc {
 
 // Block rows an instance uses for `rows` rows: 1, 2, 4 or 8 (the fp32
 // kernel's template instances; the tensor-core kernel always holds 8).
-constexpr int BlockRowsFor(int rows) {
-  return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxBlockRows;
-}
+constexpr int BlockRowsFor(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxBlockRows; }
 
 }  // namespace cuda
 }  // namespace tqkv

@@ -124,8 +124,7 @@ bool ScoreSupported(DeviceFieldFormat key);
 bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim);
 
 // One launch of the fp32 kernel for `pair` with block_rows rows per block.
-cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params,
-                         cudaStream_t stream);
+cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params, cudaStream_t stream);
 // The tensor-core kernel for `pair` (its fields must pass AttendMmaSupported):
 // one warp per block of params.blocks.
 cudaError_t LaunchAttendMma(FormatPair pair, const AttendKernelParams& params, cudaStream_t stream);

@@ -146,8 +146,7 @@ bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int he
   return small_codes(key) && small_codes(value);
 }
 
-cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params,
-                         cudaStream_t stream) {
+cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params, cudaStream_t stream) {
   if (params.num_blocks == 0) return cudaSuccess;
   return TQKV_CUDA_DISPATCH_FORMAT_PAIR(pair, kKey, kValue, kTensorCores,
                                         return LaunchAttendRows<kKey, kValue>(block_rows, params, stream););

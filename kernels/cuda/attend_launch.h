@@ -32,26 +32,25 @@ LaunchKey KeyOf(const PoolTables& tables, int layer, bool exact, int block_rows)
 
 // The add-back of one piece (nothing without centering): a desc per KV
 // head (pairs 0 for an item without a mean) and each row's constant.
-void PlanItemAddBack(const KvLayout& layout, float scale, const AttendItem& item,
-                     const PlanPiece& piece, const AttendItemDesc& desc, Workspace& w);
+void PlanItemAddBack(const KvLayout& layout, float scale, const AttendItem& item, const PlanPiece& piece,
+                     const AttendItemDesc& desc, Workspace& w);
 
 // One launch per launch key: the blocks sorted by it.
 void SortBlocksByLaunch(const PoolTables& tables, const BatchContents& b, Workspace& w);
 
 // The outputs the batch's copy out brought back, to the items.
-void UnstageBatch(const KvLayout& layout, const AttendParams& p, const AttendBatch& batch,
-                  const AttendWorkspace& at, Workspace& w);
+void UnstageBatch(const KvLayout& layout, const AttendParams& p, const AttendBatch& batch, const AttendWorkspace& at,
+                  Workspace& w);
 
 // The preparation of `rows` queries staged at `queries` (rows' KV heads at
 // `head_of_row`) for `view`, into `prepared` (workspace offsets), added to
 // the prologue.
-void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size_t queries,
-                    size_t prepared, float scale, const Workspace& w, PrologueParams* prologue);
+void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size_t queries, size_t prepared,
+                    float scale, const Workspace& w, PrologueParams* prologue);
 
 // One decode launch per launch key (the blocks sorted by it: StageBatch),
 // then the merge, over queries the prologue prepared.
-absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view,
-                          const AttendWorkspace& at, Workspace& w);
+absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, const AttendWorkspace& at, Workspace& w);
 
 // Every layer's resident AttendBlocks per SM (the split planner's
 // figure), for the kernel instance a one-token decode of the layout uses.

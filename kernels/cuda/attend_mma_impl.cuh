@@ -30,8 +30,8 @@ constexpr int kMmaWarps = 4;
 constexpr int kMmaTile = 16;
 
 struct MmaWarpTables {
-  float key[16];    // TF32-rounded key centroids (up to 4 bits)
-  float value[16];  // TF32-rounded value centroids
+  float key[16];                     // TF32-rounded key centroids (up to 4 bits)
+  float value[16];                   // TF32-rounded value centroids
   float p[kMmaTile][kMaxBlockRows];  // probabilities x value scale, [token][row]
 };
 
@@ -92,8 +92,8 @@ __device__ __forceinline__ void LoadTokenRuns(const DeviceField& f, const PoolVi
       if (kPacked && f.tiled) {
         LoadWordRun<kWords>(FieldTokenCodes(f, at.page, view.page_tokens, at.slot), run_offset, bytes, w[h]);
       } else {
-        LoadWords<kWords>(at.page + f.codes_offset + static_cast<uint64_t>(at.slot) * f.code_bytes + run_offset,
-                          bytes, aligned, w[h]);
+        LoadWords<kWords>(at.page + f.codes_offset + static_cast<uint64_t>(at.slot) * f.code_bytes + run_offset, bytes,
+                          aligned, w[h]);
       }
     } else {
 #pragma unroll
@@ -207,9 +207,9 @@ __device__ __forceinline__ void MmaValueCodes(const DeviceField& value, const Po
 }
 
 template <DeviceFieldFormat kValue, int kDim>
-__device__ __forceinline__ void MmaValueTile(const DeviceField& value, const PoolView& view,
-                                             const int32_t* block_table, int tile, int token_end, int g, int t,
-                                             const MmaWarpTables& tab, float (&acc)[kDim / 16][4]) {
+__device__ __forceinline__ void MmaValueTile(const DeviceField& value, const PoolView& view, const int32_t* block_table,
+                                             int tile, int token_end, int g, int t, const MmaWarpTables& tab,
+                                             float (&acc)[kDim / 16][4]) {
   if constexpr (kValue == DeviceFieldFormat::kTurboQuant || kValue == DeviceFieldFormat::kUniform) {
     constexpr bool kCentroids = kValue == DeviceFieldFormat::kTurboQuant;
     switch (value.bits) {
@@ -358,7 +358,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
       const int row = b.row0 + g;
       src = p.prepared +
             (item.query_row + static_cast<int64_t>(row / group) * view.num_query_heads + b.kv_head * group +
-             row % group) * kDim + t * kKeyCoords;
+             row % group) *
+                kDim +
+            t * kKeyCoords;
     }
 #pragma unroll
     for (int k = 0; k < kKeyCoords; ++k) q[k] = src != nullptr ? ToTf32(src[k]) : 0u;

@@ -15,8 +15,7 @@ namespace {
 // Dynamic shared memory: queries [kRows][head_dim] (+32 floats of zeros past
 // the end), logits / probabilities [kRows][kAttendTile], output [kRows][head_dim].
 __host__ __device__ constexpr size_t AttendSharedBytes(int rows, int head_dim) {
-  return sizeof(float) * (static_cast<size_t>(rows) * head_dim * 2 + 32 +
-                          static_cast<size_t>(rows) * kAttendTile);
+  return sizeof(float) * (static_cast<size_t>(rows) * head_dim * 2 + 32 + static_cast<size_t>(rows) * kAttendTile);
 }
 
 // One tile's step of the online softmax, one warp per row: the tile's max,
@@ -133,8 +132,8 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
     if (value_slot < value_slots) {
       for (int k = value_slot; k < count; k += value_slots) {
         const TokenAddress at = Locate(view, block_table, tile + k);
-        AccumulateToken<kValue, kRows>(head.value, view.page_tokens, tables, at.page, at.slot, chunk, s_logit, k,
-                                       acc, zero_acc);
+        AccumulateToken<kValue, kRows>(head.value, view.page_tokens, tables, at.page, at.slot, chunk, s_logit, k, acc,
+                                       zero_acc);
       }
     }
     __syncthreads();
@@ -209,7 +208,8 @@ __global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
 
   float global_max = -INFINITY;
   for (int k = 0; k < unit.num_splits; ++k) {
-    global_max = fmaxf(global_max, p.partial_stats[(static_cast<int64_t>(unit.first_partial + k) * kMaxBlockRows + r) * 2]);
+    global_max =
+        fmaxf(global_max, p.partial_stats[(static_cast<int64_t>(unit.first_partial + k) * kMaxBlockRows + r) * 2]);
   }
   float total = 0.0f;
   for (int k = 0; k < unit.num_splits; ++k) {
@@ -289,7 +289,6 @@ __global__ void __launch_bounds__(kAttendThreads) ScoreKernel(ScoreKernelParams 
     }
   }
 }
-
 
 }  // namespace
 }  // namespace cuda

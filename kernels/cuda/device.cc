@@ -39,11 +39,10 @@ bool IsDeviceLost(const absl::Status& status) {
 
 absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return absl::OkStatus();
-  const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
-                                           cudaGetErrorString(error), ")");
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")");
   if (IsStickyError(error)) {
-    absl::Status lost = absl::UnavailableError(
-        absl::StrCat("the CUDA device is lost (", message, "); restart the server to recover"));
+    absl::Status lost =
+        absl::UnavailableError(absl::StrCat("the CUDA device is lost (", message, "); restart the server to recover"));
     lost.SetPayload(kDeviceLostPayload, absl::Cord());
     return lost;
   }
@@ -66,8 +65,7 @@ absl::StatusOr<std::vector<DeviceInfo>> ListDevices() {
   if (!status.ok()) {
     // cudaErrorInsufficientDriver is also what a machine with no driver at all
     // reports; say both.
-    return absl::UnavailableError(
-        absl::StrCat("no usable CUDA device or driver (", status.message(), ")"));
+    return absl::UnavailableError(absl::StrCat("no usable CUDA device or driver (", status.message(), ")"));
   }
   if (count == 0) return absl::UnavailableError("no CUDA device");
   std::vector<DeviceInfo> devices;

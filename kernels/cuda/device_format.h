@@ -36,9 +36,9 @@ enum class DeviceRotationKind : int32_t {
 struct DeviceRotation {
   DeviceRotationKind kind = DeviceRotationKind::kHadamard;
   int32_t dim = 0;
-  int32_t factor_order = 0;  // kKron: m
-  int32_t factor_rows = 0;   // kKron: a = dim / m
-  float scale = 0.0f;        // Hadamard kinds: float(1 / sqrt(dim))
+  int32_t factor_order = 0;         // kKron: m
+  int32_t factor_rows = 0;          // kKron: a = dim / m
+  float scale = 0.0f;               // Hadamard kinds: float(1 / sqrt(dim))
   const float* signs = nullptr;     // Hadamard kinds: D, dim entries of +-1
   const float* factor = nullptr;    // kKron: P_m row-major (columns of the inverse)
   const float* factor_t = nullptr;  // kKron: P_m^T row-major (columns of the forward)
@@ -68,15 +68,15 @@ inline constexpr int kMaxDeviceParts = 2;
 // How one field (keys or values) of one (layer, KV head) is stored and read.
 struct DeviceField {
   DeviceFieldFormat format = DeviceFieldFormat::kFp16;
-  int32_t bits = 16;         // kUniform: code bits; 16 / 8 for the raw formats
-  int32_t code_bytes = 0;    // per token
+  int32_t bits = 16;       // kUniform: code bits; 16 / 8 for the raw formats
+  int32_t code_bytes = 0;  // per token
   // Non-zero: the codes plane is tiled (kernels/code_tiles.h; packed codecs,
   // TiledCodes), else token-major (raw fp16 / bf16 / fp8).
   int32_t tiled = 0;
-  int32_t num_scalars = 0;   // fp16 scalars per token
-  uint64_t codes_offset = 0;    // plane offsets from the start of a page
+  int32_t num_scalars = 0;    // fp16 scalars per token
+  uint64_t codes_offset = 0;  // plane offsets from the start of a page
   uint64_t scalars_offset = 0;
-  int32_t num_parts = 0;     // kTurboQuant: 1 or 2
+  int32_t num_parts = 0;  // kTurboQuant: 1 or 2
   DevicePart parts[kMaxDeviceParts];
 };
 
@@ -89,9 +89,9 @@ struct DeviceHead {
 // vector wins. Mirrors the CPU codecs' INVALID_ARGUMENT cases.
 enum class StoreError : int32_t {
   kNone = 0,
-  kNotFinite = 1,      // a NaN or infinite coordinate
-  kOutOfRange = 2,     // beyond what fp16 (codes or side scalars) can hold
-  kNormTooLarge = 3,   // the stored fp16 norm would overflow
+  kNotFinite = 1,     // a NaN or infinite coordinate
+  kOutOfRange = 2,    // beyond what fp16 (codes or side scalars) can hold
+  kNormTooLarge = 3,  // the stored fp16 norm would overflow
 };
 
 }  // namespace cuda

@@ -58,8 +58,8 @@ absl::StatusOr<DeviceRotation> DescribeRotation(const Rotation& rotation, TableB
   }
 }
 
-absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes_offset,
-                                          size_t scalars_offset, TableBuilder& tables) {
+absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes_offset, size_t scalars_offset,
+                                          TableBuilder& tables) {
   DeviceField f;
   f.code_bytes = codec.code_bytes();
   f.num_scalars = codec.num_scalars();
@@ -113,8 +113,8 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
         if (!identity) part.channels = tables.AddVector(src.channels);
         ASSIGN_OR_RETURN(part.rotation, DescribeRotation(*src.rotation, tables));
         if (part.dim % 4 != 0) {
-          return absl::UnimplementedError(absl::StrFormat(
-              "the CUDA kernels need TurboQuant parts of a multiple of 4 channels, got %d", part.dim));
+          return absl::UnimplementedError(
+              absl::StrFormat("the CUDA kernels need TurboQuant parts of a multiple of 4 channels, got %d", part.dim));
         }
         state_offset += part.dim;
       }
@@ -124,8 +124,8 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
     case CodecKind::kQjl:
       break;
   }
-  return absl::UnimplementedError(absl::StrFormat(
-      "the CUDA backend has no kernels for %s (evaluation only); use --backend cpu", spec.Name()));
+  return absl::UnimplementedError(
+      absl::StrFormat("the CUDA backend has no kernels for %s (evaluation only); use --backend cpu", spec.Name()));
 }
 
 absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuilder& tables,
@@ -136,10 +136,10 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
     for (int head = 0; head < layout.num_kv_heads(); ++head) {
       const KvLayout::HeadPlanes& planes = layout.planes(layer, head);
       DeviceHead& h = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads() + head];
-      ASSIGN_OR_RETURN(h.key, DescribeField(layout.key_codec(layer, head), planes.key_codes,
-                                            planes.key_scalars, tables));
-      ASSIGN_OR_RETURN(h.value, DescribeField(layout.value_codec(layer, head), planes.value_codes,
-                                              planes.value_scalars, tables));
+      ASSIGN_OR_RETURN(h.key,
+                       DescribeField(layout.key_codec(layer, head), planes.key_codes, planes.key_scalars, tables));
+      ASSIGN_OR_RETURN(
+          h.value, DescribeField(layout.value_codec(layer, head), planes.value_codes, planes.value_scalars, tables));
       if (h.value.format == DeviceFieldFormat::kTurboQuant && h.value.num_parts != 1) {
         return absl::UnimplementedError("the CUDA backend reads single-part TurboQuant values only");
       }
@@ -148,9 +148,9 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
     FormatPair pair;
     if (!FindFormatPair(first.key.format, first.value.format, &pair) || (PairInfo(pair).fused_on & kFusedCuda) == 0 ||
         !cuda::ScoreSupported(first.key.format)) {
-      return absl::UnimplementedError(absl::StrFormat(
-          "the CUDA backend has no attention kernel for preset %s (layer %d)",
-          std::string(layout.layer_preset(layer).name), layer));
+      return absl::UnimplementedError(
+          absl::StrFormat("the CUDA backend has no attention kernel for preset %s (layer %d)",
+                          std::string(layout.layer_preset(layer).name), layer));
     }
     out->layer_pair.push_back(pair);
     out->layer_mma.push_back(tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
@@ -182,7 +182,6 @@ void AppendExactTable(const KvLayout& layout, const int32_t* exact_table, int64_
     tables->push_back(needed ? exact_table[i] : -1);
   }
 }
-
 
 }  // namespace cuda
 }  // namespace tqkv

@@ -67,15 +67,15 @@ absl::StatusOr<DeviceRotation> DescribeRotation(const Rotation& rotation, TableB
 
 // The device form of `codec`'s field whose codes and scalars start at the
 // given page offsets; UNIMPLEMENTED for codecs the kernels cannot read.
-absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes_offset,
-                                          size_t scalars_offset, TableBuilder& tables);
+absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes_offset, size_t scalars_offset,
+                                          TableBuilder& tables);
 
 // One layout's pages as the kernels see them: the cache's layout, or its
 // exact layout (same pool, same page stride).
 struct LayoutTables {
-  const DeviceHead* heads = nullptr;  // [num_layers * num_kv_heads], in PoolTables::memory
+  const DeviceHead* heads = nullptr;   // [num_layers * num_kv_heads], in PoolTables::memory
   std::vector<FormatPair> layer_pair;  // each layer's (key, value) formats
-  std::vector<bool> layer_mma;        // whether the tensor-core kernel reads it
+  std::vector<bool> layer_mma;         // whether the tensor-core kernel reads it
   // AttendBlocks of the layer's kernel one SM runs at once (occupancy API);
   // filled by AllocatePool.
   std::vector<int> layer_blocks_per_sm;
@@ -87,7 +87,7 @@ struct LayoutTables {
 struct PoolTables {
   void* memory = nullptr;
   LayoutTables main;
-  LayoutTables exact;                     // heads null without exact tokens
+  LayoutTables exact;                      // heads null without exact tokens
   const KvLayout* exact_layout = nullptr;  // identifies Store calls for exact pages
 };
 

@@ -24,22 +24,22 @@
 #include "kernels/cuda/device_format.h"
 #include "kernels/format_table.h"
 
-#define TQKV_CUDA_DISPATCH_FORMAT_PAIR(pair, KEY, VALUE, TENSOR_CORES, ...)                                  \
-  ::tqkv::VisitFormatPair((pair), cudaErrorInvalidValue, [&](auto tqkv_pair_tag_) -> cudaError_t {          \
-    if constexpr ((decltype(tqkv_pair_tag_)::kFusedOn & ::tqkv::kFusedCuda) == 0) {                          \
-      return cudaErrorInvalidValue;                                                                          \
-    } else {                                                                                                 \
-      [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat KEY = decltype(tqkv_pair_tag_)::kKey;       \
-      [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat VALUE = decltype(tqkv_pair_tag_)::kValue;   \
-      [[maybe_unused]] constexpr bool TENSOR_CORES = decltype(tqkv_pair_tag_)::kTensorCores;                \
-      __VA_ARGS__                                                                                            \
-    }                                                                                                        \
+#define TQKV_CUDA_DISPATCH_FORMAT_PAIR(pair, KEY, VALUE, TENSOR_CORES, ...)                                \
+  ::tqkv::VisitFormatPair((pair), cudaErrorInvalidValue, [&](auto tqkv_pair_tag_) -> cudaError_t {         \
+    if constexpr ((decltype(tqkv_pair_tag_)::kFusedOn & ::tqkv::kFusedCuda) == 0) {                        \
+      return cudaErrorInvalidValue;                                                                        \
+    } else {                                                                                               \
+      [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat KEY = decltype(tqkv_pair_tag_)::kKey;     \
+      [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat VALUE = decltype(tqkv_pair_tag_)::kValue; \
+      [[maybe_unused]] constexpr bool TENSOR_CORES = decltype(tqkv_pair_tag_)::kTensorCores;               \
+      __VA_ARGS__                                                                                          \
+    }                                                                                                      \
   })
 
-#define TQKV_CUDA_DISPATCH_KEY_FORMAT(format, KEY, ...)                                                      \
-  ::tqkv::VisitKeyFamily((format), cudaErrorInvalidValue, [&](auto tqkv_family_tag_) -> cudaError_t {       \
-    [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat KEY = decltype(tqkv_family_tag_)::kFormat;    \
-    __VA_ARGS__                                                                                            \
+#define TQKV_CUDA_DISPATCH_KEY_FORMAT(format, KEY, ...)                                                   \
+  ::tqkv::VisitKeyFamily((format), cudaErrorInvalidValue, [&](auto tqkv_family_tag_) -> cudaError_t {     \
+    [[maybe_unused]] constexpr ::tqkv::cuda::DeviceFieldFormat KEY = decltype(tqkv_family_tag_)::kFormat; \
+    __VA_ARGS__                                                                                           \
   })
 
 #endif  // TQKV_KERNELS_CUDA_FORMAT_DISPATCH_CUH_

@@ -426,8 +426,7 @@ absl::Status PlanAttend(const AttendPlanInput& in, AttendPlan* plan) {
   return absl::OkStatus();
 }
 
-void FillAttendBatch(const AttendPlanInput& in, const AttendPlan& plan, const AttendBatch& batch,
-                     BatchContents* out) {
+void FillAttendBatch(const AttendPlanInput& in, const AttendPlan& plan, const AttendBatch& batch, BatchContents* out) {
   out->items.clear();
   out->tables.clear();
   out->blocks.clear();
@@ -458,8 +457,7 @@ ScoreWorkspace LayOutScore(const ScoreInput& in, int64_t piece_tokens) {
 }
 
 absl::Status PlanScore(const ScoreInput& in, ScorePlan* plan) {
-  if (in.num_query_heads < 1 || in.head_dim < 1 || in.tokens < 0 || in.tokens > kInt32Max ||
-      in.table_entries < 0) {
+  if (in.num_query_heads < 1 || in.head_dim < 1 || in.tokens < 0 || in.tokens > kInt32Max || in.table_entries < 0) {
     return absl::InvalidArgumentError(
         absl::StrFormat("score plan: bad input (%d query heads, head dim %d, %d tokens, %d table entries)",
                         in.num_query_heads, in.head_dim, in.tokens, in.table_entries));

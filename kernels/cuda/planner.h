@@ -221,13 +221,13 @@ void FillAttendBatch(const AttendPlanInput& input, const AttendPlan& plan, const
 struct ScoreInput {
   int num_query_heads = 0;
   int head_dim = 0;
-  bool exact = false;           // reads exact pages too (a second prepared query)
-  int64_t table_entries = 0;    // int32 block table entries, compressed and exact
-  int64_t addback_heads = 0;    // AddBackDesc
-  int64_t theta = 0;            // double
-  int64_t coef = 0;             // float
-  int64_t constants = 0;        // float
-  int64_t tokens = 0;           // the range's tokens
+  bool exact = false;         // reads exact pages too (a second prepared query)
+  int64_t table_entries = 0;  // int32 block table entries, compressed and exact
+  int64_t addback_heads = 0;  // AddBackDesc
+  int64_t theta = 0;          // double
+  int64_t coef = 0;           // float
+  int64_t constants = 0;      // float
+  int64_t tokens = 0;         // the range's tokens
   size_t workspace_bytes = 0;
 };
 

@@ -41,9 +41,9 @@ struct StoreKernelParams {
   int32_t layer_begin = 0;
   int32_t num_layers = 0;  // layers in this call
   int32_t num_tokens = 0;
-  const int32_t* slots = nullptr;   // [num_tokens]: page * page_tokens + slot
-  const float* keys = nullptr;      // [num_layers, num_tokens, num_kv_heads, head_dim]
-  const float* values = nullptr;    // same shape
+  const int32_t* slots = nullptr;       // [num_tokens]: page * page_tokens + slot
+  const float* keys = nullptr;          // [num_layers, num_tokens, num_kv_heads, head_dim]
+  const float* values = nullptr;        // same shape
   unsigned long long* error = nullptr;  // ~0ull when nothing failed
 };
 

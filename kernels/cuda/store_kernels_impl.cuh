@@ -58,8 +58,8 @@ __device__ void WarpPack(const uint8_t* levels, int n, int bits, uint8_t* out, i
 
 // TurboQuantQuantizer::EncodeWithSumOfSquares on s.y[0, part.dim) (already
 // gathered). Returns the error, if any; writes codes and the fp16 scale.
-__device__ StoreError EncodePart(const DevicePart& part, WarpScratch& s, uint8_t* codes,
-                                 uint16_t* scale_out, int lane) {
+__device__ StoreError EncodePart(const DevicePart& part, WarpScratch& s, uint8_t* codes, uint16_t* scale_out,
+                                 int lane) {
   const int n = part.dim;
   // The squared norm in double in the blocked order of blocked_sums.h: lane j
   // < 16 holds partial j; products of floats are exact in double.
@@ -121,8 +121,8 @@ __device__ void StoreTokenCodes(const uint32_t* codes, const TokenCodes<uint8_t>
 }
 
 // Encodes s.x[0, head_dim) into one field's codes, token-major, and scalars.
-__device__ StoreError EncodeField(const DeviceField& f, int head_dim, WarpScratch& s, uint8_t* codes,
-                                  uint16_t* scalars, int lane) {
+__device__ StoreError EncodeField(const DeviceField& f, int head_dim, WarpScratch& s, uint8_t* codes, uint16_t* scalars,
+                                  int lane) {
   bool finite = true;
   float lo = FLT_MAX, hi = -FLT_MAX, magnitude = 0.0f;
   for (int i = lane; i < head_dim; i += 32) {
@@ -182,8 +182,7 @@ __device__ StoreError EncodeField(const DeviceField& f, int head_dim, WarpScratc
           s.y[i] = s.x[part.channels != nullptr ? part.channels[i] : i];
         }
         __syncwarp();
-        const StoreError error =
-            EncodePart(part, s, codes + part.code_offset, scalars + part.scalar_index, lane);
+        const StoreError error = EncodePart(part, s, codes + part.code_offset, scalars + part.scalar_index, lane);
         if (error != StoreError::kNone) return error;
         __syncwarp();
       }

@@ -5,8 +5,7 @@
 namespace tqkv {
 namespace cuda {
 
-void StageStore(const StoreParams& p, int64_t t0, int64_t tokens, const StoreWorkspace& at,
-                Workspace& w) {
+void StageStore(const StoreParams& p, int64_t t0, int64_t tokens, const StoreWorkspace& at, Workspace& w) {
   const KvLayout& layout = *p.layout;
   const size_t vector_floats = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
   const size_t layer_bytes = static_cast<size_t>(tokens) * vector_floats * sizeof(float);
@@ -20,8 +19,8 @@ void StageStore(const StoreParams& p, int64_t t0, int64_t tokens, const StoreWor
   std::memcpy(w.host + at.error, &no_error, sizeof(no_error));
 }
 
-StoreKernelParams StoreOf(const PoolTables& tables, const StoreParams& p, int64_t tokens,
-                                const StoreWorkspace& at, const Workspace& w) {
+StoreKernelParams StoreOf(const PoolTables& tables, const StoreParams& p, int64_t tokens, const StoreWorkspace& at,
+                          const Workspace& w) {
   const KvLayout& layout = *p.layout;
   StoreKernelParams k;
   k.heads = p.layout == tables.exact_layout ? tables.exact.heads : tables.main.heads;

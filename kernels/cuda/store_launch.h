@@ -17,12 +17,11 @@ namespace cuda {
 
 // Tokens [t0, t0 + tokens) of a store into the pinned buffer at `at`, with
 // a no-error word.
-void StageStore(const StoreParams& p, int64_t t0, int64_t tokens, const StoreWorkspace& at,
-                Workspace& w);
+void StageStore(const StoreParams& p, int64_t t0, int64_t tokens, const StoreWorkspace& at, Workspace& w);
 
 // The store of a piece staged at `at` (device side), for the prologue.
-StoreKernelParams StoreOf(const PoolTables& tables, const StoreParams& p, int64_t tokens,
-                                const StoreWorkspace& at, const Workspace& w);
+StoreKernelParams StoreOf(const PoolTables& tables, const StoreParams& p, int64_t tokens, const StoreWorkspace& at,
+                          const Workspace& w);
 
 }  // namespace cuda
 }  // namespace tqkv

@@ -25,8 +25,8 @@ inline constexpr unsigned kFullWarp = 0xffffffffu;
 // x <- diag(post) H diag(pre) x * scale for n = 32 * kPerLane, in registers.
 // pre / post may be null.
 template <int kPerLane>
-__device__ __forceinline__ void WarpFwhtRegisters(float* x, const float* pre, const float* post,
-                                                  float scale, int lane) {
+__device__ __forceinline__ void WarpFwhtRegisters(float* x, const float* pre, const float* post, float scale,
+                                                  int lane) {
   float v[kPerLane];
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
@@ -67,8 +67,8 @@ __device__ __forceinline__ void WarpFwhtRegisters(float* x, const float* pre, co
 }
 
 // The same in shared memory, any power of two n.
-__device__ __forceinline__ void WarpFwhtShared(float* x, int n, const float* pre, const float* post,
-                                               float scale, int lane) {
+__device__ __forceinline__ void WarpFwhtShared(float* x, int n, const float* pre, const float* post, float scale,
+                                               int lane) {
   if (pre != nullptr) {
     for (int i = lane; i < n; i += 32) x[i] = __fmul_rn(x[i], pre[i]);
   }
@@ -91,8 +91,7 @@ __device__ __forceinline__ void WarpFwhtShared(float* x, int n, const float* pre
   __syncwarp();
 }
 
-__device__ __forceinline__ void WarpFwht(float* x, int n, const float* pre, const float* post,
-                                         float scale, int lane) {
+__device__ __forceinline__ void WarpFwht(float* x, int n, const float* pre, const float* post, float scale, int lane) {
   switch (n) {
     case 32:
       return WarpFwhtRegisters<1>(x, pre, post, scale, lane);
@@ -110,9 +109,8 @@ __device__ __forceinline__ void WarpFwht(float* x, int n, const float* pre, cons
 // y = diag(post) (H_rows kron F) diag(pre) x * scale (rotation.cc's
 // KronHadamardRows), in place on x; tmp holds rows * m floats.
 // columns[k * m + c] is F's column c, entry k.
-__device__ __forceinline__ void WarpKronHadamard(float* x, float* tmp, int rows, int m,
-                                                 const float* columns, const float* pre,
-                                                 const float* post, float scale, int lane) {
+__device__ __forceinline__ void WarpKronHadamard(float* x, float* tmp, int rows, int m, const float* columns,
+                                                 const float* pre, const float* post, float scale, int lane) {
   const int n = rows * m;
   for (int i = lane; i < n; i += 32) tmp[i] = pre != nullptr ? __fmul_rn(x[i], pre[i]) : x[i];
   __syncwarp();
@@ -154,8 +152,7 @@ __device__ __forceinline__ void WarpKronHadamard(float* x, float* tmp, int rows,
 }
 
 // y = M x with rotation.cc's portable Dot (16 partial sums, fixed tree).
-__device__ __forceinline__ void WarpDenseForward(float* x, float* tmp, const float* matrix, int n,
-                                                 int lane) {
+__device__ __forceinline__ void WarpDenseForward(float* x, float* tmp, const float* matrix, int n, int lane) {
   for (int i = lane; i < n; i += 32) {
     const float* row = matrix + static_cast<int64_t>(i) * n;
     float acc[16];
@@ -181,8 +178,7 @@ __device__ __forceinline__ void WarpDenseForward(float* x, float* tmp, const flo
 }
 
 // x = M^T y as a sum of scaled rows, in row order.
-__device__ __forceinline__ void WarpDenseInverse(float* y, float* tmp, const float* matrix, int n,
-                                                 int lane) {
+__device__ __forceinline__ void WarpDenseInverse(float* y, float* tmp, const float* matrix, int n, int lane) {
   for (int j = lane; j < n; j += 32) {
     float acc = 0.0f;
     for (int i = 0; i < n; ++i) {
@@ -197,28 +193,24 @@ __device__ __forceinline__ void WarpDenseInverse(float* y, float* tmp, const flo
 
 // x <- Pi x in place. x and tmp: rotation.dim floats of this warp's shared
 // memory. Callers __syncwarp() after writing x.
-__device__ __forceinline__ void WarpRotateForward(const DeviceRotation& r, float* x, float* tmp,
-                                                  int lane) {
+__device__ __forceinline__ void WarpRotateForward(const DeviceRotation& r, float* x, float* tmp, int lane) {
   switch (r.kind) {
     case DeviceRotationKind::kHadamard:
       return WarpFwht(x, r.dim, r.signs, nullptr, r.scale, lane);
     case DeviceRotationKind::kKron:
-      return WarpKronHadamard(x, tmp, r.factor_rows, r.factor_order, r.factor_t, r.signs, nullptr,
-                              r.scale, lane);
+      return WarpKronHadamard(x, tmp, r.factor_rows, r.factor_order, r.factor_t, r.signs, nullptr, r.scale, lane);
     case DeviceRotationKind::kDense:
       return WarpDenseForward(x, tmp, r.matrix, r.dim, lane);
   }
 }
 
 // y <- Pi^T y in place.
-__device__ __forceinline__ void WarpRotateInverse(const DeviceRotation& r, float* y, float* tmp,
-                                                  int lane) {
+__device__ __forceinline__ void WarpRotateInverse(const DeviceRotation& r, float* y, float* tmp, int lane) {
   switch (r.kind) {
     case DeviceRotationKind::kHadamard:
       return WarpFwht(y, r.dim, nullptr, r.signs, r.scale, lane);
     case DeviceRotationKind::kKron:
-      return WarpKronHadamard(y, tmp, r.factor_rows, r.factor_order, r.factor, nullptr, r.signs,
-                              r.scale, lane);
+      return WarpKronHadamard(y, tmp, r.factor_rows, r.factor_order, r.factor, nullptr, r.signs, r.scale, lane);
     case DeviceRotationKind::kDense:
       return WarpDenseInverse(y, tmp, r.matrix, r.dim, lane);
   }

@@ -27,8 +27,7 @@ SimdLevel Detect() {
   __builtin_cpu_init();
   // libgcc also checks XCR0, so an OS that does not save the wider registers
   // reports the feature as absent.
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
     // The integer kernel needs VNNI (vpdpbusd), VBMI (vpermb,
     // vpmultishiftqb) and VBMI2 (vpshrdd), not BF16: Ice Lake and later
     // Intel cores, Zen 4 and later.
@@ -99,14 +98,11 @@ std::vector<SimdLevel> SupportedSimdLevels() {
   return levels;
 }
 
-SimdLevel ActiveSimdLevel() {
-  return static_cast<SimdLevel>(ActiveSlot().load(std::memory_order_relaxed));
-}
+SimdLevel ActiveSimdLevel() { return static_cast<SimdLevel>(ActiveSlot().load(std::memory_order_relaxed)); }
 
 SimdLevel SetActiveSimdLevel(SimdLevel level) {
   const int requested = static_cast<int>(level);
-  const SimdLevel clamped =
-      requested < 0 ? SimdLevel::kScalar : Clamp(static_cast<SimdLevel>(requested));
+  const SimdLevel clamped = requested < 0 ? SimdLevel::kScalar : Clamp(static_cast<SimdLevel>(requested));
   ActiveSlot().store(static_cast<int>(clamped), std::memory_order_relaxed);
   return clamped;
 }

@@ -17,8 +17,7 @@ namespace encode_internal {
 namespace {
 
 inline __mmask16 TailMask(int remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xffff)
-                         : static_cast<__mmask16>((1u << remaining) - 1u);
+  return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
 inline void StoreBytes16(uint8_t* out, __m512i v32, __mmask16 m) {
@@ -46,9 +45,9 @@ inline float FoldSumLanes(__m512 partial) {
 // The uniform codec's level of each lane, as a float:
 // clamp(floor((v - zero) * inv_scale + 0.5f), 0, max_code).
 inline __m512 UniformLevel(__m512 v, __m512 zero, __m512 inv_scale, __m512 max_code) {
-  const __m512 level = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, zero), inv_scale),
-                                                          _mm512_set1_ps(0.5f)),
-                                            _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 level =
+      _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_sub_ps(v, zero), inv_scale), _mm512_set1_ps(0.5f)),
+                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   return _mm512_min_ps(_mm512_max_ps(level, _mm512_setzero_ps()), max_code);
 }
 
@@ -60,11 +59,9 @@ bool AllFiniteWithinAvx512(const float* x, int n, float limit) {
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   for (int i = 0; i < n; i += 16) {
     const __mmask16 m = TailMask(n - i);
-    const __m512 v = _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_maskz_loadu_epi32(m, x + i), abs_mask));
+    const __m512 v = _mm512_castsi512_ps(_mm512_and_si512(_mm512_maskz_loadu_epi32(m, x + i), abs_mask));
     // Ordered compares: NaN fails both.
-    const __mmask16 ok = _mm512_cmp_ps_mask(v, inf, _CMP_LT_OQ) &
-                         _mm512_cmp_ps_mask(v, vlimit, _CMP_LE_OQ);
+    const __mmask16 ok = _mm512_cmp_ps_mask(v, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(v, vlimit, _CMP_LE_OQ);
     if ((ok & m) != m) return false;
   }
   return true;
@@ -78,8 +75,7 @@ void ScaleAvx512(const float* x, int n, float s, float* y) {
   }
 }
 
-void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, int n,
-                            uint8_t* levels) {
+void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, int n, uint8_t* levels) {
   const int num_boundaries = (1 << bits) - 1;
   // Branch-free binary search, as QuantizeToLevel: for ascending boundaries
   // it finds #{boundaries < y}, like the counting loop. NaN compares false.
@@ -94,8 +90,7 @@ void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, i
       __m512i lo = _mm512_setzero_si512();
       for (int step = (num_boundaries + 1) >> 1; step > 0; step >>= 1) {
         const __m512i idx = _mm512_add_epi32(lo, _mm512_set1_epi32(step - 1));
-        const __m512 b = bits <= 4 ? _mm512_permutexvar_ps(idx, t0)
-                                   : _mm512_permutex2var_ps(t0, idx, t1);
+        const __m512 b = bits <= 4 ? _mm512_permutexvar_ps(idx, t0) : _mm512_permutex2var_ps(t0, idx, t1);
         const __mmask16 gt = _mm512_cmp_ps_mask(v, b, _CMP_GT_OQ);
         lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
       }
@@ -120,8 +115,7 @@ void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, i
 void FloatToHalfAvx512(const float* x, int n, uint8_t* out) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 m = TailMask(n - i);
-    const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i h = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(m, x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm256_mask_storeu_epi16(out + 2 * i, m, h);
   }
 }
@@ -136,8 +130,7 @@ void FloatToBf16Avx512(const float* x, int n, uint8_t* out) {
     const __mmask16 m = TailMask(n - i);
     const __m512i u = _mm512_maskz_loadu_epi32(m, x + i);
     const __m512i hi = _mm512_srli_epi32(u, 16);
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, round), _mm512_and_si512(hi, one)), 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, round), _mm512_and_si512(hi, one)), 16);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, quiet));
     _mm256_mask_storeu_epi16(out + 2 * i, m, _mm512_cvtepi32_epi16(r));
@@ -160,13 +153,11 @@ void FloatToFp8E4m3Avx512(const float* x, int n, uint8_t* out) {
     const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(raw, 24), _mm512_set1_epi32(0x80));
     const __m512i u = _mm512_and_si512(raw, abs_mask);
     // Normal range: rebias and round, saturating at 0x7e.
-    const __m512i t = _mm512_add_epi32(
-        _mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 20), one));
+    const __m512i t = _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 20), one));
     __m512i code = _mm512_min_epu32(_mm512_srli_epi32(t, 20), max_code);
     // Subnormal range: the FPU rounds when 2^14 is added.
     const __mmask16 is_sub = _mm512_cmplt_epu32_mask(u, sub);
-    const __m512i shifted =
-        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), shift));
+    const __m512i shifted = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(u), shift));
     code = _mm512_mask_mov_epi32(code, is_sub, _mm512_sub_epi32(shifted, shift_bits));
     code = _mm512_mask_mov_epi32(code, _mm512_cmpge_epu32_mask(u, sat), max_code);
     code = _mm512_or_si512(code, sign);
@@ -199,8 +190,7 @@ void MinMaxAvx512(const float* x, int n, float* lo_out, float* hi_out) {
   *hi_out = hi_s;
 }
 
-void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code,
-                         uint8_t* levels) {
+void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels) {
   const __m512 vzero = _mm512_set1_ps(zero);
   const __m512 vinv = _mm512_set1_ps(inv_scale);
   const __m512 vmax = _mm512_set1_ps(static_cast<float>(max_code));
@@ -291,8 +281,7 @@ inline void PackStep(__m512i codes, int m, int bits, uint8_t* out) {
 // (Built in registers: four 16-byte stores read back as one 64-byte load
 // would miss store forwarding.)
 inline __m512i LevelBytes(const __m512i* lo) {
-  const __m512i packed =
-      _mm512_packus_epi16(_mm512_packus_epi32(lo[0], lo[1]), _mm512_packus_epi32(lo[2], lo[3]));
+  const __m512i packed = _mm512_packus_epi16(_mm512_packus_epi32(lo[0], lo[1]), _mm512_packus_epi32(lo[2], lo[3]));
   return _mm512_permutexvar_epi32(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), packed);
 }
 
@@ -345,8 +334,8 @@ class LevelSearch {
 
   // The int32 levels of v; lanes outside m add nothing to the sum.
   __m512i operator()(__m512 v, __mmask16 m) {
-    __m512i lo = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, first_bound_, _CMP_GT_OQ),
-                                        _mm512_set1_epi32(first_step_));
+    __m512i lo =
+        _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(v, first_bound_, _CMP_GT_OQ), _mm512_set1_epi32(first_step_));
     for (int k = 0, step = first_step_ >> 1; k < later_; ++k, step >>= 1) {
       const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(lo, shifted_[k]), _CMP_GT_OQ);
       lo = _mm512_mask_add_epi32(lo, gt, lo, _mm512_set1_epi32(step));
@@ -455,9 +444,8 @@ void UniformPackAvx512(const float* x, int n, float zero, float inv_scale, int b
   const __m512 vzero = _mm512_set1_ps(zero);
   const __m512 vinv = _mm512_set1_ps(inv_scale);
   const __m512 vmax = _mm512_set1_ps(static_cast<float>((1 << bits) - 1));
-  PackLevels(x, n, bits, codes, [&](__m512 v, __mmask16) {
-    return _mm512_cvttps_epi32(UniformLevel(v, vzero, vinv, vmax));
-  });
+  PackLevels(x, n, bits, codes,
+             [&](__m512 v, __mmask16) { return _mm512_cvttps_epi32(UniformLevel(v, vzero, vinv, vmax)); });
 }
 
 }  // namespace encode_internal

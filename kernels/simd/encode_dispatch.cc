@@ -7,13 +7,15 @@ namespace tqkv {
 namespace encode_internal {
 namespace {
 
-constexpr EncodeKernels kAvx512{"avx512",           AllFiniteWithinAvx512, ScaleAvx512,
-                                QuantizeToLevelsAvx512, PackBitsAvx512,       FloatToHalfAvx512,
-                                FloatToBf16Avx512,  FloatToFp8E4m3Avx512,  MinMaxAvx512,
-                                UniformLevelsAvx512,    SumOfSquaresAvx512, CodewordSumAvx512, QuantizePackAvx512, RotateQuantizePackAvx512, UniformRangeAvx512, UniformPackAvx512};
-constexpr EncodeKernels kAvx2{"avx2",           AllFiniteWithinAvx2, ScaleAvx2,       QuantizeToLevelsAvx2,
-                              PackBitsBmi2,     FloatToHalfAvx2,     FloatToBf16Avx2, FloatToFp8E4m3Avx2,
-                              MinMaxAvx2,       UniformLevelsAvx2,   SumOfSquaresAvx2, CodewordSumAvx2, QuantizePackAvx2, RotateQuantizePackAvx2, UniformRangeAvx2, UniformPackAvx2};
+constexpr EncodeKernels kAvx512{
+    "avx512",           AllFiniteWithinAvx512,    ScaleAvx512,        QuantizeToLevelsAvx512,
+    PackBitsAvx512,     FloatToHalfAvx512,        FloatToBf16Avx512,  FloatToFp8E4m3Avx512,
+    MinMaxAvx512,       UniformLevelsAvx512,      SumOfSquaresAvx512, CodewordSumAvx512,
+    QuantizePackAvx512, RotateQuantizePackAvx512, UniformRangeAvx512, UniformPackAvx512};
+constexpr EncodeKernels kAvx2{"avx2",           AllFiniteWithinAvx2,    ScaleAvx2,        QuantizeToLevelsAvx2,
+                              PackBitsBmi2,     FloatToHalfAvx2,        FloatToBf16Avx2,  FloatToFp8E4m3Avx2,
+                              MinMaxAvx2,       UniformLevelsAvx2,      SumOfSquaresAvx2, CodewordSumAvx2,
+                              QuantizePackAvx2, RotateQuantizePackAvx2, UniformRangeAvx2, UniformPackAvx2};
 
 }  // namespace
 

@@ -70,8 +70,7 @@ bool AllFiniteWithinAvx512(const float* x, int n, float limit);
 void ScaleAvx512(const float* x, int n, float s, float* y);
 // levels[i] = #{boundaries < y[i]} for a codebook of `bits` bits (2^bits - 1
 // ascending boundaries).
-void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, int n,
-                            uint8_t* levels);
+void QuantizeToLevelsAvx512(const float* boundaries, int bits, const float* y, int n, uint8_t* levels);
 // PackBits (bitpack.h) for 1 <= bits <= 8, with BMI2's pext (the AVX2 file
 // holds it; both sets use it).
 void PackBitsBmi2(const uint8_t* codes, int n, int bits, uint8_t* out);
@@ -87,8 +86,7 @@ void FloatToFp8E4m3Avx512(const float* x, int n, uint8_t* out);
 // loop finds them (including which zero, -0 or +0, it keeps).
 void MinMaxAvx512(const float* x, int n, float* lo, float* hi);
 // levels[i] = clamp(floor((x[i] - zero) * inv_scale + 0.5f), 0, max_code).
-void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code,
-                         uint8_t* levels);
+void UniformLevelsAvx512(const float* x, int n, float zero, float inv_scale, int max_code, uint8_t* levels);
 
 // The two sums of the stored scale, in the blocked order of
 // kernels/blocked_sums.h: *sum = sum over i of (double)x[i] * x[i] (the

@@ -25,7 +25,7 @@ void DenseInverseAvx512(const float* m, const float* y, float* x, int dim) {
 }
 
 void KronHadamardAvx512(const float* x, float* y, int rows, int m, const float* columns, const float* pre_signs,
-                      const float* post_signs, float scale) {
+                        const float* post_signs, float scale) {
   hadamard::KronHadamard<simd::Avx512>(x, y, rows, m, columns, pre_signs, post_signs, scale);
   hadamard::ZeroUpper();
 }

@@ -204,8 +204,7 @@ void SignedFwht(const float* x, float* y, int n, const float* pre_signs, const f
   }
   constexpr int kBlock = S::kLanes * kBlockRegs;
   for (int i = 0; i < n; i += kBlock) {
-    TransformBlock<S, kBlockRegs>(x + i, y + i, pre_signs == nullptr ? nullptr : pre_signs + i, nullptr, false,
-                                  scale);
+    TransformBlock<S, kBlockRegs>(x + i, y + i, pre_signs == nullptr ? nullptr : pre_signs + i, nullptr, false, scale);
   }
   StridePasses<S>(y, n, kBlock, post_signs, scale);
 }
@@ -385,7 +384,7 @@ template <class S, int kM>
 constexpr int KronGroupRows() {
   const int budget = S::kRegisters == 16 ? 12 : 16;
   int rows = 8;
-  while (rows > 1 && rows * kRowParts<S, kM> > budget) rows /= 2;
+  while (rows > 1 && rows * kRowParts < S, kM >> budget) rows /= 2;
   return rows;
 }
 

@@ -11,10 +11,8 @@ namespace rotation_internal {
 // y = diag(post) H diag(pre) x / sqrt(n), pre/post null for the identity,
 // x == y allowed; bit-identical to the scalar sequence "multiply by pre,
 // FastWalshHadamardScalar, multiply by post". REQUIRES: n a power of two.
-void SignedFwhtAvx2(const float* x, float* y, int n, const float* pre_signs,
-                    const float* post_signs);
-void SignedFwhtAvx512(const float* x, float* y, int n, const float* pre_signs,
-                      const float* post_signs);
+void SignedFwhtAvx2(const float* x, float* y, int n, const float* pre_signs, const float* post_signs);
+void SignedFwhtAvx512(const float* x, float* y, int n, const float* pre_signs, const float* post_signs);
 
 // DenseForward*: y = M x; DenseInverse*: x = M^T y; M row-major dim x dim;
 // output must not alias input. Not bit-identical to the portable versions in
@@ -34,12 +32,12 @@ void DenseInverseAvx512(const float* m, const float* y, float* x, int dim);
 // stage order h = 1, 2, 4, ..., then one multiply by (scale * post). The
 // products t_k f_k are exact, so FMA and plain multiply-add agree.
 // REQUIRES: m in {12, 20, 28}; rows a power of two, rows * m <= 8192.
-void KronHadamardScalar(const float* x, float* y, int rows, int m, const float* columns,
-                        const float* pre_signs, const float* post_signs, float scale);
-void KronHadamardAvx2(const float* x, float* y, int rows, int m, const float* columns,
-                      const float* pre_signs, const float* post_signs, float scale);
-void KronHadamardAvx512(const float* x, float* y, int rows, int m, const float* columns,
-                        const float* pre_signs, const float* post_signs, float scale);
+void KronHadamardScalar(const float* x, float* y, int rows, int m, const float* columns, const float* pre_signs,
+                        const float* post_signs, float scale);
+void KronHadamardAvx2(const float* x, float* y, int rows, int m, const float* columns, const float* pre_signs,
+                      const float* post_signs, float scale);
+void KronHadamardAvx512(const float* x, float* y, int rows, int m, const float* columns, const float* pre_signs,
+                        const float* post_signs, float scale);
 
 }  // namespace rotation_internal
 }  // namespace tqkv

@@ -44,7 +44,9 @@ struct Avx2 {
   static void MaskStore(float* p, Mask m, F32 v) { _mm256_maskstore_ps(p, m, v); }
 #if defined(__F16C__)
   // kLanes IEEE halves as floats (exact).
-  static F32 LoadHalves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F32 LoadHalves(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
 #endif
 
   // The Walsh-Hadamard butterflies of stride 1, 2, 4 within a register, each

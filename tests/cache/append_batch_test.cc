@@ -118,8 +118,8 @@ TEST_P(AppendBatchTest, ADecodeLayerIsWhatItsItemsDoOneByOneInOneBackendCall) {
         q[i] = RandomQueries(static_cast<int>(appends[i].num_tokens), layout, 77 * step + i);
         out_a[i].assign(q[i].size(), 0.0f);
         out_b[i].assign(q[i].size(), 0.0f);
-        attends[i] = {appends[i].sequence_id, layer, static_cast<int>(appends[i].num_tokens), q[i].data(),
-                      out_b[i].data(), nullptr};
+        attends[i] = {appends[i].sequence_id, layer,  static_cast<int>(appends[i].num_tokens), q[i].data(),
+                      out_b[i].data(),        nullptr};
       }
       // One by one: Append, then Attend of what landed.
       std::vector<absl::Status> want(appends.size());

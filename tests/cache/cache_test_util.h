@@ -75,21 +75,17 @@ class FakeClock {
 };
 
 // K or V of [layers, tokens, kv_heads, head_dim], standard normal.
-inline std::vector<float> RandomTensor(int layers, int64_t tokens, const KvLayout& layout,
-                                       uint32_t seed) {
+inline std::vector<float> RandomTensor(int layers, int64_t tokens, const KvLayout& layout, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(layers) * tokens * layout.num_kv_heads() *
-                       layout.head_dim());
+  std::vector<float> x(static_cast<size_t>(layers) * tokens * layout.num_kv_heads() * layout.head_dim());
   for (float& v : x) v = normal(rng);
   return x;
 }
 
 // Queries of [num_query_tokens, num_query_heads, head_dim], standard normal.
-inline std::vector<float> RandomQueries(int num_query_tokens, const KvLayout& layout,
-                                        uint32_t seed) {
-  return RandomTensor(1, static_cast<int64_t>(num_query_tokens) * layout.query_heads_per_kv_head(),
-                      layout, seed);
+inline std::vector<float> RandomQueries(int num_query_tokens, const KvLayout& layout, uint32_t seed) {
+  return RandomTensor(1, static_cast<int64_t>(num_query_tokens) * layout.query_heads_per_kv_head(), layout, seed);
 }
 
 // What attention sees for one stored vector: Decode(Encode(x)).
@@ -110,8 +106,7 @@ class ReferenceSequence {
       : layout_(layout), keys_(layout->num_layers()), values_(layout->num_layers()) {}
 
   int64_t tokens(int layer) const {
-    return static_cast<int64_t>(keys_[layer].size()) /
-           (layout_->num_kv_heads() * layout_->head_dim());
+    return static_cast<int64_t>(keys_[layer].size()) / (layout_->num_kv_heads() * layout_->head_dim());
   }
 
   // Adds what an OK append of these tensors stored.
@@ -201,8 +196,7 @@ class ReferenceSequence {
 // |got - want| <= rel * max(max |want|, 1e-3) elementwise; returns the number
 // of mismatches and reports the first few.
 template <typename T>
-int CountMismatches(const float* got, const std::vector<T>& want, double rel,
-                    const std::string& what) {
+int CountMismatches(const float* got, const std::vector<T>& want, double rel, const std::string& what) {
   double max_abs = 1e-3;
   for (T w : want) max_abs = std::max(max_abs, std::fabs(static_cast<double>(w)));
   const double tol = rel * max_abs;
@@ -211,8 +205,7 @@ int CountMismatches(const float* got, const std::vector<T>& want, double rel,
     const double err = std::fabs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
     if (!(err <= tol)) {
       if (++bad <= 5) {
-        ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", want " << want[i]
-                      << " (tolerance " << tol << ")";
+        ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", want " << want[i] << " (tolerance " << tol << ")";
       }
     }
   }
@@ -234,9 +227,7 @@ class GatedBackend : public Backend {
     armed_ = true;
   }
   // False if no gated Attend started within 10 s.
-  bool WaitUntilAttendEntered() {
-    return entered_.WaitForNotificationWithTimeout(absl::Seconds(10));
-  }
+  bool WaitUntilAttendEntered() { return entered_.WaitForNotificationWithTimeout(absl::Seconds(10)); }
   void ReleaseAttend() { release_.Notify(); }
 
   std::string name() const override { return inner_->name(); }

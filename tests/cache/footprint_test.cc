@@ -27,8 +27,8 @@ struct Case {
 };
 
 Case RandomCase(std::mt19937& rng) {
-  const std::vector<std::string> presets = {"tqkv_k3v4u_csw", "turboquant_k8v4", "tqkv_k3v3", "fp16",
-                                            "turboquant_4bit_nc", "tqkv_k4v4u_csw"};
+  const std::vector<std::string> presets = {"tqkv_k3v4u_csw", "turboquant_k8v4",    "tqkv_k3v3",
+                                            "fp16",           "turboquant_4bit_nc", "tqkv_k4v4u_csw"};
   const auto pick = [&rng](int n) { return static_cast<int>(rng() % n); };
   Case c;
   KvLayoutOptions& o = c.layout;
@@ -60,10 +60,9 @@ std::string Describe(const Case& c) {
   std::string windows;
   for (int w : c.layout.layer_windows) windows += std::to_string(w) + " ";
   return c.layout.preset + " layers " + std::to_string(c.layout.num_layers) + " page_tokens " +
-         std::to_string(c.layout.page_tokens) + " sinks " + std::to_string(c.layout.exact_sink_tokens) +
-         " window " + std::to_string(c.layout.exact_window_tokens) + " layer windows [" + windows +
-         "] prefill " + std::to_string(c.prefill) + " in " + std::to_string(c.chunk) + " + " +
-         std::to_string(c.steps) + " steps";
+         std::to_string(c.layout.page_tokens) + " sinks " + std::to_string(c.layout.exact_sink_tokens) + " window " +
+         std::to_string(c.layout.exact_window_tokens) + " layer windows [" + windows + "] prefill " +
+         std::to_string(c.prefill) + " in " + std::to_string(c.chunk) + " + " + std::to_string(c.steps) + " steps";
 }
 
 // Appends [start, start + n) to every layer.

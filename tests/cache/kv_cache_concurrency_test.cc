@@ -33,7 +33,7 @@ constexpr int64_t kTokens = 192;   // per sequence and layer, in the end
 constexpr int kOwnWriters = 8;     // one sequence each
 constexpr int kRacingWriters = 2;  // all on one sequence
 constexpr int kReaders = 4;
-constexpr int kMinReads = 20;      // per reader
+constexpr int kMinReads = 20;  // per reader
 
 // The whole future content of one sequence: [layers, kTokens, heads, dim].
 struct Script {
@@ -45,8 +45,8 @@ struct Script {
 
 // keys/values of tokens [start, start + n) of layers [begin, end), packed as
 // an AppendRequest wants them.
-void Slice(const KvLayout& layout, const std::vector<float>& full, int begin, int end,
-           int64_t start, int64_t n, std::vector<float>* out) {
+void Slice(const KvLayout& layout, const std::vector<float>& full, int begin, int end, int64_t start, int64_t n,
+           std::vector<float>* out) {
   const size_t row = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
   out->clear();
   for (int layer = begin; layer < end; ++layer) {
@@ -56,8 +56,8 @@ void Slice(const KvLayout& layout, const std::vector<float>& full, int begin, in
 }
 
 // Appends script's tokens [start, start + n) of layers [begin, end) to `id`.
-absl::Status AppendSlice(KvCache& cache, const std::string& id, const Script& script, int begin,
-                         int end, int64_t start, int64_t n, bool poison = false) {
+absl::Status AppendSlice(KvCache& cache, const std::string& id, const Script& script, int begin, int end, int64_t start,
+                         int64_t n, bool poison = false) {
   std::vector<float> keys, values;
   Slice(cache.layout(), script.keys, begin, end, start, n, &keys);
   Slice(cache.layout(), script.values, begin, end, start, n, &values);
@@ -75,8 +75,7 @@ absl::Status AppendSlice(KvCache& cache, const std::string& id, const Script& sc
 
 // Scores every token a reader sees now and compares with the reference.
 // Returns false (after reporting) on a mismatch.
-bool CheckVisiblePrefix(KvCache& cache, const Script& script, int layer, int64_t tokens,
-                        const std::vector<float>& q) {
+bool CheckVisiblePrefix(KvCache& cache, const Script& script, int layer, int64_t tokens, const std::vector<float>& q) {
   if (tokens == 0) return true;
   std::vector<float> logits(cache.layout().num_query_heads() * tokens);
   const absl::Status status = cache.Score(script.id, layer, 0, tokens, q.data(), logits.data());
@@ -84,14 +83,13 @@ bool CheckVisiblePrefix(KvCache& cache, const Script& script, int layer, int64_t
     ADD_FAILURE() << "Score " << script.id << " layer " << layer << ": " << status;
     return false;
   }
-  return CountMismatches(logits.data(), script.ref->Score(layer, 0, tokens, q.data()), 1e-4,
-                         script.id + " logits") == 0;
+  return CountMismatches(logits.data(), script.ref->Score(layer, 0, tokens, q.data()), 1e-4, script.id + " logits") ==
+         0;
 }
 
 TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDrop) {
   std::unique_ptr<Backend> backend = MakeCpuBackend(1);
-  absl::StatusOr<std::unique_ptr<KvCache>> created =
-      KvCache::Create(SmallCacheOptions(1024), backend.get());
+  absl::StatusOr<std::unique_ptr<KvCache>> created = KvCache::Create(SmallCacheOptions(1024), backend.get());
   ASSERT_TRUE(created.ok()) << created.status();
   KvCache& cache = **created;
   const KvLayout& layout = cache.layout();
@@ -147,8 +145,8 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
         const int64_t n = std::min<int64_t>(1 + rng() % 7, kTokens - done);
         const unsigned dice = rng() % 8;
         if (dice == 0) {
-          expect(AppendSlice(cache, s.id, s, 0, kLayers, done, n, /*poison=*/true),
-                 absl::StatusCode::kInvalidArgument, s.id + " poisoned append");
+          expect(AppendSlice(cache, s.id, s, 0, kLayers, done, n, /*poison=*/true), absl::StatusCode::kInvalidArgument,
+                 s.id + " poisoned append");
         } else if (dice == 1 && last_chunk > 0) {
           expect(AppendSlice(cache, s.id, s, 0, kLayers, done - last_chunk, last_chunk),
                  absl::StatusCode::kFailedPrecondition, s.id + " retried append");
@@ -157,8 +155,7 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
           expect(AppendSlice(cache, s.id, s, 0, kLayers, done, n), absl::StatusCode::kOk, s.id);
         } else {
           for (int layer = 0; layer < kLayers; ++layer) {
-            expect(AppendSlice(cache, s.id, s, layer, layer + 1, done, n), absl::StatusCode::kOk,
-                   s.id);
+            expect(AppendSlice(cache, s.id, s, layer, layer + 1, done, n), absl::StatusCode::kOk, s.id);
           }
         }
         done += n;
@@ -226,8 +223,8 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
         item.lse = lse.data();
         const absl::Status status = cache.Attend({item});
         // The fork may be dropped, or re-forked from a shorter parent, meanwhile.
-        if (fork && (status.code() == absl::StatusCode::kNotFound ||
-                     status.code() == absl::StatusCode::kInvalidArgument)) {
+        if (fork &&
+            (status.code() == absl::StatusCode::kNotFound || status.code() == absl::StatusCode::kInvalidArgument)) {
           continue;
         }
         expect(status, absl::StatusCode::kOk, "Attend " + id);
@@ -239,8 +236,7 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
           }
         }
         if (!fork) {
-          if (!CheckVisiblePrefix(cache, s, layer, tokens,
-                                  std::vector<float>(q.begin(), q.begin() + qh * d))) {
+          if (!CheckVisiblePrefix(cache, s, layer, tokens, std::vector<float>(q.begin(), q.begin() + qh * d))) {
             failed = true;
           }
           ++checked_reads;
@@ -283,8 +279,7 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
       const int64_t at = info.ok() ? info->layer_tokens[0] : kTokens;
       const int64_t n = std::min<int64_t>(2, kTokens - at);
       if (n > 0) {
-        expect(AppendSlice(cache, "fork", parent, 0, 1, at, n), absl::StatusCode::kOk,
-               "append to fork");
+        expect(AppendSlice(cache, "fork", parent, 0, 1, at, n), absl::StatusCode::kOk, "append to fork");
       }
       expect(cache.Drop("fork"), absl::StatusCode::kOk, "Drop fork");
     }

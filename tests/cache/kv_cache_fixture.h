@@ -92,8 +92,8 @@ class KvCacheTest : public ::testing::Test {
 
   // Appends n random tokens to layers [begin, end) of `id` at `start` and, on
   // success, records their decoded vectors in the reference.
-  absl::Status AppendRandom(KvCache& cache, const std::string& id, int64_t start, int begin,
-                            int end, int64_t n, std::shared_ptr<UsageAccount> account = nullptr) {
+  absl::Status AppendRandom(KvCache& cache, const std::string& id, int64_t start, int begin, int end, int64_t n,
+                            std::shared_ptr<UsageAccount> account = nullptr) {
     const std::vector<float> keys = RandomTensor(end - begin, n, cache.layout(), ++seed_);
     const std::vector<float> values = RandomTensor(end - begin, n, cache.layout(), ++seed_);
     AppendRequest request;
@@ -119,9 +119,8 @@ class KvCacheTest : public ::testing::Test {
   }
 
   // Attends `id`'s layer and returns the output (and lse when asked).
-  std::vector<float> AttendOne(KvCache& cache, const std::string& id, int layer,
-                               const std::vector<float>& queries, int num_query_tokens,
-                               std::vector<float>* lse = nullptr) {
+  std::vector<float> AttendOne(KvCache& cache, const std::string& id, int layer, const std::vector<float>& queries,
+                               int num_query_tokens, std::vector<float>* lse = nullptr) {
     std::vector<float> output(queries.size(), std::numeric_limits<float>::quiet_NaN());
     if (lse != nullptr) {
       lse->assign(static_cast<size_t>(num_query_tokens) * cache.layout().num_query_heads(), 0.0f);
@@ -148,8 +147,7 @@ class KvCacheTest : public ::testing::Test {
       const std::vector<float> got = AttendOne(cache, id, layer, q, num_query_tokens, &lse);
       std::vector<double> want_out, want_lse;
       ref.Attend(layer, num_query_tokens, q.data(), &want_out, &want_lse);
-      EXPECT_EQ(CountMismatches(got.data(), want_out, 1e-4, id + " output"), 0)
-          << "layer " << layer;
+      EXPECT_EQ(CountMismatches(got.data(), want_out, 1e-4, id + " output"), 0) << "layer " << layer;
       EXPECT_EQ(CountMismatches(lse.data(), want_lse, 1e-4, id + " lse"), 0) << "layer " << layer;
     }
   }

@@ -38,8 +38,7 @@ TEST_F(KvCacheTest, ForkSharesPagesAndTheChildReadsTheParentsTokens) {
   for (int layer = 0; layer < 4; ++layer) {
     const std::vector<float> q = Queries(*cache, 2);
     std::vector<float> lse_p, lse_c;
-    EXPECT_EQ(AttendOne(*cache, "p", layer, q, 2, &lse_p),
-              AttendOne(*cache, "c", layer, q, 2, &lse_c));
+    EXPECT_EQ(AttendOne(*cache, "p", layer, q, 2, &lse_p), AttendOne(*cache, "c", layer, q, 2, &lse_c));
     EXPECT_EQ(lse_p, lse_c);
   }
 }
@@ -147,8 +146,7 @@ TEST_F(KvCacheTest, AttendMatchesFloat64AttentionOverTheDecodedVectors) {
     ASSERT_TRUE(cache->Attend(items).ok());
     for (size_t i = 0; i < batch.size(); ++i) {
       std::vector<double> want_out, want_lse;
-      Ref(*cache, batch[i].id)
-          .Attend(batch[i].layer, batch[i].n, q[i].data(), &want_out, &want_lse);
+      Ref(*cache, batch[i].id).Attend(batch[i].layer, batch[i].n, q[i].data(), &want_out, &want_lse);
       EXPECT_EQ(CountMismatches(out[i].data(), want_out, 1e-4, "batch output"), 0) << i;
       EXPECT_EQ(CountMismatches(lse[i].data(), want_lse, 1e-4, "batch lse"), 0) << i;
     }
@@ -168,8 +166,7 @@ TEST_F(KvCacheTest, QueryTokensDoNotSeeLaterTokens) {
   EXPECT_EQ(CountMismatches(got.data(), causal, 1e-4, "causal"), 0);
   // Query token 0 sees 7 of the 9 tokens: its output differs from attending
   // all of them, so the check above tells a causal kernel from one that is not.
-  const size_t row =
-      static_cast<size_t>(cache->layout().num_query_heads()) * cache->layout().head_dim();
+  const size_t row = static_cast<size_t>(cache->layout().num_query_heads()) * cache->layout().head_dim();
   double diff = 0;
   for (size_t i = 0; i < row; ++i) diff = std::max(diff, std::fabs(causal[i] - full[i]));
   EXPECT_GT(diff, 1e-3);
@@ -209,8 +206,7 @@ TEST_F(KvCacheTest, InvalidAttendWritesNothing) {
   cases.back().item.layer = 4;
   cases.push_back({"no query tokens", good, absl::StatusCode::kInvalidArgument});
   cases.back().item.num_query_tokens = 0;
-  cases.push_back(
-      {"more query tokens than the layer holds", good, absl::StatusCode::kInvalidArgument});
+  cases.push_back({"more query tokens than the layer holds", good, absl::StatusCode::kInvalidArgument});
   cases.back().item.layer = 1;
   cases.back().item.num_query_tokens = 3;
   cases.push_back({"null queries", good, absl::StatusCode::kInvalidArgument});
@@ -253,24 +249,15 @@ TEST_F(KvCacheTest, ScoreIsScaledDotProductsOverTheRequestedTokens) {
   std::vector<float> logits(qh * 10, 42.0f);
   EXPECT_TRUE(cache->Score("s", 0, 4, 4, q.data(), logits.data()).ok());  // empty range
   EXPECT_TRUE(cache->Score("s", 0, 10, -1, q.data(), logits.data()).ok());
-  EXPECT_EQ(cache->Score("s", 0, 5, 4, q.data(), logits.data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache->Score("s", 0, -1, 4, q.data(), logits.data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache->Score("s", 0, 0, -2, q.data(), logits.data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache->Score("s", 0, 0, 11, q.data(), logits.data()).code(),
-            absl::StatusCode::kOutOfRange);
-  EXPECT_EQ(cache->Score("s", 0, 11, -1, q.data(), logits.data()).code(),
-            absl::StatusCode::kOutOfRange);
-  EXPECT_EQ(cache->Score("s", 4, 0, -1, q.data(), logits.data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache->Score("s", 0, 0, -1, nullptr, logits.data()).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache->Score("s", 0, 0, -1, q.data(), nullptr).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache->Score("nobody", 0, 0, -1, q.data(), logits.data()).code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache->Score("s", 0, 5, 4, q.data(), logits.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Score("s", 0, -1, 4, q.data(), logits.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Score("s", 0, 0, -2, q.data(), logits.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Score("s", 0, 0, 11, q.data(), logits.data()).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(cache->Score("s", 0, 11, -1, q.data(), logits.data()).code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(cache->Score("s", 4, 0, -1, q.data(), logits.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Score("s", 0, 0, -1, nullptr, logits.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Score("s", 0, 0, -1, q.data(), nullptr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->Score("nobody", 0, 0, -1, q.data(), logits.data()).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(logits, std::vector<float>(qh * 10, 42.0f));
 }
 

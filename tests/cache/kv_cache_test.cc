@@ -33,21 +33,17 @@ TEST_F(KvCacheTest, CreateRejectsBadOptions) {
 
   CacheOptions bad_heads = SmallCacheOptions(4);
   bad_heads.layout.num_query_heads = 3;
-  EXPECT_EQ(KvCache::Create(bad_heads, backend_.get()).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvCache::Create(bad_heads, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
 
   CacheOptions bad_preset = SmallCacheOptions(4);
   bad_preset.layout.preset = "no_such_preset";
-  EXPECT_EQ(KvCache::Create(bad_preset, backend_.get()).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(KvCache::Create(bad_preset, backend_.get()).status().code(), absl::StatusCode::kNotFound);
 
   CacheOptions bad_ttl = SmallCacheOptions(4);
   bad_ttl.idle_ttl = absl::ZeroDuration();
-  EXPECT_EQ(KvCache::Create(bad_ttl, backend_.get()).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvCache::Create(bad_ttl, backend_.get()).status().code(), absl::StatusCode::kInvalidArgument);
 
-  EXPECT_EQ(KvCache::Create(SmallCacheOptions(4), nullptr).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvCache::Create(SmallCacheOptions(4), nullptr).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(KvCacheTest, CreateAppendGetDrop) {
@@ -74,8 +70,7 @@ TEST_F(KvCacheTest, CreateAppendGetDrop) {
   EXPECT_THAT(cache->ListSequences(), ElementsAre("a", "b"));
 
   uint64_t bytes_per_token = 0;
-  for (int layer = 0; layer < layout.num_layers(); ++layer)
-    bytes_per_token += layout.token_bytes(layer);
+  for (int layer = 0; layer < layout.num_layers(); ++layer) bytes_per_token += layout.token_bytes(layer);
   CacheStats stats = cache->Stats();
   EXPECT_EQ(stats.pages_used, 3);
   EXPECT_EQ(stats.sequences, 2);
@@ -113,8 +108,7 @@ TEST_F(KvCacheTest, AppendsLayerByLayerKeepPerLayerLengths) {
   EXPECT_EQ(info->pages, 2);
   EXPECT_EQ(cache->Stats().tokens, 5);
   EXPECT_EQ(cache->Stats().stored_bytes,
-            5 * (layout.token_bytes(0) + layout.token_bytes(1) + layout.token_bytes(2)) +
-                3 * layout.token_bytes(3));
+            5 * (layout.token_bytes(0) + layout.token_bytes(1) + layout.token_bytes(2)) + 3 * layout.token_bytes(3));
 
   // The short layer catches up inside pages the other layers already filled.
   ASSERT_TRUE(AppendRandom(*cache, "s", 3, 3, 4, 4).ok());
@@ -137,8 +131,7 @@ TEST_F(KvCacheTest, WrongStartPositionIsFailedPreconditionAndChangesNothing) {
   // A retried append (too low).
   absl::Status status = AppendAll(*cache, "s", 0, 5);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(status.message(),
-              HasSubstr("layer 0 holds 7 tokens; an append must start at 7, got 0"));
+  EXPECT_THAT(status.message(), HasSubstr("layer 0 holds 7 tokens; an append must start at 7, got 0"));
   // A gap (too high).
   status = AppendRandom(*cache, "s", 9, 0, 2, 1);
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);

@@ -44,9 +44,8 @@ KvLayoutOptions WindowedLayout(const std::string& preset) {
 
 // Float64 attention over the decoded vectors of `layer`, query token i of n
 // (position p = context - n + i) seeing [max(0, p + 1 - window), p + 1).
-void WindowedReference(const ReferenceSequence& ref, const KvLayout& layout, int layer, int n,
-                       const float* queries, int window, std::vector<double>* output,
-                       std::vector<double>* lse) {
+void WindowedReference(const ReferenceSequence& ref, const KvLayout& layout, int layer, int n, const float* queries,
+                       int window, std::vector<double>* output, std::vector<double>* lse) {
   const int qh = layout.num_query_heads(), d = layout.head_dim();
   const int group = layout.query_heads_per_kv_head();
   const int64_t context = ref.tokens(layer);
@@ -396,17 +395,16 @@ TEST(SlidingWindowTest, GemmaShapeHoldsAboutTheWindowInWindowedLayers) {
     want += l.layer_bytes(layer, length, l.layer_window(layer) > 0 ? length - 512 : 0);
   }
   EXPECT_EQ(bytes, want);
-  EXPECT_EQ(bytes, 15 * 512 * l.token_bytes(0) + 3 * length * l.token_bytes(5) +
-                       18 * sizeof(float) * l.mean_floats());
+  EXPECT_EQ(bytes, 15 * 512 * l.token_bytes(0) + 3 * length * l.token_bytes(5) + 18 * sizeof(float) * l.mean_floats());
   const uint64_t full = 18 * length * l.token_bytes(0);
   const uint64_t bf16 = 18 * length * l.token_bytes_bf16();
   const uint64_t pool = static_cast<uint64_t>(info->pages) * l.page_bytes();
-  std::printf("gemma-3 shape at %lld tokens: %llu bytes stored (%llu in pages) vs %llu all-full-attention "
-              "(%.2fx) vs %llu bf16 (%.2fx)\n",
-              static_cast<long long>(length), static_cast<unsigned long long>(bytes),
-              static_cast<unsigned long long>(pool), static_cast<unsigned long long>(full),
-              static_cast<double>(full) / bytes, static_cast<unsigned long long>(bf16),
-              static_cast<double>(bf16) / bytes);
+  std::printf(
+      "gemma-3 shape at %lld tokens: %llu bytes stored (%llu in pages) vs %llu all-full-attention "
+      "(%.2fx) vs %llu bf16 (%.2fx)\n",
+      static_cast<long long>(length), static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(pool),
+      static_cast<unsigned long long>(full), static_cast<double>(full) / bytes, static_cast<unsigned long long>(bf16),
+      static_cast<double>(bf16) / bytes);
   // Attention still reads the window (the decode step's query).
   const std::vector<float> q = RandomQueries(1, l, 3);
   std::vector<float> out(q.size());

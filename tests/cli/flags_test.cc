@@ -45,8 +45,8 @@ TEST(FlagSet, ParsesSpaceAndEqualsForms) {
   FlagSet flags("encode");
   EncodeFlags f;
   f.Register(flags);
-  absl::Status status = Parse(flags, {"--keys", "k.npy", "--head-dim=64", "--scale", "-0.5",
-                                      "--verbose", "--preset=tq4", "--layers", "3, 5,7"});
+  absl::Status status = Parse(flags, {"--keys", "k.npy", "--head-dim=64", "--scale", "-0.5", "--verbose",
+                                      "--preset=tq4", "--layers", "3, 5,7"});
   ASSERT_TRUE(status.ok()) << status;
   EXPECT_EQ(f.keys, "k.npy");
   EXPECT_EQ(f.head_dim, 64);
@@ -76,8 +76,7 @@ TEST(FlagSet, AcceptsCharArgvAndNegativeValues) {
   FlagSet flags("encode");
   EncodeFlags f;
   f.Register(flags);
-  char a0[] = "--keys", a1[] = "x.npy", a2[] = "--head-dim", a3[] = "-3", a4[] = "--layers",
-       a5[] = "-1,2";
+  char a0[] = "--keys", a1[] = "x.npy", a2[] = "--head-dim", a3[] = "-3", a4[] = "--layers", a5[] = "-1,2";
   char* argv[] = {a0, a1, a2, a3, a4, a5};
   absl::Status status = flags.Parse(6, argv);
   ASSERT_TRUE(status.ok()) << status;
@@ -91,9 +90,8 @@ TEST(FlagSet, LastValueWins) {
   FlagSet flags("encode");
   EncodeFlags f;
   f.Register(flags);
-  ASSERT_TRUE(Parse(flags, {"--keys=a", "--keys", "b", "--verbose", "--verbose=false", "--layers=4",
-                            "--layers", "5,6"})
-                  .ok());
+  ASSERT_TRUE(
+      Parse(flags, {"--keys=a", "--keys", "b", "--verbose", "--verbose=false", "--layers=4", "--layers", "5,6"}).ok());
   EXPECT_EQ(f.keys, "b");
   EXPECT_FALSE(f.verbose);
   EXPECT_THAT(f.layers, ElementsAre(5, 6));  // replaced, not appended
@@ -167,11 +165,9 @@ TEST(FlagSet, RejectsBadIntList) {
   for (const char* bad : {"1,two,3", "1.5", "1 2", "99999999999999999999"}) {
     absl::Status status = Parse(flags, {"--keys=k", std::string("--layers=") + bad});
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_THAT(Message(status), HasSubstr("--layers: expected a comma-separated list of integers"))
-        << bad;
+    EXPECT_THAT(Message(status), HasSubstr("--layers: expected a comma-separated list of integers")) << bad;
   }
-  EXPECT_THAT(Message(Parse(flags, {"--keys=k", "--layers=1,two,3"})),
-              HasSubstr("item 'two' is not an integer"));
+  EXPECT_THAT(Message(Parse(flags, {"--keys=k", "--layers=1,two,3"})), HasSubstr("item 'two' is not an integer"));
   ASSERT_TRUE(Parse(flags, {"--keys=k", "--layers", ",9, ,-2,"}).ok());
   EXPECT_THAT(f.layers, ElementsAre(9, -2));
 }
@@ -338,9 +334,7 @@ TEST(FlagSet, UsageListsFlagsWithTypesDefaultsAndRequired) {
            {"--layers", "INT,...", "0,1", "layers to compress"}}) {
     const std::string line = LineOf(usage, flag);
     EXPECT_THAT(line, HasSubstr(flag + " " + type)) << usage;
-    EXPECT_THAT(line,
-                ::testing::AnyOf(HasSubstr("=" + fallback + " "), HasSubstr("[" + fallback + "]")))
-        << usage;
+    EXPECT_THAT(line, ::testing::AnyOf(HasSubstr("=" + fallback + " "), HasSubstr("[" + fallback + "]"))) << usage;
     EXPECT_THAT(line, HasSubstr(help)) << usage;
   }
   EXPECT_THAT(usage, HasSubstr("--verbose "));

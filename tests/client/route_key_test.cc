@@ -51,8 +51,7 @@ class RecordingInterceptor : public grpc::experimental::Interceptor {
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     using grpc::experimental::InterceptionHookPoints;
-    if (methods->QueryInterceptionHookPoint(
-            InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
       std::string key = "<none>";
       int count = 0;
       for (const auto& [name, value] : *methods->GetRecvInitialMetadata()) {
@@ -76,8 +75,7 @@ class RecordingInterceptor : public grpc::experimental::Interceptor {
 class RecordingFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   explicit RecordingFactory(Recorder* recorder) : recorder_(recorder) {}
-  grpc::experimental::Interceptor* CreateServerInterceptor(
-      grpc::experimental::ServerRpcInfo* info) override {
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     return new RecordingInterceptor(info, recorder_);
   }
 
@@ -134,21 +132,15 @@ class RouteKeyOnTheWire : public ::testing::Test {
     }
     EXPECT_EQ(client.Attend(attend).status().code(), absl::StatusCode::kUnimplemented);
 
-    EXPECT_EQ(client.CreateSequence("", "chat-5").status().code(),
-              absl::StatusCode::kUnimplemented);
-    EXPECT_EQ(client.ForkSequence("", "chat-6", "other-7").status().code(),
-              absl::StatusCode::kUnimplemented);
+    EXPECT_EQ(client.CreateSequence("", "chat-5").status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_EQ(client.ForkSequence("", "chat-6", "other-7").status().code(), absl::StatusCode::kUnimplemented);
     EXPECT_EQ(client.DropSequence("", "chat-8/x/y").code(), absl::StatusCode::kUnimplemented);
-    EXPECT_EQ(client.GetSequence("", "chat 9").status().code(),
-              absl::StatusCode::kUnimplemented);
+    EXPECT_EQ(client.GetSequence("", "chat 9").status().code(), absl::StatusCode::kUnimplemented);
     EXPECT_EQ(client.GetServerInfo().status().code(), absl::StatusCode::kUnimplemented);
     // Keys that cannot be an HTTP/2 header value travel without the header.
-    EXPECT_EQ(client.GetSequence("", "/leading-slash").status().code(),
-              absl::StatusCode::kUnimplemented);
-    EXPECT_EQ(client.GetSequence("", "caf\xc3\xa9/1").status().code(),
-              absl::StatusCode::kUnimplemented);
-    EXPECT_EQ(client.GetSequence("", "tab\there").status().code(),
-              absl::StatusCode::kUnimplemented);
+    EXPECT_EQ(client.GetSequence("", "/leading-slash").status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_EQ(client.GetSequence("", "caf\xc3\xa9/1").status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_EQ(client.GetSequence("", "tab\there").status().code(), absl::StatusCode::kUnimplemented);
   }
 
   v1::KvCache::CallbackService service_;  // every method: UNIMPLEMENTED
@@ -162,14 +154,10 @@ TEST_F(RouteKeyOnTheWire, EveryRpcCarriesTheKeyOfTheSequenceItRoutesBy) {
   CallEveryRpc(client);
   using Keys = std::vector<std::string>;
   const std::map<std::string, Keys> want = {
-      {"Append", Keys{"chat-1"}},
-      {"AppendStream", Keys{"chat-1"}},
-      {"ScoreQuery", Keys{"chat-2"}},
-      {"Attend", Keys{"chat-3"}},          // the first item's key
-      {"CreateSequence", Keys{"chat-5"}},
-      {"ForkSequence", Keys{"chat-6"}},    // the parent's key
-      {"DropSequence", Keys{"chat-8"}},
-      {"GetSequence", Keys{"chat 9", "<none>", "<none>", "<none>"}},
+      {"Append", Keys{"chat-1"}},         {"AppendStream", Keys{"chat-1"}},
+      {"ScoreQuery", Keys{"chat-2"}},     {"Attend", Keys{"chat-3"}},        // the first item's key
+      {"CreateSequence", Keys{"chat-5"}}, {"ForkSequence", Keys{"chat-6"}},  // the parent's key
+      {"DropSequence", Keys{"chat-8"}},   {"GetSequence", Keys{"chat 9", "<none>", "<none>", "<none>"}},
       {"GetServerInfo", Keys{"<none>"}},
   };
   EXPECT_EQ(recorder_.Take(), want);

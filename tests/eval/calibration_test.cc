@@ -69,16 +69,14 @@ void WriteText(const std::string& path, const std::string& text) { std::ofstream
 
 std::vector<const Preset*> Presets(const std::string& names) { return *ParsePresetList(names); }
 
-std::vector<LayerCalibration> CalibrateAll(const CaptureMeta& m,
-                                           const std::vector<LayerCapture>& layers,
+std::vector<LayerCalibration> CalibrateAll(const CaptureMeta& m, const std::vector<LayerCapture>& layers,
                                            const std::string& presets) {
   CalibrationOptions options;
   options.positions = 16;
   options.layout.page_tokens = 8;
   std::vector<LayerCalibration> out;
   for (int l = 0; l < m.layers; ++l) {
-    absl::StatusOr<LayerCalibration> layer =
-        CalibrateLayer(m, l, layers[l], Presets(presets), options);
+    absl::StatusOr<LayerCalibration> layer = CalibrateLayer(m, l, layers[l], Presets(presets), options);
     EXPECT_TRUE(layer.ok()) << layer.status();
     if (layer.ok()) out.push_back(*layer);
   }
@@ -110,12 +108,10 @@ TEST(CaptureMeta, NamesWhatIsWrong) {
     std::string json, message;
   } cases[] = {
       {R"({"num_query_heads": 4, )" + good_tail, "missing member \"layers\""},
-      {R"({"layers": 2.5, "num_query_heads": 4, )" + good_tail,
-       "\"layers\" must be an integer, got '2.5'"},
+      {R"({"layers": 2.5, "num_query_heads": 4, )" + good_tail, "\"layers\" must be an integer, got '2.5'"},
       {R"({"layers": 2, "num_query_heads": 3, )" + good_tail,
        "\"num_query_heads\" 3 is not a positive multiple of \"num_kv_heads\" 2"},
-      {R"({"layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 2, "tokens": 9})",
-       "\"head_dim\" is 2"},
+      {R"({"layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 2, "tokens": 9})", "\"head_dim\" is 2"},
       {R"({"layers": 2, "num_query_heads": 4, "num_kv_heads": 2, "head_dim": 32, "tokens": 1})",
        "\"tokens\" must be >= 2"},
       {R"({"layers" 2})", "expected ':' at byte 10"},
@@ -126,8 +122,7 @@ TEST(CaptureMeta, NamesWhatIsWrong) {
     absl::StatusOr<CaptureMeta> meta = ParseCaptureMeta(c.json);
     ASSERT_FALSE(meta.ok()) << c.json;
     EXPECT_EQ(meta.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(meta.status().message().find(c.message), std::string::npos)
-        << meta.status() << " lacks " << c.message;
+    EXPECT_NE(meta.status().message().find(c.message), std::string::npos) << meta.status() << " lacks " << c.message;
   }
 }
 
@@ -169,13 +164,11 @@ TEST(Capture, AShapeOtherThanMetaSaysIsRejectedWithBoth) {
   ASSERT_TRUE(WriteCapture(dir, m, SyntheticLayers(m)).ok());
   // Keys with 3 KV heads instead of 2.
   std::vector<float> keys(m.tokens * 3 * m.head_dim, 0.5f);
-  ASSERT_TRUE(
-      WriteNpy(CaptureTensorPath(dir, 0, 'k'), {m.tokens, 3, m.head_dim}, keys.data()).ok());
+  ASSERT_TRUE(WriteNpy(CaptureTensorPath(dir, 0, 'k'), {m.tokens, 3, m.head_dim}, keys.data()).ok());
   absl::StatusOr<LayerCapture> layer = ReadCaptureLayer(dir, m, 0);
   EXPECT_EQ(layer.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(layer.status().message().find(
-                "layer_000_k.npy has shape [96, 3, 32], want [tokens 96, num_kv_heads 2, "
-                "head_dim 32] from meta.json"),
+  EXPECT_NE(layer.status().message().find("layer_000_k.npy has shape [96, 3, 32], want [tokens 96, num_kv_heads 2, "
+                                          "head_dim 32] from meta.json"),
             std::string::npos)
       << layer.status();
 }
@@ -206,8 +199,7 @@ TEST(Capture, NonFiniteEntriesAreRejected) {
   ASSERT_TRUE(WriteCapture(dir, m, layers).ok());
   absl::StatusOr<LayerCapture> layer = ReadCaptureLayer(dir, m, 0);
   EXPECT_EQ(layer.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(layer.status().message().find("layer_000_v.npy: entry 5 is not finite"),
-            std::string::npos)
+  EXPECT_NE(layer.status().message().find("layer_000_v.npy: entry 5 is not finite"), std::string::npos)
       << layer.status();
 }
 
@@ -238,8 +230,7 @@ TEST(CalibrateLayer, Fp16IsExactUpToRounding) {
 
 TEST(CalibrateLayer, MoreBitsGiveLessErrorAndTheOutlierLayerIsWorst) {
   const CaptureMeta m = SmallMeta();
-  const std::vector<LayerCalibration> layers =
-      CalibrateAll(m, SyntheticLayers(m), "turboquant_k3v4_nc,tqkv_k4v4,fp16");
+  const std::vector<LayerCalibration> layers = CalibrateAll(m, SyntheticLayers(m), "turboquant_k3v4_nc,tqkv_k4v4,fp16");
   ASSERT_EQ(layers.size(), 3u);
   for (const LayerCalibration& layer : layers) {
     EXPECT_EQ(layer.positions.size(), 16u);
@@ -257,11 +248,9 @@ TEST(CalibrateLayer, TensorsOfTheWrongSizeAreRejected) {
   const CaptureMeta m = SmallMeta();
   std::vector<LayerCapture> layers = SyntheticLayers(m);
   layers[0].keys.pop_back();
-  absl::StatusOr<LayerCalibration> layer =
-      CalibrateLayer(m, 0, layers[0], Presets("fp16"), CalibrationOptions());
+  absl::StatusOr<LayerCalibration> layer = CalibrateLayer(m, 0, layers[0], Presets("fp16"), CalibrationOptions());
   EXPECT_EQ(layer.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(layer.status().message().find("layer 0: tensors hold"), std::string::npos)
-      << layer.status();
+  EXPECT_NE(layer.status().message().find("layer 0: tensors hold"), std::string::npos) << layer.status();
 }
 
 TEST(CalibrateLayer, AWindowOverTheWholeTextMakesEveryPresetExact) {
@@ -273,8 +262,8 @@ TEST(CalibrateLayer, AWindowOverTheWholeTextMakesEveryPresetExact) {
   options.positions = 8;
   options.layout.page_tokens = 8;
   options.layout.exact_window_tokens = static_cast<int>(m.tokens);
-  absl::StatusOr<LayerCalibration> layer = CalibrateLayer(m, kOutlierLayer, layers[kOutlierLayer],
-                                                          Presets("turboquant_k3v4_nc"), options);
+  absl::StatusOr<LayerCalibration> layer =
+      CalibrateLayer(m, kOutlierLayer, layers[kOutlierLayer], Presets("turboquant_k3v4_nc"), options);
   ASSERT_TRUE(layer.ok()) << layer.status();
   EXPECT_LT(layer->presets[0].output_rel_error, 2e-3);
   EXPECT_LT(layer->presets[0].kl_divergence, 1e-5);
@@ -314,8 +303,8 @@ class PlanTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     meta_ = new CaptureMeta(SmallMeta());
-    layers_ = new std::vector<LayerCalibration>(CalibrateAll(
-        *meta_, SyntheticLayers(*meta_), "turboquant_k3v4_nc,tqkv_k3v4,tqkv_k4v4,fp8,fp16"));
+    layers_ = new std::vector<LayerCalibration>(
+        CalibrateAll(*meta_, SyntheticLayers(*meta_), "turboquant_k3v4_nc,tqkv_k3v4,tqkv_k4v4,fp8,fp16"));
   }
   static void TearDownTestSuite() {
     delete meta_;
@@ -328,8 +317,7 @@ class PlanTest : public ::testing::Test {
     return PlanProtection(*meta_, *layers_, options);
   }
   // layers_ with every preset holding `exact_tokens` and `fixed_bytes` too.
-  static std::vector<LayerCalibration> WithSequenceBytes(int64_t exact_tokens,
-                                                         int64_t fixed_bytes) {
+  static std::vector<LayerCalibration> WithSequenceBytes(int64_t exact_tokens, int64_t fixed_bytes) {
     std::vector<LayerCalibration> layers = *layers_;
     for (LayerCalibration& layer : layers) {
       for (PresetError& e : layer.presets) {
@@ -382,8 +370,7 @@ TEST_F(PlanTest, ExactTokensAreCountedAtFp16) {
   options.budget_bits = 16.0 + 16.0 * 0.25;
   options.context = 1024;
   absl::StatusOr<ProtectionPlan> plain = PlanProtection(*meta_, *layers_, options);
-  absl::StatusOr<ProtectionPlan> windowed =
-      PlanProtection(*meta_, WithSequenceBytes(256, 0), options);
+  absl::StatusOr<ProtectionPlan> windowed = PlanProtection(*meta_, WithSequenceBytes(256, 0), options);
   ASSERT_TRUE(plain.ok() && windowed.ok());
   // 256 exact tokens over a context of 1024: a quarter more fp16 bytes.
   EXPECT_NEAR(windowed->base_bits, plain->base_bits + 16.0 * 0.25, 1e-9);
@@ -394,8 +381,8 @@ TEST_F(PlanTest, FixedBytesPerLayerAreSpreadOverTheContext) {
   options.budget_bits = 16.0;
   options.context = 1024;
   absl::StatusOr<ProtectionPlan> plain = PlanProtection(*meta_, *layers_, options);
-  absl::StatusOr<ProtectionPlan> means = PlanProtection(
-      *meta_, WithSequenceBytes(0, 4 * meta_->num_kv_heads * meta_->head_dim), options);
+  absl::StatusOr<ProtectionPlan> means =
+      PlanProtection(*meta_, WithSequenceBytes(0, 4 * meta_->num_kv_heads * meta_->head_dim), options);
   ASSERT_TRUE(plain.ok() && means.ok());
   // fp32 key means: 4 bytes per key coordinate (2 per K+V coordinate) of one
   // token, once per 1024 tokens: 16 / 1024 bits.
@@ -405,8 +392,7 @@ TEST_F(PlanTest, FixedBytesPerLayerAreSpreadOverTheContext) {
 TEST_F(PlanTest, ABudgetBelowTheBaseIsRefusedWithBothFigures) {
   absl::StatusOr<ProtectionPlan> plan = Plan(3.0);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(plan.status().message().find("budget of 3.000 bits per coordinate is below"),
-            std::string::npos)
+  EXPECT_NE(plan.status().message().find("budget of 3.000 bits per coordinate is below"), std::string::npos)
       << plan.status();
 }
 
@@ -415,8 +401,7 @@ TEST_F(PlanTest, TheBasePresetMustHaveBeenMeasured) {
   options.base_preset = "tqkv_k3v3";
   absl::StatusOr<ProtectionPlan> plan = PlanProtection(*meta_, *layers_, options);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(plan.status().message().find("base preset tqkv_k3v3 was not measured"),
-            std::string::npos);
+  EXPECT_NE(plan.status().message().find("base preset tqkv_k3v3 was not measured"), std::string::npos);
 }
 
 TEST(ProtectionConfigText, GroupsLayersPerPreset) {
@@ -430,14 +415,13 @@ TEST(ProtectionConfigText, GroupsLayersPerPreset) {
   plan.ratio_vs_bf16 = 3.2;
   PlanOptions options;
   options.context = 8192;
-  EXPECT_EQ(
-      ProtectionConfigText(plan, options),
-      "preset: \"turboquant_k3v4_nc\"\n"
-      "boundary_layers: 0\n"
-      "protected_layers { layers: [0, 6] preset: \"fp16\" }\n"
-      "protected_layers { layers: [3, 4] preset: \"tqkv_k4v4\" }\n"
-      "# 5.000 bits per coordinate, 3.20x vs bf16 at context 8192 (exact tokens and key means "
-      "included)\n");
+  EXPECT_EQ(ProtectionConfigText(plan, options),
+            "preset: \"turboquant_k3v4_nc\"\n"
+            "boundary_layers: 0\n"
+            "protected_layers { layers: [0, 6] preset: \"fp16\" }\n"
+            "protected_layers { layers: [3, 4] preset: \"tqkv_k4v4\" }\n"
+            "# 5.000 bits per coordinate, 3.20x vs bf16 at context 8192 (exact tokens and key means "
+            "included)\n");
 }
 
 TEST(ProtectionConfigText, NamesThePresetMostLayersUseAsTheCachePreset) {

@@ -21,8 +21,7 @@ std::string Message(const absl::Status& status) { return std::string(status.mess
 TEST(MeasureAttentionQuality, IdenticalInputsArePerfect) {
   const std::vector<double> logits = {1, 2, 3, 4, 5, 6};  // [2, 3]
   const std::vector<double> outputs = {0.5, -1, 2, 3};    // [2, 2]
-  absl::StatusOr<AttentionQuality> q =
-      MeasureAttentionQuality(2, 3, logits, logits, outputs, outputs);
+  absl::StatusOr<AttentionQuality> q = MeasureAttentionQuality(2, 3, logits, logits, outputs, outputs);
   ASSERT_TRUE(q.ok()) << q.status();
   EXPECT_EQ(q->logit_rmse, 0.0);
   // Mean 3.5; squared deviations 6.25, 2.25, 0.25 twice; 17.5 / 6.
@@ -149,8 +148,7 @@ TEST(MeasureAttentionQuality, OutputRelativeErrorPoolsAllQueries) {
     // ||(0, 0.5)|| / ||(3, 4)|| = 0.1.
     const std::vector<double> exact = {3, 4};
     const std::vector<double> approx = {3, 4.5};
-    absl::StatusOr<AttentionQuality> q =
-        MeasureAttentionQuality(1, 2, logits, logits, exact, approx);
+    absl::StatusOr<AttentionQuality> q = MeasureAttentionQuality(1, 2, logits, logits, exact, approx);
     ASSERT_TRUE(q.ok()) << q.status();
     EXPECT_NEAR(q->output_rel_error, 0.1, kTol);
   }
@@ -159,8 +157,7 @@ TEST(MeasureAttentionQuality, OutputRelativeErrorPoolsAllQueries) {
     const std::vector<double> logits2 = {0, 0, 0, 0};
     const std::vector<double> exact = {1, 0, 0, 2};
     const std::vector<double> approx = {1, 1, 0, 2};
-    absl::StatusOr<AttentionQuality> q =
-        MeasureAttentionQuality(2, 2, logits2, logits2, exact, approx);
+    absl::StatusOr<AttentionQuality> q = MeasureAttentionQuality(2, 2, logits2, logits2, exact, approx);
     ASSERT_TRUE(q.ok()) << q.status();
     EXPECT_NEAR(q->output_rel_error, std::sqrt(0.2), kTol);
   }
@@ -182,8 +179,7 @@ TEST(MeasureAttentionQuality, RejectsBadShapes) {
   const std::vector<double> six(6, 0.0), five(5, 0.0), four(4, 0.0), three(3, 0.0);
   absl::Status status = MeasureAttentionQuality(2, 3, six, five).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(Message(status),
-            "approx_logits has 5 values; want [num_queries, num_keys] = 2 * 3 = 6");
+  EXPECT_EQ(Message(status), "approx_logits has 5 values; want [num_queries, num_keys] = 2 * 3 = 6");
   status = MeasureAttentionQuality(0, 3, {}, {}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Message(status), "num_queries is 0; want >= 1");
@@ -255,8 +251,7 @@ TEST(ScaledLogits, DividesDotProductsBySqrtHeadDim) {
   ASSERT_EQ(logits->size(), 2u);
   EXPECT_NEAR((*logits)[0], 10.0 / 2.0, kTol);
   EXPECT_NEAR((*logits)[1], (1.5 - 8.0) / 2.0, kTol);
-  EXPECT_EQ(ScaledLogits(1, 2, 4, queries, queries).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ScaledLogits(1, 2, 4, queries, queries).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(Message(ScaledLogits(1, 2, 4, queries, queries).status()),
               HasSubstr("keys has 4 values; want [num_keys, head_dim] = 2 * 4 = 8"));
 }
@@ -269,8 +264,7 @@ TEST(AttentionQualityPipeline, ExactAgainstItselfThroughOutputsIsPerfect) {
   ASSERT_TRUE(logits.ok()) << logits.status();
   absl::StatusOr<std::vector<double>> outputs = SoftmaxWeightedOutputs(3, 4, 2, *logits, values);
   ASSERT_TRUE(outputs.ok()) << outputs.status();
-  absl::StatusOr<AttentionQuality> q =
-      MeasureAttentionQuality(3, 4, *logits, *logits, *outputs, *outputs);
+  absl::StatusOr<AttentionQuality> q = MeasureAttentionQuality(3, 4, *logits, *logits, *outputs, *outputs);
   ASSERT_TRUE(q.ok()) << q.status();
   EXPECT_EQ(q->tv_distance, 0.0);
   EXPECT_EQ(q->output_rel_error, 0.0);

@@ -117,8 +117,7 @@ TEST(OutlierKeys, HotChannelsHaveTheLargestMeanAbsoluteValue) {
     const std::vector<double> mean_abs = ChannelMeanAbs(keys, kN, kDim);
     std::vector<int> by_size(kDim);
     std::iota(by_size.begin(), by_size.end(), 0);
-    std::sort(by_size.begin(), by_size.end(),
-              [&](int a, int b) { return mean_abs[a] > mean_abs[b]; });
+    std::sort(by_size.begin(), by_size.end(), [&](int a, int b) { return mean_abs[a] > mean_abs[b]; });
     std::vector<int> top4(by_size.begin(), by_size.begin() + 4);
     std::sort(top4.begin(), top4.end());
     EXPECT_EQ(top4, OutlierHotChannels(kDim, seed)) << "seed " << seed;

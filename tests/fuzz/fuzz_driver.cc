@@ -215,7 +215,9 @@ int main(int argc, char** argv) {
     }
   }
   if (corpus.empty()) {
-    fprintf(stderr, "usage: request_fuzz_driver [--seconds S] [--seed N] CORPUS_DIR... | --write-seeds DIR | --write-config FILE\n");
+    fprintf(stderr,
+            "usage: request_fuzz_driver [--seconds S] [--seed N] CORPUS_DIR... | --write-seeds DIR | --write-config "
+            "FILE\n");
     return 2;
   }
   int64_t runs = 0;

@@ -33,14 +33,30 @@ namespace {
 // an fp16 one with a sliding-window layer; few pages, so a full pool is hit.
 constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 32
-    page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 1 memory_budget_bytes: 262144
+    name: "default"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 32
+    page_tokens: 4
+    preset: "tqkv_k3v4u_csw"
+    boundary_layers: 1
+    memory_budget_bytes: 262144
     rope { base: 10000 }
   }
   caches {
-    name: "plain" num_layers: 2 num_kv_heads: 1 num_query_heads: 2 head_dim: 16
-    page_tokens: 8 preset: "fp16" memory_budget_bytes: 65536
-    sliding_window_layers { layers: [1] window: 8 }
+    name: "plain"
+    num_layers: 2
+    num_kv_heads: 1
+    num_query_heads: 2
+    head_dim: 16
+    page_tokens: 8
+    preset: "fp16"
+    memory_budget_bytes: 65536
+    sliding_window_layers {
+      layers: [ 1 ]
+      window: 8
+    }
   }
 )pb";
 
@@ -143,7 +159,5 @@ int RunOneInput(const uint8_t* data, size_t size) {
 }  // namespace tqkv
 
 #ifdef TQKV_LIBFUZZER
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  return tqkv::fuzz::RunOneInput(data, size);
-}
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { return tqkv::fuzz::RunOneInput(data, size); }
 #endif

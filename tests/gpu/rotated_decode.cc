@@ -31,8 +31,8 @@ class DeviceBuffer {
 }  // namespace
 
 absl::Status RotatedDecodeOnDevice(const uint8_t* codes, int code_bytes, const uint16_t* scales,
-                                   const std::vector<float>& centroids, int bits, int dim,
-                                   int64_t num_vectors, float* out) {
+                                   const std::vector<float>& centroids, int bits, int dim, int64_t num_vectors,
+                                   float* out) {
   DeviceBuffer d_codes, d_scales, d_centroids, d_out;
   const size_t codes_size = static_cast<size_t>(code_bytes) * num_vectors;
   const size_t out_size = sizeof(float) * dim * num_vectors;
@@ -43,13 +43,13 @@ absl::Status RotatedDecodeOnDevice(const uint8_t* codes, int code_bytes, const u
   if (!status.ok()) return status;
   status = CudaStatus(cudaMemcpy(d_codes.as<void>(), codes, codes_size, cudaMemcpyHostToDevice), "copy codes");
   if (status.ok()) {
-    status = CudaStatus(cudaMemcpy(d_scales.as<void>(), scales, sizeof(uint16_t) * num_vectors,
-                                   cudaMemcpyHostToDevice), "copy scales");
+    status = CudaStatus(cudaMemcpy(d_scales.as<void>(), scales, sizeof(uint16_t) * num_vectors, cudaMemcpyHostToDevice),
+                        "copy scales");
   }
   if (status.ok()) {
-    status = CudaStatus(cudaMemcpy(d_centroids.as<void>(), centroids.data(),
-                                   sizeof(float) * centroids.size(), cudaMemcpyHostToDevice),
-                        "copy centroids");
+    status = CudaStatus(
+        cudaMemcpy(d_centroids.as<void>(), centroids.data(), sizeof(float) * centroids.size(), cudaMemcpyHostToDevice),
+        "copy centroids");
   }
   if (!status.ok()) return status;
   RotatedDecodeParams params;

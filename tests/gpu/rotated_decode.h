@@ -16,8 +16,8 @@ namespace cuda {
 
 // Copies in, launches, copies back. Errors as device.h's CudaStatus.
 absl::Status RotatedDecodeOnDevice(const uint8_t* codes, int code_bytes, const uint16_t* scales,
-                                   const std::vector<float>& centroids, int bits, int dim,
-                                   int64_t num_vectors, float* out);
+                                   const std::vector<float>& centroids, int bits, int dim, int64_t num_vectors,
+                                   float* out);
 
 }  // namespace cuda
 }  // namespace tqkv

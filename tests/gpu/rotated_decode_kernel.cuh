@@ -17,8 +17,8 @@ namespace cuda {
 // Rotated-domain decode of TurboQuant codes: out[v][j] = scale_v * centroids[code_vj].
 // All pointers are device pointers.
 struct RotatedDecodeParams {
-  const uint8_t* codes = nullptr;  // [num_vectors][code_stride] packed codes
-  int64_t code_stride = 0;         // bytes between vectors
+  const uint8_t* codes = nullptr;    // [num_vectors][code_stride] packed codes
+  int64_t code_stride = 0;           // bytes between vectors
   const uint16_t* scales = nullptr;  // [num_vectors][scale_stride] fp16
   int64_t scale_stride = 0;          // fp16 elements between vectors
   const float* centroids = nullptr;  // 2^bits

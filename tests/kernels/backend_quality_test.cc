@@ -40,8 +40,9 @@ TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
     std::vector<float> logits(n), output(d);
     float lse;
     for (int q = 0; q < nq; ++q) {
-      ASSERT_TRUE(backend->Score({layout.get(), pool, 0, block_table.data(), 0, n, &queries[q * d], scale,
-                                  logits.data()}).ok());
+      ASSERT_TRUE(
+          backend->Score({layout.get(), pool, 0, block_table.data(), 0, n, &queries[q * d], scale, logits.data()})
+              .ok());
       std::copy(logits.begin(), logits.end(), approx_logits.begin() + static_cast<size_t>(q) * n);
       AttendItem item{block_table.data(), n, 0, 1, &queries[q * d], output.data(), &lse};
       ASSERT_TRUE(backend->Attend({layout.get(), pool, {&item, 1}, scale}).ok());
@@ -67,8 +68,7 @@ TEST(BackendQuality, MatchesTheEvalFiguresForEveryPreset) {
     // for the noisier output error, with floors for the near-lossless presets.
     EXPECT_NEAR(through_backend.logit_rmse, expected.logit_rmse, 0.15 * expected.logit_rmse + 0.01);
     EXPECT_NEAR(through_backend.tv_distance, expected.tv_distance, 0.15 * expected.tv_distance + 0.005);
-    EXPECT_NEAR(through_backend.output_rel_error, expected.output_rel_error,
-                0.2 * expected.output_rel_error + 0.01);
+    EXPECT_NEAR(through_backend.output_rel_error, expected.output_rel_error, 0.2 * expected.output_rel_error + 0.01);
     backend->FreePool(pool);
   }
 }
@@ -107,8 +107,8 @@ TEST(BackendQuality, IntegerKernelStaysInsideTheCodecsErrorBudget) {
       std::vector<double> outputs(static_cast<size_t>(nq) * heads * d);
       std::vector<float> output(heads * d), lse(heads);
       for (int q = 0; q < nq; ++q) {
-        AttendItem item{block_table.data(), n, 0, 1, &queries[static_cast<size_t>(q) * heads * d], output.data(),
-                        lse.data()};
+        AttendItem item{block_table.data(), n,         0, 1, &queries[static_cast<size_t>(q) * heads * d],
+                        output.data(),      lse.data()};
         ASSERT_TRUE(backend->Attend({layout.get(), pool, {&item, 1}, 1.0f / std::sqrt(static_cast<float>(d))}).ok());
         std::copy(output.begin(), output.end(), outputs.begin() + static_cast<size_t>(q) * heads * d);
       }

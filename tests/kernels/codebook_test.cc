@@ -60,8 +60,7 @@ TEST(CodebookTest, DistortionMatchesReferenceTableAtDim128) {
   const double kReference[] = {0.3609, 0.1160, 0.0340, 0.0093};
   for (int bits = 1; bits <= 4; ++bits) {
     const Codebook& cb = MustGet(128, bits);
-    EXPECT_NEAR(cb.distortion, kReference[bits - 1], 0.01 * kReference[bits - 1])
-        << "bits " << bits;
+    EXPECT_NEAR(cb.distortion, kReference[bits - 1], 0.01 * kReference[bits - 1]) << "bits " << bits;
   }
 }
 
@@ -83,9 +82,7 @@ TEST(CodebookTest, OneBitCodebookMatchesClosedForm) {
   // and D = d (E[t^2] - c^2) = 1 - d c^2.
   for (int dim : {3, 4, 7, 64, 128, 1000, 8192}) {
     const double c =
-        2.0 *
-        std::exp(std::lgamma(0.5 * dim) - std::lgamma(0.5 * (dim - 1)) - 0.5 * std::log(kPi)) /
-        (dim - 1);
+        2.0 * std::exp(std::lgamma(0.5 * dim) - std::lgamma(0.5 * (dim - 1)) - 0.5 * std::log(kPi)) / (dim - 1);
     const Codebook& cb = MustGet(dim, 1);
     EXPECT_NEAR(cb.centroids_f64[1], c, 1e-11 * c) << "dim " << dim;
     EXPECT_NEAR(cb.distortion, 1.0 - dim * c * c, 1e-10) << "dim " << dim;
@@ -108,8 +105,7 @@ TEST(CodebookTest, LargeDimApproachesGaussianLloydMax) {
   // Lloyd-Max MSE for a unit Gaussian (Max 1960): the d -> infinity limit.
   const double kGaussian[] = {1.0 - 2.0 / kPi, 0.11749, 0.03454, 0.009497};
   for (int bits = 1; bits <= 4; ++bits) {
-    EXPECT_NEAR(MustGet(8192, bits).distortion, kGaussian[bits - 1], 1e-3 * kGaussian[bits - 1])
-        << "bits " << bits;
+    EXPECT_NEAR(MustGet(8192, bits).distortion, kGaussian[bits - 1], 1e-3 * kGaussian[bits - 1]) << "bits " << bits;
     // The exact sphere density has lighter tails, so smaller d quantizes better.
     EXPECT_LT(MustGet(128, bits).distortion, MustGet(8192, bits).distortion) << "bits " << bits;
   }
@@ -119,9 +115,8 @@ TEST(CodebookTest, CentroidsAreConditionalMeansOfTheirCells) {
   struct Case {
     int dim, bits, points_per_cell;
   };
-  for (const Case& c :
-       {Case{128, 1, 100000}, Case{128, 2, 50000}, Case{128, 3, 20000}, Case{128, 4, 10000},
-        Case{128, 8, 2000}, Case{4, 3, 20000}, Case{80, 5, 5000}}) {
+  for (const Case& c : {Case{128, 1, 100000}, Case{128, 2, 50000}, Case{128, 3, 20000}, Case{128, 4, 10000},
+                        Case{128, 8, 2000}, Case{4, 3, 20000}, Case{80, 5, 5000}}) {
     const Codebook& cb = MustGet(c.dim, c.bits);
     const std::vector<double>& x = cb.centroids_f64;
     const int levels = cb.levels();
@@ -160,8 +155,7 @@ TEST(CodebookTest, BoundariesAreRoundedMidpointsAndLevelsAreExactlySymmetric) {
       EXPECT_EQ(cb.centroids[i], -cb.centroids[levels - 1 - i]);
     }
     for (int i = 0; i + 1 < levels; ++i) {
-      EXPECT_EQ(cb.boundaries[i],
-                static_cast<float>(0.5 * (cb.centroids_f64[i] + cb.centroids_f64[i + 1])));
+      EXPECT_EQ(cb.boundaries[i], static_cast<float>(0.5 * (cb.centroids_f64[i] + cb.centroids_f64[i + 1])));
       EXPECT_EQ(cb.boundaries[i], -cb.boundaries[levels - 2 - i]);
     }
     EXPECT_EQ(cb.boundaries[levels / 2 - 1], 0.0f);
@@ -207,8 +201,7 @@ TEST(CodebookTest, DensityIntegratesToOneWithVarianceOneOverDim) {
 TEST(CodebookTest, ReportedDistortionMatchesBruteForce) {
   for (int bits : {1, 2, 3, 4}) {
     const Codebook& cb = MustGet(128, bits);
-    EXPECT_NEAR(cb.distortion, BruteForceDistortion(cb.centroids_f64, 128), 1e-6 * cb.distortion)
-        << "bits " << bits;
+    EXPECT_NEAR(cb.distortion, BruteForceDistortion(cb.centroids_f64, 128), 1e-6 * cb.distortion) << "bits " << bits;
   }
 }
 
@@ -294,8 +287,7 @@ TEST(CodebookTest, InvalidDimOrBitsIsInvalidArgument) {
   }
   for (int bits : {-3, 0, 9, 16}) {
     EXPECT_EQ(GetCodebook(128, bits).status().code(), absl::StatusCode::kInvalidArgument) << bits;
-    EXPECT_EQ(ComputeCodebook(128, bits).status().code(), absl::StatusCode::kInvalidArgument)
-        << bits;
+    EXPECT_EQ(ComputeCodebook(128, bits).status().code(), absl::StatusCode::kInvalidArgument) << bits;
   }
   const absl::Status s = GetCodebook(128, 9).status();
   EXPECT_NE(s.message().find("[1, 8]"), absl::string_view::npos) << s;
@@ -321,8 +313,7 @@ TEST(CodebookTest, QuantizeToLevelAgreesWithLinearScan) {
     std::normal_distribution<float> gauss(0.0f, 1.5f / std::sqrt(128.0f));
     for (int i = 0; i < 20000; ++i) {
       const float y = gauss(rng);
-      ASSERT_EQ(QuantizeToLevel(b.data(), n, y), LinearScanLevel(b, y))
-          << "bits " << bits << " y " << y;
+      ASSERT_EQ(QuantizeToLevel(b.data(), n, y), LinearScanLevel(b, y)) << "bits " << bits << " y " << y;
     }
     for (int i = 0; i < cb.levels(); ++i) {
       EXPECT_EQ(QuantizeToLevel(b.data(), n, cb.centroids[i]), static_cast<uint32_t>(i));
@@ -340,8 +331,7 @@ TEST(CodebookTest, ValueOnABoundaryMapsToTheLowerLevel) {
     const int n = static_cast<int>(b.size());
     for (int i = 0; i < n; ++i) {
       EXPECT_EQ(QuantizeToLevel(b.data(), n, b[i]), static_cast<uint32_t>(i));
-      EXPECT_EQ(QuantizeToLevel(b.data(), n, std::nextafter(b[i], INFINITY)),
-                static_cast<uint32_t>(i + 1));
+      EXPECT_EQ(QuantizeToLevel(b.data(), n, std::nextafter(b[i], INFINITY)), static_cast<uint32_t>(i + 1));
     }
     // Both zeros sit on the middle boundary.
     EXPECT_EQ(QuantizeToLevel(b.data(), n, 0.0f), static_cast<uint32_t>(n / 2));

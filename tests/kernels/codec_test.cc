@@ -148,8 +148,7 @@ TEST(TurboQuantCodec, SignDiagonalRescuesWalshFunctionInputs) {
     for (float& v : x) v *= inv;
     rotation->Forward(x.data(), y.data());
     for (int i = 0; i < dim; ++i) {
-      q[i] = codebook->centroids[QuantizeToLevel(codebook->boundaries.data(),
-                                                 codebook->boundaries.size(), y[i])];
+      q[i] = codebook->centroids[QuantizeToLevel(codebook->boundaries.data(), codebook->boundaries.size(), y[i])];
     }
     rotation->Inverse(q.data(), back.data());
     double error = 0;
@@ -161,7 +160,7 @@ TEST(TurboQuantCodec, SignDiagonalRescuesWalshFunctionInputs) {
     plain += rel_error(Rotation::Kind::kPlainHadamard, row) / 16;
     randomized += rel_error(Rotation::Kind::kRandomizedHadamard, row) / 16;
   }
-  EXPECT_GT(plain, 0.5);        // turboquant.md: 0.68 without D
+  EXPECT_GT(plain, 0.5);         // turboquant.md: 0.68 without D
   EXPECT_LT(randomized, 0.045);  // 0.031 with D
   // The codec itself keeps D.
   std::vector<float> walsh(dim);
@@ -239,8 +238,7 @@ TEST(Codec, ScoreInTheCodeDomainEqualsDequantizeThenDot) {
           }
           const double score = codec->Score(state.data(), e.codes.data(), e.scalars.data());
           // Relative to |q||k|: the scale of fp32 rounding in a dot product.
-          ASSERT_NEAR(score, dot, 1e-5 * std::sqrt(q_norm * k_norm) + 1e-30)
-              << spec.Name() << " dim " << dim;
+          ASSERT_NEAR(score, dot, 1e-5 * std::sqrt(q_norm * k_norm) + 1e-30) << spec.Name() << " dim " << dim;
         }
       }
     }
@@ -272,8 +270,7 @@ TEST(Codec, AccumulateInTheCodecBasisEqualsWeightedSumOfDecodedVectors) {
         ref_norm += reference[i] * reference[i];
         diff += (out[i] - reference[i]) * (out[i] - reference[i]);
       }
-      EXPECT_LT(std::sqrt(diff), 1e-5 * std::sqrt(ref_norm) + 1e-6 * scale / dim)
-          << spec.Name() << " dim " << dim;
+      EXPECT_LT(std::sqrt(diff), 1e-5 * std::sqrt(ref_norm) + 1e-6 * scale / dim) << spec.Name() << " dim " << dim;
     }
   }
 }
@@ -296,8 +293,7 @@ TEST(Codec, ZeroVectorsEncodeAndDecodeToZero) {
 }
 
 TEST(Codec, NonFiniteInputIsRejectedByEveryCodec) {
-  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
-                              std::numeric_limits<float>::infinity(),
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
                               -std::numeric_limits<float>::infinity()};
   for (const CodecSpec& spec : AllSpecs()) {
     auto codec = Make(spec, 128);
@@ -363,8 +359,7 @@ TEST(Codec, EncodingIsDeterministicForASeedAndDependsOnIt) {
 TEST(OutlierSplitCodec, BeatsPlainTurboQuantAtTheLowerBitWidthOnOutlierKeys) {
   const int dim = 128;
   std::vector<float> keys = OutlierKeys(2000, dim, 9);
-  const double split = RelativeError(*Make(CodecSpec::OutlierSplit(3, 2, 2, false), dim, 1,
-                                           keys.data(), 2000), keys);
+  const double split = RelativeError(*Make(CodecSpec::OutlierSplit(3, 2, 2, false), dim, 1, keys.data(), 2000), keys);
   const double two_bit = RelativeError(*Make(CodecSpec::TurboQuant(2, false), dim), keys);
   const double three_bit = RelativeError(*Make(CodecSpec::TurboQuant(3, false), dim), keys);
   EXPECT_LT(split, two_bit);
@@ -388,13 +383,10 @@ TEST(OutlierSplitCodec, RejectsAMalformedHotChannelList) {
 TEST(Codec, InvalidSpecsAndHeadDimsAreRejected) {
   CodecOptions options;
   options.head_dim = 1024;
-  EXPECT_EQ(MakeCodec(CodecSpec::TurboQuant(3, true), options).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeCodec(CodecSpec::TurboQuant(3, true), options).status().code(), absl::StatusCode::kInvalidArgument);
   options.head_dim = 128;
-  EXPECT_EQ(MakeCodec(CodecSpec::TurboQuant(9, true), options).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(MakeCodec(CodecSpec::Qjl(1), options).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeCodec(CodecSpec::TurboQuant(9, true), options).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(MakeCodec(CodecSpec::Qjl(1), options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ChooseHotChannels, PicksTheLargestMeanMagnitudeChannels) {

@@ -45,8 +45,8 @@ std::vector<float> Gaussian(size_t n, uint64_t seed, float offset_every = 0) {
 // `num_query` causal query tokens, and compares with float64 attention over
 // the vectors the codecs decode.
 void CheckStoreThenAttend(const Case& c, int tokens, int num_query, bool integer_attention = false) {
-  SCOPED_TRACE(c.preset + " d=" + std::to_string(c.head_dim) + " page=" +
-               std::to_string(c.page_tokens) + " gqa=" + std::to_string(c.query_heads / c.kv_heads));
+  SCOPED_TRACE(c.preset + " d=" + std::to_string(c.head_dim) + " page=" + std::to_string(c.page_tokens) +
+               " gqa=" + std::to_string(c.query_heads / c.kv_heads));
   KvLayoutOptions options;
   options.num_layers = 2;
   options.num_kv_heads = c.kv_heads;
@@ -67,8 +67,7 @@ void CheckStoreThenAttend(const Case& c, int tokens, int num_query, bool integer
           const float* k = &keys[((static_cast<size_t>(l) * tokens + t) * heads + h) * d];
           head_keys.insert(head_keys.end(), k, k + d);
         }
-        options.hot_channels.push_back(
-            ChooseHotChannels(head_keys.data(), tokens, d, preset->key.HotChannels(d)));
+        options.hot_channels.push_back(ChooseHotChannels(head_keys.data(), tokens, d, preset->key.HotChannels(d)));
       }
     }
   }
@@ -107,10 +106,10 @@ void CheckStoreThenAttend(const Case& c, int tokens, int num_query, bool integer
   // (attend_kernels.h; AttendKernels below holds it to that model within
   // 1e-2): here it is held to a bound that the plumbing it shares with the
   // exact kernels (pages, segments, rows, the add-back) would break.
-  const bool integer = integer_attention && ActiveSimdLevel() == SimdLevel::kAvx512Vnni &&
-                       cpu_internal::AttendHeadAvx512VnniSupported(
-                           cpu_internal::DescribeField(layout.key_codec(0, 0)),
-                           cpu_internal::DescribeField(layout.value_codec(0, 0)), d);
+  const bool integer =
+      integer_attention && ActiveSimdLevel() == SimdLevel::kAvx512Vnni &&
+      cpu_internal::AttendHeadAvx512VnniSupported(cpu_internal::DescribeField(layout.key_codec(0, 0)),
+                                                  cpu_internal::DescribeField(layout.value_codec(0, 0)), d);
   const double output_tolerance = integer ? 0.15 : 1e-5;
   const double lse_tolerance = integer ? 0.02 : 1e-5;
   for (int h = 0; h < qh; ++h) {
@@ -201,7 +200,8 @@ TEST(CpuBackend, EveryHeadDimPageSizeAndGqaRatio) {
 // query tokens. Only on a CPU that has it (SimdLevel::kAvx512Vnni).
 TEST(CpuBackend, IntegerAttentionThroughTheBackend) {
   if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + VBMI + VBMI2 on this CPU";
-  for (const Preset& preset : AllPresets()) CheckStoreThenAttend({std::string(preset.name), 128, 16, 2, 8}, 70, 1, true);
+  for (const Preset& preset : AllPresets())
+    CheckStoreThenAttend({std::string(preset.name), 128, 16, 2, 8}, 70, 1, true);
   for (int d : {64, 128, 256}) {
     for (int page : {1, 7, 16, 64}) CheckStoreThenAttend({"turboquant_3bit_nc", d, page, 2, 4}, 150, 1, true);
     CheckStoreThenAttend({"tqkv_k3v3", d, 16, 2, 6}, 90, 3, true);

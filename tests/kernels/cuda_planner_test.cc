@@ -35,8 +35,7 @@ PlanItem Item(int64_t context, int query_tokens = 1) {
 
 // A call's planner input with the items it spans.
 struct Call {
-  Call(const PlanDims& dims, std::vector<PlanItem> plan_items, int sm_count, int blocks_per_sm,
-       size_t workspace_bytes)
+  Call(const PlanDims& dims, std::vector<PlanItem> plan_items, int sm_count, int blocks_per_sm, size_t workspace_bytes)
       : items(std::move(plan_items)) {
     in.dims = dims;
     in.items = items;
@@ -145,8 +144,7 @@ TEST(PlannerWorkspace, ASingleTokenThatCannotFitIsResourceExhausted) {
   // A million-token context at one token per page: 4 MB of block table alone.
   PlanDims dims = Dims(8, 32, 128, 1);
   AttendPlan plan;
-  const absl::Status status =
-      PlanAttend(Call(dims, {Item(300), Item(1 << 20)}, 4, 4, size_t{1} << 20), &plan);
+  const absl::Status status = PlanAttend(Call(dims, {Item(300), Item(1 << 20)}, 4, 4, size_t{1} << 20), &plan);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
   EXPECT_NE(status.message().find("context 1048576 tokens"), std::string::npos) << status;
 }
@@ -214,8 +212,7 @@ TEST(PlannerWorkspace, BadInputIsInvalidArgument) {
   EXPECT_EQ(PlanAttend(Call(Dims(), {Item(100)}, 4, 0, kHuge), &plan).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(PlanAttend(Call(Dims(), {Item(3, 5)}, 4, 4, kHuge), &plan).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(PlanAttend(Call(Dims(), {Item(3, 0)}, 4, 4, kHuge), &plan).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanAttend(Call(Dims(8, 12), {Item(100)}, 4, 4, kHuge), &plan).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanAttend(Call(Dims(8, 12), {Item(100)}, 4, 4, kHuge), &plan).code(), absl::StatusCode::kInvalidArgument);
   PlanItem exact = Item(100);
   exact.exact = true;  // but the dims keep no exact tokens
   EXPECT_EQ(PlanAttend(Call(Dims(), {exact}, 4, 4, kHuge), &plan).code(), absl::StatusCode::kInvalidArgument);
@@ -236,10 +233,10 @@ TEST(PlannerWorkspace, BuffersAreAlignedAndInOrder) {
   const AttendPlan plan = Plan(Call(dims, {item}, 4, 4, kHuge));
   ASSERT_EQ(plan.batches.size(), 1u);
   const AttendWorkspace& at = plan.batches[0].at;
-  const std::vector<size_t> order = {at.items,    at.blocks,        at.units,     at.head_of_row,  at.tables,
-                                     at.queries,  at.addback_heads, at.theta,     at.coef,         at.constants,
-                                     at.prepared, at.prepared_exact, at.partial_acc, at.partial_stats, at.output,
-                                     at.lse};
+  const std::vector<size_t> order = {at.items,       at.blocks,        at.units,         at.head_of_row,
+                                     at.tables,      at.queries,       at.addback_heads, at.theta,
+                                     at.coef,        at.constants,     at.prepared,      at.prepared_exact,
+                                     at.partial_acc, at.partial_stats, at.output,        at.lse};
   for (size_t i = 0; i < order.size(); ++i) {
     EXPECT_EQ(order[i] % kWorkspaceAlignment, 0u) << i;
     if (i > 0) {
@@ -550,8 +547,7 @@ TEST(PlannerWaves, Bf16AtBatch16And32kFitsTheResidentBlocks) {
   // The partial wave the H200 measured: 128-token splits (2688) made 13
   // blocks per (item, KV head), 1664 for 1584 resident, 1212 us against
   // 402 us at batch 8. 2736 makes 12.
-  const Call in(H200Dims(kH200Formats[0]), H200Items(kH200Formats[0], 16, 32768), kH200Sms, 12,
-                kDefaultWorkspace);
+  const Call in(H200Dims(kH200Formats[0]), H200Items(kH200Formats[0], 16, 32768), kH200Sms, 12, kDefaultWorkspace);
   const AttendPlan plan = Plan(in);
   EXPECT_EQ(plan.target_blocks, 1584);
   EXPECT_EQ(plan.split, 2736);

@@ -38,11 +38,35 @@ float Bits(uint32_t u) { return BitsToFloat(u); }
 // Edge values: signed zeros, float subnormals, fp16 / bf16 / fp8 rounding
 // ties and their neighbours, range limits.
 std::vector<float> EdgeValues() {
-  std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.0f, 0.5f, 65504.0f, -65504.0f, 65519.0f,
-                          -65519.0f, 65505.0f, 65512.0f, 448.0f, -448.0f, 464.0f, 479.0f, 480.0f,
-                          1e6f, -1e6f, 1e30f, -1e30f, 3.0e38f, std::numeric_limits<float>::max(),
-                          std::numeric_limits<float>::min(), std::numeric_limits<float>::denorm_min(),
-                          -std::numeric_limits<float>::denorm_min(), 1e-30f, 1e-8f, 6e-8f, 3e-8f};
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          -1.0f,
+                          0.5f,
+                          65504.0f,
+                          -65504.0f,
+                          65519.0f,
+                          -65519.0f,
+                          65505.0f,
+                          65512.0f,
+                          448.0f,
+                          -448.0f,
+                          464.0f,
+                          479.0f,
+                          480.0f,
+                          1e6f,
+                          -1e6f,
+                          1e30f,
+                          -1e30f,
+                          3.0e38f,
+                          std::numeric_limits<float>::max(),
+                          std::numeric_limits<float>::min(),
+                          std::numeric_limits<float>::denorm_min(),
+                          -std::numeric_limits<float>::denorm_min(),
+                          1e-30f,
+                          1e-8f,
+                          6e-8f,
+                          3e-8f};
   // fp16: ties at the midpoint between halves (mantissa bit 12 set, lower
   // zero), for even and odd half mantissas, normal and subnormal.
   for (uint32_t e : {103u, 110u, 112u, 113u, 120u, 127u, 140u, 142u}) {
@@ -53,8 +77,7 @@ std::vector<float> EdgeValues() {
   }
   // bf16 ties and fp8 ties (mantissa bit 15 / bit 19).
   for (uint32_t e : {1u, 100u, 117u, 118u, 120u, 121u, 127u, 134u, 135u, 200u, 254u}) {
-    for (uint32_t m : {0x8000u, 0x18000u, 0x7fffu, 0x8001u, 0x80000u, 0x180000u, 0x7ffffu,
-                       0x80001u, 0x380000u}) {
+    for (uint32_t m : {0x8000u, 0x18000u, 0x7fffu, 0x8001u, 0x80000u, 0x180000u, 0x7ffffu, 0x80001u, 0x380000u}) {
       v.push_back(Bits((e << 23) | m));
       v.push_back(-Bits((e << 23) | m));
     }
@@ -219,12 +242,12 @@ TEST(EncodeEquivalenceTest, EveryCodecEveryLevelMatchesScalar) {
         for (size_t v = 0; v < inputs.size(); ++v) {
           const Encoded got = EncodeOnce(**codec, inputs[v]);
           const Encoded& want = reference[v];
-          ASSERT_EQ(got.status, want.status) << c.spec.Name() << " d=" << d << " vector " << v
-                                             << " level " << SimdLevelName(level);
-          ASSERT_EQ(got.codes, want.codes) << c.spec.Name() << " d=" << d << " vector " << v
-                                           << " level " << SimdLevelName(level);
-          ASSERT_EQ(got.scalars, want.scalars) << c.spec.Name() << " d=" << d << " vector " << v
-                                               << " level " << SimdLevelName(level);
+          ASSERT_EQ(got.status, want.status)
+              << c.spec.Name() << " d=" << d << " vector " << v << " level " << SimdLevelName(level);
+          ASSERT_EQ(got.codes, want.codes)
+              << c.spec.Name() << " d=" << d << " vector " << v << " level " << SimdLevelName(level);
+          ASSERT_EQ(got.scalars, want.scalars)
+              << c.spec.Name() << " d=" << d << " vector " << v << " level " << SimdLevelName(level);
           ++compared;
         }
       }
@@ -365,8 +388,7 @@ TEST(EncodeEquivalenceTest, QuantizeToLevelsOnBoundariesMatchesScalar) {
       }
       for (float c : (*cb)->centroids) y.push_back(c);
       for (float s : {0.0f, -0.0f, 1.0f, -1.0f, 1e30f, -1e30f, std::numeric_limits<float>::infinity(),
-                      -std::numeric_limits<float>::infinity(),
-                      std::numeric_limits<float>::quiet_NaN()}) {
+                      -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
         y.push_back(s);
       }
       for (int i = 0; i < 300; ++i) {
@@ -378,15 +400,14 @@ TEST(EncodeEquivalenceTest, QuantizeToLevelsOnBoundariesMatchesScalar) {
         std::vector<uint8_t> want(n + 8, 0xcc);
         QuantizeToLevels(**cb, y.data(), n, want.data());
         for (int i = 0; i < n; ++i) {
-          ASSERT_EQ(want[i], QuantizeToLevel((*cb)->boundaries.data(),
-                                             static_cast<int>((*cb)->boundaries.size()), y[i]));
+          ASSERT_EQ(want[i],
+                    QuantizeToLevel((*cb)->boundaries.data(), static_cast<int>((*cb)->boundaries.size()), y[i]));
         }
         for (SimdLevel level : levels) {
           SetActiveSimdLevel(level);
           std::vector<uint8_t> got(n + 8, 0xcc);
           QuantizeToLevels(**cb, y.data(), n, got.data());
-          ASSERT_EQ(got, want) << "dim " << dim << " bits " << bits << " n " << n << " level "
-                               << SimdLevelName(level);
+          ASSERT_EQ(got, want) << "dim " << dim << " bits " << bits << " n " << n << " level " << SimdLevelName(level);
         }
       }
     }
@@ -426,8 +447,8 @@ TEST(EncodeEquivalenceTest, FloatFormatCodecsMatchScalarConversions) {
       values.push_back(Bits((e << 23) | m));
       values.push_back(Bits(0x80000000u | (e << 23) | m));
     }
-    for (uint32_t low : {0x0fffu, 0x1000u, 0x1001u, 0x3000u, 0x7fffu, 0x8000u, 0x8001u, 0x18000u,
-                         0x7ffffu, 0x80000u, 0x80001u, 0x180000u}) {
+    for (uint32_t low : {0x0fffu, 0x1000u, 0x1001u, 0x3000u, 0x7fffu, 0x8000u, 0x8001u, 0x18000u, 0x7ffffu, 0x80000u,
+                         0x80001u, 0x180000u}) {
       values.push_back(Bits((e << 23) | low));
       values.push_back(Bits((e << 23) | 0x7fe000u | low));
     }

@@ -69,8 +69,8 @@ uint8_t ReferenceFp8(float f) {
   uint8_t best = 0;
   double best_error = std::numeric_limits<double>::infinity();
   for (int code = 0; code <= 0x7e; ++code) {
-    const double error = std::fabs(static_cast<double>(Fp8E4m3ToFloat(static_cast<uint8_t>(code))) -
-                                   static_cast<double>(magnitude));
+    const double error =
+        std::fabs(static_cast<double>(Fp8E4m3ToFloat(static_cast<uint8_t>(code))) - static_cast<double>(magnitude));
     if (error < best_error || (error == best_error && (code & 1) == 0)) {
       best_error = error;
       best = static_cast<uint8_t>(code);

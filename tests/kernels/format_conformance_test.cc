@@ -91,8 +91,8 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     kernels.push_back({"avx2", cpu_internal::AttendHeadAvx2});
   }
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq")) {
     kernels.push_back({"avx512", cpu_internal::AttendHeadAvx512});
   }
   if (DetectedSimdLevel() >= SimdLevel::kAvx512Vnni) {
@@ -109,8 +109,9 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
       const bool split = IsSplitKeyBits(key_bits);
       for (int value_bits : kValueWidths) {
         if (!FamilyHasBits(pair.value, value_bits)) continue;
-        pairs.push_back({SyntheticField::Make(pair.key, split ? key_bits / 10 : key_bits, split ? key_bits % 10 : 0, rng),
-                         SyntheticField::Make(pair.value, value_bits, 0, rng)});
+        pairs.push_back(
+            {SyntheticField::Make(pair.key, split ? key_bits / 10 : key_bits, split ? key_bits % 10 : 0, rng),
+             SyntheticField::Make(pair.value, value_bits, 0, rng)});
       }
     }
   }
@@ -131,7 +132,8 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
           key.scalars_offset = align(key.codes_offset + static_cast<size_t>(page_tokens) * key.code_bytes);
           value.codes_offset = align(key.scalars_offset + static_cast<size_t>(page_tokens) * 2 * key.num_scalars);
           value.scalars_offset = align(value.codes_offset + static_cast<size_t>(page_tokens) * value.code_bytes);
-          const size_t page_bytes = align(value.scalars_offset + static_cast<size_t>(page_tokens) * 2 * value.num_scalars);
+          const size_t page_bytes =
+              align(value.scalars_offset + static_cast<size_t>(page_tokens) * 2 * value.num_scalars);
           const int pages = (tokens + page_tokens - 1) / page_tokens + 2;
           std::vector<uint8_t> pool(page_bytes * pages);
           std::vector<int32_t> block_table(pages);
@@ -189,7 +191,8 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
           std::vector<float> queries_int = queries;
           {
             // Split keys: each part's codebook and query coordinates on their own.
-            for (auto [from, to] : {std::pair{&kf.centroids, &kf_int.centroids}, {&kf.cold_centroids, &kf_int.cold_centroids}}) {
+            for (auto [from, to] :
+                 {std::pair{&kf.centroids, &kf_int.centroids}, {&kf.cold_centroids, &kf_int.cold_centroids}}) {
               if (from->empty()) continue;
               const float unit = cpu_internal::IntegerKeyUnit(from->data(), static_cast<int>(from->size()));
               for (float& c : *to) c = std::lrint(c / unit) * unit;
@@ -218,7 +221,7 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
             const bool integer = name == "avx512_vnni";
             if (integer) {  // TurboQuant keys (parts of 64 or k * 128 coordinates), values of at most 4 bits
               const auto whole = [](int dims) { return dims == 64 || dims % 128 == 0; };
-              const bool takes = (key.split()                              ? whole(d / 2)
+              const bool takes = (key.split()                               ? whole(d / 2)
                                   : key.format == FormatFamily::kTurboQuant ? whole(d)
                                                                             : false) &&
                                  (value.format == FormatFamily::kTurboQuant ||
@@ -230,9 +233,9 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
               EXPECT_FALSE(cpu_internal::AttendHeadAvx2Supported(key, value, d));
               continue;
             }
-            ASSERT_TRUE(name == "avx2"  ? cpu_internal::AttendHeadAvx2Supported(key, value, d)
-                        : integer       ? true
-                                        : cpu_internal::AttendHeadAvx512Supported(key, value, d));
+            ASSERT_TRUE(name == "avx2" ? cpu_internal::AttendHeadAvx2Supported(key, value, d)
+                        : integer      ? true
+                                       : cpu_internal::AttendHeadAvx512Supported(key, value, d));
             std::vector<float> out(static_cast<size_t>(rows) * d), lse(rows);
             params.out = out.data();
             params.lse = lse.data();
@@ -284,7 +287,8 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
                       const double scale = HalfToFloat(scalars_at(value, t)[0]);
                       const int64_t w = std::max<int64_t>(0, std::llrint(logits[t] * scale * 65280 / top));
                       sum_to += w;
-                      fixed_weight[t] = static_cast<double>(((sum_to + 128) >> 8) - ((sum_to - w + 128) >> 8)) * top / 255;
+                      fixed_weight[t] =
+                          static_cast<double>(((sum_to + 128) >> 8) - ((sum_to - w + 128) >> 8)) * top / 255;
                     }
                   }
                   // What the kernel may differ by from this model: its fp32
@@ -302,7 +306,8 @@ TEST(FormatConformance, EveryCpuPairOfTheTableAtEverySimdLevelAgainstFloat64) {
                   expected += logits[t] / denominator * v;
                   if (integer) {
                     const double scale = HalfToFloat(scalars_at(value, t)[0]);
-                    modelled += (fixed_weight[t] * (v - value_zero(t)) / scale + logits[t] * value_zero(t)) / denominator;
+                    modelled +=
+                        (fixed_weight[t] * (v - value_zero(t)) / scale + logits[t] * value_zero(t)) / denominator;
                   }
                 }
                 const double got = out[static_cast<size_t>(r) * d + j];

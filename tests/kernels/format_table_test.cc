@@ -57,8 +57,8 @@ TEST(FormatTable, VisitorsHandTheRowsOverAsConstants) {
       return static_cast<int>(Tag::kKey) * 1000 + static_cast<int>(Tag::kValue) * 100 + (Tag::kTensorCores ? 10 : 0) +
              static_cast<int>(Tag::kFusedOn);
     });
-    EXPECT_EQ(got, static_cast<int>(info.key) * 1000 + static_cast<int>(info.value) * 100 + (info.tensor_cores ? 10 : 0) +
-                       static_cast<int>(info.fused_on))
+    EXPECT_EQ(got, static_cast<int>(info.key) * 1000 + static_cast<int>(info.value) * 100 +
+                       (info.tensor_cores ? 10 : 0) + static_cast<int>(info.fused_on))
         << info.name;
   }
   EXPECT_EQ(VisitFormatPair(static_cast<FormatPair>(kNumFormatPairs), -1, [](auto) { return 0; }), -1);
@@ -66,7 +66,8 @@ TEST(FormatTable, VisitorsHandTheRowsOverAsConstants) {
     const int got = VisitKeyFamily(info.family, -1, [](auto tag) { return static_cast<int>(decltype(tag)::kFormat); });
     EXPECT_EQ(got, info.reads_keys ? static_cast<int>(info.family) : -1) << info.name;
   }
-  EXPECT_EQ(FamilyInfo(FormatFamily::kUniform).code_bits, FormatBits(2) | FormatBits(3) | FormatBits(4) | FormatBits(8));
+  EXPECT_EQ(FamilyInfo(FormatFamily::kUniform).code_bits,
+            FormatBits(2) | FormatBits(3) | FormatBits(4) | FormatBits(8));
 }
 
 }  // namespace

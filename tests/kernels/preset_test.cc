@@ -41,8 +41,8 @@ TEST(Preset, NamesAreUniqueAndEverySpecIsValid) {
       EXPECT_LE(preset.BytesPerTokenHead(dim), 4 * dim) << preset.name;
     }
   }
-  for (const char* required : {"fp16", "fp8", "turboquant_k8v4", "turboquant_4bit_nc",
-                               "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
+  for (const char* required :
+       {"fp16", "fp8", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"}) {
     EXPECT_TRUE(names.count(required)) << required;
   }
 }

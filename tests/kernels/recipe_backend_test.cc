@@ -40,10 +40,10 @@ struct Shape {
 };
 
 std::string Describe(const Shape& s) {
-  return "d=" + std::to_string(s.d) + " page=" + std::to_string(s.page_tokens) + " context=" +
-         std::to_string(s.context) + " sinks=" + std::to_string(s.sinks) + " window=" + std::to_string(s.window) +
-         " layer window=" + std::to_string(s.layer_window) + " queries=" + std::to_string(s.query_tokens) +
-         " centering=" + std::to_string(static_cast<int>(s.centering));
+  return "d=" + std::to_string(s.d) + " page=" + std::to_string(s.page_tokens) +
+         " context=" + std::to_string(s.context) + " sinks=" + std::to_string(s.sinks) +
+         " window=" + std::to_string(s.window) + " layer window=" + std::to_string(s.layer_window) +
+         " queries=" + std::to_string(s.query_tokens) + " centering=" + std::to_string(static_cast<int>(s.centering));
 }
 
 // One layer stored as the cache stores it: the means from the first tokens,
@@ -159,7 +159,9 @@ class StoredRecipe {
     for (int i = pages - 1; i > 0; --i) std::swap(table_[i], table_[rng.NextBelow(i + 1)]);
     std::vector<int32_t> slots(s_.context);
     for (int t = 0; t < s_.context; ++t) slots[t] = table_[t / s_.page_tokens] * s_.page_tokens + t % s_.page_tokens;
-    ASSERT_TRUE(backend_->Store({layout_.get(), pool_, 0, 1, s_.context, slots.data(), residuals_.data(), values_.data()}).ok());
+    ASSERT_TRUE(
+        backend_->Store({layout_.get(), pool_, 0, 1, s_.context, slots.data(), residuals_.data(), values_.data()})
+            .ok());
     if (!layout_->has_exact_tokens()) return;
     exact_table_.assign(exact_pages, -1);
     std::vector<int32_t> exact_slots;
@@ -173,8 +175,10 @@ class StoredRecipe {
       exact_values.insert(exact_values.end(), values_.begin() + t * row, values_.begin() + (t + 1) * row);
     }
     if (exact_slots.empty()) return;
-    ASSERT_TRUE(backend_->Store({layout_->exact_layout(), pool_, 0, 1, static_cast<int64_t>(exact_slots.size()),
-                                 exact_slots.data(), exact_keys.data(), exact_values.data()}).ok());
+    ASSERT_TRUE(backend_
+                    ->Store({layout_->exact_layout(), pool_, 0, 1, static_cast<int64_t>(exact_slots.size()),
+                             exact_slots.data(), exact_keys.data(), exact_values.data()})
+                    .ok());
   }
 
   // What the pages hold for token t of head h: its fp16 copy while exact,
@@ -261,13 +265,13 @@ std::vector<Shape> Shapes() {
     shapes.push_back(s);
   };
   add([](Shape&) {});
-  add([](Shape& s) { s.context = 3; });                       // shorter than the sinks
-  add([](Shape& s) { s.context = 30; });                      // every token exact
-  add([](Shape& s) { s.context = 37; });                      // one compressed token
-  add([](Shape& s) { s.page_tokens = 4, s.query_tokens = 3; });  // exact pages of 1 token; causal queries
+  add([](Shape& s) { s.context = 3; });                            // shorter than the sinks
+  add([](Shape& s) { s.context = 30; });                           // every token exact
+  add([](Shape& s) { s.context = 37; });                           // one compressed token
+  add([](Shape& s) { s.page_tokens = 4, s.query_tokens = 3; });    // exact pages of 1 token; causal queries
   add([](Shape& s) { s.layer_window = 40, s.query_tokens = 2; });  // a sliding window: sinks unseen
-  add([](Shape& s) { s.d = 64, s.window = 0; });              // sinks only
-  add([](Shape& s) { s.sinks = 0, s.window = 70; });          // a window past a block
+  add([](Shape& s) { s.d = 64, s.window = 0; });                   // sinks only
+  add([](Shape& s) { s.sinks = 0, s.window = 70; });               // a window past a block
   add([](Shape& s) { s.centering = KeyCentering::kPostRope; });
   add([](Shape& s) { s.centering = KeyCentering::kNone; });
   return shapes;

@@ -40,10 +40,10 @@ struct RecipeCase {
 };
 
 std::string Describe(const RecipeCase& c) {
-  return "d=" + std::to_string(c.d) + " page=" + std::to_string(c.page_tokens) + " exact page=" +
-         std::to_string(c.exact_page_tokens) + " tokens=" + std::to_string(c.tokens) + " sinks=" +
-         std::to_string(c.sinks) + " window=" + std::to_string(c.window) + " begin=" +
-         std::to_string(c.token_begin) + " pairs=" + std::to_string(c.pairs);
+  return "d=" + std::to_string(c.d) + " page=" + std::to_string(c.page_tokens) +
+         " exact page=" + std::to_string(c.exact_page_tokens) + " tokens=" + std::to_string(c.tokens) +
+         " sinks=" + std::to_string(c.sinks) + " window=" + std::to_string(c.window) +
+         " begin=" + std::to_string(c.token_begin) + " pairs=" + std::to_string(c.pairs);
 }
 
 size_t Align(size_t n) { return (n + 31) / 32 * 32; }
@@ -162,7 +162,8 @@ class RecipePages {
   }
 
   uint8_t* Written(const FieldReader& f, int t, bool scalars) const {
-    uint8_t* page = const_cast<uint8_t*>(written_.data()) + static_cast<size_t>(table_[t / c_.page_tokens]) * page_bytes_;
+    uint8_t* page =
+        const_cast<uint8_t*>(written_.data()) + static_cast<size_t>(table_[t / c_.page_tokens]) * page_bytes_;
     const size_t slot = t % c_.page_tokens;
     return scalars ? page + f.scalars_offset + slot * 2 * f.num_scalars : page + f.codes_offset + slot * f.code_bytes;
   }
@@ -257,7 +258,8 @@ Expected Reference(const RecipePages& pages, const RecipeCase& c, const Syntheti
     if (pages.Exact(static_cast<int>(t))) continue;
     const FieldReader& vr = pages.value_field();
     const double scale = vr.num_scalars > 0 ? HalfToFloat(pages.Scalars(vr, static_cast<int>(t))[0]) : 1.0;
-    const double zero = vr.format == FormatFamily::kUniform ? HalfToFloat(pages.Scalars(vr, static_cast<int>(t))[1]) : 0.0;
+    const double zero =
+        vr.format == FormatFamily::kUniform ? HalfToFloat(pages.Scalars(vr, static_cast<int>(t))[1]) : 0.0;
     double sq = 0;
     for (int j = 0; j < c.d; ++j) {
       const double v = pages.Value(vf, static_cast<int>(t), j, true) - zero;
@@ -286,7 +288,8 @@ void IntegerModel(const SyntheticField& kf, const SyntheticField& vf, int d, int
                   SyntheticField* vf_int, std::vector<float>* queries) {
   *kf_int = kf;
   *vf_int = vf;
-  for (auto [from, to] : {std::pair{&kf.centroids, &kf_int->centroids}, {&kf.cold_centroids, &kf_int->cold_centroids}}) {
+  for (auto [from, to] :
+       {std::pair{&kf.centroids, &kf_int->centroids}, {&kf.cold_centroids, &kf_int->cold_centroids}}) {
     if (from->empty()) continue;
     const float unit = cpu_internal::IntegerKeyUnit(from->data(), static_cast<int>(from->size()));
     for (float& x : *to) x = std::lrint(x / unit) * unit;
@@ -318,8 +321,8 @@ std::vector<NamedKernel> Kernels() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
     kernels.push_back({"avx2", cpu_internal::AttendHeadAvx2, cpu_internal::AttendHeadAvx2Supported});
   }
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq")) {
     kernels.push_back({"avx512", cpu_internal::AttendHeadAvx512, cpu_internal::AttendHeadAvx512Supported});
   }
   if (DetectedSimdLevel() >= SimdLevel::kAvx512Vnni) {
@@ -330,9 +333,8 @@ std::vector<NamedKernel> Kernels() {
 
 // Runs every kernel that takes the formats over one case and checks each row.
 void CheckCase(const RecipeCase& c, const SyntheticField& kf, const SyntheticField& vf, Random& rng) {
-  SCOPED_TRACE(Describe(c) + " key " + std::to_string(static_cast<int>(kf.format)) + "/" +
-               std::to_string(kf.bits) + " value " + std::to_string(static_cast<int>(vf.format)) + "/" +
-               std::to_string(vf.bits));
+  SCOPED_TRACE(Describe(c) + " key " + std::to_string(static_cast<int>(kf.format)) + "/" + std::to_string(kf.bits) +
+               " value " + std::to_string(static_cast<int>(vf.format)) + "/" + std::to_string(vf.bits));
   const RecipePages pages(c, kf, vf, rng);
   const int rows = 7;  // row tiles of 4, 2 and 1
   const std::vector<int64_t> visible = {c.tokens, c.tokens - 1, 1, 64, 17, std::min(100, c.tokens), 65};
@@ -378,8 +380,8 @@ void CheckCase(const RecipeCase& c, const SyntheticField& kf, const SyntheticFie
       // The integer kernel's add-back moves each logit by at most `shift`:
       // each weight by a factor within e^{+-2 shift} of the reference's.
       const double shift = integer ? addback.IntegerBound(r) : 0.0;
-      const double bound = (integer ? want.weights_bound + 2.5 * shift * want.largest_value : 0.0) +
-                           1e-5 * std::sqrt(norm) + 1e-7;
+      const double bound =
+          (integer ? want.weights_bound + 2.5 * shift * want.largest_value : 0.0) + 1e-5 * std::sqrt(norm) + 1e-7;
       EXPECT_LE(std::sqrt(error), bound) << "row " << r;
       if (std::isinf(want.lse)) {
         EXPECT_TRUE(std::isinf(lse[r]) && lse[r] < 0) << "row " << r << " lse " << lse[r];
@@ -410,17 +412,18 @@ TEST(RecipeKernels, ExactTokensAndAddBackAgainstFloat64AtEveryBoundary) {
     edit(c);
     cases.push_back(c);
   };
-  add([](RecipeCase&) {});                                           // the default recipe's shape
-  add([](RecipeCase& c) { c.window = 0; });                          // sinks only
-  add([](RecipeCase& c) { c.sinks = 0; });                           // window only
-  add([](RecipeCase& c) { c.window = 200; });                        // the window covers the context
-  add([](RecipeCase& c) { c.sinks = 200, c.window = 0; });           // the sinks cover it
-  add([](RecipeCase& c) { c.sinks = 70, c.window = 17; });           // sinks past a block, window inside a group
+  add([](RecipeCase&) {});                                  // the default recipe's shape
+  add([](RecipeCase& c) { c.window = 0; });                 // sinks only
+  add([](RecipeCase& c) { c.sinks = 0; });                  // window only
+  add([](RecipeCase& c) { c.window = 200; });               // the window covers the context
+  add([](RecipeCase& c) { c.sinks = 200, c.window = 0; });  // the sinks cover it
+  add([](RecipeCase& c) { c.sinks = 70, c.window = 17; });  // sinks past a block, window inside a group
   add([](RecipeCase& c) { c.sinks = 16, c.window = 22, c.token_begin = 37; });  // a late start: sinks unseen
-  add([](RecipeCase& c) { c.sinks = 0, c.window = 0; });             // the add-back alone
+  add([](RecipeCase& c) { c.sinks = 0, c.window = 0; });                        // the add-back alone
   add([](RecipeCase& c) { c.pairs = 0, c.page_tokens = 7, c.exact_page_tokens = 5, c.token_begin = 9; });
-  add([](RecipeCase& c) { c.d = 64, c.page_tokens = 1, c.exact_page_tokens = 1, c.tokens = 90, c.sinks = 3,
-                          c.window = 20, c.pairs = 2; });
+  add([](RecipeCase& c) {
+    c.d = 64, c.page_tokens = 1, c.exact_page_tokens = 1, c.tokens = 90, c.sinks = 3, c.window = 20, c.pairs = 2;
+  });
   add([](RecipeCase& c) { c.d = 256, c.exact_page_tokens = 2, c.tokens = 130, c.pairs = 64; });
   for (const RecipeCase& c : cases) {
     for (const auto& [kf, vf] : formats) CheckCase(c, kf, vf, rng);

@@ -159,8 +159,7 @@ std::vector<int> ReferencePaley(int m) {
 
 // Pi[i][j] = H_a[r][r'] P_m[c][c'] D_j / sqrt(d) for i = r*m + c, j = r'*m + c'
 // (m = 1: P_1 = [1]), in float64.
-double ReferenceHadamardEntry(int d, int m, const std::vector<int>& p,
-                              const std::vector<float>& signs, int i, int j) {
+double ReferenceHadamardEntry(int d, int m, const std::vector<int>& p, const std::vector<float>& signs, int i, int j) {
   const int r = i / m, c = i % m, r2 = j / m, c2 = j % m;
   const double h = (__builtin_popcount(r & r2) & 1) ? -1.0 : 1.0;
   const double f = m == 1 ? 1.0 : p[c * m + c2];
@@ -171,9 +170,7 @@ double ReferenceHadamardEntry(int d, int m, const std::vector<int>& p,
 // Sets the active SIMD level for one scope and restores the previous one.
 class ScopedSimdLevel {
  public:
-  explicit ScopedSimdLevel(SimdLevel level) : saved_(ActiveSimdLevel()) {
-    SetActiveSimdLevel(level);
-  }
+  explicit ScopedSimdLevel(SimdLevel level) : saved_(ActiveSimdLevel()) { SetActiveSimdLevel(level); }
   ~ScopedSimdLevel() { SetActiveSimdLevel(saved_); }
 
  private:
@@ -204,16 +201,14 @@ TEST(RotationCreate, RejectsDimAboveMax) {
 
 TEST(RotationCreate, RejectsHadamardForDimsWithoutTheKroneckerForm) {
   for (int dim : {100, 3, 6, 36, 44, 52, 60, 1000, 7000}) {
-    for (Rotation::Kind kind :
-         {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
+    for (Rotation::Kind kind : {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
       SCOPED_TRACE(testing::Message() << "dim " << dim << " kind " << static_cast<int>(kind));
       auto rotation = Rotation::Create(dim, kSeed, kind);
       ASSERT_FALSE(rotation.ok());
       EXPECT_EQ(rotation.status().code(), absl::StatusCode::kInvalidArgument);
-      EXPECT_THAT(rotation.status().message(),
-                  HasSubstr(absl::StrCat("Hadamard rotation needs dim = 2^k * m with m in "
-                                         "{1, 12, 20, 28}, got ",
-                                         dim)));
+      EXPECT_THAT(rotation.status().message(), HasSubstr(absl::StrCat("Hadamard rotation needs dim = 2^k * m with m in "
+                                                                      "{1, 12, 20, 28}, got ",
+                                                                      dim)));
     }
   }
 }
@@ -224,15 +219,13 @@ TEST(RotationCreate, RejectsDenseAbove1024) {
     auto rotation = Rotation::Create(dim, kSeed, Rotation::Kind::kDense);
     ASSERT_FALSE(rotation.ok());
     EXPECT_EQ(rotation.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_THAT(rotation.status().message(),
-                HasSubstr(absl::StrCat("dense rotation supports dim <= 1024, got ", dim)));
+    EXPECT_THAT(rotation.status().message(), HasSubstr(absl::StrCat("dense rotation supports dim <= 1024, got ", dim)));
   }
   // kAuto falls back to kDense only where no Hadamard rotation exists.
   auto rotation = Rotation::Create(1100, kSeed, Rotation::Kind::kAuto);
   ASSERT_FALSE(rotation.ok());
   EXPECT_THAT(rotation.status().message(), HasSubstr("dense rotation supports dim <= 1024"));
-  EXPECT_EQ(MustCreate(kMaxRotationDim, kSeed, Rotation::Kind::kAuto)->kind(),
-            Rotation::Kind::kRandomizedHadamard);
+  EXPECT_EQ(MustCreate(kMaxRotationDim, kSeed, Rotation::Kind::kAuto)->kind(), Rotation::Kind::kRandomizedHadamard);
   EXPECT_EQ(MustCreate(6144, kSeed, Rotation::Kind::kAuto)->hadamard_factor_order(), 12);
 }
 
@@ -333,20 +326,14 @@ std::vector<float> MaterializeFloat(const Rotation& rotation) {
 TEST(RotationCreate, StoredFormatIsPinned) {
   // The rotation is part of the stored format: a change here makes every
   // stored cache undecodable. Update these values only with a format bump.
-  EXPECT_EQ(Fingerprint(MustCreate(128, 1, Rotation::Kind::kRandomizedHadamard)->signs()),
-            0xFC7C61388B10C125ull);
-  EXPECT_EQ(Fingerprint(MustCreate(100, 1, Rotation::Kind::kDense)->matrix()),
-            0x4CAFE08ADE1F4537ull);
+  EXPECT_EQ(Fingerprint(MustCreate(128, 1, Rotation::Kind::kRandomizedHadamard)->signs()), 0xFC7C61388B10C125ull);
+  EXPECT_EQ(Fingerprint(MustCreate(100, 1, Rotation::Kind::kDense)->matrix()), 0x4CAFE08ADE1F4537ull);
   // The Kronecker rotations: the fixed Paley factors, and one whole Pi (signs,
   // factor and coordinate order together), bit-identical at every SIMD level.
-  EXPECT_EQ(Fingerprint(MustCreate(12, 1, Rotation::Kind::kPlainHadamard)->hadamard_factor()),
-            0x4FF38D3924866FA5ull);
-  EXPECT_EQ(Fingerprint(MustCreate(20, 1, Rotation::Kind::kPlainHadamard)->hadamard_factor()),
-            0xF2CE34B55A6A57A5ull);
-  EXPECT_EQ(Fingerprint(MustCreate(28, 1, Rotation::Kind::kPlainHadamard)->hadamard_factor()),
-            0x0E8A2520564645A5ull);
-  EXPECT_EQ(Fingerprint(MaterializeFloat(*MustCreate(96, 1, Rotation::Kind::kAuto))),
-            0xC342CA20DCB6AB25ull);
+  EXPECT_EQ(Fingerprint(MustCreate(12, 1, Rotation::Kind::kPlainHadamard)->hadamard_factor()), 0x4FF38D3924866FA5ull);
+  EXPECT_EQ(Fingerprint(MustCreate(20, 1, Rotation::Kind::kPlainHadamard)->hadamard_factor()), 0xF2CE34B55A6A57A5ull);
+  EXPECT_EQ(Fingerprint(MustCreate(28, 1, Rotation::Kind::kPlainHadamard)->hadamard_factor()), 0x0E8A2520564645A5ull);
+  EXPECT_EQ(Fingerprint(MaterializeFloat(*MustCreate(96, 1, Rotation::Kind::kAuto))), 0xC342CA20DCB6AB25ull);
 }
 
 TEST(RotationCreate, SignsComeFromTheSeededGeneratorInOrder) {
@@ -479,8 +466,7 @@ TEST(Rotation, DenseForwardMultipliesByTheDocumentedMatrix) {
 
 TEST(Rotation, HadamardForwardMatchesExplicitMatrixProduct) {
   for (int d : PowerOfTwoDims()) {
-    for (Rotation::Kind kind :
-         {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
+    for (Rotation::Kind kind : {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
       SCOPED_TRACE(testing::Message() << "dim " << d << " kind " << static_cast<int>(kind));
       auto rotation = MustCreate(d, kSeed, kind);
       const std::vector<float> x = GaussianVector(d, 6);
@@ -504,8 +490,7 @@ TEST(Rotation, KroneckerHadamardMatchesExplicitMatrixProduct) {
   // Forward against the documented Pi = (H_a kron P_m) D / sqrt(d) in float64,
   // with P_m from the independent reference construction; Inverse against Pi^T.
   for (int d : KronDims()) {
-    for (Rotation::Kind kind :
-         {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
+    for (Rotation::Kind kind : {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
       SCOPED_TRACE(testing::Message() << "dim " << d << " kind " << static_cast<int>(kind));
       auto rotation = MustCreate(d, kSeed, kind);
       const int m = rotation->hadamard_factor_order();
@@ -567,8 +552,7 @@ TEST(Rotation, SpreadsHotChannelsOverAllCoordinates) {
     rotation->Forward(x.data(), y.data());
     // Hadamard: every |y_i| is at most 4 * 0.5 / sqrt(d). Dense: each y_i is
     // close to N(0, 1/d), whose maximum over d <= 256 draws is about 3.3/sqrt(d).
-    const float bound =
-        (c.kind == Rotation::Kind::kDense ? 5.0f : 2.0f) / std::sqrt(static_cast<float>(c.dim));
+    const float bound = (c.kind == Rotation::Kind::kDense ? 5.0f : 2.0f) / std::sqrt(static_cast<float>(c.dim));
     EXPECT_LE(MaxAbs(y), bound * 1.00001f);  // slack for float rounding
     EXPECT_NEAR(Norm(y), 1.0, 1e-5);
   }
@@ -682,8 +666,7 @@ TEST(Rotation, HadamardOutputIsBitIdenticalAtEveryLevel) {
   std::vector<int> dims = AllKronDims();
   for (int d = 1; d <= kMaxRotationDim; d *= 2) dims.push_back(d);
   for (int d : dims) {
-    for (Rotation::Kind kind :
-         {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
+    for (Rotation::Kind kind : {Rotation::Kind::kRandomizedHadamard, Rotation::Kind::kPlainHadamard}) {
       auto rotation = MustCreate(d, kSeed, kind);
       const std::vector<float> x = GaussianVector(d, 11 + d);
       std::vector<float> forward(d);

@@ -121,8 +121,7 @@ struct SyntheticField {
       case FormatFamily::kTurboQuant:
         return static_cast<double>(HalfToFloat(scalars[0])) * centroids[PackedCodeAt(codes, j, bits)];
       default:
-        return static_cast<double>(HalfToFloat(scalars[0])) * PackedCodeAt(codes, j, bits) +
-               HalfToFloat(scalars[1]);
+        return static_cast<double>(HalfToFloat(scalars[0])) * PackedCodeAt(codes, j, bits) + HalfToFloat(scalars[1]);
     }
   }
 };

@@ -28,8 +28,7 @@ TEST(Crc32c, TheFastPathEqualsTheTableAtEverySizeAndSplit) {
     EXPECT_EQ(Crc32c(0, data.data(), size), Crc32cPortable(0, data.data(), size)) << size;
     // Continuing from a state: Crc32c(a then b) == Crc32c(Crc32c(a), b).
     const size_t cut = size / 3;
-    EXPECT_EQ(Crc32c(Crc32c(0, data.data(), cut), data.data() + cut, size - cut),
-              Crc32cPortable(0, data.data(), size))
+    EXPECT_EQ(Crc32c(Crc32c(0, data.data(), cut), data.data() + cut, size - cut), Crc32cPortable(0, data.data(), size))
         << size;
   }
 }

@@ -43,27 +43,58 @@ constexpr int kHeadDim = 64;
 // for two pages; "swa": the recipe with sliding-window layers 0 and 2.
 constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 1
+    name: "default"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 4
+    preset: "turboquant_k3v4_nc"
+    boundary_layers: 1
     memory_budget_bytes: 8388608
   }
   caches {
-    name: "csw" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 0
-    exact_sink_tokens: 2 exact_window_tokens: 8 centering_tokens: 8
+    name: "csw"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 4
+    preset: "tqkv_k3v4u_csw"
+    boundary_layers: 0
+    exact_sink_tokens: 2
+    exact_window_tokens: 8
+    centering_tokens: 8
     rope { pair_layout: HALF_SPLIT base: 10000 }
     memory_budget_bytes: 8388608
   }
   caches {
-    name: "tiny" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 4 preset: "fp16" boundary_layers: 0
+    name: "tiny"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 4
+    preset: "fp16"
+    boundary_layers: 0
   }
   caches {
-    name: "swa" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 0
-    exact_sink_tokens: 2 exact_window_tokens: 4 centering_tokens: 8
+    name: "swa"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 4
+    preset: "tqkv_k3v4u_csw"
+    boundary_layers: 0
+    exact_sink_tokens: 2
+    exact_window_tokens: 4
+    centering_tokens: 8
     rope { pair_layout: HALF_SPLIT base: 10000 }
-    sliding_window_layers { layers: [0, 2] window: 6 }
+    sliding_window_layers {
+      layers: [ 0, 2 ]
+      window: 6
+    }
     memory_budget_bytes: 8388608
   }
 )pb";
@@ -101,8 +132,7 @@ AppendAttendItemArgs ItemArgs(const Step& s) {
 
 // The args point into `steps`: keep them alive while the args are used (a
 // braced temporary lives only to the end of the full expression).
-AppendAttendArgs StepArgs(const std::string& cache, int layer, const std::vector<Step>& steps,
-                          bool return_lse = true) {
+AppendAttendArgs StepArgs(const std::string& cache, int layer, const std::vector<Step>& steps, bool return_lse = true) {
   AppendAttendArgs args;
   args.cache = cache;
   args.layer = layer;
@@ -127,8 +157,7 @@ class DecodeLoopTest : public ::testing::Test {
     options.metrics_port = -1;
     options.executor = executor;
     // "tiny": exactly two pages.
-    absl::StatusOr<std::vector<CacheOptions>> probe =
-        service::ToCacheOptions(options.config, uint64_t{1} << 30);
+    absl::StatusOr<std::vector<CacheOptions>> probe = service::ToCacheOptions(options.config, uint64_t{1} << 30);
     ASSERT_TRUE(probe.ok()) << probe.status();
     absl::StatusOr<std::shared_ptr<const KvLayout>> tiny = KvLayout::Create((*probe)[2].layout);
     ASSERT_TRUE(tiny.ok());
@@ -147,16 +176,14 @@ class DecodeLoopTest : public ::testing::Test {
   // `cache`: the reference.
   std::unique_ptr<KvCache> Reference(int index) {
     absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
-    absl::StatusOr<std::vector<CacheOptions>> options =
-        service::ToCacheOptions(*config, uint64_t{1} << 30);
+    absl::StatusOr<std::vector<CacheOptions>> options = service::ToCacheOptions(*config, uint64_t{1} << 30);
     if (!options.ok()) return nullptr;
     if (backend_ == nullptr) {
       CpuBackendOptions backend;  // the server's defaults (integer attention where the CPU has it)
       backend.num_threads = 2;
       backend_ = MakeCpuBackend(backend);
     }
-    absl::StatusOr<std::unique_ptr<KvCache>> cache =
-        KvCache::Create((*options)[index], backend_.get());
+    absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create((*options)[index], backend_.get());
     return cache.ok() ? *std::move(cache) : nullptr;
   }
 
@@ -174,8 +201,7 @@ class DecodeLoopTest : public ::testing::Test {
     ASSERT_TRUE(cache.Append(r).ok());
     output->assign(s.queries.size(), 0.0f);
     lse->assign(s.tokens * kQueryHeads, 0.0f);
-    AttendRequestItem item{s.id, layer, static_cast<int>(s.tokens), s.queries.data(),
-                           output->data(), lse->data()};
+    AttendRequestItem item{s.id, layer, static_cast<int>(s.tokens), s.queries.data(), output->data(), lse->data()};
     ASSERT_TRUE(cache.Attend(absl::MakeConstSpan(&item, 1)).ok());
   }
 
@@ -196,8 +222,7 @@ class DecodeLoopTest : public ::testing::Test {
 };
 
 TEST_F(DecodeLoopTest, AppendAttendEqualsAppendThenAttendLayerByLayer) {
-  for (const auto& [cache_name, index] :
-       {std::pair<std::string, int>{"default", 0}, {"csw", 1}, {"swa", 3}}) {
+  for (const auto& [cache_name, index] : {std::pair<std::string, int>{"default", 0}, {"csw", 1}, {"swa", 3}}) {
     SCOPED_TRACE(cache_name);
     std::unique_ptr<KvCache> reference = Reference(index);
     ASSERT_NE(reference, nullptr);
@@ -208,8 +233,7 @@ TEST_F(DecodeLoopTest, AppendAttendEqualsAppendThenAttendLayerByLayer) {
     for (int step = 0; step < 15; ++step) {
       const int64_t ta = step == 0 ? 12 : 1, tb = step == 0 ? 5 : 1;
       for (int layer = 0; layer < kLayers; ++layer) {
-        const std::vector<Step> steps = {MakeStep("a", pos_a, ta, seed),
-                                         MakeStep("b", pos_b, tb, seed + 10)};
+        const std::vector<Step> steps = {MakeStep("a", pos_a, ta, seed), MakeStep("b", pos_b, tb, seed + 10)};
         seed += 20;
         // The reply's bytes: the change the pool's accounting made for both.
         const int64_t held_before = HeldBytes(cache_name, {"a", "b"});
@@ -284,8 +308,7 @@ TEST_F(DecodeLoopTest, StateErrorsAreReportedPerItemAndTheOthersProceed) {
   // A full pool: the item that does not fit fails alone and changes nothing.
   const std::vector<Step> big = {MakeStep("t1", 0, 8, 5)};
   ASSERT_TRUE(client_->AppendAttend(StepArgs("tiny", 0, big))->items[0].status.ok());
-  absl::StatusOr<AppendAttendResult> full =
-      client_->AppendAttend(StepArgs("tiny", 0, {MakeStep("t2", 0, 1, 6)}));
+  absl::StatusOr<AppendAttendResult> full = client_->AppendAttend(StepArgs("tiny", 0, {MakeStep("t2", 0, 1, 6)}));
   ASSERT_TRUE(full.ok());
   EXPECT_EQ(full->items[0].status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(client_->GetSequence("tiny", "t2").status().code(), absl::StatusCode::kNotFound);
@@ -528,8 +551,7 @@ TEST_F(DecodeLoopTest, SixtyFourStreamsAndUnaryTrafficEqualAReplay) {
           for (int layer = 0; layer < kLayers; ++layer) {
             std::vector<Step> items = {MakeStep(id, pos, tokens, seed++)};
             const absl::Time start = absl::Now();
-            absl::StatusOr<AppendAttendResult> r =
-                stream->Step(StepArgs("csw", layer, items, false));
+            absl::StatusOr<AppendAttendResult> r = stream->Step(StepArgs("csw", layer, items, false));
             timed(start);
             if (!r.ok() || !r->items[0].status.ok()) {
               fail((r.ok() ? r->items[0].status : r.status()).ToString());
@@ -565,8 +587,7 @@ TEST_F(DecodeLoopTest, SixtyFourStreamsAndUnaryTrafficEqualAReplay) {
       a.values = keys;
       const absl::Time start = absl::Now();
       for (const absl::Status& st :
-           {client_->Append(a).status(), client_->GetServerInfo().status(),
-            client_->DropSequence("csw", id)}) {
+           {client_->Append(a).status(), client_->GetServerInfo().status(), client_->DropSequence("csw", id)}) {
         if (!st.ok()) fail(st.ToString());
       }
       timed(start);
@@ -580,11 +601,11 @@ TEST_F(DecodeLoopTest, SixtyFourStreamsAndUnaryTrafficEqualAReplay) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->caches(1).sequences(), 0);  // everything dropped: no pages leaked
   EXPECT_EQ(info->caches(1).pages_used(), 0);
-  std::printf("%lld stream messages from %d streams equal their replay; slowest call %.1f ms; "
-              "resident %lld -> %lld MiB\n",
-              static_cast<long long>(replayed.load()), kStreams, max_call_us.load() / 1e3,
-              static_cast<long long>(rss_start / 1024),
-              static_cast<long long>(ResidentKib() / 1024));
+  std::printf(
+      "%lld stream messages from %d streams equal their replay; slowest call %.1f ms; "
+      "resident %lld -> %lld MiB\n",
+      static_cast<long long>(replayed.load()), kStreams, max_call_us.load() / 1e3,
+      static_cast<long long>(rss_start / 1024), static_cast<long long>(ResidentKib() / 1024));
 }
 
 TEST(CallExecutor, RunsEveryAcceptedCallAndRefusesPastItsBounds) {
@@ -597,10 +618,13 @@ TEST(CallExecutor, RunsEveryAcceptedCallAndRefusesPastItsBounds) {
   std::atomic<int> ran{0};
   // Two calls block both threads; a third queues; a fourth is refused.
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(executor.Submit(10, [&] {
-      release.WaitForNotification();
-      ++ran;
-    }).ok());
+    ASSERT_TRUE(executor
+                    .Submit(10,
+                            [&] {
+                              release.WaitForNotification();
+                              ++ran;
+                            })
+                    .ok());
   }
   const absl::Status refused = executor.Submit(10, [&] { ++ran; });
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);

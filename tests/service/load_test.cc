@@ -16,8 +16,14 @@ namespace {
 
 constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 8 preset: "turboquant_k3v4_nc" boundary_layers: 1
+    name: "default"
+    num_layers: 4
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 8
+    preset: "turboquant_k3v4_nc"
+    boundary_layers: 1
     memory_budget_bytes: 16777216
   }
 )pb";
@@ -117,12 +123,10 @@ TEST(DecodeLoad, BadOptionsAndVariantNamesAreRefused) {
   cli::DecodeLoadOptions options;
   options.batch = 0;
   EXPECT_EQ(cli::RunDecodeLoad(options).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cli::ParseDecodeVariants("fused,bogus").status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cli::ParseDecodeVariants("fused,bogus").status().code(), absl::StatusCode::kInvalidArgument);
   absl::StatusOr<std::vector<cli::DecodeVariant>> v = cli::ParseDecodeVariants("stream,unary");
   ASSERT_TRUE(v.ok());
-  EXPECT_EQ(*v, (std::vector<cli::DecodeVariant>{cli::DecodeVariant::kStream,
-                                                 cli::DecodeVariant::kUnary}));
+  EXPECT_EQ(*v, (std::vector<cli::DecodeVariant>{cli::DecodeVariant::kStream, cli::DecodeVariant::kUnary}));
 }
 
 TEST(LoadGenerator, ARunWithoutABoundIsRefused) {

@@ -86,9 +86,8 @@ class ServerTarget : public round_trip::Target {
         out.push_back({r.status().code(), ""});
       } else {
         const AppendAttendItemResult& item = r->items[i];
-        out.push_back({item.status.code(), item.status.ok() ? FloatBytes(item.attention.output) +
-                                                                  FloatBytes(item.attention.lse)
-                                                            : ""});
+        out.push_back({item.status.code(),
+                       item.status.ok() ? FloatBytes(item.attention.output) + FloatBytes(item.attention.lse) : ""});
       }
     }
     return out;
@@ -120,8 +119,7 @@ class ServerTarget : public round_trip::Target {
     if (!out.ok()) return {out.status().code(), ""};
     return {absl::StatusCode::kOk, FloatBytes((*out)[0].output) + FloatBytes((*out)[0].lse)};
   }
-  ReadResult Score(const std::string& id, int layer, int64_t begin, int64_t end,
-                   const std::vector<float>& q) override {
+  ReadResult Score(const std::string& id, int layer, int64_t begin, int64_t end, const std::vector<float>& q) override {
     if (begin == end) return {absl::StatusCode::kOk, ""};  // token_end 0 means "the layer's length"
     ScoreArgs args;
     args.sequence_id = id;
@@ -170,8 +168,7 @@ class ServerTarget : public round_trip::Target {
 
  private:
   ServerTarget(const v1::CacheConfig& cache, uint64_t seed)
-      : heads_(cache.num_kv_heads()), query_heads_(cache.num_query_heads()), dim_(cache.head_dim()),
-        seed_(seed) {
+      : heads_(cache.num_kv_heads()), query_heads_(cache.num_query_heads()), dim_(cache.head_dim()), seed_(seed) {
     *config_.add_caches() = cache;
   }
 

@@ -30,13 +30,19 @@ namespace {
 
 constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 2 num_kv_heads: 1 num_query_heads: 2 head_dim: 64
-    page_tokens: 4 preset: "turboquant_k3v4_nc" memory_budget_bytes: 1048576
+    name: "default"
+    num_layers: 2
+    num_kv_heads: 1
+    num_query_heads: 2
+    head_dim: 64
+    page_tokens: 4
+    preset: "turboquant_k3v4_nc"
+    memory_budget_bytes: 1048576
   }
 )pb";
 
-std::unique_ptr<service::Server> StartServer(std::vector<std::string> tokens,
-                                             std::string cert = "", std::string key = "") {
+std::unique_ptr<service::Server> StartServer(std::vector<std::string> tokens, std::string cert = "",
+                                             std::string key = "") {
   service::ServerOptions options;
   options.host = "127.0.0.1";
   options.port = 0;
@@ -62,32 +68,26 @@ ClientOptions Options(const service::Server& server) {
 }
 
 grpc::Status HealthCheck(grpc::Channel* channel) {
-  const grpc::internal::RpcMethod check("/grpc.health.v1.Health/Check",
-                                        grpc::internal::RpcMethod::NORMAL_RPC);
+  const grpc::internal::RpcMethod check("/grpc.health.v1.Health/Check", grpc::internal::RpcMethod::NORMAL_RPC);
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   testing::HealthCheckRequest request;
   testing::HealthCheckResponse response;
-  return grpc::internal::BlockingUnaryCall<testing::HealthCheckRequest,
-                                           testing::HealthCheckResponse>(channel, check, &context,
-                                                                         request, &response);
+  return grpc::internal::BlockingUnaryCall<testing::HealthCheckRequest, testing::HealthCheckResponse>(
+      channel, check, &context, request, &response);
 }
 
 TEST(AuthTokens, FileSyntaxIgnoresCommentsAndBlankLines) {
-  absl::StatusOr<service::AuthConfig> config =
-      service::ParseAuthConfig("# ops team\n\n  alpha  \r\nbeta\n#gamma\n");
+  absl::StatusOr<service::AuthConfig> config = service::ParseAuthConfig("# ops team\n\n  alpha  \r\nbeta\n#gamma\n");
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_EQ(config->tokens.size(), 2u);
   EXPECT_EQ(config->tokens[0].token, "alpha");
   EXPECT_EQ(config->tokens[1].token, "beta");
   EXPECT_TRUE(config->tokens[0].tenant.empty());  // no tenant=: an admin token
   EXPECT_TRUE(config->tenants.empty());
-  EXPECT_EQ(service::ParseAuthConfig("# only a comment\n\n").status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(service::ParseAuthConfig("two words\n").status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(service::LoadAuthConfig("/nonexistent/tokens").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(service::ParseAuthConfig("# only a comment\n\n").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(service::ParseAuthConfig("two words\n").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(service::LoadAuthConfig("/nonexistent/tokens").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(AuthTokens, TenantLinesGiveTenantsAndQuotas) {
@@ -109,9 +109,8 @@ TEST(AuthTokens, TenantLinesGiveTenantsAndQuotas) {
 
   // Each malformed line is refused, naming its line.
   for (const char* bad : {"a tenant=\n", "a tenant=x:y\n", "a tenant=x max_bytes=lots\n",
-                          "a tenant=x max_sequences=-1\n", "a colour=blue\n", "a max_bytes=1GiB\n",
-                          "a\na\n", "tenant=x\n", "a tenant=x max_bytes=1\nb tenant=x max_bytes=2\n",
-                          "a\x01b\n"}) {
+                          "a tenant=x max_sequences=-1\n", "a colour=blue\n", "a max_bytes=1GiB\n", "a\na\n",
+                          "tenant=x\n", "a tenant=x max_bytes=1\nb tenant=x max_bytes=2\n", "a\x01b\n"}) {
     absl::StatusOr<service::AuthConfig> refused = service::ParseAuthConfig(bad);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_TRUE(absl::StrContains(refused.status().message(), "line ")) << refused.status();
@@ -169,16 +168,14 @@ TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
     const absl::Status info = client.GetServerInfo().status();
     EXPECT_EQ(info.code(), absl::StatusCode::kUnauthenticated) << token;
     EXPECT_EQ(info.message(), "missing or invalid bearer token");
-    EXPECT_EQ(client.CreateSequence("", "intruder").status().code(),
-              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(client.CreateSequence("", "intruder").status().code(), absl::StatusCode::kUnauthenticated);
     std::vector<float> kv(2 * 1 * 1 * 64, 0.5f);
     AppendArgs chunk;
     chunk.sequence_id = "intruder";
     chunk.shape = {2, 1, 1, 64};
     chunk.keys = kv;
     chunk.values = kv;
-    EXPECT_EQ(client.AppendStream({&chunk, 1}).status().code(),
-              absl::StatusCode::kUnauthenticated);
+    EXPECT_EQ(client.AppendStream({&chunk, 1}).status().code(), absl::StatusCode::kUnauthenticated);
     // The decode loop's calls too: the fused call, and the stream, which
     // ends before reading any request.
     std::vector<float> q(1 * 2 * 64, 0.5f);
@@ -197,12 +194,11 @@ TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
   // Nothing the rejected calls asked for happened.
   ClientOptions options = Options(*server);
   options.auth_token = "first-token";
-  EXPECT_EQ(Client(options).GetSequence("", "intruder").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Client(options).GetSequence("", "intruder").status().code(), absl::StatusCode::kNotFound);
   // A scheme other than Bearer is refused; the scheme's case does not matter
   // (RFC 7235), the token's does.
-  std::unique_ptr<v1::KvCache::Stub> stub = v1::KvCache::NewStub(
-      grpc::CreateChannel(options.target, grpc::InsecureChannelCredentials()));
+  std::unique_ptr<v1::KvCache::Stub> stub =
+      v1::KvCache::NewStub(grpc::CreateChannel(options.target, grpc::InsecureChannelCredentials()));
   const auto code_with = [&stub](const std::string& header) {
     grpc::ClientContext context;
     context.AddMetadata("authorization", header);
@@ -223,22 +219,22 @@ TEST(Auth, TheRightTokenIsAcceptedAndOthersAreUnauthenticated) {
 TEST(Auth, AnUnauthenticatedCallIsRefusedBeforeItsRequestIsRead) {
   std::unique_ptr<service::Server> server = StartServer({"token"});
   ASSERT_NE(server, nullptr);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials());
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials());
   const auto open_call = [&channel](const char* method, const char* header) {
     const grpc::internal::RpcMethod stream(method, grpc::internal::RpcMethod::BIDI_STREAMING);
     auto context = std::make_unique<grpc::ClientContext>();
     context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
     if (header != nullptr) context->AddMetadata("authorization", header);
     std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> call(
-        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-            channel.get(), stream, context.get()));
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(channel.get(), stream,
+                                                                                              context.get()));
     return std::make_pair(std::move(context), std::move(call));
   };
-  for (const char* method : {"/tqkv.v1.KvCache/Append", "/tqkv.v1.KvCache/Attend",
-                             "/tqkv.v1.KvCache/GetServerInfo", "/tqkv.v1.KvCache/AppendStream",
-                             "/tqkv.v1.KvCache/ExportSequences", "/tqkv.v1.KvCache/ImportSequences",
-                             "/tqkv.v1.KvCache/PullSequences", "/tqkv.v1.KvCache/ListSequences"}) {
+  for (const char* method :
+       {"/tqkv.v1.KvCache/Append", "/tqkv.v1.KvCache/Attend", "/tqkv.v1.KvCache/GetServerInfo",
+        "/tqkv.v1.KvCache/AppendStream", "/tqkv.v1.KvCache/ExportSequences", "/tqkv.v1.KvCache/ImportSequences",
+        "/tqkv.v1.KvCache/PullSequences", "/tqkv.v1.KvCache/ListSequences"}) {
     for (const char* header : {static_cast<const char*>(nullptr), "Bearer wrong"}) {
       auto [context, call] = open_call(method, header);
       const absl::Time start = absl::Now();
@@ -259,8 +255,8 @@ TEST(Auth, AnUnauthenticatedCallIsRefusedBeforeItsRequestIsRead) {
 TEST(Auth, HealthStaysOpenWithoutAToken) {
   std::unique_ptr<service::Server> server = StartServer({"token"});
   ASSERT_NE(server, nullptr);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials());
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials());
   const grpc::Status status = HealthCheck(channel.get());
   EXPECT_TRUE(status.ok()) << status.error_message();
 }

@@ -46,8 +46,15 @@ namespace {
 
 constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 8 preset: "turboquant_k3v4_nc" boundary_layers: 1 memory_budget_bytes: 67108864
+    name: "default"
+    num_layers: 4
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 8
+    preset: "turboquant_k3v4_nc"
+    boundary_layers: 1
+    memory_budget_bytes: 67108864
   }
 )pb";
 constexpr int kLayers = 4;
@@ -96,8 +103,17 @@ class ServerProcess {
     std::unique_ptr<ServerProcess> p(new ServerProcess());
     p->log_ = absl::StrCat(dir, "/", name, ".log");
     std::ofstream(absl::StrCat(dir, "/config.txt")) << kConfig;
-    std::vector<std::string> argv = {TQKV_SERVER_BINARY, "--host", "127.0.0.1", "--port", "0", "--threads", "1",
-                                     "--metrics_port", "0", "--config", absl::StrCat(dir, "/config.txt")};
+    std::vector<std::string> argv = {TQKV_SERVER_BINARY,
+                                     "--host",
+                                     "127.0.0.1",
+                                     "--port",
+                                     "0",
+                                     "--threads",
+                                     "1",
+                                     "--metrics_port",
+                                     "0",
+                                     "--config",
+                                     absl::StrCat(dir, "/config.txt")};
     argv.insert(argv.end(), args.begin(), args.end());
     std::vector<char*> pointers;
     for (std::string& a : argv) pointers.push_back(a.data());
@@ -205,14 +221,12 @@ void AppendUntilRefused(Client* client, const std::string& id, const std::atomic
 // DecodeStream between steps (one answered, the next not sent).
 struct IdleClients {
   explicit IdleClients(const std::string& target)
-      : idle(Options(target)),
-        decoder(Options(target)),
+      : idle(Options(target)), decoder(Options(target)),
         channel(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())) {}
 
   ::testing::AssertionResult Open() {
     if (!idle.GetServerInfo().ok()) return ::testing::AssertionFailure() << "GetServerInfo";
-    const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Watch",
-                                           grpc::internal::RpcMethod::SERVER_STREAMING);
+    const grpc::internal::RpcMethod method("/grpc.health.v1.Health/Watch", grpc::internal::RpcMethod::SERVER_STREAMING);
     watch.reset(grpc::internal::ClientReaderFactory<testing::HealthCheckResponse>::Create(
         channel.get(), method, &watch_context, testing::HealthCheckRequest()));
     testing::HealthCheckResponse health;

@@ -58,13 +58,25 @@ inline constexpr int kMaxMessageBytes = 1 << 20;
 // three pages, to fill the pool.
 inline constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 1
+    name: "default"
+    num_layers: 4
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 4
+    preset: "turboquant_k3v4_nc"
+    boundary_layers: 1
     memory_budget_bytes: 4194304
   }
   caches {
-    name: "tiny" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 1
+    name: "tiny"
+    num_layers: 4
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 4
+    preset: "turboquant_k3v4_nc"
+    boundary_layers: 1
   }
 )pb";
 
@@ -118,8 +130,7 @@ inline std::string HttpGet(int port, const std::string& path) {
 
 // The value of the first sample line of `text` that starts with `name` and
 // contains every one of `labels` (e.g. "cache=\"default\""); -1 if none.
-inline double Sample(const std::string& text, const std::string& name,
-              std::initializer_list<std::string> labels = {}) {
+inline double Sample(const std::string& text, const std::string& name, std::initializer_list<std::string> labels = {}) {
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {
     if (line.rfind(name, 0) != 0) continue;
@@ -150,8 +161,7 @@ class ServiceTest : public ::testing::Test {
     options.metrics_port = with_metrics_ ? 0 : -1;
     options.memory_budget_bytes = 1;  // "tiny" gets 0 -> fixed below
     // Give "tiny" exactly three pages.
-    absl::StatusOr<std::vector<CacheOptions>> probe =
-        service::ToCacheOptions(options.config, uint64_t{1} << 30);
+    absl::StatusOr<std::vector<CacheOptions>> probe = service::ToCacheOptions(options.config, uint64_t{1} << 30);
     ASSERT_TRUE(probe.ok()) << probe.status();
     absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create((*probe)[0].layout);
     ASSERT_TRUE(layout.ok());
@@ -174,21 +184,18 @@ class ServiceTest : public ::testing::Test {
   // CPU backend: the reference for exact comparisons.
   std::unique_ptr<KvCache> Reference() {
     absl::StatusOr<v1::ServerConfig> config = service::ParseServerConfig(kConfig);
-    absl::StatusOr<std::vector<CacheOptions>> options =
-        service::ToCacheOptions(*config, uint64_t{1} << 30);
+    absl::StatusOr<std::vector<CacheOptions>> options = service::ToCacheOptions(*config, uint64_t{1} << 30);
     if (!options.ok()) return nullptr;
     if (reference_backend_ == nullptr) {
       CpuBackendOptions backend;  // the server's defaults (integer attention where the CPU has it)
       backend.num_threads = kThreads;
       reference_backend_ = MakeCpuBackend(backend);
     }
-    absl::StatusOr<std::unique_ptr<KvCache>> cache =
-        KvCache::Create((*options)[0], reference_backend_.get());
+    absl::StatusOr<std::unique_ptr<KvCache>> cache = KvCache::Create((*options)[0], reference_backend_.get());
     return cache.ok() ? *std::move(cache) : nullptr;
   }
 
-  static void ReferenceAppend(KvCache& cache, const std::string& id, int64_t start, const Kv& kv,
-                              int layer_begin = 0) {
+  static void ReferenceAppend(KvCache& cache, const std::string& id, int64_t start, const Kv& kv, int layer_begin = 0) {
     AppendRequest r;
     r.sequence_id = id;
     r.start_position = start;

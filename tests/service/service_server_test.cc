@@ -82,8 +82,7 @@ class LoseAnswers : public grpc::experimental::ClientInterceptorFactoryInterface
  public:
   LoseAnswers(std::string method, int lost) : method_(std::move(method)), lost_(lost) {}
 
-  grpc::experimental::Interceptor* CreateClientInterceptor(
-      grpc::experimental::ClientRpcInfo* info) override {
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo* info) override {
     if (method_ != info->method()) return nullptr;
     return new Interceptor(&lost_);
   }
@@ -93,8 +92,7 @@ class LoseAnswers : public grpc::experimental::ClientInterceptorFactoryInterface
    public:
     explicit Interceptor(std::atomic<int>* lost) : lost_(lost) {}
     void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-      if (methods->QueryInterceptionHookPoint(
-              grpc::experimental::InterceptionHookPoints::POST_RECV_STATUS) &&
+      if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::POST_RECV_STATUS) &&
           lost_->fetch_sub(1) > 0) {
         *methods->GetRecvStatus() = grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost (test)");
       }
@@ -114,15 +112,14 @@ TEST_F(ServiceTest, RetriedCallsWhoseFirstAnswerWasLostSucceedOnce) {
     std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> factories;
     factories.push_back(std::make_unique<LoseAnswers>(method, 1));
     auto channel = grpc::experimental::CreateCustomChannelWithInterceptors(
-        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials(),
-        grpc::ChannelArguments(), std::move(factories));
+        absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials(), grpc::ChannelArguments(),
+        std::move(factories));
     ClientOptions options;
     options.initial_backoff = absl::Milliseconds(1);
     return std::make_unique<Client>(channel, options);
   };
   const Kv kv = MakeKv(6, 97);
-  absl::StatusOr<AppendResult> r =
-      client_losing("/tqkv.v1.KvCache/Append")->Append(MakeAppend("r", 0, kv));
+  absl::StatusOr<AppendResult> r = client_losing("/tqkv.v1.KvCache/Append")->Append(MakeAppend("r", 0, kv));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->sequence.layer_tokens, std::vector<int64_t>(kLayers, 6));
   EXPECT_EQ(MustGet("r").layer_tokens, std::vector<int64_t>(kLayers, 6));  // stored once
@@ -195,12 +192,24 @@ service::ServerOptions LoopbackOptions(const char* config) {
 TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
   service::ServerOptions options = LoopbackOptions(R"pb(
     caches {
-      name: "even" num_layers: 2 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-      page_tokens: 4 preset: "turboquant_k3v4_nc" boundary_layers: 0
+      name: "even"
+      num_layers: 2
+      num_kv_heads: 2
+      num_query_heads: 4
+      head_dim: 64
+      page_tokens: 4
+      preset: "turboquant_k3v4_nc"
+      boundary_layers: 0
     }
     caches {
-      name: "odd" num_layers: 2 num_kv_heads: 2 num_query_heads: 4 head_dim: 100
-      page_tokens: 4 preset: "fp16" boundary_layers: 0
+      name: "odd"
+      num_layers: 2
+      num_kv_heads: 2
+      num_query_heads: 4
+      head_dim: 100
+      page_tokens: 4
+      preset: "fp16"
+      boundary_layers: 0
     }
   )pb");
   options.backend = "auto";
@@ -240,9 +249,16 @@ TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
 TEST(ServerBytes, AppendAnswersSumToWhatThePoolHolds) {
   const service::ServerOptions options = LoopbackOptions(R"pb(
     caches {
-      name: "default" num_layers: 4 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-      page_tokens: 4 preset: "tqkv_k3v4u_csw" boundary_layers: 0
-      exact_sink_tokens: 2 exact_window_tokens: 6
+      name: "default"
+      num_layers: 4
+      num_kv_heads: 2
+      num_query_heads: 4
+      head_dim: 64
+      page_tokens: 4
+      preset: "tqkv_k3v4u_csw"
+      boundary_layers: 0
+      exact_sink_tokens: 2
+      exact_window_tokens: 6
       sliding_window_layers { layers: 1 layers: 3 window: 5 }
     }
   )pb");

@@ -323,8 +323,8 @@ TEST_F(ServiceTest, AppendStreamStopsAtTheFirstBadChunkAndKeepsTheOnesBefore) {
   const Kv kv = MakeKv(4, 50), other = MakeKv(4, 51);
   // Chunk 2 starts where chunk 1 did with other tokens: a wrong position.
   // (The same tokens again would be the same append, answered already_stored.)
-  std::vector<AppendArgs> args = {MakeAppend("t", 0, kv), MakeAppend("t", 4, kv),
-                                  MakeAppend("t", 4, other), MakeAppend("t", 8, kv)};
+  std::vector<AppendArgs> args = {MakeAppend("t", 0, kv), MakeAppend("t", 4, kv), MakeAppend("t", 4, other),
+                                  MakeAppend("t", 8, kv)};
   absl::StatusOr<AppendResult> r = client_->AppendStream(args);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(r.status().message(), HasSubstr("chunk 2"));
@@ -356,8 +356,8 @@ TEST_F(ServiceTest, MalformedRequestsGetCanonicalCodesAndChangeNothing) {
     EXPECT_EQ(stats.sequences(), stats_before.sequences()) << what;
     EXPECT_EQ(stats.stored_bytes(), stats_before.stored_bytes()) << what;
   };
-  const auto expect_append_error = [&](const char* what, v1::AppendRequest request,
-                                       grpc::StatusCode code, const char* substring) {
+  const auto expect_append_error = [&](const char* what, v1::AppendRequest request, grpc::StatusCode code,
+                                       const char* substring) {
     grpc::ClientContext context;
     v1::AppendResponse response;
     const grpc::Status status = stub_->Append(&context, request, &response);
@@ -430,8 +430,7 @@ TEST_F(ServiceTest, MalformedRequestsGetCanonicalCodesAndChangeNothing) {
 
   // Oversized: more than the server's 1 MiB limit.
   const Kv big = MakeKv(300, 62);
-  EXPECT_EQ(client_->Append(MakeAppend("s", 5, big)).status().code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(client_->Append(MakeAppend("s", 5, big)).status().code(), absl::StatusCode::kResourceExhausted);
   expect_unchanged("oversized");
 
   // Reads.
@@ -446,10 +445,8 @@ TEST_F(ServiceTest, MalformedRequestsGetCanonicalCodesAndChangeNothing) {
   constexpr size_t kQ = kQueryHeads * kHeadDim;
   EXPECT_EQ(attend({"s", 0, one, {q.data(), kQ}}).code(), absl::StatusCode::kOk);
   EXPECT_EQ(attend({"x", 0, one, {q.data(), kQ}}).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(attend({"s", kLayers, one, {q.data(), kQ}}).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(attend({"s", 0, {1, kKvHeads, 2 * kHeadDim}, {q.data(), kQ}}).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(attend({"s", kLayers, one, {q.data(), kQ}}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(attend({"s", 0, {1, kKvHeads, 2 * kHeadDim}, {q.data(), kQ}}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(attend({"s", 0, one, {q.data(), kQ}}, static_cast<v1::DType>(7)).code(),
             absl::StatusCode::kInvalidArgument);
   std::vector<float> q6 = RandomFloats(6 * kQueryHeads * kHeadDim, 64);
@@ -535,7 +532,7 @@ TEST_F(ServiceTest, ARetriedAppendLearnsWhetherItsOwnAppendLanded) {
   EXPECT_FALSE(r->already_stored);
   const int64_t bytes = CacheStats("default").stored_bytes();
   ASSERT_TRUE(client_->Append(MakeAppend("idem", 3, second)).ok());  // someone else's append
-  r = client_->Append(MakeAppend("idem", 0, first));                  // the first one, resent
+  r = client_->Append(MakeAppend("idem", 0, first));                 // the first one, resent
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->already_stored);
   EXPECT_EQ(r->stored_bytes, 0);
@@ -596,16 +593,14 @@ TEST_F(ServiceTest, AFullPoolIsResourceExhaustedAndChangesNothing) {
 }
 
 TEST_F(ServiceTest, HealthCheckReportsServing) {
-  const grpc::internal::RpcMethod check("/grpc.health.v1.Health/Check",
-                                        grpc::internal::RpcMethod::NORMAL_RPC);
+  const grpc::internal::RpcMethod check("/grpc.health.v1.Health/Check", grpc::internal::RpcMethod::NORMAL_RPC);
   for (const char* service : {"", "tqkv.v1.KvCache"}) {
     grpc::ClientContext context;
     testing::HealthCheckRequest request;
     request.set_service(service);
     testing::HealthCheckResponse response;
     const grpc::Status status =
-        grpc::internal::BlockingUnaryCall<testing::HealthCheckRequest,
-                                          testing::HealthCheckResponse>(
+        grpc::internal::BlockingUnaryCall<testing::HealthCheckRequest, testing::HealthCheckResponse>(
             channel_.get(), check, &context, request, &response);
     ASSERT_TRUE(status.ok()) << service << ": " << status.error_message();
     EXPECT_EQ(response.status(), testing::HealthCheckResponse::SERVING) << service;
@@ -613,15 +608,13 @@ TEST_F(ServiceTest, HealthCheckReportsServing) {
 }
 
 TEST_F(ServiceTest, ReflectionListsTheService) {
-  const grpc::internal::RpcMethod info(
-      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-      grpc::internal::RpcMethod::BIDI_STREAMING);
+  const grpc::internal::RpcMethod info("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                       grpc::internal::RpcMethod::BIDI_STREAMING);
   grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReaderWriter<testing::ServerReflectionRequest,
-                                           testing::ServerReflectionResponse>>
-      stream(grpc::internal::ClientReaderWriterFactory<
-             testing::ServerReflectionRequest,
-             testing::ServerReflectionResponse>::Create(channel_.get(), info, &context));
+  std::unique_ptr<grpc::ClientReaderWriter<testing::ServerReflectionRequest, testing::ServerReflectionResponse>> stream(
+      grpc::internal::ClientReaderWriterFactory<testing::ServerReflectionRequest,
+                                                testing::ServerReflectionResponse>::Create(channel_.get(), info,
+                                                                                           &context));
   testing::ServerReflectionRequest request;
   request.set_list_services("");
   ASSERT_TRUE(stream->Write(request));

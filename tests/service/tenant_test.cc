@@ -23,8 +23,14 @@ using ::testing::HasSubstr;
 
 constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 2 num_kv_heads: 1 num_query_heads: 2 head_dim: 64
-    page_tokens: 4 preset: "turboquant_k3v4_nc" memory_budget_bytes: 1048576
+    name: "default"
+    num_layers: 2
+    num_kv_heads: 1
+    num_query_heads: 2
+    head_dim: 64
+    page_tokens: 4
+    preset: "turboquant_k3v4_nc"
+    memory_budget_bytes: 1048576
   }
 )pb";
 constexpr int kLayers = 2, kKvHeads = 1, kQueryHeads = 2, kDim = 64;
@@ -40,11 +46,9 @@ class TenantTest : public ::testing::Test {
     ASSERT_TRUE(layout.ok()) << layout.status();
     page_bytes_ = (*layout)->page_bytes();
     // team-a may hold 8 pages and 5 sequences; team-b is unlimited.
-    absl::StatusOr<service::AuthConfig> auth = service::ParseAuthConfig(absl::StrCat(
-        "ops-token\n",
-        "a-token tenant=team-a max_bytes=", 8 * page_bytes_, " max_sequences=5\n",
-        "a-second-token tenant=team-a\n",
-        "b-token tenant=team-b\n"));
+    absl::StatusOr<service::AuthConfig> auth = service::ParseAuthConfig(
+        absl::StrCat("ops-token\n", "a-token tenant=team-a max_bytes=", 8 * page_bytes_, " max_sequences=5\n",
+                     "a-second-token tenant=team-a\n", "b-token tenant=team-b\n"));
     ASSERT_TRUE(auth.ok()) << auth.status();
 
     service::ServerOptions options;
@@ -232,8 +236,7 @@ TEST_F(TenantTest, QuotasBoundWhatATenantHoldsWhoeverCreatesItsSequences) {
   // What an admin creates in team-a's namespace is team-a's; a fork is
   // charged for the pages it shares.
   ASSERT_TRUE(ops.CreateSequence("", "team-a:by-ops").ok());
-  EXPECT_EQ(ops.ForkSequence("", "team-a:1", "team-a:1/beam").status().code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(ops.ForkSequence("", "team-a:1", "team-a:1/beam").status().code(), absl::StatusCode::kResourceExhausted);
   ASSERT_TRUE(a.DropSequence("", "team-a:1").ok());
   ASSERT_TRUE(Append(a, "team-a:3", 0, 1).ok());
   ASSERT_TRUE(a.ForkSequence("", "team-a:3", "team-a:3/beam").ok());  // 4 sequences, 6 pages

@@ -57,10 +57,8 @@ TEST(TensorCodec, RejectsWrongAxisSize) {
 
 TEST(TensorCodec, RejectsZeroOrNegativeAxes) {
   std::vector<float> out;
-  EXPECT_EQ(DecodeTensor(F32({0, 2}, {}), "k", kAxes, &out).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(DecodeTensor(F32({-1, 2}, {}), "k", kAxes, &out).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeTensor(F32({0, 2}, {}), "k", kAxes, &out).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DecodeTensor(F32({-1, 2}, {}), "k", kAxes, &out).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(TensorCodec, RejectsUnknownDtype) {
@@ -86,8 +84,7 @@ TEST(TensorCodec, RejectsNanAndInfWithTheirIndex) {
   absl::Status s = DecodeTensor(F32({2, 2}, {1, 2, 3, std::nanf("")}), "v", kAxes, &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("v[1, 1] is nan"));
-  s = DecodeTensor(F32({2, 2}, {1, std::numeric_limits<float>::infinity(), 3, 4}), "v", kAxes,
-                   &out);
+  s = DecodeTensor(F32({2, 2}, {1, std::numeric_limits<float>::infinity(), 3, 4}), "v", kAxes, &out);
   EXPECT_THAT(s.message(), HasSubstr("v[0, 1] is inf"));
   // An f16 infinity (0x7c00) is caught after conversion too.
   v1::Tensor t;
@@ -107,7 +104,6 @@ TEST(TensorCodec, RejectsShapesWhoseProductOverflows) {
   std::vector<float> out;
   EXPECT_EQ(DecodeTensor(t, "k", kAxes, &out).code(), absl::StatusCode::kInvalidArgument);
 }
-
 
 // f32 requests are read in place: the view aliases the request's bytes.
 TEST(TensorCodec, ViewReadsF32InPlaceAndConvertsHalves) {
@@ -137,8 +133,7 @@ TEST(TensorCodec, ViewChecksLikeDecode) {
   s = DecodeTensorView(F32({2, 3}, {1, 2, 3, 4, 5, 6}), "v", kAxes, &view);
   EXPECT_THAT(s.message(), HasSubstr("axis head_dim is 3, want 2"));
   v1::Tensor short_bytes = F32({2, 2}, {1, 2, 3});
-  EXPECT_THAT(DecodeTensorView(short_bytes, "v", kAxes, &view).message(),
-              HasSubstr("has 12 bytes, want 16"));
+  EXPECT_THAT(DecodeTensorView(short_bytes, "v", kAxes, &view).message(), HasSubstr("has 12 bytes, want 16"));
 }
 
 TEST(TensorCodec, PreparedF32TensorIsWrittenInPlace) {

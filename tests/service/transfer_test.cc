@@ -33,13 +33,27 @@ using ::testing::HasSubstr;
 // Centering and exact tokens, so that means and exact pages move too.
 constexpr char kConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 8 preset: "tqkv_k3v4u_csw" boundary_layers: 1 memory_budget_bytes: 4194304
+    name: "default"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 8
+    preset: "tqkv_k3v4u_csw"
+    boundary_layers: 1
+    memory_budget_bytes: 4194304
     rope { base: 10000 }
   }
   caches {
-    name: "other" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 8 preset: "turboquant_3bit_nc" boundary_layers: 1 memory_budget_bytes: 4194304
+    name: "other"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 8
+    preset: "turboquant_3bit_nc"
+    boundary_layers: 1
+    memory_budget_bytes: 4194304
   }
 )pb";
 constexpr int kLayers = 3, kKvHeads = 2, kQueryHeads = 4, kDim = 64;
@@ -213,7 +227,8 @@ TEST_F(TransferTest, PrefillThenMoveThenDecodeGivesTheDecodeTheSourceWouldHave) 
     chunks[c].sequence_id = "req-9";
     chunks[c].start_position = 100 * c;
     chunks[c].shape = {kLayers, 100, kKvHeads, kDim};
-    chunks[c].keys = absl::MakeConstSpan(kv.data() + c * kLayers * 100 * kKvHeads * kDim, kLayers * 100 * kKvHeads * kDim);
+    chunks[c].keys =
+        absl::MakeConstSpan(kv.data() + c * kLayers * 100 * kKvHeads * kDim, kLayers * 100 * kKvHeads * kDim);
     chunks[c].values = chunks[c].keys;
     chunks[c].wire_dtype = v1::DTYPE_BF16;
   }
@@ -240,7 +255,8 @@ TEST_F(TransferTest, PrefillThenMoveThenDecodeGivesTheDecodeTheSourceWouldHave) 
       ASSERT_TRUE(there.ok()) << there.status();
       ASSERT_TRUE(here.ok()) << here.status();
       ASSERT_TRUE(there->items[0].status.ok()) << there->items[0].status;
-      EXPECT_EQ(there->items[0].attention.output, here->items[0].attention.output) << "step " << step << " layer " << layer;
+      EXPECT_EQ(there->items[0].attention.output, here->items[0].attention.output)
+          << "step " << step << " layer " << layer;
       EXPECT_EQ(there->items[0].attention.lse, here->items[0].attention.lse);
     }
   }
@@ -435,9 +451,17 @@ TEST_F(SnapshotTest, ARestartBringsEverySequenceBackIdentically) {
 // longer than the exact window.
 constexpr char kWindowedExactConfig[] = R"pb(
   caches {
-    name: "default" num_layers: 3 num_kv_heads: 2 num_query_heads: 4 head_dim: 64
-    page_tokens: 8 preset: "tqkv_k3v4u_csw" boundary_layers: 0 memory_budget_bytes: 8388608
-    rope { base: 10000 } exact_window_tokens: 16
+    name: "default"
+    num_layers: 3
+    num_kv_heads: 2
+    num_query_heads: 4
+    head_dim: 64
+    page_tokens: 8
+    preset: "tqkv_k3v4u_csw"
+    boundary_layers: 0
+    memory_budget_bytes: 8388608
+    rope { base: 10000 }
+    exact_window_tokens: 16
     sliding_window_layers { layers: 1 window: 40 }
   }
 )pb";
@@ -516,10 +540,11 @@ TEST_F(SnapshotTest, ASnapshotThatDoesNotFitIsSetAsideWholeAndLoadsLater) {
   };
   // A pool of 60 pages holds the small ones and not "big"; a quota of one
   // sequence holds "team-a:x" and not "team-a:y" (which follows it).
-  const std::string small = absl::StrReplaceAll(kConfig, {{"memory_budget_bytes: 4194304", "memory_budget_bytes: 600000"}});
-  for (const auto& [why, config, auth] :
-       std::vector<std::tuple<std::string, std::string, std::string>>{
-           {"a smaller pool", small, tokens}, {"a smaller quota", kConfig, "ops\nta tenant=team-a max_sequences=1\n"}}) {
+  const std::string small =
+      absl::StrReplaceAll(kConfig, {{"memory_budget_bytes: 4194304", "memory_budget_bytes: 600000"}});
+  for (const auto& [why, config, auth] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"a smaller pool", small, tokens},
+           {"a smaller quota", kConfig, "ops\nta tenant=team-a max_sequences=1\n"}}) {
     SCOPED_TRACE(why);
     a_ = Start(auth, dir_, config.c_str());
     ASSERT_NE(a_, nullptr);
@@ -621,7 +646,8 @@ TEST_F(TransferTest, SharedPagesTravelOnceAndVersion2StreamsStillImport) {
   for (const std::string id : {"doc", "doc/0", "doc/3"}) EXPECT_TRUE(Reads(a, id) == Reads(b, id)) << id;
 
   // A shared page the stream did not offer is refused, naming it.
-  for (const std::string id : {"doc", "doc/0", "doc/1", "doc/2", "doc/3", "doc/4"}) ASSERT_TRUE(b.DropSequence("", id).ok());
+  for (const std::string id : {"doc", "doc/0", "doc/1", "doc/2", "doc/3", "doc/4"})
+    ASSERT_TRUE(b.DropSequence("", id).ok());
   std::vector<v1::ExportChunk> forged = chunks;
   for (v1::ExportChunk& chunk : forged) {
     if (chunk.has_sequence()) chunk.mutable_sequence()->clear_offered_pages();

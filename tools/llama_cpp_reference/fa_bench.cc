@@ -84,8 +84,8 @@ double MachineBusySeconds() {
   unsigned long long user, nice, sys, idle, iowait, irq, softirq, steal;
   FILE* f = std::fopen("/proc/stat", "r");
   if (f == nullptr) return 0.0;
-  const int n = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &user, &nice, &sys, &idle, &iowait,
-                            &irq, &softirq, &steal);
+  const int n = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &user, &nice, &sys, &idle, &iowait, &irq,
+                            &softirq, &steal);
   std::fclose(f);
   if (n != 8) return 0.0;
   return double(user + nice + sys + irq + softirq + steal) / sysconf(_SC_CLK_TCK);
@@ -115,8 +115,7 @@ Row RunCase(bool cache_layout, ggml_type type, int kv, int threads, double secon
     k = ggml_new_tensor_2d(ctx, type, kHeadDim * kKvHeads, kv);
     v = ggml_new_tensor_2d(ctx, type, kHeadDim * kKvHeads, kv);
     auto view = [&](ggml_tensor* cache) {
-      ggml_tensor* t = ggml_view_3d(ctx, cache, kHeadDim, kKvHeads, kv, ggml_row_size(type, kHeadDim),
-                                    cache->nb[1], 0);
+      ggml_tensor* t = ggml_view_3d(ctx, cache, kHeadDim, kKvHeads, kv, ggml_row_size(type, kHeadDim), cache->nb[1], 0);
       return ggml_permute(ctx, t, 0, 2, 1, 3);
     };
     k_view = view(k);
@@ -170,8 +169,7 @@ Row RunCase(bool cache_layout, ggml_type type, int kv, int threads, double secon
     ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
   }
   const double wall = std::chrono::duration<double>(Clock::now() - start).count();
-  const double other_load =
-      std::max(0.0, (MachineBusySeconds() - busy0) - (OwnCpuSeconds() - own0)) / wall;
+  const double other_load = std::max(0.0, (MachineBusySeconds() - busy0) - (OwnCpuSeconds() - own0)) / wall;
   std::sort(ms.begin(), ms.end());
   auto pct = [&](double p) { return ms[static_cast<size_t>(p * (ms.size() - 1))]; };
 
@@ -261,8 +259,8 @@ int main(int argc, char** argv) {
               layout.c_str(), type_name.c_str(), kv, kHeadDim, kQHeads, kKvHeads, threads, r.median, r.p10, r.p90,
               r.runs, r.max_err, r.other_load);
         } else {
-          std::printf("%-6s %-5s %8d %10.3f %10.3f %10.3f %6d %8.1e %10.2f\n", layout.c_str(), type_name.c_str(),
-                      kv, r.median, r.p10, r.p90, r.runs, r.max_err, r.other_load);
+          std::printf("%-6s %-5s %8d %10.3f %10.3f %10.3f %6d %8.1e %10.2f\n", layout.c_str(), type_name.c_str(), kv,
+                      r.median, r.p10, r.p90, r.runs, r.max_err, r.other_load);
         }
         std::fflush(stdout);
       }

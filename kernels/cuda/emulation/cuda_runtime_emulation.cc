@@ -33,8 +33,7 @@ constexpr size_t kSharedPerBlock = 227 * 1024;
 constexpr size_t kSharedReservedPerBlock = 1024;
 constexpr size_t kDeviceBytes = size_t{16} << 30;
 thread_local cudaError_t last_error = cudaSuccess;
-std::atomic<int64_t> launches{0}, copies_to_device{0}, copies_to_host{0}, copies_on_device{0},
-    synchronizations{0};
+std::atomic<int64_t> launches{0}, copies_to_device{0}, copies_to_host{0}, copies_on_device{0}, synchronizations{0};
 
 void CountCopy(cudaMemcpyKind kind) {
   if (kind == cudaMemcpyHostToDevice) ++copies_to_device;
@@ -68,7 +67,8 @@ CallCounts GetCallCounts() {
                     synchronizations.load()};
 }
 void ResetCallCounts() {
-  for (std::atomic<int64_t>* c : {&launches, &copies_to_device, &copies_to_host, &copies_on_device, &synchronizations}) {
+  for (std::atomic<int64_t>* c :
+       {&launches, &copies_to_device, &copies_to_host, &copies_on_device, &synchronizations}) {
     c->store(0);
   }
 }
@@ -80,10 +80,10 @@ cudaError_t StickyError() { return sticky_error.load(); }
 }  // namespace tqkv
 
 // What a dead context answers to most calls: the sticky error, if any.
-#define TQKV_RETURN_IF_STICKY()                                        \
-  do {                                                                 \
-    const cudaError_t sticky = sticky_error.load();                    \
-    if (sticky != cudaSuccess) return sticky;                          \
+#define TQKV_RETURN_IF_STICKY()                     \
+  do {                                              \
+    const cudaError_t sticky = sticky_error.load(); \
+    if (sticky != cudaSuccess) return sticky;       \
   } while (0)
 
 extern "C" {
@@ -219,8 +219,7 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
   TQKV_RETURN_IF_STICKY();
-  event->seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  event->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   return cudaSuccess;
 }
 

@@ -90,9 +90,8 @@ T Shuffle(T value, int src_lane) {
 #define blockDim (::tqkv::cuda::emulation::block_dim)
 #define gridDim (::tqkv::cuda::emulation::grid_dim)
 
-#define TQKV_LAUNCH(kernel, grid, block, shared_bytes, stream, ...)                                   \
-  ::tqkv::cuda::emulation::Launch(dim3(grid), dim3(block), (shared_bytes), (stream), \
-                                  [&] { kernel(__VA_ARGS__); })
+#define TQKV_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
+  ::tqkv::cuda::emulation::Launch(dim3(grid), dim3(block), (shared_bytes), (stream), [&] { kernel(__VA_ARGS__); })
 
 inline void __syncthreads() { ::tqkv::cuda::emulation::SyncThreads(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { ::tqkv::cuda::emulation::SyncWarp(); }
