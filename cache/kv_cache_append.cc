@@ -677,7 +677,12 @@ void KvCache::CenterKeys(const AppendRequest& request,
   const int heads = layout.num_kv_heads();
   const int d = layout.head_dim();
   const int64_t stride = static_cast<int64_t>(heads) * d;
-  const RopeAngles angles = ComputeRopeAngles(layout.rope(), request.start_position, n);
+  // Angles per RoPE: layers of the cache's RoPE share one set; a layer with
+  // its own (layer_ropes) computes its RoPE's, kept while the next layers
+  // share it.
+  const RopeAngles cache_angles = ComputeRopeAngles(layout.rope(), request.start_position, n);
+  RopeAngles layer_angles;
+  std::vector<double> layer_angles_freqs;
   // The mean's tokens: centering_tokens of them after the sinks (or from 0),
   // or every token when the append has too few.
   int64_t mean_begin = o.centering_includes_sinks ? 0 : std::min<int64_t>(o.exact_sink_tokens, n);
@@ -686,17 +691,32 @@ void KvCache::CenterKeys(const AppendRequest& request,
   centered->resize(static_cast<size_t>(means->size()) * n * stride);
   for (size_t l = 0; l < means->size(); ++l) {
     const float* keys = request.keys + l * n * stride;
+    const RopeTable& rope = layout.rope(request.layer_begin + static_cast<int>(l));
+    const RopeAngles* angles = &cache_angles;
+    if (&rope != &layout.rope()) {
+      if (layer_angles_freqs != rope.inv_freqs() || layer_angles.n != n) {
+        layer_angles = ComputeRopeAngles(rope, request.start_position, n);
+        layer_angles_freqs = rope.inv_freqs();
+      }
+      angles = &layer_angles;
+    }
     if ((*means)[l] == nullptr) {  // the layer's first append
       auto mean = std::make_shared<std::vector<float>>(stride);
       for (int h = 0; h < heads; ++h) {
-        EstimateKeyMean(layout.rope(), angles, keys + h * d, mean_begin, mean_end, stride,
-                        o.centering_pairs, d, mean->data() + h * d);
+        EstimateKeyMean(rope, *angles, keys + h * d, mean_begin, mean_end, stride, o.centering_pairs, d,
+                        mean->data() + h * d);
       }
       (*means)[l] = std::move(mean);
     }
     for (int h = 0; h < heads; ++h) {
-      SubtractKeyMean(layout.rope(), angles, (*means)[l]->data() + h * d, keys + h * d, stride, d,
-                      centered->data() + l * n * stride + h * d);
+      float* out = centered->data() + l * n * stride + h * d;
+      SubtractKeyMean(rope, *angles, (*means)[l]->data() + h * d, keys + h * d, stride, d, out);
+      // Key scales: the residual / s (reads take the query * s).
+      if (const float* s = layout.key_scales(request.layer_begin + static_cast<int>(l), h)) {
+        for (int64_t t = 0; t < n; ++t) {
+          for (int j = 0; j < d; ++j) out[t * stride + j] /= s[j];
+        }
+      }
     }
   }
 }

@@ -1,9 +1,11 @@
 #include "kernels/kv_layout.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/random.h"
 #include "base/status_macros.h"
@@ -17,6 +19,43 @@ size_t AlignUp(size_t n) { return (n + kPlaneAlignment - 1) / kPlaneAlignment * 
 constexpr uint64_t kValueStream = 1;
 
 constexpr int kMaxExactTokens = 4096;
+
+// Per-layer RoPEs (one entry per layer, each a valid RoPE, only beside the
+// cache's own) and key scales (one finite value > 0 per layer, KV head and
+// channel).
+absl::Status CheckLayerRopesAndKeyScales(const KvLayoutOptions& o) {
+  if (!o.layer_ropes.empty() && static_cast<int>(o.layer_ropes.size()) != o.num_layers) {
+    return absl::InvalidArgumentError(absl::StrFormat("layer_ropes has %d entries; want none or one per layer (%d)",
+                                                      o.layer_ropes.size(), o.num_layers));
+  }
+  if (!o.key_scales.empty()) {
+    const size_t want = static_cast<size_t>(o.num_layers) * o.num_kv_heads * o.head_dim;
+    if (o.key_scales.size() != want) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("key_scales has %d values; want none or num_layers x num_kv_heads x head_dim = %d",
+                          o.key_scales.size(), want));
+    }
+    for (size_t i = 0; i < want; ++i) {
+      if (!(o.key_scales[i] > 0.0f) || !std::isfinite(o.key_scales[i])) {
+        return absl::InvalidArgumentError(absl::StrFormat("key_scales of layer %d: %g; want finite values > 0",
+                                                          i / (want / o.num_layers), o.key_scales[i]));
+      }
+    }
+  }
+  for (size_t layer = 0; layer < o.layer_ropes.size(); ++layer) {
+    if (!o.layer_ropes[layer].known()) continue;
+    if (!o.rope.known()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer_ropes gives layer ", layer,
+                       " a rope but the cache has none; want `rope` (the other layers' RoPE) as well"));
+    }
+    absl::StatusOr<RopeTable> table = RopeTable::Create(o.layer_ropes[layer], o.head_dim);
+    if (!table.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", layer, "'s rope: ", table.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status CheckCenteringAndExactTokens(const KvLayoutOptions& o) {
   if (o.centering_tokens < 1 || o.centering_tokens > 65536) {
@@ -38,7 +77,7 @@ absl::Status CheckCenteringAndExactTokens(const KvLayoutOptions& o) {
   if (o.key_centering == KeyCentering::kPreRope && o.rope.known()) {
     RETURN_IF_ERROR(RopeTable::Create(o.rope, o.head_dim).status());
   }
-  return absl::OkStatus();
+  return CheckLayerRopesAndKeyScales(o);
 }
 
 constexpr int kMaxWindow = 1 << 30;
@@ -303,9 +342,19 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
   layout->page_bytes_ = stride;
 
   layout->key_centering_ = *o.key_centering;
+  if (!o.key_scales.empty() && layout->key_centering_ == KeyCentering::kNone) {
+    return absl::InvalidArgumentError("key_scales need key_centering (pre_rope or post_rope)");
+  }
   if (o.key_centering == KeyCentering::kPreRope) {
     if (o.rope.known()) {
       ASSIGN_OR_RETURN(layout->rope_, RopeTable::Create(o.rope, o.head_dim));
+      if (std::any_of(o.layer_ropes.begin(), o.layer_ropes.end(), [](const RopeOptions& r) { return r.known(); })) {
+        layout->layer_rope_.assign(o.num_layers, layout->rope_);
+        for (int layer = 0; layer < o.num_layers; ++layer) {
+          if (!o.layer_ropes[layer].known()) continue;
+          ASSIGN_OR_RETURN(layout->layer_rope_[layer], RopeTable::Create(o.layer_ropes[layer], o.head_dim));
+        }
+      }
     } else {
       layout->key_centering_ = KeyCentering::kPostRope;
     }

@@ -113,6 +113,17 @@ struct KvLayoutOptions {
   // Unset: the preset's recipe (PresetRecipe; none for plain presets).
   std::optional<KeyCentering> key_centering;
   RopeOptions rope;
+  // Per-layer RoPE: layer_ropes[l], when known(), is layer l's rotary
+  // embedding over `rope` (Gemma 3 rotates its sliding-window layers with base
+  // 1e4, its global ones with 1e6). Empty, or num_layers entries. Used only
+  // where `rope` is known (pre-RoPE centering).
+  std::vector<RopeOptions> layer_ropes;
+  // Per-channel key scales (CacheConfig.key_scales): empty, or num_layers *
+  // num_kv_heads * head_dim finite values > 0, [layer][KV head][channel]. The
+  // cache stores the centered residual / s; reads take the query * s for the
+  // stored keys (compressed and exact) and the query as given for the mean's
+  // add-back. Needs centering.
+  std::vector<float> key_scales;
   // The mean m comes from this many tokens of the first append to a layer,
   // starting after the sink tokens unless centering_includes_sinks (all of the
   // first append's tokens when it has too few). 1..65536.
@@ -197,8 +208,17 @@ class KvLayout {
 
   // The centering in effect: kPreRope only with a known RoPE.
   KeyCentering key_centering() const { return key_centering_; }
-  // The rotary pairs pre-RoPE centering uses (empty otherwise).
+  // The rotary pairs pre-RoPE centering uses (empty otherwise): the cache's
+  // `rope`, and each layer's (its layer_ropes entry, else the cache's).
   const RopeTable& rope() const { return rope_; }
+  const RopeTable& rope(int layer) const { return layer_rope_.empty() ? rope_ : layer_rope_[layer]; }
+  // The key scales of (layer, KV head): head_dim floats, or null without
+  // key_scales.
+  const float* key_scales(int layer, int head) const {
+    return options_.key_scales.empty()
+               ? nullptr
+               : options_.key_scales.data() + static_cast<size_t>(Index(layer, head)) * head_dim();
+  }
   // Floats of one layer's key means: num_kv_heads * head_dim (0 without
   // centering).
   int mean_floats() const {
@@ -256,6 +276,7 @@ class KvLayout {
   std::vector<HeadPlanes> planes_;
   KeyCentering key_centering_ = KeyCentering::kNone;
   RopeTable rope_;
+  std::vector<RopeTable> layer_rope_;  // empty: every layer rotates with rope_
   std::shared_ptr<const KvLayout> exact_layout_;
   bool has_windows_ = false;
   std::vector<std::vector<int>> chunks_;

@@ -103,6 +103,45 @@ absl::Status ReadCentering(const v1::CacheConfig& c, KvLayoutOptions* layout) {
         "key_centering is '", centering, "'; want \"none\", \"post_rope\" or \"pre_rope\""));
   }
   if (c.has_rope()) RETURN_IF_ERROR(ReadRope(c.rope(), &layout->rope));
+  if (c.layer_ropes_size() > 0) layout->layer_ropes.assign(c.num_layers(), RopeOptions());
+  for (const v1::LayerRope& lr : c.layer_ropes()) {
+    RopeOptions rope;
+    RETURN_IF_ERROR(ReadRope(lr.rope(), &rope));
+    if (!rope.known()) {
+      return absl::InvalidArgumentError("layer_ropes has a rope with no base or inv_freq; want e.g. base: 10000");
+    }
+    for (int32_t layer : lr.layers()) {
+      if (layer < 0 || layer >= c.num_layers()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("layer_ropes names layer %d; want layers in [0, num_layers = %d)", layer, c.num_layers()));
+      }
+      if (layout->layer_ropes[layer].known()) {
+        return absl::InvalidArgumentError(absl::StrFormat("layer_ropes names layer %d twice", layer));
+      }
+      layout->layer_ropes[layer] = rope;
+    }
+  }
+  if (c.key_scales_size() > 0) {
+    const size_t per_layer = static_cast<size_t>(c.num_kv_heads()) * c.head_dim();
+    layout->key_scales.assign(per_layer * std::max(0, c.num_layers()), 1.0f);
+    std::vector<bool> seen(std::max(0, c.num_layers()), false);
+    for (const v1::KeyScales& k : c.key_scales()) {
+      if (k.layer() < 0 || k.layer() >= c.num_layers()) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "key_scales names layer %d; want layers in [0, num_layers = %d)", k.layer(), c.num_layers()));
+      }
+      if (seen[k.layer()]) {
+        return absl::InvalidArgumentError(absl::StrFormat("key_scales names layer %d twice", k.layer()));
+      }
+      seen[k.layer()] = true;
+      if (static_cast<size_t>(k.scales_size()) != per_layer) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("key_scales of layer %d has %d values; want num_kv_heads x head_dim = %d", k.layer(),
+                            k.scales_size(), per_layer));
+      }
+      std::copy(k.scales().begin(), k.scales().end(), layout->key_scales.begin() + k.layer() * per_layer);
+    }
+  }
   if (c.has_centering_tokens()) layout->centering_tokens = c.centering_tokens();
   if (c.has_centering_pairs()) layout->centering_pairs = c.centering_pairs();
   if (c.has_centering_includes_sinks()) layout->centering_includes_sinks = c.centering_includes_sinks();
@@ -269,6 +308,28 @@ absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig&
 
 namespace {
 
+void WriteRope(const RopeOptions& rope, v1::RotaryEmbedding* r) {
+  r->set_rotary_dims(rope.rotary_dims);
+  r->set_pair_layout(rope.pair_layout == RopePairLayout::kHalfSplit ? v1::RotaryEmbedding::HALF_SPLIT
+                                                                    : v1::RotaryEmbedding::INTERLEAVED);
+  r->set_base(rope.base);
+  if (rope.scaling != RopeScaling::kNone) {
+    r->set_scaling_type(rope.scaling == RopeScaling::kLinear ? "linear" : "llama3");
+    r->set_scaling_factor(rope.scaling_factor);
+    r->set_low_freq_factor(rope.low_freq_factor);
+    r->set_high_freq_factor(rope.high_freq_factor);
+    r->set_original_max_position(rope.original_max_position);
+  }
+  for (double f : rope.inv_freq) r->add_inv_freq(f);
+}
+
+bool SameRope(const RopeOptions& a, const RopeOptions& b) {
+  return a.rotary_dims == b.rotary_dims && a.pair_layout == b.pair_layout && a.base == b.base &&
+         a.scaling == b.scaling && a.scaling_factor == b.scaling_factor && a.low_freq_factor == b.low_freq_factor &&
+         a.high_freq_factor == b.high_freq_factor && a.original_max_position == b.original_max_position &&
+         a.inv_freq == b.inv_freq;
+}
+
 // The effective recipe (the preset's where the config left fields unset).
 void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
   // A running cache's options are resolved already (KvLayout::options());
@@ -284,20 +345,29 @@ void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
   c->set_key_centering(asked == KeyCentering::kPreRope    ? "pre_rope"
                        : asked == KeyCentering::kPostRope ? "post_rope"
                                                           : "none");
-  if (l.rope.known()) {
-    v1::RotaryEmbedding* r = c->mutable_rope();
-    r->set_rotary_dims(l.rope.rotary_dims);
-    r->set_pair_layout(l.rope.pair_layout == RopePairLayout::kHalfSplit ? v1::RotaryEmbedding::HALF_SPLIT
-                                                                        : v1::RotaryEmbedding::INTERLEAVED);
-    r->set_base(l.rope.base);
-    if (l.rope.scaling != RopeScaling::kNone) {
-      r->set_scaling_type(l.rope.scaling == RopeScaling::kLinear ? "linear" : "llama3");
-      r->set_scaling_factor(l.rope.scaling_factor);
-      r->set_low_freq_factor(l.rope.low_freq_factor);
-      r->set_high_freq_factor(l.rope.high_freq_factor);
-      r->set_original_max_position(l.rope.original_max_position);
+  if (l.rope.known()) WriteRope(l.rope, c->mutable_rope());
+  // Layers of the same RoPE grouped, in layer order.
+  std::vector<const RopeOptions*> ropes;
+  for (size_t layer = 0; layer < l.layer_ropes.size(); ++layer) {
+    const RopeOptions& rope = l.layer_ropes[layer];
+    if (!rope.known()) continue;
+    auto at = std::find_if(ropes.begin(), ropes.end(), [&](const RopeOptions* r) { return SameRope(*r, rope); });
+    if (at == ropes.end()) {
+      ropes.push_back(&rope);
+      WriteRope(rope, c->add_layer_ropes()->mutable_rope());
+      at = ropes.end() - 1;
     }
-    for (double f : l.rope.inv_freq) r->add_inv_freq(f);
+    c->mutable_layer_ropes(static_cast<int>(at - ropes.begin()))->add_layers(static_cast<int32_t>(layer));
+  }
+  if (!l.key_scales.empty()) {
+    const size_t per_layer = static_cast<size_t>(l.num_kv_heads) * l.head_dim;
+    for (int layer = 0; layer < l.num_layers; ++layer) {
+      const auto begin = l.key_scales.begin() + layer * per_layer;
+      if (std::all_of(begin, begin + per_layer, [](float s) { return s == 1.0f; })) continue;
+      v1::KeyScales* k = c->add_key_scales();
+      k->set_layer(layer);
+      k->mutable_scales()->Add(begin, begin + per_layer);
+    }
   }
   c->set_centering_tokens(l.centering_tokens);
   c->set_centering_pairs(l.centering_pairs);

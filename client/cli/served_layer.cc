@@ -154,10 +154,10 @@ absl::StatusOr<PlacedTables> PlaceServedState(Backend& backend, const PagePool& 
 ServedRecipe DescribeServedState(const KvLayout& layout, const ServedState& state) {
   ServedRecipe recipe;
   recipe.centering = state.key_mean.empty() ? KeyCentering::kNone : layout.key_centering();
-  recipe.rope_pairs = layout.rope().num_pairs();
+  recipe.rope_pairs = layout.rope(0).num_pairs();
   for (size_t head = 0; !state.key_mean.empty() && head < static_cast<size_t>(layout.num_kv_heads()); ++head) {
     const int pairs =
-        static_cast<int>(ActivePairs(layout.rope(), state.key_mean.data() + head * layout.head_dim()).size());
+        static_cast<int>(ActivePairs(layout.rope(0), state.key_mean.data() + head * layout.head_dim()).size());
     recipe.mean_pairs = std::max(recipe.mean_pairs, pairs);
   }
   if (layout.has_exact_tokens()) {

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/cpu/addback_plan.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "base/thread_pool.h"
 #include "kernels/simd/cpu_features.h"
@@ -365,12 +366,12 @@ class CpuBackend final : public Backend {
         Segments(layout, p.block_table, p.exact_block_table, std::max(p.length, p.token_end), segments);
     // Per KV head, the group's queries score each token in turn: a token's
     // bytes come from memory once per group, not once per query head.
-    std::vector<float> states;
+    std::vector<float> states, scaled;
     std::vector<AddBackTerms> terms(group);
     uint8_t scratch[kMaxCodeBytes];
     for (int kv = 0; kv < layout.num_kv_heads(); ++kv) {
       for (int g = 0; g < group; ++g) {
-        terms[g] = Terms(layout, p.key_mean, kv, p.queries + static_cast<size_t>(kv * group + g) * d, p.scale);
+        terms[g] = Terms(layout, p.layer, p.key_mean, kv, p.queries + static_cast<size_t>(kv * group + g) * d, p.scale);
       }
       for (int k = 0; k < num_segments; ++k) {
         const Segment& seg = segments[k];
@@ -380,7 +381,9 @@ class CpuBackend final : public Backend {
         const size_t state_floats = view.key->query_state_floats();
         states.resize(state_floats * group);
         for (int g = 0; g < group; ++g) {
-          view.key->PrepareQuery(p.queries + static_cast<size_t>(kv * group + g) * d, states.data() + g * state_floats);
+          const float* query =
+              ScaledQuery(layout, p.layer, kv, p.queries + static_cast<size_t>(kv * group + g) * d, &scaled);
+          view.key->PrepareQuery(query, states.data() + g * state_floats);
         }
         for (int64_t t = begin; t < end; ++t) {
           const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
@@ -510,12 +513,24 @@ class CpuBackend final : public Backend {
     return n;
   }
 
+  // The query the stored keys of (layer, KV head) are read with: q * s with
+  // key scales (kv_layout.h; the add-back takes q as given), else q itself.
+  static const float* ScaledQuery(const KvLayout& layout, int layer, int kv, const float* query,
+                                  std::vector<float>* scaled) {
+    const float* s = layout.key_scales(layer, kv);
+    if (s == nullptr) return query;
+    const int d = layout.head_dim();
+    scaled->resize(d);
+    for (int j = 0; j < d; ++j) (*scaled)[j] = query[j] * s[j];
+    return scaled->data();
+  }
+
   // The add-back of one (KV head, query), scale folded in (none without a mean).
-  static AddBackTerms Terms(const KvLayout& layout, const float* key_mean, int kv, const float* query,
+  static AddBackTerms Terms(const KvLayout& layout, int layer, const float* key_mean, int kv, const float* query,
                             float scale) {
     if (key_mean == nullptr || layout.key_centering() == KeyCentering::kNone) return {};
     const int d = layout.head_dim();
-    return MakeAddBackTerms(layout.rope(), key_mean + static_cast<size_t>(kv) * d, query, d, scale);
+    return MakeAddBackTerms(layout.rope(layer), key_mean + static_cast<size_t>(kv) * d, query, d, scale);
   }
 
   // The fused kernel for one layout's (layer, KV head), or null.
@@ -580,66 +595,6 @@ class CpuBackend final : public Backend {
     return exact;
   }
 
-  // The add-back's pairs (ActivePairs) of one KV head's mean and their
-  // tabulated frequencies (this thread's table), into `pairs` and `freq`;
-  // their count.
-  static int AddBackPairs(const KvLayout& layout, const float* mean, std::vector<int>* pairs,
-                          std::vector<const cpu_internal::AddBackFrequency*>* freq) {
-    const RopeTable& rope = layout.rope();
-    const std::vector<cpu_internal::AddBackFrequency>& all = TabulatedFrequencies(rope);
-    // Without branches: about one pair in eight is kept, in no pattern.
-    pairs->resize(rope.num_pairs());
-    freq->resize(rope.num_pairs());
-    int n = 0;
-    for (int i = 0; i < rope.num_pairs(); ++i) {
-      (*pairs)[n] = i;
-      (*freq)[n] = &all[i];
-      n += mean[rope.first(i)] != 0.0f || mean[rope.second(i)] != 0.0f;
-    }
-    pairs->resize(n);
-    freq->resize(n);
-    return n;
-  }
-
-  // Every rotary frequency of a RopeTable tabulated (AddBackFrequency), kept
-  // per thread for the last table seen (one per layout: every call of a
-  // cache matches it after the first).
-  static const std::vector<cpu_internal::AddBackFrequency>& TabulatedFrequencies(const RopeTable& rope) {
-    thread_local std::vector<double> seen;
-    thread_local std::vector<cpu_internal::AddBackFrequency> table;
-    if (seen != rope.inv_freqs()) {
-      seen.clear();
-      table.clear();
-      for (int i = 0; i < rope.num_pairs(); ++i) {
-        seen.push_back(rope.inv_freq(i));
-        table.push_back(cpu_internal::TabulateAddBackFrequency(rope.inv_freq(i)));
-      }
-    }
-    return table;
-  }
-
-  // Row r's add-back coefficients (HeadAttendParams::addback_coef: A of each
-  // listed pair, then B) and constant part, logit scale folded in
-  // (MakeAddBackTerms without its allocations).
-  static double AddBackCoefficients(const RopeTable& rope, const float* mean, const float* query, int d,
-                                    float scale, const std::vector<int>& pairs, float* coef) {
-    double constant = 0.0;
-    // The coordinates outside the rotary dims (all of them post-RoPE; none
-    // where RoPE rotates the whole head).
-    for (int j = 2 * rope.num_pairs() == d ? d : 0; j < d; ++j) {
-      if (rope.num_pairs() == 0 || rope.pair_of(j) < 0) constant += static_cast<double>(query[j]) * mean[j];
-    }
-    const int n = static_cast<int>(pairs.size());
-    for (int k = 0; k < n; ++k) {
-      const int i = pairs[k];
-      const double qa = query[rope.first(i)], qb = query[rope.second(i)];
-      const double ma = mean[rope.first(i)], mb = mean[rope.second(i)];
-      coef[k] = static_cast<float>(scale * (qa * ma + qb * mb));
-      coef[n + k] = static_cast<float>(scale * (qb * ma - qa * mb));
-    }
-    return constant * scale;
-  }
-
   // The fused kernel over one (item, KV head), its rows in chunks of at most
   // kMaxRows: compressed and exact tokens in one walk and one online softmax
   // (exact_tokens.h), the add-back inside (addback.h).
@@ -653,13 +608,14 @@ class CpuBackend final : public Backend {
     const HeadView view = View(layout, item.layer, kv);
     const bool centered = item.key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
     const float* mean = centered ? item.key_mean + static_cast<size_t>(kv) * d : nullptr;
-    thread_local std::vector<float> queries, out, exact_out, state, coef, line, lse;
+    thread_local std::vector<float> queries, out, exact_out, state, coef, line, lse, scaled_rows;
     thread_local std::vector<const float*> query_rows;
     thread_local std::vector<int64_t> visible;
     thread_local std::vector<double> constants;
     thread_local std::vector<int> pairs;
     thread_local std::vector<const cpu_internal::AddBackFrequency*> freq;
-    const int num_pairs = centered ? AddBackPairs(layout, mean, &pairs, &freq) : 0;
+    const RopeTable& rope = layout.rope(item.layer);
+    const int num_pairs = centered ? cpu_internal::AddBackPairs(rope, mean, &pairs, &freq) : 0;
     cpu_internal::ExactTokens exact = ExactFor(layout, item, kv);
     state.resize(view.key->query_state_floats());
     line.resize(d);
@@ -679,16 +635,26 @@ class CpuBackend final : public Backend {
       lse.resize(rows);
       constants.assign(rows, 0.0);
       coef.resize(static_cast<size_t>(rows) * 2 * num_pairs);
+      const float* key_scales = layout.key_scales(item.layer, kv);
+      if (key_scales != nullptr) scaled_rows.resize(floats);
       for (int r = 0; r < rows; ++r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
         const float* query = item.queries + (static_cast<size_t>(i) * qh + h) * d;
         visible[r] = item.context_tokens - item.num_query_tokens + 1 + i;
-        view.key->PrepareQuery(query, state.data());
+        // Stored keys (compressed and exact) are read with q * s; the
+        // add-back below takes q.
+        const float* stored_query = query;
+        if (key_scales != nullptr) {
+          float* row = scaled_rows.data() + static_cast<size_t>(r) * d;
+          for (int j = 0; j < d; ++j) row[j] = query[j] * key_scales[j];
+          stored_query = row;
+        }
+        view.key->PrepareQuery(stored_query, state.data());
         for (int j = 0; j < d; ++j) queries[static_cast<size_t>(r) * d + j] = state[j] * p.scale;
-        query_rows[r] = query;
+        query_rows[r] = stored_query;
         if (centered) {
-          constants[r] = AddBackCoefficients(layout.rope(), mean, query, d, p.scale, pairs,
-                                             coef.data() + static_cast<size_t>(r) * 2 * num_pairs);
+          constants[r] = cpu_internal::AddBackCoefficients(rope, mean, query, d, p.scale, pairs,
+                                                           coef.data() + static_cast<size_t>(r) * 2 * num_pairs);
         }
       }
       cpu_internal::HeadAttendParams params;
@@ -740,21 +706,21 @@ class CpuBackend final : public Backend {
     const int d = layout.head_dim();
     const int qh = layout.num_query_heads();
     const int group = layout.query_heads_per_kv_head();
-    thread_local std::vector<float> state, logits, acc, part;
+    thread_local std::vector<float> state, logits, acc, part, scaled;
     uint8_t scratch[kMaxCodeBytes];
     for (int h = kv * group; h < (kv + 1) * group; ++h) {
       for (int i = 0; i < item.num_query_tokens; ++i) {
         const int64_t visible = item.context_tokens - item.num_query_tokens + 1 + i;
         const int64_t first_seen = layout.WindowBegin(item.layer, visible - 1);
         const size_t row = (static_cast<size_t>(i) * qh + h) * d;
-        const AddBackTerms terms = Terms(layout, item.key_mean, kv, item.queries + row, p.scale);
+        const AddBackTerms terms = Terms(layout, item.layer, item.key_mean, kv, item.queries + row, p.scale);
         logits.resize(std::max<int64_t>(visible, 1));
         float max_logit = -std::numeric_limits<float>::infinity();
         for (int k = 0; k < num_segments; ++k) {
           const Segment& seg = segments[k];
           const HeadView view = View(*seg.layout, item.layer, kv);
           state.resize(view.key->query_state_floats());
-          view.key->PrepareQuery(item.queries + row, state.data());
+          view.key->PrepareQuery(ScaledQuery(layout, item.layer, kv, item.queries + row, &scaled), state.data());
           for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); ++t) {
             const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
             const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot, scratch),
@@ -802,22 +768,6 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 namespace cpu_internal {
-
-AddBackFrequency TabulateAddBackFrequency(double theta) {
-  AddBackFrequency f;
-  for (int j = 0; j < kAttendBlock; ++j) {
-    f.cos[j] = static_cast<float>(std::cos(j * theta));
-    f.sin[j] = static_cast<float>(std::sin(j * theta));
-    const double unit = static_cast<double>(1 << AddBackFrequency::kRotationBits);
-    const uint32_t c = static_cast<uint16_t>(static_cast<int16_t>(std::lrint(std::cos(j * theta) * unit)));
-    const uint32_t s = static_cast<uint16_t>(static_cast<int16_t>(std::lrint(std::sin(j * theta) * unit)));
-    f.rotation[j] = static_cast<int32_t>(c | s << 16);
-  }
-  f.step[0] = std::cos(kAttendBlock * theta);
-  f.step[1] = std::sin(kAttendBlock * theta);
-  f.theta = theta;
-  return f;
-}
 
 uint8_t* BlockWalkStage(size_t bytes) {
   thread_local std::vector<uint8_t> stage;

@@ -62,7 +62,7 @@ void PlanItemAddBack(const KvLayout& layout, float scale, const AttendItem& item
     const float* queries = item.queries + static_cast<size_t>(piece.token0) * qh * d;
     float* constants = w.constants.data() + desc.query_row;
     w.addback.push_back(PlanAddBack(
-        layout, item.key_mean + static_cast<size_t>(kv) * d, piece.tokens * group, scale,
+        layout, item.layer, item.key_mean + static_cast<size_t>(kv) * d, piece.tokens * group, scale,
         [&](int r) { return queries + row_of(r) * d; }, [&](int r, float c) { constants[row_of(r)] = c; }, w));
   }
 }

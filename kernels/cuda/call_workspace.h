@@ -59,15 +59,17 @@ struct Workspace {
   std::vector<int> pairs;
 };
 
-// The add-back of `rows` query rows against one KV head's key mean `mean`
+// The add-back of `rows` query rows against one KV head's key mean `mean` in
+// `layer` (rotated with that layer's RoPE, KvLayout::rope(layer); the thetas
+// travel with the call, so layers of different RoPEs need no device table)
 // (key_centering.h, MakeAddBackTerms, in the same double arithmetic): appends
 // the mean's active pairs' thetas and each row's coefficients (A then B,
 // `scale` folded in) to w and returns their desc; constant(r, c) receives
 // each row's constant part. query_of(r) is row r's query.
 template <typename QueryOf, typename Constant>
-cuda::AddBackDesc PlanAddBack(const KvLayout& layout, const float* mean, int rows, float scale,
+cuda::AddBackDesc PlanAddBack(const KvLayout& layout, int layer, const float* mean, int rows, float scale,
                               const QueryOf& query_of, const Constant& constant, Workspace& w) {
-  const RopeTable& rope = layout.rope();
+  const RopeTable& rope = layout.rope(layer);
   const int d = layout.head_dim();
   w.pairs.clear();
   for (int i = 0; i < rope.num_pairs(); ++i) {
@@ -101,8 +103,8 @@ cuda::AddBackDesc PlanAddBack(const KvLayout& layout, const float* mean, int row
 bool Centered(const KvLayout& layout, const float* key_mean);
 
 // The active RoPE pairs of a key mean (those PlanAddBack adds back), summed
-// over KV heads: what the planner sizes the add-back arrays by.
-int64_t ActivePairs(const KvLayout& layout, const float* key_mean);
+// over KV heads of `layer`: what the planner sizes the add-back arrays by.
+int64_t ActivePairs(const KvLayout& layout, int layer, const float* key_mean);
 
 // Where a call's add-back arrays sit in its workspace (the plan's offsets);
 // none without centering.
@@ -134,6 +136,12 @@ void CopyAddBack(const AddBackAt& at, Workspace& w);
 
 // Empties the workspace's add-back arrays.
 void ClearAddBack(Workspace& w);
+
+// Copies `tokens` query tokens of `layer` ([tokens, query heads, head_dim]
+// floats) to `to`, each row multiplied by its KV head's key scales where the
+// layout has them (KvLayout::key_scales): the queries the stored keys are
+// read with. The add-back (PlanAddBack) takes the queries as given.
+void StageQueries(const KvLayout& layout, int layer, const float* queries, int64_t tokens, uint8_t* to);
 
 // ScoreQuery's add-back: one desc per KV head, its rows the group's query
 // heads; constants per query head (added to every logit).

@@ -57,11 +57,11 @@ using cuda::CopyAddBack;
 using cuda::DescribeLayout;
 using cuda::ElapsedSeconds;
 using cuda::KeyOf;
-using cuda::LaunchDecode;
 using cuda::kMaxSegments;
+using cuda::LaunchDecode;
 using cuda::LaunchKey;
-using cuda::MeasureOccupancy;
 using cuda::LayoutTables;
+using cuda::MeasureOccupancy;
 using cuda::PlanAddBack;
 using cuda::PlanItemAddBack;
 using cuda::PlanScoreAddBack;
@@ -70,6 +70,7 @@ using cuda::Relocate;
 using cuda::Segment;
 using cuda::Segments;
 using cuda::SortBlocksByLaunch;
+using cuda::StageQueries;
 using cuda::StageStore;
 using cuda::StoreOf;
 using cuda::TableBuilder;
@@ -580,7 +581,7 @@ class CudaBackend final : public Backend {
       const int32_t head = p.layer * layout.num_kv_heads() + h / group;
       std::memcpy(w.host + heads + sizeof(int32_t) * h, &head, sizeof(head));
     }
-    std::memcpy(w.host + queries, p.queries, sizeof(float) * qh * d);
+    StageQueries(layout, p.layer, p.queries, 1, w.host + queries);
     CopyAddBack(addback, w);
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, copy_in, cudaMemcpyHostToDevice, w.stream),
                                "score: copy in"));
@@ -670,7 +671,7 @@ class CudaBackend final : public Backend {
       }
       planned.window = layout.layer_window(item.layer);
       planned.mma = tables.main.layer_mma[item.layer];
-      planned.addback_pairs = Centered(layout, item.key_mean) ? ActivePairs(layout, item.key_mean) : 0;
+      planned.addback_pairs = Centered(layout, item.key_mean) ? ActivePairs(layout, item.layer, item.key_mean) : 0;
       w.plan_items.push_back(planned);
       blocks_per_sm = std::max(blocks_per_sm, tables.main.layer_blocks_per_sm[item.layer]);
     }
@@ -838,9 +839,9 @@ class CudaBackend final : public Backend {
     std::memcpy(w.host + at.tables, w.tables.data(), sizeof(int32_t) * w.tables.size());
     for (size_t i = 0; i < b.items.size(); ++i) {
       const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
-      const size_t floats = static_cast<size_t>(piece.tokens) * qh * d;
-      std::memcpy(w.host + at.queries + sizeof(float) * b.items[i].query_row * d,
-                  p.items[piece.item].queries + static_cast<size_t>(piece.token0) * qh * d, sizeof(float) * floats);
+      const AttendItem& item = p.items[piece.item];
+      StageQueries(layout, item.layer, item.queries + static_cast<size_t>(piece.token0) * qh * d, piece.tokens,
+                   w.host + at.queries + sizeof(float) * b.items[i].query_row * d);
     }
     CopyAddBack(AddBackOf(at), w);
     return absl::OkStatus();

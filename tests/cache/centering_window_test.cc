@@ -124,10 +124,10 @@ class Reference {
         if (mean.empty()) {
           mean.assign(d, 0.0f);
           if (layout_.key_centering() != KeyCentering::kNone) {
-            const RopeAngles angles = ComputeRopeAngles(layout_.rope(), first, tokens);
+            const RopeAngles angles = ComputeRopeAngles(layout_.rope(l), first, tokens);
             int64_t begin = o.centering_includes_sinks ? 0 : std::min<int64_t>(o.exact_sink_tokens, tokens);
             if (begin >= tokens) begin = 0;
-            EstimateKeyMean(layout_.rope(), angles, k, begin, std::min<int64_t>(tokens, begin + o.centering_tokens),
+            EstimateKeyMean(layout_.rope(l), angles, k, begin, std::min<int64_t>(tokens, begin + o.centering_tokens),
                             kKvHeads * d, o.centering_pairs, d, mean.data());
           }
         }
@@ -161,8 +161,14 @@ class Reference {
     for (int64_t t = 0; t < length_; ++t) {
       const bool exact = t < ranges.sink_end || t >= ranges.window_begin;
       // r_t = k_t - R_t m, as the cache computes it.
-      const RopeAngles angles = ComputeRopeAngles(layout_.rope(), t, 1);
-      SubtractKeyMean(layout_.rope(), angles, mean.data(), tokens[t].key.data(), d, d, residual.data());
+      const RopeAngles angles = ComputeRopeAngles(layout_.rope(layer), t, 1);
+      SubtractKeyMean(layout_.rope(layer), angles, mean.data(), tokens[t].key.data(), d, d, residual.data());
+      // Key scales: the cache stores residual / s; reading it with q * s is
+      // reading residual-as-stored * s with q.
+      const float* s = layout_.key_scales(layer, head);
+      if (s != nullptr) {
+        for (int j = 0; j < d; ++j) residual[j] /= s[j];
+      }
       std::vector<double> key(d), value(d);
       if (exact) {
         for (int j = 0; j < d; ++j) {
@@ -179,9 +185,11 @@ class Reference {
       }
       // + R_t m, in double.
       std::vector<double> rotated_mean(mean.begin(), mean.end());
-      layout_.rope().Rotate(t, rotated_mean.data(), /*inverse=*/false);
+      layout_.rope(layer).Rotate(t, rotated_mean.data(), /*inverse=*/false);
       if (layout_.key_centering() == KeyCentering::kNone) std::fill(rotated_mean.begin(), rotated_mean.end(), 0.0);
-      for (int j = 0; j < d; ++j) key[j] = decoded[j] + rotated_mean[j];
+      for (int j = 0; j < d; ++j) {
+        key[j] = static_cast<double>(decoded[j]) * (s != nullptr ? s[j] : 1.0) + rotated_mean[j];
+      }
       keys->push_back(key);
       values->push_back(value);
     }
@@ -277,18 +285,38 @@ struct RecipeCase {
   KeyCentering centering;
   int sinks;
   int window;
+  bool layer_rope = false;  // layer 1 rotates with a RoPE of its own (layer_ropes)
+  bool key_scales = false;  // per-channel key scales in [0.5, 2]
 };
 
 void PrintTo(const RecipeCase& c, std::ostream* os) {
   *os << c.preset << " centering " << static_cast<int>(c.centering) << " sinks " << c.sinks << " window "
-      << c.window;
+      << c.window << (c.layer_rope ? " layer rope" : "") << (c.key_scales ? " key scales" : "");
+}
+
+// Layer 1's own RoPE in the layer_rope cases: another base.
+RopeOptions OtherRope() {
+  RopeOptions rope;
+  rope.base = 1e6;
+  rope.pair_layout = RopePairLayout::kHalfSplit;
+  return rope;
 }
 
 class RecipeTest : public ::testing::TestWithParam<RecipeCase> {};
 
 TEST_P(RecipeTest, AttendAndScoreEqualFloat64OverTheStoredResidualPlusTheMean) {
   const RecipeCase& c = GetParam();
-  Fixture f(Options(c.preset, c.centering, c.sinks, c.window));
+  KvLayoutOptions o = Options(c.preset, c.centering, c.sinks, c.window);
+  if (c.layer_rope) {
+    o.layer_ropes.assign(kLayers, RopeOptions());
+    o.layer_ropes[1] = OtherRope();
+  }
+  if (c.key_scales) {
+    Random rng(21);
+    o.key_scales.resize(static_cast<size_t>(kLayers) * kKvHeads * o.head_dim);
+    for (float& s : o.key_scales) s = static_cast<float>(std::exp2(2.0 * rng.NextDouble() - 1.0));
+  }
+  Fixture f(o);
   ASSERT_NE(f.cache, nullptr);
   Reference ref(f.cache->layout());
   // A prefill, then decode steps, then a chunk: the window slides over page
@@ -315,14 +343,95 @@ INSTANTIATE_TEST_SUITE_P(
                       RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0},
                       RecipeCase{"turboquant_3bit_nc", KeyCentering::kNone, 4, 16},
                       RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9},
-                      RecipeCase{"fp8", KeyCentering::kPreRope, 4, 16}),
+                      RecipeCase{"fp8", KeyCentering::kPreRope, 4, 16},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0, false, true},
+                      RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9, false, true}),
     [](const ::testing::TestParamInfo<RecipeCase>& info) {
       const RecipeCase& c = info.param;
       const char* centering = c.centering == KeyCentering::kPreRope    ? "pre"
                               : c.centering == KeyCentering::kPostRope ? "post"
                                                                        : "none";
-      return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" + std::to_string(c.window);
+      return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" + std::to_string(c.window) +
+             (c.layer_rope ? "_layer_rope" : "") + (c.key_scales ? "_key_scales" : "");
     });
+
+// A layer centered with the RoPE its keys were rotated with loses far less
+// to the codec than one centered with another RoPE: the keys come rotated by
+// base 1e4 (MakeData); the cache's RoPE is another (base 1e6), layer 1's own
+// (layer_ropes) the keys'. Score's logits against float64 q . k over the
+// compressed tokens.
+TEST(CenteringTest, EachLayerCentersWithItsOwnRope) {
+  KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0);
+  o.centering_pairs = 0;
+  o.rope = OtherRope();
+  o.rope.pair_layout = RopePairLayout::kInterleaved;
+  o.layer_ropes.assign(kLayers, RopeOptions());
+  o.layer_ropes[1].base = 10000.0;
+  Fixture f(o);
+  ASSERT_NE(f.cache, nullptr);
+  EXPECT_EQ(f.cache->layout().rope(1).inv_freq(1), std::pow(10000.0, -2.0 / 64));
+  EXPECT_EQ(f.cache->layout().rope(0).inv_freq(1), std::pow(1e6, -2.0 / 64));
+  const int tokens = 200;
+  const int d = 64;
+  Data data = MakeData(f.cache->layout(), 0, tokens, 3);
+  ASSERT_TRUE(f.Append("s", 0, data, tokens).ok());
+  const std::vector<float> q = Queries(1, d, 11);
+  double err[kLayers];
+  for (int layer = 0; layer < kLayers; ++layer) {
+    std::vector<float> logits(static_cast<size_t>(kQueryHeads) * tokens);
+    ASSERT_TRUE(f.cache->Score("s", layer, 0, -1, q.data(), logits.data()).ok());
+    double sum = 0;
+    for (int h = 0; h < kQueryHeads; ++h) {
+      for (int t = 0; t < tokens; ++t) {
+        const size_t row = ((static_cast<size_t>(layer) * tokens + t) * kKvHeads + h / 2) * d;
+        double dot = 0;
+        for (int j = 0; j < d; ++j) dot += static_cast<double>(q[h * d + j]) * data.keys[row + j];
+        const double e = logits[h * tokens + t] - dot / 8.0;
+        sum += e * e;
+      }
+    }
+    err[layer] = std::sqrt(sum / (kQueryHeads * tokens));
+  }
+  EXPECT_LT(err[1], 0.5 * err[0]) << "own RoPE " << err[1] << ", another RoPE " << err[0];
+}
+
+TEST(CenteringTest, KeyScalesNeedCenteringAndOnePositiveValuePerChannel) {
+  KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0);
+  o.key_scales.assign(static_cast<size_t>(kLayers) * kKvHeads * o.head_dim, 1.5f);
+  ASSERT_TRUE(KvLayout::Create(o).ok());
+  auto layout = KvLayout::Create(o);
+  EXPECT_EQ((*layout)->key_scales(1, 1)[63], 1.5f);
+  o.key_scales.back() = 0.0f;
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.key_scales.back() = 1.0f;
+  o.key_scales.pop_back();
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.key_scales.push_back(1.0f);
+  o.key_centering = KeyCentering::kNone;
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.key_scales.clear();
+  auto plain = KvLayout::Create(o);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->key_scales(0, 0), nullptr);
+}
+
+TEST(CenteringTest, LayerRopesNeedOneEntryPerLayerAndValidRopes) {
+  KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0);
+  o.layer_ropes.assign(kLayers + 1, RopeOptions());
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.layer_ropes.assign(kLayers, RopeOptions());
+  o.layer_ropes[0].base = 1e4;
+  o.layer_ropes[0].rotary_dims = 65;
+  EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.layer_ropes[0].rotary_dims = 32;
+  auto layout = KvLayout::Create(o);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ((*layout)->rope(0).num_pairs(), 16);
+  EXPECT_EQ((*layout)->rope(1).num_pairs(), 32);
+}
 
 TEST(CenteringTest, PreRopeCenteringWithoutARopeFallsBackToPostRope) {
   KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0);

@@ -4,8 +4,8 @@
 // exactly as it would have without the move.
 //
 // A run draws a random layout the cache accepts (RandomLayout: presets,
-// boundary and per-layer presets, centering, exact sinks and windows,
-// sliding-window layers, page sizes) and drives two Targets of it in
+// boundary and per-layer presets, centering, per-layer RoPEs, key scales,
+// exact sinks and windows, sliding-window layers, page sizes) and drives two Targets of it in
 // lockstep with random operations (appends of 1..n tokens to every layer or
 // to a prefix of the layers, decode steps layer by layer, retried appends,
 // appends at a wrong position, creates, forks, drops, reads; evictions when
@@ -28,6 +28,7 @@
 #define TQKV_TESTS_CACHE_ROUND_TRIP_PROPERTY_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -75,6 +76,18 @@ inline KvLayoutOptions RandomLayout(std::mt19937_64& rng) {
     o.exact_sink_tokens = pick(0, 6);
     o.exact_window_tokens = rng() % 3 == 0 ? 0 : pick(1, 24);
     o.centering_tokens = pick(1, 16);
+  }
+  if (rng() % 3 == 0) {  // some layers rotated with a RoPE of their own (layer_ropes)
+    o.layer_ropes.assign(o.num_layers, RopeOptions());
+    for (RopeOptions& r : o.layer_ropes) {
+      if (rng() % 2 == 0) continue;
+      r.base = std::vector<double>{500.0, 1e4, 1e6}[rng() % 3];
+      r.pair_layout = rng() % 2 ? RopePairLayout::kHalfSplit : RopePairLayout::kInterleaved;
+    }
+  }
+  if (rng() % 4 == 0) {  // per-channel key scales (refused without centering: drawn again)
+    o.key_scales.resize(static_cast<size_t>(o.num_layers) * o.num_kv_heads * o.head_dim);
+    for (float& s : o.key_scales) s = std::exp2(static_cast<float>(pick(-8, 8)) / 8.0f);
   }
   if (rng() % 2 == 0) {  // sliding-window layers, some shorter than the exact window
     o.layer_windows.assign(o.num_layers, 0);

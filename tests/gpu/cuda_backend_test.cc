@@ -641,14 +641,20 @@ struct Recipe {
   int window = 0;
   // > 0: layer 0 is a sliding-window layer of this many tokens (layer 1 full).
   int sliding_window = 0;
+  // Layer 1 rotates with a RoPE of its own (layer_ropes: base 1e6, half-split
+  // pairs) while layer 0 keeps the cache's.
+  bool layer_rope = false;
+  // Per-channel key scales in [0.5, 2] (key_scales): queries staged times s.
+  bool key_scales = false;
 };
 
 std::string Describe(const Recipe& r) {
   const char* centering = r.centering == KeyCentering::kPreRope    ? "pre-RoPE"
                           : r.centering == KeyCentering::kPostRope ? "post-RoPE"
                                                                    : "no centering";
-  return r.preset + ", " + centering + ", sinks " + std::to_string(r.sinks) + ", window " +
-         std::to_string(r.window) + ", sliding window " + std::to_string(r.sliding_window);
+  return r.preset + ", " + centering + ", sinks " + std::to_string(r.sinks) + ", window " + std::to_string(r.window) +
+         ", sliding window " + std::to_string(r.sliding_window) + (r.layer_rope ? ", layer 1's own RoPE" : "") +
+         (r.key_scales ? ", key scales" : "");
 }
 
 CacheOptions RecipeOptions(const Recipe& r) {
@@ -668,6 +674,15 @@ CacheOptions RecipeOptions(const Recipe& r) {
   o.exact_sink_tokens = r.sinks;
   o.exact_window_tokens = r.window;
   if (r.sliding_window > 0) o.layer_windows = {r.sliding_window, 0};
+  if (r.layer_rope) {
+    o.layer_ropes.assign(2, RopeOptions());
+    o.layer_ropes[1].base = 1e6;
+    o.layer_ropes[1].pair_layout = RopePairLayout::kHalfSplit;
+  }
+  if (r.key_scales) {
+    o.key_scales.resize(static_cast<size_t>(o.num_layers) * o.num_kv_heads * o.head_dim);
+    for (size_t i = 0; i < o.key_scales.size(); ++i) o.key_scales[i] = std::exp2(std::sin(0.7 * i));
+  }
   options.memory_budget_bytes = size_t{8} << 20;
   return options;
 }
@@ -816,6 +831,25 @@ TEST_F(CudaBackendTest, SlidingWindowLayersMatchTheCpuThroughTheCache) {
                                Recipe{"fp16", KeyCentering::kNone, 0, 0, 7},
                                Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24},
                                Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 33}}) {
+    {
+      SCOPED_TRACE("fp32 kernels");
+      RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
+    }
+    SCOPED_TRACE("tensor-core decode");
+    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+  }
+}
+
+// Per-layer RoPEs (layer_ropes): each layer's add-back with its own
+// frequencies; key scales (key_scales): stored keys read with q * s, the
+// add-back with q; against the CPU's.
+TEST_F(CudaBackendTest, LayerRopesAndKeyScalesMatchTheCpuThroughTheCache) {
+  for (const Recipe& recipe : {Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0, 0, true},
+                               Recipe{"tqkv_k3v4", KeyCentering::kPreRope, 4, 20, 0, true},
+                               Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24, true},
+                               Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 0, true, true},
+                               Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 0, false, true},
+                               Recipe{"fp16", KeyCentering::kPreRope, 0, 0, 33, false, true}}) {
     {
       SCOPED_TRACE("fp32 kernels");
       RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);

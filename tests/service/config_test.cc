@@ -1,5 +1,7 @@
 #include "service/config.h"
 
+#include <cmath>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -152,6 +154,79 @@ TEST(ServerConfig, RejectsBadCenteringSettingsWithTheirName) {
   check("protected_layers { layers: 1 }", "no preset");
   check("protected_layers { layers: 1 preset: \"fp16\" } protected_layers { layers: 1 preset: \"fp8\" }",
         "twice");
+  check("key_centering: \"pre_rope\" key_scales { layer: 2 scales: [1] }", "layer 2");
+  check("key_centering: \"pre_rope\" key_scales { layer: 1 scales: [1, 2] }", "64");
+  check("key_centering: \"none\" key_scales { layer: 1 }", "key_scales");
+  check("layer_ropes { layers: 2 rope { base: 10000 } }", "layer 2");
+  check("layer_ropes { layers: 1 rope { } }", "no base");
+  check("key_centering: \"pre_rope\" layer_ropes { layers: 1 rope { base: 10000 } }", "the cache has none");
+  check("layer_ropes { layers: 1 rope { base: 10000 } } layer_ropes { layers: 1 rope { base: 1e6 } }", "twice");
+  check("key_centering: \"pre_rope\" rope { base: 1e6 } layer_ropes { layers: 0 rope { base: 1e4 rotary_dims: 66 } }",
+        "layer 0's rope");
+}
+
+TEST(ServerConfig, ReadsLayerRopesAndWritesThemBack) {
+  // Gemma 3 270M: base 1e6 on the global layers (5, 11, 17), 1e4 on the others.
+  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(
+    caches {
+      name: "gemma" num_layers: 18 num_kv_heads: 1 num_query_heads: 4 head_dim: 256
+      preset: "tqkv_k3v4u_csw" boundary_layers: 0
+      rope { pair_layout: HALF_SPLIT base: 1e6 }
+      layer_ropes { layers: [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16]
+                    rope { pair_layout: HALF_SPLIT base: 10000 } }
+      sliding_window_layers { layers: [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16] window: 512 }
+    }
+  )pb");
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 64 << 20);
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  const KvLayoutOptions& l = (*caches)[0].layout;
+  ASSERT_EQ(l.layer_ropes.size(), 18u);
+  for (int layer = 0; layer < 18; ++layer) {
+    EXPECT_EQ(l.layer_ropes[layer].known(), (layer + 1) % 6 != 0) << layer;
+  }
+  EXPECT_EQ(l.layer_ropes[0].base, 10000.0);
+  EXPECT_EQ(l.layer_ropes[0].pair_layout, RopePairLayout::kHalfSplit);
+  auto layout = KvLayout::Create(l);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_DOUBLE_EQ((*layout)->rope(0).inv_freq(1), std::pow(1e4, -2.0 / 256));
+  EXPECT_DOUBLE_EQ((*layout)->rope(5).inv_freq(1), std::pow(1e6, -2.0 / 256));
+  const v1::CacheConfig back = ToCacheConfig((*caches)[0]);
+  ASSERT_EQ(back.layer_ropes_size(), 1);
+  EXPECT_EQ(back.layer_ropes(0).rope().base(), 10000.0);
+  EXPECT_EQ(back.layer_ropes(0).layers_size(), 15);
+  EXPECT_EQ(back.rope().base(), 1e6);
+  // What GetServerInfo reports parses back to the same RoPE per layer.
+  v1::ServerConfig again;
+  *again.add_caches() = back;
+  absl::StatusOr<std::vector<CacheOptions>> reread = ToCacheOptions(again, 64 << 20);
+  ASSERT_TRUE(reread.ok()) << reread.status();
+  const KvLayoutOptions& r = (*reread)[0].layout;
+  ASSERT_EQ(r.layer_ropes.size(), 18u);
+  for (int layer = 0; layer < 18; ++layer) {
+    EXPECT_EQ(r.layer_ropes[layer].known(), l.layer_ropes[layer].known()) << layer;
+    EXPECT_EQ(r.layer_ropes[layer].base, l.layer_ropes[layer].base) << layer;
+    EXPECT_EQ(r.layer_ropes[layer].pair_layout, l.layer_ropes[layer].pair_layout) << layer;
+  }
+}
+
+TEST(ServerConfig, ReadsKeyScalesAndWritesThemBack) {
+  std::string scales;
+  for (int j = 0; j < 64; ++j) scales += (j ? ", " : "") + std::to_string(0.5 + j / 64.0);
+  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
+      "caches { num_layers: 3 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 preset: \"tqkv_k3v4u_csw\" "
+      "key_scales { layer: 1 scales: [" + scales + "] } }");
+  ASSERT_TRUE(config.ok()) << config.status();
+  absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 64 << 20);
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  const KvLayoutOptions& l = (*caches)[0].layout;
+  ASSERT_EQ(l.key_scales.size(), 3u * 64);
+  EXPECT_EQ(l.key_scales[0], 1.0f);  // layers without an entry: 1
+  EXPECT_EQ(l.key_scales[64 + 10], 0.5f + 10 / 64.0f);
+  const v1::CacheConfig back = ToCacheConfig((*caches)[0]);
+  ASSERT_EQ(back.key_scales_size(), 1);
+  EXPECT_EQ(back.key_scales(0).layer(), 1);
+  EXPECT_EQ(back.key_scales(0).scales_size(), 64);
 }
 
 TEST(ServerConfig, ReadsSlidingWindowLayersAndWritesThemBack) {
