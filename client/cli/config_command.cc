@@ -27,8 +27,8 @@ int RunConfig(int argc, const char* const* argv) {
   flags.AddString("name", &options.cache_name, "the cache's name (clients pass it as --cache)");
   flags.AddInt("page-tokens", &page_tokens, "tokens per page");
   flags.AddString("rope-of", &rope_of,
-                  "sliding | full: whose RoPE the cache takes when the model's sliding-window and full-attention "
-                  "layers rotate differently (Gemma 3)");
+                  "sliding | full: whose RoPE is the cache's `rope` when the model's sliding-window and "
+                  "full-attention layers rotate differently (Gemma 3); the others get theirs in `layer_ropes`");
   if (int code = ParseOrExit(flags, argc, argv); code >= 0) return code;
   if (hf.empty() == gguf.empty()) return UsageError("tqkv config: give exactly one of --from-hf and --from-gguf");
   if (rope_of != "sliding" && rope_of != "full") {

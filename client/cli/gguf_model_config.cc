@@ -216,7 +216,9 @@ absl::StatusOr<ModelRope> GgufRope(const ArchKeys& k, const GgufFile& file, cons
   return rope;
 }
 
-// One RoPE for the cache, with the notes that say where it came from.
+// The cache's RoPE, with the notes that say where it came from; when the
+// sliding layers rotate with another base, theirs (or the full layers') in
+// layer_ropes.
 absl::Status GgufCacheRope(const ArchKeys& k, const GgufFile& file, const GgufArch& arch,
                            const std::vector<int>& windows, const ModelConfigOptions& options, DerivedConfig* out) {
   ASSIGN_OR_RETURN(ModelRope rope, GgufRope(k, file, arch, out->cache.head_dim()));
@@ -237,11 +239,14 @@ absl::Status GgufCacheRope(const ArchKeys& k, const GgufFile& file, const GgufAr
     if (sliding < layers && !(local == rope)) {
       out->rope_notes.push_back(absl::StrFormat(
           "Per-layer RoPE: the %d sliding-window layers rotate with base %s, unscaled, the %d full-attention "
-          "layers with base %s%s. A CacheConfig has one rope: this cache takes the %s layers' (--rope-of %s for "
-          "the other). Attention stays exact on every layer; pre-RoPE centering gains less on the others.",
+          "layers with base %s%s: `rope` is the %s layers', `layer_ropes` gives the %s layers theirs (--rope-of "
+          "%s swaps them), so pre-RoPE centering uses every layer's own.",
           sliding, ShortestDecimal(local_base), layers - sliding, ShortestDecimal(rope.base),
           rope.scaling == ModelRope::Scaling::kLinear ? ", linear scaling " + ShortestDecimal(rope.factor) : "",
-          take_sliding ? "sliding-window" : "full-attention", take_sliding ? "full" : "sliding"));
+          take_sliding ? "sliding-window" : "full-attention", take_sliding ? "full-attention" : "sliding-window",
+          take_sliding ? "full" : "sliding"));
+      RETURN_IF_ERROR(WriteLayerRopes(take_sliding ? rope : local, windows, !take_sliding, file.path, &out->cache,
+                                      &out->rope_notes));
     }
     if (take_sliding) rope = local;
   }

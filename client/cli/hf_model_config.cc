@@ -309,7 +309,8 @@ absl::Status HfShape(const Fields& f, const HfFamily& family, v1::CacheConfig* c
                     {kv_heads, f.Name("num_key_value_heads")}, {head_dim, f.Name("head_dim")}, f.file(), cache);
 }
 
-// One RoPE for the cache; a note when the model has two.
+// The cache's RoPE; when the model has two, the other layers' in
+// layer_ropes, with a note.
 absl::Status HfCacheRope(const Fields& f, const HfFamily& family, const std::vector<int>& windows,
                          const ModelConfigOptions& options, DerivedConfig* out) {
   const int layers = static_cast<int>(windows.size());
@@ -325,12 +326,14 @@ absl::Status HfCacheRope(const Fields& f, const HfFamily& family, const std::vec
       const bool take_sliding = options.rope_of == RopeOf::kSliding;
       rope = take_sliding ? sliding_rope : full_rope;
       out->rope_notes.push_back(absl::StrFormat(
-          "Per-layer RoPE: the %d sliding-window layers rotate with %s, the %d full-attention layers with %s. A "
-          "CacheConfig has one rope: this cache takes the %s layers' (--rope-of %s for the other). Attention "
-          "stays exact on every layer; pre-RoPE centering gains less on the %d %s layers.",
+          "Per-layer RoPE: the %d sliding-window layers rotate with %s, the %d full-attention layers with %s: "
+          "`rope` is the %s layers', `layer_ropes` gives the %s layers theirs (--rope-of %s swaps them), so "
+          "pre-RoPE centering uses every layer's own.",
           sliding, DescribeRope(sliding_rope), layers - sliding, DescribeRope(full_rope),
-          take_sliding ? "sliding-window" : "full-attention", take_sliding ? "full" : "sliding",
-          take_sliding ? layers - sliding : sliding, take_sliding ? "full-attention" : "sliding-window"));
+          take_sliding ? "sliding-window" : "full-attention", take_sliding ? "full-attention" : "sliding-window",
+          take_sliding ? "full" : "sliding"));
+      RETURN_IF_ERROR(WriteLayerRopes(take_sliding ? full_rope : sliding_rope, windows, !take_sliding, f.Where("rope"),
+                                      &out->cache, &out->rope_notes));
     }
   }
   out->rope_notes.push_back(

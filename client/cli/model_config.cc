@@ -58,11 +58,12 @@ void AppendList(const std::string& indent, const char* name, const T& values, Fo
   absl::StrAppend(out, line, "]\n");
 }
 
-void AppendRope(const v1::RotaryEmbedding& r, std::string* out) {
-  const std::string in = "    ";
-  absl::StrAppend(out, "  rope {\n", in, "rotary_dims: ", r.rotary_dims(), "\n", in, "pair_layout: ",
-                  v1::RotaryEmbedding::PairLayout_Name(r.pair_layout()), "\n", in, "base: ", Shortest(r.base()),
-                  "\n");
+// `indent` is the block's own indentation; its fields go two spaces deeper.
+void AppendRope(const v1::RotaryEmbedding& r, const std::string& indent, std::string* out) {
+  const std::string in = indent + "  ";
+  absl::StrAppend(out, indent, "rope {\n", in, "rotary_dims: ", r.rotary_dims(), "\n", in,
+                  "pair_layout: ", v1::RotaryEmbedding::PairLayout_Name(r.pair_layout()), "\n", in,
+                  "base: ", Shortest(r.base()), "\n");
   if (!r.scaling_type().empty()) {
     absl::StrAppend(out, in, "scaling_type: \"", absl::CEscape(r.scaling_type()), "\"\n", in,
                     "scaling_factor: ", Shortest(r.scaling_factor()), "\n");
@@ -73,7 +74,7 @@ void AppendRope(const v1::RotaryEmbedding& r, std::string* out) {
                     "original_max_position: ", r.original_max_position(), "\n");
   }
   if (r.inv_freq_size() > 0) AppendList(in, "inv_freq", r.inv_freq(), Shortest, out);
-  absl::StrAppend(out, "  }\n");
+  absl::StrAppend(out, indent, "}\n");
 }
 
 std::string Shortest(double x) { return ShortestDecimal(x); }
@@ -193,6 +194,15 @@ absl::Status WriteRope(const ModelRope& rope, const std::string& where, v1::Rota
   return absl::OkStatus();
 }
 
+absl::Status WriteLayerRopes(const ModelRope& rope, const std::vector<int>& windows, bool sliding,
+                             const std::string& where, v1::CacheConfig* cache, std::vector<std::string>* notes) {
+  v1::LayerRope* entry = cache->add_layer_ropes();
+  for (int layer = 0; layer < static_cast<int>(windows.size()); ++layer) {
+    if ((windows[layer] > 0) == sliding) entry->add_layers(layer);
+  }
+  return WriteRope(rope, where, entry->mutable_rope(), notes);
+}
+
 void WriteWindows(const std::vector<int>& windows, v1::CacheConfig* cache) {
   for (size_t layer = 0; layer < windows.size(); ++layer) {
     if (windows[layer] == 0) continue;
@@ -265,7 +275,13 @@ std::string FormatServerConfig(const DerivedConfig& derived) {
                   absl::CEscape(c.preset()), "\"\n  boundary_layers: ", c.boundary_layers(), "\n");
   if (c.has_rope()) {
     for (const std::string& note : derived.rope_notes) AppendComment("  ", note, &out);
-    AppendRope(c.rope(), &out);
+    AppendRope(c.rope(), "  ", &out);
+  }
+  for (const v1::LayerRope& r : c.layer_ropes()) {
+    absl::StrAppend(&out, "  layer_ropes {\n");
+    AppendList("    ", "layers", r.layers(), [](int32_t layer) { return absl::StrCat(layer); }, &out);
+    AppendRope(r.rope(), "    ", &out);
+    absl::StrAppend(&out, "  }\n");
   }
   for (const std::string& note : derived.window_notes) AppendComment("  ", note, &out);
   for (const v1::SlidingWindowLayers& w : c.sliding_window_layers()) {

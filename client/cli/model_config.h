@@ -27,12 +27,12 @@
 //                gpt-oss: even layers; Mistral and Phi-3: every layer when
 //                sliding_window is set; Qwen: layers >= max_window_layers
 //                when use_sliding_window).
-//   per-layer    a CacheConfig has one `rope`. Gemma 3 rotates its sliding
-//   RoPE         layers with rope_local_base_freq (10000, unscaled) and its
-//                full layers with rope_theta and rope_scaling: the cache takes
-//                the sliding layers' RoPE (the majority of layers; --rope-of
-//                full picks the other) and the output says so. A RoPE that is
-//                not a layer's keeps attention exact; centering gains less there.
+//   per-layer    Gemma 3 rotates its sliding layers with rope_local_base_freq
+//   RoPE         (10000, unscaled) and its full layers with rope_theta and
+//                rope_scaling: `rope` is the sliding layers' (the majority;
+//                --rope-of full picks the other) and `layer_ropes` gives the
+//                other layers theirs, so pre-RoPE centering uses every
+//                layer's own RoPE; the output says so.
 //   notes        what a CacheConfig cannot hold is printed as comments: learned
 //                attention sinks (gpt-oss: per-request sink_logits), logit
 //                soft-capping (Gemma 2: not applied by the server), the
@@ -59,8 +59,10 @@ namespace cli {
 // test keeps them equal).
 inline constexpr char kDefaultModelPreset[] = "tqkv_k3v4u_csw";
 
-// Which layers' RoPE a cache takes when the model rotates its sliding-window
-// and full-attention layers differently (Gemma 3).
+// Which layers' RoPE is the cache's `rope` when the model rotates its
+// sliding-window and full-attention layers differently (Gemma 3); the other
+// layers get theirs in `layer_ropes`. Either way every layer is centered with
+// its own RoPE: the choice only changes which layers are listed.
 enum class RopeOf { kSliding, kFull };
 
 struct ModelConfigOptions {
@@ -138,6 +140,12 @@ std::vector<double> YarnInvFreq(const ModelRope& rope);
 // `where`) for a non-finite or non-positive base or factor, or odd rotary dims.
 absl::Status WriteRope(const ModelRope& rope, const std::string& where, v1::RotaryEmbedding* out,
                        std::vector<std::string>* notes);
+
+// `rope` as the RoPE of the sliding-window layers (windows[l] > 0) when
+// `sliding`, else of the full-attention ones: one layer_ropes entry.
+// WriteRope's errors.
+absl::Status WriteLayerRopes(const ModelRope& rope, const std::vector<int>& windows, bool sliding,
+                             const std::string& where, v1::CacheConfig* cache, std::vector<std::string>* notes);
 
 // Per-layer windows (0: full attention) -> sliding_window_layers, one group
 // per window size in order of first layer.

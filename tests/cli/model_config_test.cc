@@ -60,6 +60,16 @@ void ExpectServerReadsItBack(const DerivedConfig& derived) {
   EXPECT_TRUE(options.ok()) << options.status() << "\n" << text;
 }
 
+// Per layer, the base of the RoPE `cache` centers it with: its layer_ropes
+// entry's, else `rope`'s.
+std::vector<double> LayerBases(const v1::CacheConfig& cache) {
+  std::vector<double> bases(cache.num_layers(), cache.rope().base());
+  for (const v1::LayerRope& r : cache.layer_ropes()) {
+    for (int32_t layer : r.layers()) bases[layer] = r.rope().base();
+  }
+  return bases;
+}
+
 // Per layer, the window of `cache` (0: full attention).
 std::vector<int> Windows(const v1::CacheConfig& cache) {
   std::vector<int> windows(cache.num_layers(), 0);
@@ -148,11 +158,18 @@ TEST(ModelConfig, Gemma3ReadsTextConfigWithFiveSlidingLayersInSix) {
     sliding += windows[layer] > 0;
   }
   EXPECT_EQ(sliding, 52);
-  // One rope per cache: the sliding layers' (rope_local_base_freq, unscaled)
-  // by default, and the output says the full layers' differs.
+  // `rope` is the sliding layers' (rope_local_base_freq, unscaled) by
+  // default; layer_ropes gives the full layers theirs, and the output says so.
   EXPECT_EQ(d.cache.rope().pair_layout(), v1::RotaryEmbedding::HALF_SPLIT);
   EXPECT_EQ(d.cache.rope().base(), 10000.0);
   EXPECT_EQ(d.cache.rope().scaling_type(), "");
+  ASSERT_EQ(d.cache.layer_ropes_size(), 1);
+  EXPECT_EQ(d.cache.layer_ropes(0).layers_size(), 10);
+  EXPECT_EQ(d.cache.layer_ropes(0).rope().pair_layout(), v1::RotaryEmbedding::HALF_SPLIT);
+  EXPECT_EQ(d.cache.layer_ropes(0).rope().scaling_type(), "linear");
+  EXPECT_EQ(d.cache.layer_ropes(0).rope().scaling_factor(), 8.0);
+  const std::vector<double> bases = LayerBases(d.cache);
+  for (int layer = 0; layer < 62; ++layer) EXPECT_EQ(bases[layer], (layer + 1) % 6 == 0 ? 1e6 : 1e4) << layer;
   EXPECT_TRUE(AnyNoteContains(d.rope_notes, "Per-layer RoPE")) << d.rope_notes[0];
   EXPECT_TRUE(AnyNoteContains(d.rope_notes, "base 1000000, linear scaling 8"));
   EXPECT_TRUE(AnyNoteContains(d.notes, "1/sqrt(168)"));  // query_pre_attn_scalar
@@ -165,6 +182,10 @@ TEST(ModelConfig, Gemma3ReadsTextConfigWithFiveSlidingLayersInSix) {
   EXPECT_EQ(g.cache.rope().base(), 1e6);
   EXPECT_EQ(g.cache.rope().scaling_type(), "linear");
   EXPECT_EQ(g.cache.rope().scaling_factor(), 8.0);
+  ASSERT_EQ(g.cache.layer_ropes_size(), 1);
+  EXPECT_EQ(g.cache.layer_ropes(0).layers_size(), 52);
+  EXPECT_EQ(g.cache.layer_ropes(0).rope().scaling_type(), "");
+  EXPECT_EQ(LayerBases(g.cache), bases);  // the same RoPE per layer, listed the other way
   ExpectServerReadsItBack(g);
 }
 
@@ -476,6 +497,11 @@ TEST(Gguf, Gemma3SlidesFiveLayersInSixWithTheLocalBase) {
   EXPECT_EQ(d->cache.rope().base(), 10000.0);
   EXPECT_EQ(d->cache.rope().scaling_type(), "");
   EXPECT_TRUE(AnyNoteContains(d->rope_notes, "Per-layer RoPE"));
+  ASSERT_EQ(d->cache.layer_ropes_size(), 1);
+  EXPECT_EQ(d->cache.layer_ropes(0).rope().base(), 1e6);
+  EXPECT_EQ(d->cache.layer_ropes(0).rope().scaling_type(), "linear");
+  const std::vector<double> bases = LayerBases(d->cache);
+  for (int layer = 0; layer < 12; ++layer) EXPECT_EQ(bases[layer], layer == 5 || layer == 11 ? 1e6 : 1e4);
   ExpectServerReadsItBack(*d);
 
   ModelConfigOptions full;
