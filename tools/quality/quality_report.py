@@ -64,6 +64,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 import attention  # noqa: E402
+import key_scales as key_scales_mod  # noqa: E402
 import kv_bytes  # noqa: E402
 import llama  # noqa: E402
 import passkey as passkey_mod  # noqa: E402
@@ -97,7 +98,10 @@ ROTATION_SEEDS = [0, 101, 202]
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 # --texts names: GPL-3 (a licence) and the Python reference manual's topics
 # as pydoc ships them (pydoc_data.topics, in every CPython): prose about code.
-TEXTS = {"gpl3": DEFAULT_TEXT, "pydoc": "pydoc:topics"}
+TEXTS = {"gpl3": DEFAULT_TEXT, "pydoc": "pydoc:topics", "persuasion": "persuasion:3000"}
+# persuasion: the excerpt of Jane Austen's Persuasion in ../shared/texts, from
+# character 3000 skipped to the start of the next paragraph.
+PERSUASION = ROOT.parent / "shared" / "texts" / "persuasion_excerpt.txt"
 LONG_CONTEXT = 32768    # the second bytes column
 # Context lengths of the bytes columns: the issue's 8k and the long one,
 # by the formula and (--server-bytes-at) from the server's own counts.
@@ -110,8 +114,11 @@ BYTES_AT = (8192, LONG_CONTEXT)
 # (Gemma 3's local layers rotate with base 1e4, its global ones with 1e6: a
 # cache has one `rope`, so one cache centers the local layers with a RoPE
 # not theirs, exact but with less gain).
-SLIDING = {"layers": "served", "rope_groups": "one"}
+SLIDING = {"layers": "served", "rope_groups": "one", "layer_ropes": "own"}
 MODEL_KEYS = ("smollm2", "gemma3")
+# Calibrated key scales per model name (key_scales.py), for recipes that ask
+# for them: measured on --key-scales-text, never on the text under test.
+KEY_SCALES = {}
 PASSKEY_PRESETS = "fp16,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc"
 PASSKEY_VLLM = "turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc"
 
@@ -126,6 +133,10 @@ def binary(env, name):
 def read_text(spec):
     """A --texts entry: a name from TEXTS, a file path, or pydoc:topics."""
     spec = TEXTS.get(spec, spec)
+    if spec.startswith("persuasion:"):
+        text = PERSUASION.read_text()
+        at = text.find("\n\n", int(spec.split(":")[1]))
+        return text[at:].lstrip("\n")
     if spec == "pydoc:topics":
         import pydoc_data.topics as topics
         return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
@@ -507,8 +518,14 @@ def row_extra(model, row, layers=None):
     if not row.get("recipe"):
         return ""
     layers = layers or served_layers(model)
-    return recipes_mod.fields_text(row["recipe"], group_rope(model, layers), len(layers),
-                                   model.name)
+    rope = group_rope(model, layers)
+    own = {}
+    if SLIDING["layer_ropes"] == "own":
+        own = {i: model.rope_spec(l) for i, l in enumerate(layers) if model.rope_spec(l) != rope}
+    scales = None
+    if row["recipe"].get("key_scales"):
+        scales = key_scales_mod.config_text(KEY_SCALES[model.name], layers)
+    return recipes_mod.fields_text(row["recipe"], rope, len(layers), model.name, own, scales)
 
 
 def row_bytes(model, row, tokens, slots, last=1):
@@ -950,7 +967,10 @@ def describe(model):
                  "CacheConfig.sliding_window_layers, the full-attention layers %s with full "
                  "attention, %s" % (
                      c.layers, c.layers - len(full), c.window, full,
-                     "in one cache given the global layers' RoPE (base %g)" % s["base"]
+                     ("in one cache, each layer centered with its own RoPE (`layer_ropes`: "
+                      "local base %g, global %g)" % (model.rope_spec(0)["base"], s["base"])
+                      if SLIDING["layer_ropes"] == "own" else
+                      "in one cache given the global layers' RoPE (base %g)" % s["base"])
                      if len(groups) == 1 else "in %d caches, one per RoPE (%s)" % (
                          len(groups), ", ".join("layers %s: base %g" % (
                              l if len(l) < 6 else "%d of them" % len(l),
@@ -1014,6 +1034,14 @@ def main(argv=None, models=None):
     ap.add_argument("--rope-groups", choices=("one", "split"), default="one",
                     help="served layers in one cache (the global layers' RoPE) or one cache per "
                     "RoPE (Gemma 3: local base 1e4, global 1e6)")
+    ap.add_argument("--key-scales-text", default="pydoc",
+                    help="recipes with key_scales: the calibration text (a --texts name or "
+                    "file), its first --key-scales-tokens tokens")
+    ap.add_argument("--key-scales-tokens", type=int, default=1024)
+    ap.add_argument("--layer-ropes", choices=("own", "cache"), default="own",
+                    help="pre-RoPE centering: layers whose RoPE differs from their cache's get "
+                    "their own (CacheConfig.layer_ropes; Gemma 3's local layers, base 1e4) or "
+                    "the cache's (the global layers' on Gemma 3: centering gains less)")
     ap.add_argument("--bytes-at", default=",".join(str(t) for t in BYTES_AT),
                     help="(c, d): context lengths of the bytes columns (after a decode step)")
     ap.add_argument("--server-bytes", action="store_true",
@@ -1022,7 +1050,8 @@ def main(argv=None, models=None):
     args = ap.parse_args(argv)
     BYTES_AT = tuple(int(t) for t in args.bytes_at.split(",") if t)
     ROTATION_SEEDS = [int(x) for x in args.rotation_seeds.split(",")]
-    SLIDING.update(layers=args.sliding_layers, rope_groups=args.rope_groups)
+    SLIDING.update(layers=args.sliding_layers, rope_groups=args.rope_groups,
+                   layer_ropes=args.layer_ropes)
     presets = args.presets.split(",")
     sections = set(args.sections.split(","))
     texts = [args.text] if args.text else args.texts.split(",")
@@ -1075,6 +1104,14 @@ def main(argv=None, models=None):
             windows = {t: text_windows(model, tokenizer, read_text(t), args.tokens, args.windows)
                        for t in texts}
             log("tokenized %s: %.1f s" % (", ".join(texts), time.time() - t0))
+            if any(recipes_mod.RECIPES[n].get("key_scales") for n in recipe_names):
+                t0 = time.time()
+                calibration = text_windows(model, tokenizer, read_text(args.key_scales_text),
+                                           args.key_scales_tokens, 1)[0]
+                KEY_SCALES[model.name] = key_scales_mod.measure(model, calibration)
+                entry["key_scales_text"] = args.key_scales_text
+                log("key scales from %d tokens of %s: %.1f s" % (
+                    len(calibration), args.key_scales_text, time.time() - t0))
             worst = None
             if "b" in sections:
                 t0 = time.time()

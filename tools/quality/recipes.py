@@ -14,13 +14,15 @@ ones:
     protected_layers         [(layers, preset)]: layers given as a list, or
                              "first_last" (first and last served layer) or
                              "measured" (MEASURED_PROTECTED for the model)
+    key_scales: "calibrated" per-channel key scales (key_scales.py) measured
+                             on the calibration text (--key-scales-text)
 A recipe without any new field is a plain preset row: today's server takes it.
 """
 import rope as rope_mod
 
 NEW_FIELDS = ("key_centering", "rope", "centering_tokens", "centering_pairs",
               "centering_includes_sinks", "exact_sink_tokens", "exact_window_tokens",
-              "protected_layers")
+              "protected_layers", "key_scales")
 # What a preset implies when its recipe leaves a field unset (the server's
 # *_csw presets: pre-RoPE centering, 4 exact sinks, a 64-token exact window).
 CSW = dict(key_centering="pre_rope", exact_sink_tokens=4, exact_window_tokens=64)
@@ -110,6 +112,13 @@ RECIPES = {
     "csw:tqkv_k3v3u_csw": dict(preset="tqkv_k3v3u_csw", rope=True),
     "csw:tqkv_k3v4_csw": dict(preset="tqkv_k3v4_csw", rope=True),
     "csw:tqkv_k4v4u_csw": dict(preset="tqkv_k4v4u_csw", rope=True),
+    # the same with key scales calibrated on other text (key_scales.py), and
+    # with every centering pair
+    "csw:tqkv_k3v4u_csw+ks": dict(preset="tqkv_k3v4u_csw", rope=True, key_scales="calibrated"),
+    "csw:tqkv_k3v4u_csw+p0": dict(preset="tqkv_k3v4u_csw", rope=True, centering_pairs=0),
+    "csw:tqkv_k3v4u_csw+p0+ks": dict(preset="tqkv_k3v4u_csw", rope=True, centering_pairs=0,
+                                     key_scales="calibrated"),
+    "csw:tqkv_k4v4u_csw+ks": dict(preset="tqkv_k4v4u_csw", rope=True, key_scales="calibrated"),
 }
 
 # Served-layer indices to protect per model, to be chosen by measurement
@@ -131,13 +140,20 @@ def resolve_layers(spec, served_count, model_name):
     return [int(x) for x in spec]
 
 
-def fields_text(recipe, rope_spec, served_count=0, model_name=""):
-    """The new fields of a recipe as text-format CacheConfig fields."""
+def fields_text(recipe, rope_spec, served_count=0, model_name="", layer_ropes=None,
+                key_scales=None):
+    """The new fields of a recipe as text-format CacheConfig fields.
+    layer_ropes: {cache layer: RoPE spec} for layers whose RoPE is not
+    rope_spec (CacheConfig.layer_ropes; Gemma 3's sliding-window layers).
+    key_scales: the CacheConfig.key_scales text when the recipe asks for them."""
     out = []
+    if recipe.get("key_scales") and key_scales:
+        out.append(key_scales)
     if "key_centering" in recipe:
         out.append('key_centering: "%s"' % recipe["key_centering"])
     if recipe.get("key_centering") == "pre_rope" or recipe.get("rope"):
         out.append(rope_mod.config_text(rope_spec))
+        out += layer_ropes_text(layer_ropes or {})
     for name in ("centering_tokens", "centering_pairs", "exact_sink_tokens",
                  "exact_window_tokens"):
         if name in recipe:
@@ -150,6 +166,15 @@ def fields_text(recipe, rope_spec, served_count=0, model_name=""):
         out.append('protected_layers { layers: [%s] preset: "%s" }'
                    % (", ".join(str(i) for i in ids), preset))
     return " ".join(out)
+
+
+def layer_ropes_text(layer_ropes):
+    """CacheConfig.layer_ropes for {cache layer: RoPE spec}, one entry per RoPE."""
+    groups = {}
+    for layer, spec in sorted(layer_ropes.items()):
+        groups.setdefault(rope_mod.config_text(spec), []).append(layer)
+    return ["layer_ropes { layers: [%s] %s }" % (", ".join(str(l) for l in layers), text)
+            for text, layers in groups.items()]
 
 
 def windows_text(windows):
