@@ -7,7 +7,8 @@
 # kubernetes-validate (the Kubernetes JSON schemas, bundled: the deploy tests
 # validate deploy/kubernetes/ offline with it).
 # The Hugging Face integration (tqkv[hf], tqkv.hf) and its tests need torch
-# and transformers: installed at the versions the tests run against
+# and transformers, and accelerate for transformers' GGUF loader (SmolLM2 as a
+# transformers model): installed at the versions the tests run against
 # (HF_PINS). torch's Linux wheel from PyPI carries CUDA and pulls NVIDIA's
 # libraries (about 5 GB installed, 1-2 minutes with a warm pip cache); its
 # CPU-only wheels are not on PyPI, and the wheel alone does not import
@@ -28,7 +29,7 @@ mkdir -p "$build_dir"
 
 quality_models=${TQKV_QUALITY_MODELS:-}
 python_hf=${TQKV_PYTHON_HF:-on}
-HF_PINS=("torch==2.15.0" "transformers==5.25.0")
+HF_PINS=("torch==2.15.0" "transformers==5.25.0" "accelerate==1.15.0")
 stamp_input() {
   echo "quality_models=$quality_models python_hf=$python_hf ${HF_PINS[*]}"
   cat "$0" proto/tqkv/v1/kvcache.proto

@@ -385,3 +385,46 @@ def test_beam_search_is_refused():
             tqkv.hf.generate(model, client, ids, attention_mask=mask, cache="fp16",
                              num_beams=2, max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert cache_counts(client)["fp16"] == (0, 0)  # dropped after the failure
+
+
+def test_key_permutation_moves_half_split_pairs_to_interleaved_ones():
+    """A key rotated by transformers' half-split RoPE, permuted, is the
+    interleaved rotation of the permuted pre-RoPE key (and queries move the
+    same way, so q.k is unchanged)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    head_dim, position, base = 16, 11, 10000.0
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, head_dim, generator=g, dtype=torch.float64)
+    inv_freq = base ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.cat([position * inv_freq] * 2)
+    q_rot, k_rot = apply_rotary_pos_emb(q[None, None, None], k[None, None, None],
+                                        angles.cos()[None, None], angles.sin()[None, None])
+    idx = tqkv.hf._config.key_permutation(head_dim, 0, pb.RotaryEmbedding.HALF_SPLIT,
+                                          pb.RotaryEmbedding.INTERLEAVED)
+    stored = k_rot.flatten()[idx]
+    pre = k[idx]
+    want = torch.empty_like(pre)
+    for i, theta in enumerate(position * inv_freq):
+        c, s = torch.cos(theta), torch.sin(theta)
+        want[2 * i] = pre[2 * i] * c - pre[2 * i + 1] * s
+        want[2 * i + 1] = pre[2 * i] * s + pre[2 * i + 1] * c
+    torch.testing.assert_close(stored, want)
+    torch.testing.assert_close(q_rot.flatten()[idx] @ stored, q_rot.flatten() @ k_rot.flatten())
+    back = tqkv.hf._config.key_permutation(head_dim, 0, pb.RotaryEmbedding.INTERLEAVED,
+                                           pb.RotaryEmbedding.HALF_SPLIT)
+    assert [idx[i] for i in back] == list(range(head_dim))
+
+
+def test_a_cache_in_the_interleaved_layout_serves_a_half_split_model():
+    """The cache stores keys as a GGUF engine would: tokens still equal eager's."""
+    model = tiny("llama")
+    ids, mask = batch(SHORT)
+    want = model.generate(ids, attention_mask=mask, **GREEDY)
+    config = tqkv.hf.cache_config(model, preset="fp16", name="il", memory_budget_bytes=8 << 20,
+                                  pair_layout=pb.RotaryEmbedding.INTERLEAVED)
+    with LocalServer(server_binary(), tqkv.hf.config_text(config)) as server, \
+            server.client() as client:
+        with tqkv.hf.TqkvCache(model, client, cache="il") as kv:
+            assert kv._perm is not None
+        got = tqkv.hf.generate(model, client, ids, attention_mask=mask, cache="il", **GREEDY)
+    assert torch.equal(got, want)

@@ -37,11 +37,11 @@ from tqkv.hf._cache import TqkvCache, TqkvLayer
 from tqkv.hf._config import (DEFAULT_PRESET, CacheMismatch, ModelSpec, Rope,
                              RopeMismatchWarning, Unsupported, cache_config, config_text,
                              model_spec)
-from tqkv.hf._generate import generate, served
+from tqkv.hf._helpers import generate, perplexity, served, token_nll
 
 register()
 
 __all__ = ["ATTN_IMPLEMENTATION", "CacheMismatch", "DEFAULT_PRESET", "ModelSpec", "Rope",
            "RopeMismatchWarning", "TqkvCache", "TqkvLayer", "Unsupported", "cache_config",
-           "config_text", "generate", "model_spec", "register", "served", "tqkv_attention",
-           "tqkv_mask"]
+           "config_text", "generate", "model_spec", "perplexity", "register", "served", "token_nll",
+           "tqkv_attention", "tqkv_mask"]

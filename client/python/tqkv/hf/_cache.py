@@ -47,8 +47,8 @@ from tqkv._errors import NotFound, TqkvError
 from tqkv._messages import AppendAttendItem
 from tqkv.client import Client
 from tqkv.hf import _attention as att
-from tqkv.hf._config import ModelSpec, Unsupported, check_server_cache, model_spec, \
-    refuse_unservable
+from tqkv.hf._config import ModelSpec, Unsupported, check_server_cache, key_permutation, \
+    model_spec, refuse_unservable
 
 PREFILL_MODES = ("local", "served")
 
@@ -139,7 +139,8 @@ class TqkvCache(Cache):
 
     def __init__(self, model, client, *, cache: str = "", prefill: str = "local",
                  keep: bool = False, sequence_ids: Optional[Sequence[str]] = None,
-                 resume: bool = False, check: bool = True, prefill_chunk: int = 256):
+                 resume: bool = False, check: bool = True, prefill_chunk: int = 256,
+                 pair_layout: Optional[int] = None):
         if prefill not in PREFILL_MODES:
             raise ValueError("prefill=%r: want one of %s" % (prefill, PREFILL_MODES))
         self.spec: ModelSpec = model if isinstance(model, ModelSpec) else model_spec(model)
@@ -149,6 +150,7 @@ class TqkvCache(Cache):
         self.cache_name = cache
         self.cache_info = check_server_cache(self.spec, self.client.info(), cache) if check \
             else None
+        self._perm = self._key_permutation(pair_layout)
         super().__init__(layers=[TqkvLayer(self, i, self.spec.window(i))
                                  for i in range(self.spec.layers)])
         self.prefill, self.keep, self.prefill_chunk = prefill, keep, prefill_chunk
@@ -163,6 +165,23 @@ class TqkvCache(Cache):
         self.messages = 0             # DecodeStream messages sent
         if resume:
             self._resume()
+
+    def _key_permutation(self, pair_layout):
+        rope = self.spec.rope
+        if rope is None:
+            return None
+        if pair_layout is None and self.cache_info is not None \
+                and self.cache_info.config.HasField("rope"):
+            pair_layout = self.cache_info.config.rope.pair_layout
+        if pair_layout is None:
+            return None
+        idx = key_permutation(self.spec.head_dim, rope.rotary_dims, rope.pair_layout,
+                              pair_layout)
+        return None if idx is None else np.asarray(idx)
+
+    def _keys_out(self, array):
+        """Keys or queries [..., head_dim] in the layout they are stored in."""
+        return array if self._perm is None else np.ascontiguousarray(array[..., self._perm])
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -249,7 +268,7 @@ class TqkvCache(Cache):
     def _hold(self, layer: int, key, value, real: np.ndarray):
         if self._held is None:
             self._held = [None] * self.spec.layers
-        k = att.to_wire(key.transpose(1, 2))  # [batch, tokens, kv_heads, head_dim]
+        k = self._keys_out(att.to_wire(key.transpose(1, 2)))  # [batch, tokens, kv_heads, dim]
         v = att.to_wire(value.transpose(1, 2))
         self._held[layer] = [(k[b][real[b]], v[b][real[b]]) for b in range(k.shape[0])]
 
@@ -273,8 +292,8 @@ class TqkvCache(Cache):
         self._prefilled = True
 
     def _served(self, layer: int, query, key, value, real: np.ndarray, scaling: float, sinks):
-        q = att.to_wire(query.transpose(1, 2))  # [batch, tokens, heads, head_dim]
-        k = att.to_wire(key.transpose(1, 2))
+        q = self._keys_out(att.to_wire(query.transpose(1, 2)))  # [batch, tokens, heads, dim]
+        k = self._keys_out(att.to_wire(key.transpose(1, 2)))
         v = att.to_wire(value.transpose(1, 2))
         items, rows = [], []
         for b, sid in enumerate(self.sequence_ids):

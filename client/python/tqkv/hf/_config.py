@@ -291,11 +291,17 @@ def _sliding_rope_words(config) -> str:
 
 def cache_config(model_or_config, *, preset: str = DEFAULT_PRESET, name: str = "default",
                  page_tokens: int = DEFAULT_PAGE_TOKENS, boundary_layers: int = 0,
-                 memory_budget_bytes: int = 0) -> "pb.CacheConfig":
+                 memory_budget_bytes: int = 0, pair_layout: Optional[int] = None
+                 ) -> "pb.CacheConfig":
     """The server's CacheConfig for a Hugging Face model (see the module's
-    docstring for what is derived). Raises Unsupported for a model the server
-    cannot serve as it is (attention logit soft-capping); learned sink logits
-    are not part of a cache (tqkv.hf sends them with every Attend)."""
+    docstring for what is derived). pair_layout (pb.RotaryEmbedding.
+    HALF_SPLIT or INTERLEAVED; default the model's) is the layout keys are
+    stored in: a TqkvCache permutes the coordinates of keys and queries
+    (their products unchanged) to the cache's layout, so that a cache shared
+    with a GGUF-layout engine holds the same vectors. Raises Unsupported for
+    a model the server cannot serve as it is (attention logit soft-capping);
+    learned sink logits are not part of a cache (tqkv.hf sends them with
+    every Attend)."""
     spec = model_or_config if isinstance(model_or_config, ModelSpec) \
         else model_spec(model_or_config)
     refuse_unservable(spec)
@@ -306,6 +312,8 @@ def cache_config(model_or_config, *, preset: str = DEFAULT_PRESET, name: str = "
                             memory_budget_bytes=memory_budget_bytes)
     if spec.rope is not None:
         config.rope.CopyFrom(spec.rope.proto())
+        if pair_layout is not None:
+            config.rope.pair_layout = pair_layout
     for window, layers in sorted(_layers_by_window(spec.windows).items()):
         config.sliding_window_layers.add(layers=layers, window=window)
     return config
@@ -329,6 +337,27 @@ def refuse_unservable(spec: ModelSpec):
 def config_text(*configs: "pb.CacheConfig") -> str:
     """A server config file (text-format tqkv.v1.ServerConfig) holding these caches."""
     return text_format.MessageToString(pb.ServerConfig(caches=list(configs)))
+
+
+def key_permutation(head_dim: int, rotary_dims: int, model_layout: int,
+                    cache_layout: int) -> Optional[List[int]]:
+    """Indices idx with stored = model_vector[..., idx]: the model's
+    rotating pairs moved to the cache's layout (None when they agree). The
+    coordinates past rotary_dims (0: all rotate) stay where they are."""
+    if model_layout == cache_layout:
+        return None
+    rotary = rotary_dims or head_dim
+    half = rotary // 2
+    interleaved_from_half = []
+    for i in range(half):
+        interleaved_from_half += [i, i + half]
+    if model_layout == pb.RotaryEmbedding.HALF_SPLIT:
+        idx = interleaved_from_half
+    else:  # INTERLEAVED model, HALF_SPLIT cache: the inverse
+        idx = [0] * rotary
+        for position, source in enumerate(interleaved_from_half):
+            idx[source] = position
+    return idx + list(range(rotary, head_dim))
 
 
 # -- comparing with a server's cache -------------------------------------------------
@@ -380,10 +409,12 @@ def _window_words(window):
 
 def rope_differs(spec: ModelSpec, config) -> bool:
     """Whether a cache centering keys before RoPE does so with another RoPE
-    than the model's (attention stays exact; compression suffers)."""
+    than the model's (attention stays exact; compression suffers). The pair
+    layout does not count: a TqkvCache sends keys in the cache's."""
     if config.key_centering != "pre_rope" or spec.rope is None:
         return False
     want = spec.rope.proto()
+    want.pair_layout = config.rope.pair_layout  # a TqkvCache sends keys in the cache's layout
     have = pb.RotaryEmbedding()
     have.CopyFrom(config.rope)
     if have.rotary_dims == spec.head_dim:
