@@ -6,7 +6,9 @@ Skipped, saying so, only where torch or transformers is not installed
 (scripts/python_env.sh installs them; TQKV_PYTHON_HF=off leaves them out).
 """
 import json
+import os
 import pathlib
+import subprocess
 import warnings
 
 import numpy as np
@@ -20,10 +22,13 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 import tqkv  # noqa: E402
 import tqkv.hf  # noqa: E402
 from conftest import server_binary  # noqa: E402
+from google.protobuf import text_format  # noqa: E402
 from tqkv.testing import LocalServer  # noqa: E402
 from tqkv.v1 import kvcache_pb2 as pb  # noqa: E402
 
-CONFIGS = pathlib.Path(__file__).resolve().parent / "hf_configs"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The published config.json files tests/cli/model_config_test.cc reads too.
+CONFIGS = ROOT / "tests" / "data" / "model_configs"
 DEFAULT = tqkv.hf.DEFAULT_PRESET
 VOCAB = 256
 # Prompt lengths of the batch of 3 (left-padded to the longest).
@@ -133,17 +138,23 @@ def test_cache_config_of_qwen2_5_7b():
 def test_cache_config_of_gemma_3_27b():
     c = tqkv.hf.cache_config(load("gemma-3-27b.json"))  # the text config of the multimodal one
     assert (c.num_layers, c.num_kv_heads, c.num_query_heads, c.head_dim) == (62, 16, 32, 128)
-    # The global layers' RoPE (the local ones rotate with base 1e4: a cache has one RoPE).
-    assert c.rope == pb.RotaryEmbedding(pair_layout=pb.RotaryEmbedding.HALF_SPLIT, base=1e6,
-                                        scaling_type="linear", scaling_factor=8)
+    # The sliding layers' RoPE, as `tqkv config --from-hf` (52 of 62 layers; a cache has one).
+    assert c.rope == pb.RotaryEmbedding(pair_layout=pb.RotaryEmbedding.HALF_SPLIT, base=1e4)
     full = [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
     assert windows(c) == {layer: 1024 for layer in range(62) if layer not in full}
     spec = tqkv.hf.model_spec(load("gemma-3-27b.json"))
-    assert spec.notes and "base 10000" in spec.notes[0]
+    assert spec.notes and "base 10000" in spec.notes[0] and "base 1e+06" in spec.notes[0]
+    # The full-attention layers' RoPE by choice; a cache with either is the model's.
+    full_rope = tqkv.hf.cache_config(load("gemma-3-27b.json"), rope_of="full").rope
+    assert full_rope == pb.RotaryEmbedding(pair_layout=pb.RotaryEmbedding.HALF_SPLIT, base=1e6,
+                                           scaling_type="linear", scaling_factor=8)
+    served = pb.CacheConfig(key_centering="pre_rope")
+    served.rope.CopyFrom(full_rope)
+    assert not tqkv.hf._config.rope_differs(spec, served)
 
 
 def test_cache_config_of_mistral_7b():
-    c = tqkv.hf.cache_config(load("mistral-7b.json"))
+    c = tqkv.hf.cache_config(load("mistral-7b-v0.1.json"))
     assert (c.num_layers, c.num_kv_heads, c.num_query_heads, c.head_dim) == (32, 8, 32, 128)
     assert c.rope == pb.RotaryEmbedding(pair_layout=pb.RotaryEmbedding.HALF_SPLIT, base=10000)
     assert windows(c) == {layer: 4096 for layer in range(32)}
@@ -163,8 +174,8 @@ def test_cache_config_of_gpt_oss_20b():
 
 
 def test_cache_config_reads_a_model_folder(tmp_path):
-    (tmp_path / "config.json").write_text((CONFIGS / "mistral-7b.json").read_text())
-    assert tqkv.hf.cache_config(tmp_path) == tqkv.hf.cache_config(load("mistral-7b.json"))
+    (tmp_path / "config.json").write_text((CONFIGS / "mistral-7b-v0.1.json").read_text())
+    assert tqkv.hf.cache_config(tmp_path) == tqkv.hf.cache_config(load("mistral-7b-v0.1.json"))
     assert tqkv.hf.cache_config(tmp_path / "config.json", preset="fp16").preset == "fp16"
 
 
@@ -177,6 +188,28 @@ def test_cache_config_is_a_config_the_server_takes():
         got = {c.config.name: c.config for c in client.info().caches}
     assert got["gpt-oss-20b.json"].rope.inv_freq[:2] == pytest.approx([1.0, 0.68904430], 1e-6)
     assert windows(got["gemma-3-27b.json"])[0] == 1024
+
+
+def cli_binary():
+    return os.environ.get("TQKV_CLI") or str(ROOT / "build" / "bin" / "tqkv")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.json")))
+def test_cache_config_equals_tqkv_config_from_hf(name):
+    """The Python derivation and the CLI's (client/cli/hf_model_config.cc)
+    give the same cache for every published config."""
+    out = subprocess.run([cli_binary(), "config", "--from-hf", str(CONFIGS / name)],
+                         check=True, capture_output=True, text=True).stdout
+    (have,) = text_format.Parse(out, pb.ServerConfig()).caches
+    want = tqkv.hf.cache_config(load(name))
+    if have.rope.rotary_dims == have.head_dim:
+        have.rope.rotary_dims = 0
+    # YaRN's frequencies: the CLI computes them in double, transformers in float32.
+    assert list(have.rope.inv_freq) == pytest.approx(list(want.rope.inv_freq), rel=1e-6)
+    for config in (have, want):
+        config.ClearField("memory_budget_bytes")
+        config.rope.ClearField("inv_freq")
+    assert text_format.MessageToString(have) == text_format.MessageToString(want)
 
 
 def test_soft_capping_is_refused_with_a_reason():

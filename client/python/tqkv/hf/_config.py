@@ -17,9 +17,11 @@ way the model reads them):
     the proto's fields; any other type (yarn, longrope, dynamic, ...) is
     given as the explicit inv_freq transformers computes for it at its
     original length. Where layer types have their own RoPE (Gemma 3: local
-    layers base 1e4, global 1e6) the cache gets the full-attention layers'
-    one: a cache has one `rope`, and another RoPE than the keys' keeps
-    attention exact (it only centers less well);
+    layers base 1e4, global 1e6) the cache gets the sliding-window layers'
+    one (rope_of="full": the other), as `tqkv config --from-hf` does: a
+    cache has one `rope`, and another RoPE than the keys' keeps attention
+    exact (it only centers less well; the server counts those layers in
+    tqkv_cache_rope_mismatches_total);
   * sliding-window layers (layer_types, or every layer when only
     sliding_window is set, as in Mistral) and their window;
   * learned sink logits (gpt-oss) and attention logit soft-capping (Gemma 2):
@@ -99,6 +101,9 @@ class ModelSpec:
     query_heads: int
     head_dim: int
     rope: Optional[Rope]
+    # The other layers' RoPE where sliding and full layers rotate differently
+    # (Gemma 3); a cache with either is the model's.
+    other_rope: Optional[Rope] = None
     windows: Dict[int, int] = field(default_factory=dict)  # layer -> window (sliding layers)
     sinks: bool = False                  # learned sink logits per query head (gpt-oss)
     softcap: Optional[float] = None      # attention logit soft-capping (Gemma 2)
@@ -220,10 +225,15 @@ def _explicit_inv_freq(config, rope_type: str, layer_type: str) -> Tuple[float, 
     return tuple(float(f) for f in inv_freq.tolist())
 
 
-def model_rope(config, model_type: str, head_dim: int, types: List[str]) -> Optional[Rope]:
-    """The RoPE of the model's full-attention layers (of its first layer when
-    every layer slides), None for a model without RoPE."""
-    layer_type = "full_attention" if "full_attention" in types else types[0]
+def model_rope(config, model_type: str, head_dim: int, types: List[str],
+               rope_of: str = "sliding") -> Optional[Rope]:
+    """The RoPE of the model's sliding-window layers (rope_of="full": of its
+    full-attention layers) when it has both, else of its first layer; None
+    for a model without RoPE."""
+    if rope_of not in ("sliding", "full"):
+        raise InvalidArgument("rope_of is %r; want 'sliding' or 'full'" % rope_of)
+    want = "sliding_attention" if rope_of == "sliding" else "full_attention"
+    layer_type = want if want in types else types[0]
     params = _rope_parameters(config, layer_type)
     base = params.get("rope_theta", getattr(config, "rope_theta", None)
                       or getattr(config, "default_theta", None))
@@ -252,10 +262,11 @@ def model_rope(config, model_type: str, head_dim: int, types: List[str]) -> Opti
 
 # -- the spec and the config ---------------------------------------------------------
 
-def model_spec(model_or_config) -> ModelSpec:
+def model_spec(model_or_config, rope_of: str = "sliding") -> ModelSpec:
     """The ModelSpec of a transformers model, config, config.json dict or
-    path. Raises Unsupported for what no tqkv cache can serve (layers of
-    another kind than full or sliding-window attention)."""
+    path; rope_of picks the RoPE of a model whose sliding and full layers
+    rotate differently. Raises Unsupported for what no tqkv cache can serve
+    (layers of another kind than full or sliding-window attention)."""
     config = load_config(model_or_config)
     model_type = getattr(config, "model_type", "")
     types = _layer_types(config)
@@ -266,13 +277,17 @@ def model_spec(model_or_config) -> ModelSpec:
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     spec = ModelSpec(model_type=model_type, layers=int(config.num_hidden_layers),
                      kv_heads=int(kv_heads), query_heads=int(config.num_attention_heads),
-                     head_dim=head_dim, rope=model_rope(config, model_type, head_dim, types),
+                     head_dim=head_dim, rope=model_rope(config, model_type, head_dim, types, rope_of),
                      windows=_windows(config, types),
                      sinks=model_type in ("gpt_oss",),
                      softcap=getattr(config, "attn_logit_softcapping", None) or None)
     if spec.rope is not None and spec.windows and _has_two_ropes(config):
-        spec.notes.append("sliding-window layers rotate with another RoPE (%s); the cache "
-                          "carries the full-attention layers' one" % _sliding_rope_words(config))
+        other = "full" if rope_of == "sliding" else "sliding"
+        spec.other_rope = model_rope(config, model_type, head_dim, types, other)
+        spec.notes.append("sliding-window layers rotate with base %s, full-attention layers with "
+                          "base %s; the cache carries the %s layers' RoPE (rope_of=%r for the "
+                          "other)" % (_base_words(config, "sliding_attention"),
+                                      _base_words(config, "full_attention"), rope_of, other))
     if spec.rope is None:
         spec.notes.append("no RoPE found in the config: the cache gets none")
     return spec
@@ -284,26 +299,28 @@ def _has_two_ropes(config) -> bool:
         params["sliding_attention"] != params["full_attention"]
 
 
-def _sliding_rope_words(config) -> str:
-    p = config.rope_parameters["sliding_attention"]
-    return "base %g, %s" % (p.get("rope_theta", 0), p.get("rope_type", "default"))
+def _base_words(config, layer_type: str) -> str:
+    p = config.rope_parameters[layer_type]
+    return "%g (%s)" % (p.get("rope_theta", 0), p.get("rope_type", "default"))
 
 
 def cache_config(model_or_config, *, preset: str = DEFAULT_PRESET, name: str = "default",
                  page_tokens: int = DEFAULT_PAGE_TOKENS, boundary_layers: int = 0,
-                 memory_budget_bytes: int = 0, pair_layout: Optional[int] = None
-                 ) -> "pb.CacheConfig":
+                 memory_budget_bytes: int = 0, pair_layout: Optional[int] = None,
+                 rope_of: str = "sliding") -> "pb.CacheConfig":
     """The server's CacheConfig for a Hugging Face model (see the module's
     docstring for what is derived). pair_layout (pb.RotaryEmbedding.
     HALF_SPLIT or INTERLEAVED; default the model's) is the layout keys are
     stored in: a TqkvCache permutes the coordinates of keys and queries
     (their products unchanged) to the cache's layout, so that a cache shared
-    with a GGUF-layout engine holds the same vectors. Raises Unsupported for
+    with a GGUF-layout engine holds the same vectors. rope_of ("sliding" or
+    "full") picks the RoPE of a model whose sliding and full layers rotate
+    differently (Gemma 3), as `tqkv config --rope-of`. Raises Unsupported for
     a model the server cannot serve as it is (attention logit soft-capping);
     learned sink logits are not part of a cache (tqkv.hf sends them with
     every Attend)."""
     spec = model_or_config if isinstance(model_or_config, ModelSpec) \
-        else model_spec(model_or_config)
+        else model_spec(model_or_config, rope_of)
     refuse_unservable(spec)
     config = pb.CacheConfig(name=name, num_layers=spec.layers, num_kv_heads=spec.kv_heads,
                             num_query_heads=spec.query_heads, head_dim=spec.head_dim,
@@ -413,11 +430,16 @@ def rope_differs(spec: ModelSpec, config) -> bool:
     layout does not count: a TqkvCache sends keys in the cache's."""
     if config.key_centering != "pre_rope" or spec.rope is None:
         return False
-    want = spec.rope.proto()
+    return all(_rope_differs(rope, spec.head_dim, config)
+               for rope in (spec.rope, spec.other_rope) if rope is not None)
+
+
+def _rope_differs(rope: Rope, head_dim: int, config) -> bool:
+    want = rope.proto()
     want.pair_layout = config.rope.pair_layout  # a TqkvCache sends keys in the cache's layout
     have = pb.RotaryEmbedding()
     have.CopyFrom(config.rope)
-    if have.rotary_dims == spec.head_dim:
+    if have.rotary_dims == head_dim:
         have.rotary_dims = 0
     if have.scaling_type == "none":
         have.scaling_type = ""
