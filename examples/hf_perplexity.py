@@ -22,8 +22,10 @@ its last --residual tokens (128) kept in float32 besides.
 
 QuantizedCache's backends are optional packages: `pip install
 optimum-quanto hqq` (not installed by scripts/python_env.sh); a backend that
-is missing gets a row saying so. transformers' own float32 attention
-(DynamicCache) is the baseline.
+is missing gets a row saying so. --quantized picks the rows (backend:bits,
+"" for none). quanto compiles its CPU extension on first use (about 3
+minutes on 2 cores; cached by torch afterwards). transformers' own float32
+attention (DynamicCache) is the baseline.
 """
 import argparse
 import os
@@ -37,7 +39,7 @@ import hf_smollm2  # noqa: E402
 
 TQKV_PRESETS = ["fp16", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                 "tqkv_k3v4u_csw", "tqkv_k3v3u_csw"]
-QUANTIZED = [("quanto", 4), ("quanto", 2), ("hqq", 4), ("hqq", 2)]
+QUANTIZED = "quanto:4,quanto:2,hqq:4,hqq:2"
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 
 
@@ -70,7 +72,8 @@ def quantized_rows(model, ids, args):
     from transformers import QuantizedCache
 
     rows = []
-    for backend, nbits in QUANTIZED:
+    for item in filter(None, args.quantized.split(",")):
+        backend, nbits = item.split(":")[0], int(item.split(":")[1])
         label = "QuantizedCache %s %d-bit" % (backend, nbits)
         t0 = time.perf_counter()
         try:
@@ -106,7 +109,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--presets", default=",".join(TQKV_PRESETS))
     ap.add_argument("--residual", type=int, default=128, help="QuantizedCache residual_length")
-    ap.add_argument("--no-quantized-cache", dest="quantized", action="store_false")
+    ap.add_argument("--quantized", default=QUANTIZED, help="QuantizedCache rows, backend:bits "
+                    "(\"\": none)")
     ap.add_argument("--start-server", action="store_true")
     ap.add_argument("--server-binary", default=os.environ.get("TQKV_SERVER") or
                     str(hf_smollm2.ROOT / "build" / "bin" / "tqkv-server"))
@@ -136,8 +140,7 @@ def main():
     finally:
         if server is not None:
             server.stop()
-    if args.quantized:
-        rows += quantized_rows(model, ids, args)
+    rows += quantized_rows(model, ids, args)
     print_table(rows, base, args, ids.shape[1])
 
 
