@@ -134,3 +134,70 @@ def test_smollm2_perplexity_agrees_with_the_quality_report(smollm2, token_ids, r
                  " ".join("%.4f" % p for p in report[row]), 100 * rel))
         if row in bounds:
             assert abs(rel) < bounds[row], (row, got[row], report[row])
+
+
+def test_server_reports_keys_that_do_not_rotate_like_its_rope(smollm2, token_ids):
+    """The issue's trap: SmolLM2's keys in a cache carrying Llama-3.1's RoPE
+    (the default config reshaped). The server logs one line per layer
+    (cache/rope_check.h; also counted in tqkv_cache_rope_mismatches_total);
+    a cache with SmolLM2's own RoPE logs none."""
+    import torch
+    model, _ = smollm2
+    torch.set_num_threads(1)
+    ids = torch.tensor([token_ids[:256]])
+    own = tqkv.hf.cache_config(model, name="own", memory_budget_bytes=32 << 20)
+    llama = tqkv.hf.cache_config(model, name="llama", memory_budget_bytes=32 << 20)
+    llama.rope.CopyFrom(pb.RotaryEmbedding(
+        pair_layout=pb.RotaryEmbedding.HALF_SPLIT, base=500000, scaling_type="llama3",
+        scaling_factor=8, low_freq_factor=1, high_freq_factor=4, original_max_position=8192))
+    with LocalServer(server_binary(), tqkv.hf.config_text(own, llama), threads=2) as server, \
+            server.client(timeout=120) as client:
+        for cache in ("own", "llama"):
+            with pytest.warns(tqkv.hf.RopeMismatchWarning) if cache == "llama" else \
+                    _no_warning(), tqkv.hf.TqkvCache(model, client, cache=cache) as kv:
+                tqkv.hf.perplexity(model, ids, cache=kv, chunk=0)  # one 256-token prefill
+        log = server.read_log()
+    if isinstance(log, bytes):
+        log = log.decode("utf-8", "replace")
+    lines = [line for line in log.splitlines() if "do not rotate like the cache's RoPE" in line]
+    assert not [line for line in lines if "cache 'own'" in line], lines
+    layers = {line.split(" layer ")[1].split(":")[0] for line in lines if "cache 'llama'" in line}
+    print("\n".join(lines[:3]))
+    assert len(layers) == model.config.num_hidden_layers, lines
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+        self.catcher = warnings.catch_warnings()
+        self.catcher.__enter__()
+        warnings.simplefilter("error", tqkv.hf.RopeMismatchWarning)
+
+    def __exit__(self, *exc):
+        return self.catcher.__exit__(*exc)
+
+
+def run_example(name, *args):
+    command = [sys.executable, str(ROOT / "examples" / name), "--start-server",
+               "--server-binary", server_binary(), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_hf_generate_example_runs(smollm2):
+    """examples/hf_generate.py, short: two prompts, 4 new tokens, --check."""
+    out = run_example("hf_generate.py", "--tokens", "4", "--preset", "fp16",
+                      "--prompt", "Name a river.", "Say hello.", "--check")
+    assert "[1] " in out and "tokens/s over 3 steps of 2 sequences" in out, out
+    assert "server held" in out and "eager attention:" in out, out
+
+
+def test_hf_perplexity_example_runs(smollm2):
+    """examples/hf_perplexity.py, short: 48 tokens, two presets, one
+    QuantizedCache row (run where hqq is installed, 'not run' otherwise)."""
+    out = run_example("hf_perplexity.py", "--tokens", "48", "--presets", "fp16,tqkv_k3v4u_csw",
+                      "--quantized", "hqq:4")
+    for row in ("| transformers float32 (DynamicCache) | 32.00 |", "| tqkv fp16 |",
+                "| tqkv tqkv_k3v4u_csw |", "| QuantizedCache hqq 4-bit |"):
+        assert row in out, out
