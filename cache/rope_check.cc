@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <complex>
 #include <cstdio>
 #include <utility>
 #include <vector>
@@ -19,23 +18,24 @@ RopeCoherence MeasureRopeCoherence(const RopeTable& rope, const RopeAngles& angl
   const int64_t n = end - begin;
   if (pairs == 0 || n < L::kMinTokens) return out;
   out.tokens = n;
-  // w[(h * pairs + i) * n + t]: the pair in the cache's pre-RoPE frame.
-  std::vector<std::complex<double>> w(static_cast<size_t>(heads) * pairs * n);
-  std::vector<double> energy(static_cast<size_t>(heads) * pairs, 0.0);
+  // re/im[(h * pairs + i) * n + t]: the pair in the cache's pre-RoPE frame.
+  const size_t rows = static_cast<size_t>(heads) * pairs;
+  std::vector<double> re(rows * n), im(rows * n), energy(rows, 0.0);
   double total = 0.0;
   for (int h = 0; h < heads; ++h) {
     for (int i = 0; i < pairs; ++i) {
-      std::complex<double>* row = w.data() + (static_cast<size_t>(h) * pairs + i) * n;
+      const size_t row = static_cast<size_t>(h) * pairs + i;
       double e = 0.0;
       for (int64_t t = 0; t < n; ++t) {
         const float* k = keys + (begin + t) * stride + static_cast<int64_t>(h) * head_dim;
         const double c = angles.cos[(begin + t) * angles.pairs + i];
         const double s = angles.sin[(begin + t) * angles.pairs + i];
         const double a = k[rope.first(i)], b = k[rope.second(i)];
-        row[t] = {a * c + b * s, b * c - a * s};
+        re[row * n + t] = a * c + b * s;
+        im[row * n + t] = b * c - a * s;
         e += a * a + b * b;
       }
-      energy[static_cast<size_t>(h) * pairs + i] = e / n;
+      energy[row] = e / n;
       total += e / n;
     }
   }
@@ -44,14 +44,19 @@ RopeCoherence MeasureRopeCoherence(const RopeTable& rope, const RopeAngles& angl
     double magnitude = 0.0, cosines = 0.0;
     int significant = 0;
     const double noise = L::kSignificance / std::sqrt(static_cast<double>(n - lag));
-    for (size_t p = 0; p < energy.size(); ++p) {
-      const std::complex<double>* row = w.data() + p * n;
-      std::complex<double> rho = 0.0;
-      for (int64_t t = 0; t + lag < n; ++t) rho += row[t + lag] * std::conj(row[t]);
-      rho /= static_cast<double>(n - lag);
-      if (std::abs(rho) <= noise * energy[p]) continue;
-      magnitude += std::abs(rho);
-      cosines += rho.real() / std::abs(rho);
+    for (size_t row = 0; row < rows; ++row) {
+      // rho = mean_t w_{t+lag} conj(w_t)
+      const double* x = re.data() + row * n;
+      const double* y = im.data() + row * n;
+      double rho_re = 0.0, rho_im = 0.0;
+      for (int64_t t = 0; t + lag < n; ++t) {
+        rho_re += x[t + lag] * x[t] + y[t + lag] * y[t];
+        rho_im += y[t + lag] * x[t] - x[t + lag] * y[t];
+      }
+      const double abs = std::hypot(rho_re, rho_im) / static_cast<double>(n - lag);
+      if (abs <= noise * energy[row]) continue;
+      magnitude += abs;
+      cosines += rho_re / (abs * static_cast<double>(n - lag));
       ++significant;
     }
     const double shared = magnitude / total;
