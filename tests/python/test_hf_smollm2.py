@@ -14,7 +14,7 @@ transformers' half-split coordinates to the cache's layout; q.k unchanged),
 so that the server quantizes the same vectors up to float rounding.
 
 TQKV_HF_PPL_TOKENS=1024 TQKV_HF_PPL_SEEDS=0,101,202 runs the full-length
-comparison (the means over the seeds compared) that docs/python.md reports;
+comparison (the means over the seeds compared) that docs/hf.md reports;
 TQKV_HF_PPL_INFO=turboquant_k3v4_nc,... adds presets whose figures are
 printed (pytest -s) but not bounded.
 """
