@@ -8,8 +8,8 @@
 
 namespace tqkv {
 
-RopeCoherence MeasureRopeCoherence(const RopeTable& rope, const RopeAngles& angles, const float* keys,
-                                   int64_t begin, int64_t end, int64_t stride, int heads, int head_dim) {
+RopeCoherence MeasureRopeCoherence(const RopeTable& rope, const RopeAngles& angles, const float* keys, int64_t begin,
+                                   int64_t end, int64_t stride, int heads, int head_dim) {
   using L = RopeCheckLimits;
   RopeCoherence out;
   const int pairs = rope.num_pairs();
@@ -73,9 +73,7 @@ RopeCoherence MeasureRopeCoherence(const RopeTable& rope, const RopeAngles& angl
 }
 
 RopeCheck::RopeCheck(std::string cache, int layers)
-    : cache_(std::move(cache)),
-      layers_(layers),
-      verdicts_(new std::atomic<int>[layers]),
+    : cache_(std::move(cache)), layers_(layers), verdicts_(new std::atomic<int>[layers]),
       logged_(new std::atomic<bool>[layers]) {
   for (int l = 0; l < layers; ++l) {
     verdicts_[l].store(0, std::memory_order_relaxed);
@@ -83,8 +81,8 @@ RopeCheck::RopeCheck(std::string cache, int layers)
   }
 }
 
-void RopeCheck::Observe(int layer, const RopeTable& rope, const RopeAngles& angles, const float* keys,
-                        int64_t begin, int64_t end, int64_t stride, int heads, int head_dim) {
+void RopeCheck::Observe(int layer, const RopeTable& rope, const RopeAngles& angles, const float* keys, int64_t begin,
+                        int64_t end, int64_t stride, int heads, int head_dim) {
   if (layer < 0 || layer >= layers_) return;
   if (verdicts_[layer].load(std::memory_order_relaxed) >= RopeCheckLimits::kChecksPerLayer) return;
   const RopeCoherence r = MeasureRopeCoherence(rope, angles, keys, begin, end, stride, heads, head_dim);

@@ -88,8 +88,8 @@ struct RopeCheckLimits {
 // t * stride, position angles.first_position + t, heads head_dim apart) in
 // the frame of `rope`. No verdict (tokens 0) for a table without pairs or
 // fewer than kMinTokens rows. REQUIRES: end <= angles.n.
-RopeCoherence MeasureRopeCoherence(const RopeTable& rope, const RopeAngles& angles, const float* keys,
-                                   int64_t begin, int64_t end, int64_t stride, int heads, int head_dim);
+RopeCoherence MeasureRopeCoherence(const RopeTable& rope, const RopeAngles& angles, const float* keys, int64_t begin,
+                                   int64_t end, int64_t stride, int heads, int head_dim);
 
 class RopeCheck {
  public:

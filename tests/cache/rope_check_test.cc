@@ -43,8 +43,7 @@ RopeOptions Llama31() {
 // [tokens, kHeads, kDim] keys at positions first..: a shared pre-RoPE vector
 // per head (`shared` times a standard Gaussian per coordinate: ~0.7 of the
 // energy at 1.5, as in real models) plus unit noise, rotated by `model`.
-std::vector<float> MakeKeys(const RopeOptions& model, int64_t first, int64_t tokens, double shared,
-                            uint64_t seed) {
+std::vector<float> MakeKeys(const RopeOptions& model, int64_t first, int64_t tokens, double shared, uint64_t seed) {
   auto table = RopeTable::Create(model, kDim);
   EXPECT_TRUE(table.ok()) << table.status();
   Random rng(seed);
@@ -62,8 +61,8 @@ std::vector<float> MakeKeys(const RopeOptions& model, int64_t first, int64_t tok
   return keys;
 }
 
-RopeCoherence Measure(const RopeOptions& model, const RopeOptions& cache, int64_t tokens,
-                      double shared = 1.5, uint64_t seed = 1) {
+RopeCoherence Measure(const RopeOptions& model, const RopeOptions& cache, int64_t tokens, double shared = 1.5,
+                      uint64_t seed = 1) {
   const int64_t first = 3;
   const std::vector<float> keys = MakeKeys(model, first, tokens, shared, seed);
   auto table = RopeTable::Create(cache, kDim);
@@ -122,11 +121,9 @@ TEST(RopeCheck, FiresForLlama31RopeOnSmolLM2Keys) {
 TEST(RopeCheck, FiresForTheOtherPairLayout) {
   for (uint64_t seed : {1, 2, 3}) {
     for (int64_t tokens : {int64_t{128}, kLongWindow}) {
-      const RopeCoherence r =
-          Measure(Rope(100000.0), Rope(100000.0, RopePairLayout::kInterleaved), tokens, 1.5, seed);
+      const RopeCoherence r = Measure(Rope(100000.0), Rope(100000.0, RopePairLayout::kInterleaved), tokens, 1.5, seed);
       EXPECT_TRUE(r.mismatch) << tokens << " tokens: " << Describe(r);
-      const RopeCoherence back =
-          Measure(Rope(10000.0, RopePairLayout::kInterleaved), Rope(10000.0), tokens, 1.5, seed);
+      const RopeCoherence back = Measure(Rope(10000.0, RopePairLayout::kInterleaved), Rope(10000.0), tokens, 1.5, seed);
       EXPECT_TRUE(back.mismatch) << tokens << " tokens: " << Describe(back);
     }
   }
