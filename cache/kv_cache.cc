@@ -53,7 +53,11 @@ KvCache::KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> la
       layout_(std::move(layout)),
       backend_(backend),
       pool_(pool),
-      state_(std::make_unique<State>(options, layout_.get(), pool.num_pages)) {}
+      state_(std::make_unique<State>(options, layout_.get(), pool.num_pages)) {
+  if (layout_->key_centering() == KeyCentering::kPreRope && layout_->rope().num_pairs() > 0) {
+    rope_check_ = std::make_unique<RopeCheck>(options.name, layout_->num_layers());
+  }
+}
 
 KvCache::~KvCache() { backend_->FreePool(pool_); }
 
@@ -349,6 +353,7 @@ CacheStats KvCache::Stats() {
   stats.evictions = s.evictions;
   stats.copy_on_writes = s.copy_on_writes;
   stats.evicted_lookups = s.evicted_lookups;
+  stats.rope_mismatches = rope_check_ == nullptr ? 0 : rope_check_->mismatches();
   return stats;
 }
 

@@ -97,6 +97,8 @@
 
 namespace tqkv {
 
+class RopeCheck;  // cache/rope_check.h
+
 namespace cache_internal {
 struct Sequence;      // kv_cache_internal.h
 struct ReadSnapshot;  // kv_cache_internal.h
@@ -146,6 +148,9 @@ struct CacheStats {
   // Calls that named a sequence this cache had evicted (their NOT_FOUND says
   // so: "... it was evicted 12s ago (idle TTL)"), ever.
   uint64_t evicted_lookups = 0;
+  // (sequence, layer) key means whose keys did not rotate like the cache's
+  // RoPE says (cache/rope_check.h), ever; pre-RoPE centering only.
+  uint64_t rope_mismatches = 0;
 };
 
 struct AppendRequest {
@@ -521,6 +526,7 @@ class KvCache {
   Backend* backend_;
   PagePool pool_;
   std::unique_ptr<State> state_;
+  std::unique_ptr<RopeCheck> rope_check_;  // pre-RoPE centering only; else null
 };
 
 }  // namespace tqkv

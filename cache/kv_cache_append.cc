@@ -706,6 +706,9 @@ void KvCache::CenterKeys(const AppendRequest& request,
         EstimateKeyMean(rope, *angles, keys + h * d, mean_begin, mean_end, stride, o.centering_pairs, d,
                         mean->data() + h * d);
       }
+      if (rope_check_) {
+        rope_check_->Observe(request.layer_begin + l, rope, *angles, keys, mean_begin, n, stride, heads, d);
+      }
       (*means)[l] = std::move(mean);
     }
     for (int h = 0; h < heads; ++h) {

@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cache/page_allocator.h"
+#include "cache/rope_check.h"
 #include "kernels/float_formats.h"
 #include "kernels/key_centering.h"
 #include "base/status_macros.h"

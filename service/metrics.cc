@@ -109,6 +109,10 @@ class CacheCollector : public prometheus::Collectable {
         {"tqkv_cache_evicted_lookups_total",
          "Calls that named a sequence the cache had evicted (NOT_FOUND says when and why).",
          MetricType::Counter},
+        {"tqkv_cache_rope_mismatches_total",
+         "Layers of sequences whose keys did not rotate like the cache's RoPE says (pre-RoPE centering; "
+         "the first 4 sequences of each layer are checked): the config's RoPE is not the model's.",
+         MetricType::Counter},
     };
     constexpr int kDefsCount = sizeof(kDefs) / sizeof(kDefs[0]);
     std::vector<prometheus::MetricFamily> families(kDefsCount);
@@ -134,7 +138,8 @@ class CacheCollector : public prometheus::Collectable {
                                          static_cast<double>(s.tokens),
                                          static_cast<double>(s.evictions),
                                          static_cast<double>(s.copy_on_writes),
-                                         static_cast<double>(s.evicted_lookups)};
+                                         static_cast<double>(s.evicted_lookups),
+                                         static_cast<double>(s.rope_mismatches)};
       for (int i = 0; i < kDefsCount; ++i) {
         prometheus::ClientMetric m;
         m.label.push_back({"cache", cache->options().name});

@@ -42,6 +42,9 @@
 //   tqkv_cache_copy_on_writes_total{cache}      pages copied on write
 //   tqkv_cache_evicted_lookups_total{cache}     calls that named an evicted
 //                                                sequence
+//   tqkv_cache_rope_mismatches_total{cache}     (sequence, layer) key means whose
+//                                                keys did not rotate like the
+//                                                cache's RoPE (cache/rope_check.h)
 //   tqkv_executor_running, tqkv_executor_queued  calls on the executor now
 //   tqkv_executor_pending_bytes                  their request bytes
 //   tqkv_executor_max_pending                    the bound on running + queued

@@ -82,5 +82,8 @@ setup(
         "grpcio>=%s" % major_minor(grpc_version),
         "protobuf>=%s,<%d" % (major_minor(protobuf_version), int(protobuf_version.split(".")[0]) + 1),
     ],
+    # tqkv[hf]: tqkv.hf, attention served for Hugging Face transformers
+    # (tested with torch 2.15.0 and transformers 5.25.0: scripts/python_env.sh).
+    extras_require={"hf": ["torch>=2.4", "transformers>=5.25,<6"]},
     cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProto},
 )
