@@ -5,28 +5,26 @@
 namespace tqkv {
 
 using cache_internal::CeilDiv;
-using cache_internal::ForEachHeld;
-using cache_internal::CountBytes;
-using cache_internal::ExactRuns;
-using cache_internal::TablePlan;
-using cache_internal::PlanTableWrites;
-using cache_internal::Sequence;
-using cache_internal::ForEachPage;
-using cache_internal::ReadSnapshot;
 using cache_internal::CheckFinite;
 using cache_internal::CheckScale;
+using cache_internal::CountBytes;
 using cache_internal::EffectiveScale;
+using cache_internal::ExactRuns;
+using cache_internal::ForEachHeld;
+using cache_internal::ForEachPage;
+using cache_internal::PlanTableWrites;
+using cache_internal::ReadSnapshot;
+using cache_internal::Sequence;
+using cache_internal::TablePlan;
 
-absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const CacheOptions& options,
-                                                         Backend* backend) {
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const CacheOptions& options, Backend* backend) {
   if (backend == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("cache '%s': backend is null; want a backend", options.name));
+    return absl::InvalidArgumentError(absl::StrFormat("cache '%s': backend is null; want a backend", options.name));
   }
   if (options.idle_ttl <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cache '%s': idle_ttl is %s; want a positive duration or InfiniteDuration() to disable",
-        options.name, absl::FormatDuration(options.idle_ttl)));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cache '%s': idle_ttl is %s; want a positive duration or InfiniteDuration() to disable",
+                        options.name, absl::FormatDuration(options.idle_ttl)));
   }
   ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> layout, KvLayout::Create(options.layout));
   if (absl::Status supported = backend->SupportsLayout(*layout); !supported.ok()) {
@@ -39,20 +37,16 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const CacheOptions& opt
   const int64_t num_pages =
       static_cast<int64_t>(std::min<uint64_t>(options.memory_budget_bytes / page_bytes, max_pages));
   if (num_pages == 0) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "cache '%s': a memory budget of %d bytes holds no page of %d bytes; want at least %d",
-        options.name, options.memory_budget_bytes, page_bytes, page_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("cache '%s': a memory budget of %d bytes holds no page of %d bytes; want at least %d",
+                        options.name, options.memory_budget_bytes, page_bytes, page_bytes));
   }
   ASSIGN_OR_RETURN(PagePool pool, backend->AllocatePool(*layout, static_cast<int32_t>(num_pages)));
   return std::unique_ptr<KvCache>(new KvCache(options, std::move(layout), backend, pool));
 }
 
-KvCache::KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout,
-                 Backend* backend, PagePool pool)
-    : options_(options),
-      layout_(std::move(layout)),
-      backend_(backend),
-      pool_(pool),
+KvCache::KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout, Backend* backend, PagePool pool)
+    : options_(options), layout_(std::move(layout)), backend_(backend), pool_(pool),
       state_(std::make_unique<State>(options, layout_.get(), pool.num_pages)) {
   if (layout_->key_centering() == KeyCentering::kPreRope && layout_->rope().num_pairs() > 0) {
     rope_check_ = std::make_unique<RopeCheck>(options.name, layout_->num_layers());
@@ -68,8 +62,7 @@ absl::Status KvCache::CreateSequence(const std::string& id, std::shared_ptr<Usag
   // A first append in flight on the id decides whether it exists.
   s.AwaitNoWriter(id);
   if (s.sequences.contains(id)) {
-    return absl::AlreadyExistsError(
-        absl::StrFormat("sequence '%s' already exists in cache '%s'", id, s.name));
+    return absl::AlreadyExistsError(absl::StrFormat("sequence '%s' already exists in cache '%s'", id, s.name));
   }
   if (account != nullptr) RETURN_IF_ERROR(account->TryAddSequence());
   s.AddSequence(id, /*pending=*/false, s.clock())->account = std::move(account);
@@ -179,17 +172,17 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
     const AttendRequestItem& item = items[i];
     if (item.layer < 0 || item.layer >= layout.num_layers()) {
       return absl::InvalidArgumentError(
-          absl::StrFormat("item %d: layer %d is outside the cache's %d layers; want [0, %d)", i,
-                          item.layer, layout.num_layers(), layout.num_layers()));
+          absl::StrFormat("item %d: layer %d is outside the cache's %d layers; want [0, %d)", i, item.layer,
+                          layout.num_layers(), layout.num_layers()));
     }
     if (item.queries == nullptr || item.output == nullptr) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "item %d: %s is null; want [num_query_tokens, num_query_heads, head_dim] floats", i,
-          item.queries == nullptr ? "queries" : "output"));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("item %d: %s is null; want [num_query_tokens, num_query_heads, head_dim] floats", i,
+                          item.queries == nullptr ? "queries" : "output"));
     }
     if (item.num_query_tokens < 1) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "item %d: num_query_tokens is %d; want at least 1", i, item.num_query_tokens));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("item %d: num_query_tokens is %d; want at least 1", i, item.num_query_tokens));
     }
   }
   if (items.empty()) return absl::OkStatus();
@@ -205,25 +198,25 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
       const AttendRequestItem& item = items[i];
       const Sequence* seq = s.FindVisible(item.sequence_id);
       if (seq == nullptr) {
-        return s.SequenceNotFound(item.sequence_id, absl::StrFormat("item %d: sequence '%s' not found in cache '%s'",
-                                                                    i, item.sequence_id, s.name));
+        return s.SequenceNotFound(item.sequence_id, absl::StrFormat("item %d: sequence '%s' not found in cache '%s'", i,
+                                                                    item.sequence_id, s.name));
       }
       const int64_t length = seq->layer_tokens[item.layer];
       if (item.num_query_tokens > length) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "item %d: %d query tokens but sequence '%s' layer %d holds %d tokens; the query "
-            "tokens must be appended first (want 1 <= num_query_tokens <= %d)",
-            i, item.num_query_tokens, item.sequence_id, item.layer, length, length));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("item %d: %d query tokens but sequence '%s' layer %d holds %d tokens; the query "
+                            "tokens must be appended first (want 1 <= num_query_tokens <= %d)",
+                            i, item.num_query_tokens, item.sequence_id, item.layer, length, length));
       }
       const int64_t first_seen = layout.WindowBegin(item.layer, length - item.num_query_tokens);
       const int64_t held = seq->held_begin[item.layer];
       if (first_seen < held) {
-        return absl::OutOfRangeError(absl::StrFormat(
-            "item %d: sequence '%s' layer %d (sliding window %d) holds tokens [%d, %d) and has given "
-            "older ones back; %d query tokens need token %d on (the oldest token held is %d: attend "
-            "with at most as many query tokens as the layer's last append had)",
-            i, item.sequence_id, item.layer, layout.layer_window(item.layer), held, length,
-            item.num_query_tokens, first_seen, held));
+        return absl::OutOfRangeError(
+            absl::StrFormat("item %d: sequence '%s' layer %d (sliding window %d) holds tokens [%d, %d) and has given "
+                            "older ones back; %d query tokens need token %d on (the oldest token held is %d: attend "
+                            "with at most as many query tokens as the layer's last append had)",
+                            i, item.sequence_id, item.layer, layout.layer_window(item.layer), held, length,
+                            item.num_query_tokens, first_seen, held));
       }
     }
     const absl::Time now = s.clock();
@@ -259,27 +252,25 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
   return status;
 }
 
-absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begin,
-                            int64_t token_end, const float* queries, float* logits,
-                            float scale) {
+absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begin, int64_t token_end,
+                            const float* queries, float* logits, float scale) {
   const KvLayout& layout = *layout_;
   RETURN_IF_ERROR(CheckScale(scale));
   if (layer < 0 || layer >= layout.num_layers()) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("layer %d is outside the cache's %d layers; want [0, %d)", layer,
-                        layout.num_layers(), layout.num_layers()));
+    return absl::InvalidArgumentError(absl::StrFormat("layer %d is outside the cache's %d layers; want [0, %d)", layer,
+                                                      layout.num_layers(), layout.num_layers()));
   }
   if (queries == nullptr || logits == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s is null; want %s", queries == nullptr ? "queries" : "logits",
-                        queries == nullptr ? "[num_query_heads, head_dim] floats"
-                                           : "[num_query_heads, token_end - token_begin] floats"));
+    return absl::InvalidArgumentError(absl::StrFormat("%s is null; want %s", queries == nullptr ? "queries" : "logits",
+                                                      queries == nullptr
+                                                          ? "[num_query_heads, head_dim] floats"
+                                                          : "[num_query_heads, token_end - token_begin] floats"));
   }
   if (token_begin < 0 || token_end < -1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "token range [%d, %d) is negative; want 0 <= token_begin <= token_end, or token_end = -1 "
-        "for the layer's length",
-        token_begin, token_end));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("token range [%d, %d) is negative; want 0 <= token_begin <= token_end, or token_end = -1 "
+                        "for the layer's length",
+                        token_begin, token_end));
   }
 
   State& s = *state_;
@@ -294,20 +285,19 @@ absl::Status KvCache::Score(const std::string& id, int layer, int64_t token_begi
     const int64_t length = seq->layer_tokens[layer];
     end = token_end == -1 ? length : token_end;
     if (token_begin > length || end > length) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "token range [%d, %d) is beyond sequence '%s' layer %d, which holds %d tokens",
-          token_begin, end, id, layer, length));
+      return absl::OutOfRangeError(
+          absl::StrFormat("token range [%d, %d) is beyond sequence '%s' layer %d, which holds %d tokens", token_begin,
+                          end, id, layer, length));
     }
     if (token_begin > end) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "token range [%d, %d) ends before it begins; want token_begin <= token_end", token_begin,
-          end));
+          "token range [%d, %d) ends before it begins; want token_begin <= token_end", token_begin, end));
     }
     if (token_begin < seq->held_begin[layer] && token_begin < end) {
-      return absl::OutOfRangeError(absl::StrFormat(
-          "token range [%d, %d) of sequence '%s' layer %d (sliding window %d) reaches tokens given "
-          "back; the oldest token held is %d",
-          token_begin, end, id, layer, layout.layer_window(layer), seq->held_begin[layer]));
+      return absl::OutOfRangeError(
+          absl::StrFormat("token range [%d, %d) of sequence '%s' layer %d (sliding window %d) reaches tokens given "
+                          "back; the oldest token held is %d",
+                          token_begin, end, id, layer, layout.layer_window(layer), seq->held_begin[layer]));
     }
     s.Touch(seq, s.clock());
     if (token_begin == end) return absl::OkStatus();

@@ -124,10 +124,10 @@ struct SequenceInfo {
   int64_t max_tokens = 0;             // max over layers
   // The oldest token each layer holds (0 but in sliding-window layers).
   std::vector<int64_t> layer_held_begin;
-  int32_t pages = 0;                  // pages held, over every chunk's table
-  int32_t exact_pages = 0;            // exact pages held (sinks, window)
-  uint64_t stored_bytes = 0;          // as CacheStats counts them
-  uint64_t stored_bytes_bf16 = 0;     // the tokens held, in bf16
+  int32_t pages = 0;               // pages held, over every chunk's table
+  int32_t exact_pages = 0;         // exact pages held (sinks, window)
+  uint64_t stored_bytes = 0;       // as CacheStats counts them
+  uint64_t stored_bytes_bf16 = 0;  // the tokens held, in bf16
   absl::Time last_access;
 };
 
@@ -143,8 +143,8 @@ struct CacheStats {
   // per sequence, like `tokens`.
   uint64_t stored_bytes = 0;
   uint64_t stored_bytes_bf16 = 0;
-  uint64_t evictions = 0;      // sequences dropped by LRU or TTL, ever
-  uint64_t copy_on_writes = 0; // pages copied for copy-on-write, ever
+  uint64_t evictions = 0;       // sequences dropped by LRU or TTL, ever
+  uint64_t copy_on_writes = 0;  // pages copied for copy-on-write, ever
   // Calls that named a sequence this cache had evicted (their NOT_FOUND says
   // so: "... it was evicted 12s ago (idle TTL)"), ever.
   uint64_t evicted_lookups = 0;
@@ -364,8 +364,7 @@ class KvCache {
   // Allocates the pool from `backend` (which must outlive the cache).
   // INVALID_ARGUMENT / NOT_FOUND from the layout; RESOURCE_EXHAUSTED when the
   // budget holds no page or the backend cannot allocate it.
-  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const CacheOptions& options,
-                                                         Backend* backend);
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(const CacheOptions& options, Backend* backend);
   // REQUIRES: no call on this cache is in flight.
   ~KvCache();
 
@@ -402,8 +401,8 @@ class KvCache {
   // append's error, or the attention's; an item that fails leaves its
   // sequence as it was. INVALID_ARGUMENT for every item when `scale` is bad
   // or an item does not match its append.
-  void AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<const AttendRequestItem> attends,
-                    float scale, absl::Span<absl::Status> statuses, absl::Span<AppendOutcome> outcomes);
+  void AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<const AttendRequestItem> attends, float scale,
+                    absl::Span<absl::Status> statuses, absl::Span<AppendOutcome> outcomes);
 
   // The child gets the parent's tokens, sharing its pages. NOT_FOUND for the
   // parent, ALREADY_EXISTS for the child. The child is charged to
@@ -421,8 +420,7 @@ class KvCache {
   // (eviction skips it). With `sharing` (a stream of several sequences),
   // pages an earlier sequence of the stream carried are named, not carried
   // again. NOT_FOUND if unknown. REQUIRES: `sharing` belongs to this cache.
-  absl::StatusOr<std::unique_ptr<SequenceExport>> BeginExport(const std::string& id,
-                                                              ExportSharing* sharing = nullptr);
+  absl::StatusOr<std::unique_ptr<SequenceExport>> BeginExport(const std::string& id, ExportSharing* sharing = nullptr);
   // The whole image at once: BeginExport, then every page.
   absl::StatusOr<SequenceImage> ExportSequence(const std::string& id);
 
@@ -465,8 +463,8 @@ class KvCache {
   // (0 means 1 / sqrt(head_dim)). OUT_OF_RANGE for a range beyond the
   // layer's length or, in a sliding-window layer, starting below its
   // held_begin (the message names the oldest token held).
-  absl::Status Score(const std::string& id, int layer, int64_t token_begin, int64_t token_end,
-                     const float* queries, float* logits, float scale = 0.0f);
+  absl::Status Score(const std::string& id, int layer, int64_t token_begin, int64_t token_end, const float* queries,
+                     float* logits, float scale = 0.0f);
 
   // Drops sequences idle for longer than the TTL. Returns how many.
   int EvictExpired();
@@ -496,8 +494,8 @@ class KvCache {
   // (the attention's, with `attend`).
   absl::Status StoreAppends(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans,
                             const AttendParams* attend);
-  absl::Status StoreRunOf(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans,
-                          const StoreRun& run, const AttendParams* attend);
+  absl::Status StoreRunOf(absl::Span<const AppendRequest> requests, absl::Span<AppendPlan> plans, const StoreRun& run,
+                          const AttendParams* attend);
   void PublishAppendLocked(const AppendRequest& request, AppendPlan* plan);
   // AppendAttend's parts: an item's attention against its append, and what
   // its kernel reads (the planned tables, or the sequence now for a retry).
@@ -506,8 +504,7 @@ class KvCache {
                                        const AppendPlan& plan, cache_internal::ReadSnapshot* snap);
   // The keys of `request` as stored: k - R_t m per (layer, head), with the
   // means of layers that have none yet (null entries) estimated first.
-  void CenterKeys(const AppendRequest& request,
-                  std::vector<std::shared_ptr<const std::vector<float>>>* means,
+  void CenterKeys(const AppendRequest& request, std::vector<std::shared_ptr<const std::vector<float>>>* means,
                   std::vector<float>* centered) const;
   friend class SequenceExport;
   friend class SequenceImport;
@@ -518,8 +515,7 @@ class KvCache {
   // SequenceExport's and SequenceImport's ends.
   void EndExport(const SequenceExport& e);
   absl::Status EndImport(SequenceImport& import, bool commit);
-  KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout, Backend* backend,
-          PagePool pool);
+  KvCache(const CacheOptions& options, std::shared_ptr<const KvLayout> layout, Backend* backend, PagePool pool);
 
   CacheOptions options_;
   std::shared_ptr<const KvLayout> layout_;

@@ -7,18 +7,18 @@
 
 namespace tqkv {
 
-using cache_internal::CeilDiv;
-using cache_internal::ForEachHeld;
 using cache_internal::AddRangeBytes;
-using cache_internal::ExactRuns;
-using cache_internal::TablePlan;
-using cache_internal::PlanTableWrites;
-using cache_internal::Sequence;
-using cache_internal::ForEachPage;
-using cache_internal::ReadSnapshot;
+using cache_internal::CeilDiv;
 using cache_internal::CheckFinite;
 using cache_internal::CheckScale;
 using cache_internal::EffectiveScale;
+using cache_internal::ExactRuns;
+using cache_internal::ForEachHeld;
+using cache_internal::ForEachPage;
+using cache_internal::PlanTableWrites;
+using cache_internal::ReadSnapshot;
+using cache_internal::Sequence;
+using cache_internal::TablePlan;
 
 // What an append does, in four phases so that a batch shares its lock and
 // its kernels: CheckAppend (no state), PlanAppendLocked (positions, retries,
@@ -31,10 +31,10 @@ struct KvCache::AppendPlan {
     int32_t from;  // the shared page
     int32_t to;    // its fresh copy
   };
-  absl::Status status;          // the request's outcome so far
-  bool already_stored = false;  // answered without storing (a retry)
-  Sequence* seq = nullptr;      // claimed by this batch (writer_active)
-  std::vector<int> chunks;      // the chunks the append writes
+  absl::Status status;                             // the request's outcome so far
+  bool already_stored = false;                     // answered without storing (a retry)
+  Sequence* seq = nullptr;                         // claimed by this batch (writer_active)
+  std::vector<int> chunks;                         // the chunks the append writes
   std::vector<TablePlan> main_plans, exact_plans;  // by chunk: the new tables
   std::vector<PageCopy> copies;
   // By chunk, per token: its slot, and its exact slot (-1: none).
@@ -42,11 +42,11 @@ struct KvCache::AppendPlan {
   // Per layer of the range: the key mean (a layer's first append estimates
   // it with the kernels).
   std::vector<std::shared_ptr<const std::vector<float>>> means;
-  uint64_t reserved = 0;           // bytes charged to the account for fresh pages
+  uint64_t reserved = 0;                            // bytes charged to the account for fresh pages
   int64_t stored_bytes = 0, stored_bytes_bf16 = 0;  // the change published (AppendOutcome)
-  std::vector<int32_t> allocated;  // owned until published
-  std::vector<float> centered;     // the keys as stored, when centering
-  const float* keys = nullptr;     // the keys as stored
+  std::vector<int32_t> allocated;                   // owned until published
+  std::vector<float> centered;                      // the keys as stored, when centering
+  const float* keys = nullptr;                      // the keys as stored
 
   // Planned and not answered yet: its kernels run.
   bool stores() const { return status.ok() && !already_stored && seq != nullptr; }
@@ -80,9 +80,9 @@ void RefuseRepeatedIds(absl::Span<const AppendRequest> requests, absl::Span<Plan
   for (size_t i = 0; i < requests.size(); ++i) {
     auto [it, inserted] = first.emplace(requests[i].sequence_id, i);
     if (inserted || !plans[i].status.ok()) continue;
-    plans[i].status = absl::InvalidArgumentError(absl::StrFormat(
-        "sequence '%s' is also appended to by request %d of this batch; want at most one per sequence",
-        requests[i].sequence_id, it->second));
+    plans[i].status = absl::InvalidArgumentError(
+        absl::StrFormat("sequence '%s' is also appended to by request %d of this batch; want at most one per sequence",
+                        requests[i].sequence_id, it->second));
   }
 }
 
@@ -124,7 +124,8 @@ void KvCache::AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<c
     absl::MutexLock lock(&s.mu);
     PlanAppendsLocked(appends, absl::MakeSpan(plans));
     for (size_t i = 0; i < n; ++i) {
-      if (plans[i].status.ok()) plans[i].status = SnapshotForAttendLocked(appends[i], attends[i], plans[i], &snapshots[i]);
+      if (plans[i].status.ok())
+        plans[i].status = SnapshotForAttendLocked(appends[i], attends[i], plans[i], &snapshots[i]);
     }
   }
   PrepareAppendKernels(appends, absl::MakeSpan(plans));
@@ -137,8 +138,8 @@ void KvCache::AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<c
     AttendItem k;
     k.block_table = snap.table.data();
     k.exact_block_table = snap.exact_table_or_null();
-    k.key_mean = plans[i].already_stored ? snap.key_mean_or_null()
-                                         : (plans[i].means[0] ? plans[i].means[0]->data() : nullptr);
+    k.key_mean =
+        plans[i].already_stored ? snap.key_mean_or_null() : (plans[i].means[0] ? plans[i].means[0]->data() : nullptr);
     k.context_tokens = snap.length;
     k.layer = attends[i].layer;
     k.num_query_tokens = attends[i].num_query_tokens;
@@ -179,9 +180,9 @@ absl::Status KvCache::CheckAttendOfAppend(const AppendRequest& append, const Att
         append.num_tokens));
   }
   if (attend.queries == nullptr || attend.output == nullptr) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s is null; want [num_query_tokens, num_query_heads, head_dim] floats",
-        attend.queries == nullptr ? "queries" : "output"));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s is null; want [num_query_tokens, num_query_heads, head_dim] floats",
+                        attend.queries == nullptr ? "queries" : "output"));
   }
   return absl::OkStatus();
 }
@@ -198,8 +199,8 @@ absl::Status KvCache::SnapshotForAttendLocked(const AppendRequest& append, const
     const int64_t first_seen = layout.WindowBegin(layer, length - attend.num_query_tokens);
     if (first_seen < seq->held_begin[layer]) {
       return absl::OutOfRangeError(absl::StrFormat(
-          "sequence '%s' layer %d holds tokens [%d, %d); %d query tokens need token %d on", append.sequence_id,
-          layer, seq->held_begin[layer], length, attend.num_query_tokens, first_seen));
+          "sequence '%s' layer %d holds tokens [%d, %d); %d query tokens need token %d on", append.sequence_id, layer,
+          seq->held_begin[layer], length, attend.num_query_tokens, first_seen));
     }
     s.TakeSnapshot(seq, layer, length, snap);
     return absl::OkStatus();
@@ -213,8 +214,8 @@ absl::Status KvCache::SnapshotForAttendLocked(const AppendRequest& append, const
   snap->table.assign(table.begin(), table.begin() + CeilDiv(length, layout.page_tokens()));
   if (layout.has_exact_tokens()) {
     const std::vector<int32_t>& exact = plan.exact_plans[chunk].table;
-    snap->exact_table.assign(exact.begin(),
-                             exact.begin() + std::min<size_t>(exact.size(), CeilDiv(length, layout.exact_page_tokens())));
+    snap->exact_table.assign(
+        exact.begin(), exact.begin() + std::min<size_t>(exact.size(), CeilDiv(length, layout.exact_page_tokens())));
     snap->has_exact = true;
   }
   ForEachHeld(snap->table, [&](int32_t page) { s.pages.Pin(page); });
@@ -228,12 +229,11 @@ absl::Status KvCache::CheckAppend(const AppendRequest& request) const {
   const int64_t start = request.start_position;
   const int64_t n = request.num_tokens;
   if (request.sequence_id.empty()) return absl::InvalidArgumentError("sequence_id is empty; want a non-empty id");
-  if (request.layer_begin < 0 || request.layer_end > layout.num_layers() ||
-      request.layer_begin >= request.layer_end) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer range [%d, %d) is empty or outside the cache's %d layers; want "
-        "0 <= layer_begin < layer_end <= %d",
-        request.layer_begin, request.layer_end, layout.num_layers(), layout.num_layers()));
+  if (request.layer_begin < 0 || request.layer_end > layout.num_layers() || request.layer_begin >= request.layer_end) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer range [%d, %d) is empty or outside the cache's %d layers; want "
+                        "0 <= layer_begin < layer_end <= %d",
+                        request.layer_begin, request.layer_end, layout.num_layers(), layout.num_layers()));
   }
   if (n < 1) return absl::InvalidArgumentError(absl::StrFormat("num_tokens is %d; want at least 1", n));
   if (request.keys == nullptr || request.values == nullptr) {
@@ -307,11 +307,11 @@ absl::Status RetryOf(const Sequence& seq, const AppendRequest& r, bool* stored) 
         *stored = true;
         return absl::OkStatus();
       }
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "request_id '%s' already named an append to sequence '%s' (tokens [%d, %d) of layers [%d, "
-          "%d)); this one is tokens [%d, %d) of layers [%d, %d): give every append its own request_id",
-          r.request_id, r.sequence_id, m.start, m.start + m.tokens, m.layer_begin, m.layer_end, start, start + n,
-          r.layer_begin, r.layer_end));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("request_id '%s' already named an append to sequence '%s' (tokens [%d, %d) of layers [%d, "
+                          "%d)); this one is tokens [%d, %d) of layers [%d, %d): give every append its own request_id",
+                          r.request_id, r.sequence_id, m.start, m.start + m.tokens, m.layer_begin, m.layer_end, start,
+                          start + n, r.layer_begin, r.layer_end));
     }
     return absl::OkStatus();
   }
@@ -343,8 +343,7 @@ absl::Status KvCache::PlanAppendLocked(const AppendRequest& request, AppendPlan*
     const int64_t have = seq == nullptr ? 0 : seq->layer_tokens[layer];
     if (have != start) {
       return absl::FailedPreconditionError(absl::StrFormat(
-          "sequence '%s' layer %d holds %d tokens; an append must start at %d, got %d", id, layer, have, have,
-          start));
+          "sequence '%s' layer %d holds %d tokens; an append must start at %d, got %d", id, layer, have, have, start));
     }
   }
   const absl::Time now = s.clock();
@@ -390,8 +389,8 @@ absl::Status KvCache::PlanAppendPages(const AppendRequest& request, const Sequen
     const int64_t end = std::max(chunk_max, start + n);
     TablePlan& main = plan->main_plans[chunk];
     TablePlan& exact = plan->exact_plans[chunk];
-    main = PlanTableWrites(s.pages, seq == nullptr ? kNoPages : seq->tables[chunk],
-                           CeilDiv(end, layout.page_tokens()), {{start, start + n}}, layout.page_tokens());
+    main = PlanTableWrites(s.pages, seq == nullptr ? kNoPages : seq->tables[chunk], CeilDiv(end, layout.page_tokens()),
+                           {{start, start + n}}, layout.page_tokens());
     if (layout.has_exact_tokens()) {
       exact = PlanTableWrites(s.pages, seq == nullptr ? kNoPages : seq->exact_tables[chunk],
                               CeilDiv(end, layout.exact_page_tokens()), exact_runs, layout.exact_page_tokens());
@@ -504,9 +503,9 @@ absl::Status KvCache::StoreAppends(absl::Span<const AppendRequest> requests, abs
     if (last.ok()) continue;
     for (size_t i : runs[k].members) {
       if (!plans[i].status.ok()) continue;
-      plans[i].status = absl::Status(last.code(), absl::StrFormat("append to sequence '%s' in cache '%s': %s",
-                                                                  requests[i].sequence_id, options_.name,
-                                                                  last.message()));
+      plans[i].status =
+          absl::Status(last.code(), absl::StrFormat("append to sequence '%s' in cache '%s': %s",
+                                                    requests[i].sequence_id, options_.name, last.message()));
     }
   }
   if (runs.empty() && attend != nullptr && !attend->items.empty()) return backend_->Attend(*attend);
@@ -547,9 +546,9 @@ absl::Status KvCache::StoreRunOf(absl::Span<const AppendRequest> requests, absl:
   params.pool = pool_;
   params.layer_begin = run.layer_begin;
   params.layer_end = run.layer_end;
-  const bool exact = layout.has_exact_tokens() &&
-                     std::any_of(run.members.begin(), run.members.end(),
-                                 [&](size_t i) { return !plans[i].exact_slots[run.chunk].empty(); });
+  const bool exact = layout.has_exact_tokens() && std::any_of(run.members.begin(), run.members.end(), [&](size_t i) {
+                       return !plans[i].exact_slots[run.chunk].empty();
+                     });
   std::unique_ptr<float[]> own_keys, own_values;
   std::vector<int32_t> slots, exact_slots;
   if (run.members.size() == 1) {
@@ -668,8 +667,7 @@ void KvCache::PublishAppendLocked(const AppendRequest& request, AppendPlan* plan
   seq->writer_active = false;
 }
 
-void KvCache::CenterKeys(const AppendRequest& request,
-                         std::vector<std::shared_ptr<const std::vector<float>>>* means,
+void KvCache::CenterKeys(const AppendRequest& request, std::vector<std::shared_ptr<const std::vector<float>>>* means,
                          std::vector<float>* centered) const {
   const KvLayout& layout = *layout_;
   const KvLayoutOptions& o = layout.options();

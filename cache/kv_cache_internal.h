@@ -50,7 +50,7 @@ void ForEachHeld(const std::vector<int32_t>& table, F f) {
 // Bytes a sequence's tokens take (KvLayout::layer_bytes), summed over layers:
 // tokens [held_begin, layer_tokens) of each.
 inline void CountBytes(const KvLayout& layout, const std::vector<int64_t>& layer_tokens,
-                const std::vector<int64_t>& held_begin, uint64_t* bytes, uint64_t* bytes_bf16) {
+                       const std::vector<int64_t>& held_begin, uint64_t* bytes, uint64_t* bytes_bf16) {
   *bytes = 0;
   *bytes_bf16 = 0;
   for (int layer = 0; layer < layout.num_layers(); ++layer) {
@@ -90,16 +90,16 @@ inline std::vector<std::pair<int64_t, int64_t>> ExactRuns(const KvLayout& layout
 // What an append must do to one table before it writes: pages to copy
 // (shared ones it writes into) and entries to fill with fresh pages.
 struct TablePlan {
-  std::vector<int32_t> table;       // the new table; fresh entries still -1
-  std::vector<int64_t> copy;        // indices whose shared page is copied
-  std::vector<int64_t> fresh;       // indices that get a fresh page
+  std::vector<int32_t> table;  // the new table; fresh entries still -1
+  std::vector<int64_t> copy;   // indices whose shared page is copied
+  std::vector<int64_t> fresh;  // indices that get a fresh page
   int32_t pages_needed() const { return static_cast<int32_t>(copy.size() + fresh.size()); }
 };
 
 // Plans writes to the pages holding positions in `runs`, `page_tokens` per
 // page, growing the table to `size` entries (new ones -1).
 inline TablePlan PlanTableWrites(const PageAllocator& pages, const std::vector<int32_t>& table, int64_t size,
-                          const std::vector<std::pair<int64_t, int64_t>>& runs, int page_tokens) {
+                                 const std::vector<std::pair<int64_t, int64_t>>& runs, int page_tokens) {
   TablePlan plan;
   plan.table = table;
   if (static_cast<int64_t>(plan.table.size()) < size) plan.table.resize(size, -1);
@@ -193,8 +193,8 @@ struct ReadSnapshot {
 
 // Scans a [layers, tokens, kv_heads, head_dim] tensor for NaN and infinity so
 // that the common bad input fails before any page is touched.
-inline absl::Status CheckFinite(const char* name, const float* data, int layer_begin, int layers,
-                         int64_t tokens, int heads, int dim) {
+inline absl::Status CheckFinite(const char* name, const float* data, int layer_begin, int layers, int64_t tokens,
+                                int heads, int dim) {
   const int64_t count = static_cast<int64_t>(layers) * tokens * heads * dim;
   // One branch-free pass; the element is looked for only when there is one.
   if (AllFinite(data, static_cast<size_t>(count))) return absl::OkStatus();
@@ -202,9 +202,8 @@ inline absl::Status CheckFinite(const char* name, const float* data, int layer_b
     if (std::isfinite(data[i])) continue;
     const int64_t row = i / dim;
     return absl::InvalidArgumentError(
-        absl::StrFormat("%s[layer %d, token %d, kv head %d, dim %d] is %f; want finite values",
-                        name, layer_begin + row / (tokens * heads), (row / heads) % tokens,
-                        row % heads, i % dim, data[i]));
+        absl::StrFormat("%s[layer %d, token %d, kv head %d, dim %d] is %f; want finite values", name,
+                        layer_begin + row / (tokens * heads), (row / heads) % tokens, row % heads, i % dim, data[i]));
   }
   return absl::OkStatus();
 }
@@ -212,8 +211,8 @@ inline absl::Status CheckFinite(const char* name, const float* data, int layer_b
 // Logit scale: 0 selects the usual 1 / sqrt(head_dim).
 inline absl::Status CheckScale(float scale) {
   if (!std::isfinite(scale) || scale < 0.0f) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "scale is %g; want a finite value >= 0 (0 means 1 / sqrt(head_dim))", scale));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("scale is %g; want a finite value >= 0 (0 means 1 / sqrt(head_dim))", scale));
   }
   return absl::OkStatus();
 }
@@ -229,12 +228,9 @@ struct KvCache::State {
   using ReadSnapshot = cache_internal::ReadSnapshot;
 
   State(const CacheOptions& options, const KvLayout* layout, int32_t num_pages)
-      : name(options.name),
-        layout(layout),
-        clock(options.clock ? options.clock : std::function<absl::Time()>(&absl::Now)),
-        idle_ttl(options.idle_ttl),
-        evict_lru(options.evict_lru),
-        pages(num_pages) {}
+      : name(options.name), layout(layout),
+        clock(options.clock ? options.clock : std::function<absl::Time()>(&absl::Now)), idle_ttl(options.idle_ttl),
+        evict_lru(options.evict_lru), pages(num_pages) {}
 
   // Everything below `mu` is bookkeeping; kernels never run under it.
   const std::string name;
@@ -306,8 +302,7 @@ struct KvCache::State {
     return it->second.get();
   }
 
-  Sequence* AddSequence(const std::string& id, bool pending, absl::Time now)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  Sequence* AddSequence(const std::string& id, bool pending, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto seq = std::make_unique<Sequence>();
     seq->id = id;
     seq->serial = next_serial++;
@@ -357,8 +352,7 @@ struct KvCache::State {
     return true;
   }
   // Waits until no append is in flight on `a` (nor on `b`, when given).
-  void AwaitNoWriter(const std::string& a, const std::string* b = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void AwaitNoWriter(const std::string& a, const std::string* b = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     const std::string* ids[] = {&a, b};
     NoWriterArgs args{this, ids, 2};
     mu.Await(absl::Condition(&NoWriterOn, &args));
@@ -372,8 +366,7 @@ struct KvCache::State {
   }
 
   // Drops published sequences idle for longer than the TTL, except `keep`.
-  int EvictExpiredLocked(absl::Time now, const std::string* keep)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  int EvictExpiredLocked(absl::Time now, const std::string* keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (idle_ttl == absl::InfiniteDuration()) return 0;
     std::vector<Sequence*> expired;
     for (const auto& [id, seq] : sequences) {
@@ -415,8 +408,8 @@ struct KvCache::State {
   // the free pages to `need`. Simulates the releases first so that eviction
   // is all-or-nothing: returns false, choosing none, when even dropping every
   // idle sequence is not enough (shared or pinned pages free nothing).
-  bool PlanLruEviction(int32_t need, const std::string& keep, std::vector<Sequence*>* victims,
-                       int32_t* reachable) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  bool PlanLruEviction(int32_t need, const std::string& keep, std::vector<Sequence*>* victims, int32_t* reachable)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     std::vector<Sequence*> idle;
     for (const auto& [id, seq] : sequences) {
       if (seq->pending || seq->writer_active || seq->readers > 0 || id == keep) continue;
@@ -463,8 +456,7 @@ struct KvCache::State {
 
   // Releases the pages of `table` (`page_tokens` per page) all of whose
   // tokens are below `held`.
-  void ReleaseBelow(std::vector<int32_t>* table, int64_t page_tokens, int64_t held)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void ReleaseBelow(std::vector<int32_t>* table, int64_t page_tokens, int64_t held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (size_t k = 0; k < table->size() && static_cast<int64_t>(k + 1) * page_tokens <= held; ++k) {
       if ((*table)[k] < 0) continue;
       pages.Release((*table)[k]);
@@ -506,8 +498,7 @@ struct KvCache::State {
 
   // Copies what a read of `layer` (holding `length` tokens) needs, pins its
   // pages and counts the reader.
-  void TakeSnapshot(Sequence* seq, int layer, int64_t length, ReadSnapshot* snap)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void TakeSnapshot(Sequence* seq, int layer, int64_t length, ReadSnapshot* snap) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     const int chunk = layout->layer_chunk(layer);
     const std::vector<int32_t>& table = seq->tables[chunk];
     snap->serial = seq->serial;
@@ -515,7 +506,8 @@ struct KvCache::State {
     snap->table.assign(table.begin(), table.begin() + cache_internal::CeilDiv(length, layout->page_tokens()));
     if (layout->has_exact_tokens()) {
       const std::vector<int32_t>& exact_table = seq->exact_tables[chunk];
-      const size_t used = std::min<size_t>(exact_table.size(), cache_internal::CeilDiv(length, layout->exact_page_tokens()));
+      const size_t used =
+          std::min<size_t>(exact_table.size(), cache_internal::CeilDiv(length, layout->exact_page_tokens()));
       snap->exact_table.assign(exact_table.begin(), exact_table.begin() + used);
       snap->has_exact = true;
     }

@@ -63,15 +63,14 @@ absl::Status CheckCenteringAndExactTokens(const KvLayoutOptions& o) {
         absl::StrFormat("centering_tokens must be in [1, 65536], got %d", o.centering_tokens));
   }
   if (o.centering_pairs < 0 || o.centering_pairs > o.head_dim / 2) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "centering_pairs must be in [0, head_dim / 2 = %d] (0: every pair), got %d",
-        o.head_dim / 2, o.centering_pairs));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("centering_pairs must be in [0, head_dim / 2 = %d] (0: every pair), got %d", o.head_dim / 2,
+                        o.centering_pairs));
   }
   for (const auto& [name, value] : {std::pair<const char*, int>{"exact_sink_tokens", o.exact_sink_tokens},
                                     {"exact_window_tokens", o.exact_window_tokens}}) {
     if (value < 0 || value > kMaxExactTokens) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("%s must be in [0, %d], got %d", name, kMaxExactTokens, value));
+      return absl::InvalidArgumentError(absl::StrFormat("%s must be in [0, %d], got %d", name, kMaxExactTokens, value));
     }
   }
   if (o.key_centering == KeyCentering::kPreRope && o.rope.known()) {
@@ -85,15 +84,14 @@ constexpr int kMaxWindow = 1 << 30;
 absl::Status CheckWindows(const KvLayoutOptions& o) {
   if (o.layer_windows.empty()) return absl::OkStatus();
   if (static_cast<int>(o.layer_windows.size()) != o.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer_windows has %d entries; want none or one per layer (%d)", o.layer_windows.size(),
-        o.num_layers));
+    return absl::InvalidArgumentError(absl::StrFormat("layer_windows has %d entries; want none or one per layer (%d)",
+                                                      o.layer_windows.size(), o.num_layers));
   }
   for (int layer = 0; layer < o.num_layers; ++layer) {
     const int w = o.layer_windows[layer];
     if (w < 0 || w > kMaxWindow) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "layer %d: window %d; want 0 (full attention) or 1..%d tokens", layer, w, kMaxWindow));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d: window %d; want 0 (full attention) or 1..%d tokens", layer, w, kMaxWindow));
     }
   }
   return absl::OkStatus();
@@ -170,10 +168,10 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> MakeExactLayout(
     ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> exact, create(e));
     if (exact->page_bytes() <= page_bytes) return exact;
   }
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "a page of %d tokens (%d bytes) cannot hold one exact fp16 token of every layer of a chunk (%d "
-      "bytes); raise page_tokens for exact sink or window tokens",
-      o.page_tokens, page_bytes, token_bytes));
+  return absl::InvalidArgumentError(
+      absl::StrFormat("a page of %d tokens (%d bytes) cannot hold one exact fp16 token of every layer of a chunk (%d "
+                      "bytes); raise page_tokens for exact sink or window tokens",
+                      o.page_tokens, page_bytes, token_bytes));
 }
 
 // The shape's ranges: layers, heads, head dim, page tokens, boundary layers.
@@ -186,19 +184,17 @@ absl::Status CheckShape(const KvLayoutOptions& o) {
   }
   if (o.num_query_heads < o.num_kv_heads || o.num_query_heads % o.num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "num_query_heads (%d) must be a positive multiple of num_kv_heads (%d)", o.num_query_heads,
-        o.num_kv_heads));
+        "num_query_heads (%d) must be a positive multiple of num_kv_heads (%d)", o.num_query_heads, o.num_kv_heads));
   }
   if (o.head_dim < 16 || o.head_dim > kMaxHeadDim) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("head_dim must be in [16, %d], got %d", kMaxHeadDim, o.head_dim));
+    return absl::InvalidArgumentError(absl::StrFormat("head_dim must be in [16, %d], got %d", kMaxHeadDim, o.head_dim));
   }
   if (o.page_tokens < 1 || o.page_tokens > 1024) {
     return absl::InvalidArgumentError(absl::StrFormat("page_tokens must be in [1, 1024], got %d", o.page_tokens));
   }
   if (o.boundary_layers < 0 || 2 * o.boundary_layers > o.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "boundary_layers must be in [0, num_layers / 2 = %d], got %d", o.num_layers / 2, o.boundary_layers));
+    return absl::InvalidArgumentError(absl::StrFormat("boundary_layers must be in [0, num_layers / 2 = %d], got %d",
+                                                      o.num_layers / 2, o.boundary_layers));
   }
   return absl::OkStatus();
 }
@@ -212,9 +208,8 @@ absl::StatusOr<std::vector<const Preset*>> LayerPresets(const KvLayoutOptions& o
     ASSIGN_OR_RETURN(boundary, FindPreset(o.boundary_preset));
   }
   if (!o.layer_presets.empty() && static_cast<int>(o.layer_presets.size()) != o.num_layers) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "layer_presets has %d entries; want none or one per layer (%d)", o.layer_presets.size(),
-        o.num_layers));
+    return absl::InvalidArgumentError(absl::StrFormat("layer_presets has %d entries; want none or one per layer (%d)",
+                                                      o.layer_presets.size(), o.num_layers));
   }
   std::vector<const Preset*> presets(o.num_layers);
   for (int layer = 0; layer < o.num_layers; ++layer) {
@@ -223,8 +218,7 @@ absl::StatusOr<std::vector<const Preset*>> LayerPresets(const KvLayoutOptions& o
     if (!o.layer_presets.empty() && !o.layer_presets[layer].empty()) {
       absl::StatusOr<const Preset*> found = FindPreset(o.layer_presets[layer]);
       if (!found.ok()) {
-        return absl::Status(found.status().code(),
-                            absl::StrFormat("layer %d: %s", layer, found.status().message()));
+        return absl::Status(found.status().code(), absl::StrFormat("layer %d: %s", layer, found.status().message()));
       }
       presets[layer] = *found;
     }
@@ -283,9 +277,9 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
   RETURN_IF_ERROR(CheckCenteringAndExactTokens(o));
   RETURN_IF_ERROR(CheckWindows(o));
   if (needs_calibration && o.hot_channels.size() != static_cast<size_t>(o.num_layers) * heads) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "a split preset needs hot channels for every (layer, KV head): want %d lists, got %d",
-        o.num_layers * heads, o.hot_channels.size()));
+    return absl::FailedPreconditionError(
+        absl::StrFormat("a split preset needs hot channels for every (layer, KV head): want %d lists, got %d",
+                        o.num_layers * heads, o.hot_channels.size()));
   }
 
   std::shared_ptr<KvLayout> layout(new KvLayout(o));
@@ -305,10 +299,9 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
       }
       ASSIGN_OR_RETURN(std::unique_ptr<VectorCodec> key, MakeCodec(layer_preset->key, codec_options));
       codec_options.seed = DeriveSeed(codec_options.seed, kValueStream);
-      ASSIGN_OR_RETURN(std::unique_ptr<VectorCodec> value,
-                       MakeCodec(layer_preset->value, codec_options));
-      layer_bytes[layer] += plane(key->code_bytes()) + plane(2 * key->num_scalars()) +
-                            plane(value->code_bytes()) + plane(2 * value->num_scalars());
+      ASSIGN_OR_RETURN(std::unique_ptr<VectorCodec> value, MakeCodec(layer_preset->value, codec_options));
+      layer_bytes[layer] += plane(key->code_bytes()) + plane(2 * key->num_scalars()) + plane(value->code_bytes()) +
+                            plane(2 * value->num_scalars());
       layout->key_codecs_.push_back(std::move(key));
       layout->value_codecs_.push_back(std::move(value));
     }
@@ -360,8 +353,7 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
     }
   }
   if (o.exact_sink_tokens > 0 || o.exact_window_tokens > 0) {
-    ASSIGN_OR_RETURN(layout->exact_layout_,
-                     MakeExactLayout(o, stride, layout->chunks_, [&](const KvLayoutOptions& e) {
+    ASSIGN_OR_RETURN(layout->exact_layout_, MakeExactLayout(o, stride, layout->chunks_, [&](const KvLayoutOptions& e) {
                        return CreateWithChunks(e, &layout->chunks_);
                      }));
   }
@@ -373,9 +365,7 @@ size_t KvLayout::token_bytes(int layer) const {
   return static_cast<size_t>(options_.num_kv_heads) * preset.BytesPerTokenHead(options_.head_dim);
 }
 
-size_t KvLayout::token_bytes_bf16() const {
-  return static_cast<size_t>(options_.num_kv_heads) * 4 * options_.head_dim;
-}
+size_t KvLayout::token_bytes_bf16() const { return static_cast<size_t>(options_.num_kv_heads) * 4 * options_.head_dim; }
 
 size_t KvLayout::layer_bytes(int layer, int64_t length, int64_t held_begin) const {
   if (length <= 0) return 0;

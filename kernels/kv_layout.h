@@ -187,9 +187,7 @@ class KvLayout {
   size_t page_bytes() const { return page_bytes_; }
 
   // Sliding windows: 0 for a full-attention layer.
-  int layer_window(int layer) const {
-    return options_.layer_windows.empty() ? 0 : options_.layer_windows[layer];
-  }
+  int layer_window(int layer) const { return options_.layer_windows.empty() ? 0 : options_.layer_windows[layer]; }
   bool has_windows() const { return has_windows_; }
   // The first token a query at `position` sees in `layer`.
   int64_t WindowBegin(int layer, int64_t position) const {
@@ -236,9 +234,7 @@ class KvLayout {
     return r;
   }
   const VectorCodec& key_codec(int layer, int head) const { return *key_codecs_[Index(layer, head)]; }
-  const VectorCodec& value_codec(int layer, int head) const {
-    return *value_codecs_[Index(layer, head)];
-  }
+  const VectorCodec& value_codec(int layer, int head) const { return *value_codecs_[Index(layer, head)]; }
   const HeadPlanes& planes(int layer, int head) const { return planes_[Index(layer, head)]; }
   // How the key or value codes plane of (layer, head) is laid out.
   CodePlane key_code_plane(int layer, int head) const { return CodePlaneOf(key_codec(layer, head)); }
@@ -264,8 +260,8 @@ class KvLayout {
   explicit KvLayout(const KvLayoutOptions& options) : options_(options) {}
   // Create with the chunks given (the exact layout takes its main layout's)
   // or, when null, chosen.
-  static absl::StatusOr<std::shared_ptr<const KvLayout>> CreateWithChunks(
-      const KvLayoutOptions& options, const std::vector<std::vector<int>>* chunks);
+  static absl::StatusOr<std::shared_ptr<const KvLayout>> CreateWithChunks(const KvLayoutOptions& options,
+                                                                          const std::vector<std::vector<int>>* chunks);
   int Index(int layer, int head) const { return layer * options_.num_kv_heads + head; }
 
   KvLayoutOptions options_;

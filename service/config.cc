@@ -51,8 +51,7 @@ constexpr char kDefaultConfig[] = R"pb(
 // Collects the parser's errors ("line 3:7: ...") instead of logging them.
 class ErrorCollector : public google::protobuf::io::ErrorCollector {
  public:
-  void AddError(int line, google::protobuf::io::ColumnNumber column,
-                const std::string& message) override {
+  void AddError(int line, google::protobuf::io::ColumnNumber column, const std::string& message) override {
     if (!errors_.empty()) errors_ += "; ";
     absl::StrAppend(&errors_, "line ", line + 1, ":", column + 1, ": ", message);
   }
@@ -64,8 +63,8 @@ class ErrorCollector : public google::protobuf::io::ErrorCollector {
 
 absl::Status ReadRope(const v1::RotaryEmbedding& r, RopeOptions* rope) {
   rope->rotary_dims = r.rotary_dims();
-  rope->pair_layout = r.pair_layout() == v1::RotaryEmbedding::HALF_SPLIT ? RopePairLayout::kHalfSplit
-                                                                         : RopePairLayout::kInterleaved;
+  rope->pair_layout =
+      r.pair_layout() == v1::RotaryEmbedding::HALF_SPLIT ? RopePairLayout::kHalfSplit : RopePairLayout::kInterleaved;
   rope->base = r.base();
   const std::string& type = r.scaling_type();
   if (type.empty() || type == "none") {
@@ -75,8 +74,8 @@ absl::Status ReadRope(const v1::RotaryEmbedding& r, RopeOptions* rope) {
   } else if (type == "llama3") {
     rope->scaling = RopeScaling::kLlama3;
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rope scaling_type is '", type, "'; want \"none\", \"linear\" or \"llama3\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope scaling_type is '", type, "'; want \"none\", \"linear\" or \"llama3\""));
   }
   if (rope->scaling != RopeScaling::kNone) {
     rope->scaling_factor = r.scaling_factor();
@@ -99,8 +98,8 @@ absl::Status ReadCentering(const v1::CacheConfig& c, KvLayoutOptions* layout) {
   } else if (centering == "pre_rope") {
     layout->key_centering = KeyCentering::kPreRope;
   } else if (!centering.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "key_centering is '", centering, "'; want \"none\", \"post_rope\" or \"pre_rope\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("key_centering is '", centering, "'; want \"none\", \"post_rope\" or \"pre_rope\""));
   }
   if (c.has_rope()) RETURN_IF_ERROR(ReadRope(c.rope(), &layout->rope));
   if (c.layer_ropes_size() > 0) layout->layer_ropes.assign(c.num_layers(), RopeOptions());
@@ -166,9 +165,8 @@ absl::Status ReadCentering(const v1::CacheConfig& c, KvLayoutOptions* layout) {
             "protected_layers names layer %d; want layers in [0, num_layers = %d)", layer, c.num_layers()));
       }
       if (!layout->layer_presets[layer].empty()) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "protected_layers names layer %d twice (presets %s and %s)", layer,
-            layout->layer_presets[layer], p.preset()));
+        return absl::InvalidArgumentError(absl::StrFormat("protected_layers names layer %d twice (presets %s and %s)",
+                                                          layer, layout->layer_presets[layer], p.preset()));
       }
       layout->layer_presets[layer] = p.preset();
     }
@@ -182,8 +180,8 @@ absl::Status ReadWindows(const v1::CacheConfig& c, KvLayoutOptions* layout) {
   layout->layer_windows.assign(c.num_layers(), 0);
   for (const v1::SlidingWindowLayers& w : c.sliding_window_layers()) {
     if (w.window() < 1) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "sliding_window_layers has window %d; want a window of at least 1 token", w.window()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("sliding_window_layers has window %d; want a window of at least 1 token", w.window()));
     }
     for (int32_t layer : w.layers()) {
       if (layer < 0 || layer >= c.num_layers()) {
@@ -191,9 +189,9 @@ absl::Status ReadWindows(const v1::CacheConfig& c, KvLayoutOptions* layout) {
             "sliding_window_layers names layer %d; want layers in [0, num_layers = %d)", layer, c.num_layers()));
       }
       if (layout->layer_windows[layer] != 0) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "sliding_window_layers names layer %d twice (windows %d and %d)", layer,
-            layout->layer_windows[layer], w.window()));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("sliding_window_layers names layer %d twice (windows %d and %d)", layer,
+                            layout->layer_windows[layer], w.window()));
       }
       layout->layer_windows[layer] = w.window();
     }
@@ -257,16 +255,14 @@ absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig&
           absl::StrFormat("cache name '%s' appears twice; want unique names", options.name));
     }
     const std::string where = absl::StrCat("cache '", options.name, "': ");
-    if (c.num_layers() < 1 || c.num_kv_heads() < 1 || c.num_query_heads() < 1 ||
-        c.head_dim() < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "num_layers, num_kv_heads, num_query_heads and head_dim must all be >= 1; got ",
-          c.num_layers(), ", ", c.num_kv_heads(), ", ", c.num_query_heads(), ", ", c.head_dim()));
+    if (c.num_layers() < 1 || c.num_kv_heads() < 1 || c.num_query_heads() < 1 || c.head_dim() < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "num_layers, num_kv_heads, num_query_heads and head_dim must all be >= 1; got ",
+                       c.num_layers(), ", ", c.num_kv_heads(), ", ", c.num_query_heads(), ", ", c.head_dim()));
     }
     if (c.page_tokens() < 0 || c.boundary_layers() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "page_tokens and boundary_layers must be >= 0; got ", c.page_tokens(), ", ",
-          c.boundary_layers()));
+      return absl::InvalidArgumentError(absl::StrCat(where, "page_tokens and boundary_layers must be >= 0; got ",
+                                                     c.page_tokens(), ", ", c.boundary_layers()));
     }
     KvLayoutOptions& layout = options.layout;
     layout.num_layers = c.num_layers();
@@ -290,15 +286,15 @@ absl::StatusOr<std::vector<CacheOptions>> ToCacheOptions(const v1::ServerConfig&
     }
     options.memory_budget_bytes = c.memory_budget_bytes() != 0 ? c.memory_budget_bytes() : share;
     if (options.memory_budget_bytes < (*made)->page_bytes()) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%smemory budget %d bytes holds no page of %d bytes; raise memory_budget_bytes or "
-          "--memory_budget_gib",
-          where, options.memory_budget_bytes, (*made)->page_bytes()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%smemory budget %d bytes holds no page of %d bytes; raise memory_budget_bytes or "
+                          "--memory_budget_gib",
+                          where, options.memory_budget_bytes, (*made)->page_bytes()));
     }
     options.evict_lru = c.evict_lru();
     if (!(c.idle_ttl_seconds() >= 0) || std::isinf(c.idle_ttl_seconds())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, "idle_ttl_seconds is ", c.idle_ttl_seconds(), "; want a finite value >= 0 (0: never)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "idle_ttl_seconds is ", c.idle_ttl_seconds(), "; want a finite value >= 0 (0: never)"));
     }
     if (c.idle_ttl_seconds() > 0) options.idle_ttl = absl::Seconds(c.idle_ttl_seconds());
     out.push_back(std::move(options));

@@ -25,11 +25,10 @@ namespace {
 
 constexpr const char* kKernelNames[kNumKernels] = {"store", "score", "attend", "copy_page", "store_attend"};
 constexpr const char* kCodeNames[kNumGrpcCodes] = {
-    "OK",          "CANCELLED",         "UNKNOWN",          "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED", "NOT_FOUND",   "ALREADY_EXISTS",   "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL",        "UNAVAILABLE",      "DATA_LOSS",
-    "UNAUTHENTICATED"};
+    "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+    "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+    "DATA_LOSS", "UNAUTHENTICATED"};
 
 // 10 us .. ~42 s, x2.
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
@@ -86,12 +85,9 @@ class CacheCollector : public prometheus::Collectable {
          "Bytes of what the sequences hold: compressed tokens, exact copies of sink and window tokens, "
          "key means (no page padding).",
          MetricType::Gauge},
-        {"tqkv_cache_stored_bytes_bf16", "The same tokens stored as bf16, in bytes.",
-         MetricType::Gauge},
-        {"tqkv_cache_bytes_saved", "bf16-equivalent bytes minus compressed bytes.",
-         MetricType::Gauge},
-        {"tqkv_cache_compression_ratio", "bf16-equivalent bytes / stored bytes (0: empty).",
-         MetricType::Gauge},
+        {"tqkv_cache_stored_bytes_bf16", "The same tokens stored as bf16, in bytes.", MetricType::Gauge},
+        {"tqkv_cache_bytes_saved", "bf16-equivalent bytes minus compressed bytes.", MetricType::Gauge},
+        {"tqkv_cache_compression_ratio", "bf16-equivalent bytes / stored bytes (0: empty).", MetricType::Gauge},
         {"tqkv_cache_pool_bytes_used",
          "Pool bytes the sequences' pages take (pages used x page bytes: padding and exact pages included).",
          MetricType::Gauge},
@@ -102,13 +98,10 @@ class CacheCollector : public prometheus::Collectable {
         {"tqkv_cache_pages_used", "Pages in use by sequences.", MetricType::Gauge},
         {"tqkv_cache_sequences", "Sequences held.", MetricType::Gauge},
         {"tqkv_cache_tokens", "Tokens held, summed over sequences.", MetricType::Gauge},
-        {"tqkv_cache_evictions_total", "Sequences dropped by LRU eviction or idle TTL.",
-         MetricType::Counter},
-        {"tqkv_cache_copy_on_writes_total", "Shared pages copied before a write.",
-         MetricType::Counter},
+        {"tqkv_cache_evictions_total", "Sequences dropped by LRU eviction or idle TTL.", MetricType::Counter},
+        {"tqkv_cache_copy_on_writes_total", "Shared pages copied before a write.", MetricType::Counter},
         {"tqkv_cache_evicted_lookups_total",
-         "Calls that named a sequence the cache had evicted (NOT_FOUND says when and why).",
-         MetricType::Counter},
+         "Calls that named a sequence the cache had evicted (NOT_FOUND says when and why).", MetricType::Counter},
         {"tqkv_cache_rope_mismatches_total",
          "Layers of sequences whose keys did not rotate like the cache's RoPE says (pre-RoPE centering; "
          "the first 4 sequences of each layer are checked): the config's RoPE is not the model's.",
@@ -180,8 +173,8 @@ class TimedBackend : public ForwardingBackend {
   absl::Status Timed(Kernel kernel, F f) {
     const auto start = std::chrono::steady_clock::now();
     absl::Status status = f();
-    metrics_->ObserveKernel(
-        kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), backend_);
+    metrics_->ObserveKernel(kernel, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                            backend_);
     if (status.ok()) metrics_->ObserveKernelParts(kernel, inner().LastCallTiming(), backend_);
     return status;
   }
@@ -195,10 +188,8 @@ class TimedBackend : public ForwardingBackend {
 Metrics::Metrics(const std::string& backend) : Metrics(std::vector<std::string>{backend}) {}
 
 Metrics::Metrics(const std::vector<std::string>& backends)
-    : registry_(std::make_shared<prometheus::Registry>()),
-      kernel_duration_(backends.size()),
-      kernel_device_(backends.size()),
-      kernel_wait_(backends.size()) {
+    : registry_(std::make_shared<prometheus::Registry>()), kernel_duration_(backends.size()),
+      kernel_device_(backends.size()), kernel_wait_(backends.size()) {
   auto& rpc_duration = prometheus::BuildHistogram()
                            .Name("tqkv_rpc_duration_seconds")
                            .Help("Wall time of each rpc, from handler start to finish.")
@@ -260,15 +251,13 @@ Metrics::Metrics(const std::vector<std::string>& backends)
 }
 
 prometheus::Counter& Metrics::CodeCounter(prometheus::Family<prometheus::Counter>& family,
-                                          std::atomic<prometheus::Counter*>* slot, Rpc rpc,
-                                          grpc::StatusCode code) {
+                                          std::atomic<prometheus::Counter*>* slot, Rpc rpc, grpc::StatusCode code) {
   prometheus::Counter* counter = slot->load(std::memory_order_acquire);
   if (counter != nullptr) return *counter;
   absl::MutexLock lock(&create_mu_);
   counter = slot->load(std::memory_order_relaxed);
   if (counter == nullptr) {
-    counter = &family.Add(
-        {{"method", RowOf(rpc).label}, {"code", kCodeNames[static_cast<int>(code)]}});
+    counter = &family.Add({{"method", RowOf(rpc).label}, {"code", kCodeNames[static_cast<int>(code)]}});
     slot->store(counter, std::memory_order_release);
   }
   return *counter;
@@ -309,11 +298,9 @@ void Metrics::ObserveRpc(Rpc rpc, grpc::StatusCode code, double seconds) {
   int c = static_cast<int>(code);
   if (c < 0 || c > 16) c = grpc::StatusCode::UNKNOWN;
   rpc_duration_[r]->Observe(seconds);
-  CodeCounter(*requests_, &request_counters_[r][c], rpc, static_cast<grpc::StatusCode>(c))
-      .Increment();
+  CodeCounter(*requests_, &request_counters_[r][c], rpc, static_cast<grpc::StatusCode>(c)).Increment();
   if (c != grpc::StatusCode::OK) {
-    CodeCounter(*errors_, &error_counters_[r][c], rpc, static_cast<grpc::StatusCode>(c))
-        .Increment();
+    CodeCounter(*errors_, &error_counters_[r][c], rpc, static_cast<grpc::StatusCode>(c)).Increment();
   }
 }
 
@@ -377,12 +364,12 @@ class ExecutorCollector : public prometheus::Collectable {
          static_cast<double>(s.running)},
         {"tqkv_executor_queued", "Calls waiting for an executor thread.", MetricType::Gauge,
          static_cast<double>(s.queued)},
-        {"tqkv_executor_pending_bytes", "Request bytes of the running and queued calls.",
-         MetricType::Gauge, static_cast<double>(s.pending_bytes)},
-        {"tqkv_executor_max_pending", "Bound on running + queued calls (--max_pending_calls).",
-         MetricType::Gauge, static_cast<double>(s.max_pending)},
-        {"tqkv_executor_rejected_total", "Calls refused with RESOURCE_EXHAUSTED: executor full.",
-         MetricType::Counter, static_cast<double>(s.rejected)},
+        {"tqkv_executor_pending_bytes", "Request bytes of the running and queued calls.", MetricType::Gauge,
+         static_cast<double>(s.pending_bytes)},
+        {"tqkv_executor_max_pending", "Bound on running + queued calls (--max_pending_calls).", MetricType::Gauge,
+         static_cast<double>(s.max_pending)},
+        {"tqkv_executor_rejected_total", "Calls refused with RESOURCE_EXHAUSTED: executor full.", MetricType::Counter,
+         static_cast<double>(s.rejected)},
         {"tqkv_executor_completed_total", "Calls the executor ran.", MetricType::Counter,
          static_cast<double>(s.completed)},
     };
@@ -430,8 +417,7 @@ class ProcessCollector : public prometheus::Collectable {
          (field(14) + field(15)) / ticks},
         {"process_resident_memory_bytes", "Resident memory of the process, in bytes.", MetricType::Gauge,
          field(24) * page},
-        {"process_virtual_memory_bytes", "Virtual memory size of the process, in bytes.", MetricType::Gauge,
-         field(23)},
+        {"process_virtual_memory_bytes", "Virtual memory size of the process, in bytes.", MetricType::Gauge, field(23)},
         {"process_threads", "Threads of the process.", MetricType::Gauge, field(20)},
     };
     // Start time: boot time (btime in /proc/stat) + starttime ticks.
@@ -469,13 +455,11 @@ std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metri
   return std::make_unique<TimedBackend>(std::move(inner), metrics, backend);
 }
 
-std::string SerializeMetrics(
-    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables) {
+std::string SerializeMetrics(const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables) {
   std::vector<prometheus::MetricFamily> families;
   for (const auto& c : collectables) {
     std::vector<prometheus::MetricFamily> f = c->Collect();
-    families.insert(families.end(), std::make_move_iterator(f.begin()),
-                    std::make_move_iterator(f.end()));
+    families.insert(families.end(), std::make_move_iterator(f.begin()), std::make_move_iterator(f.end()));
   }
   return prometheus::TextSerializer().Serialize(families);
 }
@@ -496,16 +480,16 @@ class TenantCollector : public prometheus::Collectable {
       double (*value)(const UsageAccount&);
     };
     static constexpr Def kDefs[] = {
-        {"tqkv_tenant_bytes", "Bytes of pool pages the tenant's sequences hold, over every cache.",
-         MetricType::Gauge, [](const UsageAccount& a) { return static_cast<double>(a.bytes()); }},
+        {"tqkv_tenant_bytes", "Bytes of pool pages the tenant's sequences hold, over every cache.", MetricType::Gauge,
+         [](const UsageAccount& a) { return static_cast<double>(a.bytes()); }},
         {"tqkv_tenant_max_bytes", "The tenant's max_bytes quota (0: no limit).", MetricType::Gauge,
          [](const UsageAccount& a) { return static_cast<double>(a.max_bytes()); }},
         {"tqkv_tenant_sequences", "Sequences the tenant holds.", MetricType::Gauge,
          [](const UsageAccount& a) { return static_cast<double>(a.sequences()); }},
         {"tqkv_tenant_max_sequences", "The tenant's max_sequences quota (0: no limit).", MetricType::Gauge,
          [](const UsageAccount& a) { return static_cast<double>(a.max_sequences()); }},
-        {"tqkv_tenant_tokens", "Tokens the tenant's sequences hold (each in its longest layer).",
-         MetricType::Gauge, [](const UsageAccount& a) { return static_cast<double>(a.tokens()); }},
+        {"tqkv_tenant_tokens", "Tokens the tenant's sequences hold (each in its longest layer).", MetricType::Gauge,
+         [](const UsageAccount& a) { return static_cast<double>(a.tokens()); }},
         {"tqkv_tenant_quota_refusals_total", "Calls refused with RESOURCE_EXHAUSTED for the tenant's quota.",
          MetricType::Counter, [](const UsageAccount& a) { return static_cast<double>(a.refusals()); }},
     };

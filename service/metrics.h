@@ -161,8 +161,7 @@ class Metrics {
 
  private:
   prometheus::Counter& CodeCounter(prometheus::Family<prometheus::Counter>& family,
-                                   std::atomic<prometheus::Counter*>* slot, Rpc rpc,
-                                   grpc::StatusCode code);
+                                   std::atomic<prometheus::Counter*>* slot, Rpc rpc, grpc::StatusCode code);
 
   std::shared_ptr<prometheus::Registry> registry_;
   prometheus::Family<prometheus::Counter>* requests_;
@@ -212,8 +211,7 @@ std::shared_ptr<prometheus::Collectable> MakeProcessCollector();
 std::unique_ptr<Backend> WithKernelTimings(std::unique_ptr<Backend> inner, Metrics* metrics, int backend = 0);
 
 // The text exposition of `collectables`, as /metrics serves it.
-std::string SerializeMetrics(
-    const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables);
+std::string SerializeMetrics(const std::vector<std::shared_ptr<prometheus::Collectable>>& collectables);
 
 }  // namespace service
 }  // namespace tqkv

@@ -28,7 +28,7 @@ struct GgufArch {
   // llama.cpp's set_swa_pattern(n): layer i slides when i % n < n - 1 (0:
   // every layer slides). -1: llama.cpp gives this architecture no pattern.
   int swa_pattern = -1;
-  double local_base = 0.0;   // sliding layers' RoPE base when no rope.freq_base_swa (Gemma 3)
+  double local_base = 0.0;  // sliding layers' RoPE base when no rope.freq_base_swa (Gemma 3)
   bool learned_sinks = false;
 };
 
@@ -36,20 +36,46 @@ struct GgufArch {
 // (llama.cpp's NORM and NEOX rope types). Not here: DeepSeek-V2/V3 (latent
 // attention), Cohere2 and SmolLM3 (layers without RoPE), multimodal RoPE.
 constexpr GgufArch kArchs[] = {
-    {"llama", kInterleaved},     {"deci", kInterleaved},       {"baichuan", kInterleaved},
-    {"internlm2", kInterleaved}, {"minicpm", kInterleaved},    {"xverse", kInterleaved},
-    {"command-r", kInterleaved}, {"olmo", kInterleaved},       {"arctic", kInterleaved},
-    {"deepseek", kInterleaved},  {"granite", kInterleaved},    {"granitemoe", kInterleaved},
-    {"chameleon", kInterleaved}, {"bailingmoe", kInterleaved}, {"arcee", kInterleaved},
-    {"ernie4_5", kInterleaved},  {"mistral3", kInterleaved},   {"falcon", kHalfSplit},
-    {"dbrx", kHalfSplit},        {"stablelm", kHalfSplit},     {"qwen2", kHalfSplit},
-    {"qwen2moe", kHalfSplit},    {"qwen3", kHalfSplit},        {"qwen3moe", kHalfSplit},
-    {"olmo2", kHalfSplit},       {"olmoe", kHalfSplit},        {"phi2", kHalfSplit},
-    {"phi3", kHalfSplit},        {"phimoe", kHalfSplit},       {"gemma", kHalfSplit},
-    {"gemma2", kHalfSplit, 2},   {"gemma3", kHalfSplit, 6, 10000.0},
-    {"starcoder2", kHalfSplit},  {"gptneox", kHalfSplit},      {"codeshell", kHalfSplit},
-    {"orion", kHalfSplit},       {"nemotron", kHalfSplit},     {"exaone", kHalfSplit},
-    {"gpt-oss", kHalfSplit, 2, 0.0, true},                     {"seed_oss", kHalfSplit},
+    {"llama", kInterleaved},
+    {"deci", kInterleaved},
+    {"baichuan", kInterleaved},
+    {"internlm2", kInterleaved},
+    {"minicpm", kInterleaved},
+    {"xverse", kInterleaved},
+    {"command-r", kInterleaved},
+    {"olmo", kInterleaved},
+    {"arctic", kInterleaved},
+    {"deepseek", kInterleaved},
+    {"granite", kInterleaved},
+    {"granitemoe", kInterleaved},
+    {"chameleon", kInterleaved},
+    {"bailingmoe", kInterleaved},
+    {"arcee", kInterleaved},
+    {"ernie4_5", kInterleaved},
+    {"mistral3", kInterleaved},
+    {"falcon", kHalfSplit},
+    {"dbrx", kHalfSplit},
+    {"stablelm", kHalfSplit},
+    {"qwen2", kHalfSplit},
+    {"qwen2moe", kHalfSplit},
+    {"qwen3", kHalfSplit},
+    {"qwen3moe", kHalfSplit},
+    {"olmo2", kHalfSplit},
+    {"olmoe", kHalfSplit},
+    {"phi2", kHalfSplit},
+    {"phi3", kHalfSplit},
+    {"phimoe", kHalfSplit},
+    {"gemma", kHalfSplit},
+    {"gemma2", kHalfSplit, 2},
+    {"gemma3", kHalfSplit, 6, 10000.0},
+    {"starcoder2", kHalfSplit},
+    {"gptneox", kHalfSplit},
+    {"codeshell", kHalfSplit},
+    {"orion", kHalfSplit},
+    {"nemotron", kHalfSplit},
+    {"exaone", kHalfSplit},
+    {"gpt-oss", kHalfSplit, 2, 0.0, true},
+    {"seed_oss", kHalfSplit},
 };
 
 absl::StatusOr<const GgufArch*> FindArch(const std::string& name, const std::string& where) {
@@ -58,10 +84,10 @@ absl::StatusOr<const GgufArch*> FindArch(const std::string& name, const std::str
     if (a.name == name) return &a;
     known.push_back(a.name);
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      where, ": general.architecture '", name,
-      "' is not one tqkv config derives (its RoPE pair layout and layer pattern are not known); known: ",
-      absl::StrJoin(known, ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, ": general.architecture '", name,
+                   "' is not one tqkv config derives (its RoPE pair layout and layer pattern are not known); known: ",
+                   absl::StrJoin(known, ", ")));
 }
 
 // Metadata reads of one architecture's keys ("<arch>.<key>"), with messages
@@ -141,8 +167,8 @@ absl::Status GgufShape(const ArchKeys& k, v1::CacheConfig* cache) {
                                                           "; a tqkv cache has one head dim for keys and values"));
   }
   return WriteShape({layers, k.Key("block_count")}, {heads, k.Key("attention.head_count")},
-                    {kv_heads, k.Key("attention.head_count_kv")}, {head_dim, k.Key("attention.key_length")},
-                    k.path(), cache);
+                    {kv_heads, k.Key("attention.head_count_kv")}, {head_dim, k.Key("attention.key_length")}, k.path(),
+                    cache);
 }
 
 // Per layer, the window (0: full attention).
@@ -157,8 +183,8 @@ absl::StatusOr<std::vector<int>> GgufWindows(const ArchKeys& k, const GgufArch& 
   if (pattern_value != nullptr && pattern_value->type == GgufType::kArray) {
     // One flag per layer, true where the layer slides.
     if (static_cast<int>(pattern_value->numbers.size()) != layers) {
-      return k.Error("attention.sliding_window_pattern", absl::StrCat("has ", pattern_value->numbers.size(),
-                                                                      " entries; want one per layer, ", layers));
+      return k.Error("attention.sliding_window_pattern",
+                     absl::StrCat("has ", pattern_value->numbers.size(), " entries; want one per layer, ", layers));
     }
     for (int i = 0; i < layers; ++i) windows[i] = pattern_value->numbers[i] != 0.0 ? static_cast<int>(window) : 0;
     return windows;
@@ -286,18 +312,17 @@ absl::StatusOr<DerivedConfig> CacheConfigFromGguf(const GgufFile& file, const Mo
   const ArchKeys k(file, *arch_name);
   DerivedConfig out;
   const GgufValue* name = file.Find("general.name");
-  out.source = absl::StrCat("the GGUF file ", file.path, " (architecture \"", *arch_name, "\"",
-                            name != nullptr && name->type == GgufType::kString ? absl::StrCat(", \"", name->text, "\"")
-                                                                               : "",
-                            ")");
+  out.source = absl::StrCat(
+      "the GGUF file ", file.path, " (architecture \"", *arch_name, "\"",
+      name != nullptr && name->type == GgufType::kString ? absl::StrCat(", \"", name->text, "\"") : "", ")");
   RETURN_IF_ERROR(GgufShape(k, &out.cache));
   ASSIGN_OR_RETURN(const std::vector<int> windows, GgufWindows(k, *arch, out.cache.num_layers()));
   WriteWindows(windows, &out.cache);
   if (out.cache.sliding_window_layers_size() > 0) {
-    out.window_notes.push_back(absl::StrCat(
-        "Sliding-window layers: ", k.Key("attention.sliding_window"),
-        " and llama.cpp's layer pattern for this architecture; a query at position p sees tokens "
-        "[p+1-window, p+1)."));
+    out.window_notes.push_back(
+        absl::StrCat("Sliding-window layers: ", k.Key("attention.sliding_window"),
+                     " and llama.cpp's layer pattern for this architecture; a query at position p sees tokens "
+                     "[p+1-window, p+1)."));
   }
   RETURN_IF_ERROR(GgufCacheRope(k, file, *arch, windows, options, &out));
   RETURN_IF_ERROR(GgufNotes(k, *arch, &out));

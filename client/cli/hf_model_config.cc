@@ -33,14 +33,14 @@ enum class WindowRule {
 
 struct HfFamily {
   absl::string_view model_type;
-  double rope_theta;          // when config.json omits rope_theta
+  double rope_theta;  // when config.json omits rope_theta
   WindowRule windows;
-  int pattern;                // kPattern, when config.json has no sliding_window_pattern
-  int default_window;         // when config.json omits sliding_window (0: none)
-  double local_rope_theta;    // sliding layers' base when omitted (Gemma 3); 0: one RoPE
-  double softcap;             // attn_logit_softcapping when omitted (Gemma 2); 0: none
-  bool learned_sinks;         // gpt-oss
-  bool mha_by_default;        // no num_key_value_heads means one KV head per query head
+  int pattern;              // kPattern, when config.json has no sliding_window_pattern
+  int default_window;       // when config.json omits sliding_window (0: none)
+  double local_rope_theta;  // sliding layers' base when omitted (Gemma 3); 0: one RoPE
+  double softcap;           // attn_logit_softcapping when omitted (Gemma 2); 0: none
+  bool learned_sinks;       // gpt-oss
+  bool mha_by_default;      // no num_key_value_heads means one KV head per query head
 };
 
 // The defaults of transformers' configuration classes.
@@ -123,9 +123,10 @@ absl::StatusOr<const HfFamily*> FindFamily(const std::string& model_type, const 
     if (f.model_type == model_type) return &f;
     known.push_back(f.model_type);
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      where, ": model_type '", model_type, "' is not one tqkv config derives (its RoPE pair layout, windows and "
-      "defaults are not known); known: ", absl::StrJoin(known, ", ")));
+  return absl::InvalidArgumentError(absl::StrCat(where, ": model_type '", model_type,
+                                                 "' is not one tqkv config derives (its RoPE pair layout, windows and "
+                                                 "defaults are not known); known: ",
+                                                 absl::StrJoin(known, ", ")));
 }
 
 // sliding_window as HF reads it: absent -> the class default, null -> none.
@@ -152,9 +153,9 @@ absl::StatusOr<std::vector<int>> HfWindows(const Fields& f, const HfFamily& fami
         if (window == 0) return f.Error("sliding_window", "a window for the sliding_attention layers");
         windows[i] = window;
       } else if (type != "full_attention") {
-        return absl::InvalidArgumentError(absl::StrCat(
-            f.Where("layer_types"), "[", i, "] is '", type,
-            "'; tqkv serves 'full_attention' and 'sliding_attention' layers only"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(f.Where("layer_types"), "[", i, "] is '", type,
+                         "'; tqkv serves 'full_attention' and 'sliding_attention' layers only"));
       }
     }
     return windows;
@@ -220,15 +221,15 @@ absl::Status ReadScaling(const Fields& s, const Fields& top, ModelRope* rope) {
     if (rope->beta_slow == 0.0) rope->beta_slow = 1.0;
     ASSIGN_OR_RETURN(rope->truncate, s.BoolOr("truncate", true));
   } else if (type == "dynamic" || type == "longrope" || type == "su" || type == "mrope") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        s.Where("rope_type"), " '", type, "' is not supported: ",
-        type == "dynamic" ? "dynamic NTK scaling changes the frequencies with the sequence length"
-        : type == "mrope" ? "multimodal RoPE rotates by several position ids per token"
-                          : "LongRoPE switches between two frequency sets with the sequence length",
-        ", which one CacheConfig rope cannot express; want default, linear, llama3 or yarn"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(s.Where("rope_type"), " '", type, "' is not supported: ",
+                     type == "dynamic" ? "dynamic NTK scaling changes the frequencies with the sequence length"
+                     : type == "mrope" ? "multimodal RoPE rotates by several position ids per token"
+                                       : "LongRoPE switches between two frequency sets with the sequence length",
+                     ", which one CacheConfig rope cannot express; want default, linear, llama3 or yarn"));
   } else {
-    return absl::InvalidArgumentError(absl::StrCat(s.Where("rope_type"), " '", type,
-                                                   "' is not supported; want default, linear, llama3 or yarn"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(s.Where("rope_type"), " '", type, "' is not supported; want default, linear, llama3 or yarn"));
   }
   return absl::OkStatus();
 }
@@ -300,8 +301,8 @@ absl::Status HfShape(const Fields& f, const HfFamily& family, v1::CacheConfig* c
   } else {
     ASSIGN_OR_RETURN(const int64_t hidden, f.Int("hidden_size"));
     if (heads < 1 || hidden % heads != 0) {
-      return f.Error("hidden_size", absl::StrCat("a multiple of num_attention_heads = ", heads,
-                                                 " (there is no head_dim)"));
+      return f.Error("hidden_size",
+                     absl::StrCat("a multiple of num_attention_heads = ", heads, " (there is no head_dim)"));
     }
     head_dim = hidden / heads;
   }
@@ -392,9 +393,9 @@ absl::StatusOr<DerivedConfig> CacheConfigFromHfJson(const Json& config, const st
   ASSIGN_OR_RETURN(const std::vector<int> windows, HfWindows(f, *family, out.cache.num_layers()));
   WriteWindows(windows, &out.cache);
   if (out.cache.sliding_window_layers_size() > 0) {
-    out.window_notes.push_back(absl::StrCat(
-        "Sliding-window layers (", f.Has("layer_types") ? "layer_types" : "the family's layer pattern",
-        "): a query at position p sees tokens [p+1-window, p+1), as transformers masks them."));
+    out.window_notes.push_back(
+        absl::StrCat("Sliding-window layers (", f.Has("layer_types") ? "layer_types" : "the family's layer pattern",
+                     "): a query at position p sees tokens [p+1-window, p+1), as transformers masks them."));
   }
   RETURN_IF_ERROR(HfCacheRope(f, *family, windows, options, &out));
   RETURN_IF_ERROR(HfNotes(f, *family, &out));
@@ -408,7 +409,8 @@ absl::StatusOr<DerivedConfig> CacheConfigFromHfPath(const std::string& path, con
   std::ifstream in(file);
   std::stringstream text;
   if (!in || !(text << in.rdbuf())) {
-    return absl::NotFoundError(absl::StrCat("cannot read '", path, "' (want a config.json or a directory holding one)"));
+    return absl::NotFoundError(
+        absl::StrCat("cannot read '", path, "' (want a config.json or a directory holding one)"));
   }
   Json config;
   try {

@@ -24,7 +24,6 @@ bool Positive(double x) { return std::isfinite(x) && x > 0.0; }
 
 std::string Shortest(double x);
 
-
 // `text` as comment lines of at most kCommentColumns, each starting with
 // `indent` "# ".
 void AppendComment(const std::string& indent, const std::string& text, std::string* out) {
@@ -95,10 +94,10 @@ std::string ShortestDecimal(double x) {
 }
 
 bool ModelRope::operator==(const ModelRope& o) const {
-  return rotary_dims == o.rotary_dims && pair_layout == o.pair_layout && base == o.base &&
-         scaling == o.scaling && factor == o.factor && low_freq_factor == o.low_freq_factor &&
-         high_freq_factor == o.high_freq_factor && original_max_position == o.original_max_position &&
-         beta_fast == o.beta_fast && beta_slow == o.beta_slow && truncate == o.truncate && inv_freq == o.inv_freq;
+  return rotary_dims == o.rotary_dims && pair_layout == o.pair_layout && base == o.base && scaling == o.scaling &&
+         factor == o.factor && low_freq_factor == o.low_freq_factor && high_freq_factor == o.high_freq_factor &&
+         original_max_position == o.original_max_position && beta_fast == o.beta_fast && beta_slow == o.beta_slow &&
+         truncate == o.truncate && inv_freq == o.inv_freq;
 }
 
 std::vector<double> YarnInvFreq(const ModelRope& rope) {
@@ -147,9 +146,8 @@ absl::Status WriteRope(const ModelRope& rope, const std::string& where, v1::Rota
   out->set_base(rope.base);
   if (!rope.inv_freq.empty()) {
     if (static_cast<int>(rope.inv_freq.size()) != rope.rotary_dims / 2) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", rope.inv_freq.size(),
-                                                     " rope frequencies; want rotary_dims / 2 = ",
-                                                     rope.rotary_dims / 2));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": ", rope.inv_freq.size(), " rope frequencies; want rotary_dims / 2 = ", rope.rotary_dims / 2));
     }
     for (double f : rope.inv_freq) out->add_inv_freq(f);
     return absl::OkStatus();
@@ -164,10 +162,10 @@ absl::Status WriteRope(const ModelRope& rope, const std::string& where, v1::Rota
     case ModelRope::Scaling::kLlama3:
       if (!(rope.low_freq_factor > 0.0) || !(rope.high_freq_factor > rope.low_freq_factor) ||
           rope.original_max_position < 1) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "%s: llama3 rope scaling wants 0 < low_freq_factor < high_freq_factor and "
-            "original_max_position_embeddings >= 1; got %g, %g, %d",
-            where, rope.low_freq_factor, rope.high_freq_factor, rope.original_max_position));
+        return absl::InvalidArgumentError(
+            absl::StrFormat("%s: llama3 rope scaling wants 0 < low_freq_factor < high_freq_factor and "
+                            "original_max_position_embeddings >= 1; got %g, %g, %d",
+                            where, rope.low_freq_factor, rope.high_freq_factor, rope.original_max_position));
       }
       out->set_scaling_type("llama3");
       out->set_scaling_factor(rope.factor);
@@ -234,11 +232,10 @@ absl::Status WriteShape(const ShapeField& layers, const ShapeField& query_heads,
 }
 
 absl::Status FinishCache(const ModelConfigOptions& options, const std::string& where, v1::CacheConfig* cache) {
-  if (cache->num_layers() < 1 || cache->num_kv_heads() < 1 || cache->num_query_heads() < 1 ||
-      cache->head_dim() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        where, ": layers, KV heads, query heads and head dim must all be >= 1; got ", cache->num_layers(), ", ",
-        cache->num_kv_heads(), ", ", cache->num_query_heads(), ", ", cache->head_dim()));
+  if (cache->num_layers() < 1 || cache->num_kv_heads() < 1 || cache->num_query_heads() < 1 || cache->head_dim() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": layers, KV heads, query heads and head dim must all be >= 1; got ", cache->num_layers(),
+                     ", ", cache->num_kv_heads(), ", ", cache->num_query_heads(), ", ", cache->head_dim()));
   }
   if (cache->num_query_heads() % cache->num_kv_heads() != 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", cache->num_query_heads(),
@@ -260,9 +257,9 @@ absl::Status FinishCache(const ModelConfigOptions& options, const std::string& w
 std::string FormatServerConfig(const DerivedConfig& derived) {
   const v1::CacheConfig& c = derived.cache;
   std::string out;
-  AppendComment("", absl::StrCat("tqkv-server --config FILE: one cache derived by `tqkv config` from ",
-                                 derived.source, "."),
-                &out);
+  AppendComment(
+      "", absl::StrCat("tqkv-server --config FILE: one cache derived by `tqkv config` from ", derived.source, "."),
+      &out);
   for (const std::string& note : derived.notes) AppendComment("", note, &out);
   AppendComment("",
                 "memory_budget_bytes is left 0: the cache takes an equal share of the server's "
@@ -279,14 +276,16 @@ std::string FormatServerConfig(const DerivedConfig& derived) {
   }
   for (const v1::LayerRope& r : c.layer_ropes()) {
     absl::StrAppend(&out, "  layer_ropes {\n");
-    AppendList("    ", "layers", r.layers(), [](int32_t layer) { return absl::StrCat(layer); }, &out);
+    AppendList(
+        "    ", "layers", r.layers(), [](int32_t layer) { return absl::StrCat(layer); }, &out);
     AppendRope(r.rope(), "    ", &out);
     absl::StrAppend(&out, "  }\n");
   }
   for (const std::string& note : derived.window_notes) AppendComment("  ", note, &out);
   for (const v1::SlidingWindowLayers& w : c.sliding_window_layers()) {
     absl::StrAppend(&out, "  sliding_window_layers {\n");
-    AppendList("    ", "layers", w.layers(), [](int32_t layer) { return absl::StrCat(layer); }, &out);
+    AppendList(
+        "    ", "layers", w.layers(), [](int32_t layer) { return absl::StrCat(layer); }, &out);
     absl::StrAppend(&out, "    window: ", w.window(), "\n  }\n");
   }
   absl::StrAppend(&out, "}\n");

@@ -115,12 +115,12 @@ struct ModelRope {
   double base = 10000.0;
   Scaling scaling = Scaling::kNone;
   double factor = 1.0;
-  double low_freq_factor = 1.0;        // kLlama3
-  double high_freq_factor = 4.0;       // kLlama3
-  int64_t original_max_position = 0;   // kLlama3, kYarn
-  double beta_fast = 32.0;             // kYarn
-  double beta_slow = 1.0;              // kYarn
-  bool truncate = true;                // kYarn: round the ramp's ends (HF's default; llama.cpp always)
+  double low_freq_factor = 1.0;       // kLlama3
+  double high_freq_factor = 4.0;      // kLlama3
+  int64_t original_max_position = 0;  // kLlama3, kYarn
+  double beta_fast = 32.0;            // kYarn
+  double beta_slow = 1.0;             // kYarn
+  bool truncate = true;               // kYarn: round the ramp's ends (HF's default; llama.cpp always)
   // Explicit per-pair frequencies (rotary_dims / 2), over base and scaling.
   std::vector<double> inv_freq;
 

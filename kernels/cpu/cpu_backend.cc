@@ -65,11 +65,9 @@ struct SlotAddress {
   int slot;
 };
 
-inline SlotAddress Locate(const PagePool& pool, const int32_t* block_table, int page_tokens,
-                          int64_t token) {
+inline SlotAddress Locate(const PagePool& pool, const int32_t* block_table, int page_tokens, int64_t token) {
   const int32_t page = block_table[token / page_tokens];
-  return {pool.base + static_cast<size_t>(page) * pool.page_bytes,
-          static_cast<int>(token % page_tokens)};
+  return {pool.base + static_cast<size_t>(page) * pool.page_bytes, static_cast<int>(token % page_tokens)};
 }
 
 // Views of one (layer, head)'s planes in one page.
@@ -116,8 +114,7 @@ constexpr int kMaxCodeBytes = 2 * kMaxHeadDim;
 absl::Status CheckPages(const PagePool& pool, absl::Span<const int32_t> pages) {
   for (int32_t page : pages) {
     if (page < 0 || page >= pool.num_pages) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("page %d is outside a %d-page pool", page, pool.num_pages));
+      return absl::InvalidArgumentError(absl::StrFormat("page %d is outside a %d-page pool", page, pool.num_pages));
     }
   }
   return absl::OkStatus();
@@ -128,8 +125,7 @@ class CpuBackend final : public Backend {
   explicit CpuBackend(const CpuBackendOptions& options)
       : num_threads_(options.num_threads > 0 ? options.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))),
-        integer_attention_(options.integer_attention),
-        pool_(num_threads_ - 1) {}
+        integer_attention_(options.integer_attention), pool_(num_threads_ - 1) {}
 
   std::string name() const override { return "cpu"; }
 
@@ -158,8 +154,8 @@ class CpuBackend final : public Backend {
 
   absl::Status CopyPage(const PagePool& pool, int32_t from, int32_t to) override {
     if (from < 0 || from >= pool.num_pages || to < 0 || to >= pool.num_pages) {
-      return absl::InvalidArgumentError(absl::StrFormat("page copy %d -> %d outside a %d-page pool",
-                                                        from, to, pool.num_pages));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("page copy %d -> %d outside a %d-page pool", from, to, pool.num_pages));
     }
     memcpy(pool.base + static_cast<size_t>(to) * pool.page_bytes,
            pool.base + static_cast<size_t>(from) * pool.page_bytes, pool.page_bytes);
@@ -205,18 +201,18 @@ class CpuBackend final : public Backend {
   // Where a run of n tokens of one head goes: each token's codes (in its
   // page, or for a tiled plane its row of the staged buffer, token-major)
   // and scalars, at pages[k] / slots[k].
-  static void PointAtSlots(const HeadView& view, int n, uint8_t* const* pages, const int* slots,
-                           uint8_t* staged_keys, uint8_t* staged_values, uint8_t** key_codes,
-                           uint8_t** value_codes, uint16_t** key_scalars, uint16_t** value_scalars) {
+  static void PointAtSlots(const HeadView& view, int n, uint8_t* const* pages, const int* slots, uint8_t* staged_keys,
+                           uint8_t* staged_values, uint8_t** key_codes, uint8_t** value_codes, uint16_t** key_scalars,
+                           uint16_t** value_scalars) {
     for (int k = 0; k < n; ++k) {
       uint8_t* page = pages[k];
       const int slot = slots[k];
-      key_codes[k] = view.key_plane.tiled ? staged_keys + k * view.key_plane.code_bytes
-                                          : page + view.planes->key_codes +
-                                                static_cast<size_t>(slot) * view.key_plane.code_bytes;
-      value_codes[k] = view.value_plane.tiled ? staged_values + k * view.value_plane.code_bytes
-                                              : page + view.planes->value_codes +
-                                                    static_cast<size_t>(slot) * view.value_plane.code_bytes;
+      key_codes[k] = view.key_plane.tiled
+                         ? staged_keys + k * view.key_plane.code_bytes
+                         : page + view.planes->key_codes + static_cast<size_t>(slot) * view.key_plane.code_bytes;
+      value_codes[k] = view.value_plane.tiled
+                           ? staged_values + k * view.value_plane.code_bytes
+                           : page + view.planes->value_codes + static_cast<size_t>(slot) * view.value_plane.code_bytes;
       key_scalars[k] = const_cast<uint16_t*>(view.key_scalars(page, slot));
       value_scalars[k] = const_cast<uint16_t*>(view.value_scalars(page, slot));
     }
@@ -226,8 +222,8 @@ class CpuBackend final : public Backend {
   // that StoreTiled's stores do not wait on them.
   static void PrefetchTilesToWrite(const HeadView& view, int n, uint8_t* const* pages, const int* slots) {
     for (int k = 0; k < n; k += kTileTokens) {
-      for (const auto& [plane, offset] : {std::pair{view.key_plane, view.planes->key_codes},
-                                           std::pair{view.value_plane, view.planes->value_codes}}) {
+      for (const auto& [plane, offset] :
+           {std::pair{view.key_plane, view.planes->key_codes}, std::pair{view.value_plane, view.planes->value_codes}}) {
         if (!plane.tiled) continue;
         const uint8_t* tile =
             pages[k] + offset + static_cast<size_t>(slots[k] - slots[k] % kTileTokens) * plane.code_bytes;
@@ -256,8 +252,8 @@ class CpuBackend final : public Backend {
     constexpr int kRun = 32;
     const size_t row_floats = static_cast<size_t>(heads) * d;
     const auto prefetch_rows = [&](const float* in, int layer, int64_t i0, int n, int head) {
-      const size_t first = (static_cast<size_t>(layer - p.layer_begin) * p.num_tokens + i0) * row_floats +
-                           static_cast<size_t>(head) * d;
+      const size_t first =
+          (static_cast<size_t>(layer - p.layer_begin) * p.num_tokens + i0) * row_floats + static_cast<size_t>(head) * d;
       for (int k = 0; k < n; ++k) {
         const float* row = in + first + k * row_floats;
         for (int j = 0; j < d; j += 16) cpu_internal::PrefetchLine(row + j);
@@ -409,9 +405,8 @@ class CpuBackend final : public Backend {
       work += item.context_tokens * item.num_query_tokens * layout.query_heads_per_kv_head();
     }
     work *= static_cast<int64_t>(heads) * layout.head_dim();
-    RunTasks(static_cast<int>(p.items.size()) * heads, work, [&](int task) {
-      AttendHead(p, p.items[task / heads], task % heads);
-    });
+    RunTasks(static_cast<int>(p.items.size()) * heads, work,
+             [&](int task) { AttendHead(p, p.items[task / heads], task % heads); });
     return absl::OkStatus();
   }
 
@@ -456,8 +451,8 @@ class CpuBackend final : public Backend {
       for (; w + 4 <= words; w += 4) {
         for (int i = 0; i < kTileTokens; i += 4) {
           const auto row = [&](int t) {
-            return _mm_castsi128_ps(_mm_loadu_si128(
-                reinterpret_cast<const __m128i*>(rows + static_cast<size_t>(i + t) * plane.code_bytes + kTileWordBytes * w)));
+            return _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                rows + static_cast<size_t>(i + t) * plane.code_bytes + kTileWordBytes * w)));
           };
           __m128 r0 = row(0), r1 = row(1), r2 = row(2), r3 = row(3);
           _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
@@ -498,8 +493,8 @@ class CpuBackend final : public Backend {
   };
 
   // The runs a read of a layer holding `length` tokens covers, in token order.
-  static int Segments(const KvLayout& layout, const int32_t* table, const int32_t* exact_table,
-                      int64_t length, Segment* out) {
+  static int Segments(const KvLayout& layout, const int32_t* table, const int32_t* exact_table, int64_t length,
+                      Segment* out) {
     if (!layout.has_exact_tokens() || exact_table == nullptr) {
       out[0] = {&layout, table, 0, length};
       return 1;
@@ -534,9 +529,8 @@ class CpuBackend final : public Backend {
   }
 
   // The fused kernel for one layout's (layer, KV head), or null.
-  cpu_internal::AttendKernel PickKernel(const KvLayout& layout, int layer, int kv,
-                                               cpu_internal::FieldReader* key,
-                                               cpu_internal::FieldReader* value) {
+  cpu_internal::AttendKernel PickKernel(const KvLayout& layout, int layer, int kv, cpu_internal::FieldReader* key,
+                                        cpu_internal::FieldReader* value) {
     const SimdLevel level = ActiveSimdLevel();
     const bool avx512 = level >= SimdLevel::kAvx512 && __builtin_cpu_supports("avx512dq");
     const bool avx2 = level >= SimdLevel::kAvx2;

@@ -45,8 +45,8 @@ LaunchKey KeyOf(const PoolTables& tables, int layer, bool exact, int block_rows)
   return key;
 }
 
-void PlanItemAddBack(const KvLayout& layout, float scale, const AttendItem& item,
-                     const PlanPiece& piece, const AttendItemDesc& desc, Workspace& w) {
+void PlanItemAddBack(const KvLayout& layout, float scale, const AttendItem& item, const PlanPiece& piece,
+                     const AttendItemDesc& desc, Workspace& w) {
   if (layout.key_centering() == KeyCentering::kNone) return;
   const int d = layout.head_dim();
   const int qh = layout.num_query_heads();
@@ -85,8 +85,8 @@ void SortBlocksByLaunch(const PoolTables& tables, const BatchContents& b, Worksp
   }
 }
 
-void UnstageBatch(const KvLayout& layout, const AttendParams& p, const AttendBatch& batch,
-                  const AttendWorkspace& at, Workspace& w) {
+void UnstageBatch(const KvLayout& layout, const AttendParams& p, const AttendBatch& batch, const AttendWorkspace& at,
+                  Workspace& w) {
   const int d = layout.head_dim();
   const int qh = layout.num_query_heads();
   const BatchContents& b = w.batch;
@@ -97,16 +97,15 @@ void UnstageBatch(const KvLayout& layout, const AttendParams& p, const AttendBat
     const AttendItem& item = p.items[piece.item];
     const int64_t row = b.items[i].query_row;
     const size_t rows = static_cast<size_t>(piece.tokens) * qh;
-    std::memcpy(item.output + static_cast<size_t>(piece.token0) * qh * d, output + row * d,
-                sizeof(float) * rows * d);
+    std::memcpy(item.output + static_cast<size_t>(piece.token0) * qh * d, output + row * d, sizeof(float) * rows * d);
     if (item.lse != nullptr) {
       std::memcpy(item.lse + static_cast<size_t>(piece.token0) * qh, lse + row, sizeof(float) * rows);
     }
   }
 }
 
-void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size_t queries,
-                    size_t prepared, float scale, const Workspace& w, PrologueParams* prologue) {
+void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size_t queries, size_t prepared,
+                    float scale, const Workspace& w, PrologueParams* prologue) {
   PrepareParams& prep = prologue->preparations[prologue->num_preparations++];
   prep.view = view;
   prep.num_rows = rows;
@@ -116,8 +115,7 @@ void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size
   prep.scale = scale;
 }
 
-absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view,
-                          const AttendWorkspace& at, Workspace& w) {
+absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, const AttendWorkspace& at, Workspace& w) {
   AttendKernelParams k;
   k.block_tables = reinterpret_cast<const int32_t*>(w.device + at.tables);
   k.items = reinterpret_cast<const AttendItemDesc*>(w.device + at.items);
@@ -137,8 +135,7 @@ absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view,
     if (key.mma) {
       RETURN_IF_ERROR(CudaStatus(LaunchAttendMma(key.pair, k, w.stream), "tensor-core attend kernel launch"));
     } else {
-      RETURN_IF_ERROR(
-          CudaStatus(LaunchAttend(key.pair, key.block_rows, k, w.stream), "attend kernel launch"));
+      RETURN_IF_ERROR(CudaStatus(LaunchAttend(key.pair, key.block_rows, k, w.stream), "attend kernel launch"));
     }
     first = last;
   }
@@ -161,9 +158,9 @@ absl::Status MeasureOccupancy(const KvLayout& layout, LayoutTables* t) {
   t->layer_blocks_per_sm.clear();
   for (int layer = 0; layer < layout.num_layers(); ++layer) {
     int blocks = 0;
-    RETURN_IF_ERROR(CudaStatus(AttendBlocksPerSm(t->layer_pair[layer], t->layer_mma[layer], rows,
-                                                       layout.head_dim(), &blocks),
-                               "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+    RETURN_IF_ERROR(
+        CudaStatus(AttendBlocksPerSm(t->layer_pair[layer], t->layer_mma[layer], rows, layout.head_dim(), &blocks),
+                   "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
     t->layer_blocks_per_sm.push_back(std::max(1, blocks));
   }
   return absl::OkStatus();

@@ -25,10 +25,10 @@ namespace cuda {
 // Ordered as the launches are made: fp32 before tensor-core kernels, reads
 // of compressed pages before reads of exact pages, then by format pair and rows.
 struct LaunchKey {
-  bool exact = false;  // reads exact pages (the exact layout's view)
-  bool mma = false;    // the tensor-core kernel
+  bool exact = false;                       // reads exact pages (the exact layout's view)
+  bool mma = false;                         // the tensor-core kernel
   FormatPair pair = FormatPair::kFp16Fp16;  // the layer's formats (kernels/format_table.h)
-  int block_rows = 0;  // the fp32 kernel's rows per block (template argument)
+  int block_rows = 0;                       // the fp32 kernel's rows per block (template argument)
 
   auto Tied() const { return std::tie(exact, mma, pair, block_rows); }
   bool operator<(const LaunchKey& o) const { return Tied() < o.Tied(); }
@@ -39,7 +39,7 @@ struct Workspace {
   cudaStream_t stream = nullptr;
   cudaEvent_t start = nullptr;
   cudaEvent_t stop = nullptr;
-  uint8_t* host = nullptr;    // pinned
+  uint8_t* host = nullptr;  // pinned
   uint8_t* device = nullptr;
   // Host-side plans, reused from call to call.
   std::vector<cuda::PlanItem> plan_items;

@@ -85,7 +85,6 @@ thread_local CallTiming last_timing;
 // Bytes read past a pool's last page by vectorised loads of a tail group.
 constexpr size_t kPoolTailPadding = 256;
 
-
 class CudaBackend final : public Backend {
  public:
   static absl::StatusOr<std::unique_ptr<Backend>> Create(const CudaBackendOptions& options) {
@@ -94,8 +93,8 @@ class CudaBackend final : public Backend {
     }
     ASSIGN_OR_RETURN(std::vector<cuda::DeviceInfo> devices, cuda::ListDevices());
     if (options.device < 0 || options.device >= static_cast<int>(devices.size())) {
-      return absl::InvalidArgumentError(absl::StrFormat("CUDA device %d does not exist (%d found)",
-                                                        options.device, devices.size()));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("CUDA device %d does not exist (%d found)", options.device, devices.size()));
     }
     std::unique_ptr<CudaBackend> backend(new CudaBackend(options, devices[options.device]));
     RETURN_IF_ERROR(backend->Init());
@@ -129,8 +128,7 @@ class CudaBackend final : public Backend {
     const int d = layout.head_dim();
     if (d > cuda::kMaxDeviceHeadDim || d % 8 != 0) {
       return absl::UnimplementedError(absl::StrFormat(
-          "the CUDA backend takes head dims that are multiples of 8 up to %d, got %d",
-          cuda::kMaxDeviceHeadDim, d));
+          "the CUDA backend takes head dims that are multiples of 8 up to %d, got %d", cuda::kMaxDeviceHeadDim, d));
     }
     TableBuilder tables;
     std::vector<DeviceHead> heads;
@@ -346,8 +344,8 @@ class CudaBackend final : public Backend {
     WorkspaceLease lease(this);
     Workspace& w = lease.get();
     StageStoreRegion(store, exact, region, w);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, region.end, cudaMemcpyHostToDevice, w.stream),
-                               "store: copy in"));
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(w.device, w.host, region.end, cudaMemcpyHostToDevice, w.stream), "store: copy in"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
     RETURN_IF_ERROR(LaunchPrologue(StoresOf(tables, store, exact, region, w), w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
@@ -415,8 +413,8 @@ class CudaBackend final : public Backend {
       Relocate(h.key, base);
       Relocate(h.value, base);
     }
-    absl::Status status = CudaStatus(cudaMemcpy(pool_tables.memory, blob.data(), blob.size(),
-                                                cudaMemcpyHostToDevice), "copy format tables");
+    absl::Status status = CudaStatus(cudaMemcpy(pool_tables.memory, blob.data(), blob.size(), cudaMemcpyHostToDevice),
+                                     "copy format tables");
     if (status.ok()) {
       status = CudaStatus(cudaMemcpy(static_cast<uint8_t*>(pool_tables.memory) + heads_offset, heads.data(),
                                      heads.size() * sizeof(DeviceHead), cudaMemcpyHostToDevice),
@@ -428,8 +426,8 @@ class CudaBackend final : public Backend {
       const cudaError_t error = cudaMalloc(&pages, pool_bytes + kPoolTailPadding);
       if (error == cudaErrorMemoryAllocation) {
         cudaGetLastError();  // not sticky; clear it
-        status = absl::ResourceExhaustedError(absl::StrFormat(
-            "cannot allocate a %d-page pool (%d bytes) on %s", num_pages, pool_bytes, info_.name));
+        status = absl::ResourceExhaustedError(
+            absl::StrFormat("cannot allocate a %d-page pool (%d bytes) on %s", num_pages, pool_bytes, info_.name));
       } else {
         status = CudaStatus(error, "cudaMalloc (page pool)");
       }
@@ -454,27 +452,25 @@ class CudaBackend final : public Backend {
 
   absl::Status DoCopyPage(const PagePool& pool, int32_t from, int32_t to) {
     if (from < 0 || from >= pool.num_pages || to < 0 || to >= pool.num_pages) {
-      return absl::InvalidArgumentError(absl::StrFormat("page copy %d -> %d outside a %d-page pool",
-                                                        from, to, pool.num_pages));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("page copy %d -> %d outside a %d-page pool", from, to, pool.num_pages));
     }
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
     WorkspaceLease lease(this);
     Workspace& w = lease.get();
     RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(pool.base + static_cast<size_t>(to) * pool.page_bytes,
-                                               pool.base + static_cast<size_t>(from) * pool.page_bytes,
-                                               pool.page_bytes, cudaMemcpyDeviceToDevice, w.stream),
+                                               pool.base + static_cast<size_t>(from) * pool.page_bytes, pool.page_bytes,
+                                               cudaMemcpyDeviceToDevice, w.stream),
                                "copy page"));
     return CudaStatus(cudaStreamSynchronize(w.stream), "copy page (sync)");
   }
 
   // Pages between the pool and host memory, one copy per page on a
   // workspace's stream (pages of a sequence are rarely adjacent).
-  absl::Status CopyPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host,
-                         cudaMemcpyKind kind) {
+  absl::Status CopyPages(const PagePool& pool, absl::Span<const int32_t> pages, uint8_t* host, cudaMemcpyKind kind) {
     for (int32_t page : pages) {
       if (page < 0 || page >= pool.num_pages) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("page %d is outside a %d-page pool", page, pool.num_pages));
+        return absl::InvalidArgumentError(absl::StrFormat("page %d is outside a %d-page pool", page, pool.num_pages));
       }
     }
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
@@ -505,8 +501,8 @@ class CudaBackend final : public Backend {
       const int64_t tokens = std::min<int64_t>(plan.piece_tokens, p.num_tokens - t0);
       const cuda::StoreWorkspace at = cuda::LayOutStore(in, tokens);
       StageStore(p, t0, tokens, at, w);
-      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.end, cudaMemcpyHostToDevice, w.stream),
-                                 "store: copy in"));
+      RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(w.device, w.host, at.end, cudaMemcpyHostToDevice, w.stream), "store: copy in"));
       cuda::PrologueParams prologue;
       prologue.stores[prologue.num_stores++] = StoreOf(*tables, p, tokens, at, w);
       RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
@@ -583,8 +579,8 @@ class CudaBackend final : public Backend {
     }
     StageQueries(layout, p.layer, p.queries, 1, w.host + queries);
     CopyAddBack(addback, w);
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, copy_in, cudaMemcpyHostToDevice, w.stream),
-                               "score: copy in"));
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(w.device, w.host, copy_in, cudaMemcpyHostToDevice, w.stream), "score: copy in"));
     const cuda::PoolView view = View(layout, p.pool, tables->main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables->exact) : view;
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
@@ -741,9 +737,9 @@ class CudaBackend final : public Backend {
       RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking), "cudaStreamCreate"));
       RETURN_IF_ERROR(CudaStatus(cudaEventCreate(&w.start), "cudaEventCreate"));
       RETURN_IF_ERROR(CudaStatus(cudaEventCreate(&w.stop), "cudaEventCreate"));
-      RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(reinterpret_cast<void**>(&w.host), options_.workspace_bytes,
-                                               cudaHostAllocDefault),
-                                 "cudaHostAlloc (workspace)"));
+      RETURN_IF_ERROR(
+          CudaStatus(cudaHostAlloc(reinterpret_cast<void**>(&w.host), options_.workspace_bytes, cudaHostAllocDefault),
+                     "cudaHostAlloc (workspace)"));
       RETURN_IF_ERROR(CudaStatus(cudaMalloc(reinterpret_cast<void**>(&w.device), options_.workspace_bytes),
                                  "cudaMalloc (workspace)"));
       free_workspaces_.push_back(&w);
@@ -763,19 +759,19 @@ class CudaBackend final : public Backend {
     return &it->second;
   }
 
-  absl::Status StoreFailure(unsigned long long failure, const KvLayout& layout, const StoreParams& p,
-                            int64_t t0, int64_t tokens) {
+  absl::Status StoreFailure(unsigned long long failure, const KvLayout& layout, const StoreParams& p, int64_t t0,
+                            int64_t tokens) {
     const unsigned long long vector = failure / 4;
     const auto code = static_cast<cuda::StoreError>(failure % 4);
     const int heads = layout.num_kv_heads();
     const int head = static_cast<int>(vector % heads);
     const int64_t token = t0 + static_cast<int64_t>((vector / heads) % tokens);
     const int layer = p.layer_begin + static_cast<int>(vector / (heads * tokens));
-    const char* what = code == cuda::StoreError::kNotFinite     ? "a coordinate is NaN or infinite; vectors must be finite"
-                       : code == cuda::StoreError::kOutOfRange  ? "a coordinate is beyond the fp16 range of the stored format"
-                                                                : "the vector norm is beyond the fp16 range of the stored norm";
-    return absl::InvalidArgumentError(
-        absl::StrFormat("layer %d, token %d, KV head %d: %s", layer, token, head, what));
+    const char* what = code == cuda::StoreError::kNotFinite ? "a coordinate is NaN or infinite; vectors must be finite"
+                       : code == cuda::StoreError::kOutOfRange
+                           ? "a coordinate is beyond the fp16 range of the stored format"
+                           : "the vector norm is beyond the fp16 range of the stored norm";
+    return absl::InvalidArgumentError(absl::StrFormat("layer %d, token %d, KV head %d: %s", layer, token, head, what));
   }
 
   // Runs one batch of the plan: its arrays (FillAttendBatch), block tables,
@@ -786,14 +782,14 @@ class CudaBackend final : public Backend {
                         double* kernel_seconds) {
     const cuda::AttendWorkspace& at = batch.at;
     RETURN_IF_ERROR(StageBatch(layout, p, tables, in, batch, at, w));
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream),
-                               "attend: copy in"));
+    RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(w.device, w.host, at.copy_in, cudaMemcpyHostToDevice, w.stream), "attend: copy in"));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.start, w.stream), "cudaEventRecord"));
     RETURN_IF_ERROR(LaunchBatch(layout, p, tables, batch.counts.rows, at, cuda::PrologueParams(), w));
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(w.stop, w.stream), "cudaEventRecord"));
-    RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(w.host + at.output, w.device + at.output, at.end - at.output,
-                                               cudaMemcpyDeviceToHost, w.stream),
-                               "attend: copy out"));
+    RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(w.host + at.output, w.device + at.output, at.end - at.output, cudaMemcpyDeviceToHost, w.stream),
+        "attend: copy out"));
     RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(w.stream), "attend kernels"));
     *kernel_seconds += ElapsedSeconds(w);
     UnstageBatch(layout, p, batch, at, w);
@@ -824,9 +820,8 @@ class CudaBackend final : public Backend {
     // be exactly that.
     const cuda::AttendCounts& c = batch.counts;
     if (static_cast<int64_t>(w.tables.size()) != c.table_entries ||
-        static_cast<int64_t>(w.addback.size()) != c.addback_heads ||
-        static_cast<int64_t>(w.theta.size()) != c.theta || static_cast<int64_t>(w.coef.size()) != c.coef ||
-        static_cast<int64_t>(w.constants.size()) != c.constants ||
+        static_cast<int64_t>(w.addback.size()) != c.addback_heads || static_cast<int64_t>(w.theta.size()) != c.theta ||
+        static_cast<int64_t>(w.coef.size()) != c.coef || static_cast<int64_t>(w.constants.size()) != c.constants ||
         static_cast<int64_t>(b.blocks.size()) != c.blocks || static_cast<int64_t>(b.units.size()) != c.units ||
         static_cast<int64_t>(b.head_of_row.size()) != c.rows) {
       return absl::InternalError("the attend plan's counts disagree with the arrays staged for it");
@@ -850,9 +845,8 @@ class CudaBackend final : public Backend {
   // The batch's kernels on w's stream: the prologue (`prologue`'s stores, if
   // any, and the query preparation for each layout read), one decode launch
   // per launch key, the merge.
-  absl::Status LaunchBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables,
-                           int64_t rows_total, const cuda::AttendWorkspace& at, cuda::PrologueParams prologue,
-                           Workspace& w) {
+  absl::Status LaunchBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables, int64_t rows_total,
+                           const cuda::AttendWorkspace& at, cuda::PrologueParams prologue, Workspace& w) {
     const bool exact = layout.has_exact_tokens();
     const cuda::PoolView view = View(layout, p.pool, tables.main);
     const cuda::PoolView exact_view = exact ? View(*layout.exact_layout(), p.pool, tables.exact) : view;
@@ -886,6 +880,5 @@ class CudaBackend final : public Backend {
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options) {
   return CudaBackend::Create(options);
 }
-
 
 }  // namespace tqkv

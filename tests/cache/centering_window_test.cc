@@ -149,8 +149,7 @@ class Reference {
     const int d = layout_.head_dim();
     const std::vector<Token>& tokens = tokens_[layer * kKvHeads + head];
     const std::vector<float>& mean = means_[layer * kKvHeads + head];
-    const ExactRanges ranges = layout_.has_exact_tokens() ? layout_.exact_ranges(length_)
-                                                          : ExactRanges{0, length_};
+    const ExactRanges ranges = layout_.has_exact_tokens() ? layout_.exact_ranges(length_) : ExactRanges{0, length_};
     const VectorCodec& kc = layout_.key_codec(layer, head);
     const VectorCodec& vc = layout_.value_codec(layer, head);
     std::vector<uint8_t> codes(std::max(kc.code_bytes(), vc.code_bytes()));
@@ -290,8 +289,8 @@ struct RecipeCase {
 };
 
 void PrintTo(const RecipeCase& c, std::ostream* os) {
-  *os << c.preset << " centering " << static_cast<int>(c.centering) << " sinks " << c.sinks << " window "
-      << c.window << (c.layer_rope ? " layer rope" : "") << (c.key_scales ? " key scales" : "");
+  *os << c.preset << " centering " << static_cast<int>(c.centering) << " sinks " << c.sinks << " window " << c.window
+      << (c.layer_rope ? " layer rope" : "") << (c.key_scales ? " key scales" : "");
 }
 
 // Layer 1's own RoPE in the layer_rope cases: another base.
@@ -336,27 +335,27 @@ TEST_P(RecipeTest, AttendAndScoreEqualFloat64OverTheStoredResidualPlusTheMean) {
   CheckAgainstReference(f, ref, "s");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Recipes, RecipeTest,
-    ::testing::Values(RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16},
-                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0},
-                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0},
-                      RecipeCase{"turboquant_3bit_nc", KeyCentering::kNone, 4, 16},
-                      RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9},
-                      RecipeCase{"fp8", KeyCentering::kPreRope, 4, 16},
-                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true},
-                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0, true},
-                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true, true},
-                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0, false, true},
-                      RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9, false, true}),
-    [](const ::testing::TestParamInfo<RecipeCase>& info) {
-      const RecipeCase& c = info.param;
-      const char* centering = c.centering == KeyCentering::kPreRope    ? "pre"
-                              : c.centering == KeyCentering::kPostRope ? "post"
-                                                                       : "none";
-      return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" + std::to_string(c.window) +
-             (c.layer_rope ? "_layer_rope" : "") + (c.key_scales ? "_key_scales" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(Recipes, RecipeTest,
+                         ::testing::Values(RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16},
+                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0},
+                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0},
+                                           RecipeCase{"turboquant_3bit_nc", KeyCentering::kNone, 4, 16},
+                                           RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9},
+                                           RecipeCase{"fp8", KeyCentering::kPreRope, 4, 16},
+                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true},
+                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0, true},
+                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true, true},
+                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0, false, true},
+                                           RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9, false, true}),
+                         [](const ::testing::TestParamInfo<RecipeCase>& info) {
+                           const RecipeCase& c = info.param;
+                           const char* centering = c.centering == KeyCentering::kPreRope    ? "pre"
+                                                   : c.centering == KeyCentering::kPostRope ? "post"
+                                                                                            : "none";
+                           return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" +
+                                  std::to_string(c.window) + (c.layer_rope ? "_layer_rope" : "") +
+                                  (c.key_scales ? "_key_scales" : "");
+                         });
 
 // A layer centered with the RoPE its keys were rotated with loses far less
 // to the codec than one centered with another RoPE: the keys come rotated by

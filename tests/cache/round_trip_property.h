@@ -54,9 +54,16 @@ namespace round_trip {
 // 1..2 KV heads, head dim 32 or 64, 1..16 tokens per page.
 inline KvLayoutOptions RandomLayout(std::mt19937_64& rng) {
   const auto pick = [&rng](int lo, int hi) { return lo + static_cast<int>(rng() % (hi - lo + 1)); };
-  const std::vector<std::string> presets = {"tqkv_k3v4u_csw", "turboquant_3bit_nc", "turboquant_4bit_nc",
-                                            "turboquant_k3v4_nc", "turboquant_k8v4", "tqkv_k3v3", "tqkv_k4v4",
-                                            "fp8", "fp16", "tqkv_k3v3u_csw"};
+  const std::vector<std::string> presets = {"tqkv_k3v4u_csw",
+                                            "turboquant_3bit_nc",
+                                            "turboquant_4bit_nc",
+                                            "turboquant_k3v4_nc",
+                                            "turboquant_k8v4",
+                                            "tqkv_k3v3",
+                                            "tqkv_k4v4",
+                                            "fp8",
+                                            "fp16",
+                                            "tqkv_k3v3u_csw"};
   KvLayoutOptions o;
   o.num_layers = pick(2, 5);
   o.num_kv_heads = pick(1, 2);
@@ -127,8 +134,8 @@ struct Usage {
            stored_bytes == o.stored_bytes && stored_bytes_bf16 == o.stored_bytes_bf16;
   }
   std::string ToString() const {
-    return absl::StrCat("pages ", pages_used, ", sequences ", sequences, ", tokens ", tokens, ", bytes ",
-                        stored_bytes, ", bf16 bytes ", stored_bytes_bf16);
+    return absl::StrCat("pages ", pages_used, ", sequences ", sequences, ", tokens ", tokens, ", bytes ", stored_bytes,
+                        ", bf16 bytes ", stored_bytes_bf16);
   }
 };
 
@@ -251,8 +258,7 @@ class CacheTarget : public Target {
     const absl::Status s = cache_->Attend({item});
     return s.ok() ? ReadResult{s.code(), FloatBytes(out) + FloatBytes(lse)} : ReadResult{s.code(), ""};
   }
-  ReadResult Score(const std::string& id, int layer, int64_t begin, int64_t end,
-                   const std::vector<float>& q) override {
+  ReadResult Score(const std::string& id, int layer, int64_t begin, int64_t end, const std::vector<float>& q) override {
     std::vector<float> logits(static_cast<size_t>(std::max<int64_t>(0, end - begin)) *
                               cache_->layout().num_query_heads());
     const absl::Status s = cache_->Score(id, layer, begin, end, q.data(), logits.data());
@@ -448,8 +454,8 @@ class Lockstep {
   void RetriedAppend() {
     const std::string id = AnyId();
     const std::vector<int64_t> lengths = Lengths(id);
-    if (lengths.empty() || *std::min_element(lengths.begin(), lengths.end()) !=
-                               *std::max_element(lengths.begin(), lengths.end())) {
+    if (lengths.empty() ||
+        *std::min_element(lengths.begin(), lengths.end()) != *std::max_element(lengths.begin(), lengths.end())) {
       return;
     }
     AppendCall c = MakeAppend(id, lengths[0], 0, layout_.num_layers(), Pick(1, 4));
@@ -522,7 +528,8 @@ class Lockstep {
                                absl::StrJoin(b_->List(), ", "), "]"));
     }
     const Usage x = a_->GetUsage(), y = b_->GetUsage();
-    if (!(x == y)) return Fail(absl::StrCat("after ", when, " the usage differs: ", x.ToString(), " vs ", y.ToString()));
+    if (!(x == y))
+      return Fail(absl::StrCat("after ", when, " the usage differs: ", x.ToString(), " vs ", y.ToString()));
     for (const std::string& id : ids) {
       if (ok_) CompareSequence(id);
     }
@@ -531,14 +538,14 @@ class Lockstep {
   // One sequence's state and every read of it.
   void CompareSequence(const std::string& id) {
     absl::StatusOr<SequenceInfo> x = a_->Get(id), y = b_->Get(id);
-    if (!x.ok() || !y.ok()) return Fail(absl::StrCat("sequence ", id, ": ", x.status().ToString(), " vs ",
-                                                     y.status().ToString()));
+    if (!x.ok() || !y.ok())
+      return Fail(absl::StrCat("sequence ", id, ": ", x.status().ToString(), " vs ", y.status().ToString()));
     if (x->layer_tokens != y->layer_tokens || x->layer_held_begin != y->layer_held_begin || x->pages != y->pages ||
         x->exact_pages != y->exact_pages || x->stored_bytes != y->stored_bytes) {
       return Fail(absl::StrCat("sequence ", id, "'s state differs: tokens [", absl::StrJoin(x->layer_tokens, " "),
                                "] vs [", absl::StrJoin(y->layer_tokens, " "), "], pages ", x->pages, "+",
-                               x->exact_pages, " vs ", y->pages, "+", y->exact_pages, ", bytes ",
-                               x->stored_bytes, " vs ", y->stored_bytes));
+                               x->exact_pages, " vs ", y->pages, "+", y->exact_pages, ", bytes ", x->stored_bytes,
+                               " vs ", y->stored_bytes));
     }
     for (int layer = 0; layer < layout_.num_layers() && ok_; ++layer) {
       const int64_t length = x->layer_tokens[layer], held = x->layer_held_begin[layer];

@@ -29,9 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
-std::string DataPath(const std::string& name) {
-  return std::string(TQKV_MODEL_CONFIGS_DIR) + "/" + name + ".json";
-}
+std::string DataPath(const std::string& name) { return std::string(TQKV_MODEL_CONFIGS_DIR) + "/" + name + ".json"; }
 
 Json LoadJson(const std::string& name) {
   std::ifstream in(DataPath(name));
@@ -570,9 +568,9 @@ TEST(Gguf, BadFilesAreRefusedWithTheReason) {
     EXPECT_NE(error_of(good.substr(0, cut)), "") << "cut at " << cut;
   }
   // A string longer than the file.
-  std::string long_key = good.substr(0, 8);                               // magic, version 3
+  std::string long_key = good.substr(0, 8);                           // magic, version 3
   long_key += std::string("\0\0\0\0\0\0\0\0\x01\0\0\0\0\0\0\0", 16);  // no tensors, 1 key
-  long_key += std::string("\0\0\0\0\0\x01\0\0", 8);                    // key length 2^40
+  long_key += std::string("\0\0\0\0\0\x01\0\0", 8);                   // key length 2^40
   long_key += "general.architecture";
   EXPECT_NE(error_of(long_key).find("past the end of the file"), std::string::npos) << error_of(long_key);
   std::string huge_count = good;

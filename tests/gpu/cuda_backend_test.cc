@@ -302,9 +302,8 @@ class CudaBackendTest : public ::testing::Test {
     const auto mismatch = std::mismatch(expected.begin(), expected.end(), device.begin());
     if (mismatch.first != expected.end()) {
       const size_t at = mismatch.first - expected.begin();
-      ADD_FAILURE() << Describe(c) << ": the device's pool differs from the CPU's at page "
-                    << at / layout.page_bytes() << ", byte " << at % layout.page_bytes()
-                    << " (outside the vectors counted as differing)";
+      ADD_FAILURE() << Describe(c) << ": the device's pool differs from the CPU's at page " << at / layout.page_bytes()
+                    << ", byte " << at % layout.page_bytes() << " (outside the vectors counted as differing)";
     }
     std::printf("  store %-40s %d of %d vectors differ\n", Describe(c).c_str(), differing, *total);
     return differing;
@@ -328,8 +327,8 @@ class CudaBackendTest : public ::testing::Test {
       for (const auto& range : {std::pair<int, int>{0, tokens}, std::pair<int, int>{tokens / 3, tokens - 5}}) {
         const int n = range.second - range.first;
         std::vector<float> cpu_logits(static_cast<size_t>(qh) * n), gpu_logits(cpu_logits.size());
-        ScoreParams s{&f.layout(), f.cpu_pool(), layer, f.block_table().data(), range.first, range.second,
-                      q.data(), scale, cpu_logits.data()};
+        ScoreParams s{&f.layout(),  f.cpu_pool(), layer, f.block_table().data(), range.first,
+                      range.second, q.data(),     scale, cpu_logits.data()};
         ASSERT_TRUE(cpu_->Score(s).ok());
         s.pool = f.gpu_pool();
         s.logits = gpu_logits.data();
@@ -366,8 +365,8 @@ class CudaBackendTest : public ::testing::Test {
     const absl::Status status = gpu->Attend(AttendParams{&f.layout(), f.gpu_pool(), gpu_items, scale});
     ASSERT_TRUE(status.ok()) << status;
     for (size_t i = 0; i < items.size(); ++i) {
-      const std::string what = "item " + std::to_string(i) + " (layer " + std::to_string(items[i].layer) +
-                               ", " + std::to_string(items[i].num_query_tokens) + " query tokens, context " +
+      const std::string what = "item " + std::to_string(i) + " (layer " + std::to_string(items[i].layer) + ", " +
+                               std::to_string(items[i].num_query_tokens) + " query tokens, context " +
                                std::to_string(items[i].context_tokens) + ")";
       ExpectClose(gpu_out[i], cpu_out[i], attend_tolerance, what + " output");
       ExpectClose(gpu_lse[i], cpu_lse[i], attend_tolerance, what + " lse");
@@ -475,8 +474,7 @@ TEST_F(CudaBackendTest, SmallWorkspacesSplitEveryRequest) {
   int total = 0;
   const int differing = CompareStore({"turboquant_k3v4_nc", 128, 16, 8, 32}, Tokens(2000), &total, small->get());
   EXPECT_LE(differing, total / 1000);
-  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32}, Tokens(3000), {1, 4, 40}, small->get(),
-               kTensorCoreTolerance);
+  CompareReads({"turboquant_k3v4_nc", 128, 16, 8, 32}, Tokens(3000), {1, 4, 40}, small->get(), kTensorCoreTolerance);
 }
 
 TEST_F(CudaBackendTest, ConcurrentCallsGiveTheSerialResults) {
@@ -768,8 +766,8 @@ class RecipeRun {
         ASSERT_TRUE(cpu_->Score(id, layer, begin, end, q.data(), cpu_logits.data()).ok());
         const absl::Status scored = gpu_->Score(id, layer, begin, end, q.data(), gpu_logits.data());
         ASSERT_TRUE(scored.ok()) << scored;
-        ExpectClose(gpu_logits, cpu_logits, kFp32Tolerance, "score [" + std::to_string(begin) + ", " +
-                                                               std::to_string(end) + ")");
+        ExpectClose(gpu_logits, cpu_logits, kFp32Tolerance,
+                    "score [" + std::to_string(begin) + ", " + std::to_string(end) + ")");
       }
     }
   }
@@ -827,10 +825,10 @@ TEST_F(CudaBackendTest, CenteringAndExactTokensMatchTheCpuThroughTheCache) {
 // the causal multi-token steps), pages given back, with and without exact
 // tokens and centering.
 TEST_F(CudaBackendTest, SlidingWindowLayersMatchTheCpuThroughTheCache) {
-  for (const Recipe& recipe : {Recipe{"turboquant_k3v4_nc", KeyCentering::kNone, 0, 0, 20},
-                               Recipe{"fp16", KeyCentering::kNone, 0, 0, 7},
-                               Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24},
-                               Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 33}}) {
+  for (const Recipe& recipe :
+       {Recipe{"turboquant_k3v4_nc", KeyCentering::kNone, 0, 0, 20}, Recipe{"fp16", KeyCentering::kNone, 0, 0, 7},
+        Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24},
+        Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 33}}) {
     {
       SCOPED_TRACE("fp32 kernels");
       RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
@@ -861,9 +859,9 @@ TEST_F(CudaBackendTest, LayerRopesAndKeyScalesMatchTheCpuThroughTheCache) {
 
 // A window bigger than the whole context, and sinks only.
 TEST_F(CudaBackendTest, ExactTokensCoveringTheContextOrOnlySinksMatchTheCpu) {
-  for (const Recipe& recipe : {Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 2, 200},
-                               Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 8, 0},
-                               Recipe{"turboquant_3bit_nc", KeyCentering::kNone, 0, 5}}) {
+  for (const Recipe& recipe :
+       {Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 2, 200},
+        Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 8, 0}, Recipe{"turboquant_3bit_nc", KeyCentering::kNone, 0, 5}}) {
     RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
     RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
   }
@@ -1078,8 +1076,8 @@ TEST(CudaBackendBudget, ADecodeLayerIsOneCopyEachWayAndOneSynchronization) {
       on_cpu->AppendAttend(appends, cpu_items, 0.0f, absl::MakeSpan(statuses), absl::MakeSpan(outcomes));
       for (const absl::Status& status : statuses) ASSERT_TRUE(status.ok()) << status;
       ExpectClose(gpu_out, cpu_out, kTensorCoreTolerance, "decode layer output");
-      std::printf("batch %d layer %d: %lld launches, %lld copies in, %lld out, %lld on the device, %lld syncs\n",
-                  batch, layer, static_cast<long long>(n.launches), static_cast<long long>(n.copies_to_device),
+      std::printf("batch %d layer %d: %lld launches, %lld copies in, %lld out, %lld on the device, %lld syncs\n", batch,
+                  layer, static_cast<long long>(n.launches), static_cast<long long>(n.copies_to_device),
                   static_cast<long long>(n.copies_to_host), static_cast<long long>(n.copies_on_device),
                   static_cast<long long>(n.synchronizations));
       EXPECT_LE(n.launches, 4);

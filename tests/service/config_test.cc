@@ -39,10 +39,8 @@ TEST(ServerConfig, EmbeddedDefaultIsOneLlama8BCache) {
 TEST(ServerConfig, SplitsTheBudgetAmongCachesWithoutOne) {
   absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(
     caches { name: "a" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }
-    caches { name: "b" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64
-             memory_budget_bytes: 1000000 }
-    caches { name: "c" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64
-             idle_ttl_seconds: 30 }
+    caches { name: "b" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 memory_budget_bytes: 1000000 }
+    caches { name: "c" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 idle_ttl_seconds: 30 }
   )pb");
   ASSERT_TRUE(config.ok()) << config.status();
   absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 8 << 20);
@@ -71,37 +69,65 @@ TEST(ServerConfig, RejectsInvalidCaches) {
     EXPECT_THAT(caches.status().message(), HasSubstr(substring));
   };
   check("", absl::StatusCode::kInvalidArgument, "no caches");
-  check("caches { name: \"a\" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }"
-        "caches { name: \"a\" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }",
-        absl::StatusCode::kInvalidArgument, "appears twice");
-  check("caches { num_layers: 0 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }",
-        absl::StatusCode::kInvalidArgument, ">= 1");
-  check("caches { num_layers: 2 num_kv_heads: 2 num_query_heads: 3 head_dim: 64 }",
-        absl::StatusCode::kInvalidArgument, "cache 'default'");
+  check(
+      "caches { name: \"a\" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }"
+      "caches { name: \"a\" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }",
+      absl::StatusCode::kInvalidArgument, "appears twice");
+  check("caches { num_layers: 0 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }", absl::StatusCode::kInvalidArgument,
+        ">= 1");
+  check("caches { num_layers: 2 num_kv_heads: 2 num_query_heads: 3 head_dim: 64 }", absl::StatusCode::kInvalidArgument,
+        "cache 'default'");
   check("caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 preset: \"x\" }",
         absl::StatusCode::kNotFound, "cache 'default'");
-  check("caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 "
-        "memory_budget_bytes: 10 }",
-        absl::StatusCode::kInvalidArgument, "holds no page");
-  check("caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 "
-        "idle_ttl_seconds: -1 }",
-        absl::StatusCode::kInvalidArgument, "idle_ttl_seconds");
+  check(
+      "caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 "
+      "memory_budget_bytes: 10 }",
+      absl::StatusCode::kInvalidArgument, "holds no page");
+  check(
+      "caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 "
+      "idle_ttl_seconds: -1 }",
+      absl::StatusCode::kInvalidArgument, "idle_ttl_seconds");
 }
 
 TEST(ServerConfig, ReadsCenteringExactTokensAndProtectedLayers) {
   absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(
     caches {
-      name: "c" num_layers: 4 num_kv_heads: 1 num_query_heads: 2 head_dim: 64
-      preset: "turboquant_k3v4_nc" boundary_layers: 0
+      name: "c"
+      num_layers: 4
+      num_kv_heads: 1
+      num_query_heads: 2
+      head_dim: 64
+      preset: "turboquant_k3v4_nc"
+      boundary_layers: 0
       key_centering: "pre_rope"
-      rope { pair_layout: HALF_SPLIT base: 500000 scaling_type: "llama3" scaling_factor: 8
-             low_freq_factor: 1 high_freq_factor: 4 original_max_position: 8192 }
-      centering_tokens: 32 centering_pairs: 0 exact_sink_tokens: 2 exact_window_tokens: 0
-      protected_layers { layers: [0, 3] preset: "tqkv_k4v4" }
+      rope {
+        pair_layout: HALF_SPLIT
+        base: 500000
+        scaling_type: "llama3"
+        scaling_factor: 8
+        low_freq_factor: 1
+        high_freq_factor: 4
+        original_max_position: 8192
+      }
+      centering_tokens: 32
+      centering_pairs: 0
+      exact_sink_tokens: 2
+      exact_window_tokens: 0
+      protected_layers {
+        layers: [ 0, 3 ]
+        preset: "tqkv_k4v4"
+      }
       protected_layers { layers: 1 preset: "fp16" }
     }
-    caches { name: "recipe" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64
-             preset: "tqkv_k3v4u_csw" exact_window_tokens: 16 }
+    caches {
+      name: "recipe"
+      num_layers: 2
+      num_kv_heads: 1
+      num_query_heads: 1
+      head_dim: 64
+      preset: "tqkv_k3v4u_csw"
+      exact_window_tokens: 16
+    }
   )pb");
   ASSERT_TRUE(config.ok()) << config.status();
   absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 8 << 20);
@@ -135,8 +161,8 @@ TEST(ServerConfig, ReadsCenteringExactTokensAndProtectedLayers) {
 
 TEST(ServerConfig, RejectsBadCenteringSettingsWithTheirName) {
   const auto check = [](const std::string& fields, const char* substring) {
-    absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
-        "caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 " + fields + " }");
+    absl::StatusOr<v1::ServerConfig> config =
+        ParseServerConfig("caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 " + fields + " }");
     ASSERT_TRUE(config.ok()) << config.status();
     absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 1 << 30);
     ASSERT_FALSE(caches.ok()) << fields;
@@ -152,8 +178,7 @@ TEST(ServerConfig, RejectsBadCenteringSettingsWithTheirName) {
   check("centering_pairs: 40", "centering_pairs");
   check("protected_layers { layers: 2 preset: \"fp16\" }", "layer 2");
   check("protected_layers { layers: 1 }", "no preset");
-  check("protected_layers { layers: 1 preset: \"fp16\" } protected_layers { layers: 1 preset: \"fp8\" }",
-        "twice");
+  check("protected_layers { layers: 1 preset: \"fp16\" } protected_layers { layers: 1 preset: \"fp8\" }", "twice");
   check("key_centering: \"pre_rope\" key_scales { layer: 2 scales: [1] }", "layer 2");
   check("key_centering: \"pre_rope\" key_scales { layer: 1 scales: [1, 2] }", "64");
   check("key_centering: \"none\" key_scales { layer: 1 }", "key_scales");
@@ -169,12 +194,22 @@ TEST(ServerConfig, ReadsLayerRopesAndWritesThemBack) {
   // Gemma 3 270M: base 1e6 on the global layers (5, 11, 17), 1e4 on the others.
   absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(
     caches {
-      name: "gemma" num_layers: 18 num_kv_heads: 1 num_query_heads: 4 head_dim: 256
-      preset: "tqkv_k3v4u_csw" boundary_layers: 0
+      name: "gemma"
+      num_layers: 18
+      num_kv_heads: 1
+      num_query_heads: 4
+      head_dim: 256
+      preset: "tqkv_k3v4u_csw"
+      boundary_layers: 0
       rope { pair_layout: HALF_SPLIT base: 1e6 }
-      layer_ropes { layers: [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16]
-                    rope { pair_layout: HALF_SPLIT base: 10000 } }
-      sliding_window_layers { layers: [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16] window: 512 }
+      layer_ropes {
+        layers: [ 0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16 ]
+        rope { pair_layout: HALF_SPLIT base: 10000 }
+      }
+      sliding_window_layers {
+        layers: [ 0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16 ]
+        window: 512
+      }
     }
   )pb");
   ASSERT_TRUE(config.ok()) << config.status();
@@ -215,7 +250,8 @@ TEST(ServerConfig, ReadsKeyScalesAndWritesThemBack) {
   for (int j = 0; j < 64; ++j) scales += (j ? ", " : "") + std::to_string(0.5 + j / 64.0);
   absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
       "caches { num_layers: 3 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 preset: \"tqkv_k3v4u_csw\" "
-      "key_scales { layer: 1 scales: [" + scales + "] } }");
+      "key_scales { layer: 1 scales: [" +
+      scales + "] } }");
   ASSERT_TRUE(config.ok()) << config.status();
   absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 64 << 20);
   ASSERT_TRUE(caches.ok()) << caches.status();
@@ -233,13 +269,30 @@ TEST(ServerConfig, ReadsSlidingWindowLayersAndWritesThemBack) {
   // Gemma 3 270M's pattern: every sixth layer global, the others a window of 512.
   absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(
     caches {
-      name: "gemma" num_layers: 18 num_kv_heads: 1 num_query_heads: 4 head_dim: 256
-      preset: "turboquant_k3v4_nc" boundary_layers: 0
-      sliding_window_layers { layers: [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16] window: 512 }
+      name: "gemma"
+      num_layers: 18
+      num_kv_heads: 1
+      num_query_heads: 4
+      head_dim: 256
+      preset: "turboquant_k3v4_nc"
+      boundary_layers: 0
+      sliding_window_layers {
+        layers: [ 0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16 ]
+        window: 512
+      }
     }
-    caches { name: "mixed" num_layers: 4 num_kv_heads: 1 num_query_heads: 1 head_dim: 64
-             sliding_window_layers { layers: [0, 2] window: 128 }
-             sliding_window_layers { layers: 3 window: 4096 } }
+    caches {
+      name: "mixed"
+      num_layers: 4
+      num_kv_heads: 1
+      num_query_heads: 1
+      head_dim: 64
+      sliding_window_layers {
+        layers: [ 0, 2 ]
+        window: 128
+      }
+      sliding_window_layers { layers: 3 window: 4096 }
+    }
     caches { name: "plain" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 }
   )pb");
   ASSERT_TRUE(config.ok()) << config.status();
@@ -268,8 +321,8 @@ TEST(ServerConfig, ReadsSlidingWindowLayersAndWritesThemBack) {
 
 TEST(ServerConfig, RejectsBadSlidingWindowLayers) {
   const auto check = [](const std::string& fields, const char* substring) {
-    absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
-        "caches { num_layers: 4 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 " + fields + " }");
+    absl::StatusOr<v1::ServerConfig> config =
+        ParseServerConfig("caches { num_layers: 4 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 " + fields + " }");
     ASSERT_TRUE(config.ok()) << config.status();
     absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 1 << 30);
     ASSERT_FALSE(caches.ok()) << fields;
@@ -280,8 +333,7 @@ TEST(ServerConfig, RejectsBadSlidingWindowLayers) {
   check("sliding_window_layers { layers: 1 window: -5 }", "at least 1");
   check("sliding_window_layers { layers: 4 window: 8 }", "layer 4");
   check("sliding_window_layers { layers: [1, 1] window: 8 }", "twice");
-  check("sliding_window_layers { layers: 1 window: 8 } sliding_window_layers { layers: 1 window: 16 }",
-        "twice");
+  check("sliding_window_layers { layers: 1 window: 8 } sliding_window_layers { layers: 1 window: 16 }", "twice");
 }
 
 }  // namespace
