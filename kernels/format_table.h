@@ -145,15 +145,31 @@ inline constexpr int kNumFormatPairs = sizeof(kFormatPairs) / sizeof(kFormatPair
 constexpr const FormatFamilyInfo& FamilyInfo(FormatFamily family) { return kFormatFamilies[static_cast<int>(family)]; }
 constexpr const FormatPairInfo& PairInfo(FormatPair pair) { return kFormatPairs[static_cast<int>(pair)]; }
 
+// Each (key family, value family)'s row in kFormatPairs, or -1: the
+// backends look pairs up per (item, KV head), so the lookup is one load.
+struct FormatPairIndex {
+  int8_t row[kNumFormatFamilies][kNumFormatFamilies];
+};
+constexpr FormatPairIndex MakeFormatPairIndex() {
+  FormatPairIndex index{};
+  for (auto& key : index.row) {
+    for (int8_t& row : key) row = -1;
+  }
+  for (const FormatPairInfo& info : kFormatPairs) {
+    index.row[static_cast<int>(info.key)][static_cast<int>(info.value)] = static_cast<int8_t>(info.pair);
+  }
+  return index;
+}
+inline constexpr FormatPairIndex kFormatPairIndex = MakeFormatPairIndex();
+
 // The pair of these families, if the table has it.
 constexpr bool FindFormatPair(FormatFamily key, FormatFamily value, FormatPair* pair) {
-  for (const FormatPairInfo& info : kFormatPairs) {
-    if (info.key == key && info.value == value) {
-      *pair = info.pair;
-      return true;
-    }
-  }
-  return false;
+  const int k = static_cast<int>(key), v = static_cast<int>(value);
+  if (k < 0 || k >= kNumFormatFamilies || v < 0 || v >= kNumFormatFamilies) return false;
+  const int row = kFormatPairIndex.row[k][v];
+  if (row < 0) return false;
+  *pair = static_cast<FormatPair>(row);
+  return true;
 }
 
 // Whether a family stores `bits`-bit codes (FormatBits of its code_bits).

@@ -24,6 +24,7 @@
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
 #include "base/random.h"
+#include "tests/kernels/one_head_layout.h"
 #include "tests/kernels/synthetic_field.h"
 
 namespace tqkv {
@@ -48,20 +49,8 @@ TEST(FormatConformance, EveryServedPresetIsAPairOfTheTableOnEveryBackend) {
   for (const Preset& preset : AllPresets()) {
     if (preset.evaluation_only) continue;
     SCOPED_TRACE(std::string(preset.name));
-    KvLayoutOptions options;
-    options.num_layers = 1;
-    options.num_kv_heads = 1;
-    options.num_query_heads = 4;
-    options.head_dim = 128;
-    options.preset = std::string(preset.name);
-    options.boundary_layers = 0;
-    if (preset.NeedsCalibration()) {
-      std::vector<float> keys(64 * 128);
-      Random rng(5);
-      for (float& x : keys) x = static_cast<float>(rng.NextGaussian());
-      options.hot_channels.push_back(ChooseHotChannels(keys.data(), 64, 128, preset.key.HotChannels(128)));
-    }
-    auto layout = KvLayout::Create(options);
+    const std::vector<float> keys = Gaussian(64 * 128, 5);
+    auto layout = KvLayout::Create(OneHeadLayoutOptions(preset, 4, 128, keys.data(), 64));
     ASSERT_TRUE(layout.ok()) << layout.status();
     const cpu_internal::FieldReader key = cpu_internal::DescribeField((*layout)->key_codec(0, 0));
     const cpu_internal::FieldReader value = cpu_internal::DescribeField((*layout)->value_codec(0, 0));
