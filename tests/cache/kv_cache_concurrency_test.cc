@@ -167,7 +167,8 @@ TEST(KvCacheConcurrencyTest, ReadersSeeExactPrefixesWhileWritersAppendForkAndDro
         }
         pace();
       }
-      if (!parent_paused.HasBeenNotified()) parent_paused.Notify();
+      // Only the parent's writer notifies: two writers checking then notifying could both do it.
+      if (w == 0 && !parent_held) parent_paused.Notify();
       --writers_left;
     });
   }
