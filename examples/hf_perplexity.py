@@ -11,7 +11,10 @@ it as the cache holds it (tqkv.hf.perplexity); with tqkv every chunk is one
 DecodeStream message per layer, the first one included (prefill="served"),
 as the quality report's --chunk 16 rows. Each tqkv cache is made by
 tqkv.hf.cache_config(model, preset=...): the model's shape and RoPE, so the
-*_csw presets center keys with SmolLM2's own RoPE.
+*_csw presets center keys with SmolLM2's own RoPE; a preset written P+ks also
+gets per-channel key scales calibrated on the first --calibration-tokens
+tokens of tqkv.hf.calibration_text() (Python's pydoc topics, never the text
+measured).
 
 Bits per element: tqkv's from the server's own count of what it held at the
 end of the text (compressed tokens, the recipe's exact sink and window
@@ -38,7 +41,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import hf_smollm2  # noqa: E402
 
 TQKV_PRESETS = ["fp16", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
-                "tqkv_k3v4u_csw", "tqkv_k3v3u_csw"]
+                "tqkv_k3v4u_csw", "tqkv_k3v4u_csw+ks", "tqkv_k3v3u_csw"]
+# A preset with this suffix gets key scales calibrated on calibration_text()
+# (tqkv.hf.calibrate_key_scales), never on the text measured.
+KEY_SCALES = "+ks"
 QUANTIZED = "quanto:4,quanto:2,hqq:4,hqq:2"
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 
@@ -58,7 +64,8 @@ def tqkv_rows(model, ids, target, args):
     rows = []
     with tqkv.Client(target, timeout=600) as client:
         for preset in args.presets.split(","):
-            name = "tqkv-%s" % preset if not args.start_server else preset
+            name = preset.replace("+", "-")
+            name = name if args.start_server else "tqkv-" + name
             t0 = time.perf_counter()
             with tqkv.hf.TqkvCache(model, client, cache=name, prefill="served") as kv:
                 ppl = tqkv.hf.perplexity(model, ids, cache=kv, chunk=args.chunk)
@@ -66,6 +73,19 @@ def tqkv_rows(model, ids, target, args):
                 bits = 8.0 * kv.stored_bytes / elements
             rows.append(("tqkv %s" % preset, bits, ppl, time.perf_counter() - t0))
     return rows
+
+
+def cache_for(model, tokenizer, preset, args):
+    """The CacheConfig of one tqkv row, named after it; P+ks: with key scales."""
+    import tqkv.hf
+
+    scales = None
+    if preset.endswith(KEY_SCALES):
+        ids = tokenizer(tqkv.hf.calibration_text(), return_tensors="pt").input_ids
+        scales = tqkv.hf.calibrate_key_scales(model, ids[:, :args.calibration_tokens])
+    return tqkv.hf.cache_config(model, preset=preset.removesuffix(KEY_SCALES),
+                                name=preset.replace("+", "-"), key_scales=scales,
+                                memory_budget_bytes=128 << 20)
 
 
 def quantized_rows(model, ids, args):
@@ -109,6 +129,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--presets", default=",".join(TQKV_PRESETS))
     ap.add_argument("--residual", type=int, default=128, help="QuantizedCache residual_length")
+    ap.add_argument("--calibration-tokens", type=int, default=1024,
+                    help="P+ks rows: tokens of calibration text for the key scales")
     ap.add_argument("--quantized", default=QUANTIZED, help="QuantizedCache rows, backend:bits "
                     "(\"\": none)")
     ap.add_argument("--start-server", action="store_true")
@@ -116,7 +138,8 @@ def main():
                     str(hf_smollm2.ROOT / "build" / "bin" / "tqkv-server"))
     ap.add_argument("--target", default="localhost:50051",
                     help="without --start-server: a server with a cache named tqkv-<preset> per "
-                    "preset (tqkv.hf.cache_config(model, preset=P, name='tqkv-P'))")
+                    "preset (tqkv.hf.cache_config(model, preset=P, name='tqkv-P'); P+ks: "
+                    "tqkv-P-ks)")
     args = ap.parse_args()
 
     import torch
@@ -131,8 +154,7 @@ def main():
     rows = [("transformers float32 (DynamicCache)", 32.0, base, time.perf_counter() - t0)]
     server = None
     if args.start_server:
-        caches = [tqkv.hf.cache_config(model, preset=p, name=p, memory_budget_bytes=128 << 20)
-                  for p in args.presets.split(",")]
+        caches = [cache_for(model, tokenizer, p, args) for p in args.presets.split(",")]
         server = LocalServer(args.server_binary, tqkv.hf.config_text(*caches), threads=2)
         server.start()
     try:

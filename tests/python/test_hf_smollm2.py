@@ -194,10 +194,13 @@ def test_hf_generate_example_runs(smollm2):
 
 
 def test_hf_perplexity_example_runs(smollm2):
-    """examples/hf_perplexity.py, short: 48 tokens, two presets, one
-    QuantizedCache row (run where hqq is installed, 'not run' otherwise)."""
-    out = run_example("hf_perplexity.py", "--tokens", "48", "--presets", "fp16,tqkv_k3v4u_csw",
+    """examples/hf_perplexity.py, short: 48 tokens, three presets (one with
+    key scales calibrated on 64 tokens), one QuantizedCache row (run where
+    hqq is installed, 'not run' otherwise)."""
+    out = run_example("hf_perplexity.py", "--tokens", "48", "--presets",
+                      "fp16,tqkv_k3v4u_csw,tqkv_k3v4u_csw+ks", "--calibration-tokens", "64",
                       "--quantized", "hqq:4")
     for row in ("| transformers float32 (DynamicCache) | 32.00 |", "| tqkv fp16 |",
-                "| tqkv tqkv_k3v4u_csw |", "| QuantizedCache hqq 4-bit |"):
+                "| tqkv tqkv_k3v4u_csw |", "| tqkv tqkv_k3v4u_csw+ks |",
+                "| QuantizedCache hqq 4-bit |"):
         assert row in out, out

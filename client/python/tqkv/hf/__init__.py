@@ -17,7 +17,11 @@ sequences afterwards (keep=True keeps them).
 
 cache_config(model) is the server's CacheConfig for a model (shape, RoPE,
 sliding windows; tqkv/hf/_config.py says what is derived and how);
-config_text() writes it as a server config file. A TqkvCache compares it
+config_text() writes it as a server config file. calibrate_key_scales(model,
+ids) measures per-channel key scales on calibration tokens (one forward;
+tqkv/hf/_key_scales.py), and cache_config(model, key_scales=...) puts them in
+the cache: at 3 bits the largest quality lever when reads fall outside the
+exact window (docs/quality.md). A TqkvCache compares it
 with the server's cache at construction: CacheMismatch (shape or windows
 differ: attention would be wrong), RopeMismatchWarning (pre-RoPE centering
 with another RoPE: exact, but compresses worse), Unsupported (what no
@@ -38,10 +42,11 @@ from tqkv.hf._config import (DEFAULT_PRESET, CacheMismatch, ModelSpec, Rope,
                              RopeMismatchWarning, Unsupported, cache_config, config_text,
                              model_spec)
 from tqkv.hf._helpers import generate, perplexity, served, token_nll
+from tqkv.hf._key_scales import calibrate_key_scales, calibration_text
 
 register()
 
 __all__ = ["ATTN_IMPLEMENTATION", "CacheMismatch", "DEFAULT_PRESET", "ModelSpec", "Rope",
            "RopeMismatchWarning", "TqkvCache", "TqkvLayer", "Unsupported", "cache_config",
-           "config_text", "generate", "model_spec", "perplexity", "register", "served", "token_nll",
+           "calibrate_key_scales", "calibration_text", "config_text", "generate", "model_spec", "perplexity", "register", "served", "token_nll",
            "tqkv_attention", "tqkv_mask"]

@@ -310,7 +310,7 @@ def _base_words(config, layer_type: str) -> str:
 def cache_config(model_or_config, *, preset: str = DEFAULT_PRESET, name: str = "default",
                  page_tokens: int = DEFAULT_PAGE_TOKENS, boundary_layers: int = 0,
                  memory_budget_bytes: int = 0, pair_layout: Optional[int] = None,
-                 rope_of: str = "sliding") -> "pb.CacheConfig":
+                 rope_of: str = "sliding", key_scales=None) -> "pb.CacheConfig":
     """The server's CacheConfig for a Hugging Face model (see the module's
     docstring for what is derived). pair_layout (pb.RotaryEmbedding.
     HALF_SPLIT or INTERLEAVED; default the model's) is the layout keys are
@@ -321,7 +321,9 @@ def cache_config(model_or_config, *, preset: str = DEFAULT_PRESET, name: str = "
     differently (Gemma 3), as `tqkv config --rope-of`. Raises Unsupported for
     a model the server cannot serve as it is (attention logit soft-capping);
     learned sink logits are not part of a cache (tqkv.hf sends them with
-    every Attend)."""
+    every Attend). key_scales (float [layers, kv_heads, head_dim] in the
+    model's coordinate order, from calibrate_key_scales) become the cache's
+    key_scales, moved to its pair layout."""
     spec = model_or_config if isinstance(model_or_config, ModelSpec) \
         else model_spec(model_or_config, rope_of)
     refuse_unservable(spec)
@@ -345,6 +347,14 @@ def cache_config(model_or_config, *, preset: str = DEFAULT_PRESET, name: str = "
             entry.rope.pair_layout = pair_layout
     for window, layers in sorted(_layers_by_window(spec.windows).items()):
         config.sliding_window_layers.add(layers=layers, window=window)
+    if key_scales is not None:
+        from tqkv.hf._key_scales import add_to_config
+
+        permutation = None
+        if spec.rope is not None and pair_layout is not None:
+            permutation = key_permutation(spec.head_dim, spec.rope.rotary_dims,
+                                          spec.rope.pair_layout, pair_layout)
+        add_to_config(config, key_scales, permutation)
     return config
 
 
