@@ -698,22 +698,36 @@ void KvCache::CenterKeys(const AppendRequest& request, std::vector<std::shared_p
       }
       angles = &layer_angles;
     }
-    if ((*means)[l] == nullptr) {  // the layer's first append
-      auto mean = std::make_shared<std::vector<float>>(stride);
+    // The layer's first append estimates its mean (and, with sequence key
+    // scales, measures them on the residual of the mean's tokens).
+    std::shared_ptr<std::vector<float>> first;
+    if ((*means)[l] == nullptr) {
+      first = std::make_shared<std::vector<float>>(layout.mean_floats());
       for (int h = 0; h < heads; ++h) {
         EstimateKeyMean(rope, *angles, keys + h * d, mean_begin, mean_end, stride, o.centering_pairs, d,
-                        mean->data() + h * d);
+                        first->data() + h * d);
       }
       if (rope_check_) {
         rope_check_->Observe(request.layer_begin + l, rope, *angles, keys, mean_begin, n, stride, heads, d);
       }
-      (*means)[l] = std::move(mean);
     }
+    const float* mean = first ? first->data() : (*means)[l]->data();
+    float* residual = centered->data() + l * n * stride;
     for (int h = 0; h < heads; ++h) {
-      float* out = centered->data() + l * n * stride + h * d;
-      SubtractKeyMean(rope, *angles, (*means)[l]->data() + h * d, keys + h * d, stride, d, out);
-      // Key scales: the residual / s (reads take the query * s).
-      if (const float* s = layout.key_scales(request.layer_begin + static_cast<int>(l), h)) {
+      SubtractKeyMean(rope, *angles, mean + h * d, keys + h * d, stride, d, residual + h * d);
+    }
+    if (first && layout.sequence_key_scales()) {
+      // Every token of the first append after the mean's first: more tokens
+      // than the mean's estimate the spread better.
+      for (int h = 0; h < heads; ++h) {
+        EstimateKeyScales(rope, residual + h * d, mean_begin, n, stride, d, first->data() + stride + h * d);
+      }
+    }
+    if (first) (*means)[l] = std::move(first);
+    // Key scales: the residual / s (reads take the query * s).
+    for (int h = 0; h < heads; ++h) {
+      if (const float* s = layout.key_scales(request.layer_begin + static_cast<int>(l), h, mean)) {
+        float* out = residual + h * d;
         for (int64_t t = 0; t < n; ++t) {
           for (int j = 0; j < d; ++j) out[t * stride + j] /= s[j];
         }

@@ -193,6 +193,13 @@ absl::Status CheckImageLayers(const KvLayout& layout, const SequenceImage& image
     for (float x : image.key_means[l]) {
       if (!std::isfinite(x)) return DoesNotFit(image.id, absl::StrFormat("layer %d's key mean is not finite", l));
     }
+    // Sequence key scales follow the means: finite and > 0.
+    const size_t means = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
+    for (size_t i = means; i < mean_size; ++i) {
+      if (!(image.key_means[l][i] > 0.0f)) {
+        return DoesNotFit(image.id, absl::StrFormat("layer %d's sequence key scales are not all > 0", l));
+      }
+    }
   }
   return absl::OkStatus();
 }

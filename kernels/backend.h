@@ -72,7 +72,11 @@ StoreParams ExactStorePart(const StoreParams& params, std::vector<float>* keys, 
 //                      tokens.
 //   key_mean           the key means of the layer read, [num_kv_heads,
 //                      head_dim], as the cache subtracted them before Store
-//                      (key_centering.h). Null without centering.
+//                      (key_centering.h), followed with sequence key scales
+//                      by the sequence's scales, [num_kv_heads, head_dim]
+//                      (layout->mean_floats() floats in all). Null without
+//                      centering. Stored keys are read with the query times
+//                      layout->key_scales(layer, head, key_mean).
 // Token t of a layer holding `length` tokens is read from its exact copy
 // when t < ranges.sink_end or t >= ranges.window_begin
 // (layout->exact_ranges(length)), else from its compressed copy; the logit

@@ -280,4 +280,30 @@ void SubtractKeyMean(const RopeTable& rope, const RopeAngles& angles, const floa
   }
 }
 
+void EstimateKeyScales(const RopeTable& rope, const float* residual, int64_t begin, int64_t end, int64_t stride,
+                       int head_dim, float* scales) {
+  std::vector<double> power(head_dim, 0.0);
+  for (int64_t t = begin; t < end; ++t) {
+    const float* r = residual + t * stride;
+    for (int j = 0; j < head_dim; ++j) power[j] += static_cast<double>(r[j]) * r[j];
+  }
+  for (int i = 0; i < rope.num_pairs(); ++i) {
+    const double joint = 0.5 * (power[rope.first(i)] + power[rope.second(i)]);
+    power[rope.first(i)] = power[rope.second(i)] = joint;
+  }
+  // s = rms^(1/2) = (power / n)^(1/4); a coordinate that never moved gets the
+  // smallest scale the range allows, not a zero.
+  const double largest = *std::max_element(power.begin(), power.end());
+  double log_sum = 0.0;
+  std::vector<double> s(head_dim);
+  for (int j = 0; j < head_dim; ++j) {
+    s[j] = std::pow(std::max(power[j], largest * 1e-12) / static_cast<double>(end - begin) + 1e-300, 0.25);
+    log_sum += std::log(s[j]);
+  }
+  const double geometric_mean = std::exp(log_sum / head_dim);
+  for (int j = 0; j < head_dim; ++j) {
+    scales[j] = std::clamp(static_cast<float>(s[j] / geometric_mean), 1.0f / kKeyScaleRange, kKeyScaleRange);
+  }
+}
+
 }  // namespace tqkv

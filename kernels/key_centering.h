@@ -158,6 +158,19 @@ void EstimateKeyMean(const RopeTable& rope, const RopeAngles& angles, const floa
 void SubtractKeyMean(const RopeTable& rope, const RopeAngles& angles, const float* mean, const float* keys,
                      int64_t stride, int head_dim, float* out);
 
+// Key scales of one head measured on its own keys (the cache's
+// sequence_key_scales): from the centered residual rows [begin, end) (row i
+// at residual + i * stride), s_j = sqrt(rms_j) with rms over the rows, both
+// coordinates of a rotary pair sharing their joint rms (each coordinate
+// outside the rotary dims its own), divided by the geometric mean of the
+// head's scales and clamped to [1/kKeyScaleRange, kKeyScaleRange]. Storing
+// r / s spreads the codec's error evenly over the coordinates' relative
+// sizes (the balance of key_scales with the queries taken as even).
+// REQUIRES: begin < end.
+inline constexpr float kKeyScaleRange = 16.0f;
+void EstimateKeyScales(const RopeTable& rope, const float* residual, int64_t begin, int64_t end, int64_t stride,
+                       int head_dim, float* scales);
+
 }  // namespace tqkv
 
 #endif  // TQKV_KERNELS_KEY_CENTERING_H_

@@ -268,6 +268,12 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
     if (!o.key_centering.has_value()) o.key_centering = recipe.key_centering;
     if (o.exact_sink_tokens == -1) o.exact_sink_tokens = recipe.exact_sink_tokens;
     if (o.exact_window_tokens == -1) o.exact_window_tokens = recipe.exact_window_tokens;
+    // The recipe's sequence key scales give way to calibrated key_scales and
+    // leave with the centering.
+    if (!o.sequence_key_scales.has_value()) {
+      o.sequence_key_scales =
+          recipe.sequence_key_scales && o.key_scales.empty() && *o.key_centering != KeyCentering::kNone;
+    }
   }
   RETURN_IF_ERROR(CheckShape(o));
   ASSIGN_OR_RETURN(const std::vector<const Preset*> presets, LayerPresets(o));
@@ -337,6 +343,15 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
   layout->key_centering_ = *o.key_centering;
   if (!o.key_scales.empty() && layout->key_centering_ == KeyCentering::kNone) {
     return absl::InvalidArgumentError("key_scales need key_centering (pre_rope or post_rope)");
+  }
+  if (o.sequence_key_scales.value_or(false)) {
+    if (layout->key_centering_ == KeyCentering::kNone) {
+      return absl::InvalidArgumentError("sequence_key_scales need key_centering (pre_rope or post_rope)");
+    }
+    if (!o.key_scales.empty()) {
+      return absl::InvalidArgumentError("sequence_key_scales and key_scales both set; want one of them");
+    }
+    layout->sequence_key_scales_ = true;
   }
   if (o.key_centering == KeyCentering::kPreRope) {
     if (o.rope.known()) {

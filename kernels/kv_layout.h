@@ -124,6 +124,13 @@ struct KvLayoutOptions {
   // stored keys (compressed and exact) and the query as given for the mean's
   // add-back. Needs centering.
   std::vector<float> key_scales;
+  // Per-sequence key scales (CacheConfig.sequence_key_scales): each
+  // sequence measures its own at a layer's first append, over that append's
+  // tokens from its mean's first on (EstimateKeyScales), and keeps them after
+  // its mean (mean_floats doubles).
+  // Unset: the preset's recipe; in effect only with centering and without
+  // key_scales (true with key_scales is INVALID_ARGUMENT).
+  std::optional<bool> sequence_key_scales;
   // The mean m comes from this many tokens of the first append to a layer,
   // starting after the sink tokens unless centering_includes_sinks (all of the
   // first append's tokens when it has too few). 1..65536.
@@ -217,10 +224,23 @@ class KvLayout {
                ? nullptr
                : options_.key_scales.data() + static_cast<size_t>(Index(layer, head)) * head_dim();
   }
-  // Floats of one layer's key means: num_kv_heads * head_dim (0 without
+  // The key scales a sequence's keys of (layer, KV head) are stored with:
+  // the cache's key_scales, else with sequence key scales the ones after the
+  // sequence's mean (`key_mean`: its layer's mean_floats() floats, or null
+  // before its first append), else null.
+  const float* key_scales(int layer, int head, const float* key_mean) const {
+    if (!options_.key_scales.empty()) return key_scales(layer, head);
+    if (!sequence_key_scales_ || key_mean == nullptr) return nullptr;
+    return key_mean + static_cast<size_t>(options_.num_kv_heads + head) * head_dim();
+  }
+  // Whether each sequence measures its own key scales (kv_layout options).
+  bool sequence_key_scales() const { return sequence_key_scales_; }
+  // Floats of one layer's per-sequence key state: its means, num_kv_heads *
+  // head_dim, then as many sequence key scales when in effect (0 without
   // centering).
   int mean_floats() const {
-    return key_centering_ == KeyCentering::kNone ? 0 : options_.num_kv_heads * options_.head_dim;
+    if (key_centering_ == KeyCentering::kNone) return 0;
+    return options_.num_kv_heads * options_.head_dim * (sequence_key_scales_ ? 2 : 1);
   }
 
   bool has_exact_tokens() const { return exact_layout_ != nullptr; }
@@ -271,6 +291,7 @@ class KvLayout {
   std::vector<std::unique_ptr<VectorCodec>> value_codecs_;
   std::vector<HeadPlanes> planes_;
   KeyCentering key_centering_ = KeyCentering::kNone;
+  bool sequence_key_scales_ = false;
   RopeTable rope_;
   std::vector<RopeTable> layer_rope_;  // empty: every layer rotates with rope_
   std::shared_ptr<const KvLayout> exact_layout_;

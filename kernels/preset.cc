@@ -60,6 +60,7 @@ std::string PresetRecipe::Describe() const {
   if (key_centering == KeyCentering::kPostRope) parts.push_back("post-RoPE key centering");
   if (exact_sink_tokens > 0) parts.push_back(absl::StrCat(exact_sink_tokens, " exact sink tokens"));
   if (exact_window_tokens > 0) parts.push_back(absl::StrCat(exact_window_tokens, " exact window tokens"));
+  if (sequence_key_scales) parts.push_back("per-sequence key scales");
   return absl::StrJoin(parts, ", ");
 }
 

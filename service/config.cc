@@ -144,6 +144,7 @@ absl::Status ReadCentering(const v1::CacheConfig& c, KvLayoutOptions* layout) {
   if (c.has_centering_tokens()) layout->centering_tokens = c.centering_tokens();
   if (c.has_centering_pairs()) layout->centering_pairs = c.centering_pairs();
   if (c.has_centering_includes_sinks()) layout->centering_includes_sinks = c.centering_includes_sinks();
+  if (c.has_sequence_key_scales()) layout->sequence_key_scales = c.sequence_key_scales();
   for (const auto& [has, value, name, field] :
        {std::tuple{c.has_exact_sink_tokens(), c.exact_sink_tokens(), "exact_sink_tokens", &layout->exact_sink_tokens},
         std::tuple{c.has_exact_window_tokens(), c.exact_window_tokens(), "exact_window_tokens",
@@ -331,7 +332,8 @@ void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
   // A running cache's options are resolved already (KvLayout::options());
   // only a config's own options need the preset's recipe filled in.
   std::shared_ptr<const KvLayout> layout;
-  if (!given.key_centering.has_value() || given.exact_sink_tokens < 0 || given.exact_window_tokens < 0) {
+  if (!given.key_centering.has_value() || given.exact_sink_tokens < 0 || given.exact_window_tokens < 0 ||
+      !given.sequence_key_scales.has_value()) {
     absl::StatusOr<std::shared_ptr<const KvLayout>> made = KvLayout::Create(given);
     if (!made.ok()) return;  // configs are validated before they get here
     layout = *made;
@@ -368,6 +370,7 @@ void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
   c->set_centering_tokens(l.centering_tokens);
   c->set_centering_pairs(l.centering_pairs);
   c->set_centering_includes_sinks(l.centering_includes_sinks);
+  c->set_sequence_key_scales(l.sequence_key_scales.value_or(false));
   c->set_exact_sink_tokens(l.exact_sink_tokens);
   c->set_exact_window_tokens(l.exact_window_tokens);
   // Protected layers grouped by preset, in layer order.

@@ -377,8 +377,8 @@ class CpuBackend final : public Backend {
         const size_t state_floats = view.key->query_state_floats();
         states.resize(state_floats * group);
         for (int g = 0; g < group; ++g) {
-          const float* query =
-              ScaledQuery(layout, p.layer, kv, p.queries + static_cast<size_t>(kv * group + g) * d, &scaled);
+          const float* query = ScaledQuery(layout, p.layer, kv, p.key_mean,
+                                           p.queries + static_cast<size_t>(kv * group + g) * d, &scaled);
           view.key->PrepareQuery(query, states.data() + g * state_floats);
         }
         for (int64_t t = begin; t < end; ++t) {
@@ -509,10 +509,11 @@ class CpuBackend final : public Backend {
   }
 
   // The query the stored keys of (layer, KV head) are read with: q * s with
-  // key scales (kv_layout.h; the add-back takes q as given), else q itself.
-  static const float* ScaledQuery(const KvLayout& layout, int layer, int kv, const float* query,
+  // key scales, the cache's or the sequence's after its mean (kv_layout.h;
+  // the add-back takes q as given), else q itself.
+  static const float* ScaledQuery(const KvLayout& layout, int layer, int kv, const float* key_mean, const float* query,
                                   std::vector<float>* scaled) {
-    const float* s = layout.key_scales(layer, kv);
+    const float* s = layout.key_scales(layer, kv, key_mean);
     if (s == nullptr) return query;
     const int d = layout.head_dim();
     scaled->resize(d);
@@ -629,7 +630,7 @@ class CpuBackend final : public Backend {
       lse.resize(rows);
       constants.assign(rows, 0.0);
       coef.resize(static_cast<size_t>(rows) * 2 * num_pairs);
-      const float* key_scales = layout.key_scales(item.layer, kv);
+      const float* key_scales = layout.key_scales(item.layer, kv, item.key_mean);
       if (key_scales != nullptr) scaled_rows.resize(floats);
       for (int r = 0; r < rows; ++r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
@@ -714,7 +715,8 @@ class CpuBackend final : public Backend {
           const Segment& seg = segments[k];
           const HeadView view = View(*seg.layout, item.layer, kv);
           state.resize(view.key->query_state_floats());
-          view.key->PrepareQuery(ScaledQuery(layout, item.layer, kv, item.queries + row, &scaled), state.data());
+          view.key->PrepareQuery(ScaledQuery(layout, item.layer, kv, item.key_mean, item.queries + row, &scaled),
+                                 state.data());
           for (int64_t t = std::max(seg.begin, first_seen); t < std::min(seg.end, visible); ++t) {
             const SlotAddress at = Locate(p.pool, seg.table, seg.layout->page_tokens(), t);
             const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot, scratch),

@@ -36,16 +36,17 @@ void ClearAddBack(Workspace& w) {
   w.constants.clear();
 }
 
-void StageQueries(const KvLayout& layout, int layer, const float* queries, int64_t tokens, uint8_t* to) {
+void StageQueries(const KvLayout& layout, int layer, const float* key_mean, const float* queries, int64_t tokens,
+                  uint8_t* to) {
   const int qh = layout.num_query_heads(), d = layout.head_dim();
   const size_t floats = static_cast<size_t>(tokens) * qh * d;
-  if (layout.key_scales(layer, 0) == nullptr) {
+  if (layout.key_scales(layer, 0, key_mean) == nullptr) {
     std::memcpy(to, queries, sizeof(float) * floats);
     return;
   }
   float* out = reinterpret_cast<float*>(to);
   for (size_t row = 0; row < floats / d; ++row) {
-    const float* s = layout.key_scales(layer, static_cast<int>(row % qh) / layout.query_heads_per_kv_head());
+    const float* s = layout.key_scales(layer, static_cast<int>(row % qh) / layout.query_heads_per_kv_head(), key_mean);
     for (int j = 0; j < d; ++j) out[row * d + j] = queries[row * d + j] * s[j];
   }
 }

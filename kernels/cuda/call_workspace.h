@@ -139,9 +139,11 @@ void ClearAddBack(Workspace& w);
 
 // Copies `tokens` query tokens of `layer` ([tokens, query heads, head_dim]
 // floats) to `to`, each row multiplied by its KV head's key scales where the
-// layout has them (KvLayout::key_scales): the queries the stored keys are
-// read with. The add-back (PlanAddBack) takes the queries as given.
-void StageQueries(const KvLayout& layout, int layer, const float* queries, int64_t tokens, uint8_t* to);
+// layout or the sequence (after its `key_mean`) has them
+// (KvLayout::key_scales): the queries the stored keys are read with. The
+// add-back (PlanAddBack) takes the queries as given.
+void StageQueries(const KvLayout& layout, int layer, const float* key_mean, const float* queries, int64_t tokens,
+                  uint8_t* to);
 
 // ScoreQuery's add-back: one desc per KV head, its rows the group's query
 // heads; constants per query head (added to every logit).

@@ -577,7 +577,7 @@ class CudaBackend final : public Backend {
       const int32_t head = p.layer * layout.num_kv_heads() + h / group;
       std::memcpy(w.host + heads + sizeof(int32_t) * h, &head, sizeof(head));
     }
-    StageQueries(layout, p.layer, p.queries, 1, w.host + queries);
+    StageQueries(layout, p.layer, p.key_mean, p.queries, 1, w.host + queries);
     CopyAddBack(addback, w);
     RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(w.device, w.host, copy_in, cudaMemcpyHostToDevice, w.stream), "score: copy in"));
@@ -835,8 +835,8 @@ class CudaBackend final : public Backend {
     for (size_t i = 0; i < b.items.size(); ++i) {
       const cuda::PlanPiece& piece = w.plan.pieces[batch.piece_begin + i];
       const AttendItem& item = p.items[piece.item];
-      StageQueries(layout, item.layer, item.queries + static_cast<size_t>(piece.token0) * qh * d, piece.tokens,
-                   w.host + at.queries + sizeof(float) * b.items[i].query_row * d);
+      StageQueries(layout, item.layer, item.key_mean, item.queries + static_cast<size_t>(piece.token0) * qh * d,
+                   piece.tokens, w.host + at.queries + sizeof(float) * b.items[i].query_row * d);
     }
     CopyAddBack(AddBackOf(at), w);
     return absl::OkStatus();

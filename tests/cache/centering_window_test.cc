@@ -129,6 +129,9 @@ class Reference {
             if (begin >= tokens) begin = 0;
             EstimateKeyMean(layout_.rope(l), angles, k, begin, std::min<int64_t>(tokens, begin + o.centering_tokens),
                             kKvHeads * d, o.centering_pairs, d, mean.data());
+            if (layout_.sequence_key_scales()) {
+              scales_[l * kKvHeads + h] = SequenceScales(layout_.rope(l), mean, k, first, begin, tokens);
+            }
           }
         }
         for (int64_t t = 0; t < tokens; ++t) {
@@ -164,7 +167,8 @@ class Reference {
       SubtractKeyMean(layout_.rope(layer), angles, mean.data(), tokens[t].key.data(), d, d, residual.data());
       // Key scales: the cache stores residual / s; reading it with q * s is
       // reading residual-as-stored * s with q.
-      const float* s = layout_.key_scales(layer, head);
+      const float* s =
+          layout_.sequence_key_scales() ? scales_[layer * kKvHeads + head].data() : layout_.key_scales(layer, head);
       if (s != nullptr) {
         for (int j = 0; j < d; ++j) residual[j] /= s[j];
       }
@@ -196,6 +200,32 @@ class Reference {
 
   int64_t length() const { return length_; }
 
+  // The sequence key scales rule, in double: over the first append's tokens
+  // [begin, tokens) after centering, s_j = sqrt(rms_j), a rotary pair's two
+  // coordinates sharing their joint rms; over their geometric mean; within
+  // [1/16, 16].
+  std::vector<float> SequenceScales(const RopeTable& rope, const std::vector<float>& mean, const float* keys,
+                                    int64_t first, int64_t begin, int64_t tokens) const {
+    const int d = layout_.head_dim();
+    std::vector<double> power(d, 0.0);
+    std::vector<float> r(d);
+    for (int64_t t = begin; t < tokens; ++t) {
+      // The residual in float, as the cache stores it before the scales.
+      SubtractKeyMean(rope, ComputeRopeAngles(rope, first + t, 1), mean.data(), keys + t * kKvHeads * d, d, d,
+                      r.data());
+      for (int j = 0; j < d; ++j) power[j] += static_cast<double>(r[j]) * r[j];
+    }
+    for (int i = 0; i < rope.num_pairs(); ++i) {
+      const double joint = (power[rope.first(i)] + power[rope.second(i)]) / 2;
+      power[rope.first(i)] = power[rope.second(i)] = joint;
+    }
+    double log_mean = 0;
+    for (double& p : power) log_mean += std::log(p = std::sqrt(std::sqrt(p / (tokens - begin)))) / d;
+    std::vector<float> s(d);
+    for (int j = 0; j < d; ++j) s[j] = static_cast<float>(std::clamp(power[j] / std::exp(log_mean), 1.0 / 16, 16.0));
+    return s;
+  }
+
  private:
   struct Token {
     std::vector<float> key, value;
@@ -203,6 +233,7 @@ class Reference {
   const KvLayout& layout_;
   int64_t length_ = 0;
   std::vector<std::vector<float>> means_ = std::vector<std::vector<float>>(kLayers * kKvHeads);
+  std::vector<std::vector<float>> scales_ = std::vector<std::vector<float>>(kLayers * kKvHeads);
   std::vector<std::vector<Token>> tokens_ = std::vector<std::vector<Token>>(kLayers * kKvHeads);
 };
 
@@ -284,13 +315,15 @@ struct RecipeCase {
   KeyCentering centering;
   int sinks;
   int window;
-  bool layer_rope = false;  // layer 1 rotates with a RoPE of its own (layer_ropes)
-  bool key_scales = false;  // per-channel key scales in [0.5, 2]
+  bool layer_rope = false;       // layer 1 rotates with a RoPE of its own (layer_ropes)
+  bool key_scales = false;       // per-channel key scales in [0.5, 2]
+  bool sequence_scales = false;  // each sequence's own key scales
 };
 
 void PrintTo(const RecipeCase& c, std::ostream* os) {
   *os << c.preset << " centering " << static_cast<int>(c.centering) << " sinks " << c.sinks << " window " << c.window
-      << (c.layer_rope ? " layer rope" : "") << (c.key_scales ? " key scales" : "");
+      << (c.layer_rope ? " layer rope" : "") << (c.key_scales ? " key scales" : "")
+      << (c.sequence_scales ? " sequence key scales" : "");
 }
 
 // Layer 1's own RoPE in the layer_rope cases: another base.
@@ -315,6 +348,7 @@ TEST_P(RecipeTest, AttendAndScoreEqualFloat64OverTheStoredResidualPlusTheMean) {
     o.key_scales.resize(static_cast<size_t>(kLayers) * kKvHeads * o.head_dim);
     for (float& s : o.key_scales) s = static_cast<float>(std::exp2(2.0 * rng.NextDouble() - 1.0));
   }
+  o.sequence_key_scales = c.sequence_scales;
   Fixture f(o);
   ASSERT_NE(f.cache, nullptr);
   Reference ref(f.cache->layout());
@@ -335,27 +369,31 @@ TEST_P(RecipeTest, AttendAndScoreEqualFloat64OverTheStoredResidualPlusTheMean) {
   CheckAgainstReference(f, ref, "s");
 }
 
-INSTANTIATE_TEST_SUITE_P(Recipes, RecipeTest,
-                         ::testing::Values(RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16},
-                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0},
-                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0},
-                                           RecipeCase{"turboquant_3bit_nc", KeyCentering::kNone, 4, 16},
-                                           RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9},
-                                           RecipeCase{"fp8", KeyCentering::kPreRope, 4, 16},
-                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true},
-                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0, true},
-                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true, true},
-                                           RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0, false, true},
-                                           RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9, false, true}),
-                         [](const ::testing::TestParamInfo<RecipeCase>& info) {
-                           const RecipeCase& c = info.param;
-                           const char* centering = c.centering == KeyCentering::kPreRope    ? "pre"
-                                                   : c.centering == KeyCentering::kPostRope ? "post"
-                                                                                            : "none";
-                           return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" +
-                                  std::to_string(c.window) + (c.layer_rope ? "_layer_rope" : "") +
-                                  (c.key_scales ? "_key_scales" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, RecipeTest,
+    ::testing::Values(RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0},
+                      RecipeCase{"turboquant_3bit_nc", KeyCentering::kNone, 4, 16},
+                      RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9},
+                      RecipeCase{"fp8", KeyCentering::kPreRope, 4, 16},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 0, 0, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0, false, true},
+                      RecipeCase{"tqkv_k3v4", KeyCentering::kPreRope, 2, 9, false, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16, true, false, true},
+                      RecipeCase{"turboquant_k3v4_nc", KeyCentering::kPostRope, 0, 0, false, false, true},
+                      RecipeCase{"fp16", KeyCentering::kPreRope, 2, 9, false, false, true}),
+    [](const ::testing::TestParamInfo<RecipeCase>& info) {
+      const RecipeCase& c = info.param;
+      const char* centering = c.centering == KeyCentering::kPreRope    ? "pre"
+                              : c.centering == KeyCentering::kPostRope ? "post"
+                                                                       : "none";
+      return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" + std::to_string(c.window) +
+             (c.layer_rope ? "_layer_rope" : "") + (c.key_scales ? "_key_scales" : "") +
+             (c.sequence_scales ? "_sequence_scales" : "");
+    });
 
 // A layer centered with the RoPE its keys were rotated with loses far less
 // to the codec than one centered with another RoPE: the keys come rotated by

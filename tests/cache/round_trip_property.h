@@ -4,7 +4,8 @@
 // exactly as it would have without the move.
 //
 // A run draws a random layout the cache accepts (RandomLayout: presets,
-// boundary and per-layer presets, centering, per-layer RoPEs, key scales,
+// boundary and per-layer presets, centering, per-layer RoPEs, key scales
+// (the cache's or each sequence's own),
 // exact sinks and windows, sliding-window layers, page sizes) and drives two Targets of it in
 // lockstep with random operations (appends of 1..n tokens to every layer or
 // to a prefix of the layers, decode steps layer by layer, retried appends,
@@ -95,6 +96,8 @@ inline KvLayoutOptions RandomLayout(std::mt19937_64& rng) {
   if (rng() % 4 == 0) {  // per-channel key scales (refused without centering: drawn again)
     o.key_scales.resize(static_cast<size_t>(o.num_layers) * o.num_kv_heads * o.head_dim);
     for (float& s : o.key_scales) s = std::exp2(static_cast<float>(pick(-8, 8)) / 8.0f);
+  } else if (rng() % 3 == 0) {  // scales each sequence measures (refused without centering: drawn again)
+    o.sequence_key_scales = true;
   }
   if (rng() % 2 == 0) {  // sliding-window layers, some shorter than the exact window
     o.layer_windows.assign(o.num_layers, 0);

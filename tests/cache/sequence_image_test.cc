@@ -37,6 +37,9 @@ std::vector<Case> Cases() {
   centered.exact_sink_tokens = 4;
   centered.exact_window_tokens = 9;
   cases.push_back({"centered_exact", centered});
+  KvLayoutOptions scaled = centered;
+  scaled.sequence_key_scales = true;
+  cases.push_back({"sequence_key_scales", scaled});
   KvLayoutOptions windowed = testing_util::SmallLayout("turboquant_k3v4_nc");
   windowed.boundary_layers = 0;
   windowed.layer_windows = {10, 0, 10, 10};
@@ -208,6 +211,10 @@ TEST_P(SequenceImageTest, AMalformedImageIsRefusedAndChangesNothing) {
   }
   if (a_->layout().key_centering() != KeyCentering::kNone) {
     broken("a missing mean", [](SequenceImage& i) { i.key_means[1].clear(); });
+  }
+  if (a_->layout().sequence_key_scales()) {
+    broken("a sequence key scale of 0", [](SequenceImage& i) { i.key_means[1].back() = 0.0f; });
+    broken("the scales cut off", [](SequenceImage& i) { i.key_means[1].resize(i.key_means[1].size() / 2); });
   }
   ASSERT_TRUE(b_->ImportSequence(*good).ok());
 }

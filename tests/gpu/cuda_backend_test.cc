@@ -644,6 +644,8 @@ struct Recipe {
   bool layer_rope = false;
   // Per-channel key scales in [0.5, 2] (key_scales): queries staged times s.
   bool key_scales = false;
+  // Key scales each sequence measures (sequence_key_scales): staged per item.
+  bool sequence_key_scales = false;
 };
 
 std::string Describe(const Recipe& r) {
@@ -652,7 +654,7 @@ std::string Describe(const Recipe& r) {
                                                                    : "no centering";
   return r.preset + ", " + centering + ", sinks " + std::to_string(r.sinks) + ", window " + std::to_string(r.window) +
          ", sliding window " + std::to_string(r.sliding_window) + (r.layer_rope ? ", layer 1's own RoPE" : "") +
-         (r.key_scales ? ", key scales" : "");
+         (r.key_scales ? ", key scales" : "") + (r.sequence_key_scales ? ", sequence key scales" : "");
 }
 
 CacheOptions RecipeOptions(const Recipe& r) {
@@ -681,6 +683,7 @@ CacheOptions RecipeOptions(const Recipe& r) {
     o.key_scales.resize(static_cast<size_t>(o.num_layers) * o.num_kv_heads * o.head_dim);
     for (size_t i = 0; i < o.key_scales.size(); ++i) o.key_scales[i] = std::exp2(std::sin(0.7 * i));
   }
+  o.sequence_key_scales = r.sequence_key_scales;
   options.memory_budget_bytes = size_t{8} << 20;
   return options;
 }
@@ -847,7 +850,9 @@ TEST_F(CudaBackendTest, LayerRopesAndKeyScalesMatchTheCpuThroughTheCache) {
                                Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24, true},
                                Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 0, true, true},
                                Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 0, false, true},
-                               Recipe{"fp16", KeyCentering::kPreRope, 0, 0, 33, false, true}}) {
+                               Recipe{"fp16", KeyCentering::kPreRope, 0, 0, 33, false, true},
+                               Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24, true, false, true},
+                               Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 0, false, false, true}}) {
     {
       SCOPED_TRACE("fp32 kernels");
       RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);

@@ -265,6 +265,41 @@ TEST(ServerConfig, ReadsKeyScalesAndWritesThemBack) {
   EXPECT_EQ(back.key_scales(0).scales_size(), 64);
 }
 
+TEST(ServerConfig, ReadsSequenceKeyScalesAndWritesThemBack) {
+  const auto caches = [](const std::string& fields) -> absl::StatusOr<std::vector<CacheOptions>> {
+    absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
+        "caches { num_layers: 3 num_kv_heads: 2 num_query_heads: 2 head_dim: 64 preset: \"tqkv_k3v4u_csw\" " + fields +
+        " }");
+    if (!config.ok()) return config.status();
+    return ToCacheOptions(*config, 64 << 20);
+  };
+  absl::StatusOr<std::vector<CacheOptions>> on = caches("sequence_key_scales: true");
+  ASSERT_TRUE(on.ok()) << on.status();
+  absl::StatusOr<std::shared_ptr<const KvLayout>> layout = KvLayout::Create((*on)[0].layout);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_TRUE((*layout)->sequence_key_scales());
+  EXPECT_EQ((*layout)->mean_floats(), 2 * 2 * 64);  // the means, then the scales
+  EXPECT_TRUE(ToCacheConfig((*on)[0]).sequence_key_scales());
+  absl::StatusOr<std::vector<CacheOptions>> off = caches("sequence_key_scales: false");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(ToCacheConfig((*off)[0]).sequence_key_scales());
+  EXPECT_EQ((*KvLayout::Create((*off)[0].layout))->mean_floats(), 2 * 64);
+  std::string scales;
+  for (int j = 0; j < 128; ++j) scales += j ? ", 1" : "1";
+  for (const auto& [fields, why] :
+       {std::pair<std::string, const char*>{"key_centering: \"none\" sequence_key_scales: true", "key_centering"},
+        {"sequence_key_scales: true key_scales { layer: 0 scales: [" + scales + "] }", "both set"}}) {
+    absl::StatusOr<std::vector<CacheOptions>> bad = caches(fields);
+    ASSERT_FALSE(bad.ok()) << fields;
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(bad.status().message(), HasSubstr(why)) << bad.status();
+  }
+  // Calibrated key_scales take the place of the recipe's sequence scales.
+  absl::StatusOr<std::vector<CacheOptions>> calibrated = caches("key_scales { layer: 0 scales: [" + scales + "] }");
+  ASSERT_TRUE(calibrated.ok()) << calibrated.status();
+  EXPECT_FALSE(ToCacheConfig((*calibrated)[0]).sequence_key_scales());
+}
+
 TEST(ServerConfig, ReadsSlidingWindowLayersAndWritesThemBack) {
   // Gemma 3 270M's pattern: every sixth layer global, the others a window of 512.
   absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(R"pb(

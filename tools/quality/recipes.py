@@ -16,13 +16,14 @@ ones:
                              "measured" (MEASURED_PROTECTED for the model)
     key_scales: "calibrated" per-channel key scales (key_scales.py) measured
                              on the calibration text (--key-scales-text)
+    sequence_key_scales: B   key scales each sequence measures on its own keys
 A recipe without any new field is a plain preset row: today's server takes it.
 """
 import rope as rope_mod
 
 NEW_FIELDS = ("key_centering", "rope", "centering_tokens", "centering_pairs",
               "centering_includes_sinks", "exact_sink_tokens", "exact_window_tokens",
-              "protected_layers", "key_scales")
+              "protected_layers", "key_scales", "sequence_key_scales")
 # What a preset implies when its recipe leaves a field unset (the server's
 # *_csw presets: pre-RoPE centering, 4 exact sinks, a 64-token exact window).
 CSW = dict(key_centering="pre_rope", exact_sink_tokens=4, exact_window_tokens=64)
@@ -119,6 +120,11 @@ RECIPES = {
     "csw:tqkv_k3v4u_csw+p0+ks": dict(preset="tqkv_k3v4u_csw", rope=True, centering_pairs=0,
                                      key_scales="calibrated"),
     "csw:tqkv_k4v4u_csw+ks": dict(preset="tqkv_k4v4u_csw", rope=True, key_scales="calibrated"),
+    # key scales each sequence measures on its own keys (CacheConfig.sequence_key_scales),
+    # and explicitly without them (the rows above as the presets had them before)
+    "csw:tqkv_k3v4u_csw+sks": dict(preset="tqkv_k3v4u_csw", rope=True, sequence_key_scales=True),
+    "csw:tqkv_k3v4u_csw-sks": dict(preset="tqkv_k3v4u_csw", rope=True, sequence_key_scales=False),
+    "csw:tqkv_k4v4u_csw+sks": dict(preset="tqkv_k4v4u_csw", rope=True, sequence_key_scales=True),
 }
 
 # Served-layer indices to protect per model, to be chosen by measurement
@@ -158,9 +164,9 @@ def fields_text(recipe, rope_spec, served_count=0, model_name="", layer_ropes=No
                  "exact_window_tokens"):
         if name in recipe:
             out.append("%s: %d" % (name, recipe[name]))
-    if "centering_includes_sinks" in recipe:
-        out.append("centering_includes_sinks: %s"
-                   % ("true" if recipe["centering_includes_sinks"] else "false"))
+    for name in ("centering_includes_sinks", "sequence_key_scales"):
+        if name in recipe:
+            out.append("%s: %s" % (name, "true" if recipe[name] else "false"))
     for layers, preset in recipe.get("protected_layers", []):
         ids = resolve_layers(layers, served_count, model_name)
         out.append('protected_layers { layers: [%s] preset: "%s" }'
