@@ -6,6 +6,7 @@ namespace tqkv {
 
 using cache_internal::CeilDiv;
 using cache_internal::CheckFinite;
+using cache_internal::CheckLogitSoftcap;
 using cache_internal::CheckScale;
 using cache_internal::CountBytes;
 using cache_internal::EffectiveScale;
@@ -165,9 +166,10 @@ std::vector<std::string> KvCache::ListSequences() {
   return ids;
 }
 
-absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float scale) {
+absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float scale, float logit_softcap) {
   const KvLayout& layout = *layout_;
   RETURN_IF_ERROR(CheckScale(scale));
+  RETURN_IF_ERROR(CheckLogitSoftcap(logit_softcap));
   for (size_t i = 0; i < items.size(); ++i) {
     const AttendRequestItem& item = items[i];
     if (item.layer < 0 || item.layer >= layout.num_layers()) {
@@ -245,6 +247,7 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
   params.pool = pool_;
   params.items = kernel_items;
   params.scale = EffectiveScale(scale, layout);
+  params.logit_softcap = logit_softcap;
   const absl::Status status = backend_->Attend(params);
 
   absl::MutexLock lock(&s.mu);

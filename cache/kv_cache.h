@@ -399,10 +399,11 @@ class KvCache {
   // (Backend::StoreAndAttend). attends[i] names appends[i]'s sequence, its
   // one layer, and as many query tokens as it appends. statuses[i] is the
   // append's error, or the attention's; an item that fails leaves its
-  // sequence as it was. INVALID_ARGUMENT for every item when `scale` is bad
-  // or an item does not match its append.
+  // sequence as it was. INVALID_ARGUMENT for every item when `scale` or
+  // `logit_softcap` (as in Attend) is bad or an item does not match its
+  // append.
   void AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<const AttendRequestItem> attends, float scale,
-                    absl::Span<absl::Status> statuses, absl::Span<AppendOutcome> outcomes);
+                    absl::Span<absl::Status> statuses, absl::Span<AppendOutcome> outcomes, float logit_softcap = 0.0f);
 
   // The child gets the parent's tokens, sharing its pages. NOT_FOUND for the
   // parent, ALREADY_EXISTS for the child. The child is charged to
@@ -453,11 +454,15 @@ class KvCache {
   // pointers, or more query tokens than the layer holds; OUT_OF_RANGE when a
   // query's window reaches below the layer's held_begin. All items are
   // validated before any kernel runs. `scale` is the logit scale; 0 means
-  // 1 / sqrt(head_dim). INVALID_ARGUMENT when negative or not finite.
-  absl::Status Attend(absl::Span<const AttendRequestItem> items, float scale = 0.0f);
+  // 1 / sqrt(head_dim). `logit_softcap` > 0 soft-caps every logit (Gemma 2:
+  // x -> cap * tanh(x / cap) on the true logit, before the softmax; the lse
+  // is that of the capped logits); 0 means none. INVALID_ARGUMENT when
+  // either is negative or not finite.
+  absl::Status Attend(absl::Span<const AttendRequestItem> items, float scale = 0.0f, float logit_softcap = 0.0f);
 
   // logits[h][t - token_begin] = scale * <q_h, k_t> for t in
-  // [token_begin, token_end) of one layer; token_end = -1 means the layer's
+  // [token_begin, token_end) of one layer, the true logits (never
+  // soft-capped: a cap is an elementwise pass over them); token_end = -1 means the layer's
   // length. queries [num_query_heads, head_dim]; logits sized by the caller
   // as num_query_heads * (token_end - token_begin). `scale` as in Attend
   // (0 means 1 / sqrt(head_dim)). OUT_OF_RANGE for a range beyond the

@@ -10,6 +10,7 @@ namespace tqkv {
 using cache_internal::AddRangeBytes;
 using cache_internal::CeilDiv;
 using cache_internal::CheckFinite;
+using cache_internal::CheckLogitSoftcap;
 using cache_internal::CheckScale;
 using cache_internal::EffectiveScale;
 using cache_internal::ExactRuns;
@@ -109,10 +110,12 @@ void KvCache::AppendBatch(absl::Span<const AppendRequest> requests, absl::Span<a
 }
 
 void KvCache::AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<const AttendRequestItem> attends,
-                           float scale, absl::Span<absl::Status> statuses, absl::Span<AppendOutcome> outcomes) {
+                           float scale, absl::Span<absl::Status> statuses, absl::Span<AppendOutcome> outcomes,
+                           float logit_softcap) {
   const size_t n = appends.size();
   std::vector<AppendPlan> plans(n);
-  const absl::Status scale_ok = CheckScale(scale);
+  absl::Status scale_ok = CheckScale(scale);
+  if (scale_ok.ok()) scale_ok = CheckLogitSoftcap(logit_softcap);
   for (size_t i = 0; i < n; ++i) {
     plans[i].status = scale_ok.ok() ? CheckAppend(appends[i]) : scale_ok;
     if (plans[i].status.ok()) plans[i].status = CheckAttendOfAppend(appends[i], attends[i]);
@@ -154,6 +157,7 @@ void KvCache::AppendAttend(absl::Span<const AppendRequest> appends, absl::Span<c
   params.pool = pool_;
   params.items = items;
   params.scale = EffectiveScale(scale, *layout_);
+  params.logit_softcap = logit_softcap;
   const absl::Status status = StoreAppends(appends, absl::MakeSpan(plans), &params);
   if (!status.ok()) {
     // The store's or the attention's: nothing of the batch is kept.

@@ -217,6 +217,15 @@ inline absl::Status CheckScale(float scale) {
   return absl::OkStatus();
 }
 
+// A logit soft cap (AttendParams::logit_softcap): 0 (none) or a finite cap.
+inline absl::Status CheckLogitSoftcap(float cap) {
+  if (!std::isfinite(cap) || cap < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("logit_softcap is %g; want a finite value >= 0 (0 means no soft-capping)", cap));
+  }
+  return absl::OkStatus();
+}
+
 inline float EffectiveScale(float scale, const KvLayout& layout) {
   return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(layout.head_dim()));
 }

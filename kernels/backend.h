@@ -95,7 +95,9 @@ StoreParams ExactStorePart(const StoreParams& params, std::vector<float>* keys, 
 
 // Attention logits of one layer: logits[h][t] = scale * <q_h, k_{kv(h), t}>
 // for tokens t in [token_begin, token_end) of one sequence, which holds
-// `length` tokens in that layer.
+// `length` tokens in that layer. These are the true logits (the add-back
+// whole), never soft-capped: since they are whole, a cap is the caller's
+// elementwise post-pass (the service's, for ScoreQuery).
 struct ScoreParams {
   const KvLayout* layout = nullptr;
   PagePool pool;
@@ -137,6 +139,13 @@ struct AttendParams {
   PagePool pool;
   absl::Span<const AttendItem> items;
   float scale = 0.0f;  // logit scale, usually 1 / sqrt(head_dim)
+  // Logit soft-capping (Gemma 2), 0: none. When > 0 each true logit x
+  // (scale * q . k plus the whole add-back, exact tokens alike) becomes
+  // logit_softcap * tanh(x / logit_softcap) before the softmax, and lse is
+  // the log-sum-exp of the capped logits. REQUIRES: finite and >= 0 (the
+  // cache checks). A kernel that leaves the add-back's constant part c to
+  // the lse applies x -> cap * tanh((x + c) / cap) - c to its logits.
+  float logit_softcap = 0.0f;
 };
 
 // Where the calling thread's last call on a backend spent its time, beside

@@ -75,6 +75,15 @@ absl::Status CheckScale(float scale) {
   return absl::OkStatus();
 }
 
+// logit_softcap: 0 (none) or a finite cap > 0.
+absl::Status CheckLogitSoftcap(float cap) {
+  if (!std::isfinite(cap) || cap < 0.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("logit_softcap is %g; want a finite value >= 0 (0 means no soft-capping)", cap));
+  }
+  return absl::OkStatus();
+}
+
 // sink_logits: absent (no dtype, shape or data) means none; otherwise f32 /
 // f16 / bf16 [query_heads], finite.
 absl::Status DecodeSinkLogits(const v1::Tensor& tensor, int heads, std::vector<float>* sinks) {
@@ -322,6 +331,7 @@ absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQ
   if (request.top_k() < 0) {
     return absl::InvalidArgumentError(absl::StrFormat("top_k is %d; want >= 0 (0: every logit)", request.top_k()));
   }
+  RETURN_IF_ERROR(CheckLogitSoftcap(request.logit_softcap()));
   const int heads = layout.num_query_heads();
   const Axis axes[] = {{"query_heads", heads}, {"head_dim", layout.head_dim()}};
   std::vector<float> queries;
@@ -355,6 +365,10 @@ absl::Status KvCacheService::DoScoreQuery(const Caller& caller, const v1::ScoreQ
   std::vector<float> logits(static_cast<size_t>(heads * n));
   RETURN_IF_ERROR(
       cache->Score(request.sequence_id(), request.layer(), begin, end, queries.data(), logits.data(), request.scale()));
+  // Score's logits are whole (the add-back included): the cap is elementwise.
+  if (const float cap = request.logit_softcap(); cap > 0.0f) {
+    for (float& x : logits) x = static_cast<float>(cap * std::tanh(static_cast<double>(x) / cap));
+  }
 
   if (request.top_k() == 0) {
     return EncodeTensor(logits, {heads, n}, v1::DTYPE_F32, response->mutable_logits());
@@ -388,6 +402,7 @@ absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequ
   }
   ASSIGN_OR_RETURN(KvCache * cache, Find(request.cache()));
   RETURN_IF_ERROR(CheckOutputDType(request.output_dtype()));
+  RETURN_IF_ERROR(CheckLogitSoftcap(request.logit_softcap()));
   const KvLayout& layout = cache->layout();
   const int heads = layout.num_query_heads();
   const int dim = layout.head_dim();
@@ -431,7 +446,7 @@ absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequ
     response_bytes += query_tokens[i] * heads * (dim * OutputBytes(request.output_dtype()) + (want_lse ? 4 : 0));
   }
   RETURN_IF_ERROR(CheckResponseBytes(response_bytes, "split the batch or ask for a 2-byte output_dtype"));
-  RETURN_IF_ERROR(cache->Attend(items, request.scale()));
+  RETURN_IF_ERROR(cache->Attend(items, request.scale(), request.logit_softcap()));
   if (metrics_ != nullptr) {
     int64_t attended = 0;
     for (int i = 0; i < num_items; ++i) attended += query_tokens[i];
@@ -615,6 +630,7 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
   RETURN_IF_ERROR(CheckLayer(request.layer(), layout, "layer"));
   RETURN_IF_ERROR(CheckOutputDType(request.output_dtype()));
   RETURN_IF_ERROR(CheckScale(request.scale()));
+  RETURN_IF_ERROR(CheckLogitSoftcap(request.logit_softcap()));
   const int heads = layout.num_query_heads();
   std::vector<float> sinks;
   RETURN_IF_ERROR(DecodeSinkLogits(request.sink_logits(), heads, &sinks));
@@ -636,7 +652,8 @@ absl::Status KvCacheService::DoAppendAttend(const Caller& caller, const v1::Appe
   PlanCacheCalls(request, layout, auth_, want_lse, items, &appends, &attends, response);
   std::vector<absl::Status> statuses(items.size());
   std::vector<AppendOutcome> outcomes(items.size());
-  cache->AppendAttend(appends, attends, request.scale(), absl::MakeSpan(statuses), absl::MakeSpan(outcomes));
+  cache->AppendAttend(appends, attends, request.scale(), absl::MakeSpan(statuses), absl::MakeSpan(outcomes),
+                      request.logit_softcap());
   return AnswerItems(*cache, request, sinks, items, statuses, outcomes, metrics_, response);
 }
 

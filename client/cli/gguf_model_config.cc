@@ -296,9 +296,9 @@ absl::Status GgufNotes(const ArchKeys& k, const GgufArch& arch, DerivedConfig* o
   ASSIGN_OR_RETURN(const double softcap, k.NumberOr("attn_logit_softcapping", 0.0));
   if (softcap > 0.0) {
     out->notes.push_back(absl::StrFormat(
-        "attn_logit_softcapping %g: the server does not soft-cap logits, so this model's attention is served "
-        "approximately (docs/cache.md, Limits).",
-        softcap));
+        "Logit soft-capping: attn_logit_softcapping %g. A CacheConfig holds none: pass logit_softcap = %g with "
+        "every Attend / AppendAttend (DecodeStream) step, and with ScoreQuery for capped logits.",
+        softcap, softcap));
   }
   return absl::OkStatus();
 }

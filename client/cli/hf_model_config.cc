@@ -357,9 +357,9 @@ absl::Status HfNotes(const Fields& f, const HfFamily& family, DerivedConfig* out
   }
   if (softcap > 0.0) {
     out->notes.push_back(absl::StrFormat(
-        "attn_logit_softcapping %g: the server does not soft-cap logits, so this model's attention is served "
-        "approximately (docs/cache.md, Limits).",
-        softcap));
+        "Logit soft-capping: attn_logit_softcapping %g. A CacheConfig holds none: pass logit_softcap = %g with "
+        "every Attend / AppendAttend (DecodeStream) step, and with ScoreQuery for capped logits.",
+        softcap, softcap));
   }
   if (f.Has("query_pre_attn_scalar")) {
     ASSIGN_OR_RETURN(const double scalar, f.Number("query_pre_attn_scalar"));

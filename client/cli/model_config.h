@@ -35,7 +35,7 @@
 //                layer's own RoPE; the output says so.
 //   notes        what a CacheConfig cannot hold is printed as comments: learned
 //                attention sinks (gpt-oss: per-request sink_logits), logit
-//                soft-capping (Gemma 2: not applied by the server), the
+//                soft-capping (Gemma 2: per-request logit_softcap), the
 //                attention scale (Attend's `scale`).
 //
 // Every error is INVALID_ARGUMENT (NOT_FOUND for a file that cannot be read)

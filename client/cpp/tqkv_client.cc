@@ -152,6 +152,7 @@ absl::Status FillAppendAttendRequest(const AppendAttendArgs& args, v1::AppendAtt
   request->set_cache(args.cache);
   request->set_layer(args.layer);
   request->set_scale(args.scale);
+  request->set_logit_softcap(args.logit_softcap);
   request->set_return_lse(args.return_lse);
   request->set_output_dtype(args.output_dtype);
   if (!args.sink_logits.empty()) {
@@ -587,6 +588,7 @@ absl::StatusOr<ScoreResult> Client::Score(const ScoreArgs& args) {
   request.set_token_end(args.token_end);
   request.set_scale(args.scale);
   request.set_top_k(args.top_k);
+  request.set_logit_softcap(args.logit_softcap);
   v1::ScoreQueryResponse response;
   int attempts = 0;
   const grpc::Status status = WithRetries(
@@ -608,6 +610,7 @@ absl::StatusOr<std::vector<AttendOutput>> Client::Attend(const AttendArgs& args)
   v1::AttendRequest request;
   request.set_cache(args.cache);
   request.set_scale(args.scale);
+  request.set_logit_softcap(args.logit_softcap);
   request.set_return_lse(args.return_lse);
   request.set_output_dtype(args.output_dtype);
   if (!args.sink_logits.empty()) {

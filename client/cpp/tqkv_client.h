@@ -162,6 +162,8 @@ struct ScoreArgs {
   int64_t token_end = 0;  // 0: the layer's length
   float scale = 0.0f;     // 0: 1 / sqrt(head_dim)
   int top_k = 0;          // 0: every logit
+  // > 0: logits returned soft-capped, cap * tanh(x / cap) (see the proto).
+  float logit_softcap = 0.0f;
 };
 
 struct ScoreResult {
@@ -187,6 +189,9 @@ struct AttendArgs {
   v1::DType output_dtype = v1::DTYPE_F32;  // converted back to float32 here
   // [query_heads] learned sink logits (see the proto); empty: none.
   std::vector<float> sink_logits;
+  // > 0: Gemma 2's logit soft-capping, cap * tanh(x / cap) on every logit
+  // before the softmax (see the proto); 0: none.
+  float logit_softcap = 0.0f;
 };
 
 struct AttendOutput {
@@ -222,6 +227,8 @@ struct AppendAttendArgs {
   v1::DType wire_dtype = v1::DTYPE_F32;
   // [query_heads] learned sink logits; empty: none.
   std::vector<float> sink_logits;
+  // As AttendArgs::logit_softcap.
+  float logit_softcap = 0.0f;
 };
 
 struct AppendAttendItemResult {

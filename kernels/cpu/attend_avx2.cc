@@ -54,6 +54,18 @@ inline __m256 Exp(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
+// The soft cap of logits whose constant part `shift` is added later:
+// cap * tanh((x + shift) / cap) - shift. tanh(|y|) = (1 - e) / (1 + e) with
+// e = exp(-2 |y|) (Exp's domain), its sign restored: absolute error about
+// 3e-7 cap. -inf gives -cap - shift (callers mask after).
+inline __m256 SoftCap(__m256 x, __m256 cap, __m256 inv_cap, __m256 shift) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 y = _mm256_mul_ps(_mm256_add_ps(x, shift), inv_cap);
+  const __m256 e = Exp(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_andnot_ps(sign_bit, y)));
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_fmsub_ps(cap, _mm256_or_ps(t, _mm256_and_ps(y, sign_bit)), shift);
+}
+
 // Lane t of the result is the sum of v[t]'s lanes (a transpose-add: 14
 // shuffles and 7 adds instead of 8 full reductions).
 inline __m256 SumEach(const __m256 v[8]) {
@@ -468,6 +480,10 @@ class Kernel {
     const __m256 neg_inf = _mm256_set1_ps(kNegInf);
     const __m256i lane_index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     float* w = weights + r * kBlock;
+    // Soft-capping: one test per group, predicted (it is the call's).
+    const bool capped = p.softcap > 0.0f;
+    const __m256 cap = _mm256_set1_ps(p.softcap), inv_cap = _mm256_set1_ps(capped ? 1.0f / p.softcap : 0.0f);
+    const __m256 shift = _mm256_set1_ps(p.softcap_shift != nullptr ? p.softcap_shift[r] : 0.0f);
     __m256 m = neg_inf;
     for (int g = 0; g < groups; ++g) {
       const int64_t group_start = t0 + kGroup * g;
@@ -493,6 +509,7 @@ class Kernel {
             _mm256_blendv_ps(score, _mm256_load_ps(exact_scores + r * kBlock + kGroup * g), LaneMask(exact_lanes, g));
       }
       if (with_addback) score = _mm256_add_ps(score, _mm256_load_ps(addback + r * kBlock + kGroup * g));
+      if (capped) score = SoftCap(score, cap, inv_cap, shift);
       score = _mm256_blendv_ps(neg_inf, score, live);
       _mm256_store_ps(w + kGroup * g, score);
       m = _mm256_max_ps(m, score);

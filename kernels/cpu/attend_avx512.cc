@@ -374,10 +374,14 @@ class Kernel {
 
   // Every row's logits of the block's groups: the compressed scores of the
   // first compressed_groups, the exact tokens' in their lanes, plus the
-  // add-back; lanes a row does not see at -inf.
+  // add-back, soft-capped with a cap; lanes a row does not see at -inf.
   void FinishScores(int64_t t0, int groups, int compressed_groups, uint64_t exact_lanes, bool with_addback) {
+    // Soft-capping: one test per group, predicted (it is the call's).
+    const bool capped = p.softcap > 0.0f;
+    const __m512 cap = _mm512_set1_ps(p.softcap), inv_cap = _mm512_set1_ps(capped ? 1.0f / p.softcap : 0.0f);
     for (int r = 0; r < p.rows; ++r) {
       if (p.visible[r] <= t0) continue;
+      const __m512 shift = _mm512_set1_ps(p.softcap_shift != nullptr ? p.softcap_shift[r] : 0.0f);
       for (int g = 0; g < groups; ++g) {
         const int64_t group_start = t0 + kGroup * g;
         float* w = weights + r * kBlock + kGroup * g;
@@ -385,6 +389,7 @@ class Kernel {
         const __mmask16 exact_group = static_cast<__mmask16>(exact_lanes >> (kGroup * g));
         if (exact_group != 0) s = _mm512_mask_loadu_ps(s, exact_group, exact_scores + r * kBlock + kGroup * g);
         if (with_addback) s = _mm512_add_ps(s, _mm512_load_ps(addback + r * kBlock + kGroup * g));
+        if (capped) s = avx512::SoftCap(s, cap, inv_cap, shift);
         const __mmask16 live =
             SeenLanes(p.visible[r] - group_start) & static_cast<__mmask16>(~SeenLanes(p.token_begin - group_start));
         _mm512_store_ps(w, _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), live, s));

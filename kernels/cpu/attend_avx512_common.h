@@ -36,6 +36,20 @@ static inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The soft cap of logits whose constant part `shift` is added later:
+// cap * tanh((x + shift) / cap) - shift. tanh(|y|) = (1 - e) / (1 + e) with
+// e = exp(-2 |y|) (Exp's domain), its sign restored: absolute error about
+// 3e-7 cap. -inf gives -cap - shift (callers mask after).
+static inline __m512 SoftCap(__m512 x, __m512 cap, __m512 inv_cap, __m512 shift) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 y = _mm512_mul_ps(_mm512_add_ps(x, shift), inv_cap);
+  const __m512 e = Exp(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(y)));
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512 sign = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN)));
+  return _mm512_fmsub_ps(cap, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), _mm512_castps_si512(sign))),
+                         shift);
+}
+
 // Horizontal sum and max (GCC 12's _mm512_reduce_* trip -Wuninitialized).
 static inline float Sum(__m512 v) {
   const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));

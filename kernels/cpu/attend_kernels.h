@@ -125,6 +125,14 @@ struct HeadAttendParams {
   const AddBackFrequency* const* addback_freq = nullptr;  // [addback_pairs]
   const float* addback_coef = nullptr;                    // [rows][2 * addback_pairs]
   ExactTokens exact;
+  // Logit soft-capping (AttendParams::logit_softcap), 0: none. The kernel's
+  // logits lack the add-back's constant part c_r, which the caller adds to
+  // the lse, so with a cap row r's logit x becomes
+  // cap * tanh((x + c_r) / cap) - c_r (softcap_shift[r] = c_r; null: all 0),
+  // after the add-back and the exact tokens joined it, and the lse plus c_r
+  // is that of the capped true logits.
+  float softcap = 0.0f;
+  const float* softcap_shift = nullptr;  // [rows]
   // Outputs: the value accumulator (in the value codec's basis) normalised by
   // the softmax denominator, and the log-sum-exp of each row.
   float* out = nullptr;  // [rows][head_dim]

@@ -603,7 +603,7 @@ class CpuBackend final : public Backend {
     const HeadView view = View(layout, item.layer, kv);
     const bool centered = item.key_mean != nullptr && layout.key_centering() != KeyCentering::kNone;
     const float* mean = centered ? item.key_mean + static_cast<size_t>(kv) * d : nullptr;
-    thread_local std::vector<float> queries, out, exact_out, state, coef, line, lse, scaled_rows;
+    thread_local std::vector<float> queries, out, exact_out, state, coef, line, lse, scaled_rows, shifts;
     thread_local std::vector<const float*> query_rows;
     thread_local std::vector<int64_t> visible;
     thread_local std::vector<double> constants;
@@ -674,6 +674,11 @@ class CpuBackend final : public Backend {
       params.exact.out = exact_out.data();
       params.out = out.data();
       params.lse = lse.data();
+      params.softcap = p.logit_softcap;
+      if (p.logit_softcap > 0.0f && centered) {
+        shifts.assign(constants.begin(), constants.begin() + rows);
+        params.softcap_shift = shifts.data();
+      }
       kernel(params);
       for (int r = 0; r < rows; ++r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
@@ -693,8 +698,14 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // A logit x without its constant part c, soft-capped on the whole logit
+  // and c taken off again (so that the lse plus c stays right), in double.
+  static float SoftCapped(float x, double c, float cap) {
+    return static_cast<float>(cap * std::tanh((x + c) / cap) - c);
+  }
+
   // The reference: the codec's own Score / Accumulate, two passes in float,
-  // the add-back in double.
+  // the add-back in double, the soft cap after it.
   void AttendHeadReference(const AttendParams& p, const AttendItem& item, int kv, const Segment* segments,
                            int num_segments) {
     const KvLayout& layout = *p.layout;
@@ -722,6 +733,7 @@ class CpuBackend final : public Backend {
             const float score = p.scale * view.key->Score(state.data(), view.key_codes(at.page, at.slot, scratch),
                                                           view.key_scalars(at.page, at.slot));
             logits[t] = static_cast<float>(score + (terms.pairs.empty() ? 0.0 : terms.At(t) - terms.constant));
+            if (p.logit_softcap > 0.0f) logits[t] = SoftCapped(logits[t], terms.constant, p.logit_softcap);
             max_logit = std::max(max_logit, logits[t]);
           }
         }

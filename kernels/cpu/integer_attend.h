@@ -569,6 +569,9 @@ struct IntegerAttention {
     constexpr int kGroups = kBlock / kGroup;
     // A row's block of scores, then of weights, stays in registers.
     __m512 block[kRows][kGroups];
+    // Soft-capping: one test per group, predicted (it is the call's).
+    const bool capped = p.softcap > 0.0f;
+    const __m512 cap = _mm512_set1_ps(p.softcap), inv_cap = _mm512_set1_ps(capped ? 1.0f / p.softcap : 0.0f);
     __m512 m[kRows];
 #pragma GCC unroll 2
     for (int i = 0; i < kRows; ++i) {
@@ -577,6 +580,7 @@ struct IntegerAttention {
       const __m512i bias = _mm512_set1_epi32(128 * q8_sum[0][r]);
       const __m512 cold_unit = _mm512_set1_ps(score_unit[kParts - 1][r]);
       const __m512i cold_bias = _mm512_set1_epi32(128 * q8_sum[kParts - 1][r]);
+      const __m512 shift = _mm512_set1_ps(p.softcap_shift != nullptr ? p.softcap_shift[r] : 0.0f);
       m[i] = neg_inf;
 #pragma GCC unroll 4
       for (int g = 0; g < kGroups; ++g) {
@@ -597,6 +601,7 @@ struct IntegerAttention {
         const __mmask16 exact = static_cast<__mmask16>(x.exact >> (kGroup * g));
         if (exact != 0) s = _mm512_mask_loadu_ps(s, exact, x.exact_scores + r * kBlock + kGroup * g);
         if (x.addback != nullptr) s = _mm512_add_ps(s, _mm512_load_ps(x.addback + r * kBlock + kGroup * g));
+        if (capped) s = avx512::SoftCap(s, cap, inv_cap, shift);
         const __mmask16 live =
             SeenLanes(p.visible[r] - group_start) & static_cast<__mmask16>(~SeenLanes(p.token_begin - group_start));
         block[i][g] = _mm512_mask_mov_ps(neg_inf, live, s);

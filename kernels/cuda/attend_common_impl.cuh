@@ -285,6 +285,21 @@ __device__ __forceinline__ void RopeCosSin(int64_t t, double theta, float* c, fl
   *s = sinf(reduced);
 }
 
+// Logit soft-capping of a logit x whose constant part `shift` is added
+// later (AttendKernelParams::softcap): cap * tanh((x + shift) / cap) - shift.
+__device__ __forceinline__ float SoftCap(float x, float cap, float shift) {
+  return cap * tanhf((x + shift) / cap) - shift;
+}
+
+// The soft cap's shift of block row r: its output row's add-back constant.
+__device__ __forceinline__ float SoftCapShift(const AttendKernelParams& p, const AttendItemDesc& item,
+                                              const AttendBlock& b, int group, int r) {
+  if (p.softcap_shift == nullptr || r >= b.rows) return 0.0f;
+  const int row = b.row0 + r;
+  return p.softcap_shift[item.query_row + static_cast<int64_t>(row / group) * p.view.num_query_heads +
+                         b.kv_head * group + row % group];
+}
+
 // s_logit[r * kAttendTile + k] += the add-back of block row row0 + r at token
 // tile_begin + k, for rows < rows, k < count and unmasked (finite) logits.
 // One thread per token; the caller synchronises before and after.

@@ -33,7 +33,9 @@
 // codec's basis, maps them back, then adds the exact splits (plain basis).
 // The pre-RoPE add-back (AddBackTables) is added to every logit inside the
 // kernels; its constant part only shifts the log-sum-exp (Merge) or, for
-// ScoreQuery, every logit.
+// ScoreQuery, every logit. A logit soft cap is applied in both decode
+// kernels, on the whole logit (AttendKernelParams::softcap); ScoreQuery's
+// logits are never capped (the caller's post-pass).
 //
 // All pointers are device pointers.
 #ifndef TQKV_KERNELS_CUDA_ATTEND_KERNELS_CUH_
@@ -80,6 +82,13 @@ struct AttendKernelParams {
   // layout's, prepared its queries).
   int32_t exact = 0;
   AddBackTables addback;
+  // Logit soft-capping (AttendParams::logit_softcap), 0: none. The kernels'
+  // logits lack the add-back's constant part (MergeParams::lse_constant,
+  // which Merge adds to the lse), so with a cap a logit x of output row o
+  // becomes softcap * tanh((x + c) / softcap) - c, c = softcap_shift[o]
+  // (null: 0); the lse plus c is then that of the capped true logits.
+  float softcap = 0.0f;
+  const float* softcap_shift = nullptr;  // rows as lse_constant
 };
 
 struct MergeParams {

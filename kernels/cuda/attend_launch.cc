@@ -115,8 +115,11 @@ void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size
   prep.scale = scale;
 }
 
-absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, const AttendWorkspace& at, Workspace& w) {
+absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, const AttendWorkspace& at, float softcap,
+                          Workspace& w) {
   AttendKernelParams k;
+  k.softcap = softcap;
+  k.softcap_shift = AddBackOf(at).Constants(w.device);
   k.block_tables = reinterpret_cast<const int32_t*>(w.device + at.tables);
   k.items = reinterpret_cast<const AttendItemDesc*>(w.device + at.items);
   k.partial_acc = reinterpret_cast<float*>(w.device + at.partial_acc);

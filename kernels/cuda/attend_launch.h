@@ -49,8 +49,10 @@ void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size
                     float scale, const Workspace& w, PrologueParams* prologue);
 
 // One decode launch per launch key (the blocks sorted by it: StageBatch),
-// then the merge, over queries the prologue prepared.
-absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, const AttendWorkspace& at, Workspace& w);
+// then the merge, over queries the prologue prepared. softcap: the call's
+// logit soft cap (AttendParams::logit_softcap), 0 for none.
+absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, const AttendWorkspace& at, float softcap,
+                          Workspace& w);
 
 // Every layer's resident AttendBlocks per SM (the split planner's
 // figure), for the kernel instance a one-token decode of the layout uses.

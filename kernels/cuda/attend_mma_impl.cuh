@@ -367,11 +367,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
   }
   // This lane's rows: 2t and 2t + 1.
   int visible[2];
-  float row_max[2], row_sum[2], zero_sum[2];
+  float row_max[2], row_sum[2], zero_sum[2], row_shift[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = 2 * t + e;
     visible[e] = r < b.rows ? item.context_tokens - item.num_query_tokens + 1 + (b.row0 + r) / group : 0;
+    row_shift[e] = SoftCapShift(p, item, b, group, r);
     row_max[e] = -INFINITY;
     row_sum[e] = 0.0f;
     zero_sum[e] = 0.0f;
@@ -389,6 +390,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     MmaKeyTile<kKey, kDim>(head.key, view, block_table, tok, b.token_end, t, q, tab, c);
     if (addback.pairs > 0) MmaAddBack(p.addback, addback, b.row0, b.rows, tok, t, c);
+    if (p.softcap > 0.0f) {  // the same for the whole launch; masked after
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        c[e] = SoftCap(c[e], p.softcap, row_shift[e]);
+        c[2 + e] = SoftCap(c[2 + e], p.softcap, row_shift[e]);
+      }
+    }
     float value_scale[2] = {0.0f, 0.0f}, value_zero[2] = {0.0f, 0.0f};
     MmaValueScalars<kValue>(head.value, view, block_table, tok, b.token_end, value_scale, value_zero);
     float prob[2][2];

@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
   float* shared = DynamicSharedFloats();
   __shared__ BlockTables tables;
   __shared__ int visible[kRows];
-  __shared__ float row_max[kRows], row_sum[kRows], row_alpha[kRows];
+  __shared__ float row_max[kRows], row_sum[kRows], row_alpha[kRows], row_shift[kRows];
 
   const PoolView& view = p.view;
   const int d = view.head_dim;
@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
     visible[r] = r < b.rows ? item.context_tokens - item.num_query_tokens + 1 + token : 0;
     row_max[r] = -INFINITY;
     row_sum[r] = 0.0f;
+    row_shift[r] = SoftCapShift(p, item, b, group, r);
   }
   __syncthreads();
 
@@ -118,6 +119,13 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
     __syncthreads();
     if (addback.pairs > 0) {  // the same for the whole block
       AddBackTile<kRows>(p.addback, addback, b.row0, b.rows, tile, count, s_logit);
+      __syncthreads();
+    }
+    if (p.softcap > 0.0f) {  // the same for the whole launch
+      for (int i = threadIdx.x; i < kRows * kAttendTile; i += kAttendThreads) {
+        float& logit = s_logit[i];
+        if (logit != -INFINITY) logit = SoftCap(logit, p.softcap, row_shift[i / kAttendTile]);
+      }
       __syncthreads();
     }
     TileSoftmax<kRows>(s_logit, row_max, row_sum, row_alpha);

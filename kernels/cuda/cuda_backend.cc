@@ -855,7 +855,7 @@ class CudaBackend final : public Backend {
       AddPreparation(exact_view, rows_total, at.head_of_row, at.queries, at.prepared_exact, p.scale, w, &prologue);
     }
     RETURN_IF_ERROR(LaunchPrologue(prologue, w));
-    return LaunchDecode(view, exact_view, at, w);
+    return LaunchDecode(view, exact_view, at, p.logit_softcap, w);
   }
 
   const CudaBackendOptions options_;

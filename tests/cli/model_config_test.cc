@@ -255,6 +255,33 @@ TEST(ModelConfig, GptOssGetsLayerTypesYarnFrequenciesAndASinkNote) {
   ExpectServerReadsItBack(d);
 }
 
+// Gemma 2 (the fields of google/gemma-2-9b's config.json that the
+// derivation reads): sliding windows on even layers, the scale note absent
+// (query_pre_attn_scalar is head_dim), and a note that says to pass the
+// soft cap with every call.
+TEST(ModelConfig, Gemma2SlidesEvenLayersAndSaysToPassTheSoftCap) {
+  const Json gemma2 = {{"model_type", "gemma2"},
+                       {"num_hidden_layers", 42},
+                       {"num_attention_heads", 16},
+                       {"num_key_value_heads", 8},
+                       {"head_dim", 256},
+                       {"hidden_size", 3584},
+                       {"rope_theta", 10000.0},
+                       {"sliding_window", 4096},
+                       {"query_pre_attn_scalar", 256},
+                       {"attn_logit_softcapping", 50.0},
+                       {"final_logit_softcapping", 30.0}};
+  absl::StatusOr<DerivedConfig> derived = CacheConfigFromHfJson(gemma2, "config.json", {});
+  ASSERT_TRUE(derived.ok()) << derived.status();
+  const DerivedConfig& d = *derived;
+  ExpectShape(d.cache, 42, 8, 16, 256);
+  const std::vector<int> windows = Windows(d.cache);
+  for (int layer = 0; layer < 42; ++layer) EXPECT_EQ(windows[layer], layer % 2 == 0 ? 4096 : 0) << layer;
+  EXPECT_TRUE(AnyNoteContains(d.notes, "pass logit_softcap = 50 with every Attend"));
+  EXPECT_FALSE(AnyNoteContains(d.notes, "query_pre_attn_scalar"));
+  ExpectServerReadsItBack(d);
+}
+
 TEST(ModelConfig, ADirectoryIsReadThroughItsConfigJson) {
   const fs::path dir = fs::temp_directory_path() / ("tqkv_model_dir_" + std::to_string(getpid()));
   fs::create_directories(dir);

@@ -646,6 +646,8 @@ struct Recipe {
   bool key_scales = false;
   // Key scales each sequence measures (sequence_key_scales): staged per item.
   bool sequence_key_scales = false;
+  // Attend with this logit soft cap (AttendParams::logit_softcap), 0 none.
+  float softcap = 0.0f;
 };
 
 std::string Describe(const Recipe& r) {
@@ -654,7 +656,8 @@ std::string Describe(const Recipe& r) {
                                                                    : "no centering";
   return r.preset + ", " + centering + ", sinks " + std::to_string(r.sinks) + ", window " + std::to_string(r.window) +
          ", sliding window " + std::to_string(r.sliding_window) + (r.layer_rope ? ", layer 1's own RoPE" : "") +
-         (r.key_scales ? ", key scales" : "") + (r.sequence_key_scales ? ", sequence key scales" : "");
+         (r.key_scales ? ", key scales" : "") + (r.sequence_key_scales ? ", sequence key scales" : "") +
+         (r.softcap > 0 ? ", softcap " + std::to_string(r.softcap) : "");
 }
 
 CacheOptions RecipeOptions(const Recipe& r) {
@@ -708,7 +711,7 @@ std::vector<float> SharedKeys(int layers, int tokens, int heads, int d, uint64_t
 class RecipeRun {
  public:
   RecipeRun(const Recipe& recipe, Backend* cpu, Backend* gpu, double attend_tolerance)
-      : options_(RecipeOptions(recipe)), tolerance_(attend_tolerance) {
+      : options_(RecipeOptions(recipe)), tolerance_(attend_tolerance), softcap_(recipe.softcap) {
     auto on_cpu = KvCache::Create(options_, cpu);
     auto on_gpu = KvCache::Create(options_, gpu);
     EXPECT_TRUE(on_cpu.ok()) << on_cpu.status();
@@ -753,13 +756,14 @@ class RecipeRun {
       std::vector<float> cpu_out(q.size()), gpu_out(q.size());
       std::vector<float> cpu_lse(static_cast<size_t>(query_tokens) * qh), gpu_lse(cpu_lse.size());
       AttendRequestItem item{id, layer, query_tokens, q.data(), cpu_out.data(), cpu_lse.data()};
-      ASSERT_TRUE(cpu_->Attend({&item, 1}).ok());
+      ASSERT_TRUE(cpu_->Attend({&item, 1}, 0.0f, softcap_).ok());
       item.output = gpu_out.data();
       item.lse = gpu_lse.data();
-      const absl::Status status = gpu_->Attend({&item, 1});
+      const absl::Status status = gpu_->Attend({&item, 1}, 0.0f, softcap_);
       ASSERT_TRUE(status.ok()) << status;
       ExpectClose(gpu_out, cpu_out, tolerance_, "attend output");
       ExpectClose(gpu_lse, cpu_lse, tolerance_, "attend lse");
+      if (softcap_ > 0.0f) ExpectTheCapBites(item, cpu_out, cpu_lse);
       // A sliding-window layer's Score starts at the oldest token it holds.
       const int64_t held = cpu_->GetSequence(id)->layer_held_begin[layer];
       for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, length}, {length / 3, length - 2}}) {
@@ -776,8 +780,22 @@ class RecipeRun {
   }
 
  private:
+  // The CPU's attention without the cap must differ from the capped one by
+  // far more than the tolerance: else the comparison says nothing of it.
+  void ExpectTheCapBites(AttendRequestItem item, const std::vector<float>& capped_out,
+                         const std::vector<float>& capped_lse) {
+    std::vector<float> out(capped_out.size()), lse(capped_lse.size());
+    item.output = out.data();
+    item.lse = lse.data();
+    ASSERT_TRUE(cpu_->Attend({&item, 1}).ok());
+    double lse_moved = 0.0;
+    for (size_t i = 0; i < lse.size(); ++i) lse_moved = std::max(lse_moved, std::fabs(double{lse[i]} - capped_lse[i]));
+    EXPECT_GT(lse_moved, 20 * tolerance_) << "the soft cap hardly changes the lse";
+  }
+
   CacheOptions options_;
   double tolerance_;
+  float softcap_;
   std::unique_ptr<KvCache> cpu_, gpu_;
 };
 
@@ -853,6 +871,23 @@ TEST_F(CudaBackendTest, LayerRopesAndKeyScalesMatchTheCpuThroughTheCache) {
                                Recipe{"fp16", KeyCentering::kPreRope, 0, 0, 33, false, true},
                                Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24, true, false, true},
                                Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 0, false, false, true}}) {
+    {
+      SCOPED_TRACE("fp32 kernels");
+      RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
+    }
+    SCOPED_TRACE("tensor-core decode");
+    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+  }
+}
+
+// Logit soft-capping (Gemma 2): applied to the whole logit in both decode
+// kernels, with the add-back's constant part (centering), exact tokens and
+// a sliding window; a cap small enough to change every row's softmax.
+TEST_F(CudaBackendTest, SoftCappedLogitsMatchTheCpuThroughTheCache) {
+  for (Recipe recipe :
+       {Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24},
+        Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8}, Recipe{"fp16", KeyCentering::kNone, 0, 0}}) {
+    recipe.softcap = 2.0f;
     {
       SCOPED_TRACE("fp32 kernels");
       RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);

@@ -4,7 +4,8 @@
 // copy while it is exact, plus R_t m in double. At every SIMD level, with the
 // fp32 and the integer kernels, for contexts shorter than the sinks, covered
 // by the exact tokens, and longer; exact pages of 1 token and more; sliding-window
-// layers; several causal query tokens.
+// layers; several causal query tokens; logit soft-capping (Gemma 2), which
+// applies to the whole logit, the add-back's constant part included.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -37,13 +38,15 @@ struct Shape {
   int layer_window = 0;  // sliding-window layer: its window, 0 none
   int query_tokens = 1;
   KeyCentering centering = KeyCentering::kPreRope;
+  float softcap = 0.0f;  // AttendParams::logit_softcap
 };
 
 std::string Describe(const Shape& s) {
   return "d=" + std::to_string(s.d) + " page=" + std::to_string(s.page_tokens) +
          " context=" + std::to_string(s.context) + " sinks=" + std::to_string(s.sinks) +
          " window=" + std::to_string(s.window) + " layer window=" + std::to_string(s.layer_window) +
-         " queries=" + std::to_string(s.query_tokens) + " centering=" + std::to_string(static_cast<int>(s.centering));
+         " queries=" + std::to_string(s.query_tokens) + " centering=" + std::to_string(static_cast<int>(s.centering)) +
+         " softcap=" + std::to_string(s.softcap);
 }
 
 // One layer stored as the cache stores it: the means from the first tokens,
@@ -221,7 +224,7 @@ void CheckAttend(const Shape& s, Backend* backend, double output_tolerance, doub
   std::vector<float> out(q.size()), lse(static_cast<size_t>(s.query_tokens) * kQueryHeads);
   const AttendItem item = stored.Item(q.data(), out.data(), lse.data());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  ASSERT_TRUE(backend->Attend({&layout, stored.pool(), {&item, 1}, scale}).ok());
+  ASSERT_TRUE(backend->Attend({&layout, stored.pool(), {&item, 1}, scale, s.softcap}).ok());
   for (int h = 0; h < kQueryHeads; ++h) {
     std::vector<std::vector<double>> keys, values;
     for (int t = 0; t < s.context; ++t) {
@@ -238,6 +241,7 @@ void CheckAttend(const Shape& s, Backend* backend, double output_tolerance, doub
         double dot = 0;
         for (int j = 0; j < d; ++j) dot += qi[j] * keys[t][j];
         w[t] = scale * dot;
+        if (s.softcap > 0) w[t] = s.softcap * std::tanh(w[t] / s.softcap);
         top = std::max(top, w[t]);
       }
       double sum = 0;
@@ -277,6 +281,23 @@ std::vector<Shape> Shapes() {
   return shapes;
 }
 
+// Soft-capped shapes: caps that bite (the logits here reach about +-3, their
+// add-back constant about +-1), with centering, exact tokens, a sliding
+// window and causal query tokens, so that a cap applied without the
+// add-back's constant part, or not at all, moves the output.
+std::vector<Shape> SoftCapShapes() {
+  std::vector<Shape> shapes;
+  for (const Shape& base : Shapes()) {
+    if (base.context < 100) continue;
+    for (float cap : {1.0f, 2.5f}) {
+      Shape s = base;
+      s.softcap = cap;
+      shapes.push_back(s);
+    }
+  }
+  return shapes;
+}
+
 TEST(RecipeBackend, Fp32KernelsEqualFloat64AtEverySimdLevel) {
   const SimdLevel original = ActiveSimdLevel();
   for (SimdLevel level : SupportedSimdLevels()) {
@@ -284,6 +305,20 @@ TEST(RecipeBackend, Fp32KernelsEqualFloat64AtEverySimdLevel) {
     SCOPED_TRACE(std::string(SimdLevelName(level)));
     auto backend = MakeCpuBackend(2);  // fp32 kernels (or the reference path)
     for (const Shape& s : Shapes()) {
+      SCOPED_TRACE(Describe(s));
+      CheckAttend(s, backend.get(), 1e-4, 2e-5);
+    }
+  }
+  SetActiveSimdLevel(original);
+}
+
+TEST(RecipeBackend, SoftCappedLogitsEqualFloat64AtEverySimdLevel) {
+  const SimdLevel original = ActiveSimdLevel();
+  for (SimdLevel level : SupportedSimdLevels()) {
+    SetActiveSimdLevel(level);
+    SCOPED_TRACE(std::string(SimdLevelName(level)));
+    auto backend = MakeCpuBackend(2);
+    for (const Shape& s : SoftCapShapes()) {
       SCOPED_TRACE(Describe(s));
       CheckAttend(s, backend.get(), 1e-4, 2e-5);
     }
@@ -301,6 +336,17 @@ TEST(RecipeBackend, IntegerKernelStaysNearFloat64) {
   options.num_threads = 2;
   auto backend = MakeCpuBackend(options);
   for (const Shape& s : Shapes()) {
+    SCOPED_TRACE(Describe(s));
+    CheckAttend(s, backend.get(), 0.15, 0.02);
+  }
+}
+
+TEST(RecipeBackend, IntegerKernelSoftCapsTheWholeLogit) {
+  if (DetectedSimdLevel() < SimdLevel::kAvx512Vnni) GTEST_SKIP() << "no AVX-512 VNNI + VBMI + VBMI2 on this CPU";
+  CpuBackendOptions options;
+  options.num_threads = 2;
+  auto backend = MakeCpuBackend(options);
+  for (const Shape& s : SoftCapShapes()) {
     SCOPED_TRACE(Describe(s));
     CheckAttend(s, backend.get(), 0.15, 0.02);
   }

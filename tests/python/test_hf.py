@@ -69,7 +69,12 @@ def tiny(kind, **overrides):
         config = transformers.GptOssConfig(num_hidden_layers=2, head_dim=16, sliding_window=8,
                                            num_local_experts=4, num_experts_per_tok=2, **common)
     elif kind == "gemma2":
-        config = transformers.Gemma2Config(num_hidden_layers=2, head_dim=16, **common)
+        # Logit soft-capping at 2 with a logit scale of 1 (query_pre_attn_scalar
+        # 1): logits reach well past the cap, so it changes the tokens
+        # (test_soft_capped_gemma2_...); sliding windows of 6 on alternate layers.
+        config = transformers.Gemma2Config(num_hidden_layers=2, head_dim=16, sliding_window=6,
+                                           query_pre_attn_scalar=1, attn_logit_softcapping=2.0,
+                                           **common)
     else:
         raise ValueError(kind)
     for key, value in overrides.items():
@@ -218,11 +223,14 @@ def test_cache_config_equals_tqkv_config_from_hf(name):
     assert text_format.MessageToString(have) == text_format.MessageToString(want)
 
 
-def test_soft_capping_is_refused_with_a_reason():
+def test_soft_capping_is_no_cache_field():
+    """Gemma 2's attn_logit_softcapping travels with every step, not in the
+    cache: its config is a plain windowed cache."""
     config = transformers.Gemma2Config(num_hidden_layers=2, head_dim=16, hidden_size=64,
                                        num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(tqkv.hf.Unsupported, match="soft-cap"):
-        tqkv.hf.cache_config(config)
+    assert config.attn_logit_softcapping == 50.0
+    got = tqkv.hf.cache_config(config)
+    assert windows(got) == {0: config.sliding_window}
 
 
 # -- generation served by tqkv ------------------------------------------------------------
@@ -313,6 +321,44 @@ def test_learned_sink_logits_are_served_gpt_oss():
     with torch.no_grad():
         eager = eager_logits(model, ids, mask, continuation)
     assert float((served - eager).pow(2).mean().sqrt()) / float(eager.std()) < FP16_RMS_BOUND
+
+
+def without_softcap(model):
+    """The same weights with the attention logits left uncapped."""
+    import copy
+
+    plain = copy.deepcopy(model)
+    for layer in plain.model.layers:
+        layer.self_attn.attn_logit_softcapping = None
+    return plain
+
+
+def test_soft_capped_gemma2_fp16_greedy_generation_equals_eager():
+    """Gemma 2 with attn_logit_softcapping 2: the server caps every logit
+    (logit_softcap on each DecodeStream step), so fp16 greedy tokens equal
+    eager's and its teacher-forced logits stay within the fp16 bound of
+    eager's; the same model uncapped generates other tokens, and its logits
+    lie far outside that bound, so the cap is what makes them agree."""
+    model = tiny("gemma2")
+    ids, mask = batch(SHORT)
+    want = model.generate(ids, attention_mask=mask, **GREEDY)
+    continuation = want[:, ids.shape[1]:]
+    with torch.no_grad():
+        eager = eager_logits(model, ids, mask, continuation)
+        uncapped = eager_logits(without_softcap(model), ids, mask, continuation)
+    plain = without_softcap(model).generate(ids, attention_mask=mask, **GREEDY)
+    assert not torch.equal(plain, want)
+    scale = float(eager.std())
+    assert float((uncapped - eager).pow(2).mean().sqrt()) / scale > 20 * FP16_RMS_BOUND
+    with server_for(model, presets=("fp16",)) as server, server.client() as client:
+        got = tqkv.hf.generate(model, client, ids, attention_mask=mask, cache="fp16", **GREEDY)
+        with torch.no_grad():
+            served = served_logits(model, client, ids, mask, continuation, "fp16")
+            served_prefill = served_logits(model, client, ids, mask, continuation, "fp16",
+                                           prefill="served")
+    assert torch.equal(got, want), (got[:, ids.shape[1]:], want[:, ids.shape[1]:])
+    for logits in (served, served_prefill):
+        assert float((logits - eager).pow(2).mean().sqrt()) / scale < FP16_RMS_BOUND
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])

@@ -2,10 +2,12 @@
 // batched over sequences) and DecodeStream (the same, one message per layer),
 // checked against the cache library doing Append then Attend; their errors;
 // the executor's bounds; many streams at once against a replay.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -378,6 +380,113 @@ TEST_F(DecodeLoopTest, SinkLogitsJoinTheSoftmaxAsAZeroValueLogit) {
         EXPECT_NEAR((*via_attend)[0].output[i], want, 1e-5);
       }
     }
+  }
+}
+
+// Logit soft-capping on the centering + sinks + window cache (so the
+// add-back's constant part is in play): AppendAttend, Attend and a
+// DecodeStream step agree, and their lse is the log-sum-exp of
+// cap * tanh(x / cap) over the true logits x, which ScoreQuery returns (and
+// returns capped when asked). A cap of 1 moves the lse far beyond the
+// tolerance the integer kernel needs.
+TEST_F(DecodeLoopTest, LogitSoftcapCapsEveryLogitOnEveryPath) {
+  constexpr float kCap = 1.0f;
+  constexpr int kTokens = 12;
+  std::vector<Step> steps = {MakeStep("cap", 0, kTokens, 77)};
+  // Keys around a shared vector, as a model's are: the centering then has a
+  // mean to take out and the add-back to put back.
+  for (size_t i = 0; i < steps[0].keys.size(); ++i) steps[0].keys[i] += 2.0f * std::sin(0.37f * (i % (2 * kHeadDim)));
+  const Step& s = steps[0];
+  AppendAttendArgs args = StepArgs("csw", 1, steps);
+  args.logit_softcap = kCap;
+  absl::StatusOr<AppendAttendResult> appended = client_->AppendAttend(args);
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  ASSERT_TRUE(appended->items[0].status.ok()) << appended->items[0].status;
+  const AttendOutput& capped = appended->items[0].attention;
+
+  AttendArgs attend;
+  attend.cache = "csw";
+  attend.items = {{"cap", 1, {kTokens, kQueryHeads, kHeadDim}, s.queries}};
+  attend.return_lse = true;
+  attend.logit_softcap = kCap;
+  absl::StatusOr<std::vector<AttendOutput>> via_attend = client_->Attend(attend);
+  ASSERT_TRUE(via_attend.ok()) << via_attend.status();
+  std::unique_ptr<DecodeStream> stream = client_->OpenDecodeStream("cap");
+  absl::StatusOr<AppendAttendResult> via_stream = stream->Step(args);  // already stored: attends only
+  ASSERT_TRUE(via_stream.ok()) << via_stream.status();
+  ASSERT_TRUE(via_stream->items[0].status.ok()) << via_stream->items[0].status;
+  EXPECT_TRUE(via_stream->items[0].already_stored);
+  args.logit_softcap = 0.0f;
+  absl::StatusOr<AppendAttendResult> uncapped = client_->AppendAttend(args);
+  ASSERT_TRUE(uncapped.ok()) << uncapped.status();
+
+  double moved = 0.0;
+  for (int t = 0; t < kTokens; ++t) {
+    ScoreArgs score;
+    score.cache = "csw";
+    score.sequence_id = "cap";
+    score.layer = 1;
+    score.shape = {kQueryHeads, kHeadDim};
+    score.queries =
+        absl::MakeConstSpan(s.queries).subspan(static_cast<size_t>(t) * kQueryHeads * kHeadDim, kQueryHeads * kHeadDim);
+    score.token_end = t + 1;
+    absl::StatusOr<ScoreResult> raw = client_->Score(score);
+    ASSERT_TRUE(raw.ok()) << raw.status();
+    score.logit_softcap = kCap;
+    absl::StatusOr<ScoreResult> capped_logits = client_->Score(score);
+    ASSERT_TRUE(capped_logits.ok()) << capped_logits.status();
+    for (int h = 0; h < kQueryHeads; ++h) {
+      double top = -1e300, sum = 0.0;
+      std::vector<double> x(t + 1);
+      for (int k = 0; k <= t; ++k) {
+        const size_t at = static_cast<size_t>(h) * (t + 1) + k;
+        x[k] = kCap * std::tanh(raw->logits[at] / kCap);
+        EXPECT_NEAR(capped_logits->logits[at], x[k], 1e-6);
+        top = std::max(top, x[k]);
+      }
+      for (double v : x) sum += std::exp(v - top);
+      const size_t row = static_cast<size_t>(t) * kQueryHeads + h;
+      EXPECT_NEAR(capped.lse[row], top + std::log(sum), 0.05) << "token " << t << " head " << h;
+      EXPECT_NEAR((*via_attend)[0].lse[row], capped.lse[row], 1e-5);
+      EXPECT_NEAR(via_stream->items[0].attention.lse[row], capped.lse[row], 1e-5);
+      moved = std::max(moved, std::fabs(double{uncapped->items[0].attention.lse[row]} - capped.lse[row]));
+      for (int d = 0; d < kHeadDim; ++d) {
+        const size_t i = row * kHeadDim + d;
+        EXPECT_NEAR((*via_attend)[0].output[i], capped.output[i], 1e-5);
+        EXPECT_NEAR(via_stream->items[0].attention.output[i], capped.output[i], 1e-5);
+      }
+    }
+  }
+  EXPECT_GT(moved, 0.5) << "the cap should move the lse by far more than the tolerance";
+}
+
+// A negative, infinite or NaN cap is INVALID_ARGUMENT on every path, and an
+// AppendAttend or a DecodeStream step refused for it stores nothing.
+TEST_F(DecodeLoopTest, ABadLogitSoftcapIsRefusedAndChangesNothing) {
+  const std::vector<Step> steps = {MakeStep("bad", 0, 2, 5)};
+  std::unique_ptr<DecodeStream> stream = client_->OpenDecodeStream("bad");
+  for (float cap : {-1.0f, std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    SCOPED_TRACE(cap);
+    AppendAttendArgs args = StepArgs("csw", 0, steps);
+    args.logit_softcap = cap;
+    absl::StatusOr<AppendAttendResult> unary = client_->AppendAttend(args);
+    EXPECT_EQ(unary.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(unary.status().message(), HasSubstr("logit_softcap"));
+    absl::StatusOr<AppendAttendResult> streamed = stream->Step(args);
+    EXPECT_EQ(streamed.status().code(), absl::StatusCode::kInvalidArgument) << streamed.status();
+    EXPECT_EQ(client_->GetSequence("csw", "bad").status().code(), absl::StatusCode::kNotFound);
+    AttendArgs attend;
+    attend.cache = "csw";
+    attend.items = {{"bad", 0, {2, kQueryHeads, kHeadDim}, steps[0].queries}};
+    attend.logit_softcap = cap;
+    EXPECT_EQ(client_->Attend(attend).status().code(), absl::StatusCode::kInvalidArgument);
+    ScoreArgs score;
+    score.cache = "csw";
+    score.sequence_id = "bad";
+    score.shape = {kQueryHeads, kHeadDim};
+    score.queries = absl::MakeConstSpan(steps[0].queries).subspan(0, kQueryHeads * kHeadDim);
+    score.logit_softcap = cap;
+    EXPECT_EQ(client_->Score(score).status().code(), absl::StatusCode::kInvalidArgument);
   }
 }
 

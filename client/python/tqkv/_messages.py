@@ -173,12 +173,14 @@ def chunk_requests(chunks, start, build, state):
         yield request
 
 
-def attend_request(cache, items, scale, return_lse, output_dtype, sink_logits, item_type):
+def attend_request(cache, items, scale, return_lse, output_dtype, sink_logits, item_type,
+                   logit_softcap=0.0):
     """(AttendRequest, first item's sequence id)."""
     if not items:
         raise InvalidArgument("attend needs at least one item")
     request = pb.AttendRequest(cache=cache, scale=scale, return_lse=return_lse,
-                               output_dtype=output_dtype_proto(output_dtype))
+                               output_dtype=output_dtype_proto(output_dtype),
+                               logit_softcap=logit_softcap)
     sink = sink_tensor(sink_logits)
     if sink is not None:
         request.sink_logits.CopyFrom(sink)
@@ -191,14 +193,16 @@ def attend_request(cache, items, scale, return_lse, output_dtype, sink_logits, i
 
 
 def append_attend_request(cache, layer, items: Sequence, scale=0.0, return_lse=False,
-                          output_dtype=_tensors.F32, sink_logits=None, wire_dtype=None):
+                          output_dtype=_tensors.F32, sink_logits=None, wire_dtype=None,
+                          logit_softcap=0.0):
     """(AppendAttendRequest, first item's sequence id). items: AppendAttendItem
     or (sequence_id, start_position, keys, values, queries[, do_not_create])."""
     if not items:
         raise InvalidArgument("append_attend needs at least one item")
     request = pb.AppendAttendRequest(cache=cache, layer=layer, scale=scale,
                                      return_lse=return_lse,
-                                     output_dtype=output_dtype_proto(output_dtype))
+                                     output_dtype=output_dtype_proto(output_dtype),
+                                     logit_softcap=logit_softcap)
     sink = sink_tensor(sink_logits)
     if sink is not None:
         request.sink_logits.CopyFrom(sink)

@@ -66,12 +66,13 @@ class _Book:
         # (request_id, DecodeStreamRequest, return_lse), oldest first.
         self.unanswered = collections.deque()
 
-    def add(self, layer, items, scale, return_lse, output_dtype, sink_logits, wire_dtype, cache):
+    def add(self, layer, items, scale, return_lse, output_dtype, sink_logits, wire_dtype, cache,
+            logit_softcap=0.0):
         """(request_id, message, first sequence id): a new request, recorded as
         unanswered."""
         step, first = _messages.append_attend_request(
             self.cache if cache is None else cache, layer, items, scale, return_lse,
-            output_dtype, sink_logits, wire_dtype)
+            output_dtype, sink_logits, wire_dtype, logit_softcap)
         request_id = self.next_id
         self.next_id += 1
         message = pb.DecodeStreamRequest(request_id=request_id, step=step)
@@ -151,7 +152,8 @@ class DecodeStream:
 
     def send(self, layer: int, items: Sequence, *, scale: float = 0.0, return_lse: bool = False,
              output_dtype: str = _tensors.F32, sink_logits=None,
-             wire_dtype: Optional[str] = None, cache: Optional[str] = None) -> int:
+             wire_dtype: Optional[str] = None, cache: Optional[str] = None,
+             logit_softcap: float = 0.0) -> int:
         """Queues one AppendAttend of `layer` for `items` (AppendAttendItem or
         (sequence_id, start_position, keys, values, queries[, do_not_create]))
         and returns its request_id. Never waits for the server. Arguments as
@@ -162,7 +164,7 @@ class DecodeStream:
                 raise FailedPrecondition("send on a closed decode stream")
             request_id, message, first = self._book.add(layer, items, scale, return_lse,
                                                         output_dtype, sink_logits, wire_dtype,
-                                                        cache)
+                                                        cache, logit_softcap)
             if self._call is None:
                 key = (self._route_key if self._route_key is not None
                        else _messages.route_key(first))

@@ -142,12 +142,12 @@ class AsyncClient:
 
     async def score(self, sequence_id: str, layer: int, queries, *, token_begin: int = 0,
                     token_end: int = 0, scale: float = 0.0, top_k: int = 0,
-                    cache: Optional[str] = None) -> ScoreResult:
+                    cache: Optional[str] = None, logit_softcap: float = 0.0) -> ScoreResult:
         request = pb.ScoreQueryRequest(cache=self._cache(cache), sequence_id=sequence_id,
                                        layer=layer,
                                        queries=_tensors.encode("queries", queries, 2),
                                        token_begin=token_begin, token_end=token_end,
-                                       scale=scale, top_k=top_k)
+                                       scale=scale, top_k=top_k, logit_softcap=logit_softcap)
         response, _, error = await self._call(self._stub.ScoreQuery, request, sequence_id)
         if error is not None:
             raise error
@@ -159,9 +159,10 @@ class AsyncClient:
 
     async def attend(self, items: Sequence, *, scale: float = 0.0, return_lse: bool = False,
                      output_dtype: str = _tensors.F32, sink_logits=None,
-                     cache: Optional[str] = None) -> List[AttendResult]:
+                     cache: Optional[str] = None, logit_softcap: float = 0.0) -> List[AttendResult]:
         request, first = _messages.attend_request(self._cache(cache), items, scale, return_lse,
-                                                  output_dtype, sink_logits, AttendItem)
+                                                  output_dtype, sink_logits, AttendItem,
+                                                  logit_softcap)
         response, _, error = await self._call(self._stub.Attend, request, first)
         if error is not None:
             raise error
@@ -170,10 +171,11 @@ class AsyncClient:
     async def append_attend(self, layer: int, items: Sequence, *, scale: float = 0.0,
                             return_lse: bool = False, output_dtype: str = _tensors.F32,
                             sink_logits=None, wire_dtype: Optional[str] = None,
-                            cache: Optional[str] = None) -> AppendAttendResult:
+                            cache: Optional[str] = None,
+                            logit_softcap: float = 0.0) -> AppendAttendResult:
         request, first = _messages.append_attend_request(
             self._cache(cache), layer, items, scale, return_lse, output_dtype, sink_logits,
-            wire_dtype)
+            wire_dtype, logit_softcap)
         response, _, error = await self._call(self._stub.AppendAttend, request, first)
         if error is not None:
             raise error
@@ -267,13 +269,14 @@ class AsyncDecodeStream:
     async def send(self, layer: int, items: Sequence, *, scale: float = 0.0,
                    return_lse: bool = False, output_dtype: str = _tensors.F32,
                    sink_logits=None, wire_dtype: Optional[str] = None,
-                   cache: Optional[str] = None) -> int:
+                   cache: Optional[str] = None, logit_softcap: float = 0.0) -> int:
         """Queues one AppendAttend; returns its request_id. Never waits for the
         server (a coroutine for symmetry with recv)."""
         if self._closed:
             raise FailedPrecondition("send on a closed decode stream")
         request_id, message, first = self._book.add(layer, items, scale, return_lse,
-                                                    output_dtype, sink_logits, wire_dtype, cache)
+                                                    output_dtype, sink_logits, wire_dtype, cache,
+                                                    logit_softcap)
         if self._call is None:
             key = self._route_key if self._route_key is not None else route_key(first)
             self._metadata = self._metadata_for(key)

@@ -243,15 +243,16 @@ class Client:
 
     def score(self, sequence_id: str, layer: int, queries, *, token_begin: int = 0,
               token_end: int = 0, scale: float = 0.0, top_k: int = 0,
-              cache: Optional[str] = None) -> ScoreResult:
+              cache: Optional[str] = None, logit_softcap: float = 0.0) -> ScoreResult:
         """Logits q.k*scale (scale 0: 1/sqrt(head_dim)) of queries [query_heads,
         head_dim] against the layer's keys in [token_begin, token_end) (0: the
-        layer's length); with top_k, only the top_k per head and their positions."""
+        layer's length); with top_k, only the top_k per head and their positions.
+        logit_softcap > 0: each logit x returned as cap * tanh(x / cap)."""
         request = pb.ScoreQueryRequest(cache=self._cache(cache), sequence_id=sequence_id,
                                        layer=layer,
                                        queries=_tensors.encode("queries", queries, 2),
                                        token_begin=token_begin, token_end=token_end,
-                                       scale=scale, top_k=top_k)
+                                       scale=scale, top_k=top_k, logit_softcap=logit_softcap)
         response, _, error = self._call(self._stub.ScoreQuery, request, sequence_id)
         if error is not None:
             raise error
@@ -263,16 +264,19 @@ class Client:
 
     def attend(self, items: Sequence, *, scale: float = 0.0, return_lse: bool = False,
                output_dtype: str = _tensors.F32, sink_logits=None,
-               cache: Optional[str] = None) -> List[AttendResult]:
+               cache: Optional[str] = None, logit_softcap: float = 0.0) -> List[AttendResult]:
         """Fused attention for a batch of items: AttendItem or (sequence_id, layer,
         queries) tuples, queries [query_tokens, query_heads, head_dim] (or
         [query_heads, head_dim] for one token). Query token i of n sees the
         sequence's tokens [0, length - n + 1 + i). Returns one AttendResult per
         item, output in output_dtype ('f32' float32, 'f16' float16, 'bf16'
         uint16 bits). sink_logits: learned attention-sink logits [query_heads]
-        (gpt-oss), one extra unscaled logit per head with a zero value."""
+        (gpt-oss), one extra unscaled logit per head with a zero value.
+        logit_softcap: Gemma 2's attn_logit_softcapping (0: none); each scaled
+        logit x becomes cap * tanh(x / cap) before the softmax."""
         request, first = _messages.attend_request(self._cache(cache), items, scale, return_lse,
-                                                  output_dtype, sink_logits, AttendItem)
+                                                  output_dtype, sink_logits, AttendItem,
+                                                  logit_softcap)
         response, _, error = self._call(self._stub.Attend, request, first)
         if error is not None:
             raise error
@@ -282,7 +286,8 @@ class Client:
                       return_lse: bool = False,
                       output_dtype: str = _tensors.F32, sink_logits=None,
                       wire_dtype: Optional[str] = None,
-                      cache: Optional[str] = None) -> AppendAttendResult:
+                      cache: Optional[str] = None,
+                      logit_softcap: float = 0.0) -> AppendAttendResult:
         """One layer of a decode step: stores each item's new tokens in `layer`
         and attends with their queries over everything the layer holds, them
         included (query i of an item sees positions [0, start_position + i]).
@@ -296,10 +301,11 @@ class Client:
         cache). Otherwise each item stands alone: its result's .error holds
         its NotFound / FailedPrecondition / ResourceExhausted (not raised) and
         the other items are stored and attended. Retried on UNAVAILABLE: an
-        append that had landed is answered already_stored."""
+        append that had landed is answered already_stored. logit_softcap as
+        in attend."""
         request, first = _messages.append_attend_request(
             self._cache(cache), layer, items, scale, return_lse, output_dtype, sink_logits,
-            wire_dtype)
+            wire_dtype, logit_softcap)
         response, _, error = self._call(self._stub.AppendAttend, request, first)
         if error is not None:
             raise error

@@ -25,7 +25,8 @@ exact window (docs/quality.md). A TqkvCache compares it
 with the server's cache at construction: CacheMismatch (shape or windows
 differ: attention would be wrong), RopeMismatchWarning (pre-RoPE centering
 with another RoPE: exact, but compresses worse), Unsupported (what no
-server can do: attention logit soft-capping).
+server can do). Gemma 2's attention logit soft-capping travels with every
+step (logit_softcap).
 
 Tested with transformers 5.25.0 and torch 2.15.0 (scripts/python_env.sh).
 """

@@ -66,11 +66,9 @@ def tqkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     """transformers' attention interface: query [batch, query_heads, tokens,
     head_dim], key/value [batch, kv_heads, tokens, head_dim] (the new tokens,
     post-RoPE), attention_mask from tqkv_mask. Returns (output [batch,
-    tokens, query_heads, head_dim], None). Raises Unsupported for
-    soft-capping and for training-time dropout."""
-    if kwargs.get("softcap"):
-        raise Unsupported("attention logit soft-capping (softcap=%g) cannot be served: a "
-                          "tqkv-server computes plain softmax(q.k * scale)" % kwargs["softcap"])
+    tokens, query_heads, head_dim], None). softcap (Gemma 2's
+    attn_logit_softcapping) travels with every message as logit_softcap.
+    Raises Unsupported for training-time dropout."""
     if dropout and getattr(module, "training", False):
         raise Unsupported("attention dropout (training) is not served; call model.eval()")
     pending = take_note(module.layer_idx, key)
@@ -80,7 +78,7 @@ def tqkv_attention(module, query, key, value, attention_mask, scaling=None, drop
     if sinks is None:
         sinks = getattr(module, "sinks", None)
     output = pending.cache.attend(pending.layer, query, key, value, attention_mask,
-                                  float(scaling), sinks)
+                                  float(scaling), sinks, kwargs.get("softcap"))
     return output, None
 
 
@@ -137,15 +135,17 @@ def real_tokens(mask, batch: int, tokens: int) -> np.ndarray:
 # -- exact local attention --------------------------------------------------------------
 
 def exact_attention(query, key, value, mask, scaling: float, sinks=None,
-                    window: Optional[int] = None) -> torch.Tensor:
+                    window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Attention of the new tokens over themselves, as transformers' eager
-    attention computes it (products in the model's dtype, softmax in
-    float32): what a prefill node computes before it stores the prompt.
-    Returns [batch, tokens, query_heads, head_dim]."""
+    attention computes it (products in the model's dtype, logits soft-capped
+    with a softcap, softmax in float32): what a prefill node computes before
+    it stores the prompt. Returns [batch, tokens, query_heads, head_dim]."""
     groups = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
     scores = torch.matmul(query, k.transpose(2, 3)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     ok = allowed(mask, query.shape[2], key.shape[2], window).to(scores.device)
     scores = scores.masked_fill(~ok, torch.finfo(scores.dtype).min)
     if sinks is not None:

@@ -34,7 +34,8 @@ token of the batch's token axis, pads included); `lengths` [layers, batch]
 is what each layer of each sequence holds on the server.
 
 Not supported (Unsupported): beam search and other batch reordering,
-cropping (assisted decoding), attention logit soft-capping, dropout.
+cropping (assisted decoding), dropout. Attention logit soft-capping (Gemma
+2) is served: every step carries it (logit_softcap).
 """
 import uuid
 from typing import List, Optional, Sequence
@@ -250,20 +251,22 @@ class TqkvCache(Cache):
 
     # -- attention ----------------------------------------------------------------
 
-    def attend(self, layer: int, query, key, value, mask, scaling: float, sinks):
+    def attend(self, layer: int, query, key, value, mask, scaling: float, sinks,
+               softcap: Optional[float] = None):
         """The layer's attention output [batch, tokens, query_heads, head_dim]
-        for the new tokens' queries (tqkv_attention calls it)."""
+        for the new tokens' queries (tqkv_attention calls it); softcap: the
+        attention logit soft cap (Gemma 2), None or 0 for none."""
         batch, _, tokens, _ = query.shape
         self._start(batch)
         real = att.real_tokens(mask, batch, tokens)
         if not self._prefilled:
             out = att.exact_attention(query, key, value, mask, scaling, sinks,
-                                      self.spec.window(layer))
+                                      self.spec.window(layer), softcap)
             self._hold(layer, key, value, real)
             if layer == self.spec.layers - 1:
                 self._flush()
             return out
-        return self._served(layer, query, key, value, real, scaling, sinks)
+        return self._served(layer, query, key, value, real, scaling, sinks, softcap)
 
     def _hold(self, layer: int, key, value, real: np.ndarray):
         if self._held is None:
@@ -291,7 +294,8 @@ class TqkvCache(Cache):
             self.lengths[:, b] = count
         self._prefilled = True
 
-    def _served(self, layer: int, query, key, value, real: np.ndarray, scaling: float, sinks):
+    def _served(self, layer: int, query, key, value, real: np.ndarray, scaling: float, sinks,
+                softcap: Optional[float]):
         q = self._keys_out(att.to_wire(query.transpose(1, 2)))  # [batch, tokens, heads, dim]
         k = self._keys_out(att.to_wire(key.transpose(1, 2)))
         v = att.to_wire(value.transpose(1, 2))
@@ -306,7 +310,7 @@ class TqkvCache(Cache):
         batch, tokens = real.shape
         out = torch.zeros((batch, tokens) + tuple(q.shape[2:]), dtype=query.dtype)
         if items:
-            result = self._step(layer, items, scaling, sinks, att.wire_dtype(query.dtype))
+            result = self._step(layer, items, scaling, sinks, softcap, att.wire_dtype(query.dtype))
             for b, item in zip(rows, result):
                 if item.error is not None:
                     raise type(item.error)("layer %d, sequence %s: %s"
@@ -315,14 +319,15 @@ class TqkvCache(Cache):
                 self.lengths[layer, b] += int(real[b].sum())
         return out.to(query.device)
 
-    def _step(self, layer: int, items, scaling: float, sinks, output_dtype: str):
+    def _step(self, layer: int, items, scaling: float, sinks, softcap: Optional[float],
+              output_dtype: str):
         if self._stream is None:
             self._stream = self.client.decode_stream(cache=self.cache_name)
         sink_logits = None
         if sinks is not None:
             sink_logits = sinks.detach().float().cpu().numpy()
         result = self._stream.step(layer, items, scale=scaling, sink_logits=sink_logits,
-                                   output_dtype=output_dtype)
+                                   output_dtype=output_dtype, logit_softcap=float(softcap or 0.0))
         self.messages += 1
         self.stored_bytes += result.stored_bytes
         self.stored_bytes_bf16 += result.stored_bytes_bf16

@@ -26,9 +26,8 @@ way the model reads them):
   * sliding-window layers (layer_types, or every layer when only
     sliding_window is set, as in Mistral) and their window;
   * learned sink logits (gpt-oss) and attention logit soft-capping (Gemma 2):
-    not part of a CacheConfig. Sinks travel with every Attend
-    (sink_logits); soft-capping the server cannot do, so such a model is
-    refused (Unsupported).
+    not part of a CacheConfig. Both travel with every Attend (sink_logits,
+    logit_softcap).
 """
 import json
 import os
@@ -48,8 +47,8 @@ _NAMED_SCALING = {"default": "none", "linear": "linear", "llama3": "llama3"}
 
 
 class Unsupported(InvalidArgument):
-    """The model needs what a tqkv-server cannot do (attention logit
-    soft-capping, layers of different head dims, ...)."""
+    """The model needs what a tqkv-server cannot do (layers of different
+    head dims, beam search, ...)."""
 
 
 class CacheMismatch(FailedPrecondition):
@@ -366,11 +365,9 @@ def _layers_by_window(windows: Dict[int, int]) -> Dict[int, List[int]]:
 
 
 def refuse_unservable(spec: ModelSpec):
-    if spec.softcap:
-        raise Unsupported("%s soft-caps attention logits (attn_logit_softcapping=%g): a "
-                          "tqkv-server computes plain softmax(q.k * scale) and cannot apply "
-                          "tanh soft-capping, so it cannot serve this model's attention"
-                          % (spec.model_type, spec.softcap))
+    """Raises Unsupported for a model the server cannot serve: none today.
+    Attention logit soft-capping (Gemma 2, spec.softcap) is not part of a
+    cache: tqkv.hf sends it with every step (logit_softcap)."""
 
 
 def config_text(*configs: "pb.CacheConfig") -> str:
