@@ -318,9 +318,9 @@ def cache_config(model_or_config, *, preset: str = DEFAULT_PRESET, name: str = "
     with a GGUF-layout engine holds the same vectors. rope_of ("sliding" or
     "full") picks the RoPE of a model whose sliding and full layers rotate
     differently (Gemma 3), as `tqkv config --rope-of`. Raises Unsupported for
-    a model the server cannot serve as it is (attention logit soft-capping);
-    learned sink logits are not part of a cache (tqkv.hf sends them with
-    every Attend). key_scales (float [layers, kv_heads, head_dim] in the
+    a model the server cannot serve as it is; learned sink logits and logit
+    soft-capping are not part of a cache (tqkv.hf sends them with every
+    Attend). key_scales (float [layers, kv_heads, head_dim] in the
     model's coordinate order, from calibrate_key_scales) become the cache's
     key_scales, moved to its pair layout."""
     spec = model_or_config if isinstance(model_or_config, ModelSpec) \
