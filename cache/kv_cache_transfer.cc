@@ -186,7 +186,11 @@ absl::Status CheckImageLayers(const KvLayout& layout, const SequenceImage& image
     }
     const bool wants_mean = layout.key_centering() != KeyCentering::kNone && length > 0;
     const size_t mean_size = image.key_means[l].size();
-    if (wants_mean ? mean_size != static_cast<size_t>(layout.mean_floats()) : mean_size != 0) {
+    // A mean without sequence key scales fits a cache that keeps them: the
+    // import gives it scales 1, which is how its keys were stored.
+    const size_t means = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
+    const bool unscaled = wants_mean && layout.sequence_key_scales() && mean_size == means;
+    if (wants_mean ? mean_size != static_cast<size_t>(layout.mean_floats()) && !unscaled : mean_size != 0) {
       return DoesNotFit(image.id, absl::StrFormat("layer %d has a key mean of %d floats; want %d", l, mean_size,
                                                   wants_mean ? layout.mean_floats() : 0));
     }
@@ -194,7 +198,6 @@ absl::Status CheckImageLayers(const KvLayout& layout, const SequenceImage& image
       if (!std::isfinite(x)) return DoesNotFit(image.id, absl::StrFormat("layer %d's key mean is not finite", l));
     }
     // Sequence key scales follow the means: finite and > 0.
-    const size_t means = static_cast<size_t>(layout.num_kv_heads()) * layout.head_dim();
     for (size_t i = means; i < mean_size; ++i) {
       if (!(image.key_means[l][i] > 0.0f)) {
         return DoesNotFit(image.id, absl::StrFormat("layer %d's sequence key scales are not all > 0", l));
@@ -425,7 +428,10 @@ absl::Status KvCache::EndImport(SequenceImport& import, bool commit) {
   seq->layer_tokens = image.layer_tokens;
   seq->held_begin = image.held_begin;
   for (int l = 0; l < layout.num_layers(); ++l) {
-    if (!image.key_means[l].empty()) seq->key_means[l] = std::make_shared<const std::vector<float>>(image.key_means[l]);
+    if (image.key_means[l].empty()) continue;
+    auto mean = std::make_shared<std::vector<float>>(image.key_means[l]);
+    mean->resize(layout.mean_floats(), 1.0f);  // an unscaled sequence: scales 1 (CheckImage)
+    seq->key_means[l] = std::move(mean);
   }
   seq->max_tokens = *std::max_element(image.layer_tokens.begin(), image.layer_tokens.end());
   for (const SequenceImage::RememberedAppend& r : image.recent_appends) {

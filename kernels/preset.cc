@@ -7,7 +7,7 @@
 namespace tqkv {
 namespace {
 
-constexpr PresetRecipe kCenteredSinksWindow{KeyCentering::kPreRope, 4, 64};
+constexpr PresetRecipe kCenteredSinksWindow{KeyCentering::kPreRope, 4, 64, /*sequence_key_scales=*/true};
 
 const std::vector<Preset>& PresetTable() {
   static const std::vector<Preset> table = {
@@ -35,17 +35,21 @@ const std::vector<Preset>& PresetTable() {
       // Recipes: the codecs of the preset before them plus centering and
       // exact tokens (docs/cache.md, "Centering and exact tokens").
       {"tqkv_k3v4u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(4),
-       "turboquant_k3v4_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
-       kCenteredSinksWindow},
+       "turboquant_k3v4_nc's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact "
+       "window tokens",
+       false, kCenteredSinksWindow},
       {"tqkv_k3v3u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(3),
-       "turboquant_3bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
-       kCenteredSinksWindow},
+       "turboquant_3bit_nc's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact "
+       "window tokens",
+       false, kCenteredSinksWindow},
       {"tqkv_k3v4_csw", CodecSpec::TurboQuant(3, true), CodecSpec::TurboQuant(4, true),
-       "tqkv_k3v4's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
-       kCenteredSinksWindow},
+       "tqkv_k3v4's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact window "
+       "tokens",
+       false, kCenteredSinksWindow},
       {"tqkv_k4v4u_csw", CodecSpec::TurboQuant(4, true), CodecSpec::Uniform(4),
-       "turboquant_4bit_nc's codecs with pre-RoPE key centering, 4 exact sink and 64 exact window tokens", false,
-       kCenteredSinksWindow},
+       "turboquant_4bit_nc's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact "
+       "window tokens",
+       false, kCenteredSinksWindow},
   };
   return table;
 }

@@ -578,6 +578,9 @@ v1::CacheConfig LayoutOnly(v1::CacheConfig config) {
   config.clear_memory_budget_bytes();
   config.clear_evict_lru();
   config.clear_idle_ttl_seconds();
+  // Sequence key scales are per-sequence state, not page format: each
+  // sequence's mean says whether it carries them (KvCache::ImportSequence).
+  config.clear_sequence_key_scales();
   return config;
 }
 

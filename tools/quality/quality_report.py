@@ -549,7 +549,15 @@ def row_bytes(model, row, tokens, slots, last=1):
     return kv_bytes.row_bytes(lay, tokens, slots[recipes_mod.slot_preset(row["preset"])], sinks=r.get("exact_sink_tokens", 0),
                               window=r.get("exact_window_tokens", 0), protected=protected,
                               boundary=row["boundary"],
-                              centered=r.get("key_centering", "none") != "none", last_append=last)
+                              centered=r.get("key_centering", "none") != "none", last_append=last,
+                              mean_bytes=4 * model.config.head_dim * (2 if sequence_scales(r) else 1))
+
+
+def sequence_scales(recipe):
+    """Whether a served recipe keeps per-sequence key scales after its means
+    (the *_csw presets' default, unless calibrated key scales replace them)."""
+    return (recipe.get("sequence_key_scales", False) and not recipe.get("key_scales")
+            and recipe.get("key_centering", "none") != "none")
 
 
 def numpy_backend(model, row):

@@ -25,8 +25,10 @@ NEW_FIELDS = ("key_centering", "rope", "centering_tokens", "centering_pairs",
               "centering_includes_sinks", "exact_sink_tokens", "exact_window_tokens",
               "protected_layers", "key_scales", "sequence_key_scales")
 # What a preset implies when its recipe leaves a field unset (the server's
-# *_csw presets: pre-RoPE centering, 4 exact sinks, a 64-token exact window).
-CSW = dict(key_centering="pre_rope", exact_sink_tokens=4, exact_window_tokens=64)
+# *_csw presets: pre-RoPE centering, 4 exact sinks, a 64-token exact window,
+# per-sequence key scales where no calibrated ones are given).
+CSW = dict(key_centering="pre_rope", exact_sink_tokens=4, exact_window_tokens=64,
+           sequence_key_scales=True)
 
 
 # The preset with the same codecs and no recipe: its slot is the csw preset's.
