@@ -387,7 +387,9 @@ std::string CheckRecipe(const eval::CaptureMeta& meta, const CalibrateFlags& fla
   return "";
 }
 
-int RunCalibrateImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunCalibrate(int argc, const char* const* argv) {
   FlagSet flags("calibrate",
                 "Attention error per layer and candidate preset on a capture of a model's Q/K/V\n"
                 "(through a real KvCache on the CPU backend, against exact float64 causal\n"
@@ -414,10 +416,6 @@ int RunCalibrateImpl(int argc, const char* const* argv) {
   if (options.planning() && !plan.ok()) return Fail(plan.status());
   return 0;
 }
-
-}  // namespace
-
-int RunCalibrate(int argc, const char* const* argv) { return RunCalibrateImpl(argc, argv); }
 
 }  // namespace cli
 }  // namespace tqkv

@@ -35,9 +35,8 @@
 
 namespace tqkv {
 namespace cli {
-namespace {
 
-int RunInfoImpl(int argc, const char* const* argv) {
+int RunInfo(int argc, const char* const* argv) {
   FlagSet flags("info", "Backend, device, caches (layout, pages, tokens, bytes) and presets.");
   Connection c;
   bool json = false;
@@ -157,6 +156,8 @@ int RunInfoImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+namespace {
+
 void PrintSequence(const SequenceState& s) {
   printf("sequence '%s' (cache '%s'): %d pages, layer tokens [%s]\n", s.sequence_id.c_str(), s.cache.c_str(), s.pages,
          absl::StrJoin(s.layer_tokens, ", ").c_str());
@@ -175,7 +176,9 @@ void PrintSequence(const SequenceState& s, bool json) {
   }
 }
 
-int RunSequenceImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunSequence(int argc, const char* const* argv) {
   FlagSet flags("sequence", "Shows one sequence: tokens per layer and pages (GetSequence).");
   Connection c;
   std::string id;
@@ -192,7 +195,7 @@ int RunSequenceImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunAppendImpl(int argc, const char* const* argv) {
+int RunAppend(int argc, const char* const* argv) {
   FlagSet flags("append",
                 "Appends K/V .npy arrays [layers, tokens, kv_heads, head_dim] to a sequence\n"
                 "(created if new) at --start (default: its current length, 0 when new).");
@@ -270,7 +273,7 @@ int RunAppendImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunAttendImpl(int argc, const char* const* argv) {
+int RunAttend(int argc, const char* const* argv) {
   FlagSet flags("attend",
                 "Fused decode attention of queries .npy [query_tokens, query_heads, head_dim]\n"
                 "or [query_heads, head_dim] over one layer of a sequence; writes the output.");
@@ -324,7 +327,7 @@ int RunAttendImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunScoreImpl(int argc, const char* const* argv) {
+int RunScore(int argc, const char* const* argv) {
   FlagSet flags("score",
                 "Attention logits of queries .npy [query_heads, head_dim] against one layer's\n"
                 "keys; all logits, or the top-k per head with their token positions.");
@@ -397,7 +400,7 @@ int RunScoreImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunForkImpl(int argc, const char* const* argv) {
+int RunFork(int argc, const char* const* argv) {
   FlagSet flags("fork", "Creates --child sharing --parent's tokens (copy-on-write pages).");
   Connection c;
   std::string parent, child;
@@ -415,7 +418,7 @@ int RunForkImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunDropImpl(int argc, const char* const* argv) {
+int RunDrop(int argc, const char* const* argv) {
   FlagSet flags("drop", "Drops a sequence and frees its pages.");
   Connection c;
   std::string id;
@@ -434,16 +437,6 @@ int RunDropImpl(int argc, const char* const* argv) {
   printf("dropped '%s'\n", id.c_str());
   return 0;
 }
-
-}  // namespace
-
-int RunInfo(int argc, const char* const* argv) { return RunInfoImpl(argc, argv); }
-int RunSequence(int argc, const char* const* argv) { return RunSequenceImpl(argc, argv); }
-int RunAppend(int argc, const char* const* argv) { return RunAppendImpl(argc, argv); }
-int RunAttend(int argc, const char* const* argv) { return RunAttendImpl(argc, argv); }
-int RunScore(int argc, const char* const* argv) { return RunScoreImpl(argc, argv); }
-int RunFork(int argc, const char* const* argv) { return RunForkImpl(argc, argv); }
-int RunDrop(int argc, const char* const* argv) { return RunDropImpl(argc, argv); }
 
 }  // namespace cli
 }  // namespace tqkv

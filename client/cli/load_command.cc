@@ -252,7 +252,9 @@ int RunMixedMode(const LoadFlags& f, const ClientOptions& client) {
   return report->errors > 0 ? kExitFailure : 0;
 }
 
-int RunLoadImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunLoad(int argc, const char* const* argv) {
   FlagSet flags("load",
                 "Load generator. --mode decode (default): a decode node's loop, layer by layer:\n"
                 "engines (--clients) of --batch sequences prefilled with --context tokens, then\n"
@@ -280,10 +282,6 @@ int RunLoadImpl(int argc, const char* const* argv) {
   if (!client.ok()) return Fail(client.status());
   return decode ? RunDecodeMode(f, *client) : RunMixedMode(f, *client);
 }
-
-}  // namespace
-
-int RunLoad(int argc, const char* const* argv) { return RunLoadImpl(argc, argv); }
 
 }  // namespace cli
 }  // namespace tqkv

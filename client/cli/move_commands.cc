@@ -70,7 +70,9 @@ absl::StatusOr<v1::CacheConfig> CacheLayout(Client& client, const std::string& c
   return absl::NotFoundError(absl::StrCat("cache '", cache, "' not found on the server"));
 }
 
-int RunMoveImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunMove(int argc, const char* const* argv) {
   FlagSet flags("move",
                 "Moves sequences to another server at their compressed size (ExportSequences into\n"
                 "ImportSequences, relayed message by message), then drops them from the source\n"
@@ -132,7 +134,7 @@ int RunMoveImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunRebalanceImpl(int argc, const char* const* argv) {
+int RunRebalance(int argc, const char* const* argv) {
   FlagSet flags("rebalance",
                 "After the router's shard set changed: moves every sequence to the server the router\n"
                 "now sends its routing key to. The router itself says where a key goes (a\n"
@@ -251,6 +253,8 @@ int RunRebalanceImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+namespace {
+
 // Prefills `id` with `context` tokens of random K/V in chunks of at most
 // ~32 MiB on the wire, the same random chunk each time (what the bytes are
 // does not change what moving them costs).
@@ -305,7 +309,9 @@ absl::StatusOr<bool> SameAttend(Client& from, Client& to, const std::string& cac
   return identical;
 }
 
-int RunBenchMoveImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunBenchMove(int argc, const char* const* argv) {
   FlagSet flags("bench move",
                 "Prefills one sequence of --context tokens on the source server (random K/V, bf16 on\n"
                 "the wire), then times moving it to the destination (export + import, relayed by this\n"
@@ -395,12 +401,6 @@ int RunBenchMoveImpl(int argc, const char* const* argv) {
   }
   return identical ? 0 : kExitFailure;
 }
-
-}  // namespace
-
-int RunMove(int argc, const char* const* argv) { return RunMoveImpl(argc, argv); }
-int RunRebalance(int argc, const char* const* argv) { return RunRebalanceImpl(argc, argv); }
-int RunBenchMove(int argc, const char* const* argv) { return RunBenchMoveImpl(argc, argv); }
 
 }  // namespace cli
 }  // namespace tqkv

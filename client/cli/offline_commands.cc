@@ -52,7 +52,9 @@ absl::StatusOr<Matrix> ReadMatrix(const std::string& path, const char* what, boo
 
 // ---------------------------------------------------------------------------
 
-int RunDistortionImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunDistortion(int argc, const char* const* argv) {
   FlagSet flags("distortion",
                 "D_mse = E||u - Q(u)||^2 of the Lloyd-Max codebook for unit vectors in R^D,\n"
                 "next to the lower bound 4^-b and the upper bound sqrt(3)*pi/2*4^-b.");
@@ -89,7 +91,7 @@ int RunDistortionImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunCodebookImpl(int argc, const char* const* argv) {
+int RunCodebook(int argc, const char* const* argv) {
   FlagSet flags("codebook",
                 "Centroids and decision midpoints of the Lloyd-Max codebook for (D, B),\n"
                 "in coordinate units of a unit vector (times sqrt(D) alongside).");
@@ -128,13 +130,17 @@ int RunCodebookImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+namespace {
+
 absl::StatusOr<CodecSpec> PartSpec(const Preset& preset, const std::string& part) {
   if (part == "keys") return preset.key;
   if (part == "values") return preset.value;
   return absl::InvalidArgumentError(absl::StrFormat("--part must be keys or values, got '%s'", part));
 }
 
-int RunRoundtripImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunRoundtrip(int argc, const char* const* argv) {
   FlagSet flags("roundtrip",
                 "Encodes X [N, head_dim] (more leading dims are flattened) with one part of a\n"
                 "preset and writes what attention sees after decoding (float32, same shape).");
@@ -204,6 +210,8 @@ int RunRoundtripImpl(int argc, const char* const* argv) {
   return 0;
 }
 
+namespace {
+
 // One preset's `tqkv eval` row as JSON.
 Json EvalRowJson(const eval::PresetEvaluation& result, const Preset& preset) {
   const eval::AttentionQuality& q = result.quality;
@@ -244,7 +252,9 @@ void PrintEvalRow(const eval::PresetEvaluation& result) {
          needle_columns.c_str());
 }
 
-int RunEvalImpl(int argc, const char* const* argv) {
+}  // namespace
+
+int RunEval(int argc, const char* const* argv) {
   FlagSet flags("eval",
                 "Attention quality per preset against exact float64 attention: key relative MSE,\n"
                 "logit RMSE and std (logits q.k/sqrt(d)), top-1/top-8 agreement, TV distance of\n"
@@ -334,7 +344,7 @@ int RunEvalImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunSynthImpl(int argc, const char* const* argv) {
+int RunSynth(int argc, const char* const* argv) {
   FlagSet flags("synth",
                 "Writes deterministic synthetic vectors [rows, head_dim] as float32 .npy:\n"
                 "gaussian (iid N(0,1)) or outlier-keys (N(0,1) + 4 hot channels x10 + a\n"
@@ -379,7 +389,7 @@ int RunSynthImpl(int argc, const char* const* argv) {
   return 0;
 }
 
-int RunPresetsImpl(int argc, const char* const* argv) {
+int RunPresets(int argc, const char* const* argv) {
   FlagSet flags("presets", "Lists the presets: codecs, bytes per (token, KV head), compression.");
   int64_t head_dim = 128;
   bool json = false;
@@ -412,15 +422,6 @@ int RunPresetsImpl(int argc, const char* const* argv) {
   if (json) PrintJson(Json{{"head_dim", head_dim}, {"presets", rows}});
   return 0;
 }
-
-}  // namespace
-
-int RunDistortion(int argc, const char* const* argv) { return RunDistortionImpl(argc, argv); }
-int RunCodebook(int argc, const char* const* argv) { return RunCodebookImpl(argc, argv); }
-int RunRoundtrip(int argc, const char* const* argv) { return RunRoundtripImpl(argc, argv); }
-int RunEval(int argc, const char* const* argv) { return RunEvalImpl(argc, argv); }
-int RunSynth(int argc, const char* const* argv) { return RunSynthImpl(argc, argv); }
-int RunPresets(int argc, const char* const* argv) { return RunPresetsImpl(argc, argv); }
 
 }  // namespace cli
 }  // namespace tqkv

@@ -21,7 +21,7 @@
 //
 // Include only from the kernels' translation units: the class is in an
 // unnamed namespace (and templated on simd_mappings.h's vectors) so that each
-// ISA's file compiles its own copy (attend_avx512_common.h says why).
+// ISA's file compiles its own copy (simd_mappings.h says why).
 #ifndef TQKV_KERNELS_CPU_ADDBACK_H_
 #define TQKV_KERNELS_CPU_ADDBACK_H_
 

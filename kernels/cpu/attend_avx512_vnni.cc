@@ -39,7 +39,6 @@
 #include <vector>
 
 #include "kernels/cpu/addback.h"
-#include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_dispatch.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/cpu/exact_tokens.h"
@@ -50,7 +49,25 @@ namespace tqkv {
 namespace cpu_internal {
 namespace {
 
-using avx512::LoadScalars;
+// The fp16 scalars of n <= 64 tokens whose scalars follow each other: one
+// scale per token into `scale` (zero == nullptr), or [scale, zero] pairs
+// into `scale` and `zero`.
+inline void LoadScalars(const uint8_t* scalars, int n, float* scale, float* zero) {
+  for (int k = 0; k < n; k += 16) {
+    const __mmask16 lanes = static_cast<__mmask16>(n - k >= 16 ? 0xffff : (1u << (n - k)) - 1);
+    if (zero == nullptr) {
+      _mm512_mask_storeu_ps(scale + k, lanes, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, scalars + 2 * k)));
+      continue;
+    }
+    const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes), scalars + 4 * k));
+    const __m512 hi =
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi32(static_cast<__mmask8>(lanes >> 8), scalars + 4 * k + 32));
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    _mm512_mask_storeu_ps(scale + k, lanes, _mm512_permutex2var_ps(lo, even, hi));
+    _mm512_mask_storeu_ps(zero + k, lanes,
+                          _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi));
+  }
+}
 
 // acc + the byte dot products (vpdpbusd) of the unsigned bytes k with the
 // dword of four signed query bytes at q, broadcast by the instruction from

@@ -502,10 +502,9 @@ bool AttendHeadAvx2Supported(const FieldReader& key, const FieldReader& value, i
 bool AttendHeadAvx512VnniSupported(const FieldReader& key, const FieldReader& value, int head_dim);
 
 // REQUIRES: the matching Supported(...); rows in [1, kMaxRows]; any
-// page_tokens; pages laid out as KvLayout lays them out: the AVX-512 kernel
-// reads 3-bit value codes with 8-byte loads that start a byte before a token's
-// codes and end a byte after them, in the key planes before the value codes
-// plane and the value scalars plane after it.
+// page_tokens; pages laid out as KvLayout lays them out. Both are the one
+// float kernel of attend_body.h, instantiated per ISA; neither reads outside
+// a token's codes and scalars (the integer kernel reads whole tiles, below).
 // AttendHeadAvx512: a CPU with AVX-512 F, BW, VL and DQ.
 // AttendHeadAvx2: a CPU with AVX2, FMA and F16C.
 void AttendHeadAvx512(const HeadAttendParams& params);

@@ -19,7 +19,7 @@
 // already sits mostly on BlockPrefetch's prefetch instructions).
 //
 // Include only from the kernels' translation units (unnamed namespace,
-// templated on simd_mappings.h's vectors: attend_avx512_common.h says why).
+// templated on simd_mappings.h's vectors, which says why).
 #ifndef TQKV_KERNELS_CPU_EXACT_TOKENS_H_
 #define TQKV_KERNELS_CPU_EXACT_TOKENS_H_
 

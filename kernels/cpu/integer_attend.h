@@ -5,7 +5,7 @@
 //
 // Include only from translation units compiled with AVX-512 F/BW/VL/DQ,
 // VNNI, VBMI and VBMI2. Everything here has internal linkage (an unnamed namespace,
-// against the usual rule for headers) for the reason attend_avx512_common.h
+// against the usual rule for headers) for the reason simd_mappings.h
 // gives: each kernel file is compiled with its own ISA flags.
 #ifndef TQKV_KERNELS_CPU_INTEGER_ATTEND_H_
 #define TQKV_KERNELS_CPU_INTEGER_ATTEND_H_
@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "kernels/cpu/addback.h"
-#include "kernels/cpu/attend_avx512_common.h"
 #include "kernels/cpu/attend_kernels.h"
 #include "kernels/simd/simd_mappings.h"
+#include "kernels/simd/simd_math.h"
 
 namespace tqkv {
 namespace cpu_internal {
@@ -526,7 +526,7 @@ struct IntegerAttention {
       if (g >= groups) break;
       w_max = _mm512_max_ps(w_max, _mm512_abs_ps(block[g]));
     }
-    const float top = avx512::Max(w_max);
+    const float top = simd::Avx512::ReduceMax(w_max);
     const __m512 to_fixed = _mm512_set1_ps(top > 0.0f ? 65280.0f / top : 0.0f);
     __m512i fixed[kGroups], upto[kGroups];  // W, and its sum over the groups up to g
     __m512i running = zero;
@@ -601,7 +601,7 @@ struct IntegerAttention {
         const __mmask16 exact = static_cast<__mmask16>(x.exact >> (kGroup * g));
         if (exact != 0) s = _mm512_mask_loadu_ps(s, exact, x.exact_scores + r * kBlock + kGroup * g);
         if (x.addback != nullptr) s = _mm512_add_ps(s, _mm512_load_ps(x.addback + r * kBlock + kGroup * g));
-        if (capped) s = avx512::SoftCap(s, cap, inv_cap, shift);
+        if (capped) s = simd::SoftCap<simd::Avx512>(s, cap, inv_cap, shift);
         const __mmask16 live =
             SeenLanes(p.visible[r] - group_start) & static_cast<__mmask16>(~SeenLanes(p.token_begin - group_start));
         block[i][g] = _mm512_mask_mov_ps(neg_inf, live, s);
@@ -613,7 +613,7 @@ struct IntegerAttention {
 #pragma GCC unroll 2
     for (int i = 0; i < kRows; ++i) {
       const int r = rows[i];
-      new_max[i] = std::max(row_max[r], avx512::Max(m[i]));
+      new_max[i] = std::max(row_max[r], simd::Avx512::ReduceMax(m[i]));
       // exp(0) without the call: most blocks do not raise the maximum.
       correction[r] = row_max[r] == kNegInf      ? 0.0f
                       : row_max[r] == new_max[i] ? 1.0f
@@ -628,7 +628,8 @@ struct IntegerAttention {
 #pragma GCC unroll 2
       for (int i = 0; i < kRows; ++i) {
         const __mmask16 live = _mm512_cmp_ps_mask(block[i][g], neg_inf, _CMP_NEQ_OQ);
-        const __m512 e = _mm512_maskz_mov_ps(live, avx512::Exp(_mm512_sub_ps(block[i][g], _mm512_set1_ps(new_max[i]))));
+        const __m512 e =
+            _mm512_maskz_mov_ps(live, simd::Exp<simd::Avx512>(_mm512_sub_ps(block[i][g], _mm512_set1_ps(new_max[i]))));
         sum[i] = _mm512_add_ps(sum[i], e);
         // (All lanes: the exact ones are reloaded one by one, which a
         // masked store would not forward to.)
@@ -647,8 +648,8 @@ struct IntegerAttention {
     for (int i = 0; i < kRows; ++i) {
       const int r = rows[i];
       weight_unit[r] = FixedPointWeights(block[i], groups, weights + r * kBlock);
-      row_sum[r] = row_sum[r] * correction[r] + avx512::Sum(sum[i]);
-      row_zero[r] = row_zero[r] * correction[r] + avx512::Sum(zero_sum[i]);
+      row_sum[r] = row_sum[r] * correction[r] + simd::Avx512::HorizontalSum(sum[i]);
+      row_zero[r] = row_zero[r] * correction[r] + simd::Avx512::HorizontalSum(zero_sum[i]);
     }
   }
 
@@ -698,7 +699,7 @@ struct IntegerAttention {
         const float* q = p.queries + static_cast<size_t>(r) * d;
         __m512 max_abs = _mm512_setzero_ps();
         for (int j = begin; j < end; j += 16) max_abs = _mm512_max_ps(max_abs, _mm512_abs_ps(_mm512_loadu_ps(q + j)));
-        const float max = avx512::Max(max_abs);
+        const float max = simd::Avx512::ReduceMax(max_abs);
         const float unit = max > 0.0f ? max / 127.0f : 1.0f;
         // lrint(q / unit) (round to nearest even), at most 127 in magnitude.
         const __m512 divisor = _mm512_set1_ps(unit);
@@ -710,7 +711,7 @@ struct IntegerAttention {
           sum = _mm512_add_epi32(sum, v);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + static_cast<size_t>(r) * d + j), _mm512_cvtepi32_epi8(v));
         }
-        q8_sum[part][r] = static_cast<int32_t>(avx512::Sum(_mm512_cvtepi32_ps(sum)));
+        q8_sum[part][r] = static_cast<int32_t>(simd::Avx512::HorizontalSum(_mm512_cvtepi32_ps(sum)));
         score_unit[part][r] = unit * KeyUnit(part);
       }
     }
