@@ -154,4 +154,7 @@ def test_report_command_on_a_few_tokens(model, tokenizer, tmp_path, capsys):
     pk = {r["name"]: r for r in entry["passkey"]}
     assert set(pk) == {"numpy fp16 K/V", "fp16"}
     cell = pk["fp16"]["passkey_by_context"]["96"]
-    assert cell["prompts"] == 3 and abs(cell["change_vs_fp16"]) < 1e-3
+    # Float rounding only: each prompt's answer log-probability differs from
+    # numpy's by up to 2e-3 nats on every instruction set (measured: AVX2
+    # -7.8e-4..+1.4e-3, AVX-512 +1.8e-4..+1.9e-3, scalar -7.9e-4..+6e-4).
+    assert cell["prompts"] == 3 and abs(cell["change_vs_fp16"]) < 3e-3
