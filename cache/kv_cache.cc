@@ -166,6 +166,37 @@ std::vector<std::string> KvCache::ListSequences() {
   return ids;
 }
 
+namespace {
+
+// The items as the backend takes them: each placed item (first_query_position
+// >= 0) cut to its query tokens that see a stored token, the rest of its
+// output set to 0 and its lse to -inf here; items that see nothing left out.
+// A sliding window moves forward with the position, so those tokens are a
+// prefix of the item's.
+std::vector<AttendItem> QueriesThatSee(const KvLayout& layout, absl::Span<const AttendItem> items) {
+  std::vector<AttendItem> out;
+  out.reserve(items.size());
+  const size_t row = static_cast<size_t>(layout.num_query_heads());
+  for (AttendItem item : items) {
+    const int window = layout.layer_window(item.layer);
+    if (item.first_query_position >= 0 && window > 0) {
+      // Query token i sees a stored token when position + 1 - window < length.
+      const int64_t seeing = item.context_tokens + window - 1 - item.first_query_position;
+      const int n = static_cast<int>(std::clamp<int64_t>(seeing, 0, item.num_query_tokens));
+      std::fill(item.output + n * row * layout.head_dim(),
+                item.output + item.num_query_tokens * row * layout.head_dim(), 0.0f);
+      if (item.lse != nullptr) {
+        std::fill(item.lse + n * row, item.lse + item.num_query_tokens * row, -std::numeric_limits<float>::infinity());
+      }
+      item.num_query_tokens = n;
+    }
+    if (item.num_query_tokens > 0) out.push_back(item);
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float scale, float logit_softcap) {
   const KvLayout& layout = *layout_;
   RETURN_IF_ERROR(CheckScale(scale));
@@ -186,6 +217,11 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
       return absl::InvalidArgumentError(
           absl::StrFormat("item %d: num_query_tokens is %d; want at least 1", i, item.num_query_tokens));
     }
+    if (item.first_query_position < -1 || item.first_query_position > kMaxQueryPosition - item.num_query_tokens) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "item %d: first_query_position %d with %d query tokens; want the last query token's position in [0, %d]", i,
+          item.first_query_position, item.num_query_tokens, kMaxQueryPosition - 1));
+    }
   }
   if (items.empty()) return absl::OkStatus();
 
@@ -204,13 +240,19 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
                                                                     item.sequence_id, s.name));
       }
       const int64_t length = seq->layer_tokens[item.layer];
-      if (item.num_query_tokens > length) {
+      const bool placed = item.first_query_position >= 0;
+      if (placed && length < 1) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "item %d: sequence '%s' layer %d holds no tokens to attend over", i, item.sequence_id, item.layer));
+      }
+      if (!placed && item.num_query_tokens > length) {
         return absl::InvalidArgumentError(
             absl::StrFormat("item %d: %d query tokens but sequence '%s' layer %d holds %d tokens; the query "
                             "tokens must be appended first (want 1 <= num_query_tokens <= %d)",
                             i, item.num_query_tokens, item.sequence_id, item.layer, length, length));
       }
-      const int64_t first_seen = layout.WindowBegin(item.layer, length - item.num_query_tokens);
+      const int64_t first_seen =
+          layout.WindowBegin(item.layer, placed ? item.first_query_position : length - item.num_query_tokens);
       const int64_t held = seq->held_begin[item.layer];
       if (first_seen < held) {
         return absl::OutOfRangeError(
@@ -230,6 +272,7 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
       s.Touch(seq, now);
 
       AttendItem& k = kernel_items[i];
+      k.first_query_position = item.first_query_position;
       k.block_table = snapshots[i].table.data();
       k.exact_block_table = snapshots[i].exact_table_or_null();
       k.key_mean = snapshots[i].key_mean_or_null();
@@ -242,10 +285,11 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
     }
   }
 
+  std::vector<AttendItem> seeing = QueriesThatSee(layout, kernel_items);
   AttendParams params;
   params.layout = layout_.get();
   params.pool = pool_;
-  params.items = kernel_items;
+  params.items = seeing;
   params.scale = EffectiveScale(scale, layout);
   params.logit_softcap = logit_softcap;
   const absl::Status status = backend_->Attend(params);

@@ -187,6 +187,9 @@ struct AppendRequest {
 };
 
 inline constexpr int kRememberedAppends = 64;
+// The largest AttendRequestItem::first_query_position (positions stay within
+// int32 on every backend).
+inline constexpr int64_t kMaxQueryPosition = (int64_t{1} << 31) - 1;
 
 // What an OK Append did.
 struct AppendOutcome {
@@ -208,6 +211,14 @@ struct AttendRequestItem {
   const float* queries = nullptr;  // [num_query_tokens, num_query_heads, head_dim]
   float* output = nullptr;         // same shape
   float* lse = nullptr;            // optional [num_query_tokens, num_query_heads]
+  // -1: the query tokens are the layer's last num_query_tokens stored tokens
+  // (appended first). >= 0: query token i sits at this position + i and sees
+  // the stored tokens [0, min(length, position + 1)), in a sliding-window
+  // layer from position + 1 - window on: a prefill reading a stored prefix,
+  // whose own tokens it attends itself and merges by lse. A query token
+  // that sees no stored token (past a sliding window) gets output 0 and lse
+  // -inf. At most kMaxQueryPosition.
+  int64_t first_query_position = -1;
 };
 
 // A sequence as it is stored, for moving it between caches of the same

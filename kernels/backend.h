@@ -14,6 +14,7 @@
 #ifndef TQKV_KERNELS_BACKEND_H_
 #define TQKV_KERNELS_BACKEND_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -120,9 +121,10 @@ struct AttendItem {
   const int32_t* block_table = nullptr;
   // Tokens of this layer in the cache, including the item's own query tokens
   // when they were appended first (decode appends, then attends). Query token
-  // i of n sees tokens [0, context_tokens - n + 1 + i): causal among the
-  // query tokens, everything before them; in a sliding-window layer only the
-  // last `window` of those (see above).
+  // i of n sits at position QueryPosition(item, i) and sees tokens
+  // [0, VisibleEnd(item, i)): causal among the query tokens, everything
+  // before them; in a sliding-window layer only the last `window` of those
+  // (see above).
   int64_t context_tokens = 0;
   int layer = 0;
   int num_query_tokens = 1;
@@ -132,7 +134,24 @@ struct AttendItem {
   // Centering and exact tokens: see above.
   const int32_t* exact_block_table = nullptr;
   const float* key_mean = nullptr;
+  // -1: the query tokens are the last n stored ones (positions
+  // context_tokens - n + i). >= 0: query token i sits at this position + i,
+  // anywhere (after the stored tokens: a prefill reading a stored prefix),
+  // and sees the stored tokens up to it. REQUIRES (the cache checks): every
+  // query token sees at least one token.
+  int64_t first_query_position = -1;
 };
+
+// Position of query token i of `item` (see AttendItem).
+inline int64_t QueryPosition(const AttendItem& item, int64_t i) {
+  return (item.first_query_position >= 0 ? item.first_query_position : item.context_tokens - item.num_query_tokens) + i;
+}
+
+// End of the stored tokens query token i sees: min(context_tokens, its
+// position + 1).
+inline int64_t VisibleEnd(const AttendItem& item, int64_t i) {
+  return std::min<int64_t>(item.context_tokens, QueryPosition(item, i) + 1);
+}
 
 struct AttendParams {
   const KvLayout* layout = nullptr;

@@ -434,6 +434,15 @@ absl::Status KvCacheService::DoAttend(const Caller& caller, const v1::AttendRequ
     item.sequence_id = in.sequence_id();
     item.layer = in.layer();
     item.num_query_tokens = static_cast<int>(shape[0]);
+    if (in.has_first_query_position()) {
+      if (in.first_query_position() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("item %d: first_query_position is %d; want >= 0 (unset: the query tokens are the "
+                            "layer's last stored ones)",
+                            i, in.first_query_position()));
+      }
+      item.first_query_position = in.first_query_position();
+    }
     item.queries = queries[i].values.data();
     item.output = outputs[i].data();
     if (want_lse) {

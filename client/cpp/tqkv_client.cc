@@ -626,6 +626,7 @@ absl::StatusOr<std::vector<AttendOutput>> Client::Attend(const AttendArgs& args)
     out->set_sequence_id(item.sequence_id);
     out->set_layer(item.layer);
     Encode(item.queries, item.shape, v1::DTYPE_F32, out->mutable_queries());
+    if (item.first_query_position >= 0) out->set_first_query_position(item.first_query_position);
   }
   v1::AttendResponse response;
   int attempts = 0;

@@ -179,6 +179,10 @@ struct AttendItemArgs {
   // [query_tokens, query_heads, head_dim] of `shape`.
   std::array<int64_t, 3> shape = {1, 0, 0};
   absl::Span<const float> queries;
+  // -1: the query tokens are the layer's last stored ones. >= 0: query token
+  // i sits at this position + i and sees the stored tokens up to it (see the
+  // proto's AttendItem.first_query_position).
+  int64_t first_query_position = -1;
 };
 
 struct AttendArgs {

@@ -635,7 +635,7 @@ class CpuBackend final : public Backend {
       for (int r = 0; r < rows; ++r) {
         const int i = (row0 + r) / group, h = kv * group + (row0 + r) % group;
         const float* query = item.queries + (static_cast<size_t>(i) * qh + h) * d;
-        visible[r] = item.context_tokens - item.num_query_tokens + 1 + i;
+        visible[r] = VisibleEnd(item, i);
         // Stored keys (compressed and exact) are read with q * s; the
         // add-back below takes q.
         const float* stored_query = query;
@@ -664,7 +664,7 @@ class CpuBackend final : public Backend {
       params.queries = queries.data();
       params.visible = visible.data();
       // The first token the chunk's rows see (all of them, when windowed).
-      params.token_begin = layout.WindowBegin(item.layer, item.context_tokens - item.num_query_tokens + row0 / group);
+      params.token_begin = layout.WindowBegin(item.layer, QueryPosition(item, row0 / group));
       params.addback_pairs = num_pairs;
       params.addback_freq = freq.data();
       params.addback_coef = coef.data();
@@ -716,8 +716,8 @@ class CpuBackend final : public Backend {
     uint8_t scratch[kMaxCodeBytes];
     for (int h = kv * group; h < (kv + 1) * group; ++h) {
       for (int i = 0; i < item.num_query_tokens; ++i) {
-        const int64_t visible = item.context_tokens - item.num_query_tokens + 1 + i;
-        const int64_t first_seen = layout.WindowBegin(item.layer, visible - 1);
+        const int64_t visible = VisibleEnd(item, i);
+        const int64_t first_seen = layout.WindowBegin(item.layer, QueryPosition(item, i));
         const size_t row = (static_cast<size_t>(i) * qh + h) * d;
         const AddBackTerms terms = Terms(layout, item.layer, item.key_mean, kv, item.queries + row, p.scale);
         logits.resize(std::max<int64_t>(visible, 1));

@@ -658,6 +658,7 @@ class CudaBackend final : public Backend {
       cuda::PlanItem planned;
       planned.context_tokens = item.context_tokens;
       planned.query_tokens = item.num_query_tokens;
+      planned.first_query_position = item.first_query_position;
       planned.layer = item.layer;
       planned.exact = layout.has_exact_tokens() && item.exact_block_table != nullptr;
       if (planned.exact) {

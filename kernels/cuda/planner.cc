@@ -93,8 +93,14 @@ struct PieceView {
 
 PieceView ViewOf(const PlanDims& dims, const PlanItem& item, const PlanPiece& piece) {
   PieceView v;
-  v.view_end = item.context_tokens - item.query_tokens + piece.token0 + piece.tokens;
-  v.first_seen = item.window > 0 ? std::max<int64_t>(0, v.view_end - item.window) : 0;
+  if (item.first_query_position >= 0) {  // one-token pieces (CutPieces)
+    const int64_t position = item.first_query_position + piece.token0 + piece.tokens - 1;
+    v.view_end = std::min<int64_t>(item.context_tokens, position + 1);
+    v.first_seen = item.window > 0 ? std::max<int64_t>(0, position + 1 - item.window) : 0;
+  } else {
+    v.view_end = item.context_tokens - item.query_tokens + piece.token0 + piece.tokens;
+    v.first_seen = item.window > 0 ? std::max<int64_t>(0, v.view_end - item.window) : 0;
+  }
   v.tokens = piece.tokens;
   v.group = dims.num_query_heads / dims.num_kv_heads;
   v.rows = static_cast<int64_t>(piece.tokens) * v.group;
@@ -215,10 +221,17 @@ absl::Status CheckInput(const AttendPlanInput& in) {
   }
   for (size_t i = 0; i < in.items.size(); ++i) {
     const PlanItem& item = in.items[i];
-    if (item.query_tokens < 1 || item.context_tokens < item.query_tokens || item.context_tokens > kInt32Max) {
+    const bool placed = item.first_query_position >= 0;  // queries anywhere: any count
+    if (item.query_tokens < 1 || item.context_tokens < (placed ? 1 : item.query_tokens) ||
+        item.context_tokens > kInt32Max) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "attend item %d: %d query tokens in a context of %d tokens; want 1 <= query tokens <= context <= %d", i,
           item.query_tokens, item.context_tokens, kInt32Max));
+    }
+    if (placed && item.window > 0 &&
+        item.first_query_position + item.query_tokens - item.window >= item.context_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("attend item %d: its last query token sees no stored token (sliding window)", i));
     }
     if (item.exact && d.exact_page_tokens < 1) {
       return absl::InvalidArgumentError(
@@ -300,7 +313,8 @@ bool CutPieces(const AttendPlanInput& in, int64_t split, std::vector<PlanPiece>*
   bool halved = false;
   for (size_t i = 0; i < in.items.size(); ++i) {
     const PlanItem& item = in.items[i];
-    const int widest = item.window > 0 ? 1 : std::min(kMaxQueryTokensPerPiece, item.query_tokens);
+    const bool one_each = item.window > 0 || item.first_query_position >= 0;
+    const int widest = one_each ? 1 : std::min(kMaxQueryTokensPerPiece, item.query_tokens);
     int per_piece = widest;
     while (split > 0 && per_piece > 1) {
       const PlanPiece last{static_cast<int32_t>(i), item.query_tokens - per_piece, per_piece};

@@ -101,6 +101,9 @@ struct PlanDims {
 struct PlanItem {
   int64_t context_tokens = 0;  // as AttendItem::context_tokens
   int32_t query_tokens = 1;
+  // As AttendItem::first_query_position (-1: the last query_tokens stored
+  // tokens); such items are cut into one-token pieces.
+  int64_t first_query_position = -1;
   int32_t layer = 0;
   // Reads exact pages (the layout keeps exact tokens and the item has an
   // exact block table): segments from the exact ranges of context_tokens.

@@ -43,17 +43,21 @@ KvLayoutOptions WindowedLayout(const std::string& preset) {
 }
 
 // Float64 attention over the decoded vectors of `layer`, query token i of n
-// (position p = context - n + i) seeing [max(0, p + 1 - window), p + 1).
+// (position p = context - n + i, or first + i when first >= 0) seeing the
+// stored tokens [max(0, p + 1 - window), min(context, p + 1)); one that sees
+// none gets output 0 and lse -inf.
 void WindowedReference(const ReferenceSequence& ref, const KvLayout& layout, int layer, int n, const float* queries,
-                       int window, std::vector<double>* output, std::vector<double>* lse) {
+                       int window, std::vector<double>* output, std::vector<double>* lse, int64_t first = -1) {
   const int qh = layout.num_query_heads(), d = layout.head_dim();
   const int group = layout.query_heads_per_kv_head();
   const int64_t context = ref.tokens(layer);
   output->assign(static_cast<size_t>(n) * qh * d, 0.0);
-  lse->assign(static_cast<size_t>(n) * qh, 0.0);
+  lse->assign(static_cast<size_t>(n) * qh, -INFINITY);
   for (int i = 0; i < n; ++i) {
-    const int64_t end = context - n + 1 + i;
-    const int64_t begin = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+    const int64_t position = (first >= 0 ? first : context - n) + i;
+    const int64_t end = std::min(context, position + 1);
+    const int64_t begin = window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
+    if (begin >= end) continue;
     for (int h = 0; h < qh; ++h) {
       const float* q = queries + (static_cast<size_t>(i) * qh + h) * d;
       std::vector<double> logits(end - begin);
@@ -118,9 +122,9 @@ struct Fixture {
     return status;
   }
 
-  // Attends every layer with n query tokens; mismatches against the windowed
-  // reference.
-  int CheckAttend(const std::string& id, const ReferenceSequence& ref, int n, uint32_t seed) {
+  // Attends every layer with n query tokens (at `first` on when >= 0);
+  // mismatches against the windowed reference.
+  int CheckAttend(const std::string& id, const ReferenceSequence& ref, int n, uint32_t seed, int64_t first = -1) {
     int bad = 0;
     for (int layer = 0; layer < layout().num_layers(); ++layer) {
       const std::vector<float> q = RandomQueries(n, layout(), seed + layer);
@@ -132,12 +136,22 @@ struct Fixture {
       item.queries = q.data();
       item.output = out.data();
       item.lse = lse.data();
+      item.first_query_position = first;
       const absl::Status status = cache->Attend({&item, 1});
       EXPECT_TRUE(status.ok()) << status;
       if (!status.ok()) return 1;
       std::vector<double> want, want_lse;
-      WindowedReference(ref, layout(), layer, n, q.data(), layout().layer_window(layer), &want, &want_lse);
+      WindowedReference(ref, layout(), layer, n, q.data(), layout().layer_window(layer), &want, &want_lse, first);
       const std::string what = id + " layer " + std::to_string(layer);
+      // A query token that sees nothing: lse -inf exactly (compared here).
+      for (size_t r = 0; r < want_lse.size(); ++r) {
+        if (std::isinf(want_lse[r]) || std::isinf(lse[r])) {
+          bad += want_lse[r] == lse[r] ? 0 : 1;
+          EXPECT_EQ(lse[r], want_lse[r]) << what << " lse[" << r << "]";
+          want_lse[r] = 0.0;
+          lse[r] = 0.0f;
+        }
+      }
       bad += CountMismatches(out.data(), want, 1e-4, what + " output");
       bad += CountMismatches(lse.data(), want_lse, 1e-4, what + " lse");
     }
@@ -250,6 +264,43 @@ TEST_P(WindowedAttendTest, MultiTokenCausalQueriesEachSeeTheirOwnWindow) {
   ASSERT_TRUE(f.Append("s", 25, 5, 2, &ref).ok());
   EXPECT_EQ(f.CheckAttend("s", ref, 5, 400), 0);
   EXPECT_EQ(f.CheckAttend("s", ref, 3, 500), 0);
+}
+
+TEST_P(WindowedAttendTest, PlacedQueriesSeeTheStoredTokensUpToTheirPosition) {
+  Fixture f(WindowedLayout(GetParam()));
+  ReferenceSequence ref(&f.layout());
+  ASSERT_TRUE(f.Append("s", 0, 23, 1, &ref).ok());
+  // Positions 20..26: causal inside the stored tokens, then all of them.
+  EXPECT_EQ(f.CheckAttend("s", ref, 7, 600, 20), 0);
+  // A prefill of 9 new tokens after the 23 stored (none appended): each
+  // sees the stored ones in its window; in the windowed layers (10) those
+  // at 32 and on see none (output 0, lse -inf).
+  EXPECT_EQ(f.CheckAttend("s", ref, 9, 700, 23), 0);
+  // Wholly past every window: only the full-attention layer sees tokens.
+  EXPECT_EQ(f.CheckAttend("s", ref, 3, 800, 40), 0);
+  // Placed where the default puts them: the same result.
+  EXPECT_EQ(f.CheckAttend("s", ref, 4, 900, 19), 0);
+}
+
+TEST(SlidingWindowTest, PlacedQueriesCheckTheirPositions) {
+  Fixture f(WindowedLayout("turboquant_k3v4_nc"));
+  ASSERT_TRUE(f.Append("s", 0, 30, 1).ok());
+  for (int64_t t = 30; t < 40; ++t) ASSERT_TRUE(f.Append("s", t, 1, 2 + t).ok());
+  const std::vector<float> q = RandomQueries(2, f.layout(), 3);
+  std::vector<float> out(q.size());
+  AttendRequestItem item{"s", 0, 2, q.data(), out.data(), nullptr};
+  item.first_query_position = -2;
+  EXPECT_EQ(f.cache->Attend({&item, 1}).code(), absl::StatusCode::kInvalidArgument);
+  item.first_query_position = kMaxQueryPosition - 1;
+  EXPECT_EQ(f.cache->Attend({&item, 1}).code(), absl::StatusCode::kInvalidArgument);
+  // Layer 0 (window 10) holds only its last tokens: position 5 reads below.
+  item.first_query_position = 5;
+  EXPECT_EQ(f.cache->Attend({&item, 1}).code(), absl::StatusCode::kOutOfRange);
+  item.layer = 1;  // full attention: every token is held
+  EXPECT_TRUE(f.cache->Attend({&item, 1}).ok());
+  item.sequence_id = "empty";
+  ASSERT_TRUE(f.cache->CreateSequence("empty").ok());
+  EXPECT_EQ(f.cache->Attend({&item, 1}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // fp16 (exact-ish), two compressed presets on the fast kernels, and fp8 on

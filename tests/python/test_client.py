@@ -97,6 +97,32 @@ def test_append_attend_matches_exact_attention_on_fp16_cache(client):
     client.drop(sid)
 
 
+def test_placed_queries_read_a_stored_prefix_for_a_prefill_merged_by_lse(client):
+    """A prefill of 6 new tokens over a stored 20-token prefix: the server's
+    share (first_query_position = 20, nothing appended) merged by lse with
+    the new tokens' own causal attention equals attention over all 26."""
+    sid = new_id()
+    k, v = kv(26, 5)
+    client.append(sid, k[:, :20], v[:, :20])
+    q = queries(6, 6)
+    prefix = client.attend([tqkv.AttendItem(sid, 1, q, first_query_position=20)],
+                           return_lse=True)[0]
+    own, own_lse = reference_attention(k[1, 20:], v[1, 20:], q)
+    top = np.maximum(prefix.lse, own_lse)
+    a, b = np.exp(prefix.lse - top), np.exp(own_lse - top)
+    merged = (prefix.output * a[..., None] + own * b[..., None]) / (a + b)[..., None]
+    whole = np.concatenate([fp16(k[1, :20]), k[1, 20:]])
+    want, _ = reference_attention(whole, np.concatenate([fp16(v[1, :20]), v[1, 20:]]), q)
+    np.testing.assert_allclose(merged, want, atol=3e-5, rtol=1e-4)
+    # The same queries placed as the default places them: the same answer.
+    last = client.attend([(sid, 1, q[-4:], 16)])[0].output
+    np.testing.assert_allclose(last, client.attend([(sid, 1, q[-4:])])[0].output, atol=0)
+    with pytest.raises(tqkv.InvalidArgument, match="first_query_position"):
+        client.attend([(sid, 1, q, -1)])
+    assert client.get_sequence(sid).layer_tokens == [20] * LAYERS
+    client.drop(sid)
+
+
 def test_wire_dtypes_f16_and_bf16_store_what_they_carry(client):
     k, v = kv(9, 3)
     q = queries(1, 4)

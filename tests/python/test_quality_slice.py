@@ -112,6 +112,51 @@ def test_served_fp16_attention_matches_numpy_fp16_to_float_rounding(model, token
     assert tq.stored_bytes < served.stored_bytes / 4
 
 
+def test_prefix_reuse_reads_the_stored_prefix_through_placed_queries(model, tokenizer, text):
+    """The prefix-reuse protocol: 30 tokens stored, 10 more prefilled over
+    them (their own attention exact, the prefix's share served and merged by
+    lse, nothing more stored). Through the fp16 cache it is the numpy fp16
+    forward pass to float rounding; through a 3-bit cache it is not."""
+    m = sliced(model, 3)
+    tokens = tokenizer.encode(text)[:40]
+    want = m.forward(tokens, attend=lambda l, q, k, v: llama.fp16_attention(q, k, v))[30:]
+    exact = {layer: None for layer in range(3)}
+    got = {}
+    with LocalServer(server_binary(), CONFIG) as server, server.client(timeout=60) as client:
+        for cache in ("fp16", "tq3"):
+            served = quality_report.ServedAttention(client, cache, None, exact, prefix_reuse=True)
+            m.forward(tokens[:30], served)
+            got[cache] = m.forward(tokens[30:], served, start=30)
+            assert client.get_sequence(served.sequence, cache=cache).layer_tokens == [30] * 3
+            served.drop()
+    rel = lambda a: np.linalg.norm(a - want) / np.linalg.norm(want)  # noqa: E731
+    assert rel(got["fp16"]) <= 3 * quality_report.FP16_CHECK_REL
+    assert 1e-4 < rel(got["tq3"]) < 0.5
+
+
+def test_merge_lse_of_two_parts_is_attention_over_both():
+    import attention
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((5, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((12, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((12, 2, 16)).astype(np.float32)
+    # Queries at positions 7..11: the first 7 tokens as a prefix part (all
+    # seen), the last 5 as their own causal part.
+    want = attention.causal_attention(q, k, v, start=7)
+    prefix, prefix_lse = [], []
+    for i in range(5):
+        out, lse = attention.causal_attention_lse(
+            np.concatenate([np.zeros((6, 4, 16), np.float32), q[i:i + 1]]), k[:7], v[:7])
+        prefix.append(out[6])
+        prefix_lse.append(lse[6])
+    own, own_lse = attention.causal_attention_lse(q, k[7:], v[7:])
+    got = attention.merge_lse(np.stack(prefix), np.stack(prefix_lse), own, own_lse)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    # A part with no tokens (lse -inf) weighs nothing.
+    empty = attention.merge_lse(np.zeros_like(own), np.full(own_lse.shape, -np.inf), own, own_lse)
+    np.testing.assert_allclose(empty, own, atol=1e-7)
+
+
 def test_report_command_on_a_few_tokens(model, tokenizer, tmp_path, capsys):
     out = tmp_path / "report.json"
     code = quality_report.main(["--models", "smollm2", "--tokens", "24",

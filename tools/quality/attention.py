@@ -41,6 +41,41 @@ def causal_attention(q, k, v, start=0, window=None, block=256):
     return out
 
 
+def causal_attention_lse(q, k, v, window=None):
+    """(out, lse) of q [n, H, D] over k, v [n, KVH, D], the same n tokens
+    (causal among them, the last `window` on a sliding-window layer): out
+    float32, lse float64 [n, H] of the scaled logits (scale 1/sqrt(D)), so
+    it merges with another part by merge_lse."""
+    n, heads, d = q.shape
+    group = heads // k.shape[1]
+    pos = np.arange(n)
+    mask = pos[None, :] > pos[:, None]
+    if window:
+        mask |= pos[None, :] <= pos[:, None] - window
+    out = np.empty((n, heads, d), dtype=np.float32)
+    lse = np.empty((n, heads))
+    for h in range(k.shape[1]):
+        qs = q[:, h * group:(h + 1) * group].astype(np.float64)
+        logits = np.einsum("ngd,td->ngt", qs, k[:, h].astype(np.float64)) / np.sqrt(d)
+        logits[np.broadcast_to(mask[:, None, :], logits.shape)] = -np.inf
+        top = logits.max(axis=2, keepdims=True)
+        w = np.exp(logits - top)
+        total = w.sum(axis=2, keepdims=True)
+        out[:, h * group:(h + 1) * group] = np.einsum("ngt,td->ngd", w / total, v[:, h])
+        lse[:, h * group:(h + 1) * group] = (top + np.log(total))[..., 0]
+    return out, lse
+
+
+def merge_lse(out_a, lse_a, out_b, lse_b):
+    """Attention over two disjoint sets of tokens from each set's (out, lse)
+    [n, H, D] / [n, H]; a part with lse -inf (no tokens) weighs 0."""
+    lse_a = np.asarray(lse_a, dtype=np.float64)
+    lse_b = np.asarray(lse_b, dtype=np.float64)
+    top = np.maximum(lse_a, lse_b)
+    a, b = np.exp(lse_a - top), np.exp(lse_b - top)
+    return ((out_a * a[..., None] + out_b * b[..., None]) / (a + b)[..., None]).astype(np.float32)
+
+
 def fp16_round(x):
     return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 

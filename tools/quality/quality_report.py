@@ -31,6 +31,11 @@ Sections (markdown on stdout):
       kv_bytes.py, or with --server-bytes from the server's own counts), the
       ratio vs a bf16 cache that keeps each sliding window only (the honest
       one) and vs one that keeps every token of every layer.
+      --prefix-reuse S: the prefix-reuse protocol instead: the window's last
+      S tokens are a prefill over its stored first T - S (the prefix stored
+      and attended exactly; the S tokens attend themselves exactly and read
+      the prefix through Attend's first_query_position, merged by lse);
+      perplexity over those S tokens.
   (d) Pass-key retrieval (passkey.py) at --passkey-contexts tokens, needle at
       10/50/90% depth, --passkey-prompts prompts per cell: prefill, then decode
       the answer one token per Append/Attend; change of the answer's
@@ -115,6 +120,12 @@ BYTES_AT = (8192, LONG_CONTEXT)
 # cache has one `rope`, so one cache centers the local layers with a RoPE
 # not theirs, exact but with less gain).
 SLIDING = {"layers": "served", "rope_groups": "one", "layer_ropes": "own"}
+# (c) with --prefix-reuse S: each window's last S tokens are a prefill over a
+# stored prefix (the window's first T - S tokens, stored and attended
+# exactly by the prefill that made them): the S tokens attend their own
+# tokens exactly (fp16 K/V) and read the prefix through the server (Attend
+# with first_query_position, lse-merged); perplexity over those S tokens.
+PROTOCOL = {"prefix_reuse": 0}
 MODEL_KEYS = ("smollm2", "gemma3")
 # Calibrated key scales per model name (key_scales.py), for recipes that ask
 # for them: measured on --key-scales-text, never on the text under test.
@@ -304,15 +315,31 @@ class ServedAttention:
     stored and its queries attend in numpy over the fp16 K/V, as a prefill
     node attends over the K/V it has just computed; later calls are served."""
 
-    def __init__(self, client, cache, check=None, exact_prefill=None):
+    def __init__(self, client, cache, check=None, exact_prefill=None, prefix_reuse=False):
         self.client = client
         self.cache = cache
         self.sequence = "report/%s/%s" % (cache, uuid.uuid4().hex[:8])
         self.stored_bytes = 0
         self.check = check  # check(layer, q, k, v, served_output), prefill only
         self.exact_prefill = exact_prefill
+        # PROTOCOL["prefix_reuse"]: calls after the first (start 0, stored and
+        # attended exactly) store nothing; see suffix().
+        self.prefix_reuse = prefix_reuse
+
+    def suffix(self, layer, q, k, v, start):
+        """New tokens at `start` over the stored prefix, as a prefill node
+        reads it: the prefix's share from the server (first_query_position),
+        their own tokens exactly at fp16, merged by lse."""
+        import tqkv
+        item = tqkv.AttendItem(self.sequence, layer, q, first_query_position=start)
+        stored = self.client.attend([item], return_lse=True, cache=self.cache)[0]
+        own, own_lse = attention.causal_attention_lse(
+            q, attention.fp16_round(k), attention.fp16_round(v), self.exact_prefill.get(layer))
+        return attention.merge_lse(stored.output, stored.lse, own, own_lse)
 
     def __call__(self, layer, q, k, v, start=0):
+        if self.prefix_reuse and start > 0:
+            return self.suffix(layer, q, k, v, start)
         result = self.client.append(self.sequence, k[None], v[None], start=start,
                                     layer_begin=layer, layer_end=layer + 1, cache=self.cache)
         self.stored_bytes += result.stored_bytes
@@ -379,8 +406,10 @@ def served_backend(model, client, cache, check=None, exact_prefill=False):
         if check is not None:
             layer_check = (lambda layers: lambda i, q, k, v, out: check(layers[i], q, k, v, out))(
                 layers)
-        exact = {i: model.window(l) for i, l in enumerate(layers)} if exact_prefill else None
-        parts.append(ServedAttention(client, cache + suffix, layer_check, exact))
+        reuse = bool(PROTOCOL["prefix_reuse"])
+        exact = ({i: model.window(l) for i, l in enumerate(layers)}
+                 if exact_prefill or reuse else None)
+        parts.append(ServedAttention(client, cache + suffix, layer_check, exact, reuse))
     if len(parts) == 1 and len(groups[0][1]) == model.config.layers:
         return parts[0], parts[0]
     served = set(served_layers(model))
@@ -636,6 +665,19 @@ def run_rows(server_binary, model, rows, tokens, log, run_one, check=None, exact
 # (c) perplexity
 
 
+def window_nll(model, tokens, backend, chunk):
+    """Per-token NLL of one window under the (c) protocol: every read
+    (chunk 0), decode steps of `chunk` tokens, or (PROTOCOL["prefix_reuse"]
+    S) the last S tokens over a stored prefix, the NLL of the tokens their
+    own hidden states predict."""
+    reuse = PROTOCOL["prefix_reuse"]
+    if not reuse:
+        return model.nll(forward_chunked(model, tokens, backend, chunk), tokens)
+    split = len(tokens) - reuse
+    model.forward(tokens[:split], backend)
+    return model.nll(model.forward(tokens[split:], backend, start=split), tokens[split:])
+
+
 def forward_chunked(model, tokens, backend, chunk):
     """Hidden states of a teacher-forced pass; with chunk > 0 the tokens go in
     chunks (one Append + Attend per layer each), as a server sees a decode:
@@ -666,7 +708,7 @@ def e2e_section(server_binary, model, texts, rows, log, chunk=0):
         for text, windows in texts.items():
             for toks in windows:
                 backend, served = make()
-                nll = model.nll(forward_chunked(model, toks, backend, chunk), toks)
+                nll = window_nll(model, toks, backend, chunk)
                 if served is not None:
                     stored = served.held()
                     served.drop()
@@ -1007,6 +1049,11 @@ def main(argv=None, models=None):
                     help="(c): feed each window in chunks of this many tokens (0: one Append "
                     "per layer); exact-window recipes need it (a whole-text Append keeps only "
                     "the text's last W tokens exact)")
+    ap.add_argument("--prefix-reuse", type=int, default=0, metavar="S",
+                    help="(c): the prefix-reuse protocol: each window's last S tokens are a "
+                    "prefill over the stored first T - S (their own tokens attended exactly, "
+                    "the prefix read through the server with first_query_position and merged "
+                    "by lse); perplexity over those S tokens; no vLLM rows")
     ap.add_argument("--presets", default=",".join(ALL_PRESETS))
     ap.add_argument("--vllm", default=",".join(vllm_scheme.PRESETS),
                     help="(c): vLLM presets to emulate in numpy ('' for none)")
@@ -1056,6 +1103,8 @@ def main(argv=None, models=None):
                     help="(c): measure the --bytes-at columns from the server's own counts "
                     "(random K/V appended to every served row's config) instead of the formula")
     args = ap.parse_args(argv)
+    if args.prefix_reuse and not 2 <= args.prefix_reuse <= args.tokens - 16:
+        ap.error("--prefix-reuse S wants 2 <= S <= --tokens - 16")
     BYTES_AT = tuple(int(t) for t in args.bytes_at.split(",") if t)
     ROTATION_SEEDS = [int(x) for x in args.rotation_seeds.split(",")]
     SLIDING.update(layers=args.sliding_layers, rope_groups=args.rope_groups,
@@ -1144,10 +1193,12 @@ def main(argv=None, models=None):
             seeded = {p for p in codecs if p not in unservable and rotated(codecs[p])}
             if "c" in sections:
                 t0 = time.time()
+                PROTOCOL["prefix_reuse"] = args.prefix_reuse
                 rows = row_specs(model, served_presets,
                                  [p for p in args.boundary_rows.split(",") if p in served_presets],
                                  seeded if args.seeds else set(),
-                                 [p for p in args.vllm.split(",") if p], recipe_names, worst)
+                                 [p for p in args.vllm.split(",") if p and not args.prefix_reuse],
+                                 recipe_names, worst)
                 check, slots = e2e_section(server, model, windows, rows, log, args.chunk)
                 if args.server_bytes and BYTES_AT:
                     t1 = time.time()
@@ -1156,6 +1207,7 @@ def main(argv=None, models=None):
                         model.name, ",".join(map(str, BYTES_AT)), time.time() - t1))
                 entry["perplexity"] = strip_for_json(rows)
                 entry["chunk"] = args.chunk
+                entry["prefix_reuse"] = args.prefix_reuse
                 entry["preset_slot_bytes"] = slots
                 entry["fp16_check"] = dict(check, layer_tolerance=FP16_CHECK_REL,
                                            ppl_tolerance=PPL_CHECK_REL)
@@ -1179,7 +1231,11 @@ def main(argv=None, models=None):
                        "on another model and data." % (
                            args.windows, args.tokens, ", ".join(texts),
                            ROTATION_SEEDS if args.seeds else [0], args.tokens,
-                           "in %d-token appends" % args.chunk if args.chunk else "in one append",
+                           ("as a prefix of %d tokens, then %d prefilled over it (Attend with "
+                            "first_query_position; perplexity over those)" % (
+                                args.tokens - args.prefix_reuse, args.prefix_reuse)
+                            if args.prefix_reuse else
+                            "in %d-token appends" % args.chunk if args.chunk else "in one append"),
                            " and ".join(str(t) for t in BYTES_AT),
                            "the server's own counts (*: random K/V, seed 0)" if args.server_bytes
                            else "the formula")

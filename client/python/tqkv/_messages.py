@@ -187,8 +187,10 @@ def attend_request(cache, items, scale, return_lse, output_dtype, sink_logits, i
     for index, item in enumerate(items):
         if not isinstance(item, item_type):
             item = item_type(*item)
-        request.items.add(sequence_id=item.sequence_id, layer=item.layer,
-                          queries=_token_axis("queries", item.queries, 3, index))
+        added = request.items.add(sequence_id=item.sequence_id, layer=item.layer,
+                                  queries=_token_axis("queries", item.queries, 3, index))
+        if item.first_query_position is not None:
+            added.first_query_position = int(item.first_query_position)
     return request, request.items[0].sequence_id
 
 

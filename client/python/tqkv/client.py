@@ -109,6 +109,10 @@ class AttendItem:
     layer: int
     # [query_tokens, query_heads, head_dim], or [query_heads, head_dim] for one token.
     queries: np.ndarray
+    # None: the query tokens are the layer's last stored ones. Else query
+    # token i sits at this position + i and sees the stored tokens up to it
+    # (a prefill over a stored prefix; merge with its own part by lse).
+    first_query_position: Optional[int] = None
 
 
 class Client:
@@ -266,9 +270,12 @@ class Client:
                output_dtype: str = _tensors.F32, sink_logits=None,
                cache: Optional[str] = None, logit_softcap: float = 0.0) -> List[AttendResult]:
         """Fused attention for a batch of items: AttendItem or (sequence_id, layer,
-        queries) tuples, queries [query_tokens, query_heads, head_dim] (or
-        [query_heads, head_dim] for one token). Query token i of n sees the
-        sequence's tokens [0, length - n + 1 + i). Returns one AttendResult per
+        queries[, first_query_position]) tuples, queries [query_tokens,
+        query_heads, head_dim] (or [query_heads, head_dim] for one token).
+        Query token i of n sees the sequence's tokens [0, length - n + 1 + i);
+        with first_query_position p, the stored tokens [0, min(length, p + i +
+        1)) (a sliding-window layer: from p + i + 1 - window on; none seen:
+        output 0, lse -inf). Returns one AttendResult per
         item, output in output_dtype ('f32' float32, 'f16' float16, 'bf16'
         uint16 bits). sink_logits: learned attention-sink logits [query_heads]
         (gpt-oss), one extra unscaled logit per head with a zero value.
