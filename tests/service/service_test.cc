@@ -184,6 +184,25 @@ TEST_F(ServiceTest, AttendEqualsTheLibraryExactly) {
     }
     EXPECT_TRUE((*out)[1].lse.empty());
   }
+
+  // Placed queries: 5 new tokens after sequence b's 9 (a prefill over it;
+  // a negative position is refused: tests/python/test_client.py).
+  const std::vector<float> q5 = RandomFloats(5 * kQueryHeads * kHeadDim, 22);
+  AttendArgs placed;
+  placed.items = {{"b", 2, {5, kQueryHeads, kHeadDim}, q5, 9}};
+  placed.return_lse = true;
+  absl::StatusOr<std::vector<AttendOutput>> out = client_->Attend(placed);
+  ASSERT_TRUE(out.ok()) << out.status();
+  std::vector<float> want(q5.size()), lse(5 * kQueryHeads);
+  AttendRequestItem item{"b", 2, 5, q5.data(), want.data(), lse.data()};
+  item.first_query_position = 9;
+  ASSERT_TRUE(reference->Attend({&item, 1}).ok());
+  EXPECT_EQ((*out)[0].output, want);
+  EXPECT_EQ((*out)[0].lse, lse);
+  placed.items[0].first_query_position = 3;  // inside: causal up to each position
+  out = client_->Attend(placed);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_NE((*out)[0].output, want);
 }
 
 TEST_F(ServiceTest, ScoreQueryEqualsTheLibraryAndRanksTopK) {
