@@ -727,7 +727,11 @@ def e2e_section(server_binary, model, texts, rows, log, chunk=0):
                                                         time.time() - t0))
 
     slots = run_rows(server_binary, model, rows, tokens, log, run_one, fp16_check)
-    finish_rows(model, rows, tokens, slots, "ppl", last_append(tokens, chunk))
+    # The bytes at the measured length: what is stored (the prefix alone
+    # with --prefix-reuse).
+    stored = tokens - PROTOCOL["prefix_reuse"]
+    finish_rows(model, rows, stored, slots, "ppl", stored if PROTOCOL["prefix_reuse"]
+                else last_append(tokens, chunk))
     base = next(r for r in rows if r["name"] == "numpy fp16 K/V")
     served_fp16 = next((r for r in rows if r["name"] == "fp16" and "ppl" in r), None)
     ref = served_fp16 or base
