@@ -209,6 +209,10 @@ def loop_rows(kernels, budgets):
         if kernel is None:
             problems.append("%s: no kernel %s in the build" % (inst["preset"], inst["kernel"]))
             continue
+        if "pending" in inst:  # listed with its target, not walked yet
+            rows.append([inst["preset"], inst["kernel"], "-"] + ["-"] * len(steady_loop.CLASSES) +
+                        ["%.1f" % inst["target"], "-", "not walked: " + inst["pending"]])
+            continue
         kind = budgets["kind"][inst["kind"]]
         keep = set(inst.get("keep", []))
         config = steady_loop.Config(kind["loop"], [p for p in kind.get("exclude", []) if p not in keep],
