@@ -102,6 +102,12 @@ class WalkTest(unittest.TestCase):
     def test_excluded_line(self):
         self.assertEqual(self.walk(3, exclude=[r"LoadRun\("]).count("LDS"), 0)
 
+    def test_trip_count_by_the_closing_compare(self):
+        trip = {"line": "for", "setter": r"^ISETP\.NE\.AND P\d, PT, R15, RZ, PT$", "count": 2}
+        config = steady_loop.Config(r"for \(int tile = ", (), [trip], [PRED_BITS], {"bits": 3})
+        path, _, _ = steady_loop.walk(self.fn, self.blocks, self.block_at, steady_loop.Source(), config)
+        self.assertEqual([i.base for i in path].count("FFMA"), 2)
+
     def test_unknown_trip_count_stops(self):
         config = steady_loop.Config(r"for \(int tile = ", (), (), [PRED_BITS], {"bits": 3})
         with self.assertRaisesRegex(steady_loop.WalkError, "no trip count"):

@@ -217,7 +217,8 @@ def loop_rows(kernels, budgets):
         keep = set(inst.get("keep", []))
         config = steady_loop.Config(kind["loop"], [p for p in kind.get("exclude", []) if p not in keep],
                                     kind.get("trips", []) + inst.get("trips", []),
-                                    kind.get("pred", []) + inst.get("pred", []), inst.get("values", {}))
+                                    inst.get("pred", []) + kind.get("pred", []) + budgets.get("common", {}).get("pred", []),
+                                    inst.get("values", {}))
         blocks, block_at = sass.blocks_of(kernel.function)
         try:
             path, _, _ = steady_loop.walk(kernel.function, blocks, block_at, source, config)

@@ -112,7 +112,16 @@ class Config:
         values = values or {}
         self.loop = re.compile(loop)
         self.exclude = [re.compile(p) for p in exclude]
-        self.trips = [(re.compile(p), int(values.get(n, n))) for p, n in trips]
+        self.trips = []
+        for trip in trips:
+            if isinstance(trip, dict):  # {line, setter (of the back edge's predicate), count, why}
+                rule = {k: re.compile(trip[k]) for k in ("line", "setter") if k in trip}
+                count = trip["count"]
+            else:
+                rule, count = {"line": re.compile(trip[0])}, trip[1]
+            if isinstance(count, str) and count not in values:
+                continue
+            self.trips.append((rule, int(values.get(count, count)) if isinstance(count, str) else int(count)))
         self.preds = []
         for rule in preds:
             rule = dict(rule)
@@ -239,6 +248,17 @@ def _decide(source, config, trace, branch):
     return None, None
 
 
+def _trip_matches(source, trace, branch, rule):
+    if "line" in rule and not _matches(source, branch, rule["line"]):
+        return False
+    if "setter" in rule:
+        name = branch.pred.lstrip("@!")
+        setter = next((i for i in reversed(trace) if _writes(i, name)), None)
+        if setter is None or not rule["setter"].search("%s %s" % (setter.op, setter.args.strip())):
+            return False
+    return True
+
+
 def _liveness(fn, blocks, header, latch, source, config):
     """dead[b]: every path from block b hits an excluded instruction or leaves
     the loop. pdom[b]: b's post-dominators over live paths."""
@@ -298,9 +318,12 @@ def walk(fn, blocks, block_at, source, config):
         last = fn.instrs[block.last]
         back = [s for s in block.taken if header <= s <= b]
         if back:
-            trips = [n for pattern, n in config.trips if _matches(source, last, pattern)]
+            trips = [n for rule, n in config.trips if _trip_matches(source, prologue + path, last, rule)]
             if not trips:
-                raise WalkError("inner loop ending at %x (%s) has no trip count" % (last.addr, source.describe(last)))
+                name = last.pred.lstrip("@!")
+                setter = next((i for i in reversed(prologue + path) if name and _writes(i, name)), None)
+                raise WalkError("inner loop %x..%x (%s; back edge on %s) has no trip count" % (
+                    fn.instrs[blocks[back[0]].first].addr, last.addr, source.describe(last), setter))
             if trips[0] < 1:
                 raise WalkError("inner loop at %x: trip count %d < 1; exclude it instead" % (last.addr, trips[0]))
             path.extend(path[visit[back[0]]:] * (trips[0] - 1))
