@@ -3,27 +3,28 @@
 How the loop and its path are found (docs/cuda.md, "Instruction budget"):
 
 1. The token loop is the backward branch whose source line (from -lineinfo)
-   matches the instance's `loop` pattern (`for (int tile = ...`): its target
-   is the loop header, the branch ends the latch block. The body is every
-   basic block from the header to the latch (ptxas lays loops out
-   contiguously; the walk fails loudly if it leaves them).
-2. One iteration is walked from the header to the latch. Where a block ends
-   in a conditional branch (or a BRX), each successor arm is tested: an arm
-   is dead when every path through it reaches an excluded instruction or
-   leaves the loop. Excluded: a CALL to a slow path (`slowpath` in the
-   callee's name: rare inputs, e.g. division's denormal path) and every
-   instruction whose source line, or the line it was inlined at, matches one
-   of the configuration's `exclude` patterns (branches a configuration does
-   not take: other code widths, the add-back when it has no pairs, soft
-   capping, tokens past the end, unaligned loads).
-   One live arm: taken. Two live arms where one is the branch's join (its
-   immediate post-dominator): the guarded code runs (an `if` without `else`
-   executes for the warp when any lane enters it). Anything else stops the
-   walk with the arms' source lines, to be resolved with a pattern.
-   BRA.DIV (taken only by a diverged warp) falls through.
+   matches the kind's `loop` pattern (`for (int tile = ...`): its target is
+   the loop head, the branch ends the latch block. The body is every basic
+   block from the head to the latch (ptxas lays loops out contiguously; an
+   arm that leaves them is dead).
+2. One iteration is walked from the head to the latch. At a conditional
+   branch (or a BRX) each successor arm is tested: an arm is dead when every
+   path through it reaches an excluded instruction or leaves the loop.
+   Excluded: a CALL to a slow path (`slowpath` in the callee's name) and,
+   outside the blocks every path runs, each instruction whose source line or
+   the line it was inlined at matches one of the `exclude` patterns (what a
+   configuration does not run: the add-back without pairs, soft capping).
+   One live arm: taken. Two: a predicate rule decides when one matches the
+   instruction that set the branch's predicate (Config), else, when one arm
+   is the branch's join (its immediate post-dominator), the guarded code
+   runs (an `if` without `else` runs for the warp when any lane enters it),
+   else the walk stops and names the branch, its predicate's setter and the
+   arms' source lines. BRA.DIV (taken only by a diverged warp) falls
+   through.
 3. An inner loop (a backward branch inside the body) runs the trip count of
-   the first `trips` pattern its branch's line matches; none: the walk stops.
-   Its iteration's instructions are counted that many times.
+   the first `trips` rule that matches its back edge (its source line and,
+   where lines do not tell loops apart, the compare that closes it); none:
+   the walk stops. Its iteration's instructions count that many times.
 4. Every instruction on the path counts once per execution, predicated or
    not (a predicated-off instruction still issues). The count is per warp;
    times the warps that run the loop body per iteration, divided by the
@@ -99,13 +100,16 @@ class Config:
     """What one configuration (a preset on an instance) takes of the loop.
 
     loop: pattern of the token loop's back-edge line. exclude: patterns of
-    lines the configuration never runs. trips: (pattern, count) of inner
-    loops. preds: predicate rules, each a dict with `setter` (pattern over
-    the SASS text of the instruction that set the branch's predicate),
-    optional `line` (pattern over its source lines) and `def` (pattern over
-    the instruction that last wrote the compared register), and either
-    `pred` (the predicate's value) or `value` (the compared register's value:
-    the ISETP is evaluated). values: names a rule's `value` may use.
+    lines the configuration never runs. trips: inner loops' trip counts,
+    each (line pattern, count) or a dict with `line` and / or `setter` (the
+    SASS of the compare that closes the loop) and `count`. preds: predicate
+    rules, each a dict with `setter` (pattern over the SASS text of the
+    instruction that set the branch's predicate), optional `line` (its
+    source lines), `branch_line` (the branch's) and `def` (the instruction
+    that last wrote the compared register), and either `pred` (the
+    predicate's value) or `value` (the compared register's value: the ISETP
+    is evaluated). values: the names a count or a `value` may use; a rule
+    naming one the configuration lacks is left out.
     """
 
     def __init__(self, loop, exclude=(), trips=(), preds=(), values=None):
