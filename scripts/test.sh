@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, builds, makes the Python venv
 # (scripts/python_env.sh: the Python client, pytest, the SmolLM2 test model),
-# runs every test suite (ctest, the pytest suite included), then prints
+# installs cuobjdump and nvdisasm for the kernels' static budget
+# (scripts/cuda_binutils.sh; nothing without nvcc), runs every test suite
+# (ctest, the pytest suite included), then prints
 # pytest's count and the reason of every test it skipped.
 # GPU tests skip cleanly on machines without a GPU.
 set -euo pipefail
@@ -10,6 +12,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh
 scripts/python_env.sh
+scripts/cuda_binutils.sh
 build_dir=${TQKV_BUILD_DIR:-build}
 summary="$build_dir/Testing/pytest-summary.txt"
 rm -f "$summary"
