@@ -12,9 +12,9 @@
 //    tensor-core decode kernel (TF32 operands; 1.8e-3 seen), with no NaN.
 // across presets, head dims, page sizes, GQA ratios, query counts, several
 // items and layers per call, and workspaces small enough to split requests.
-//  * Key centering (pre- and post-RoPE) and exact sink/window tokens through
-//    the real cache on each backend (prefill, fork, decode steps sliding the
-//    window), and the pre-RoPE add-back at positions near 1e6, against the
+//  * Key centering (pre- and post-RoPE) and exact sink/recent tokens through
+//    the real cache on each backend (prefill, fork, decode steps moving the
+//    recent tokens), and the pre-RoPE add-back at positions near 1e6, against the
 //    CPU within the same tolerances.
 // Every test skips where no CUDA device is present. Built as
 // gpu_emulation_test (TQKV_CUDA_EMULATION), the same tests run on the emulated
@@ -628,15 +628,15 @@ TEST_F(CudaBackendTest, KvCacheOverTheCudaBackendMatchesTheCpu) {
   }
 }
 
-// Centering and exact sink/window tokens through the real cache on each
+// Centering and exact sink/recent tokens through the real cache on each
 // backend: keys with a large shared component, a prefill, a fork, decode
-// steps (one and three causal query tokens) that slide the window across page
-// boundaries; Attend (outputs and lse) and Score after every step.
+// steps (one and three causal query tokens) that move the recent tokens across
+// page boundaries; Attend (outputs and lse) and Score after every step.
 struct Recipe {
   std::string preset;
   KeyCentering centering = KeyCentering::kNone;
   int sinks = 0;
-  int window = 0;
+  int recent = 0;
   // > 0: layer 0 is a sliding-window layer of this many tokens (layer 1 full).
   int sliding_window = 0;
   // Layer 1 rotates with a RoPE of its own (layer_ropes: base 1e6, half-split
@@ -654,7 +654,7 @@ std::string Describe(const Recipe& r) {
   const char* centering = r.centering == KeyCentering::kPreRope    ? "pre-RoPE"
                           : r.centering == KeyCentering::kPostRope ? "post-RoPE"
                                                                    : "no centering";
-  return r.preset + ", " + centering + ", sinks " + std::to_string(r.sinks) + ", window " + std::to_string(r.window) +
+  return r.preset + ", " + centering + ", sinks " + std::to_string(r.sinks) + ", recent " + std::to_string(r.recent) +
          ", sliding window " + std::to_string(r.sliding_window) + (r.layer_rope ? ", layer 1's own RoPE" : "") +
          (r.key_scales ? ", key scales" : "") + (r.sequence_key_scales ? ", sequence key scales" : "") +
          (r.softcap > 0 ? ", softcap " + std::to_string(r.softcap) : "");
@@ -675,7 +675,7 @@ CacheOptions RecipeOptions(const Recipe& r) {
   o.centering_tokens = 24;
   o.centering_pairs = 6;
   o.exact_sink_tokens = r.sinks;
-  o.exact_window_tokens = r.window;
+  o.exact_recent_tokens = r.recent;
   if (r.sliding_window > 0) o.layer_windows = {r.sliding_window, 0};
   if (r.layer_rope) {
     o.layer_ropes.assign(2, RopeOptions());
@@ -807,7 +807,7 @@ void RunRecipe(const Recipe& recipe, Backend* cpu, Backend* gpu, double toleranc
   run.Compare("seq", 1, 100);
   run.Fork("seq", "seq/child");
   int64_t length = 37;
-  // Decode steps: the window slides over the page boundaries at 48 and 64.
+  // Decode steps: the recent tokens move over the page boundaries at 48 and 64.
   for (int step = 0; step < 6; ++step) {
     const int tokens = step % 3 == 1 ? 3 : 1 + step;
     run.Append("seq", length, tokens, 10 + step);
@@ -897,7 +897,7 @@ TEST_F(CudaBackendTest, SoftCappedLogitsMatchTheCpuThroughTheCache) {
   }
 }
 
-// A window bigger than the whole context, and sinks only.
+// Recent tokens covering the whole context, and sinks only.
 TEST_F(CudaBackendTest, ExactTokensCoveringTheContextOrOnlySinksMatchTheCpu) {
   for (const Recipe& recipe :
        {Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 2, 200},
@@ -1042,7 +1042,7 @@ TEST(CudaBackendFaults, AStickyErrorMarksTheDeviceLostForGood) {
 // What a decode layer costs the device, from the runtime calls the emulator
 // sees (not times: a budget a machine without a GPU can hold the backend
 // to): one AppendAttend layer of the default recipe (pre-RoPE centering,
-// exact sinks and window) at batch 8 and 64 is one copy in, one copy out and
+// exact sinks and recent tokens) at batch 8 and 64 is one copy in, one copy out and
 // one synchronization, whatever the batch (Backend::StoreAndAttend), and
 // answers as the CPU backend does, in 4 launches: the prologue (both
 // stores, compressed and exact, and the query preparation of both layouts),
@@ -1061,7 +1061,7 @@ TEST(CudaBackendBudget, ADecodeLayerIsOneCopyEachWayAndOneSynchronization) {
   o.layout.preset = "tqkv_k3v4u_csw";
   o.layout.boundary_layers = 0;
   o.layout.rope.base = 500000.0;
-  o.layout.exact_window_tokens = 8;  // the recipe's 4 sinks, a shorter window: a short context passes it
+  o.layout.exact_recent_tokens = 8;  // the recipe's 4 sinks, fewer recent tokens: a short context passes them
   o.memory_budget_bytes = size_t{64} << 20;
   std::unique_ptr<KvCache> on_gpu = *KvCache::Create(o, gpu->get());
   std::unique_ptr<KvCache> on_cpu = *KvCache::Create(o, cpu.get());
@@ -1070,7 +1070,7 @@ TEST(CudaBackendBudget, ADecodeLayerIsOneCopyEachWayAndOneSynchronization) {
   const size_t qrow = static_cast<size_t>(layout.num_query_heads()) * layout.head_dim();
   for (int batch : {8, 64}) {
     SCOPED_TRACE(batch);
-    constexpr int64_t kContext = 20;  // past the exact window
+    constexpr int64_t kContext = 20;  // past the exact recent tokens
     const auto id = [batch](int s) { return "b" + std::to_string(batch) + "-" + std::to_string(s); };
     for (int s = 0; s < batch; ++s) {
       const std::vector<float> prefill = Gaussian(layout.num_layers() * kContext * row, 100 * batch + s);

@@ -547,7 +547,7 @@ def row_bytes(model, row, tokens, slots, last=1):
         for i in recipes_mod.resolve_layers(layers, len(lay.served), model.name):
             protected[i] = slots.get(preset, fp)
     return kv_bytes.row_bytes(lay, tokens, slots[recipes_mod.slot_preset(row["preset"])], sinks=r.get("exact_sink_tokens", 0),
-                              window=r.get("exact_window_tokens", 0), protected=protected,
+                              recent=r.get("exact_recent_tokens", 0), protected=protected,
                               boundary=row["boundary"],
                               centered=r.get("key_centering", "none") != "none", last_append=last,
                               mean_bytes=4 * model.config.head_dim * (2 if sequence_scales(r) else 1))
@@ -639,7 +639,7 @@ def run_rows(server_binary, model, rows, tokens, log, run_one, check=None, exact
 def forward_chunked(model, tokens, backend, chunk):
     """Hidden states of a teacher-forced pass; with chunk > 0 the tokens go in
     chunks (one Append + Attend per layer each), as a server sees a decode:
-    an exact window then covers each chunk's recent tokens, where one
+    the exact recent tokens then cover each chunk's queries, where one
     whole-text Append leaves only the text's last W tokens exact."""
     if not chunk:
         return model.forward(tokens, backend)
@@ -1005,7 +1005,7 @@ def main(argv=None, models=None):
     ap.add_argument("--windows", type=int, default=2, help="(c): windows per text")
     ap.add_argument("--chunk", type=int, default=0,
                     help="(c): feed each window in chunks of this many tokens (0: one Append "
-                    "per layer); exact-window recipes need it (a whole-text Append keeps only "
+                    "per layer); recipes with exact recent tokens need it (a whole-text Append keeps only "
                     "the text's last W tokens exact)")
     ap.add_argument("--presets", default=",".join(ALL_PRESETS))
     ap.add_argument("--vllm", default=",".join(vllm_scheme.PRESETS),
