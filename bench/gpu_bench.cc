@@ -17,12 +17,12 @@
 // for the preset (client/cli/served_layer.h), then copied onto each item's
 // own pages. Not re-derived by hand: an earlier version passed a dense key
 // mean (all 64 RoPE pairs in the add-back, where the server keeps 8) and a
-// 128-token window (the presets keep 64), and measured a recipe nobody runs.
+// 128 exact recent tokens (the presets keep 64), and measured a recipe nobody runs.
 //
 // Recipe rows (--recipe_presets, default tqkv_k3v4u_csw): a preset with a
 // recipe (PresetRecipe) as served, so pre-RoPE centering with the mean the
 // cache estimates and trims to the layout's centering_pairs, the preset's
-// exact sinks and window on fp16 exact pages ("<preset> reads: ..." says
+// exact sinks and recent tokens on fp16 exact pages ("<preset> reads: ..." says
 // what the state holds), next to the same codecs without the recipe,
 // "<preset> plain", in the same process: "x plain" is the recipe's kernel
 // time over plain's. GB/s counts the compressed bytes only.
@@ -70,7 +70,7 @@ ABSL_FLAG(bool, json, false, "Print JSON instead of tables.");
 ABSL_FLAG(int64_t, prefill_tokens, 16384,
           "Tokens stored through Store (timed), then replicated over the pool; a multiple of 16.");
 ABSL_FLAG(std::string, recipe_presets, "tqkv_k3v4u_csw",
-          "Presets with a recipe (centering, exact sinks and window), comma-separated, each measured as "
+          "Presets with a recipe (centering, exact sinks and recent tokens), comma-separated, each measured as "
           "served and without its recipe ('<preset> plain'); empty: none.");
 ABSL_FLAG(bool, tensor_cores, true,
           "Decode on the tensor cores where the layout allows (CudaBackendOptions::tensor_cores); false: "
@@ -186,7 +186,7 @@ KvLayoutOptions RunLayout(const Run& run, const Template& t) {
   if (run.plain) {
     options.key_centering = KeyCentering::kNone;
     options.exact_sink_tokens = 0;
-    options.exact_window_tokens = 0;
+    options.exact_recent_tokens = 0;
   }
   return options;
 }

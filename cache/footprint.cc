@@ -15,18 +15,18 @@ int64_t PagesFrom(int64_t length, int64_t page_tokens, int64_t held) {
 }
 
 // Exact pages of one chunk: those at or after `held` with a sink token or a
-// token of the window [length - window, length). The cache allocates an
+// recent token [length - recent, length). The cache allocates an
 // exact page when a token of it first gets an exact copy and gives it back
-// once no token of it is a sink or in the window (ReleaseLeftExactPages).
+// once no token of it is a sink or recent (ReleaseLeftExactPages).
 int64_t ExactPages(const KvLayout& layout, int64_t length, int64_t held) {
   const int64_t page_tokens = layout.exact_page_tokens();
   const int64_t sinks = layout.options().exact_sink_tokens;
-  const int64_t window = layout.options().exact_window_tokens;
-  const int64_t window_begin = length - window;
+  const int64_t recent = layout.options().exact_recent_tokens;
+  const int64_t recent_begin = length - recent;
   int64_t pages = 0;
   for (int64_t k = held / page_tokens; k < CeilDiv(length, page_tokens); ++k) {
     const int64_t begin = k * page_tokens;
-    if (begin < sinks || (window > 0 && begin + page_tokens > window_begin)) ++pages;
+    if (begin < sinks || (recent > 0 && begin + page_tokens > recent_begin)) ++pages;
   }
   return pages;
 }

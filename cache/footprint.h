@@ -15,7 +15,7 @@ namespace tqkv {
 
 struct SequenceFootprint {
   int64_t pages = 0;        // pool pages of the compressed tokens, every chunk
-  int64_t exact_pages = 0;  // pool pages of exact copies (sinks, window), every chunk
+  int64_t exact_pages = 0;  // pool pages of exact copies (sinks, recent tokens), every chunk
   // (pages + exact_pages) * page_bytes: what the sequence takes from the
   // pool, page padding and unfilled slots included.
   uint64_t pool_bytes = 0;
@@ -31,8 +31,8 @@ struct SequenceFootprint {
 
 // The footprint of a sequence holding `length` tokens in every layer whose
 // last append was one token (a decode step): sliding-window layers hold
-// their window's pages only, exact pages outside the sinks and the window
-// are given back. A longer last append (a prefill chunk) can hold more pages
+// their window's pages only, exact pages outside the sinks and the recent
+// tokens are given back. A longer last append (a prefill chunk) can hold more pages
 // of a windowed layer until the next step. length <= 0: all zero.
 SequenceFootprint FootprintOf(const KvLayout& layout, int64_t length);
 

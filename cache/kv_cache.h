@@ -37,9 +37,9 @@
 // when it is shorter), fixed from then on and shared by forks; every key is
 // stored as k_t - R_t m and attention adds q . R_t m back. With exact tokens,
 // an append also writes the tokens that end up among the layer's first
-// exact_sink_tokens or last exact_window_tokens to exact pages (a second
+// exact_sink_tokens or last exact_recent_tokens to exact pages (a second
 // block table, pages of the same pool); an exact page none of whose tokens
-// is a sink or inside the window of the shortest non-empty layer is
+// is a sink or among the recent tokens of the shortest non-empty layer is
 // released. Exact pages share copy-on-write like the others, count for
 // eviction, and their bytes (fp16) and the means (fp32) are in stored_bytes.
 //
@@ -125,7 +125,7 @@ struct SequenceInfo {
   // The oldest token each layer holds (0 but in sliding-window layers).
   std::vector<int64_t> layer_held_begin;
   int32_t pages = 0;               // pages held, over every chunk's table
-  int32_t exact_pages = 0;         // exact pages held (sinks, window)
+  int32_t exact_pages = 0;         // exact pages held (sinks, recent tokens)
   uint64_t stored_bytes = 0;       // as CacheStats counts them
   uint64_t stored_bytes_bf16 = 0;  // the tokens held, in bf16
   absl::Time last_access;
@@ -197,7 +197,7 @@ struct AppendOutcome {
   // What the append changed in the sequence's bytes as the cache counts
   // them (SequenceInfo::stored_bytes, CacheStats): its tokens compressed,
   // their exact copies, a layer's first key mean; less what it released
-  // (exact copies that left the window, tokens that left a sliding
+  // (exact copies no longer recent, tokens that left a sliding
   // window), so it can be negative. The bf16 figure is the same change for
   // the tokens held, at 2 bytes per element. Both 0 when already_stored.
   int64_t stored_bytes = 0;

@@ -70,18 +70,18 @@ inline void AddRangeBytes(const KvLayout& layout, const std::vector<int64_t>& la
 }
 
 // The positions of an append of [start, start + n) that get an exact copy:
-// sinks and the window the layers have after it, as at most two runs.
+// sinks and the recent tokens the layers have after it, as at most two runs.
 inline std::vector<std::pair<int64_t, int64_t>> ExactRuns(const KvLayout& layout, int64_t start, int64_t n) {
   std::vector<std::pair<int64_t, int64_t>> runs;
   if (!layout.has_exact_tokens()) return runs;
   const ExactRanges r = layout.exact_ranges(start + n);
   if (start < r.sink_end) runs.push_back({start, r.sink_end});
-  const int64_t window_begin = std::max(start, r.window_begin);
-  if (window_begin < start + n) {
-    if (!runs.empty() && runs.back().second >= window_begin) {
+  const int64_t recent_begin = std::max(start, r.recent_begin);
+  if (recent_begin < start + n) {
+    if (!runs.empty() && runs.back().second >= recent_begin) {
       runs.back().second = start + n;
     } else {
-      runs.push_back({window_begin, start + n});
+      runs.push_back({recent_begin, start + n});
     }
   }
   return runs;
@@ -483,7 +483,7 @@ struct KvCache::State {
   }
 
   // Releases the exact pages of a chunk that no layer of it reads exact any
-  // more: those without a sink token that end before the window of the
+  // more: those without a sink token that end before the recent tokens of the
   // shortest non-empty layer.
   void ReleaseLeftExactPages(Sequence* seq, int chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!layout->has_exact_tokens()) return;
@@ -495,11 +495,11 @@ struct KvCache::State {
     if (shortest < 0) return;
     const int64_t page_tokens = layout->exact_page_tokens();
     const int64_t sinks = layout->options().exact_sink_tokens;
-    const int64_t window_begin = shortest - layout->options().exact_window_tokens;
+    const int64_t recent_begin = shortest - layout->options().exact_recent_tokens;
     std::vector<int32_t>& exact_table = seq->exact_tables[chunk];
     for (size_t k = 0; k < exact_table.size(); ++k) {
       const int64_t begin = static_cast<int64_t>(k) * page_tokens;
-      if (exact_table[k] < 0 || begin < sinks || begin + page_tokens > window_begin) continue;
+      if (exact_table[k] < 0 || begin < sinks || begin + page_tokens > recent_begin) continue;
       pages.Release(exact_table[k]);
       exact_table[k] = -1;
     }

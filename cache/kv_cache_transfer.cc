@@ -258,11 +258,11 @@ absl::Status CheckImageTables(const KvLayout& layout, const SequenceImage& image
       RETURN_IF_ERROR(NeedPages(id, image.tables[chunk], layout.page_tokens(), held, length, "block table", l));
       if (!layout.has_exact_tokens() || length == 0) continue;
       // The exact tokens a read of the layer takes: the sinks and the
-      // window it still holds.
+      // recent tokens it still holds.
       const ExactRanges r = layout.exact_ranges(length);
       const int64_t ept = layout.exact_page_tokens();
       RETURN_IF_ERROR(NeedPages(id, image.exact_tables[chunk], ept, held, r.sink_end, "exact block table", l));
-      RETURN_IF_ERROR(NeedPages(id, image.exact_tables[chunk], ept, std::max(r.window_begin, held), length,
+      RETURN_IF_ERROR(NeedPages(id, image.exact_tables[chunk], ept, std::max(r.recent_begin, held), length,
                                 "exact block table", l));
     }
   }

@@ -256,14 +256,14 @@ absl::StatusOr<CacheOptions> OneLayerCache(const CaptureMeta& meta, const LayerC
   ASSIGN_OR_RETURN(layout.hot_channels, LayerHotChannels(meta, capture, preset));
   ASSIGN_OR_RETURN(std::shared_ptr<const KvLayout> created, KvLayout::Create(layout));
   // Every token's compressed copy, and the exact pages (same pool) of the
-  // sink and window tokens twice over: an append takes the window's new
-  // pages before it releases the old ones.
+  // sink and recent tokens twice over: an append takes the new recent
+  // tokens' pages before it releases the old ones.
   const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   int64_t pages = ceil_div(meta.tokens, layout.page_tokens) + 1;
   if (created->has_exact_tokens()) {
     const KvLayoutOptions& in_effect = created->options();
     const int64_t exact = std::min<int64_t>(
-        meta.tokens, int64_t{std::max(0, in_effect.exact_sink_tokens)} + std::max(0, in_effect.exact_window_tokens));
+        meta.tokens, int64_t{std::max(0, in_effect.exact_sink_tokens)} + std::max(0, in_effect.exact_recent_tokens));
     pages += 2 * ceil_div(exact, created->exact_page_tokens()) + 4;
   }
   options.memory_budget_bytes = created->page_bytes() * pages;
@@ -332,7 +332,7 @@ void DescribeLayout(const KvLayout& layout, PresetError& error) {
   error.token_bytes_bf16 = static_cast<int64_t>(layout.token_bytes_bf16());
   if (layout.has_exact_tokens()) {
     error.exact_tokens =
-        std::max(0, layout.options().exact_sink_tokens) + std::max(0, layout.options().exact_window_tokens);
+        std::max(0, layout.options().exact_sink_tokens) + std::max(0, layout.options().exact_recent_tokens);
   }
   error.fixed_bytes = 4 * static_cast<int64_t>(layout.mean_floats());
   error.key_centering = CenteringName(layout.key_centering());

@@ -21,7 +21,7 @@
 // Measurement. For one layer and one preset, the layer's K/V go into a real
 // KvCache over the CPU backend, one layer of the model's shape with that
 // preset and the caller's KvLayoutOptions otherwise (page size, seed, and
-// whatever key centering or exact window the server will run), appended in
+// whatever key centering or exact recent tokens the server will run), appended in
 // order the way a server receives them, and at each sampled position p the
 // query of token p attends over tokens [0, p] (Attend after the append that
 // brings the layer to p + 1 tokens, the decode path) and is scored over them
@@ -106,7 +106,7 @@ struct CalibrationOptions {
   // boundary_layers and hot_channels are replaced per measurement (one layer
   // of the capture's shape, boundary_layers 0, hot channels chosen from the
   // layer's own keys for split presets); everything else (page_tokens,
-  // rotation_seed, and key centering or exact-window settings) is used as
+  // rotation_seed, and key centering or exact-token settings) is used as
   // given, so that a preset's error is measured under the recipe it will
   // serve with.
   KvLayoutOptions layout;
@@ -141,7 +141,7 @@ struct PresetError {
   // What the measured layout holds per sequence besides its tokens, as in
   // effect (the caller's settings, or the preset's own recipe where they
   // leave it to the preset): the tokens also kept exact at fp16 (sinks plus
-  // window), the fp32 key-mean bytes with centering, and the centering
+  // recent tokens), the fp32 key-mean bytes with centering, and the centering
   // ("none", "post_rope", "pre_rope").
   int64_t exact_tokens = 0;
   int64_t fixed_bytes = 0;
@@ -185,7 +185,7 @@ struct PlanOptions {
   int64_t context = 8192;
   CalibrationMetric metric = CalibrationMetric::kOutputError;
   // The serving recipe the errors were measured under ("key centering
-  // pre_rope, 4 sink + 64 window tokens exact"), for ProtectionConfigText's
+  // pre_rope, 4 sink + 64 recent tokens exact"), for ProtectionConfigText's
   // comment; "" for none.
   std::string recipe;
 };

@@ -17,7 +17,7 @@ tokens of tqkv.hf.calibration_text() (Python's pydoc topics, never the text
 measured).
 
 Bits per element: tqkv's from the server's own count of what it held at the
-end of the text (compressed tokens, the recipe's exact sink and window
+end of the text (compressed tokens, the recipe's exact sink and recent
 tokens at fp16, centering means; so short texts pay for the exact tokens),
 over tokens x layers x KV heads x head_dim x 2; QuantizedCache's nominal
 (n bits per element plus an fp16 scale and zero per group of 64: n + 0.5),

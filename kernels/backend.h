@@ -79,7 +79,7 @@ StoreParams ExactStorePart(const StoreParams& params, std::vector<float>* keys, 
 //                      centering. Stored keys are read with the query times
 //                      layout->key_scales(layer, head, key_mean).
 // Token t of a layer holding `length` tokens is read from its exact copy
-// when t < ranges.sink_end or t >= ranges.window_begin
+// when t < ranges.sink_end or t >= ranges.recent_begin
 // (layout->exact_ranges(length)), else from its compressed copy; the logit
 // adds back scale * q . R_t m.
 //
@@ -110,7 +110,7 @@ struct ScoreParams {
   float scale = 0.0f;              // usually 1 / sqrt(head_dim)
   float* logits = nullptr;         // [num_query_heads, token_end - token_begin]
   // Centering and exact tokens: see above. `length` matters only with exact
-  // tokens (it places the window).
+  // tokens (it places the recent tokens).
   const int32_t* exact_block_table = nullptr;
   const float* key_mean = nullptr;
   int64_t length = 0;

@@ -68,7 +68,7 @@ absl::Status CheckCenteringAndExactTokens(const KvLayoutOptions& o) {
                         o.centering_pairs));
   }
   for (const auto& [name, value] : {std::pair<const char*, int>{"exact_sink_tokens", o.exact_sink_tokens},
-                                    {"exact_window_tokens", o.exact_window_tokens}}) {
+                                    {"exact_recent_tokens", o.exact_recent_tokens}}) {
     if (value < 0 || value > kMaxExactTokens) {
       return absl::InvalidArgumentError(absl::StrFormat("%s must be in [0, %d], got %d", name, kMaxExactTokens, value));
     }
@@ -170,7 +170,7 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> MakeExactLayout(
   }
   return absl::InvalidArgumentError(
       absl::StrFormat("a page of %d tokens (%d bytes) cannot hold one exact fp16 token of every layer of a chunk (%d "
-                      "bytes); raise page_tokens for exact sink or window tokens",
+                      "bytes); raise page_tokens for exact sink or recent tokens",
                       o.page_tokens, page_bytes, token_bytes));
 }
 
@@ -267,7 +267,7 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
     const PresetRecipe& recipe = (*main)->recipe;
     if (!o.key_centering.has_value()) o.key_centering = recipe.key_centering;
     if (o.exact_sink_tokens == -1) o.exact_sink_tokens = recipe.exact_sink_tokens;
-    if (o.exact_window_tokens == -1) o.exact_window_tokens = recipe.exact_window_tokens;
+    if (o.exact_recent_tokens == -1) o.exact_recent_tokens = recipe.exact_recent_tokens;
     // The recipe's sequence key scales give way to calibrated key_scales and
     // leave with the centering.
     if (!o.sequence_key_scales.has_value()) {
@@ -367,7 +367,7 @@ absl::StatusOr<std::shared_ptr<const KvLayout>> KvLayout::CreateWithChunks(
       layout->key_centering_ = KeyCentering::kPostRope;
     }
   }
-  if (o.exact_sink_tokens > 0 || o.exact_window_tokens > 0) {
+  if (o.exact_sink_tokens > 0 || o.exact_recent_tokens > 0) {
     ASSIGN_OR_RETURN(layout->exact_layout_, MakeExactLayout(o, stride, layout->chunks_, [&](const KvLayoutOptions& e) {
                        return CreateWithChunks(e, &layout->chunks_);
                      }));
@@ -389,8 +389,8 @@ size_t KvLayout::layer_bytes(int layer, int64_t length, int64_t held_begin) cons
   if (exact_layout_ != nullptr) {
     const ExactRanges r = exact_ranges(length);
     const int64_t sinks = std::max<int64_t>(0, r.sink_end - held_begin);
-    const int64_t window = length - std::max(r.window_begin, held_begin);
-    bytes += static_cast<size_t>(sinks + window) * exact_layout_->token_bytes(layer);
+    const int64_t recent = length - std::max(r.recent_begin, held_begin);
+    bytes += static_cast<size_t>(sinks + recent) * exact_layout_->token_bytes(layer);
   }
   return bytes + sizeof(float) * static_cast<size_t>(mean_floats());
 }

@@ -29,13 +29,13 @@
 // Key centering and exact tokens (docs/format.md, "Centering and exact
 // tokens"). With key centering, keys are stored as residuals k_t - R_t m
 // (kernels/key_centering.h) and attention adds q . R_t m back exactly. With
-// exact sink or window tokens, the first `exact_sink_tokens` tokens and the
-// last `exact_window_tokens` tokens of each layer are also kept at fp16 in
+// exact sink or recent tokens, the first `exact_sink_tokens` tokens and the
+// last `exact_recent_tokens` tokens of each layer are also kept at fp16 in
 // exact pages, laid out by exact_layout(): an all-fp16 layout whose pages
 // hold exact_page_tokens() tokens and fit in one page of this layout, so both
 // kinds of page come from one pool. Attention reads a token from its exact
-// copy while the token is a sink or inside the window, and from its
-// compressed copy after it leaves the window. Exact copies hold the same
+// copy while the token is a sink or among the recent tokens, and from its
+// compressed copy once later tokens push it out of them. Exact copies hold the same
 // centered residuals, so the add-back is the same for every token.
 //
 // Sliding-window layers. layer_windows gives a layer a window W: a query at
@@ -141,10 +141,10 @@ struct KvLayoutOptions {
   // other pairs stay in the residual. 0 keeps every pair.
   int centering_pairs = 8;
   // Tokens kept exact (fp16) besides their compressed copy: the first
-  // exact_sink_tokens of each layer, and its last exact_window_tokens. 0..4096;
+  // exact_sink_tokens of each layer, and its last exact_recent_tokens. 0..4096;
   // -1: the preset's recipe.
   int exact_sink_tokens = -1;
-  int exact_window_tokens = -1;
+  int exact_recent_tokens = -1;
   // Sliding-window layers: layer_windows[l] > 0 is layer l's window in tokens
   // (its own token included), 0 full attention. Empty (every layer full), or
   // num_layers entries in [0, 2^30].
@@ -156,11 +156,11 @@ struct KvLayoutOptions {
 bool TiledCodes(CodecKind kind);
 
 // The tokens of a layer holding `length` tokens that attention reads exact:
-// [0, sink_end) and [window_begin, length); the rest, [sink_end,
-// window_begin), compressed. sink_end <= window_begin.
+// [0, sink_end) and [recent_begin, length); the rest, [sink_end,
+// recent_begin), compressed. sink_end <= recent_begin.
 struct ExactRanges {
   int64_t sink_end = 0;
-  int64_t window_begin = 0;
+  int64_t recent_begin = 0;
 };
 
 class KvLayout {
@@ -250,7 +250,7 @@ class KvLayout {
   ExactRanges exact_ranges(int64_t length) const {
     ExactRanges r;
     r.sink_end = std::min<int64_t>(length, options_.exact_sink_tokens);
-    r.window_begin = std::max<int64_t>(r.sink_end, length - options_.exact_window_tokens);
+    r.recent_begin = std::max<int64_t>(r.sink_end, length - options_.exact_recent_tokens);
     return r;
   }
   const VectorCodec& key_codec(int layer, int head) const { return *key_codecs_[Index(layer, head)]; }

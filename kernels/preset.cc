@@ -7,7 +7,7 @@
 namespace tqkv {
 namespace {
 
-constexpr PresetRecipe kCenteredSinksWindow{KeyCentering::kPreRope, 4, 64, /*sequence_key_scales=*/true};
+constexpr PresetRecipe kCenteredSinksRecent{KeyCentering::kPreRope, 4, 64, /*sequence_key_scales=*/true};
 
 const std::vector<Preset>& PresetTable() {
   static const std::vector<Preset> table = {
@@ -36,20 +36,20 @@ const std::vector<Preset>& PresetTable() {
       // exact tokens (docs/cache.md, "Centering and exact tokens").
       {"tqkv_k3v4u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(4),
        "turboquant_k3v4_nc's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact "
-       "window tokens",
-       false, kCenteredSinksWindow},
+       "recent tokens",
+       false, kCenteredSinksRecent},
       {"tqkv_k3v3u_csw", CodecSpec::TurboQuant(3, true), CodecSpec::Uniform(3),
        "turboquant_3bit_nc's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact "
-       "window tokens",
-       false, kCenteredSinksWindow},
+       "recent tokens",
+       false, kCenteredSinksRecent},
       {"tqkv_k3v4_csw", CodecSpec::TurboQuant(3, true), CodecSpec::TurboQuant(4, true),
-       "tqkv_k3v4's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact window "
+       "tqkv_k3v4's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact recent "
        "tokens",
-       false, kCenteredSinksWindow},
+       false, kCenteredSinksRecent},
       {"tqkv_k4v4u_csw", CodecSpec::TurboQuant(4, true), CodecSpec::Uniform(4),
        "turboquant_4bit_nc's codecs with pre-RoPE key centering, per-sequence key scales, 4 exact sink and 64 exact "
-       "window tokens",
-       false, kCenteredSinksWindow},
+       "recent tokens",
+       false, kCenteredSinksRecent},
   };
   return table;
 }
@@ -63,7 +63,7 @@ std::string PresetRecipe::Describe() const {
   if (key_centering == KeyCentering::kPreRope) parts.push_back("pre-RoPE key centering");
   if (key_centering == KeyCentering::kPostRope) parts.push_back("post-RoPE key centering");
   if (exact_sink_tokens > 0) parts.push_back(absl::StrCat(exact_sink_tokens, " exact sink tokens"));
-  if (exact_window_tokens > 0) parts.push_back(absl::StrCat(exact_window_tokens, " exact window tokens"));
+  if (exact_recent_tokens > 0) parts.push_back(absl::StrCat(exact_recent_tokens, " exact recent tokens"));
   if (sequence_key_scales) parts.push_back("per-sequence key scales");
   return absl::StrJoin(parts, ", ");
 }

@@ -25,15 +25,15 @@ namespace tqkv {
 struct PresetRecipe {
   KeyCentering key_centering = KeyCentering::kNone;
   int exact_sink_tokens = 0;
-  int exact_window_tokens = 0;
+  int exact_recent_tokens = 0;
   // Each sequence measures its own key scales (KvLayoutOptions).
   bool sequence_key_scales = false;
 
   bool empty() const {
-    return key_centering == KeyCentering::kNone && exact_sink_tokens == 0 && exact_window_tokens == 0 &&
+    return key_centering == KeyCentering::kNone && exact_sink_tokens == 0 && exact_recent_tokens == 0 &&
            !sequence_key_scales;
   }
-  // "pre-RoPE centering, 4 sink + 64 window tokens exact", or "" when empty.
+  // "pre-RoPE centering, 4 sink + 64 recent tokens exact", or "" when empty.
   std::string Describe() const;
 };
 

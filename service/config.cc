@@ -1,16 +1,19 @@
 #include "service/config.h"
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <algorithm>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/text_format.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
@@ -60,6 +63,74 @@ class ErrorCollector : public google::protobuf::io::ErrorCollector {
  private:
   std::string errors_;
 };
+
+// Field names a config file may still use, each read as its new name. The
+// field numbers did not change, so the binary form (clients, export headers,
+// snapshots) needs nothing; only the text format does.
+constexpr std::pair<const char*, const char*> kRenamedFields[] = {
+    // "window" means sliding-window attention only (sliding_window_layers).
+    {"exact_window_tokens", "exact_recent_tokens"},
+};
+
+// Ignores what the pre-scan finds wrong: the parse that follows reports it.
+class QuietErrorCollector : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int, google::protobuf::io::ColumnNumber, const std::string&) override {}
+};
+
+// The byte offset of (line, column) as protobuf's tokenizer counts them: a
+// tab advances the column to the next multiple of 8.
+size_t OffsetOf(const std::string& text, int line, int column) {
+  size_t i = 0;
+  for (int l = 0; l < line && i < text.size(); ++i) l += text[i] == '\n';
+  for (int c = 0; c < column && i < text.size(); ++i) c += text[i] == '\t' ? 8 - c % 8 : 1;
+  return i;
+}
+
+// `text` with every renamed field name (an identifier followed by ':',
+// outside comments and strings) replaced by its new name; a warning for each.
+std::string RenameOldFields(const std::string& text, std::vector<std::string>* warnings) {
+  struct Rename {
+    size_t offset;
+    const char* old_name;
+    const char* new_name;
+  };
+  std::vector<Rename> renames;
+  QuietErrorCollector quiet;
+  google::protobuf::io::ArrayInputStream input(text.data(), static_cast<int>(text.size()));
+  google::protobuf::io::Tokenizer tokenizer(&input, &quiet);
+  tokenizer.set_comment_style(google::protobuf::io::Tokenizer::SH_COMMENT_STYLE);
+  tokenizer.set_allow_f_after_float(true);
+  tokenizer.set_require_space_after_number(false);
+  tokenizer.set_allow_multiline_strings(true);
+  const std::pair<const char*, const char*>* candidate = nullptr;
+  size_t candidate_offset = 0;
+  while (tokenizer.Next()) {
+    const google::protobuf::io::Tokenizer::Token& token = tokenizer.current();
+    if (candidate != nullptr && token.text == ":") {
+      renames.push_back({candidate_offset, candidate->first, candidate->second});
+      if (warnings != nullptr) {
+        warnings->push_back(absl::StrCat("config line ", token.line + 1, ": ", candidate->first, " is deprecated; use ",
+                                         candidate->second));
+      }
+    }
+    candidate = nullptr;
+    if (token.type != google::protobuf::io::Tokenizer::TYPE_IDENTIFIER) continue;
+    for (const auto& renamed : kRenamedFields) {
+      if (token.text != renamed.first) continue;
+      const size_t offset = OffsetOf(text, token.line, token.column);
+      if (text.compare(offset, token.text.size(), token.text) == 0) {
+        candidate = &renamed;
+        candidate_offset = offset;
+      }
+    }
+  }
+  std::string out = text;
+  for (auto r = renames.rbegin(); r != renames.rend(); ++r) {
+    out.replace(r->offset, std::strlen(r->old_name), r->new_name);
+  }
+  return out;
+}
 
 absl::Status ReadRope(const v1::RotaryEmbedding& r, RopeOptions* rope) {
   rope->rotary_dims = r.rotary_dims();
@@ -147,8 +218,8 @@ absl::Status ReadCentering(const v1::CacheConfig& c, KvLayoutOptions* layout) {
   if (c.has_sequence_key_scales()) layout->sequence_key_scales = c.sequence_key_scales();
   for (const auto& [has, value, name, field] :
        {std::tuple{c.has_exact_sink_tokens(), c.exact_sink_tokens(), "exact_sink_tokens", &layout->exact_sink_tokens},
-        std::tuple{c.has_exact_window_tokens(), c.exact_window_tokens(), "exact_window_tokens",
-                   &layout->exact_window_tokens}}) {
+        std::tuple{c.has_exact_recent_tokens(), c.exact_recent_tokens(), "exact_recent_tokens",
+                   &layout->exact_recent_tokens}}) {
     if (!has) continue;
     if (value < 0) {
       return absl::InvalidArgumentError(absl::StrCat(name, " is ", value, "; want 0..4096"));
@@ -204,25 +275,25 @@ absl::Status ReadWindows(const v1::CacheConfig& c, KvLayoutOptions* layout) {
 
 const char* DefaultServerConfigText() { return kDefaultConfig; }
 
-absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text) {
+absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text, std::vector<std::string>* warnings) {
   v1::ServerConfig config;
   ErrorCollector errors;
   google::protobuf::TextFormat::Parser parser;
   parser.RecordErrorsTo(&errors);
-  if (!parser.ParseFromString(text, &config)) {
+  if (!parser.ParseFromString(RenameOldFields(text, warnings), &config)) {
     return absl::InvalidArgumentError(
         absl::StrCat("config is not a text-format tqkv.v1.ServerConfig: ", errors.errors()));
   }
   return config;
 }
 
-absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
+absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path, std::vector<std::string>* warnings) {
   if (path.empty()) return ParseServerConfig(kDefaultConfig);
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
   std::stringstream text;
   text << in.rdbuf();
-  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(text.str());
+  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(text.str(), warnings);
   if (!config.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", config.status().message()));
   }
@@ -332,7 +403,7 @@ void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
   // A running cache's options are resolved already (KvLayout::options());
   // only a config's own options need the preset's recipe filled in.
   std::shared_ptr<const KvLayout> layout;
-  if (!given.key_centering.has_value() || given.exact_sink_tokens < 0 || given.exact_window_tokens < 0 ||
+  if (!given.key_centering.has_value() || given.exact_sink_tokens < 0 || given.exact_recent_tokens < 0 ||
       !given.sequence_key_scales.has_value()) {
     absl::StatusOr<std::shared_ptr<const KvLayout>> made = KvLayout::Create(given);
     if (!made.ok()) return;  // configs are validated before they get here
@@ -372,7 +443,7 @@ void WriteCentering(const KvLayoutOptions& given, v1::CacheConfig* c) {
   c->set_centering_includes_sinks(l.centering_includes_sinks);
   c->set_sequence_key_scales(l.sequence_key_scales.value_or(false));
   c->set_exact_sink_tokens(l.exact_sink_tokens);
-  c->set_exact_window_tokens(l.exact_window_tokens);
+  c->set_exact_recent_tokens(l.exact_recent_tokens);
   // Protected layers grouped by preset, in layer order.
   std::vector<std::string> presets;
   for (size_t layer = 0; layer < l.layer_presets.size(); ++layer) {

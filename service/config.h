@@ -27,11 +27,16 @@ namespace service {
 const char* DefaultServerConfigText();
 
 // Parses text format. INVALID_ARGUMENT with the parser's line and column.
-absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text);
+// Deprecated field names are read as their new ones, each with a line in
+// `warnings` (when not null): exact_window_tokens is exact_recent_tokens
+// (the field number is the same; "window" is sliding-window attention's).
+absl::StatusOr<v1::ServerConfig> ParseServerConfig(const std::string& text,
+                                                   std::vector<std::string>* warnings = nullptr);
 
 // Reads and parses `path`; the embedded default when `path` is empty.
 // NOT_FOUND when the file cannot be read.
-absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
+absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path,
+                                                  std::vector<std::string>* warnings = nullptr);
 
 // Validates `config` and turns it into CacheOptions, in config order.
 // `process_budget_bytes` is split equally among caches whose

@@ -82,7 +82,7 @@ class CacheCollector : public prometheus::Collectable {
     };
     static constexpr Def kDefs[] = {
         {"tqkv_cache_stored_bytes",
-         "Bytes of what the sequences hold: compressed tokens, exact copies of sink and window tokens, "
+         "Bytes of what the sequences hold: compressed tokens, exact copies of sink and recent tokens, "
          "key means (no page padding).",
          MetricType::Gauge},
         {"tqkv_cache_stored_bytes_bf16", "The same tokens stored as bf16, in bytes.", MetricType::Gauge},

@@ -219,8 +219,11 @@ int main(int argc, char** argv) {
     return Fail("--memory_budget_gib must be in (0, 2^20]");
   }
 
-  absl::StatusOr<tqkv::v1::ServerConfig> config = tqkv::service::LoadServerConfig(absl::GetFlag(FLAGS_config));
+  std::vector<std::string> config_warnings;
+  absl::StatusOr<tqkv::v1::ServerConfig> config =
+      tqkv::service::LoadServerConfig(absl::GetFlag(FLAGS_config), &config_warnings);
   if (!config.ok()) return Fail(config.status().ToString());
+  for (const std::string& warning : config_warnings) std::fprintf(stderr, "tqkv-server: %s\n", warning.c_str());
 
   tqkv::service::ServerOptions options;
   options.host = absl::GetFlag(FLAGS_host);

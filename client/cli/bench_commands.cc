@@ -116,12 +116,12 @@ void SyntheticTokens(const ModelShape& shape, int64_t t0, int64_t n, uint64_t se
   }
 }
 
-// Recipe overrides from the command line (--key-centering, --sinks, --window,
+// Recipe overrides from the command line (--key-centering, --sinks, --recent,
 // --centering-pairs); unset, the served layout's.
 struct RecipeOverrides {
   std::string centering;
   int64_t sinks = -1;
-  int64_t window = -1;
+  int64_t recent = -1;
   int64_t pairs = -1;
 };
 RecipeOverrides g_recipe;
@@ -139,7 +139,7 @@ absl::Status ApplyRecipeOverrides(KvLayoutOptions* options) {
     return absl::InvalidArgumentError("--key-centering must be none, post_rope or pre_rope");
   }
   if (g_recipe.sinks >= 0) options->exact_sink_tokens = static_cast<int>(g_recipe.sinks);
-  if (g_recipe.window >= 0) options->exact_window_tokens = static_cast<int>(g_recipe.window);
+  if (g_recipe.recent >= 0) options->exact_recent_tokens = static_cast<int>(g_recipe.recent);
   if (g_recipe.pairs >= 0) options->centering_pairs = static_cast<int>(g_recipe.pairs);
   return absl::OkStatus();
 }
@@ -216,7 +216,7 @@ absl::StatusOr<std::unique_ptr<StoredLayer>> StoreSyntheticLayer(const Preset& p
 
 // One layer of a model with a preset, as a server holds it at each context
 // the bench reads (served_layer.h: appended through a KvCache, so the key
-// mean, its pairs, the exact sinks and window are the server's), every
+// mean, its pairs, the exact sinks and recent tokens are the server's), every
 // context's pages side by side in one CPU pool.
 struct ServedContexts {
   std::shared_ptr<const KvLayout> layout;
@@ -313,7 +313,8 @@ struct BenchCommon {
     flags.AddString("key-centering", &g_recipe.centering,
                     "override the presets' key centering: none, post_rope or pre_rope (Llama-3.1 RoPE, as served)");
     flags.AddInt("sinks", &g_recipe.sinks, "override the exact sink tokens (-1: the preset's)");
-    flags.AddInt("window", &g_recipe.window, "override the exact window tokens (-1: the preset's)");
+    flags.AddInt("recent", &g_recipe.recent, "override the exact recent tokens (-1: the preset's)");
+    flags.AddDeprecatedAlias("window", "recent");
     flags.AddInt("centering-pairs", &g_recipe.pairs,
                  "override the pre-RoPE frequency pairs of the mean kept (0: all; -1: the server's)");
     flags.AddString("layout", &layout_name, "model shape (see `tqkv capacity --help`)");
@@ -400,7 +401,7 @@ void ReportAttendRow(const AttendRun& run, const Preset& preset, const ServedCon
               {"reads", recipe.Describe()},
               {"mean_pairs", recipe.mean_pairs},
               {"exact_sinks", recipe.sinks},
-              {"exact_window", recipe.window},
+              {"exact_recent", recipe.recent},
               {"attend_ms", row.seconds * 1e3},
               {"bf16_ms", row.baseline_seconds * 1e3},
               {"speedup_vs_bf16", row.speedup},
@@ -442,7 +443,7 @@ int RunBenchAttend(int argc, const char* const* argv) {
                 "bound: the bytes each call reads over the read bandwidth measured at start-up\n"
                 "with as many threads (bound_ms, and %bound = bound_ms / attend_ms).\n"
                 "Each layer is what a server holds at that context: appended through the cache with\n"
-                "the server's layout (its RoPE, the mean's pairs, the preset's exact sinks and window).\n"
+                "the server's layout (its RoPE, the mean's pairs, the preset's exact sinks and recent tokens).\n"
                 "CPU backend; the items of a batch read one stored sequence.");
   BenchCommon common;
   std::vector<int64_t> contexts = {1024, 8192, 32768};

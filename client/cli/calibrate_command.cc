@@ -36,7 +36,7 @@ constexpr char kDefaultPresets[] = "turboquant_k3v4_nc,tqkv_k3v4,turboquant_4bit
 struct RecipeFlags {
   std::string centering = "none", rope_layout = "interleaved", rope_scaling = "none";
   double rope_base = 0.0, rope_scaling_factor = 1.0;
-  int64_t rotary_dims = 0, sinks = 0, window = 0;
+  int64_t rotary_dims = 0, sinks = 0, recent = 0;
   int64_t centering_tokens = KvLayoutOptions().centering_tokens;
   int64_t centering_pairs = KvLayoutOptions().centering_pairs;
 
@@ -50,7 +50,8 @@ struct RecipeFlags {
     flags.AddInt("centering-tokens", &centering_tokens, "tokens the key mean is taken over");
     flags.AddInt("centering-pairs", &centering_pairs, "pre_rope: mean pairs kept (0: all)");
     flags.AddInt("sinks", &sinks, "first tokens of each layer also kept exact at fp16");
-    flags.AddInt("window", &window, "last tokens of each layer also kept exact at fp16");
+    flags.AddInt("recent", &recent, "last tokens of each layer also kept exact at fp16");
+    flags.AddDeprecatedAlias("window", "recent");
   }
 
   // Writes the recipe into `layout`; a usage error message or "". Centering
@@ -91,11 +92,11 @@ struct RecipeFlags {
     layout.centering_tokens = static_cast<int>(centering_tokens);
     layout.centering_pairs = static_cast<int>(centering_pairs);
     if (flags.IsSet("sinks")) layout.exact_sink_tokens = static_cast<int>(sinks);
-    if (flags.IsSet("window")) layout.exact_window_tokens = static_cast<int>(window);
+    if (flags.IsSet("recent")) layout.exact_recent_tokens = static_cast<int>(recent);
     return "";
   }
 
-  // "key centering pre_rope (base 10000, 8 pairs), 4 sink + 64 window tokens
+  // "key centering pre_rope (base 10000, 8 pairs), 4 sink + 64 recent tokens
   // exact" for the settings given, or "" when none is.
   std::string Describe(const FlagSet& flags) const {
     std::vector<std::string> parts;
@@ -107,9 +108,9 @@ struct RecipeFlags {
       }
       parts.push_back(part);
     }
-    if (flags.IsSet("sinks") || flags.IsSet("window")) {
-      parts.push_back(absl::StrFormat("%lld sink + %lld window tokens exact", static_cast<long long>(sinks),
-                                      static_cast<long long>(window)));
+    if (flags.IsSet("sinks") || flags.IsSet("recent")) {
+      parts.push_back(absl::StrFormat("%lld sink + %lld recent tokens exact", static_cast<long long>(sinks),
+                                      static_cast<long long>(recent)));
     }
     return absl::StrJoin(parts, ", ");
   }
@@ -274,7 +275,7 @@ void PrintMarkdown(const std::vector<LayerCalibration>& layers, const eval::Capt
       meta.head_dim, positions.size(), static_cast<long long>(positions.front()),
       static_cast<long long>(positions.back()));
   printf("serving recipe: %s\n", flags.plan.recipe.empty()
-                                     ? "each preset's own (no --key-centering, --sinks or --window given)"
+                                     ? "each preset's own (no --key-centering, --sinks or --recent given)"
                                      : flags.plan.recipe.c_str());
   PrintMetricTable("Attention output relative error per layer", layers, meta, CalibrationMetric::kOutputError,
                    flags.plan.context);

@@ -1,6 +1,6 @@
 // `tqkv capacity`: how many tokens of a model's KV cache fit in a pool of a
 // given size, per preset, counted as the cache holds them (cache/footprint.h):
-// whole pages with their padding, the exact copies of sink and window tokens
+// whole pages with their padding, the exact copies of sink and recent tokens
 // in their own pages, sliding-window layers' given-back pages, at the
 // sequence length asked for. Key means are held beside the pool and shown
 // apart. Next to a bf16 cache of the same pool.
@@ -130,7 +130,7 @@ int RunCapacity(int argc, const char* const* argv) {
   FlagSet flags("capacity",
                 "Tokens of a model's KV cache that fit in a memory pool, per preset, counted as the\n"
                 "cache holds sequences of --context tokens: whole pages (padding included), the\n"
-                "exact copies of sink and window tokens in their pages, the protected boundary\n"
+                "exact copies of sink and recent tokens in their pages, the protected boundary\n"
                 "layers; next to a bf16 cache of the same pool.");
   CapacityOptions o;
   flags.AddDouble("memory-gib", &o.memory_gib, "pool size in GiB (2^30 bytes)");

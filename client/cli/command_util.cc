@@ -14,6 +14,7 @@ namespace cli {
 
 int ParseOrExit(FlagSet& flags, int argc, const char* const* argv) {
   absl::Status status = flags.Parse(argc, argv);
+  for (const std::string& warning : flags.Warnings()) fprintf(stderr, "tqkv: %s\n", warning.c_str());
   if (status.ok()) return -1;
   if (IsHelpRequest(status)) {
     printf("%s", flags.Usage().c_str());

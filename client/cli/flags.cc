@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "base/status_macros.h"
 
 namespace tqkv {
 namespace {
@@ -223,9 +224,11 @@ bool FlagSet::Register(const std::string& name, const void* target) {
     return false;
   }
   names_.push_back(name);
-  if (name.find('-') != std::string::npos && app_->get_footer().empty()) {
+  // The snake_case note once, before any alias lines (AddDeprecatedAlias).
+  const std::string footer = app_->get_footer();
+  if (name.find('-') != std::string::npos && footer.find("snake_case") == std::string::npos) {
     app_->footer(absl::StrCat("Each flag also takes its snake_case spelling (--", Replace(name, '-', '_'), " is --",
-                              name, ")."));
+                              name, ").", footer.empty() ? "" : "\n", footer));
   }
   return true;
 }
@@ -280,6 +283,42 @@ void FlagSet::AddRequiredInt(std::string name, int64_t* target, std::string help
   if (CLI::Option* option = Find(name)) option->required()->default_str("");
 }
 
+void FlagSet::AddDeprecatedAlias(std::string old_name, std::string new_name) {
+  if (!registration_error_.empty()) return;
+  if (!ValidName(old_name) || std::find(names_.begin(), names_.end(), old_name) != names_.end() ||
+      std::find(names_.begin(), names_.end(), new_name) == names_.end()) {
+    registration_error_ = absl::StrCat("alias '", old_name, "' of 'tqkv ", subcommand_,
+                                       "' is not a free valid name for the registered flag '", new_name, "'");
+    return;
+  }
+  aliases_.emplace_back(old_name, new_name);
+  app_->footer(absl::StrCat(app_->get_footer(), app_->get_footer().empty() ? "" : "\n", "--", old_name,
+                            " is a deprecated spelling of --", new_name, "."));
+}
+
+absl::StatusOr<std::vector<std::string>> FlagSet::RenameAliases(const std::vector<std::string>& args) {
+  std::vector<std::string> out = args;
+  for (const auto& [old_name, new_name] : aliases_) {
+    bool old_given = false, new_given = false;
+    for (std::string& arg : out) {
+      if (arg == "--") break;
+      if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) continue;
+      const size_t equals = arg.find('=');
+      const std::string name = Replace(std::string_view(arg).substr(2, equals - 2), '_', '-');
+      if (name == new_name) new_given = true;
+      if (name != old_name) continue;
+      old_given = true;
+      arg = absl::StrCat("--", new_name, equals == std::string::npos ? "" : arg.substr(equals));
+    }
+    if (old_given && new_given) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", old_name, " is a deprecated spelling of --", new_name, "; give only --", new_name));
+    }
+    if (old_given) warnings_.push_back(absl::StrCat("--", old_name, " is deprecated; use --", new_name));
+  }
+  return out;
+}
+
 CLI::Option* FlagSet::Find(std::string_view name) const {
   return app_->get_option_no_throw(absl::StrCat("--", Replace(name, '_', '-')));
 }
@@ -296,8 +335,10 @@ absl::Status FlagSet::Parse(int argc, const char* const* argv) {
   return Parse(args);
 }
 
-absl::Status FlagSet::Parse(const std::vector<std::string>& args) {
+absl::Status FlagSet::Parse(const std::vector<std::string>& given) {
   if (!registration_error_.empty()) return absl::InternalError(registration_error_);
+  warnings_.clear();
+  ASSIGN_OR_RETURN(const std::vector<std::string> args, RenameAliases(given));
   // CLI11 reads from the back. It reads `--name=` as `--name` with no value
   // and would take the next argument for it; pass the empty value instead.
   std::vector<std::string> reversed;

@@ -39,9 +39,11 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace CLI {
 class App;
@@ -101,6 +103,17 @@ class FlagSet {
   // with the default value. False for unregistered names.
   bool IsSet(std::string_view name) const;
 
+  // `--old_name` (either spelling, with or without `=value`) as a deprecated
+  // spelling of the flag `--new_name`: Parse() reads it as `--new_name`, so
+  // IsSet(new_name) is then true, and Warnings() says to use the new name.
+  // Giving both is INVALID_ARGUMENT. Usage() lists the old name in its
+  // footer. Names as for AddString; `old_name` must not be registered.
+  void AddDeprecatedAlias(std::string old_name, std::string new_name);
+
+  // One line per deprecated alias the last Parse() read ("--window is
+  // deprecated; use --recent"), for the caller to print to stderr.
+  const std::vector<std::string>& Warnings() const { return warnings_; }
+
   // CLI11's help for the subcommand: "Usage: tqkv <subcommand> [OPTIONS]",
   // the description, then one line per flag in registration order with its
   // value type, its default ("=128") or REQUIRED, and its help.
@@ -112,13 +125,18 @@ class FlagSet {
   // adds the CLI11 option.
   bool Register(const std::string& name, const void* target);
   CLI::Option* Find(std::string_view name) const;
+  // `args` with each deprecated alias renamed (recording a warning);
+  // INVALID_ARGUMENT when an alias and its flag are both given.
+  absl::StatusOr<std::vector<std::string>> RenameAliases(const std::vector<std::string>& args);
   absl::Status UnknownArgument(const std::string& arg) const;
   absl::Status MissingRequired() const;
 
   std::string subcommand_;
   std::unique_ptr<CLI::App> app_;
-  std::vector<std::string> names_;  // registered names, kebab-case
-  std::string registration_error_;  // first registration error, if any
+  std::vector<std::string> names_;                            // registered names, kebab-case
+  std::vector<std::pair<std::string, std::string>> aliases_;  // (deprecated, new), kebab-case
+  std::vector<std::string> warnings_;                         // of the last Parse()
+  std::string registration_error_;                            // first registration error, if any
 };
 
 // True for the status Parse() returns when help was requested.

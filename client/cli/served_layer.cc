@@ -67,7 +67,7 @@ int64_t ServedPagesBound(const KvLayout& layout, int64_t context) {
   if (layout.has_exact_tokens()) {
     const int64_t per_page = layout.exact_page_tokens();
     const ExactRanges r = layout.exact_ranges(context);
-    pages += CeilDiv(r.sink_end, per_page) + CeilDiv(context, per_page) - r.window_begin / per_page;
+    pages += CeilDiv(r.sink_end, per_page) + CeilDiv(context, per_page) - r.recent_begin / per_page;
   }
   return pages;
 }
@@ -87,7 +87,7 @@ absl::StatusOr<ServedLayer> BuildServedLayer(const KvLayoutOptions& options, Bac
   served.layout = *layout;
   const int64_t longest = *std::max_element(contexts.begin(), contexts.end());
   // Room for the sequence at its longest, twice its exact pages (an append
-  // stores the new window's before it releases the old one's), and spare.
+  // stores the new recent tokens' before it releases the old ones'), and spare.
   const int64_t pages = ServedPagesBound(**layout, longest);
   const int64_t exact_pages = pages - CeilDiv(longest, (*layout)->page_tokens());
   CacheOptions cache_options;
@@ -163,7 +163,7 @@ ServedRecipe DescribeServedState(const KvLayout& layout, const ServedState& stat
   if (layout.has_exact_tokens()) {
     const ExactRanges r = layout.exact_ranges(state.context_tokens);
     recipe.sinks = r.sink_end;
-    recipe.window = state.context_tokens - r.window_begin;
+    recipe.recent = state.context_tokens - r.recent_begin;
   }
   return recipe;
 }
@@ -175,8 +175,8 @@ std::string ServedRecipe::Describe() const {
   } else if (centering == KeyCentering::kPostRope) {
     out = "post-RoPE centering";
   }
-  if (sinks + window > 0) {
-    absl::StrAppend(&out, out.empty() ? "" : ", ", absl::StrFormat("%d sinks + %d window exact", sinks, window));
+  if (sinks + recent > 0) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", absl::StrFormat("%d sinks + %d recent exact", sinks, recent));
   }
   return out.empty() ? "plain" : out;
 }

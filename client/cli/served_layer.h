@@ -1,13 +1,13 @@
 // What a server holds for one layer of a sequence, built for the benchmarks
 // (`tqkv bench attend`, tqkv_gpu_bench) by the server's own code.
 //
-// A benchmark of a recipe preset (key centering, exact sink and window
+// A benchmark of a recipe preset (key centering, exact sink and recent
 // tokens) measures what is served only if it reads the state a server would
 // hold: the key mean the cache estimates from a layer's first append and
 // trims to the layout's centering_pairs, keys stored as residuals, exact
-// copies of that context's sinks and window, the exact pages behind the
-// window released. Re-deriving each of these by hand drifts (tqkv_gpu_bench
-// once passed a dense mean of all 64 pairs and a 128-token window). So
+// copies of that context's sinks and recent tokens, the exact pages of
+// tokens no longer recent released. Re-deriving each of these by hand drifts (tqkv_gpu_bench
+// once passed a dense mean of all 64 pairs and 128 exact recent tokens). So
 // BuildServedLayer appends the tokens through a KvCache of the layout, as the
 // server's Append does, and exports the sequence at each context
 // (KvCache::ExportSequence: the tables and mean the cache's own Attend passes
@@ -49,7 +49,7 @@ RopeOptions ServedRope();
 // like the embedded default: `page_tokens`-token pages, no boundary layers,
 // ServedRope(), and KvLayoutOptions' defaults for every field such a
 // configuration leaves unset (the preset's recipe of centering, sinks and
-// window; the mean's tokens and pairs). Hot channels (split presets) are
+// recent tokens; the mean's tokens and pairs). Hot channels (split presets) are
 // the caller's to add.
 KvLayoutOptions ServedLayoutOptions(std::string_view preset, const ModelShape& shape, int page_tokens);
 
@@ -86,7 +86,7 @@ absl::StatusOr<ServedLayer> BuildServedLayer(const KvLayoutOptions& options, Bac
                                              int64_t append_tokens = 2048);
 
 // The most pages a state of `context` tokens holds: its compressed pages and
-// the exact pages of its sinks and window. Pools sized from it hold the state
+// the exact pages of its sinks and recent tokens. Pools sized from it hold the state
 // (BuildServedLayer fails otherwise), so they can be allocated first.
 int64_t ServedPagesBound(const KvLayout& layout, int64_t context);
 
@@ -111,8 +111,8 @@ struct ServedRecipe {
   int mean_pairs = 0;  // active RoPE pairs of the mean, the most over KV heads
   int rope_pairs = 0;  // RoPE pairs of the head dim (pre-RoPE centering)
   int64_t sinks = 0;   // tokens read exact from the start (ExactRanges::sink_end)
-  int64_t window = 0;  // tokens read exact at the end (context - window_begin)
-  // "pre-RoPE centering (8 of 64 pairs), 4 sinks + 64 window exact", or "plain".
+  int64_t recent = 0;  // tokens read exact at the end (context - recent_begin)
+  // "pre-RoPE centering (8 of 64 pairs), 4 sinks + 64 recent exact", or "plain".
   std::string Describe() const;
 };
 ServedRecipe DescribeServedState(const KvLayout& layout, const ServedState& state);

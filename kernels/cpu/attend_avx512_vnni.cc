@@ -267,7 +267,7 @@ struct Kernel : IntegerAttention<kKeyBits, kValue, kValueBits> {
     ExactReader<simd::Avx512> exact(p);
     exact.Clear();
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
-    // The compressed codes are read up to the exact window (the sinks' are
+    // The compressed codes are read up to the exact recent tokens (the sinks' are
     // read and their logits replaced: a few lanes of one group).
     const int64_t compressed_end = CompressedEnd(p, first, end);
     BlockWalk walk(p, first);

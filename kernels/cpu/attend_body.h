@@ -322,7 +322,7 @@ class Kernel {
     BlockWalk walk(p, first);
     // No row sees a token of the run: nothing to read (the padding needs one).
     const int64_t end = max_visible > p.token_begin ? max_visible : first;
-    // The compressed codes are read up to the exact window.
+    // The compressed codes are read up to the exact recent tokens.
     const int64_t compressed_end = CompressedEnd(p, first, end);
     BlockPrefetch prefetch(p, kBlock, first, compressed_end);
     for (int64_t t0 = first; t0 < end; t0 += kBlock) {

@@ -82,12 +82,12 @@ struct AddBackFrequency {
 AddBackFrequency TabulateAddBackFrequency(double theta);
 
 // Exact tokens (kv_layout.h, "Centering and exact tokens"): token t is read
-// from its fp16 copy in an exact page when t < sink_end or t >= window_begin,
+// from its fp16 copy in an exact page when t < sink_end or t >= recent_begin,
 // else from the compressed codes; both kinds in the same walk over the
 // tokens and one online softmax. The defaults read nothing exact.
 struct ExactTokens {
   int64_t sink_end = 0;
-  int64_t window_begin = INT64_MAX;
+  int64_t recent_begin = INT64_MAX;
   int page_tokens = 0;                   // of an exact page
   const int32_t* block_table = nullptr;  // exact pages, in order (-1 where none is read)
   size_t key_offset = 0;                 // the head's fp16 key and value planes inside an exact page
@@ -101,8 +101,8 @@ struct ExactTokens {
   // caller adds it to out mapped back from the value codec's basis).
   float* out = nullptr;
 
-  bool any() const { return sink_end > 0 || window_begin != INT64_MAX; }
-  bool IsExact(int64_t t) const { return t < sink_end || t >= window_begin; }
+  bool any() const { return sink_end > 0 || recent_begin != INT64_MAX; }
+  bool IsExact(int64_t t) const { return t < sink_end || t >= recent_begin; }
 };
 
 struct HeadAttendParams {
@@ -149,12 +149,12 @@ inline int64_t RunBlockStart(const HeadAttendParams& p, int block) {
 }
 
 // Where a run's compressed reads end, for blocks from `first` to `end`: at
-// the exact window; at `first` (none) when the rows see no compressed token
-// (a sliding window that lies inside the exact one), since a block's tokens
+// the exact recent tokens; at `first` (none) when the rows see no compressed
+// token (a sliding window that lies inside the recent tokens), since a block's tokens
 // before token_begin take the codes of its first token seen.
 inline int64_t CompressedEnd(const HeadAttendParams& p, int64_t first, int64_t end) {
-  const int64_t window = end < p.exact.window_begin ? end : p.exact.window_begin;
-  return window > p.token_begin ? window : first;
+  const int64_t compressed_end = end < p.exact.recent_begin ? end : p.exact.recent_begin;
+  return compressed_end > p.token_begin ? compressed_end : first;
 }
 
 // Asks the memory system for the four planes of tokens [begin, end) ahead of

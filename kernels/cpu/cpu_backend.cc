@@ -481,7 +481,7 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // The most runs one read splits into: sinks, compressed, window.
+  // The most runs one read splits into: sinks, compressed, recent.
   static constexpr int kMaxSegments = 3;
 
   // A run of tokens [begin, end) read from the pages of one layout.
@@ -503,8 +503,8 @@ class CpuBackend final : public Backend {
     const KvLayout* exact = layout.exact_layout();
     int n = 0;
     if (r.sink_end > 0) out[n++] = {exact, exact_table, 0, r.sink_end};
-    if (r.window_begin > r.sink_end) out[n++] = {&layout, table, r.sink_end, r.window_begin};
-    if (length > r.window_begin) out[n++] = {exact, exact_table, r.window_begin, length};
+    if (r.recent_begin > r.sink_end) out[n++] = {&layout, table, r.sink_end, r.recent_begin};
+    if (length > r.recent_begin) out[n++] = {exact, exact_table, r.recent_begin, length};
     return n;
   }
 
@@ -580,7 +580,7 @@ class CpuBackend final : public Backend {
     if (!layout.has_exact_tokens() || item.exact_block_table == nullptr) return exact;
     const ExactRanges r = layout.exact_ranges(item.context_tokens);
     exact.sink_end = r.sink_end;
-    if (r.window_begin < item.context_tokens) exact.window_begin = r.window_begin;
+    if (r.recent_begin < item.context_tokens) exact.recent_begin = r.recent_begin;
     if (!exact.any()) return exact;
     const KvLayout& pages = *layout.exact_layout();
     exact.page_tokens = pages.page_tokens();

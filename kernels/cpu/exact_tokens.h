@@ -1,5 +1,5 @@
 // Internal to the CPU backend: the exact tokens of a fused kernel's walk
-// (HeadAttendParams::exact): the sink and window tokens read from their fp16
+// (HeadAttendParams::exact): the sink and recent tokens read from their fp16
 // copies in exact pages, block by block, inside the kernel's own online
 // softmax. The kernel asks which of a block's tokens are exact (BlockMask),
 // takes their logits from Scores in place of the compressed ones, and after
@@ -57,7 +57,7 @@ class ExactReader {
       return upto & ~((uint64_t{1} << from) - 1);
     };
     return bits(std::max<int64_t>(p_.token_begin, 0), e_.sink_end) |
-           bits(std::max(p_.token_begin, e_.window_begin), t0 + count);
+           bits(std::max(p_.token_begin, e_.recent_begin), t0 + count);
   }
 
   // scores[r * kAttendBlock + i] = the query of row r . the key of token t0 +

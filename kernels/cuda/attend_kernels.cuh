@@ -25,7 +25,7 @@
 // is the baseline that the GPU benchmark compares against.
 //
 // Centering and exact tokens (kernels/backend.h, key_centering.h). An item's
-// tokens fall into up to three segments: sinks and window on the exact fp16
+// tokens fall into up to three segments: sinks and recent tokens on the exact fp16
 // pages (the exact layout's PoolView and the item's exact block table,
 // AttendKernelParams::exact), the rest on the compressed pages. The planner
 // gives each segment its own blocks (splits), so a block never crosses a

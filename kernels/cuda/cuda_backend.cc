@@ -664,7 +664,7 @@ class CudaBackend final : public Backend {
       if (planned.exact) {
         const ExactRanges r = layout.exact_ranges(item.context_tokens);
         planned.sink_end = r.sink_end;
-        planned.window_begin = r.window_begin;
+        planned.recent_begin = r.recent_begin;
       }
       planned.window = layout.layer_window(item.layer);
       planned.mma = tables.main.layer_mma[item.layer];

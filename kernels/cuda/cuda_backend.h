@@ -25,7 +25,7 @@
 // the occupancy API, pieces and batches that fit a workspace, and the offset
 // of every buffer in it; Score's and Store's pieces likewise.
 //
-// Key centering and exact sink/window tokens (backend.h) are served like the
+// Key centering and exact sink/recent tokens (backend.h) are served like the
 // CPU backend: each read splits into the compressed run and the exact runs
 // (own blocks, exact pages through the exact block table), merged exactly by
 // log-sum-exp; the pre-RoPE add-back is added inside the kernels from

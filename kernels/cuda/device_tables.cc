@@ -166,9 +166,9 @@ int Segments(const KvLayout& layout, bool has_exact_table, int64_t length, Segme
   }
   const ExactRanges r = layout.exact_ranges(length);
   int n = 0;
-  if (r.window_begin > r.sink_end) out[n++] = {false, r.sink_end, r.window_begin};
+  if (r.recent_begin > r.sink_end) out[n++] = {false, r.sink_end, r.recent_begin};
   if (r.sink_end > 0) out[n++] = {true, 0, r.sink_end};
-  if (length > r.window_begin) out[n++] = {true, r.window_begin, length};
+  if (length > r.recent_begin) out[n++] = {true, r.recent_begin, length};
   return n;
 }
 
@@ -178,7 +178,7 @@ void AppendExactTable(const KvLayout& layout, const int32_t* exact_table, int64_
   const int64_t ept = layout.exact_page_tokens();
   const int64_t pages = (view_end + ept - 1) / ept;
   for (int64_t i = 0; i < pages; ++i) {
-    const bool needed = i * ept < r.sink_end || (i + 1) * ept > r.window_begin;
+    const bool needed = i * ept < r.sink_end || (i + 1) * ept > r.recent_begin;
     tables->push_back(needed ? exact_table[i] : -1);
   }
 }

@@ -98,7 +98,7 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
 
 // The runs of tokens a read of a layer holding `length` tokens covers
 // (backend.h): the compressed run first, then the exact runs (sinks,
-// window); empty runs left out.
+// recent tokens); empty runs left out.
 struct Segment {
   bool exact;
   int64_t begin;

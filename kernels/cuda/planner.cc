@@ -57,7 +57,7 @@ struct Segment {
 constexpr int kMaxSegments = 3;
 
 // The runs of tokens an item reads: the compressed run first, then the exact
-// sinks and window; empty runs left out (as the CPU backend reads them).
+// sinks and recent tokens; empty runs left out (as the CPU backend reads them).
 int Segments(const PlanItem& item, Segment* out) {
   const int64_t length = item.context_tokens;
   if (!item.exact) {
@@ -65,9 +65,9 @@ int Segments(const PlanItem& item, Segment* out) {
     return 1;
   }
   int n = 0;
-  if (item.window_begin > item.sink_end) out[n++] = {false, item.sink_end, item.window_begin};
+  if (item.recent_begin > item.sink_end) out[n++] = {false, item.sink_end, item.recent_begin};
   if (item.sink_end > 0) out[n++] = {true, 0, item.sink_end};
-  if (length > item.window_begin) out[n++] = {true, item.window_begin, length};
+  if (length > item.recent_begin) out[n++] = {true, item.recent_begin, length};
   return n;
 }
 

@@ -34,7 +34,7 @@
 //     short as it can be. Blocks are counted by the walk that fills the
 //     batches, so segments, row chunks and items shorter than a split count
 //     as the blocks they make;
-//   - a block never crosses a segment (compressed run, sinks, window) nor a
+//   - a block never crosses a segment (compressed run, sinks, recent tokens) nor a
 //     row chunk (BlockRowsFor of the piece's rows; 8 rows for the
 //     tensor-core kernel), so segments and chunks add blocks;
 //   - an item's query tokens are cut into pieces of at most
@@ -109,7 +109,7 @@ struct PlanItem {
   // exact block table): segments from the exact ranges of context_tokens.
   bool exact = false;
   int64_t sink_end = 0;      // exact: tokens [0, sink_end) are sinks
-  int64_t window_begin = 0;  // exact: tokens [window_begin, context) are the window
+  int64_t recent_begin = 0;  // exact: tokens [recent_begin, context) are recent
   int64_t window = 0;        // the layer's sliding window (0: full attention)
   bool mma = false;          // the tensor-core kernel reads the layer (8-row blocks)
   // The sum over KV heads of the key mean's active RoPE pairs (add-back

@@ -48,7 +48,7 @@ std::vector<Case> Cases() {
   recipe.key_centering = KeyCentering::kPreRope;
   recipe.rope.base = 10000.0;
   recipe.exact_sink_tokens = 4;
-  recipe.exact_window_tokens = 6;
+  recipe.exact_recent_tokens = 6;
   KvLayoutOptions windowed = recipe;
   windowed.boundary_layers = 0;
   windowed.layer_windows = {9, 0, 9, 0};

@@ -43,7 +43,7 @@ Case RandomCase(std::mt19937& rng) {
   o.rope.base = 10000.0;
   if (pick(2) == 0) {  // exact tokens set here, not from the preset
     o.exact_sink_tokens = pick(6);
-    o.exact_window_tokens = pick(30);
+    o.exact_recent_tokens = pick(30);
   }
   if (pick(2) == 0) {
     o.layer_windows.assign(o.num_layers, 0);
@@ -60,8 +60,8 @@ std::string Describe(const Case& c) {
   std::string windows;
   for (int w : c.layout.layer_windows) windows += std::to_string(w) + " ";
   return c.layout.preset + " layers " + std::to_string(c.layout.num_layers) + " page_tokens " +
-         std::to_string(c.layout.page_tokens) + " sinks " + std::to_string(c.layout.exact_sink_tokens) + " window " +
-         std::to_string(c.layout.exact_window_tokens) + " layer windows [" + windows + "] prefill " +
+         std::to_string(c.layout.page_tokens) + " sinks " + std::to_string(c.layout.exact_sink_tokens) + " recent " +
+         std::to_string(c.layout.exact_recent_tokens) + " sliding windows [" + windows + "] prefill " +
          std::to_string(c.prefill) + " in " + std::to_string(c.chunk) + " + " + std::to_string(c.steps) + " steps";
 }
 

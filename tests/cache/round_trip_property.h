@@ -6,7 +6,7 @@
 // A run draws a random layout the cache accepts (RandomLayout: presets,
 // boundary and per-layer presets, centering, per-layer RoPEs, key scales
 // (the cache's or each sequence's own),
-// exact sinks and windows, sliding-window layers, page sizes) and drives two Targets of it in
+// exact sinks and recent tokens, sliding-window layers, page sizes) and drives two Targets of it in
 // lockstep with random operations (appends of 1..n tokens to every layer or
 // to a prefix of the layers, decode steps layer by layer, retried appends,
 // appends at a wrong position, creates, forks, drops, reads; evictions when
@@ -82,7 +82,7 @@ inline KvLayoutOptions RandomLayout(std::mt19937_64& rng) {
   if (rng() % 2 == 0) {  // centering and exact tokens of one's own choosing
     o.key_centering = static_cast<KeyCentering>(rng() % 3);
     o.exact_sink_tokens = pick(0, 6);
-    o.exact_window_tokens = rng() % 3 == 0 ? 0 : pick(1, 24);
+    o.exact_recent_tokens = rng() % 3 == 0 ? 0 : pick(1, 24);
     o.centering_tokens = pick(1, 16);
   }
   if (rng() % 3 == 0) {  // some layers rotated with a RoPE of their own (layer_ropes)
@@ -99,7 +99,7 @@ inline KvLayoutOptions RandomLayout(std::mt19937_64& rng) {
   } else if (rng() % 3 == 0) {  // scales each sequence measures (refused without centering: drawn again)
     o.sequence_key_scales = true;
   }
-  if (rng() % 2 == 0) {  // sliding-window layers, some shorter than the exact window
+  if (rng() % 2 == 0) {  // sliding-window layers, some shorter than the exact recent tokens
     o.layer_windows.assign(o.num_layers, 0);
     for (int& w : o.layer_windows) w = rng() % 2 ? 0 : pick(1, 40);
   }

@@ -40,8 +40,8 @@ bool RunOne(uint64_t seed, Backend* backend, Totals* totals) {
   if (!a.ok() || !b.ok()) return false;
   SCOPED_TRACE(testing::Message() << "seed " << seed << ": preset " << options.layout.preset << ", "
                                   << options.layout.num_layers << " layers, page_tokens " << options.layout.page_tokens
-                                  << ", sinks " << layout->options().exact_sink_tokens << ", exact window "
-                                  << layout->options().exact_window_tokens << ", windows ["
+                                  << ", sinks " << layout->options().exact_sink_tokens << ", exact recent "
+                                  << layout->options().exact_recent_tokens << ", windows ["
                                   << absl::StrJoin(options.layout.layer_windows, " ") << "], evict "
                                   << options.evict_lru);
   round_trip::Lockstep run(*layout, a->get(), b->get(), seed * 7919 + 1, options.evict_lru);

@@ -35,7 +35,7 @@ std::vector<Case> Cases() {
   centered.key_centering = KeyCentering::kPreRope;
   centered.rope.base = 10000.0;
   centered.exact_sink_tokens = 4;
-  centered.exact_window_tokens = 9;
+  centered.exact_recent_tokens = 9;
   cases.push_back({"centered_exact", centered});
   KvLayoutOptions scaled = centered;
   scaled.sequence_key_scales = true;
@@ -44,7 +44,7 @@ std::vector<Case> Cases() {
   windowed.boundary_layers = 0;
   windowed.layer_windows = {10, 0, 10, 10};
   windowed.exact_sink_tokens = 2;
-  windowed.exact_window_tokens = 4;
+  windowed.exact_recent_tokens = 4;
   cases.push_back({"windowed", windowed});
   return cases;
 }
@@ -349,8 +349,8 @@ namespace {
 
 // The states the exact-token checks used to refuse (an empty range of exact
 // tokens asked for a page): every length of a sequence with exact sinks and
-// a sliding window longer than the exact window, decoded token by token, and
-// of one with exact sinks and no exact window, exports and imports.
+// a sliding window longer than the exact recent tokens, decoded token by token, and
+// of one with exact sinks and no exact recent tokens, exports and imports.
 class ExactStatesTest : public ::testing::TestWithParam<std::vector<int>> {};
 
 TEST_P(ExactStatesTest, EveryLengthMovesAndReadsAsBefore) {
@@ -360,7 +360,7 @@ TEST_P(ExactStatesTest, EveryLengthMovesAndReadsAsBefore) {
   layout.key_centering = KeyCentering::kPreRope;
   layout.rope.base = 10000.0;
   layout.exact_sink_tokens = 4;
-  layout.exact_window_tokens = GetParam().empty() ? 0 : 8;
+  layout.exact_recent_tokens = GetParam().empty() ? 0 : 8;
   layout.layer_windows = GetParam();
   CacheOptions options;
   options.layout = layout;

@@ -308,11 +308,11 @@ TEST(SlidingWindowTest, PlacedQueriesCheckTheirPositions) {
 INSTANTIATE_TEST_SUITE_P(Presets, WindowedAttendTest,
                          ::testing::Values("fp16", "turboquant_k3v4_nc", "tqkv_k3v3", "fp8"));
 
-TEST(SlidingWindowTest, ExactSinkAndWindowTokensStillMatchInsideTheWindow) {
+TEST(SlidingWindowTest, ExactSinkAndRecentTokensStillMatchInsideTheWindow) {
   KvLayoutOptions o = WindowedLayout("fp16");
   o.page_tokens = 8;
   o.exact_sink_tokens = 2;
-  o.exact_window_tokens = 4;
+  o.exact_recent_tokens = 4;
   Fixture f(o);
   ReferenceSequence ref(&f.layout());
   ASSERT_TRUE(f.Append("s", 0, 6, 1, &ref).ok());
@@ -325,14 +325,14 @@ TEST(SlidingWindowTest, ExactSinkAndWindowTokensStillMatchInsideTheWindow) {
   EXPECT_EQ(f.cache->Stats().pages_used, 0);
 }
 
-// Sliding windows (10 tokens) inside the exact window (6 sinks, 23 recent
-// tokens, pages of 16): a windowed layer's rows see no compressed token,
+// Sliding windows (10 tokens) inside the exact recent tokens (6 sinks, 23
+// recent tokens, pages of 16): a windowed layer's rows see no compressed token,
 // yet the kernels' blocks start below the window, beside the sinks' codes.
-TEST(SlidingWindowTest, WindowsInsideTheExactWindowReadOnlyExactTokens) {
+TEST(SlidingWindowTest, WindowsInsideTheExactRecentTokensReadOnlyExactTokens) {
   KvLayoutOptions o = WindowedLayout("fp16");
   o.page_tokens = 16;
   o.exact_sink_tokens = 6;
-  o.exact_window_tokens = 23;
+  o.exact_recent_tokens = 23;
   Fixture f(o);
   ReferenceSequence ref(&f.layout());
   ASSERT_TRUE(f.Append("s", 0, 8, 1, &ref).ok());

@@ -215,6 +215,41 @@ TEST(FlagSet, SnakeCaseSpellingNamesTheSameFlag) {
   EXPECT_EQ(f.head_dim, 16);  // one flag: the last value wins
 }
 
+// A renamed flag keeps its old spelling as a deprecated alias (tqkv calibrate
+// and bench attend: --window is now --recent): it sets the new flag, in every
+// form, and says so; together with the new name it is an error.
+TEST(FlagSet, ADeprecatedAliasSetsItsFlagAndWarns) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"--keys", "k", "--window", "64"}, {"--keys", "k", "--window=64"}, {"--window_old=64", "--keys", "k"}}) {
+    FlagSet flags("calibrate");
+    EncodeFlags f;
+    f.Register(flags);
+    int64_t recent = 0;
+    flags.AddInt("recent", &recent, "exact recent tokens");
+    flags.AddDeprecatedAlias("window", "recent");
+    flags.AddDeprecatedAlias("window-old", "recent");
+    const absl::Status status = Parse(flags, args);
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_EQ(recent, 64);
+    EXPECT_TRUE(flags.IsSet("recent"));
+    ASSERT_EQ(flags.Warnings().size(), 1u);
+    EXPECT_THAT(flags.Warnings()[0], HasSubstr("is deprecated; use --recent"));
+    EXPECT_THAT(flags.Usage(), HasSubstr("--window is a deprecated spelling of --recent"));
+    // The warnings are the last Parse()'s.
+    ASSERT_TRUE(Parse(flags, {"--keys", "k", "--recent", "8"}).ok());
+    EXPECT_EQ(recent, 8);
+    EXPECT_TRUE(flags.Warnings().empty());
+    const absl::Status both = Parse(flags, {"--keys", "k", "--recent", "8", "--window", "9"});
+    EXPECT_EQ(both.code(), absl::StatusCode::kInvalidArgument) << both;
+    EXPECT_THAT(Message(both), HasSubstr("give only --recent"));
+  }
+  FlagSet flags("calibrate");
+  EncodeFlags f;
+  f.Register(flags);
+  flags.AddDeprecatedAlias("head-dimension", "no-such-flag");
+  EXPECT_EQ(Parse(flags, {"--keys", "k"}).code(), absl::StatusCode::kInternal);
+}
+
 TEST(FlagSet, RejectsMissingValue) {
   FlagSet flags("encode");
   EncodeFlags f;

@@ -2,8 +2,8 @@
 // server: the layout `tqkv bench attend` and tqkv_gpu_bench build for the
 // default recipe is the one the server's embedded configuration makes, and
 // what they attend over a placed state is what the server's KvCache::Attend
-// computes. A bench that trimmed the mean to other pairs, kept another
-// window, or rotated with another RoPE fails here.
+// computes. A bench that trimmed the mean to other pairs, kept other
+// recent tokens, or rotated with another RoPE fails here.
 #include "client/cli/served_layer.h"
 
 #include <cmath>
@@ -69,7 +69,7 @@ TEST(ServedLayer, TheDefaultRecipeHasTheServersLayout) {
   EXPECT_EQ(o.centering_tokens, s.centering_tokens);
   EXPECT_EQ(o.centering_includes_sinks, s.centering_includes_sinks);
   EXPECT_EQ(o.exact_sink_tokens, s.exact_sink_tokens);
-  EXPECT_EQ(o.exact_window_tokens, s.exact_window_tokens);
+  EXPECT_EQ(o.exact_recent_tokens, s.exact_recent_tokens);
   EXPECT_EQ(o.page_tokens, s.page_tokens);
   EXPECT_EQ(o.rotation_seed, s.rotation_seed);
   EXPECT_EQ(o.num_kv_heads, s.num_kv_heads);
@@ -86,7 +86,7 @@ TEST(ServedLayer, TheDefaultRecipeHasTheServersLayout) {
   EXPECT_EQ(o.rope.inv_freq, s.rope.inv_freq);
   for (int64_t context : {1, 60, 68, 1024, 32768}) {
     EXPECT_EQ((*ours)->exact_ranges(context).sink_end, (*theirs)->exact_ranges(context).sink_end) << context;
-    EXPECT_EQ((*ours)->exact_ranges(context).window_begin, (*theirs)->exact_ranges(context).window_begin) << context;
+    EXPECT_EQ((*ours)->exact_ranges(context).recent_begin, (*theirs)->exact_ranges(context).recent_begin) << context;
   }
 }
 
@@ -160,8 +160,8 @@ TEST(ServedLayer, ABenchAttendsWhatTheServerAttends) {
     EXPECT_EQ(recipe.mean_pairs, server.layout.centering_pairs);
     EXPECT_EQ(recipe.rope_pairs, d / 2);
     EXPECT_EQ(recipe.sinks, 4);
-    EXPECT_EQ(recipe.window, 64);
-    EXPECT_EQ(recipe.Describe(), "pre-RoPE centering (8 of 64 pairs), 4 sinks + 64 window exact");
+    EXPECT_EQ(recipe.recent, 64);
+    EXPECT_EQ(recipe.Describe(), "pre-RoPE centering (8 of 64 pairs), 4 sinks + 64 recent exact");
   }
   backend->FreePool(*pool);
 }
@@ -172,7 +172,7 @@ TEST(ServedLayer, PlainLayoutsHoldNoMeanAndNoExactPages) {
   KvLayoutOptions plain = ServedLayoutOptions("tqkv_k3v4u_csw", *shape, 16);
   plain.key_centering = KeyCentering::kNone;
   plain.exact_sink_tokens = 0;
-  plain.exact_window_tokens = 0;
+  plain.exact_recent_tokens = 0;
   auto backend = MakeCpuBackend(1);
   const std::vector<int64_t> contexts = {100};
   absl::StatusOr<ServedLayer> layer = BuildServedLayer(

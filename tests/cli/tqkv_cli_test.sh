@@ -74,7 +74,7 @@ contains '"fraction_of_memory_bound"' "$work/out"
 check "bench attend plain" "$tqkv" bench attend --preset tqkv_k3v4u_csw --context 200 --min-seconds 0.01 --compare-plain
 contains "vs_plain" "$work/out"
 # The recipe as the server holds it (tests/cli/served_layer_test.cc pins it to the server's config).
-contains "tqkv_k3v4u_csw reads: pre-RoPE centering (8 of 64 pairs), 4 sinks + 64 window exact; plain: plain" "$work/out"
+contains "tqkv_k3v4u_csw reads: pre-RoPE centering (8 of 64 pairs), 4 sinks + 64 recent exact; plain: plain" "$work/out"
 check "bench store" "$tqkv" bench store --preset turboquant_k3v4_nc --tokens 256 --json
 contains '"tokens_per_second"' "$work/out"
 check "bench transport" "$tqkv" bench transport --batch 2 --wire-dtype bf16 --messages 20 --json
@@ -104,12 +104,20 @@ contains '"ratio_vs_bf16": 1' "$work/out"
 # 4.25 bits + 10 exact tokens and an fp32 key mean per 96 tokens = 6.083 at base.
 check "calibrate with a recipe" "$tqkv" calibrate --capture "$cap" --positions 4 \
   --presets turboquant_k3v4_nc,tqkv_k4v4 --key-centering post_rope --centering-tokens 16 \
-  --sinks 2 --window 8 --budget-bits 7 --context 96
-contains "# measured with key centering post_rope, 2 sink + 8 window tokens exact" "$work/out"
+  --sinks 2 --recent 8 --budget-bits 7 --context 96
+contains "# measured with key centering post_rope, 2 sink + 8 recent tokens exact" "$work/out"
 contains "| recipe | post_rope, 10 exact | post_rope, 10 exact |" "$work/out"
+# --window, the old name of --recent, still works and says so.
+check "calibrate with the deprecated --window" "$tqkv" calibrate --capture "$cap" --positions 4 \
+  --presets turboquant_k3v4_nc,tqkv_k4v4 --key-centering post_rope --centering-tokens 16 \
+  --sinks 2 --window 8 --budget-bits 7 --context 96
+contains "tqkv: --window is deprecated; use --recent" "$work/out"
+contains "# measured with key centering post_rope, 2 sink + 8 recent tokens exact" "$work/out"
+expect_code 2 "calibrate with --window and --recent" "$tqkv" calibrate --capture "$cap" --window 8 --recent 8
+contains "give only --recent" "$work/out"
 expect_code 2 "calibrate with an unknown centering" "$tqkv" calibrate --capture "$cap" --key-centering middle
 contains "must be none, post_rope or pre_rope" "$work/out"
-expect_code 2 "calibrate with a window the layout refuses" "$tqkv" calibrate --capture "$cap" --window 5000
+expect_code 2 "calibrate with recent tokens the layout refuses" "$tqkv" calibrate --capture "$cap" --recent 5000
 expect_code 2 "calibrate with two budgets" "$tqkv" calibrate --capture "$cap" --budget-bits 4 --budget-ratio 4
 expect_code 1 "calibrate below the base" "$tqkv" calibrate --capture "$cap" --positions 2 --budget-bits 3
 contains "below the 4.250" "$work/out"

@@ -253,15 +253,15 @@ TEST(CalibrateLayer, TensorsOfTheWrongSizeAreRejected) {
   EXPECT_NE(layer.status().message().find("layer 0: tensors hold"), std::string::npos) << layer.status();
 }
 
-TEST(CalibrateLayer, AWindowOverTheWholeTextMakesEveryPresetExact) {
-  // The recipe reaches the measured cache: with every token inside the exact
-  // window, 3-bit keys measure like fp16.
+TEST(CalibrateLayer, RecentTokensOverTheWholeTextMakeEveryPresetExact) {
+  // The recipe reaches the measured cache: with every token among the exact
+  // recent tokens, 3-bit keys measure like fp16.
   const CaptureMeta m = SmallMeta();
   const std::vector<LayerCapture> layers = SyntheticLayers(m);
   CalibrationOptions options;
   options.positions = 8;
   options.layout.page_tokens = 8;
-  options.layout.exact_window_tokens = static_cast<int>(m.tokens);
+  options.layout.exact_recent_tokens = static_cast<int>(m.tokens);
   absl::StatusOr<LayerCalibration> layer =
       CalibrateLayer(m, kOutlierLayer, layers[kOutlierLayer], Presets("turboquant_k3v4_nc"), options);
   ASSERT_TRUE(layer.ok()) << layer.status();

@@ -29,7 +29,7 @@ namespace tqkv {
 namespace fuzz {
 namespace {
 
-// Two small caches: a compressed one with centering and an exact window, and
+// Two small caches: a compressed one with centering and exact recent tokens, and
 // an fp16 one with a sliding-window layer; few pages, so a full pool is hit.
 constexpr char kConfig[] = R"pb(
   caches {

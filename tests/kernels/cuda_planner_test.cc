@@ -228,7 +228,7 @@ TEST(PlannerWorkspace, BuffersAreAlignedAndInOrder) {
   PlanItem item = Item(1000, 3);
   item.exact = true;
   item.sink_end = 4;
-  item.window_begin = 900;
+  item.recent_begin = 900;
   item.addback_pairs = 40;
   const AttendPlan plan = Plan(Call(dims, {item}, 4, 4, kHuge));
   ASSERT_EQ(plan.batches.size(), 1u);
@@ -361,7 +361,7 @@ TEST(PlannerSplits, BlocksNeverCrossASegment) {
   PlanItem item = Item(3000);
   item.exact = true;
   item.sink_end = 4;
-  item.window_begin = 2900;
+  item.recent_begin = 2900;
   const Call in(dims, {item}, 1, 1, kHuge);  // one long split
   const AttendPlan plan = Plan(in);
   BatchContents contents;
@@ -369,7 +369,7 @@ TEST(PlannerSplits, BlocksNeverCrossASegment) {
   EXPECT_EQ(contents.tables[0].exact_pages, 3000 / 8);
   EXPECT_EQ(contents.items[0].exact_block_table, contents.tables[0].pages);
   for (const MergeUnit& unit : contents.units) {
-    ASSERT_EQ(unit.num_splits, 3);  // compressed, sinks, window
+    ASSERT_EQ(unit.num_splits, 3);  // compressed, sinks, recent
     EXPECT_EQ(unit.basis_splits, 1);
     const AttendBlock* b = &contents.blocks[unit.first_partial];
     EXPECT_EQ(b[0].token_begin, 4);
@@ -444,7 +444,7 @@ void ExpectFewestWaves(const AttendPlanInput& in, const AttendPlan& plan) {
 }
 
 // Every unit's blocks are non-empty, no longer than the split, each inside
-// one segment (exact ones in the sinks or window), and together cover the
+// one segment (exact ones in the sinks or recent tokens), and together cover the
 // tokens its last row sees exactly once.
 void ExpectBlocksCoverTheirRows(const AttendPlanInput& in, const AttendPlan& plan) {
   const int group = in.dims.num_query_heads / in.dims.num_kv_heads;
@@ -463,9 +463,9 @@ void ExpectBlocksCoverTheirRows(const AttendPlanInput& in, const AttendPlan& pla
         EXPECT_LT(b.token_begin, b.token_end);
         EXPECT_LE(b.token_end - b.token_begin, plan.split);
         if (contents.launches[unit.first_partial + k].exact) {
-          EXPECT_TRUE(b.token_end <= item.sink_end || b.token_begin >= item.window_begin);
+          EXPECT_TRUE(b.token_end <= item.sink_end || b.token_begin >= item.recent_begin);
         } else if (item.exact) {
-          EXPECT_TRUE(b.token_begin >= item.sink_end && b.token_end <= item.window_begin);
+          EXPECT_TRUE(b.token_begin >= item.sink_end && b.token_end <= item.recent_begin);
         }
         ranges.push_back({b.token_begin, b.token_end});
       }
@@ -499,7 +499,7 @@ const H200Format kH200Formats[] = {
     {"TurboQuant keys, uniform values (tensor cores, 128 registers: 4 x 4 warps)", 16, true, false},
     {"TurboQuant keys and values (tensor cores, 166 registers: 3 x 4 warps)", 12, true, false},
     {"fp8, fp8 + uniform or split keys (fp32 kernel, 4-row blocks, 96 registers: 5 x 1)", 5, false, false},
-    {"tqkv_k3v4u_csw (the TurboQuant + uniform kernel; 4 sinks, 64 window, 8 pairs)", 16, true, true},
+    {"tqkv_k3v4u_csw (the TurboQuant + uniform kernel; 4 sinks, 64 recent, 8 pairs)", 16, true, true},
 };
 constexpr int kH200Sms = 132;
 constexpr size_t kDefaultWorkspace = size_t{64} << 20;
@@ -519,7 +519,7 @@ std::vector<PlanItem> H200Items(const H200Format& format, int batch, int64_t con
   if (format.recipe) {
     item.exact = true;
     item.sink_end = 4;
-    item.window_begin = context - 64;
+    item.recent_begin = context - 64;
     item.addback_pairs = 8 * 8;
   }
   return std::vector<PlanItem>(batch, item);
@@ -588,7 +588,7 @@ TEST(PlannerWaves, RandomCallsKeepEveryRule) {
       if (dims.exact_page_tokens > 0 && uniform(0, 1)) {
         item.exact = true;
         item.sink_end = std::min<int64_t>(item.context_tokens, uniform(0, 8));
-        item.window_begin = std::max(item.sink_end, item.context_tokens - uniform(0, 100));
+        item.recent_begin = std::max(item.sink_end, item.context_tokens - uniform(0, 100));
       }
     }
     SCOPED_TRACE(testing::Message() << "round " << round);

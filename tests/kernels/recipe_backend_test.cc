@@ -1,4 +1,4 @@
-// The recipe (pre-RoPE key centering, exact sink and window tokens) through
+// The recipe (pre-RoPE key centering, exact sink and recent tokens) through
 // the CPU backend's Attend, against float64 attention over what the pages
 // hold: each token's compressed residual k_t - R_t m decoded, or its fp16
 // copy while it is exact, plus R_t m in double. At every SIMD level, with the
@@ -34,7 +34,7 @@ struct Shape {
   int page_tokens = 16;
   int context = 150;
   int sinks = 4;
-  int window = 32;
+  int recent = 32;
   int layer_window = 0;  // sliding-window layer: its window, 0 none
   int query_tokens = 1;
   KeyCentering centering = KeyCentering::kPreRope;
@@ -44,7 +44,7 @@ struct Shape {
 std::string Describe(const Shape& s) {
   return "d=" + std::to_string(s.d) + " page=" + std::to_string(s.page_tokens) +
          " context=" + std::to_string(s.context) + " sinks=" + std::to_string(s.sinks) +
-         " window=" + std::to_string(s.window) + " layer window=" + std::to_string(s.layer_window) +
+         " recent=" + std::to_string(s.recent) + " layer window=" + std::to_string(s.layer_window) +
          " queries=" + std::to_string(s.query_tokens) + " centering=" + std::to_string(static_cast<int>(s.centering)) +
          " softcap=" + std::to_string(s.softcap);
 }
@@ -68,7 +68,7 @@ class StoredRecipe {
     o.rope.pair_layout = RopePairLayout::kHalfSplit;
     o.centering_pairs = 8;
     o.exact_sink_tokens = s.sinks;
-    o.exact_window_tokens = s.window;
+    o.exact_recent_tokens = s.recent;
     if (s.layer_window > 0) o.layer_windows = {s.layer_window};
     auto made = KvLayout::Create(o);
     if (!made.ok()) {
@@ -114,7 +114,7 @@ class StoredRecipe {
   bool Exact(int t) const {
     if (!layout_->has_exact_tokens()) return false;
     const ExactRanges r = layout_->exact_ranges(s_.context);
-    return t < r.sink_end || t >= r.window_begin;
+    return t < r.sink_end || t >= r.recent_begin;
   }
 
   // Keys with a shared pre-RoPE component, rotated to their positions;
@@ -274,8 +274,8 @@ std::vector<Shape> Shapes() {
   add([](Shape& s) { s.context = 37; });                           // one compressed token
   add([](Shape& s) { s.page_tokens = 4, s.query_tokens = 3; });    // exact pages of 1 token; causal queries
   add([](Shape& s) { s.layer_window = 40, s.query_tokens = 2; });  // a sliding window: sinks unseen
-  add([](Shape& s) { s.d = 64, s.window = 0; });                   // sinks only
-  add([](Shape& s) { s.sinks = 0, s.window = 70; });               // a window past a block
+  add([](Shape& s) { s.d = 64, s.recent = 0; });                   // sinks only
+  add([](Shape& s) { s.sinks = 0, s.recent = 70; });               // recent tokens past a block
   add([](Shape& s) { s.centering = KeyCentering::kPostRope; });
   add([](Shape& s) { s.centering = KeyCentering::kNone; });
   return shapes;

@@ -2,7 +2,7 @@
 // fp16 exact pages and the pre-RoPE add-back (HeadAttendParams::exact and
 // addback_*), in one online softmax with the compressed tokens. Against
 // float64 attention over what the bytes stand for, at the boundaries of the
-// exact ranges (sinks only, window only, a window or sinks covering the whole
+// exact ranges (sinks only, recent tokens only, recent tokens or sinks covering the whole
 // context, ranges inside a group, past a block), page sizes of 1 to 16, runs
 // that start late (sliding windows) and rows that see different prefixes
 // (several causal query tokens).
@@ -34,7 +34,7 @@ struct RecipeCase {
   int exact_page_tokens = 3;
   int tokens = 150;
   int sinks = 4;
-  int window = 64;
+  int recent = 64;
   int64_t token_begin = 0;
   int pairs = 8;
 };
@@ -42,7 +42,7 @@ struct RecipeCase {
 std::string Describe(const RecipeCase& c) {
   return "d=" + std::to_string(c.d) + " page=" + std::to_string(c.page_tokens) +
          " exact page=" + std::to_string(c.exact_page_tokens) + " tokens=" + std::to_string(c.tokens) +
-         " sinks=" + std::to_string(c.sinks) + " window=" + std::to_string(c.window) +
+         " sinks=" + std::to_string(c.sinks) + " recent=" + std::to_string(c.recent) +
          " begin=" + std::to_string(c.token_begin) + " pairs=" + std::to_string(c.pairs);
 }
 
@@ -58,7 +58,7 @@ class RecipePages {
       : c_(c), kf_(kf), vf_(vf) {
     DescribeFields();
     sink_end_ = std::min(c.tokens, c.sinks);
-    window_begin_ = std::max(sink_end_, c.tokens - c.window);
+    recent_begin_ = std::max(sink_end_, c.tokens - c.recent);
     const int pages = (c.tokens + c.page_tokens - 1) / c.page_tokens + 2;
     const int exact_pages = (c.tokens + c.exact_page_tokens - 1) / c.exact_page_tokens;
     pool_.assign(page_bytes_ * (pages + exact_pages), 0);
@@ -77,7 +77,7 @@ class RecipePages {
     FillExact(rng);
   }
 
-  bool Exact(int t) const { return t < sink_end_ || t >= window_begin_; }
+  bool Exact(int t) const { return t < sink_end_ || t >= recent_begin_; }
 
   // The params' pages, fields and exact ranges (queries, rows and outputs
   // are the caller's).
@@ -91,7 +91,7 @@ class RecipePages {
     p->value = value_;
     p->token_begin = c_.token_begin;
     p->exact.sink_end = sink_end_;
-    p->exact.window_begin = window_begin_ < c_.tokens ? window_begin_ : INT64_MAX;
+    p->exact.recent_begin = recent_begin_ < c_.tokens ? recent_begin_ : INT64_MAX;
     p->exact.page_tokens = c_.exact_page_tokens;
     p->exact.block_table = exact_table_.data();
     p->exact.key_offset = 0;
@@ -178,7 +178,7 @@ class RecipePages {
   FieldReader key_, value_;
   size_t exact_value_offset_ = 0;
   size_t page_bytes_ = 0;
-  int sink_end_ = 0, window_begin_ = 0;
+  int sink_end_ = 0, recent_begin_ = 0;
   std::vector<uint8_t> pool_, written_;
   std::vector<int32_t> table_, exact_table_;
 };
@@ -413,16 +413,16 @@ TEST(RecipeKernels, ExactTokensAndAddBackAgainstFloat64AtEveryBoundary) {
     cases.push_back(c);
   };
   add([](RecipeCase&) {});                                  // the default recipe's shape
-  add([](RecipeCase& c) { c.window = 0; });                 // sinks only
-  add([](RecipeCase& c) { c.sinks = 0; });                  // window only
-  add([](RecipeCase& c) { c.window = 200; });               // the window covers the context
-  add([](RecipeCase& c) { c.sinks = 200, c.window = 0; });  // the sinks cover it
-  add([](RecipeCase& c) { c.sinks = 70, c.window = 17; });  // sinks past a block, window inside a group
-  add([](RecipeCase& c) { c.sinks = 16, c.window = 22, c.token_begin = 37; });  // a late start: sinks unseen
-  add([](RecipeCase& c) { c.sinks = 0, c.window = 0; });                        // the add-back alone
+  add([](RecipeCase& c) { c.recent = 0; });                 // sinks only
+  add([](RecipeCase& c) { c.sinks = 0; });                  // recent tokens only
+  add([](RecipeCase& c) { c.recent = 200; });               // the recent tokens cover the context
+  add([](RecipeCase& c) { c.sinks = 200, c.recent = 0; });  // the sinks cover it
+  add([](RecipeCase& c) { c.sinks = 70, c.recent = 17; });  // sinks past a block, recent tokens inside a group
+  add([](RecipeCase& c) { c.sinks = 16, c.recent = 22, c.token_begin = 37; });  // a late start: sinks unseen
+  add([](RecipeCase& c) { c.sinks = 0, c.recent = 0; });                        // the add-back alone
   add([](RecipeCase& c) { c.pairs = 0, c.page_tokens = 7, c.exact_page_tokens = 5, c.token_begin = 9; });
   add([](RecipeCase& c) {
-    c.d = 64, c.page_tokens = 1, c.exact_page_tokens = 1, c.tokens = 90, c.sinks = 3, c.window = 20, c.pairs = 2;
+    c.d = 64, c.page_tokens = 1, c.exact_page_tokens = 1, c.tokens = 90, c.sinks = 3, c.recent = 20, c.pairs = 2;
   });
   add([](RecipeCase& c) { c.d = 256, c.exact_page_tokens = 2, c.tokens = 130, c.pairs = 64; });
   for (const RecipeCase& c : cases) {

@@ -33,7 +33,7 @@ DEFAULT = tqkv.hf.DEFAULT_PRESET
 VOCAB = 256
 # Prompt lengths of the batch of 3 (left-padded to the longest).
 SHORT = (40, 31, 17)
-# Past the default recipe's 4 sink + 64 window exact tokens per layer, so
+# Past the default recipe's 4 sink + 64 recent exact tokens per layer, so
 # that most of each sequence is read compressed.
 LONG = (200, 160, 113)
 # Weights drawn with std 0.08 (transformers' default is 0.02): attention

@@ -227,7 +227,7 @@ def test_vllm_cache_applies_to_every_token_it_reads():
 
 # --- bytes ----------------------------------------------------------------------
 
-def test_bytes_formula_counts_windows_sinks_protected_and_sliding_layers():
+def test_bytes_formula_counts_recent_sinks_protected_and_sliding_layers():
     smol = kv_bytes.Layout(30, 3, 64, list(range(30)))
     fp = kv_bytes.fp16_slot(64)
     assert fp == 256
@@ -236,14 +236,14 @@ def test_bytes_formula_counts_windows_sinks_protected_and_sliding_layers():
     plain = kv_bytes.row_bytes(smol, t, 62)
     assert plain == 30 * 3 * t * 62
     assert kv_bytes.bits_per_coordinate(smol, t, plain) == pytest.approx(62 * 8 / 128)
-    # 4 sinks + 64 window at fp16, the rest at the preset; one layer protected.
-    got = kv_bytes.row_bytes(smol, t, 62, sinks=4, window=64, protected={0: 66})
+    # 4 sinks + 64 recent tokens at fp16, the rest at the preset; one layer protected.
+    got = kv_bytes.row_bytes(smol, t, 62, sinks=4, recent=64, protected={0: 66})
     # (exact tokens keep their compressed slot too, as the server stores them)
     want = 29 * 3 * (68 * 256 + t * 62) + 3 * (68 * 256 + t * 66)
     assert got == want
     # A short context is all exact.
-    assert kv_bytes.row_bytes(smol, 50, 62, sinks=4, window=64) == 30 * 3 * 50 * (256 + 62)
-    # At 32k the window's share shrinks.
+    assert kv_bytes.row_bytes(smol, 50, 62, sinks=4, recent=64) == 30 * 3 * 50 * (256 + 62)
+    # At 32k the recent tokens' share shrinks.
     b32 = kv_bytes.bits_per_coordinate(smol, 32768, kv_bytes.row_bytes(smol, 32768, 62, 4, 64))
     b1k = kv_bytes.bits_per_coordinate(smol, t, got)
     assert 62 * 8 / 128 < b32 < b1k
@@ -275,9 +275,9 @@ def test_bytes_formula_for_served_sliding_window_layers():
     # a whole-text append keeps every token until the next append.
     assert kv_bytes.held_begin(1024, 512, 16) == 1008 + 1 - 512
     assert kv_bytes.held_begin(1024, 512, 1024) == 0 and kv_bytes.held_begin(1024, None) == 0
-    # Exact tokens: sinks leave with their tokens, the recent window stays.
+    # Exact tokens: sinks leave with their tokens, the recent tokens stay.
     fp = kv_bytes.fp16_slot(256)
-    got = kv_bytes.row_bytes(gem, 8192, 230, sinks=4, window=64, centered=True)
+    got = kv_bytes.row_bytes(gem, 8192, 230, sinks=4, recent=64, centered=True)
     want = (3 * (8192 * 230 + 68 * fp) + 15 * (512 * 230 + 64 * fp)) + 18 * 4 * 256
     assert got == want
     # Short of the window a windowed layer is a full one.
@@ -379,7 +379,7 @@ def test_server_bytes_after_a_decode_step_equal_the_formula(model):
     rows = [{"name": "tq3", "kind": "served", "preset": "turboquant_k3v4_nc", "boundary": 0,
              "seeds": [0], "recipe": {}},
             {"name": "csw", "kind": "served", "preset": "tqkv_k3v4u_csw", "boundary": 0,
-             "seeds": [0], "recipe": {"rope": True, "exact_window_tokens": 8}}]
+             "seeds": [0], "recipe": {"rope": True, "exact_recent_tokens": 8}}]
     slots = {"turboquant_k3v4_nc": 62}
     old = quality_report.BYTES_AT
     try:
@@ -407,14 +407,17 @@ def test_server_bytes_after_a_decode_step_equal_the_formula(model):
 # --- recipes --------------------------------------------------------------------
 
 def test_recipes_render_as_cache_config_fields(model):
-    r = dict(recipes.RECIPES["k3v4+pre64+s4+w64+first_last@k4v4"])
+    r = dict(recipes.RECIPES["k3v4+pre64+s4+r64+first_last@k4v4"])
     assert r.pop("preset") == "turboquant_k3v4_nc"
     text = recipes.fields_text(r, model.rope_spec(), 30, model.name)
     assert text == ('key_centering: "pre_rope" rope { rotary_dims: 64 pair_layout: INTERLEAVED '
                     'base: 100000.0 scaling_type: "none" } centering_tokens: 64 '
-                    'exact_sink_tokens: 4 exact_window_tokens: 64 '
+                    'exact_sink_tokens: 4 exact_recent_tokens: 64 '
                     'protected_layers { layers: [0, 29] preset: "tqkv_k4v4" }')
-    assert recipes.select("k3v4+w*") == ["k3v4+w16", "k3v4+w32", "k3v4+w64", "k3v4+w128"]
+    assert recipes.select("k3v4+r*") == ["k3v4+r16", "k3v4+r32", "k3v4+r64", "k3v4+r128"]
+    # The old "+wN" names (exact "window" tokens) still select the same rows.
+    assert recipes.select("k3v4+w*") == recipes.select("k3v4+r*")
+    assert recipes.select("k3v4+s4+w64,k3v4+w16") == ["k3v4+s4+r64", "k3v4+r16"]
     assert set(recipes.select("all")) == set(recipes.RECIPES)
     assert all(recipes.uses_new_fields(v) for v in recipes.RECIPES.values())
     with pytest.raises(SystemExit):

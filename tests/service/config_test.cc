@@ -1,6 +1,8 @@
 #include "service/config.h"
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -27,13 +29,13 @@ TEST(ServerConfig, EmbeddedDefaultIsOneLlama8BCache) {
   EXPECT_EQ(c.layout.preset, "tqkv_k3v4u_csw");
   EXPECT_EQ(c.layout.boundary_layers, 0);
   EXPECT_EQ(c.memory_budget_bytes, size_t{1} << 30);
-  // The recipe in effect: pre-RoPE centering with Llama-3.1's RoPE, 4 sinks, a 64-token window.
+  // The recipe in effect: pre-RoPE centering with Llama-3.1's RoPE, 4 sinks, the last 64 tokens.
   auto layout = KvLayout::Create(c.layout);
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_EQ((*layout)->key_centering(), KeyCentering::kPreRope);
   EXPECT_EQ((*layout)->rope().num_pairs(), 64);
   EXPECT_EQ((*layout)->options().exact_sink_tokens, 4);
-  EXPECT_EQ((*layout)->options().exact_window_tokens, 64);
+  EXPECT_EQ((*layout)->options().exact_recent_tokens, 64);
 }
 
 TEST(ServerConfig, SplitsTheBudgetAmongCachesWithoutOne) {
@@ -112,7 +114,7 @@ TEST(ServerConfig, ReadsCenteringExactTokensAndProtectedLayers) {
       centering_tokens: 32
       centering_pairs: 0
       exact_sink_tokens: 2
-      exact_window_tokens: 0
+      exact_recent_tokens: 0
       protected_layers {
         layers: [ 0, 3 ]
         preset: "tqkv_k4v4"
@@ -126,7 +128,7 @@ TEST(ServerConfig, ReadsCenteringExactTokensAndProtectedLayers) {
       num_query_heads: 1
       head_dim: 64
       preset: "tqkv_k3v4u_csw"
-      exact_window_tokens: 16
+      exact_recent_tokens: 16
     }
   )pb");
   ASSERT_TRUE(config.ok()) << config.status();
@@ -140,23 +142,57 @@ TEST(ServerConfig, ReadsCenteringExactTokensAndProtectedLayers) {
   EXPECT_EQ(l.centering_tokens, 32);
   EXPECT_EQ(l.centering_pairs, 0);
   EXPECT_EQ(l.exact_sink_tokens, 2);
-  EXPECT_EQ(l.exact_window_tokens, 0);
+  EXPECT_EQ(l.exact_recent_tokens, 0);
   EXPECT_EQ(l.layer_presets, (std::vector<std::string>{"tqkv_k4v4", "fp16", "", "tqkv_k4v4"}));
   // Unset recipe fields stay unset: the preset fills them.
   const KvLayoutOptions& r = (*caches)[1].layout;
   EXPECT_FALSE(r.key_centering.has_value());
   EXPECT_EQ(r.exact_sink_tokens, -1);
-  EXPECT_EQ(r.exact_window_tokens, 16);
+  EXPECT_EQ(r.exact_recent_tokens, 16);
   // What GetServerInfo reports: the recipe in effect.
   const v1::CacheConfig back = ToCacheConfig((*caches)[1]);
   EXPECT_EQ(back.key_centering(), "pre_rope");
   EXPECT_EQ(back.exact_sink_tokens(), 4);
-  EXPECT_EQ(back.exact_window_tokens(), 16);
+  EXPECT_EQ(back.exact_recent_tokens(), 16);
   const v1::CacheConfig first = ToCacheConfig((*caches)[0]);
   ASSERT_EQ(first.protected_layers_size(), 2);
   EXPECT_EQ(first.protected_layers(0).preset(), "tqkv_k4v4");
   EXPECT_THAT(first.protected_layers(0).layers(), ::testing::ElementsAre(0, 3));
   EXPECT_EQ(first.rope().scaling_type(), "llama3");
+}
+
+// exact_recent_tokens was exact_window_tokens (same field number): a config
+// file with the old name reads as before, with a warning per use; the old
+// name inside a comment or a string is left alone, and the name written back
+// is the new one.
+TEST(ServerConfig, ReadsTheDeprecatedExactWindowTokensAsExactRecentTokens) {
+  std::vector<std::string> warnings;
+  absl::StatusOr<v1::ServerConfig> config = ParseServerConfig(
+      "caches {\n"
+      "  name: \"exact_window_tokens: 1\"  # exact_window_tokens: 2\n"
+      "  num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64\n"
+      "  preset: \"tqkv_k3v4u_csw\"\n"
+      "\texact_window_tokens: 24\n"
+      "}\n"
+      "caches { name: \"b\" num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 exact_recent_tokens: 8 }\n",
+      &warnings);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->caches(0).name(), "exact_window_tokens: 1");
+  EXPECT_TRUE(config->caches(0).has_exact_recent_tokens());
+  EXPECT_EQ(config->caches(0).exact_recent_tokens(), 24);
+  EXPECT_EQ(config->caches(1).exact_recent_tokens(), 8);
+  EXPECT_THAT(warnings, ::testing::ElementsAre("config line 5: exact_window_tokens is deprecated; use "
+                                               "exact_recent_tokens"));
+  absl::StatusOr<std::vector<CacheOptions>> caches = ToCacheOptions(*config, 8 << 20);
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  EXPECT_EQ((*caches)[0].layout.exact_recent_tokens, 24);
+  EXPECT_EQ(ToCacheConfig((*caches)[0]).exact_recent_tokens(), 24);
+  // Both names for the one field: the parser's "specified multiple times".
+  absl::StatusOr<v1::ServerConfig> both = ParseServerConfig(
+      "caches { num_layers: 2 num_kv_heads: 1 num_query_heads: 1 head_dim: 64 exact_window_tokens: 8 "
+      "exact_recent_tokens: 8 }");
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument) << both.status();
+  EXPECT_THAT(both.status().message(), HasSubstr("exact_recent_tokens")) << both.status();
 }
 
 TEST(ServerConfig, RejectsBadCenteringSettingsWithTheirName) {
@@ -173,7 +209,7 @@ TEST(ServerConfig, RejectsBadCenteringSettingsWithTheirName) {
   check("key_centering: \"pre_rope\" rope { base: 0.5 }", "rope base");
   check("key_centering: \"pre_rope\" rope { base: 10000 rotary_dims: 66 }", "rotary_dims");
   check("rope { base: 10000 scaling_type: \"yarn\" }", "scaling_type");
-  check("exact_window_tokens: -3", "exact_window_tokens");
+  check("exact_recent_tokens: -3", "exact_recent_tokens");
   check("exact_sink_tokens: 5000", "exact_sink_tokens");
   check("centering_pairs: 40", "centering_pairs");
   check("protected_layers { layers: 2 preset: \"fp16\" }", "layer 2");

@@ -41,7 +41,7 @@ constexpr int kQueryHeads = 4;
 constexpr int kHeadDim = 64;
 
 // "default": compressed with an fp16 first and last layer; "csw": the
-// centering + sinks + window recipe the default config serves; "tiny": room
+// centering + sinks + recent tokens recipe the default config serves; "tiny": room
 // for two pages; "swa": the recipe with sliding-window layers 0 and 2.
 constexpr char kConfig[] = R"pb(
   caches {
@@ -65,7 +65,7 @@ constexpr char kConfig[] = R"pb(
     preset: "tqkv_k3v4u_csw"
     boundary_layers: 0
     exact_sink_tokens: 2
-    exact_window_tokens: 8
+    exact_recent_tokens: 8
     centering_tokens: 8
     rope { pair_layout: HALF_SPLIT base: 10000 }
     memory_budget_bytes: 8388608
@@ -90,7 +90,7 @@ constexpr char kConfig[] = R"pb(
     preset: "tqkv_k3v4u_csw"
     boundary_layers: 0
     exact_sink_tokens: 2
-    exact_window_tokens: 4
+    exact_recent_tokens: 4
     centering_tokens: 8
     rope { pair_layout: HALF_SPLIT base: 10000 }
     sliding_window_layers {
@@ -383,7 +383,7 @@ TEST_F(DecodeLoopTest, SinkLogitsJoinTheSoftmaxAsAZeroValueLogit) {
   }
 }
 
-// Logit soft-capping on the centering + sinks + window cache (so the
+// Logit soft-capping on the centering + sinks + recent tokens cache (so the
 // add-back's constant part is in play): AppendAttend, Attend and a
 // DecodeStream step agree, and their lse is the log-sum-exp of
 // cap * tanh(x / cap) over the true logits x, which ScoreQuery returns (and

@@ -242,7 +242,7 @@ TEST(ServerStart, AutoPutsEachCacheOnABackendThatServesIt) {
 }
 
 // Every byte figure an append answers is the change the pool's accounting
-// made for it: with exact sinks and window, key centering and sliding-window
+// made for it: with exact sinks and recent tokens, key centering and sliding-window
 // layers, the answers of Append, AppendStream and AppendAttend (a retry
 // included) sum to the sequence's stored_bytes, and the cache's sum is the
 // sequences'.
@@ -258,7 +258,7 @@ TEST(ServerBytes, AppendAnswersSumToWhatThePoolHolds) {
       preset: "tqkv_k3v4u_csw"
       boundary_layers: 0
       exact_sink_tokens: 2
-      exact_window_tokens: 6
+      exact_recent_tokens: 6
       sliding_window_layers { layers: 1 layers: 3 window: 5 }
     }
   )pb");
@@ -308,7 +308,7 @@ TEST(ServerBytes, AppendAnswersSumToWhatThePoolHolds) {
   sum[1] += streamed->stored_bytes;
   sum_bf16[1] += streamed->stored_bytes_bf16;
   check(1, "after the stream");
-  // Decode steps, layer by layer, past the exact window and the sliding one.
+  // Decode steps, layer by layer, past the exact recent tokens and the sliding window.
   const std::vector<float> token = RandomFloats(kKv * kD, 20);
   const std::vector<float> query = RandomFloats(kQ * kD, 21);
   for (int64_t t = 9; t < 20; ++t) {

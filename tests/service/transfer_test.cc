@@ -447,8 +447,8 @@ TEST_F(SnapshotTest, ARestartBringsEverySequenceBackIdentically) {
 }
 
 // The Gemma 3 shape the quality report serves: the default recipe (4
-// exact sinks, an exact window) and a sliding-window layer whose window is
-// longer than the exact window.
+// exact sinks, exact recent tokens) and a sliding-window layer whose window
+// is longer than the exact recent tokens.
 constexpr char kWindowedExactConfig[] = R"pb(
   caches {
     name: "default"
@@ -461,7 +461,7 @@ constexpr char kWindowedExactConfig[] = R"pb(
     boundary_layers: 0
     memory_budget_bytes: 8388608
     rope { base: 10000 }
-    exact_window_tokens: 16
+    exact_recent_tokens: 16
     sliding_window_layers { layers: 1 window: 40 }
   }
 )pb";
@@ -470,10 +470,10 @@ constexpr char kWindowedExactConfig[] = R"pb(
 // window, step by step, and every short length of exact sinks alone.
 TEST_F(SnapshotTest, ExactTokensAndSlidingWindowsMoveAndRestartAtEveryLength) {
   for (const bool windowed : {true, false}) {
-    SCOPED_TRACE(windowed ? "sinks, exact window and a sliding window" : "exact sinks only");
+    SCOPED_TRACE(windowed ? "sinks, exact recent tokens and a sliding window" : "exact sinks only");
     const std::string config =
         windowed ? std::string(kWindowedExactConfig)
-                 : absl::StrReplaceAll(kConfig, {{"tqkv_k3v4u_csw\"", "tqkv_k3v4u_csw\" exact_window_tokens: 0"}});
+                 : absl::StrReplaceAll(kConfig, {{"tqkv_k3v4u_csw\"", "tqkv_k3v4u_csw\" exact_recent_tokens: 0"}});
     const std::string dir = absl::StrCat(dir_, windowed ? "/w" : "/s");
     a_ = Start("", dir, config.c_str());
     b_ = Start("", "", config.c_str());
@@ -481,7 +481,7 @@ TEST_F(SnapshotTest, ExactTokensAndSlidingWindowsMoveAndRestartAtEveryLength) {
     ASSERT_NE(b_, nullptr);
     Client a = ClientOf(*a_), b = ClientOf(*b_);
     std::map<std::string, std::string> before;
-    // Lengths 1..20, one sequence each; then one decoded past the window,
+    // Lengths 1..20, one sequence each; then one decoded past the sliding window,
     // moved to b at every step.
     for (int64_t n = 1; n <= 20; ++n) ASSERT_TRUE(Append(a, absl::StrCat("len-", n), 0, n, n).ok());
     ASSERT_TRUE(Append(a, "long", 0, 30, 99).ok());

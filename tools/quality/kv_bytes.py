@@ -1,9 +1,9 @@
 """Bytes per token, counted honestly, for a KV-cache row at any context length.
 
 The cache stores, per (layer, KV head, token), the preset's slot; the first
-`sinks` tokens and the last `window` tokens of a layer also have an fp16 K+V
+`sinks` tokens and the last `recent` tokens of a layer also have an fp16 K+V
 copy (4 * head_dim bytes), which attention reads (tqkv keeps every token
-compressed, so a token leaving the window is read compressed; this is how
+compressed, so a token no longer among the recent ones is read compressed; this is how
 the server counts them, kernels/kv_layout.cc KvLayout::layer_bytes). The
 layers named in `protected` use their own preset, the first/last `boundary`
 layers the boundary preset (fp16 by default). A centered recipe also keeps
@@ -53,7 +53,7 @@ def held_begin(tokens, window, last_append=1):
     return max(0, start + 1 - window)
 
 
-def row_bytes(layout, tokens, slot, sinks=0, window=0, protected=None, boundary=0,
+def row_bytes(layout, tokens, slot, sinks=0, recent=0, protected=None, boundary=0,
               boundary_slot=None, mean_bytes=None, centered=False, last_append=1):
     """Total bytes at `tokens` tokens. slot: bytes per (token, head) of the
     preset; protected: {served-layer index: slot}; boundary: first/last layers
@@ -62,7 +62,7 @@ def row_bytes(layout, tokens, slot, sinks=0, window=0, protected=None, boundary=
     d, h = layout.head_dim, layout.kv_heads
     fp = fp16_slot(d)
     sink_end = min(tokens, sinks)
-    window_begin = max(sink_end, tokens - window)
+    recent_begin = max(sink_end, tokens - recent)
     total = 0
     n = len(layout.served)
     for i, layer in enumerate(layout.served):
@@ -72,7 +72,7 @@ def row_bytes(layout, tokens, slot, sinks=0, window=0, protected=None, boundary=
         if protected and i in protected:
             s = protected[i]
         begin = held_begin(tokens, layout.windows.get(layer), last_append)
-        exact = max(0, sink_end - begin) + (tokens - max(window_begin, begin))
+        exact = max(0, sink_end - begin) + (tokens - max(recent_begin, begin))
         total += h * ((tokens - begin) * s + exact * fp)
         if centered:
             total += h * (4 * d if mean_bytes is None else mean_bytes)

@@ -576,7 +576,7 @@ def row_bytes(model, row, tokens, slots, last=1):
         for i in recipes_mod.resolve_layers(layers, len(lay.served), model.name):
             protected[i] = slots.get(preset, fp)
     return kv_bytes.row_bytes(lay, tokens, slots[recipes_mod.slot_preset(row["preset"])], sinks=r.get("exact_sink_tokens", 0),
-                              window=r.get("exact_window_tokens", 0), protected=protected,
+                              recent=r.get("exact_recent_tokens", 0), protected=protected,
                               boundary=row["boundary"],
                               centered=r.get("key_centering", "none") != "none", last_append=last,
                               mean_bytes=4 * model.config.head_dim * (2 if sequence_scales(r) else 1))
@@ -681,7 +681,7 @@ def window_nll(model, tokens, backend, chunk):
 def forward_chunked(model, tokens, backend, chunk):
     """Hidden states of a teacher-forced pass; with chunk > 0 the tokens go in
     chunks (one Append + Attend per layer each), as a server sees a decode:
-    an exact window then covers each chunk's recent tokens, where one
+    the exact recent tokens then cover each chunk's queries, where one
     whole-text Append leaves only the text's last W tokens exact."""
     if not chunk:
         return model.forward(tokens, backend)
@@ -1051,7 +1051,7 @@ def main(argv=None, models=None):
     ap.add_argument("--windows", type=int, default=2, help="(c): windows per text")
     ap.add_argument("--chunk", type=int, default=0,
                     help="(c): feed each window in chunks of this many tokens (0: one Append "
-                    "per layer); exact-window recipes need it (a whole-text Append keeps only "
+                    "per layer); recipes with exact recent tokens need it (a whole-text Append keeps only "
                     "the text's last W tokens exact)")
     ap.add_argument("--prefix-reuse", type=int, default=0, metavar="S",
                     help="(c): the prefix-reuse protocol: each window's last S tokens are a "

@@ -10,7 +10,7 @@ ones:
     centering_tokens: N      mean of the first N tokens after the sinks
     centering_pairs: P       pre-RoPE: top-P frequency pairs of the mean exact (0: all)
     exact_sink_tokens: S     first S tokens at fp16
-    exact_window_tokens: W   last W tokens of each layer at fp16
+    exact_recent_tokens: R   last R tokens of each layer at fp16
     protected_layers         [(layers, preset)]: layers given as a list, or
                              "first_last" (first and last served layer) or
                              "measured" (MEASURED_PROTECTED for the model)
@@ -19,15 +19,18 @@ ones:
     sequence_key_scales: B   key scales each sequence measures on its own keys
 A recipe without any new field is a plain preset row: today's server takes it.
 """
+import re
+import sys
+
 import rope as rope_mod
 
 NEW_FIELDS = ("key_centering", "rope", "centering_tokens", "centering_pairs",
-              "centering_includes_sinks", "exact_sink_tokens", "exact_window_tokens",
+              "centering_includes_sinks", "exact_sink_tokens", "exact_recent_tokens",
               "protected_layers", "key_scales", "sequence_key_scales")
 # What a preset implies when its recipe leaves a field unset (the server's
-# *_csw presets: pre-RoPE centering, 4 exact sinks, a 64-token exact window,
+# *_csw presets: pre-RoPE centering, 4 exact sinks, the last 64 tokens exact,
 # per-sequence key scales where no calibrated ones are given).
-CSW = dict(key_centering="pre_rope", exact_sink_tokens=4, exact_window_tokens=64,
+CSW = dict(key_centering="pre_rope", exact_sink_tokens=4, exact_recent_tokens=64,
            sequence_key_scales=True)
 
 
@@ -53,41 +56,42 @@ def effective(preset, recipe):
 K3 = "turboquant_k3v4_nc"
 # The recipes to measure once the server takes the new fields. Names are the
 # row labels in the report; --recipes takes names, "all", or a prefix + "*".
+# "+rN": the last N tokens exact (exact_recent_tokens; "+wN" before).
 RECIPES = {
     # the headline combination and its ablations
-    "k3v4+pre64+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
-                              exact_sink_tokens=4, exact_window_tokens=64),
-    "k3v4+pre64+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
-                           exact_window_tokens=64),
+    "k3v4+pre64+s4+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                              exact_sink_tokens=4, exact_recent_tokens=64),
+    "k3v4+pre64+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                           exact_recent_tokens=64),
     "k3v4+pre64+s4": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
                           exact_sink_tokens=4),
     "k3v4+pre64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64),
     "k3v4+post64": dict(preset=K3, key_centering="post_rope", centering_tokens=64),
     "k3v4+s4": dict(preset=K3, exact_sink_tokens=4),
-    "k3v4+s4+w64": dict(preset=K3, exact_sink_tokens=4, exact_window_tokens=64),
-    # window size alone
-    "k3v4+w16": dict(preset=K3, exact_window_tokens=16),
-    "k3v4+w32": dict(preset=K3, exact_window_tokens=32),
-    "k3v4+w64": dict(preset=K3, exact_window_tokens=64),
-    "k3v4+w128": dict(preset=K3, exact_window_tokens=128),
+    "k3v4+s4+r64": dict(preset=K3, exact_sink_tokens=4, exact_recent_tokens=64),
+    # recent tokens alone
+    "k3v4+r16": dict(preset=K3, exact_recent_tokens=16),
+    "k3v4+r32": dict(preset=K3, exact_recent_tokens=32),
+    "k3v4+r64": dict(preset=K3, exact_recent_tokens=64),
+    "k3v4+r128": dict(preset=K3, exact_recent_tokens=128),
     # how many tokens the mean needs (sinks kept exact and out of the mean)
-    "k3v4+pre32+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=32,
-                              exact_sink_tokens=4, exact_window_tokens=64),
-    "k3v4+pre128+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=128,
-                               exact_sink_tokens=4, exact_window_tokens=64),
+    "k3v4+pre32+s4+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=32,
+                              exact_sink_tokens=4, exact_recent_tokens=64),
+    "k3v4+pre128+s4+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=128,
+                               exact_sink_tokens=4, exact_recent_tokens=64),
     # sinks in the mean vs out of it (the default: the mean is over tokens
     # 4..67 when 4 sinks are exact)
-    "k3v4+pre64+s4in+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+    "k3v4+pre64+s4in+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
                                 centering_includes_sinks=True, exact_sink_tokens=4,
-                                exact_window_tokens=64),
+                                exact_recent_tokens=64),
     # exact frequency pairs of the mean (0: all)
-    "k3v4+pre64p0+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
-                                centering_pairs=0, exact_sink_tokens=4, exact_window_tokens=64),
-    "k3v4+pre64p8+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
-                                centering_pairs=8, exact_sink_tokens=4, exact_window_tokens=64),
-    "k3v4+pre64p16+s4+w64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+    "k3v4+pre64p0+s4+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                                centering_pairs=0, exact_sink_tokens=4, exact_recent_tokens=64),
+    "k3v4+pre64p8+s4+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
+                                centering_pairs=8, exact_sink_tokens=4, exact_recent_tokens=64),
+    "k3v4+pre64p16+s4+r64": dict(preset=K3, key_centering="pre_rope", centering_tokens=64,
                                  centering_pairs=16, exact_sink_tokens=4,
-                                 exact_window_tokens=64),
+                                 exact_recent_tokens=64),
     # the same without exact tokens: what the kept pairs buy on their own
     "k3v4+pre64p1": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=1),
     "k3v4+pre64p2": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=2),
@@ -96,19 +100,19 @@ RECIPES = {
     "k3v4+pre64p16": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=16),
     "k3v4+pre64p0": dict(preset=K3, key_centering="pre_rope", centering_tokens=64, centering_pairs=0),
     # protected layers on top of the best combination
-    "k3v4+pre64+s4+w64+first_last@k4v4": dict(
+    "k3v4+pre64+s4+r64+first_last@k4v4": dict(
         preset=K3, key_centering="pre_rope", centering_tokens=64, exact_sink_tokens=4,
-        exact_window_tokens=64, protected_layers=[("first_last", "tqkv_k4v4")]),
-    "k3v4+pre64+s4+w64+measured@k4v4": dict(
+        exact_recent_tokens=64, protected_layers=[("first_last", "tqkv_k4v4")]),
+    "k3v4+pre64+s4+r64+measured@k4v4": dict(
         preset=K3, key_centering="pre_rope", centering_tokens=64, exact_sink_tokens=4,
-        exact_window_tokens=64, protected_layers=[("measured", "tqkv_k4v4")]),
+        exact_recent_tokens=64, protected_layers=[("measured", "tqkv_k4v4")]),
     # 4-bit keys and all-3-bit with the same protection
     "k4v4+pre64": dict(preset="turboquant_4bit_nc", key_centering="pre_rope",
                        centering_tokens=64),
-    "k4v4+pre64+s4+w64": dict(preset="turboquant_4bit_nc", key_centering="pre_rope",
-                              centering_tokens=64, exact_sink_tokens=4, exact_window_tokens=64),
-    "3bit+pre64+s4+w64": dict(preset="turboquant_3bit_nc", key_centering="pre_rope",
-                              centering_tokens=64, exact_sink_tokens=4, exact_window_tokens=64),
+    "k4v4+pre64+s4+r64": dict(preset="turboquant_4bit_nc", key_centering="pre_rope",
+                              centering_tokens=64, exact_sink_tokens=4, exact_recent_tokens=64),
+    "3bit+pre64+s4+r64": dict(preset="turboquant_3bit_nc", key_centering="pre_rope",
+                              centering_tokens=64, exact_sink_tokens=4, exact_recent_tokens=64),
     # the server's presets with the headline recipe built in (they need the
     # model's rope for pre-RoPE centering)
     "csw:tqkv_k3v4u_csw": dict(preset="tqkv_k3v4u_csw", rope=True),
@@ -163,7 +167,7 @@ def fields_text(recipe, rope_spec, served_count=0, model_name="", layer_ropes=No
         out.append(rope_mod.config_text(rope_spec))
         out += layer_ropes_text(layer_ropes or {})
     for name in ("centering_tokens", "centering_pairs", "exact_sink_tokens",
-                 "exact_window_tokens"):
+                 "exact_recent_tokens"):
         if name in recipe:
             out.append("%s: %d" % (name, recipe[name]))
     for name in ("centering_includes_sinks", "sequence_key_scales"):
@@ -204,12 +208,21 @@ def cache_text(name, layers, kv_heads, query_heads, head_dim, preset, boundary, 
                (" " + extra) if extra else ""))
 
 
+def _renamed(name):
+    """A recipe name as it reads now: "+wN" (and "+w*") was the old spelling
+    of "+rN" (exact recent tokens; "window" is sliding-window attention's)."""
+    new = re.sub(r"\+w(?=\d|\*)", "+r", name)
+    if new != name:
+        print("recipes: %r is deprecated; use %r" % (name, new), file=sys.stderr)
+    return new
+
+
 def select(names):
-    """Recipe names from a --recipes value."""
+    """Recipe names from a --recipes value (old "+wN" names read as "+rN")."""
     if not names:
         return []
     out = []
-    for n in names.split(","):
+    for n in map(_renamed, names.split(",")):
         if n == "all":
             out += list(RECIPES)
         elif n.endswith("*"):

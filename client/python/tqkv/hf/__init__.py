@@ -21,7 +21,7 @@ config_text() writes it as a server config file. calibrate_key_scales(model,
 ids) measures per-channel key scales on calibration tokens (one forward;
 tqkv/hf/_key_scales.py), and cache_config(model, key_scales=...) puts them in
 the cache: at 3 bits the largest quality lever when reads fall outside the
-exact window (docs/quality.md). A TqkvCache compares it
+exact recent tokens (docs/quality.md). A TqkvCache compares it
 with the server's cache at construction: CacheMismatch (shape or windows
 differ: attention would be wrong), RopeMismatchWarning (pre-RoPE centering
 with another RoPE: exact, but compresses worse), Unsupported (what no

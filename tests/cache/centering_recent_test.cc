@@ -1,7 +1,7 @@
 // Key centering and exact tokens through the real cache and CPU backend,
 // against float64 attention over what the cache stores: the compressed
 // residual k_t - R_t m (decoded), or its fp16 copy while the token is a sink
-// or inside the window, plus the mean added back exactly.
+// or among the recent tokens, plus the mean added back exactly.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -63,7 +63,7 @@ Data MakeData(const KvLayout& layout, int64_t first_position, int64_t tokens, ui
   return data;
 }
 
-KvLayoutOptions Options(const std::string& preset, KeyCentering centering, int sinks, int window) {
+KvLayoutOptions Options(const std::string& preset, KeyCentering centering, int sinks, int recent) {
   KvLayoutOptions o;
   o.num_layers = kLayers;
   o.num_kv_heads = kKvHeads;
@@ -77,7 +77,7 @@ KvLayoutOptions Options(const std::string& preset, KeyCentering centering, int s
   o.centering_tokens = 24;
   o.centering_pairs = 6;
   o.exact_sink_tokens = sinks;
-  o.exact_window_tokens = window;
+  o.exact_recent_tokens = recent;
   return o;
 }
 
@@ -161,7 +161,7 @@ class Reference {
     keys->clear();
     values->clear();
     for (int64_t t = 0; t < length_; ++t) {
-      const bool exact = t < ranges.sink_end || t >= ranges.window_begin;
+      const bool exact = t < ranges.sink_end || t >= ranges.recent_begin;
       // r_t = k_t - R_t m, as the cache computes it.
       const RopeAngles angles = ComputeRopeAngles(layout_.rope(layer), t, 1);
       SubtractKeyMean(layout_.rope(layer), angles, mean.data(), tokens[t].key.data(), d, d, residual.data());
@@ -314,14 +314,14 @@ struct RecipeCase {
   std::string preset;
   KeyCentering centering;
   int sinks;
-  int window;
+  int recent;
   bool layer_rope = false;       // layer 1 rotates with a RoPE of its own (layer_ropes)
   bool key_scales = false;       // per-channel key scales in [0.5, 2]
   bool sequence_scales = false;  // each sequence's own key scales
 };
 
 void PrintTo(const RecipeCase& c, std::ostream* os) {
-  *os << c.preset << " centering " << static_cast<int>(c.centering) << " sinks " << c.sinks << " window " << c.window
+  *os << c.preset << " centering " << static_cast<int>(c.centering) << " sinks " << c.sinks << " recent " << c.recent
       << (c.layer_rope ? " layer rope" : "") << (c.key_scales ? " key scales" : "")
       << (c.sequence_scales ? " sequence key scales" : "");
 }
@@ -338,7 +338,7 @@ class RecipeTest : public ::testing::TestWithParam<RecipeCase> {};
 
 TEST_P(RecipeTest, AttendAndScoreEqualFloat64OverTheStoredResidualPlusTheMean) {
   const RecipeCase& c = GetParam();
-  KvLayoutOptions o = Options(c.preset, c.centering, c.sinks, c.window);
+  KvLayoutOptions o = Options(c.preset, c.centering, c.sinks, c.recent);
   if (c.layer_rope) {
     o.layer_ropes.assign(kLayers, RopeOptions());
     o.layer_ropes[1] = OtherRope();
@@ -352,7 +352,7 @@ TEST_P(RecipeTest, AttendAndScoreEqualFloat64OverTheStoredResidualPlusTheMean) {
   Fixture f(o);
   ASSERT_NE(f.cache, nullptr);
   Reference ref(f.cache->layout());
-  // A prefill, then decode steps, then a chunk: the window slides over page
+  // A prefill, then decode steps, then a chunk: the recent tokens move over page
   // boundaries of both kinds of page.
   Data prefill = MakeData(f.cache->layout(), 0, 45, 1);
   ASSERT_TRUE(f.Append("s", 0, prefill, 45).ok());
@@ -390,7 +390,7 @@ INSTANTIATE_TEST_SUITE_P(
       const char* centering = c.centering == KeyCentering::kPreRope    ? "pre"
                               : c.centering == KeyCentering::kPostRope ? "post"
                                                                        : "none";
-      return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_w" + std::to_string(c.window) +
+      return c.preset + "_" + centering + "_s" + std::to_string(c.sinks) + "_r" + std::to_string(c.recent) +
              (c.layer_rope ? "_layer_rope" : "") + (c.key_scales ? "_key_scales" : "") +
              (c.sequence_scales ? "_sequence_scales" : "");
     });
@@ -507,23 +507,23 @@ TEST(CenteringTest, CenteringLowersTheScoreErrorOnKeysWithASharedComponent) {
   EXPECT_LT(err[1], 0.5 * err[0]) << "plain " << err[0] << " centered " << err[1];
 }
 
-TEST(ExactWindowTest, ATokenIsReadExactUntilItLeavesTheWindowAndCompressedAfter) {
-  // Same seed and preset with and without a window: outside the window the
-  // two caches read the same compressed bytes, inside it the windowed one
-  // reads fp16.
-  Fixture windowed(Options("turboquant_3bit_nc", KeyCentering::kNone, 2, 8));
+TEST(ExactRecentTest, ATokenIsReadExactWhileRecentAndCompressedAfter) {
+  // Same seed and preset with and without exact recent tokens: before the
+  // last 8 the two caches read the same compressed bytes, within them the
+  // recent one reads fp16.
+  Fixture recent(Options("turboquant_3bit_nc", KeyCentering::kNone, 2, 8));
   Fixture plain(Options("turboquant_3bit_nc", KeyCentering::kNone, 0, 0));
   const int d = 64;
   const std::vector<float> q = Queries(1, d, 4);
   std::vector<Data> steps;
   for (int64_t t = 0; t < 30; ++t) {
-    Data token = MakeData(windowed.cache->layout(), t, 1, 200 + t);
-    ASSERT_TRUE(windowed.Append("s", t, token, 1).ok());
+    Data token = MakeData(recent.cache->layout(), t, 1, 200 + t);
+    ASSERT_TRUE(recent.Append("s", t, token, 1).ok());
     ASSERT_TRUE(plain.Append("s", t, token, 1).ok());
     steps.push_back(token);
     const int64_t length = t + 1;
     std::vector<float> a(kQueryHeads * length), b(kQueryHeads * length);
-    ASSERT_TRUE(windowed.cache->Score("s", 1, 0, -1, q.data(), a.data()).ok());
+    ASSERT_TRUE(recent.cache->Score("s", 1, 0, -1, q.data(), a.data()).ok());
     ASSERT_TRUE(plain.cache->Score("s", 1, 0, -1, q.data(), b.data()).ok());
     for (int64_t u = 0; u < length; ++u) {
       const bool exact = u < 2 || u >= length - 8;
@@ -540,7 +540,7 @@ TEST(ExactWindowTest, ATokenIsReadExactUntilItLeavesTheWindowAndCompressedAfter)
   }
 }
 
-TEST(ExactWindowTest, ForksShareTheWindowAndCopyOnWrite) {
+TEST(ExactRecentTest, ForksShareTheRecentTokensAndCopyOnWrite) {
   Fixture f(Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 3, 10));
   Reference parent(f.cache->layout());
   Data prefill = MakeData(f.cache->layout(), 0, 20, 11);
@@ -566,7 +566,7 @@ TEST(ExactWindowTest, ForksShareTheWindowAndCopyOnWrite) {
   EXPECT_EQ(f.cache->Stats().pages_used, 0);
 }
 
-TEST(ExactWindowTest, WindowPagesAreReleasedAsItSlidesAndBytesAreCounted) {
+TEST(ExactRecentTest, PagesOfNoLongerRecentTokensAreReleasedAndBytesAreCounted) {
   const KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
   Fixture f(o);
   const KvLayout& layout = f.cache->layout();
@@ -582,7 +582,7 @@ TEST(ExactWindowTest, WindowPagesAreReleasedAsItSlidesAndBytesAreCounted) {
     ASSERT_EQ(info->stored_bytes, want);
     ASSERT_EQ(f.cache->Stats().stored_bytes, want);
   }
-  // Sinks plus a window of 16: a bounded number of exact pages, whatever the length.
+  // Sinks plus 16 recent tokens: a bounded number of exact pages, whatever the length.
   const int per_page = layout.exact_page_tokens();
   EXPECT_LE(most_exact_pages, (4 + per_page - 1) / per_page + (16 + per_page - 1) / per_page + 1);
   const int64_t compressed_pages = (300 + 15) / 16;
@@ -596,7 +596,7 @@ TEST(ExactWindowTest, WindowPagesAreReleasedAsItSlidesAndBytesAreCounted) {
   EXPECT_EQ(f.cache->Stats().stored_bytes, 0u);
 }
 
-TEST(ExactWindowTest, LruEvictionFreesExactPagesToo) {
+TEST(ExactRecentTest, LruEvictionFreesExactPagesToo) {
   KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
   auto layout = KvLayout::Create(o);
   ASSERT_TRUE(layout.ok());
@@ -625,7 +625,7 @@ TEST(ExactWindowTest, LruEvictionFreesExactPagesToo) {
   EXPECT_EQ((*cache)->Stats().pages_used, 0);
 }
 
-TEST(ExactWindowTest, AFailedAppendChangesNothing) {
+TEST(ExactRecentTest, AFailedAppendChangesNothing) {
   Fixture f(Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16));
   Data data = MakeData(f.cache->layout(), 0, 20, 1);
   ASSERT_TRUE(f.Append("s", 0, data, 20).ok());
@@ -639,9 +639,9 @@ TEST(ExactWindowTest, AFailedAppendChangesNothing) {
   EXPECT_EQ(f.cache->GetSequence("s")->max_tokens, 20);
 }
 
-TEST(ExactWindowTest, LayoutRejectsBadSettings) {
+TEST(ExactRecentTest, LayoutRejectsBadSettings) {
   KvLayoutOptions o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
-  o.exact_window_tokens = -2;  // -1 means the preset's
+  o.exact_recent_tokens = -2;  // -1 means the preset's
   EXPECT_EQ(KvLayout::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
   o = Options("turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 16);
   o.page_tokens = 1;  // a 1-token compressed page cannot hold an fp16 token
@@ -683,14 +683,14 @@ TEST(RecipePresetTest, ARecipePresetSetsCenteringAndExactTokensUnlessTheOptionsD
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_EQ((*layout)->key_centering(), KeyCentering::kPreRope);
   EXPECT_EQ((*layout)->options().exact_sink_tokens, 4);
-  EXPECT_EQ((*layout)->options().exact_window_tokens, 64);
+  EXPECT_EQ((*layout)->options().exact_recent_tokens, 64);
   EXPECT_EQ((*layout)->layer_preset(0).key.Name(), "tq3_nc");
-  o.exact_window_tokens = 0;
+  o.exact_recent_tokens = 0;
   o.key_centering = KeyCentering::kNone;
   layout = KvLayout::Create(o);
   ASSERT_TRUE(layout.ok());
   EXPECT_EQ((*layout)->key_centering(), KeyCentering::kNone);
-  EXPECT_EQ((*layout)->options().exact_window_tokens, 0);
+  EXPECT_EQ((*layout)->options().exact_recent_tokens, 0);
   EXPECT_EQ((*layout)->options().exact_sink_tokens, 4);
   // Without the model's RoPE the recipe centers after RoPE.
   o = KvLayoutOptions();
