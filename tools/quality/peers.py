@@ -272,7 +272,8 @@ def hf_modules():
         import transformers  # noqa: F401
         from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
     except Exception as error:
-        return None, "torch/transformers are not importable (%s: %s)" % (type(error).__name__, error)
+        return None, "torch/transformers are not importable (%s: %s)" % (
+            type(error).__name__, error)
     from transformers.utils import is_hqq_available, is_optimum_quanto_available
     missing = {}
     if not is_optimum_quanto_available():
@@ -377,8 +378,8 @@ class HfPeer:
         if protocol == "every":
             cls = every_read(cls)
         residual = 0 if protocol == "every" else self.residual
-        return Cache(layers=[cls(nbits=spec["nbits"], q_group_size=HF_GROUP, residual_length=residual)
-                             for _ in range(layers)])
+        return Cache(layers=[cls(nbits=spec["nbits"], q_group_size=HF_GROUP,
+                                 residual_length=residual) for _ in range(layers)])
 
     def run(self, ids, kv, protocol, step):
         torch = self.torch
@@ -432,11 +433,22 @@ def check_tokens(peer, windows, log):
         if at is None:
             log("tokens: %s's tokenizer gives the same %d ids on %s" % (peer.name, len(body), name))
         else:
-            notes.append("%s: %s's tokenizer differs from ours at token %d of %d (ours %s, theirs %s); "
-                         "our ids are used" % (name, peer.name, at, len(body), body[at:at + 4],
-                                               list(theirs[at:at + 4])))
+            notes.append("%s: %s's tokenizer differs from ours at token %d of %d (ours %s, "
+                         "theirs %s); our ids are used" % (
+                             name, peer.name, at, len(body), body[at:at + 4],
+                             list(theirs[at:at + 4])))
             log("tokens: " + notes[-1])
     return notes
+
+
+def cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def main(argv=None):
@@ -493,7 +505,8 @@ def main(argv=None):
             if peer_name == "llama.cpp":
                 module, why = llama_cpp_module()
                 if module is None:
-                    skipped.append({"peer": peer_name, "kv": ",".join(llama_types), "reason": why})
+                    skipped.append({"peer": peer_name, "kv": ",".join([LLAMA_BASE] + llama_types),
+                                    "reason": why})
                     continue
                 peer = LlamaCppPeer(module, gguf, args.threads)
                 kinds = peer.types(llama_types)
@@ -529,9 +542,11 @@ def main(argv=None):
                             peer.name, kv, key, text, protocol, r["ppl"], r["seconds"]))
             del peer
 
+    hf_ran = any(r["peer"] == "transformers" for r in results)
     print("Perplexity change vs each peer's own unquantized KV run (baseline rows: perplexity), "
-          "every = the window in one forward, decode = %d-token steps; transformers' decode "
-          "keeps residual_length %d tokens at full precision." % (args.step, args.hf_residual))
+          "every = the window in one forward, decode = %d-token steps%s." % (
+              args.step, "; transformers' decode keeps residual_length %d tokens at full "
+              "precision" % args.hf_residual if hf_ran else ""))
     print()
     print(table(results, skipped))
     if notes:
@@ -542,8 +557,9 @@ def main(argv=None):
     for peer, v in versions.items():
         print("%s: %s" % (peer, v))
     if args.json:
-        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": platform.processor() or platform.machine(), "versions": versions,
+        now = datetime.datetime.now(datetime.timezone.utc)
+        report = {"date": now.isoformat(timespec="seconds"), "machine": cpu_name(),
+                  "versions": versions,
                   "step": args.step, "hf_residual": args.hf_residual, "hf_group": HF_GROUP,
                   "bits": BITS, "results": with_changes(results), "skipped": skipped,
                   "token_notes": notes}
