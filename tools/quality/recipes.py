@@ -131,6 +131,9 @@ RECIPES = {
     "csw:tqkv_k3v4u_csw+sks": dict(preset="tqkv_k3v4u_csw", rope=True, sequence_key_scales=True),
     "csw:tqkv_k3v4u_csw-sks": dict(preset="tqkv_k3v4u_csw", rope=True, sequence_key_scales=False),
     "csw:tqkv_k4v4u_csw+sks": dict(preset="tqkv_k4v4u_csw", rope=True, sequence_key_scales=True),
+    # fewer exact recent tokens: the bytes of a sliding-window layer at 8k
+    "csw:tqkv_k3v4u_csw+r32": dict(preset="tqkv_k3v4u_csw", rope=True, exact_recent_tokens=32),
+    "csw:tqkv_k3v4u_csw+r48": dict(preset="tqkv_k3v4u_csw", rope=True, exact_recent_tokens=48),
 }
 
 # Served-layer indices to protect per model, to be chosen by measurement
