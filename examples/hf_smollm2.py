@@ -42,22 +42,24 @@ def cache_dir():
                         or os.path.join(sys.prefix, "hf-cache")) / "smollm2-135m-q4_1"
 
 
-def load(attn_implementation="eager", log=print):
-    """(model, tokenizer): float32, eval mode."""
+def load_gguf(path, folder, attn_implementation="eager", log=print):
+    """(model, tokenizer) of any GGUF file that transformers reads: float32,
+    eval mode, converted once into `folder` (safetensors, with a stamp of
+    the source file) and loaded from there afterwards."""
     import torch
     import transformers
 
-    path = gguf_path()
-    folder = cache_dir()
+    path = pathlib.Path(path)
+    folder = pathlib.Path(folder)
     stamp = folder / "source.txt"
     source = "%s %d" % (path, path.stat().st_size)
-    t0 = time.perf_counter()
     if not stamp.exists() or stamp.read_text() != source:
         log("converting %s with transformers' GGUF loader (once; kept in %s)" % (path.name, folder))
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32)
         config = model.config
-        del config.quantization_config  # the weights are float32 now
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are float32 now
         plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(model.state_dict())
         plain.save_pretrained(folder)
@@ -67,5 +69,12 @@ def load(attn_implementation="eager", log=print):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation=attn_implementation).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
+
+
+def load(attn_implementation="eager", log=print):
+    """(model, tokenizer): float32, eval mode."""
+    t0 = time.perf_counter()
+    model, tokenizer = load_gguf(gguf_path(), cache_dir(), attn_implementation, log)
     log("SmolLM2-135M-Instruct loaded in %.1f s" % (time.perf_counter() - t0))
     return model, tokenizer

@@ -306,30 +306,12 @@ def hf_cache_dir():
 
 def hf_load(gguf, log):
     """(model, tokenizer): the GGUF dequantized to float32 by transformers'
-    GGUF loader, converted once and kept as safetensors."""
-    import torch
-    import transformers
+    GGUF loader, converted once and kept as safetensors (examples/hf_smollm2.py
+    does the conversion)."""
+    sys.path.insert(0, str(HERE.parents[1] / "examples"))
+    import hf_smollm2
     gguf = pathlib.Path(gguf)
-    folder = hf_cache_dir() / gguf.stem
-    stamp = folder / "source.txt"
-    source = "%s %d" % (gguf, gguf.stat().st_size)
-    if not stamp.exists() or stamp.read_text() != source:
-        log("converting %s with transformers' GGUF loader (once; kept in %s)" % (gguf.name, folder))
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the weights are float32 now
-        plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
-        plain.save_pretrained(folder)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer.save_pretrained(folder)
-        stamp.write_text(source)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    return model, tokenizer
+    return hf_smollm2.load_gguf(gguf, hf_cache_dir() / gguf.stem, "sdpa", log)
 
 
 class HfPeer:
