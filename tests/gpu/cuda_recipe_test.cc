@@ -219,6 +219,16 @@ void RunRecipe(const Recipe& recipe, Backend* cpu, Backend* gpu, double toleranc
   run.Compare("seq", 9, 500, length + 3);
 }
 
+// RunRecipe through the fp32 kernels, then through the tensor-core one.
+void RunRecipeBothKernels(const Recipe& recipe, Backend* cpu, Backend* gpu_fp32, Backend* gpu) {
+  {
+    SCOPED_TRACE("fp32 kernels");
+    RunRecipe(recipe, cpu, gpu_fp32, kFp32Tolerance);
+  }
+  SCOPED_TRACE("tensor-core decode");
+  RunRecipe(recipe, cpu, gpu, kTensorCoreTolerance);
+}
+
 std::vector<Recipe> Recipes() {
   std::vector<Recipe> recipes;
   for (const char* preset : {"turboquant_k3v4_nc", "turboquant_3bit_nc", "tqkv_k3v4", "fp16"}) {
@@ -233,12 +243,7 @@ std::vector<Recipe> Recipes() {
 TEST_F(CudaBackendTest, CenteringAndExactTokensMatchTheCpuThroughTheCache) {
   for (const Recipe& recipe : Recipes()) {
     EXPECT_TRUE(gpu_->SupportsLayout(**KvLayout::Create(RecipeOptions(recipe).layout)).ok());
-    {
-      SCOPED_TRACE("fp32 kernels");
-      RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
-    }
-    SCOPED_TRACE("tensor-core decode");
-    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+    RunRecipeBothKernels(recipe, cpu_, gpu_fp32_, gpu_);
   }
 }
 
@@ -250,12 +255,7 @@ TEST_F(CudaBackendTest, SlidingWindowLayersMatchTheCpuThroughTheCache) {
        {Recipe{"turboquant_k3v4_nc", KeyCentering::kNone, 0, 0, 20}, Recipe{"fp16", KeyCentering::kNone, 0, 0, 7},
         Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24},
         Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 33}}) {
-    {
-      SCOPED_TRACE("fp32 kernels");
-      RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
-    }
-    SCOPED_TRACE("tensor-core decode");
-    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+    RunRecipeBothKernels(recipe, cpu_, gpu_fp32_, gpu_);
   }
 }
 
@@ -271,12 +271,7 @@ TEST_F(CudaBackendTest, LayerRopesAndKeyScalesMatchTheCpuThroughTheCache) {
                                Recipe{"fp16", KeyCentering::kPreRope, 0, 0, 33, false, true},
                                Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24, true, false, true},
                                Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8, 0, false, false, true}}) {
-    {
-      SCOPED_TRACE("fp32 kernels");
-      RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
-    }
-    SCOPED_TRACE("tensor-core decode");
-    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+    RunRecipeBothKernels(recipe, cpu_, gpu_fp32_, gpu_);
   }
 }
 
@@ -288,12 +283,7 @@ TEST_F(CudaBackendTest, SoftCappedLogitsMatchTheCpuThroughTheCache) {
        {Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 4, 20, 24},
         Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 2, 8}, Recipe{"fp16", KeyCentering::kNone, 0, 0}}) {
     recipe.softcap = 2.0f;
-    {
-      SCOPED_TRACE("fp32 kernels");
-      RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
-    }
-    SCOPED_TRACE("tensor-core decode");
-    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+    RunRecipeBothKernels(recipe, cpu_, gpu_fp32_, gpu_);
   }
 }
 
@@ -302,8 +292,7 @@ TEST_F(CudaBackendTest, ExactTokensCoveringTheContextOrOnlySinksMatchTheCpu) {
   for (const Recipe& recipe :
        {Recipe{"turboquant_k3v4_nc", KeyCentering::kPreRope, 2, 200},
         Recipe{"tqkv_k3v4", KeyCentering::kPostRope, 8, 0}, Recipe{"turboquant_3bit_nc", KeyCentering::kNone, 0, 5}}) {
-    RunRecipe(recipe, cpu_, gpu_fp32_, kFp32Tolerance);
-    RunRecipe(recipe, cpu_, gpu_, kTensorCoreTolerance);
+    RunRecipeBothKernels(recipe, cpu_, gpu_fp32_, gpu_);
   }
 }
 
