@@ -168,31 +168,30 @@ std::vector<std::string> KvCache::ListSequences() {
 
 namespace {
 
-// The items as the backend takes them: each placed item (first_query_position
-// >= 0) cut to its query tokens that see a stored token, the rest of its
-// output set to 0 and its lse to -inf here; items that see nothing left out.
-// A sliding window moves forward with the position, so those tokens are a
-// prefix of the item's.
-std::vector<AttendItem> QueriesThatSee(const KvLayout& layout, absl::Span<const AttendItem> items) {
-  std::vector<AttendItem> out;
-  out.reserve(items.size());
+// Cuts each placed item (first_query_position >= 0) to its query tokens
+// that see a stored token, the rest of its output set to 0 and its lse to
+// -inf here, and leaves out the items that see nothing: the backends take
+// only query tokens that see something. A sliding window moves forward with
+// the position, so those tokens are a prefix of the item's. Items of the
+// last n stored tokens are untouched.
+void TrimPlacedQueries(const KvLayout& layout, std::vector<AttendItem>* items) {
   const size_t row = static_cast<size_t>(layout.num_query_heads());
-  for (AttendItem item : items) {
+  const size_t d = static_cast<size_t>(layout.head_dim());
+  for (AttendItem& item : *items) {
     const int window = layout.layer_window(item.layer);
-    if (item.first_query_position >= 0 && window > 0) {
-      // Query token i sees a stored token when position + 1 - window < length.
-      const int64_t seeing = item.context_tokens + window - 1 - item.first_query_position;
-      const int n = static_cast<int>(std::clamp<int64_t>(seeing, 0, item.num_query_tokens));
-      std::fill(item.output + n * row * layout.head_dim(),
-                item.output + item.num_query_tokens * row * layout.head_dim(), 0.0f);
-      if (item.lse != nullptr) {
-        std::fill(item.lse + n * row, item.lse + item.num_query_tokens * row, -std::numeric_limits<float>::infinity());
-      }
-      item.num_query_tokens = n;
+    if (item.first_query_position < 0 || window == 0) continue;
+    // Query token i sees a stored token when position + 1 - window < length.
+    const int64_t seeing = item.context_tokens + window - 1 - item.first_query_position;
+    const int n = static_cast<int>(std::clamp<int64_t>(seeing, 0, item.num_query_tokens));
+    std::fill(item.output + n * row * d, item.output + item.num_query_tokens * row * d, 0.0f);
+    if (item.lse != nullptr) {
+      std::fill(item.lse + n * row, item.lse + item.num_query_tokens * row, -std::numeric_limits<float>::infinity());
     }
-    if (item.num_query_tokens > 0) out.push_back(item);
+    item.num_query_tokens = n;
   }
-  return out;
+  items->erase(
+      std::remove_if(items->begin(), items->end(), [](const AttendItem& i) { return i.num_query_tokens == 0; }),
+      items->end());
 }
 
 }  // namespace
@@ -285,11 +284,11 @@ absl::Status KvCache::Attend(absl::Span<const AttendRequestItem> items, float sc
     }
   }
 
-  std::vector<AttendItem> seeing = QueriesThatSee(layout, kernel_items);
+  TrimPlacedQueries(layout, &kernel_items);
   AttendParams params;
   params.layout = layout_.get();
   params.pool = pool_;
-  params.items = seeing;
+  params.items = kernel_items;
   params.scale = EffectiveScale(scale, layout);
   params.logit_softcap = logit_softcap;
   const absl::Status status = backend_->Attend(params);
