@@ -11,8 +11,9 @@
 //     code_bits:  FormatBits() mask of the code widths a field may have.
 //   TQKV_FORMAT_PAIRS(X)     X(Name, KeyFamily, ValueFamily, tensor_cores, fused_on)
 //     every pair with a fused attention kernel; tensor_cores: the CUDA
-//     tensor-core kernel has an instance for it (its own limits on head dim
-//     and bits still apply: cuda::AttendMmaSupported); fused_on: the backends
+//     tensor-core kernels have an instance for it (their own limits on head
+//     dim, bits and page size still apply: cuda::AttendHmmaShape,
+//     cuda::AttendMmaSupported); fused_on: the backends
 //     with a fused kernel for it (kFusedCpu, kFusedCuda). A pair a backend
 //     lacks still attends there when the backend has a general path (the
 //     CPU's reference loop) or is refused at layout time (CUDA: UNIMPLEMENTED).
@@ -73,8 +74,8 @@ constexpr uint32_t kFusedCuda = 2;
   /* Name                 Key          Value        tensor_cores  fused_on */                                \
   X(Fp16Fp16,              Fp16,        Fp16,        true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
   X(Bf16Bf16,              Bf16,        Bf16,        true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
-  X(Fp8Fp8,                Fp8,         Fp8,         false,         ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
-  X(Fp8Uniform,            Fp8,         Uniform,     false,         ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(Fp8Fp8,                Fp8,         Fp8,         true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
+  X(Fp8Uniform,            Fp8,         Uniform,     true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
   X(TurboQuantUniform,     TurboQuant,  Uniform,     true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
   X(TurboQuantTurboQuant,  TurboQuant,  TurboQuant,  true,          ::tqkv::kFusedCpu | ::tqkv::kFusedCuda)  \
   X(Fp16Bf16,              Fp16,        Bf16,        false,         ::tqkv::kFusedCpu)                       \

@@ -132,18 +132,29 @@ bool ScoreSupported(DeviceFieldFormat key);
 // fp32 kernel to about 2e-3 (TF32 operands).
 bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim);
 
+// The fp16 tensor-core kernel (attend_hmma_impl.cuh: m16n8k16 on fp16 / bf16
+// fragments built from the codes) for this (key, value) pair, head dim and
+// page size: -1 where it has no instance, else its shape code, key bits * 32
+// + value bits (16 for fp16 / bf16, 8 for fp8). Pairs: fp16, bf16, fp8 keys
+// with fp8 or uniform values, single-part TurboQuant keys of 2-4 bits with
+// uniform values of 2-4 bits; head dims 64, 128, 256; page_tokens a
+// multiple of 16. Preferred over the TF32 kernel wherever it applies.
+int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_dim, int page_tokens);
+
 // One launch of the fp32 kernel for `pair` with block_rows rows per block.
 cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelParams& params, cudaStream_t stream);
-// The tensor-core kernel for `pair` (its fields must pass AttendMmaSupported):
-// one warp per block of params.blocks.
-cudaError_t LaunchAttendMma(FormatPair pair, const AttendKernelParams& params, cudaStream_t stream);
+// A tensor-core kernel for `pair`, one warp per block of params.blocks: the
+// fp16 one for shape >= 0 (an AttendHmmaShape code), else the TF32 one (its
+// fields must pass AttendMmaSupported).
+cudaError_t LaunchAttendMma(FormatPair pair, int shape, const AttendKernelParams& params, cudaStream_t stream);
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
 // AttendBlocks of `pair`'s kernel that one SM runs at once, from
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor: the fp32 kernel's thread
 // blocks with `block_rows` rows at `head_dim` (one AttendBlock each), or with
-// `mma` the tensor-core kernel's thread blocks times their warps (one
-// AttendBlock per warp). The planner's DeviceFigures::blocks_per_sm.
-cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int block_rows, int head_dim, int* blocks);
+// `mma` the tensor-core kernel's (shape as for LaunchAttendMma) thread blocks
+// times their warps (one AttendBlock per warp). The planner's
+// DeviceFigures::blocks_per_sm.
+cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int shape, int block_rows, int head_dim, int* blocks);
 cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream);
 
 }  // namespace cuda

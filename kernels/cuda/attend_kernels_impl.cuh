@@ -9,6 +9,7 @@
 #define TQKV_KERNELS_CUDA_ATTEND_KERNELS_IMPL_CUH_
 
 #include "kernels/cuda/attend_simt_impl.cuh"
+#include "kernels/cuda/attend_hmma_impl.cuh"
 #include "kernels/cuda/attend_mma_impl.cuh"
 
 namespace tqkv {
@@ -32,9 +33,101 @@ AttendKernelFunction AttendMmaKernelFor(int head_dim) {
   }
 }
 
+// The fp16 tensor-core kernel's instances: which pairs have one, and the
+// instance for a head dim and an AttendHmmaShape code (key bits * 32 + value
+// bits); null where there is none.
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
-cudaError_t LaunchAttendMmaDims(const AttendKernelParams& params, cudaStream_t stream) {
-  const AttendKernelFunction kernel = AttendMmaKernelFor<kKey, kValue>(params.view.head_dim);
+constexpr bool HasHmma() {
+  using F = DeviceFieldFormat;
+  return (kKey == F::kFp16 && kValue == F::kFp16) || (kKey == F::kBf16 && kValue == F::kBf16) ||
+         (kKey == F::kFp8 && (kValue == F::kFp8 || kValue == F::kUniform)) ||
+         (kKey == F::kTurboQuant && kValue == F::kUniform);
+}
+
+template <DeviceFieldFormat kFormat>
+constexpr int RawBits() {
+  return kFormat == DeviceFieldFormat::kFp8 ? 8 : 16;
+}
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits>
+AttendKernelFunction AttendHmmaValueBits(int value_bits) {
+  if constexpr (kValue == DeviceFieldFormat::kUniform) {
+    switch (value_bits) {
+      case 2:
+        return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, 2>;
+      case 3:
+        return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, 3>;
+      case 4:
+        return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, 4>;
+      default:
+        return nullptr;
+    }
+  } else {
+    return value_bits == RawBits<kValue>() ? AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, RawBits<kValue>()>
+                                           : nullptr;
+  }
+}
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim>
+AttendKernelFunction AttendHmmaKeyBits(int shape) {
+  const int key_bits = shape >> 5, value_bits = shape & 31;
+  if constexpr (kKey == DeviceFieldFormat::kTurboQuant) {
+    switch (key_bits) {
+      case 2:
+        return AttendHmmaValueBits<kKey, kValue, kDim, 2>(value_bits);
+      case 3:
+        return AttendHmmaValueBits<kKey, kValue, kDim, 3>(value_bits);
+      case 4:
+        return AttendHmmaValueBits<kKey, kValue, kDim, 4>(value_bits);
+      default:
+        return nullptr;
+    }
+  } else {
+    return key_bits == RawBits<kKey>() ? AttendHmmaValueBits<kKey, kValue, kDim, RawBits<kKey>()>(value_bits) : nullptr;
+  }
+}
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+AttendKernelFunction AttendHmmaKernelFor(int head_dim, int shape) {
+  if constexpr (!HasHmma<kKey, kValue>()) {
+    return nullptr;
+  } else {
+    switch (head_dim) {
+      case 64:
+        return AttendHmmaKeyBits<kKey, kValue, 64>(shape);
+      case 128:
+        return AttendHmmaKeyBits<kKey, kValue, 128>(shape);
+      case 256:
+        return AttendHmmaKeyBits<kKey, kValue, 256>(shape);
+      default:
+        return nullptr;
+    }
+  }
+}
+
+// Whether the TF32 kernel reads the pair (raw fields of 16 bits or codes).
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+constexpr bool HasTf32Mma() {
+  return kKey != DeviceFieldFormat::kFp8 && kValue != DeviceFieldFormat::kFp8;
+}
+
+// The tensor-core kernel that reads a launch's blocks: the fp16 one for a
+// shape code >= 0, else the TF32 one; null where the pair has none.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+AttendKernelFunction AttendTensorKernelFor(int head_dim, int shape) {
+  if (shape >= 0) return AttendHmmaKernelFor<kKey, kValue>(head_dim, shape);
+  if constexpr (HasTf32Mma<kKey, kValue>()) {
+    return AttendMmaKernelFor<kKey, kValue>(head_dim);
+  } else {
+    return nullptr;
+  }
+}
+
+static_assert(kMmaWarps == kHmmaWarps, "both tensor-core kernels run one AttendBlock per warp, four a block");
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
+cudaError_t LaunchAttendMmaDims(int shape, const AttendKernelParams& params, cudaStream_t stream) {
+  const AttendKernelFunction kernel = AttendTensorKernelFor<kKey, kValue>(params.view.head_dim, shape);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((params.num_blocks + kMmaWarps - 1) / kMmaWarps));
   TQKV_LAUNCH(kernel, grid, kMmaWarps * 32, 0, stream, params);
@@ -101,12 +194,12 @@ cudaError_t LaunchScoreRows(int block_rows, const ScoreKernelParams& params, cud
 // AttendBlocks of one (key, value) instance resident per SM, from the
 // occupancy API; kHasMma: the pair has a tensor-core instance.
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, bool kHasMma>
-cudaError_t AttendInstanceBlocksPerSm(bool mma, int block_rows, int head_dim, int* blocks) {
+cudaError_t AttendInstanceBlocksPerSm(bool mma, int shape, int block_rows, int head_dim, int* blocks) {
   AttendKernelFunction kernel = nullptr;
   if (!mma) {
     kernel = AttendKernelFor<kKey, kValue>(block_rows);
   } else if constexpr (kHasMma) {
-    kernel = AttendMmaKernelFor<kKey, kValue>(head_dim);
+    kernel = AttendTensorKernelFor<kKey, kValue>(head_dim, shape);
   }
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int threads = mma ? kMmaWarps * 32 : kAttendThreads;
@@ -123,8 +216,49 @@ cudaError_t AttendInstanceBlocksPerSm(bool mma, int block_rows, int head_dim, in
 
 bool ScoreSupported(DeviceFieldFormat key) { return FamilyInfo(key).reads_keys; }
 
+int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_dim, int page_tokens) {
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
+  if (page_tokens <= 0 || page_tokens % kHmmaTile != 0) return -1;
+  FormatPair pair;
+  if (!FindFormatPair(key.format, value.format, &pair) || !PairInfo(pair).tensor_cores) return -1;
+  const bool has = TQKV_CUDA_DISPATCH_FORMAT_PAIR(
+                       pair, kKey, kValue, kTensorCores,
+                       return HasHmma<kKey, kValue>() ? cudaSuccess : cudaErrorInvalidValue;) == cudaSuccess;
+  if (!has) return -1;
+  // Raw fields token-major at their natural size; codes tiled, whole words,
+  // one part covering every coordinate in order.
+  auto bits_of = [&](const DeviceField& f, bool key_field) {
+    switch (f.format) {
+      case DeviceFieldFormat::kFp16:
+      case DeviceFieldFormat::kBf16:
+        return f.tiled == 0 && f.code_bytes == 2 * head_dim ? 16 : -1;
+      case DeviceFieldFormat::kFp8:
+        return f.tiled == 0 && f.code_bytes == head_dim ? 8 : -1;
+      case DeviceFieldFormat::kUniform:
+        return f.tiled != 0 && f.bits >= 2 && f.bits <= 4 && f.code_bytes * 8 == head_dim * f.bits &&
+                       f.code_bytes % 4 == 0 && f.num_scalars == 2
+                   ? f.bits
+                   : -1;
+      case DeviceFieldFormat::kTurboQuant: {
+        const DevicePart& part = f.parts[0];
+        return key_field && f.tiled != 0 && f.num_parts == 1 && part.dim == head_dim && part.code_offset == 0 &&
+                       part.channels == nullptr && part.bits >= 2 && part.bits <= 4 &&
+                       f.code_bytes * 8 == head_dim * part.bits && f.code_bytes % 4 == 0 && f.num_scalars == 1 &&
+                       part.scalar_index == 0
+                   ? part.bits
+                   : -1;
+      }
+    }
+    return -1;
+  };
+  const int key_bits = bits_of(key, true), value_bits = bits_of(value, false);
+  if (key_bits < 0 || value_bits < 0) return -1;
+  return key_bits * 32 + value_bits;
+}
+
 bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int head_dim) {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
+  if (key.format == DeviceFieldFormat::kFp8 || value.format == DeviceFieldFormat::kFp8) return false;
   FormatPair pair;
   if (!FindFormatPair(key.format, value.format, &pair) || !PairInfo(pair).tensor_cores) return false;
   // Coded fields: one part of 2-4 bits (the kernel's per-lane code runs).
@@ -152,21 +286,21 @@ cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelPara
                                         return LaunchAttendRows<kKey, kValue>(block_rows, params, stream););
 }
 
-cudaError_t LaunchAttendMma(FormatPair pair, const AttendKernelParams& params, cudaStream_t stream) {
+cudaError_t LaunchAttendMma(FormatPair pair, int shape, const AttendKernelParams& params, cudaStream_t stream) {
   if (params.num_blocks == 0) return cudaSuccess;
   return TQKV_CUDA_DISPATCH_FORMAT_PAIR(pair, kKey, kValue, kTensorCores, {
     if constexpr (kTensorCores) {
-      return LaunchAttendMmaDims<kKey, kValue>(params, stream);
+      return LaunchAttendMmaDims<kKey, kValue>(shape, params, stream);
     } else {
       return cudaErrorInvalidValue;
     }
   });
 }
 
-cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int block_rows, int head_dim, int* blocks) {
+cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int shape, int block_rows, int head_dim, int* blocks) {
   return TQKV_CUDA_DISPATCH_FORMAT_PAIR(
       pair, kKey, kValue, kTensorCores,
-      return AttendInstanceBlocksPerSm<kKey, kValue, kTensorCores>(mma, block_rows, head_dim, blocks););
+      return AttendInstanceBlocksPerSm<kKey, kValue, kTensorCores>(mma, shape, block_rows, head_dim, blocks););
 }
 
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream) {

@@ -40,6 +40,7 @@ LaunchKey KeyOf(const PoolTables& tables, int layer, bool exact, int block_rows)
   LaunchKey key;
   key.exact = exact;
   key.mma = t.layer_mma[layer];
+  key.hmma = t.layer_hmma[layer];
   key.pair = t.layer_pair[layer];
   key.block_rows = block_rows;
   return key;
@@ -136,7 +137,7 @@ absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, cons
     k.view = key.exact ? exact_view : view;
     k.prepared = reinterpret_cast<const float*>(w.device + (key.exact ? at.prepared_exact : at.prepared));
     if (key.mma) {
-      RETURN_IF_ERROR(CudaStatus(LaunchAttendMma(key.pair, k, w.stream), "tensor-core attend kernel launch"));
+      RETURN_IF_ERROR(CudaStatus(LaunchAttendMma(key.pair, key.hmma, k, w.stream), "tensor-core attend kernel launch"));
     } else {
       RETURN_IF_ERROR(CudaStatus(LaunchAttend(key.pair, key.block_rows, k, w.stream), "attend kernel launch"));
     }
@@ -161,9 +162,9 @@ absl::Status MeasureOccupancy(const KvLayout& layout, LayoutTables* t) {
   t->layer_blocks_per_sm.clear();
   for (int layer = 0; layer < layout.num_layers(); ++layer) {
     int blocks = 0;
-    RETURN_IF_ERROR(
-        CudaStatus(AttendBlocksPerSm(t->layer_pair[layer], t->layer_mma[layer], rows, layout.head_dim(), &blocks),
-                   "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
+    RETURN_IF_ERROR(CudaStatus(AttendBlocksPerSm(t->layer_pair[layer], t->layer_mma[layer], t->layer_hmma[layer], rows,
+                                                 layout.head_dim(), &blocks),
+                               "cudaOccupancyMaxActiveBlocksPerMultiprocessor"));
     t->layer_blocks_per_sm.push_back(std::max(1, blocks));
   }
   return absl::OkStatus();

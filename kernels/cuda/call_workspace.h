@@ -26,11 +26,12 @@ namespace cuda {
 // of compressed pages before reads of exact pages, then by format pair and rows.
 struct LaunchKey {
   bool exact = false;                       // reads exact pages (the exact layout's view)
-  bool mma = false;                         // the tensor-core kernel
+  bool mma = false;                         // a tensor-core kernel
   FormatPair pair = FormatPair::kFp16Fp16;  // the layer's formats (kernels/format_table.h)
   int block_rows = 0;                       // the fp32 kernel's rows per block (template argument)
+  int hmma = -1;                            // the fp16 tensor-core kernel's shape (LayoutTables::layer_hmma)
 
-  auto Tied() const { return std::tie(exact, mma, pair, block_rows); }
+  auto Tied() const { return std::tie(exact, mma, pair, block_rows, hmma); }
   bool operator<(const LaunchKey& o) const { return Tied() < o.Tied(); }
   bool operator==(const LaunchKey& o) const { return Tied() == o.Tied(); }
 };

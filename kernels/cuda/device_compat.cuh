@@ -12,6 +12,24 @@
 // d[0] = D[g][2t], d[1] = D[g][2t + 1], d[2] = D[g + 8][2t],
 // d[3] = D[g + 8][2t + 1]. ToTf32 rounds a float to TF32 (nearest, ties away
 // from zero; 10 mantissa bits), returned as its 32-bit pattern.
+//
+// MmaF16 / MmaBf16(d, a, b): d += A B, A 16x16 and B 16x8 in fp16 / bf16
+// pairs, d 16x8 in fp32 (mma.sync.m16n8k16.row.col.f32.{f16,bf16}). A
+// register holds two 16-bit numbers, the lower k in its low half:
+// a[0] = A[g][2t, 2t + 1], a[1] = A[g + 8][2t, 2t + 1],
+// a[2] = A[g][2t + 8, 2t + 9], a[3] = A[g + 8][2t + 8, 2t + 9];
+// b[0] = B[2t, 2t + 1][g], b[1] = B[2t + 8, 2t + 9][g]; d as for MmaTf32.
+// PackHalf2 / PackBf162(lo, hi) round two floats to nearest even into one
+// register (lo in the low half); Fp8x2ToHalf2 widens the two fp8 E4M3 bytes
+// in the low 16 bits of its argument (exactly) into an fp16 pair;
+// Half2Sub subtracts fp16 pairs; BytePerm is __byte_perm; FastExp2 is the
+// hardware's 2^x (ex2.approx, about 2 ulp). SharedAddress(p) is the 32-bit
+// shared-window address of shared memory at p; LoadShared32 /
+// StoreShared32(anchor, address) read and write the word at such an
+// address, `anchor` being any address in the same shared array (the
+// emulation resolves the address against it). SinCosReduced(x, s, c): sine
+// and cosine of |x| <= pi by the hardware's approximations (absolute error
+// below 4e-7 there; the emulation: sinf / cosf).
 #ifndef TQKV_KERNELS_CUDA_DEVICE_COMPAT_CUH_
 #define TQKV_KERNELS_CUDA_DEVICE_COMPAT_CUH_
 
@@ -48,6 +66,72 @@ __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], c
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
+  uint32_t out;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t PackBf162(float lo, float hi) {
+  uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t Fp8x2ToHalf2(uint32_t two) {
+  uint32_t out;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(out) : "r"(two));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t Half2Sub(uint32_t a, uint32_t b) {
+  uint32_t out;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t BytePerm(uint32_t x, uint32_t y, uint32_t selector) {
+  return __byte_perm(x, y, selector);
+}
+
+__device__ __forceinline__ float FastExp2(float x) {
+  float out;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(out) : "f"(x));
+  return out;
+}
+
+__device__ __forceinline__ void SinCosReduced(float x, float* s, float* c) { __sincosf(x, s, c); }
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t LoadShared32(const void*, uint32_t address) {
+  uint32_t out;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(out) : "r"(address));
+  return out;
+}
+
+__device__ __forceinline__ void StoreShared32(void*, uint32_t address, uint32_t value) {
+  asm volatile("st.shared.u32 [%0], %1;" : : "r"(address), "r"(value) : "memory");
 }
 
 }  // namespace cuda
@@ -100,6 +184,75 @@ inline void MmaTf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2
     for (int k = 0; k < 8; ++k) sum += a_at(rows[i], k) * b_at(k, cols[i]);
     d[i] = sum;
   }
+}
+
+// m16n8k16 with 16-bit inputs that `widen` turns into floats (exact
+// products in fp32), summed in k order onto d.
+template <typename Widen>
+inline void Mma16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], Widen widen) {
+  struct Fragments {
+    uint32_t a[4];
+    uint32_t b[2];
+  };
+  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+  Fragments all[32];
+  emulation::WarpGather(&mine, sizeof(mine), all);
+  auto half_of = [&](uint32_t reg, int k) { return widen(static_cast<uint16_t>(reg >> (16 * (k & 1)))); };
+  auto a_at = [&](int m, int k) {  // A[m][k] lives in lane (m % 8) * 4 + (k % 8) / 2
+    const Fragments& f = all[(m % 8) * 4 + (k % 8) / 2];
+    return half_of(f.a[(m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k);
+  };
+  auto b_at = [&](int k, int n) { return half_of(all[n * 4 + (k % 8) / 2].b[k >= 8 ? 1 : 0], k); };
+  const int g = emulation::Lane() / 4, t = emulation::Lane() % 4;
+  const int rows[4] = {g, g, g + 8, g + 8};
+  const int cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int i = 0; i < 4; ++i) {
+    float sum = d[i];
+    for (int k = 0; k < 16; ++k) sum += a_at(rows[i], k) * b_at(k, cols[i]);
+    d[i] = sum;
+  }
+}
+
+inline void MmaF16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { Mma16(d, a, b, HalfToFloat); }
+inline void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { Mma16(d, a, b, Bf16ToFloat); }
+
+inline uint32_t PackHalf2(float lo, float hi) {
+  return static_cast<uint32_t>(FloatToHalf(lo)) | (static_cast<uint32_t>(FloatToHalf(hi)) << 16);
+}
+inline uint32_t PackBf162(float lo, float hi) {
+  return static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
+}
+inline uint32_t Fp8x2ToHalf2(uint32_t two) {
+  return PackHalf2(Fp8E4m3ToFloat(static_cast<uint8_t>(two)), Fp8E4m3ToFloat(static_cast<uint8_t>(two >> 8)));
+}
+inline uint32_t Half2Sub(uint32_t a, uint32_t b) {
+  return PackHalf2(HalfToFloat(static_cast<uint16_t>(a)) - HalfToFloat(static_cast<uint16_t>(b)),
+                   HalfToFloat(static_cast<uint16_t>(a >> 16)) - HalfToFloat(static_cast<uint16_t>(b >> 16)));
+}
+inline uint32_t BytePerm(uint32_t x, uint32_t y, uint32_t selector) {
+  const uint64_t both = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t out = 0;
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t pick = (selector >> (4 * k)) & 0xfu;
+    uint32_t byte = static_cast<uint32_t>(both >> (8 * (pick & 7u))) & 0xffu;
+    if (pick & 8u) byte = (byte & 0x80u) ? 0xffu : 0u;  // sign replication
+    out |= byte << (8 * k);
+  }
+  return out;
+}
+inline float FastExp2(float x) { return std::exp2(x); }
+inline void SinCosReduced(float x, float* s, float* c) {
+  *s = std::sin(x);
+  *c = std::cos(x);
+}
+inline uint32_t SharedAddress(const void* p) { return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p)); }
+inline uint32_t LoadShared32(const void* anchor, uint32_t address) {
+  uint32_t out;
+  std::memcpy(&out, static_cast<const uint8_t*>(anchor) + (address - SharedAddress(anchor)), sizeof(out));
+  return out;
+}
+inline void StoreShared32(void* anchor, uint32_t address, uint32_t value) {
+  std::memcpy(static_cast<uint8_t*>(anchor) + (address - SharedAddress(anchor)), &value, sizeof(value));
 }
 
 }  // namespace cuda

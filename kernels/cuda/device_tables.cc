@@ -153,7 +153,15 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
                           std::string(layout.layer_preset(layer).name), layer));
     }
     out->layer_pair.push_back(pair);
-    out->layer_mma.push_back(tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d));
+    // The fp16 tensor-core kernel where every head of the layer has its one shape.
+    int shape = cuda::AttendHmmaShape(first.key, first.value, d, layout.page_tokens());
+    for (int head = 1; head < layout.num_kv_heads() && shape >= 0; ++head) {
+      const DeviceHead& h = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads() + head];
+      if (cuda::AttendHmmaShape(h.key, h.value, d, layout.page_tokens()) != shape) shape = -1;
+    }
+    if (!tensor_cores) shape = -1;
+    out->layer_hmma.push_back(shape);
+    out->layer_mma.push_back(shape >= 0 || (tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d)));
     out->layer_key_format.push_back(first.key.format);
   }
   return absl::OkStatus();

@@ -75,7 +75,10 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
 struct LayoutTables {
   const DeviceHead* heads = nullptr;   // [num_layers * num_kv_heads], in PoolTables::memory
   std::vector<FormatPair> layer_pair;  // each layer's (key, value) formats
-  std::vector<bool> layer_mma;         // whether the tensor-core kernel reads it
+  std::vector<bool> layer_mma;         // whether a tensor-core kernel reads it
+  // The fp16 tensor-core kernel's shape code (cuda::AttendHmmaShape), -1:
+  // the TF32 one reads it (or none, without layer_mma).
+  std::vector<int> layer_hmma;
   // AttendBlocks of the layer's kernel one SM runs at once (occupancy API);
   // filled by AllocatePool.
   std::vector<int> layer_blocks_per_sm;

@@ -61,6 +61,39 @@ LISTING = """
         /*0120*/                   EXIT ;
 """
 
+# ptxas's unswitching: two copies of the token loop, the wider one with the
+# add-back (line 3), the narrower without.
+SOURCE_COPIES = """prologue();
+for (int tile = 0; tile < end; tile += 16) {
+  AddBack(tile);
+  Body(tile);
+"""
+
+LISTING_COPIES = """
+\t.section\t.text.two,"ax",@progbits
+.text.two:
+\t//## File "{src}", line 1
+        /*0000*/                   ISETP.NE.AND P5, PT, R9, RZ, PT ;
+        /*0010*/               @P5 BRA `(.L_x_20) ;
+.L_x_10:
+\t//## File "{src}", line 4
+        /*0020*/                   HMMA.16816.F32 R8, R8, R10, R8 ;
+\t//## File "{src}", line 2
+        /*0030*/                   ISETP.LT.AND P0, PT, R1, R2, PT ;
+        /*0040*/               @P0 BRA `(.L_x_10) ;
+        /*0050*/                   EXIT ;
+.L_x_20:
+\t//## File "{src}", line 3
+        /*0060*/                   FFMA R3, R3, R3, R3 ;
+        /*0070*/                   FFMA R4, R4, R4, R4 ;
+\t//## File "{src}", line 4
+        /*0080*/                   HMMA.16816.F32 R8, R8, R10, R8 ;
+\t//## File "{src}", line 2
+        /*0090*/                   ISETP.LT.AND P0, PT, R1, R2, PT ;
+        /*00a0*/               @P0 BRA `(.L_x_20) ;
+        /*00b0*/                   EXIT ;
+"""
+
 PRED_BITS = {"why": "bits", "setter": r"^ISETP\.NE\.AND P\d, PT, R\d+, 0x3, PT$", "line": "switch", "value": "bits"}
 
 
@@ -133,6 +166,38 @@ class WalkTest(unittest.TestCase):
         self.assertEqual(rows[1][-1], "OVER CEILING")
         self.assertEqual(len(problems), 1)
         self.assertIn("over", problems[0])
+
+
+class LoopCopiesTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        src = os.path.join(self.tmp.name, "kernel.cuh")
+        pathlib.Path(src).write_text(SOURCE_COPIES)
+        self.fn = sass.parse(LISTING_COPIES.format(src=src))["two"]
+        self.blocks, self.block_at = sass.blocks_of(self.fn)
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def walk(self, exclude=(), require=()):
+        config = steady_loop.Config(r"for \(int tile = ", exclude, require=require)
+        path, _, _ = steady_loop.walk(self.fn, self.blocks, self.block_at, steady_loop.Source(), config)
+        return [i.base for i in path]
+
+    def test_both_copies_are_found(self):
+        loops = steady_loop.find_loops(self.fn, self.blocks, self.block_at, steady_loop.Source(),
+                                       steady_loop.Config(r"for \(int tile = "))
+        self.assertEqual(len(loops), 2)
+
+    def test_an_excluded_line_picks_the_copy_without_it(self):
+        self.assertEqual(self.walk(exclude=[r"AddBack\("]), ["HMMA", "ISETP", "BRA"])
+
+    def test_a_kept_line_picks_the_copy_that_runs_it(self):
+        self.assertEqual(self.walk(require=[r"AddBack\("]), ["FFMA", "FFMA", "HMMA", "ISETP", "BRA"])
+
+    def test_a_kept_line_no_copy_runs_stops(self):
+        with self.assertRaisesRegex(steady_loop.WalkError, "runs no line matching"):
+            self.walk(require=[r"Missing\("])
 
 
 class OccupancyTest(unittest.TestCase):

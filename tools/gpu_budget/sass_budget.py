@@ -218,7 +218,7 @@ def loop_rows(kernels, budgets):
         config = steady_loop.Config(kind["loop"], [p for p in kind.get("exclude", []) if p not in keep],
                                     kind.get("trips", []) + inst.get("trips", []),
                                     inst.get("pred", []) + kind.get("pred", []) + budgets.get("common", {}).get("pred", []),
-                                    inst.get("values", {}))
+                                    inst.get("values", {}), sorted(keep))
         blocks, block_at = sass.blocks_of(kernel.function)
         try:
             path, _, _ = steady_loop.walk(kernel.function, blocks, block_at, source, config)

@@ -6,7 +6,9 @@ How the loop and its path are found (docs/cuda.md, "Instruction budget"):
    matches the kind's `loop` pattern (`for (int tile = ...`): its target is
    the loop head, the branch ends the latch block. The body is every basic
    block from the head to the latch (ptxas lays loops out contiguously; an
-   arm that leaves them is dead).
+   arm that leaves them is dead). Where ptxas made several copies of the
+   loop (unswitching a loop-invariant branch), the widest copy whose walk
+   succeeds and runs the instance's `keep` lines is the one counted.
 2. One iteration is walked from the head to the latch. At a conditional
    branch (or a BRX) each successor arm is tested: an arm is dead when every
    path through it reaches an excluded instruction or leaves the loop.
@@ -109,13 +111,16 @@ class Config:
     that last wrote the compared register), and either `pred` (the
     predicate's value) or `value` (the compared register's value: the ISETP
     is evaluated). values: the names a count or a `value` may use; a rule
-    naming one the configuration lacks is left out.
+    naming one the configuration lacks is left out. require: patterns of
+    lines the walked iteration must run (an instance's `keep`: picks the
+    loop copy that holds them).
     """
 
-    def __init__(self, loop, exclude=(), trips=(), preds=(), values=None):
+    def __init__(self, loop, exclude=(), trips=(), preds=(), values=None, require=()):
         values = values or {}
         self.loop = re.compile(loop)
         self.exclude = [re.compile(p) for p in exclude]
+        self.require = [re.compile(p) for p in require]
         self.trips = []
         for trip in trips:
             if isinstance(trip, dict):  # {line, setter (of the back edge's predicate), count, why}
@@ -129,7 +134,7 @@ class Config:
         self.preds = []
         for rule in preds:
             rule = dict(rule)
-            for key in ("setter", "line", "def", "branch_line"):
+            for key in ("setter", "line", "def", "branch_line", "arm"):
                 if key in rule:
                     rule[key] = re.compile(rule[key])
             if "value" in rule and isinstance(rule["value"], str):
@@ -149,20 +154,31 @@ def _excluded(source, instr, config):
     return any(_matches(source, instr, p) for p in config.exclude)
 
 
-def find_loop(fn, blocks, block_at, source, config):
-    """(header, latch) block indices of the token loop; the outermost match."""
-    best = None
+def find_loops(fn, blocks, block_at, source, config):
+    """(header, latch) block indices of every copy of the token loop (ptxas
+    may unswitch a loop-invariant branch into several), widest first; of
+    nested matches only the outermost."""
+    found = []
     for block in blocks:
         last = fn.instrs[block.last]
         if last.base != "BRA":
             continue
         for target in block.taken:
             if target <= block.index and _matches(source, last, config.loop):
-                if best is None or block.index - target > best[1] - best[0]:
-                    best = (target, block.index)
-    if best is None:
+                found.append((target, block.index))
+    if not found:
         raise WalkError("no backward branch on a line matching /%s/" % config.loop.pattern)
-    return best
+    found.sort(key=lambda loop: loop[0] - loop[1])
+    outer = []
+    for header, latch in found:
+        if not any(h <= header and latch <= l for h, l in outer):
+            outer.append((header, latch))
+    return outer
+
+
+def find_loop(fn, blocks, block_at, source, config):
+    """(header, latch) block indices of the token loop; the outermost match."""
+    return find_loops(fn, blocks, block_at, source, config)[0]
 
 
 def _mandatory(blocks, header, latch):
@@ -232,7 +248,7 @@ def _decide(source, config, trace, branch):
     setter = trace[index]
     text = "%s %s" % (setter.op, setter.args.strip())
     for rule in config.preds:
-        if not rule["setter"].search(text):
+        if "arm" in rule or not rule["setter"].search(text):
             continue
         if "line" in rule and not _matches(source, setter, rule["line"]):
             continue
@@ -293,6 +309,20 @@ def _liveness(fn, blocks, header, latch, source, config):
     return dead, pdom
 
 
+def _choose_arm(fn, blocks, source, config, branch, live):
+    """(successor, rule) by an `arm` rule: at a branch on a `branch_line`,
+    the one live successor whose first block runs an `arm` line (whatever
+    predicate or polarity the compiler chose); (None, None) otherwise."""
+    for rule in config.preds:
+        if "arm" not in rule or not _matches(source, branch, rule["branch_line"]):
+            continue
+        hits = [s for s in live
+                if any(_matches(source, fn.instrs[i], rule["arm"]) for i in range(blocks[s].first, blocks[s].last + 1))]
+        if len(hits) == 1:
+            return hits[0], rule
+    return None, None
+
+
 def _arm_lines(fn, blocks, source, b):
     block = blocks[b]
     seen = []
@@ -305,8 +335,24 @@ def _arm_lines(fn, blocks, source, b):
 
 def walk(fn, blocks, block_at, source, config):
     """The instructions of one steady-state iteration, in order, repeated
-    as executed (inner loops expanded)."""
-    header, latch = find_loop(fn, blocks, block_at, source, config)
+    as executed (inner loops expanded). Of several copies of the loop, the
+    first (widest) whose walk succeeds and runs every `require` pattern."""
+    first_error = None
+    for header, latch in find_loops(fn, blocks, block_at, source, config):
+        try:
+            path, loop, decisions = _walk_loop(fn, blocks, source, config, header, latch)
+        except WalkError as e:
+            first_error = first_error or e
+            continue
+        missing = [p.pattern for p in config.require if not any(_matches(source, i, p) for i in path)]
+        if missing:
+            first_error = first_error or WalkError("the loop at B%d runs no line matching %s" % (header, missing))
+            continue
+        return path, loop, decisions
+    raise first_error
+
+
+def _walk_loop(fn, blocks, source, config, header, latch):
     dead, pdom = _liveness(fn, blocks, header, latch, source, config)
     if dead[header]:
         raise WalkError("every path through the loop hits an excluded line")
@@ -341,6 +387,11 @@ def walk(fn, blocks, block_at, source, config):
             continue
         if not live:
             raise WalkError("no live successor after %x (%s)" % (last.addr, source.describe(last)))
+        arm, rule = _choose_arm(fn, blocks, source, config, last, live)
+        if arm is not None:
+            decisions.append((last, rule))
+            b = arm
+            continue
         if last.base == "BRA" and len(block.taken) == 1 and block.fallthrough is not None:
             value, rule = _decide(source, config, prologue + path, last)
             if value is not None:

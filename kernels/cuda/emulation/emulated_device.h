@@ -110,6 +110,7 @@ inline int __all_sync(unsigned, int predicate) {
   for (int lane = 0; lane < 32; ++lane) all &= ::tqkv::cuda::emulation::Shuffle(predicate != 0 ? 1 : 0, lane);
   return all;
 }
+inline int __any_sync(unsigned mask, int predicate) { return !__all_sync(mask, predicate == 0); }
 // Fibers switch only at barriers, so a read-modify-write is atomic.
 inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
   const unsigned long long old = *address;

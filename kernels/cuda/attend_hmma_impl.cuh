@@ -1,0 +1,782 @@
+// The fp16 / bf16 tensor-core decode kernel (m16n8k16) on packed codes.
+// Part of attend_kernels_impl.cuh's translation unit.
+#ifndef TQKV_KERNELS_CUDA_ATTEND_HMMA_IMPL_CUH_
+#define TQKV_KERNELS_CUDA_ATTEND_HMMA_IMPL_CUH_
+
+#include "kernels/cuda/attend_common_impl.cuh"
+#include "kernels/cuda/attend_mma_impl.cuh"  // MmaAddBack: the same fragment layout
+
+namespace tqkv {
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------------------
+// One warp per AttendBlock, kHmmaWarps warps per thread block, one tile of
+// 16 tokens (one code tile, inside one page) per iteration. The tile's
+// tokens are the mma's M rows, so no operand is padding:
+//   logits S (16 tokens x 8 rows) = K Q^T: d / 16 k-steps; lane (g, t)
+//     supplies tokens g and 8 + g's key coordinates [t d/4, (t + 1) d/4)
+//     (a dot product does not depend on the order of its coordinates, so
+//     each lane reads one run of codes) and holds their logits for rows
+//     2t, 2t + 1; the query is B, loaded once;
+//   out^T (d x 8 rows) += V^T P^T: d / 16 m-tiles of 16 value coordinates,
+//     one k-step of the 16 tokens; lane group g supplies coordinates
+//     [g d/8, (g + 1) d/8) of tokens 2t, 2t + 1, 8 + 2t, 9 + 2t; P moves
+//     from the logits' layout to B's by four shuffles.
+// Dequantization builds the fragments' 16-bit pairs directly:
+//   TurboQuant keys: a pair of codes indexes a per-warp table of centroid
+//     pairs (fp16x2), copied per lane so the lookups are conflict-free;
+//     the token's norm scales the logit after the mma;
+//   uniform values: code bits OR'd into the mantissa of 1024 (the fp16
+//     magic number), 1024 subtracted, the code's power-of-two position
+//     undone on the output; scale and zero point act on P and on a running
+//     zero-point sum;
+//   fp8 E4M3: widened exactly to fp16 pairs; fp16 as stored;
+//   bf16: bf16 mma, the query and P split into two bf16 terms (hi + lo:
+//     16 significant bits, as fp16's 11 and better).
+// The online softmax is in base 2; the accumulators are rescaled only when
+// a row's running max changes. Tiles that straddle the block's ends or a
+// row's visible end are masked; the others run without compares.
+// Requirements (AttendHmmaShape): head_dim 64, 128 or 256; page_tokens a
+// multiple of 16; one part per field; packed codes tiled in whole words;
+// one fp16 norm per TurboQuant key token, (scale, zero) per uniform value
+// token.
+
+constexpr int kHmmaWarps = 4;
+constexpr int kHmmaTile = 16;
+constexpr int kPairTableWords = 2048;  // per warp (8 KB): pairs x copies
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Copies of a kBits pair table that fit kPairTableWords, at most one per lane.
+template <int kBits>
+constexpr int PairCopies() {
+  return (kPairTableWords >> (2 * kBits)) < 32 ? (kPairTableWords >> (2 * kBits)) : 32;
+}
+constexpr int Log2(int x) { return x <= 1 ? 0 : 1 + Log2(x / 2); }
+
+template <DeviceFieldFormat kFormat>
+constexpr bool IsRaw() {
+  return kFormat == DeviceFieldFormat::kFp16 || kFormat == DeviceFieldFormat::kBf16 ||
+         kFormat == DeviceFieldFormat::kFp8;
+}
+
+// Bits per coordinate of a field (the template argument of packed ones).
+template <DeviceFieldFormat kFormat, int kBits>
+constexpr int CoordBits() {
+  return kFormat == DeviceFieldFormat::kFp8 ? 8 : IsRaw<kFormat>() ? 16 : kBits;
+}
+
+// The power of two a uniform code at coordinate j of a lane's run is read
+// with (see UniformPairs): 3-bit codes come in windows of five at bits
+// 0, 3, 6 and, shifted by 9, 0, 3; 2-bit codes in windows of eight at bits
+// 0..8 and, shifted by 10, 0..4; 4-bit codes in fours at bits 0, 4, 0, 4.
+template <int kBits>
+constexpr float UniformFactor(int j) {
+  if (kBits == 3) {
+    const int q = j % 5;
+    return q == 0 || q == 3 ? 1.0f : q == 1 || q == 4 ? 8.0f : 64.0f;
+  }
+  if (kBits == 2) {
+    const int q = j % 8;
+    return q < 5 ? static_cast<float>(1 << (2 * q)) : static_cast<float>(1 << (2 * (q - 5)));
+  }
+  return j % 2 == 0 ? 1.0f : 16.0f;
+}
+
+// A lane's run of kRunBits bits starting at bit `first` of a token's codes,
+// as words (bit 0 of w[0] = bit `first`). Word k of the token sits at
+// word0 + k * kStride (tiled planes: 64 bytes a word, token-major: 4).
+template <int kRunBits, int kTokenWords, int kStride>
+__device__ __forceinline__ void LoadRun(const uint8_t* word0, int first, uint32_t (&w)[(kRunBits + 31) / 32]) {
+  constexpr int kWords = (kRunBits + 31) / 32;
+  const int k0 = first >> 5;
+  const int shift = first & 31;
+  if constexpr (kRunBits % 32 == 0) {
+    // Runs start on word boundaries: shift is 0.
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) w[k] = *reinterpret_cast<const uint32_t*>(word0 + (k0 + k) * kStride);
+  } else {
+    uint32_t raw[kWords + 1];
+#pragma unroll
+    for (int k = 0; k <= kWords; ++k) {
+      raw[k] = k0 + k < kTokenWords ? *reinterpret_cast<const uint32_t*>(word0 + (k0 + k) * kStride) : 0u;
+    }
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) w[k] = __funnelshift_r(raw[k], raw[k + 1], shift);
+  }
+}
+
+// kBytes bytes at p (16-byte aligned when kBytes is a multiple of 16, else
+// 8- or 4-byte aligned) as words.
+template <int kBytes>
+__device__ __forceinline__ void LoadRaw(const uint8_t* p, uint32_t (&w)[kBytes / 4]) {
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[k];
+      w[4 * k] = v.x;
+      w[4 * k + 1] = v.y;
+      w[4 * k + 2] = v.z;
+      w[4 * k + 3] = v.w;
+    }
+  } else if constexpr (kBytes % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 8; ++k) {
+      const uint2 v = reinterpret_cast<const uint2*>(p)[k];
+      w[2 * k] = v.x;
+      w[2 * k + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kBytes / 4; ++k) w[k] = reinterpret_cast<const uint32_t*>(p)[k];
+  }
+}
+
+// Bits [bit, bit + 32) of a run of words (zeros past its end).
+template <int kWords>
+__device__ __forceinline__ uint32_t RunBits(const uint32_t (&w)[kWords], int bit) {
+  const int k = bit >> 5, s = bit & 31;
+  if (s == 0) return w[k];
+  return k + 1 < kWords ? __funnelshift_r(w[k], w[k + 1], s) : w[k] >> s;
+}
+
+// Per warp: a TurboQuant key codebook's centroid pairs (FillPairTable), at
+// the first address of the array aligned to a table's size, so that a
+// lookup's address is the pair's bits OR'd into the lane's copy (one LOP3,
+// no add): the array holds one table more than the warps use. Only the
+// kernels that read it allocate it.
+constexpr uint32_t kPairTableBytes = 4 * kPairTableWords;
+__shared__ uint32_t hmma_pair_tables[(kHmmaWarps + 1) * kPairTableWords];
+
+// Bytes per token of a field's codes (AttendHmmaShape checks the layout's).
+template <DeviceFieldFormat kFormat, int kBits, int kDim>
+constexpr int CodeBytes() {
+  return kDim * CoordBits<kFormat, kBits>() / 8;
+}
+
+// The key fragments of one token (b[i] for k-step i) from its lane run:
+// kKey's coordinates as fp16 / bf16 pairs.
+template <DeviceFieldFormat kKey, int kBits_, int kDim_>
+struct KeyRun {
+  static constexpr DeviceFieldFormat kFormat = kKey;
+  static constexpr int kBits = kBits_;
+  static constexpr int kDim = kDim_;
+  static constexpr int kCoords = kDim / 4;
+  static constexpr int kRunBits = kCoords * CoordBits<kKey, kBits>();
+  static constexpr int kWords = (kRunBits + 31) / 32;
+  static constexpr int kSteps = kDim / 16;
+};
+
+// b[i][0..1] for one token: k-step i covers run coordinates 4i .. 4i + 3.
+template <DeviceFieldFormat kKey, int kBits, int kDim>
+__device__ __forceinline__ void KeyFragments(const uint32_t (&w)[KeyRun<kKey, kBits, kDim>::kWords], uint32_t lane_bits,
+                                             uint32_t (&b)[kDim / 16][2]) {
+  constexpr int kSteps = kDim / 16;
+  if constexpr (kKey == DeviceFieldFormat::kFp16 || kKey == DeviceFieldFormat::kBf16) {
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      b[i][0] = w[2 * i];
+      b[i][1] = w[2 * i + 1];
+    }
+  } else if constexpr (kKey == DeviceFieldFormat::kFp8) {
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      b[i][0] = Fp8x2ToHalf2(w[i]);
+      b[i][1] = Fp8x2ToHalf2(w[i] >> 16);
+    }
+  } else {
+    constexpr int kShift = Log2(PairCopies<kBits>()) + 2;
+    constexpr uint32_t kMask = ((1u << (2 * kBits)) - 1u) << kShift;
+#pragma unroll
+    for (int p = 0; p < 2 * kSteps; ++p) {
+      // The pair's bits moved to kShift in one shift: one funnel (or plain)
+      // shift, then one LOP3 masks it and adds the lane's copy.
+      const int bit = 2 * kBits * p - kShift;
+      const uint32_t x = bit >= 0 ? RunBits(w, bit) : w[0] << -bit;
+      const uint32_t offset = (x & kMask) | lane_bits;
+      b[p >> 1][p & 1] = LoadShared32(hmma_pair_tables, offset);
+    }
+  }
+}
+
+// The value fragments (b[j][h] for n-tile j; h = 0: tokens 2t, 2t + 1,
+// h = 1: tokens 8 + 2t, 9 + 2t) from the four tokens' runs wa[h], wb[h].
+template <DeviceFieldFormat kValue, int kBits_, int kDim_>
+struct ValueRun {
+  static constexpr DeviceFieldFormat kFormat = kValue;
+  static constexpr int kBits = kBits_;
+  static constexpr int kDim = kDim_;
+  static constexpr int kCoords = kDim / 8;
+  static constexpr int kRunBits = kCoords * CoordBits<kValue, kBits>();
+  static constexpr int kWords = (kRunBits + 31) / 32;
+};
+
+// Uniform codes j of two tokens' runs as exact fp16 pairs code * factor(j).
+template <int kBits, int kCoords, int kWords>
+__device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
+                                             uint32_t (&out)[kCoords]) {
+  constexpr uint32_t kMagic = 0x64006400u;  // 1024 in both halves
+  if constexpr (kBits == 4) {
+#pragma unroll
+    for (int m = 0; m < kWords; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t y = BytePerm(a[m], b[m], h == 0 ? 0x5410u : 0x7632u);
+        const uint32_t y8 = y >> 8;
+        const int j = 8 * m + 4 * h;
+        out[j] = Half2Sub((y & 0x000f000fu) | kMagic, kMagic);
+        out[j + 1] = Half2Sub((y & 0x00f000f0u) | kMagic, kMagic);
+        out[j + 2] = Half2Sub((y8 & 0x000f000fu) | kMagic, kMagic);
+        out[j + 3] = Half2Sub((y8 & 0x00f000f0u) | kMagic, kMagic);
+      }
+    }
+  } else if constexpr (kBits == 2) {
+#pragma unroll
+    for (int m = 0; m < kWords; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t y = BytePerm(a[m], b[m], h == 0 ? 0x5410u : 0x7632u);
+        const uint32_t y10 = y >> 10;
+        const int j = 16 * m + 8 * h;
+#pragma unroll
+        for (int q = 0; q < 5; ++q) out[j + q] = Half2Sub((y & (0x00030003u << (2 * q))) | kMagic, kMagic);
+#pragma unroll
+        for (int q = 0; q < 3; ++q) out[j + 5 + q] = Half2Sub((y10 & (0x00030003u << (2 * q))) | kMagic, kMagic);
+      }
+    }
+  } else {
+    static_assert(kBits == 3, "uniform values of 2, 3 or 4 bits");
+#pragma unroll
+    for (int window = 0; window < (kCoords + 4) / 5; ++window) {
+      const uint32_t y = BytePerm(RunBits(a, 15 * window), RunBits(b, 15 * window), 0x5410u);
+      const uint32_t y9 = y >> 9;
+#pragma unroll
+      for (int q = 0; q < 5; ++q) {
+        const int j = 5 * window + q;
+        if (j < kCoords) {
+          const uint32_t bits = q < 3 ? (y & (0x00070007u << (3 * q))) : (y9 & (0x00070007u << (3 * (q - 3))));
+          out[j] = Half2Sub(bits | kMagic, kMagic);
+        }
+      }
+    }
+  }
+}
+
+template <DeviceFieldFormat kValue, int kBits, int kDim>
+__device__ __forceinline__ void ValuePairs(const uint32_t (&a)[ValueRun<kValue, kBits, kDim>::kWords],
+                                           const uint32_t (&b)[ValueRun<kValue, kBits, kDim>::kWords],
+                                           uint32_t (&out)[kDim / 8]) {
+  constexpr int kCoords = kDim / 8;
+  constexpr int kWords = ValueRun<kValue, kBits, kDim>::kWords;
+  if constexpr (kValue == DeviceFieldFormat::kFp16 || kValue == DeviceFieldFormat::kBf16) {
+#pragma unroll
+    for (int m = 0; m < kWords; ++m) {
+      out[2 * m] = BytePerm(a[m], b[m], 0x5410u);
+      out[2 * m + 1] = BytePerm(a[m], b[m], 0x7632u);
+    }
+  } else if constexpr (kValue == DeviceFieldFormat::kFp8) {
+#pragma unroll
+    for (int j = 0; j < kCoords; ++j) {
+      const uint32_t selector = static_cast<uint32_t>(j % 4) | (static_cast<uint32_t>(4 + j % 4) << 4);
+      out[j] = Fp8x2ToHalf2(BytePerm(a[j / 4], b[j / 4], selector));
+    }
+  } else {
+    UniformPairs<kBits, kCoords, kWords>(a, b, out);
+  }
+}
+
+// The pre-RoPE add-back (AddBackDesc) as one more k-step of the key
+// product, for up to kAddBackMmaPairs pairs: S += F C^T with F[token][2i,
+// 2i + 1] = (cos, sin)(token theta_i) and C[row][2i, 2i + 1] = (A[row][i],
+// B[row][i]) (its fp16 hi + lo terms: three mmas, about 20 significant bits).
+// Lane (g, t) holds pairs t and t + 4 of tokens g and 8 + g and steps them
+// 16 tokens a tile by a rotation; they are set exactly (RopeCosSinFast) at
+// the block's first tile and every kAddBackAnchor tokens, which bounds the
+// rotations' rounding drift.
+constexpr int kAddBackMmaPairs = 8;
+constexpr int kAddBackAnchor = 1024;
+
+struct AddBackState {
+  float cs[2][2], sn[2][2];  // [token g, 8 + g][pair t, t + 4]
+  float step_cs[2], step_sn[2];
+  double theta[2];
+  uint32_t coef_hi[2], coef_lo[2];  // B: row g's (A, B) of pairs t, t + 4
+};
+
+__device__ __forceinline__ uint32_t PackHalf2Lo(float lo, float hi, uint32_t packed) {
+  return PackHalf2(lo - HalfBitsToFloat(packed & 0xffffu), hi - HalfBitsToFloat(packed >> 16));
+}
+
+__device__ __forceinline__ void AddBackSetup(const AddBackTables& ab, const AddBackDesc& desc, int row0, int rows,
+                                             int g, int t, AddBackState& st) {
+  const bool row_ok = g < rows;
+  const float* coef = ab.coef + desc.coef + static_cast<int64_t>(row0 + (row_ok ? g : 0)) * 2 * desc.pairs;
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int i = t + 4 * u;
+    const bool on = i < desc.pairs;
+    st.theta[u] = on ? ab.theta[desc.theta + i] : 0.0;
+    RopeCosSinFast(kHmmaTile, st.theta[u], &st.step_cs[u], &st.step_sn[u]);
+    const float a = on && row_ok ? coef[i] : 0.0f, b = on && row_ok ? coef[desc.pairs + i] : 0.0f;
+    st.coef_hi[u] = PackHalf2(a, b);
+    st.coef_lo[u] = PackHalf2Lo(a, b, st.coef_hi[u]);
+  }
+}
+
+// The features of the tile starting at `tile`, exactly.
+__device__ __forceinline__ void AddBackAnchor(int tile, int g, AddBackState& st) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) RopeCosSinFast(tile + 8 * h + g, st.theta[u], &st.cs[h][u], &st.sn[h][u]);
+  }
+}
+
+// c (the key product's fragment) += this tile's add-back; the features then
+// step to the next tile.
+__device__ __forceinline__ void AddBackMma(AddBackState& st, float (&c)[4]) {
+  uint32_t hi[4], lo[4];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      hi[2 * u + h] = PackHalf2(st.cs[h][u], st.sn[h][u]);
+      lo[2 * u + h] = PackHalf2Lo(st.cs[h][u], st.sn[h][u], hi[2 * u + h]);
+      const float cs = st.cs[h][u], sn = st.sn[h][u];
+      st.cs[h][u] = fmaf(cs, st.step_cs[u], -sn * st.step_sn[u]);
+      st.sn[h][u] = fmaf(sn, st.step_cs[u], cs * st.step_sn[u]);
+    }
+  }
+  MmaF16(c, hi, st.coef_hi);
+  MmaF16(c, lo, st.coef_hi);
+  MmaF16(c, hi, st.coef_lo);
+}
+
+// Query fragments of row g (rows past the block's are zero): k-step i's
+// a[0] holds run coordinates 4i, 4i + 1, a[2] 4i + 2, 4i + 3; for bf16 keys
+// lo holds what bf16 rounding left of each (hi + lo ~ the float query).
+template <bool kBf16, int kDim>
+__device__ __forceinline__ void LoadQuery(const float* src, uint32_t (&hi)[kDim / 16][2],
+                                          uint32_t (&lo)[kDim / 16][2]) {
+#pragma unroll
+  for (int i = 0; i < kDim / 16; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float x0 = src != nullptr ? src[4 * i + 2 * h] : 0.0f;
+      const float x1 = src != nullptr ? src[4 * i + 2 * h + 1] : 0.0f;
+      if constexpr (kBf16) {
+        hi[i][h] = PackBf162(x0, x1);
+        lo[i][h] = PackBf162(x0 - Bf16BitsToFloat(hi[i][h] & 0xffffu), x1 - Bf16BitsToFloat(hi[i][h] >> 16));
+      } else {
+        hi[i][h] = PackHalf2(x0, x1);
+        lo[i][h] = 0u;
+      }
+    }
+  }
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void Mma16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (kBf16) {
+    MmaBf16(d, a, b);
+  } else {
+    MmaF16(d, a, b);
+  }
+}
+
+// Fills the pair table at shared address `table`: word pair * copies + c
+// holds (centroid[pair & mask], centroid[pair >> bits]) as fp16, the lower
+// code in the low half.
+template <int kBits>
+__device__ __forceinline__ void FillPairTable(const float* centroids, int lane, uint32_t table) {
+  constexpr int kCopies = PairCopies<kBits>();
+  constexpr int kEntries = kCopies << (2 * kBits);
+  for (int i = lane; i < kEntries; i += 32) {
+    const int pair = i / kCopies;
+    StoreShared32(hmma_pair_tables, table + 4 * i,
+                  PackHalf2(centroids[pair & ((1 << kBits) - 1)], centroids[pair >> kBits]));
+  }
+}
+
+// What one lane knows of a block for the whole loop.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits>
+struct HmmaLane {
+  static constexpr bool kBf16 = kKey == DeviceFieldFormat::kBf16;
+  static constexpr bool kKeyCodes = kKey == DeviceFieldFormat::kTurboQuant;
+  static constexpr bool kUniform = kValue == DeviceFieldFormat::kUniform;
+  static constexpr int kSteps = kDim / 16;   // k-steps of the key product
+  static constexpr int kMTiles = kDim / 16;  // m-tiles (16 value coordinates) of the value product
+  static constexpr int kRun = kDim / 8;      // value coordinates a lane group reads
+  static constexpr int kKeyBytes = CodeBytes<kKey, kKeyBits, kDim>();
+  static constexpr int kValueBytes = CodeBytes<kValue, kValueBits, kDim>();
+  static constexpr int kKeyStride = IsRaw<kKey>() ? 4 : 4 * kTileTokens;
+  static constexpr int kValueStride = IsRaw<kValue>() ? 4 : 4 * kTileTokens;
+  using KR = KeyRun<kKey, kKeyBits, kDim>;
+  using VR = ValueRun<kValue, kValueBits, kDim>;
+
+  int g, t;
+  uint32_t lane_bits;  // this lane's copy in this warp's pair table
+  // Plane offsets from a page, hoisted out of the DeviceHead; scalars: one
+  // fp16 norm a key token, (scale, zero) a uniform value token, of token g.
+  uint32_t key_codes, key_norms, value_codes, value_scalars;
+  uint32_t q_hi[kSteps][2], q_lo[kSteps][2];  // row g's query: B of the key product
+  // Rows 2t, 2t + 1: what they see, their running max (natural log units
+  // and base 2), and this lane's share of their sums.
+  int visible[2];
+  float row_shift[2], row_max[2], max_log2[2], row_sum[2], zero_sum[2];
+  // acc[i]: rows 2t, 2t + 1 of run coordinates 2i (0, 1) and 2i + 1 (2, 3)
+  // of lane group g's value run.
+  float acc[kMTiles][4];
+};
+
+template <typename L>
+__device__ __forceinline__ void HmmaSetup(const AttendKernelParams& p, const AttendBlock& b, const AttendItemDesc& item,
+                                          const DeviceHead& head, int warp, int lane, L& l) {
+  const PoolView& view = p.view;
+  const int group = view.num_query_heads / view.num_kv_heads;
+  l.g = lane >> 2;
+  l.t = lane & 3;
+  l.lane_bits = 0;
+  if constexpr (L::kKeyCodes) {
+    const uint32_t tables = (SharedAddress(hmma_pair_tables) + kPairTableBytes - 1) & ~(kPairTableBytes - 1);
+    const uint32_t table = tables + static_cast<uint32_t>(warp) * kPairTableBytes;
+    FillPairTable<L::KR::kBits>(head.key.parts[0].centroids, lane, table);
+    l.lane_bits = table + static_cast<uint32_t>(lane % PairCopies<L::KR::kBits>()) * 4;
+  }
+  l.key_codes = static_cast<uint32_t>(head.key.codes_offset);
+  l.key_norms = static_cast<uint32_t>(head.key.scalars_offset) + 2 * l.g;
+  l.value_codes = static_cast<uint32_t>(head.value.codes_offset);
+  l.value_scalars = static_cast<uint32_t>(head.value.scalars_offset) + 4 * l.g;
+  const float* src = nullptr;
+  if (l.g < b.rows) {
+    const int row = b.row0 + l.g;
+    src =
+        p.prepared +
+        (item.query_row + static_cast<int64_t>(row / group) * view.num_query_heads + b.kv_head * group + row % group) *
+            L::KR::kDim +
+        l.t * (L::KR::kDim / 4);
+  }
+  LoadQuery<L::kBf16, L::KR::kDim>(src, l.q_hi, l.q_lo);
+  const int visible_base = item.context_tokens - item.num_query_tokens + 1;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 2 * l.t + e;
+    l.visible[e] = r < b.rows ? visible_base + (b.row0 + r) / group : b.token_end;
+    l.row_shift[e] = SoftCapShift(p, item, b, group, r);
+    l.row_max[e] = -INFINITY;
+    l.max_log2[e] = 0.0f;
+    l.row_sum[e] = 0.0f;
+    l.zero_sum[e] = 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < L::kMTiles; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) l.acc[i][e] = 0.0f;
+  }
+}
+
+// Logits S = K Q^T of the tile (16 tokens x 8 rows): c[0], c[1] token g,
+// rows 2t, 2t + 1; c[2], c[3] token 8 + g.
+template <typename L>
+__device__ __forceinline__ void HmmaLogits(const L& l, const TokenAddress& at, float (&c)[4]) {
+  using KR = typename L::KR;
+  const uint8_t* key_tile = at.page + (l.key_codes + at.slot * L::kKeyBytes);
+  uint32_t kb[2][L::kSteps][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t w[KR::kWords];
+    const int s = 8 * h + l.g;
+    if constexpr (IsRaw<KR::kFormat>()) {
+      LoadRaw<KR::kRunBits / 8>(key_tile + s * L::kKeyBytes + l.t * (KR::kRunBits / 8), w);
+    } else {
+      LoadRun<KR::kRunBits, KR::kDim * KR::kBits / 32, L::kKeyStride>(key_tile + 4 * s, l.t * KR::kRunBits, w);
+    }
+    KeyFragments<KR::kFormat, KR::kBits, KR::kDim>(w, l.lane_bits, kb[h]);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) c[k] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < L::kSteps; ++i) {
+    const uint32_t a[4] = {kb[0][i][0], kb[1][i][0], kb[0][i][1], kb[1][i][1]};
+    Mma16<L::kBf16>(c, a, l.q_hi[i]);
+    if constexpr (L::kBf16) Mma16<L::kBf16>(c, a, l.q_lo[i]);
+  }
+  if constexpr (L::kKeyCodes) {  // the norms of tokens g and 8 + g
+    const uint16_t* norms = reinterpret_cast<const uint16_t*>(at.page + (l.key_norms + at.slot * 2));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float norm = HalfBitsToFloat(norms[8 * h]);
+      c[2 * h] *= norm;
+      c[2 * h + 1] *= norm;
+    }
+  }
+}
+
+// The tile's values: (scale, zero) of tokens g and 8 + g, and the codes of
+// tokens 2t, 2t + 1, 8 + 2t, 9 + 2t (loaded before the softmax, so the
+// loads overlap it).
+template <typename L>
+__device__ __forceinline__ void HmmaLoadValues(const L& l, const TokenAddress& at, float (&scale)[2], float (&zero)[2],
+                                               uint32_t (&vw)[4][L::VR::kWords]) {
+  using VR = typename L::VR;
+  scale[0] = scale[1] = 1.0f;
+  zero[0] = zero[1] = 0.0f;
+  if constexpr (L::kUniform) {
+    const uint32_t* scalars = reinterpret_cast<const uint32_t*>(at.page + (l.value_scalars + at.slot * 4));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t both = scalars[8 * h];
+      scale[h] = HalfBitsToFloat(both & 0xffffu);
+      zero[h] = HalfBitsToFloat(both >> 16);
+    }
+  }
+  const uint8_t* value_tile = at.page + (l.value_codes + at.slot * L::kValueBytes);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int s = 8 * (k >> 1) + 2 * l.t + (k & 1);
+    if constexpr (IsRaw<VR::kFormat>()) {
+      LoadRaw<VR::kRunBits / 8>(value_tile + s * L::kValueBytes + l.g * (VR::kRunBits / 8), vw[k]);
+    } else {
+      LoadRun<VR::kRunBits, VR::kDim * VR::kBits / 32, L::kValueStride>(value_tile + 4 * s, l.g * VR::kRunBits, vw[k]);
+    }
+  }
+}
+
+// An edge tile: tokens outside the block or past what a row sees get no
+// weight; their pages' bytes are unspecified, so their codes become zeros
+// (no NaN into the mma).
+template <typename L>
+__device__ __forceinline__ void HmmaMaskEdge(const L& l, const AttendBlock& b, int tile, float (&c)[4],
+                                             float (&scale)[2], float (&zero)[2], uint32_t (&vw)[4][L::VR::kWords]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int token = tile + 8 * h + l.g;
+    const bool stored = token >= b.token_begin && token < b.token_end;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) c[2 * h + e] = stored && token < l.visible[e] ? c[2 * h + e] : -INFINITY;
+    scale[h] = stored ? scale[h] : 0.0f;
+    zero[h] = stored ? zero[h] : 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int token = tile + 8 * (k >> 1) + 2 * l.t + (k & 1);
+    const bool stored = token >= b.token_begin && token < b.token_end;
+#pragma unroll
+    for (int m = 0; m < L::VR::kWords; ++m) vw[k][m] = stored ? vw[k][m] : 0u;
+  }
+}
+
+// The tile's max of rows 2t, 2t + 1 (lane groups g = 0..7 hold two tokens
+// each); whether either grew past the row's running max.
+__device__ __forceinline__ bool HmmaTileMax(const float (&c)[4], const float (&row_max)[2], float (&tile_max)[2]) {
+  bool grew = false;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float m = fmaxf(c[e], c[2 + e]);
+    m = fmaxf(m, __shfl_xor_sync(kFullWarp, m, 4));
+    m = fmaxf(m, __shfl_xor_sync(kFullWarp, m, 8));
+    tile_max[e] = fmaxf(m, __shfl_xor_sync(kFullWarp, m, 16));
+    grew = grew || tile_max[e] > row_max[e];
+  }
+  return grew;
+}
+
+// A new running max: the sums and accumulators rescaled to it.
+template <typename L>
+__device__ __forceinline__ void HmmaRescale(const float (&tile_max)[2], L& l) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float new_max = fmaxf(l.row_max[e], tile_max[e]);
+    const float alpha = l.row_max[e] == -INFINITY ? 0.0f : FastExp2((l.row_max[e] - new_max) * kLog2e);
+    l.row_sum[e] *= alpha;
+    l.zero_sum[e] *= alpha;
+#pragma unroll
+    for (int i = 0; i < L::kMTiles; ++i) {
+      l.acc[i][e] *= alpha;
+      l.acc[i][2 + e] *= alpha;
+    }
+    l.row_max[e] = new_max;
+    l.max_log2[e] = new_max == -INFINITY ? 0.0f : new_max * kLog2e;
+  }
+}
+
+// The tile's weights (base 2, against the running max): prob[2h + e] is
+// token 8h + g's for row 2t + e, times the token's value scale.
+template <typename L>
+__device__ __forceinline__ void HmmaProbabilities(const float (&c)[4], const float (&scale)[2], const float (&zero)[2],
+                                                  L& l, float (&prob)[4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int e = k & 1, h = k >> 1;
+    prob[k] = FastExp2(fmaf(c[k], kLog2e, -l.max_log2[e]));
+    l.row_sum[e] += prob[k];
+    if constexpr (L::kUniform) l.zero_sum[e] = fmaf(prob[k], zero[h], l.zero_sum[e]);
+    prob[k] *= scale[h];
+  }
+}
+
+// P^T as B of the value product: lane (g, t) needs row g's P of tokens 2t,
+// 2t + 1 (pb[0]) and 8 + 2t, 9 + 2t (pb[1]). Lane (2t, g / 2) holds row g's
+// P of tokens 2t and 8 + 2t as the pair for row parity g & 1; lane (2t + 1,
+// g / 2) those of 2t + 1 and 9 + 2t. bf16: pb_lo what bf16 left of each.
+template <bool kBf16>
+__device__ __forceinline__ void HmmaTransposeP(const float (&prob)[4], int g, int t, uint32_t (&pb)[2],
+                                               uint32_t (&pb_lo)[2]) {
+  uint32_t mine[2], mine_lo[2] = {0u, 0u};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if constexpr (kBf16) {
+      mine[e] = PackBf162(prob[e], prob[2 + e]);
+      mine_lo[e] =
+          PackBf162(prob[e] - Bf16BitsToFloat(mine[e] & 0xffffu), prob[2 + e] - Bf16BitsToFloat(mine[e] >> 16));
+    } else {
+      mine[e] = PackHalf2(prob[e], prob[2 + e]);
+    }
+  }
+  uint32_t x[2], x_lo[2] = {0u, 0u};
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int source = 4 * (2 * t + k) + (g >> 1);
+    const uint32_t even = __shfl_sync(kFullWarp, mine[0], source);
+    const uint32_t odd = __shfl_sync(kFullWarp, mine[1], source);
+    x[k] = (g & 1) ? odd : even;
+    if constexpr (kBf16) {
+      const uint32_t even_lo = __shfl_sync(kFullWarp, mine_lo[0], source);
+      const uint32_t odd_lo = __shfl_sync(kFullWarp, mine_lo[1], source);
+      x_lo[k] = (g & 1) ? odd_lo : even_lo;
+    }
+  }
+  pb[0] = BytePerm(x[0], x[1], 0x5410u);
+  pb[1] = BytePerm(x[0], x[1], 0x7632u);
+  pb_lo[0] = BytePerm(x_lo[0], x_lo[1], 0x5410u);
+  pb_lo[1] = BytePerm(x_lo[0], x_lo[1], 0x7632u);
+}
+
+// out^T (value coordinates x rows) += V^T P^T.
+template <typename L>
+__device__ __forceinline__ void HmmaValues(const uint32_t (&vw)[4][L::VR::kWords], const uint32_t (&pb)[2],
+                                           const uint32_t (&pb_lo)[2], L& l) {
+  using VR = typename L::VR;
+  uint32_t va[2][L::kRun];
+  ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[0], vw[1], va[0]);
+  ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[2], vw[3], va[1]);
+#pragma unroll
+  for (int i = 0; i < L::kMTiles; ++i) {
+    const uint32_t a[4] = {va[0][2 * i], va[0][2 * i + 1], va[1][2 * i], va[1][2 * i + 1]};
+    Mma16<L::kBf16>(l.acc[i], a, pb);
+    if constexpr (L::kBf16) Mma16<L::kBf16>(l.acc[i], a, pb_lo);
+  }
+}
+
+// Rows 2t, 2t + 1's sums over the eight lane groups, then the block's
+// partial output and (max, sum) statistics.
+template <typename L>
+__device__ __forceinline__ void HmmaFinish(const AttendKernelParams& p, const AttendBlock& b, L& l) {
+  constexpr int kDim = L::KR::kDim;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int offset = 4; offset < 32; offset <<= 1) {
+      l.row_sum[e] += __shfl_xor_sync(kFullWarp, l.row_sum[e], offset);
+      l.zero_sum[e] += __shfl_xor_sync(kFullWarp, l.zero_sum[e], offset);
+    }
+  }
+  float* stats = p.partial_stats + static_cast<int64_t>(b.partial) * kMaxBlockRows * 2;
+  float* out = p.partial_acc + static_cast<int64_t>(b.partial) * kMaxBlockRows * kDim;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 2 * l.t + e;
+    if (r >= b.rows) continue;
+    if (l.g == 0) {
+      stats[2 * r] = l.row_max[e];
+      stats[2 * r + 1] = l.row_sum[e];
+    }
+#pragma unroll
+    for (int i = 0; i < L::kMTiles; ++i) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int j = 2 * i + u;  // run coordinate
+        const float unit = L::kUniform ? 1.0f / UniformFactor<L::VR::kBits>(j) : 1.0f;
+        out[r * kDim + l.g * L::kRun + j] = l.acc[i][2 * u + e] * unit + l.zero_sum[e];
+      }
+    }
+  }
+}
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits>
+__global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKernelParams p) {
+  static_assert(kDim == 64 || kDim == 128 || kDim == 256, "head dims 64, 128, 256");
+  static_assert((kKey == DeviceFieldFormat::kBf16) == (kValue == DeviceFieldFormat::kBf16),
+                "bf16 keys go with bf16 values");
+  using L = HmmaLane<kKey, kValue, kDim, kKeyBits, kValueBits>;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int index = blockIdx.x * kHmmaWarps + warp;
+  if (index >= p.num_blocks) return;  // a whole warp; the kernel has no block barrier
+  const PoolView& view = p.view;
+  const AttendBlock b = p.blocks[index];
+  const AttendItemDesc item = p.items[b.item];
+  const DeviceHead& head = view.heads[item.layer * view.num_kv_heads + b.kv_head];
+  const int32_t* block_table = p.block_tables + (p.exact ? item.exact_block_table : item.block_table);
+  const AddBackDesc addback =
+      p.addback.heads != nullptr ? p.addback.heads[b.item * view.num_kv_heads + b.kv_head] : AddBackDesc();
+  L l;
+  HmmaSetup(p, b, item, head, warp, lane, l);
+  // Tiles [first_full, last_full] lie inside the block and what every row
+  // sees (row 0 sees the least): tile - full_base > full_span (unsigned)
+  // says a tile is not one of them.
+  const int group = view.num_query_heads / view.num_kv_heads;
+  const int full_end = min(b.token_end, item.context_tokens - item.num_query_tokens + 1 + b.row0 / group);
+  const int first_full = (b.token_begin + kHmmaTile - 1) & ~(kHmmaTile - 1);
+  const int last_full = full_end - kHmmaTile;
+  const uint32_t full_base = last_full >= first_full ? static_cast<uint32_t>(first_full) : 0x80000000u;
+  const uint32_t full_span = last_full >= first_full ? static_cast<uint32_t>(last_full - first_full) : 0u;
+  AddBackState addback_state;
+  const bool addback_mma = addback.pairs > 0 && addback.pairs <= kAddBackMmaPairs;
+  if (addback_mma) {
+    AddBackSetup(p.addback, addback, b.row0, b.rows, l.g, l.t, addback_state);
+    AddBackAnchor(b.token_begin & ~(kHmmaTile - 1), l.g, addback_state);
+  }
+  __syncwarp();  // the pair table is written
+
+  for (int tile = b.token_begin & ~(kHmmaTile - 1); tile < b.token_end; tile += kHmmaTile) {
+    const bool edge = static_cast<uint32_t>(tile) - full_base > full_span;  // one compare
+    const TokenAddress at = Locate(view, block_table, tile);                // the tile's first token: slot % 16 == 0
+    float c[4];
+    HmmaLogits(l, at, c);
+    float scale[2], zero[2];
+    uint32_t vw[4][L::VR::kWords];
+    HmmaLoadValues(l, at, scale, zero, vw);
+    if (addback_mma) {
+      const bool anchor = (tile & (kAddBackAnchor - 1)) == 0;
+      if (anchor) {
+        AddBackAnchor(tile, l.g, addback_state);
+      }
+      AddBackMma(addback_state, c);
+    } else if (addback.pairs > 0) {
+      const int tok[2] = {tile + l.g, tile + 8 + l.g};
+      MmaAddBack(p.addback, addback, b.row0, b.rows, tok, l.t, c);
+    }
+    if (p.softcap > 0.0f) {  // the same for the whole launch; masked after
+#pragma unroll
+      for (int k = 0; k < 4; ++k) c[k] = SoftCap(c[k], p.softcap, l.row_shift[k & 1]);
+    }
+    if (edge) HmmaMaskEdge(l, b, tile, c, scale, zero, vw);
+    // The online softmax: rescaled only when a row's max grows.
+    float tile_max[2];
+    const bool grew = HmmaTileMax(c, l.row_max, tile_max);
+    if (__any_sync(kFullWarp, grew)) HmmaRescale(tile_max, l);
+    float prob[4];
+    HmmaProbabilities(c, scale, zero, l, prob);
+    uint32_t pb[2], pb_lo[2];
+    HmmaTransposeP<L::kBf16>(prob, l.g, l.t, pb, pb_lo);
+    HmmaValues(vw, pb, pb_lo, l);
+  }
+  HmmaFinish(p, b, l);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace tqkv
+
+#endif  // TQKV_KERNELS_CUDA_ATTEND_HMMA_IMPL_CUH_
