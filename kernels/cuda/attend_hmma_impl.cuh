@@ -215,7 +215,7 @@ struct ValueRun {
 template <int kBits, int kCoords, int kWords>
 __device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
                                              uint32_t (&out)[kCoords]) {
-  constexpr uint32_t kMagic = 0x64006400u;  // 1024 in both halves
+  const uint32_t magic = 0x64006400u;  // 1024 in both halves (in a register: AndOr is one LOP3)
   if constexpr (kBits == 4) {
 #pragma unroll
     for (int m = 0; m < kWords; ++m) {
@@ -224,10 +224,10 @@ __device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const 
         const uint32_t y = BytePerm(a[m], b[m], h == 0 ? 0x5410u : 0x7632u);
         const uint32_t y8 = y >> 8;
         const int j = 8 * m + 4 * h;
-        out[j] = Half2Sub((y & 0x000f000fu) | kMagic, kMagic);
-        out[j + 1] = Half2Sub((y & 0x00f000f0u) | kMagic, kMagic);
-        out[j + 2] = Half2Sub((y8 & 0x000f000fu) | kMagic, kMagic);
-        out[j + 3] = Half2Sub((y8 & 0x00f000f0u) | kMagic, kMagic);
+        out[j] = Half2Sub(AndOr<0x000f000fu>(y, magic), magic);
+        out[j + 1] = Half2Sub(AndOr<0x00f000f0u>(y, magic), magic);
+        out[j + 2] = Half2Sub(AndOr<0x000f000fu>(y8, magic), magic);
+        out[j + 3] = Half2Sub(AndOr<0x00f000f0u>(y8, magic), magic);
       }
     }
   } else if constexpr (kBits == 2) {
@@ -238,10 +238,14 @@ __device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const 
         const uint32_t y = BytePerm(a[m], b[m], h == 0 ? 0x5410u : 0x7632u);
         const uint32_t y10 = y >> 10;
         const int j = 16 * m + 8 * h;
-#pragma unroll
-        for (int q = 0; q < 5; ++q) out[j + q] = Half2Sub((y & (0x00030003u << (2 * q))) | kMagic, kMagic);
-#pragma unroll
-        for (int q = 0; q < 3; ++q) out[j + 5 + q] = Half2Sub((y10 & (0x00030003u << (2 * q))) | kMagic, kMagic);
+        out[j] = Half2Sub(AndOr<0x00030003u>(y, magic), magic);
+        out[j + 1] = Half2Sub(AndOr<0x000c000cu>(y, magic), magic);
+        out[j + 2] = Half2Sub(AndOr<0x00300030u>(y, magic), magic);
+        out[j + 3] = Half2Sub(AndOr<0x00c000c0u>(y, magic), magic);
+        out[j + 4] = Half2Sub(AndOr<0x03000300u>(y, magic), magic);
+        out[j + 5] = Half2Sub(AndOr<0x00030003u>(y10, magic), magic);
+        out[j + 6] = Half2Sub(AndOr<0x000c000cu>(y10, magic), magic);
+        out[j + 7] = Half2Sub(AndOr<0x00300030u>(y10, magic), magic);
       }
     }
   } else {
@@ -250,14 +254,12 @@ __device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const 
     for (int window = 0; window < (kCoords + 4) / 5; ++window) {
       const uint32_t y = BytePerm(RunBits(a, 15 * window), RunBits(b, 15 * window), 0x5410u);
       const uint32_t y9 = y >> 9;
-#pragma unroll
-      for (int q = 0; q < 5; ++q) {
-        const int j = 5 * window + q;
-        if (j < kCoords) {
-          const uint32_t bits = q < 3 ? (y & (0x00070007u << (3 * q))) : (y9 & (0x00070007u << (3 * (q - 3))));
-          out[j] = Half2Sub(bits | kMagic, kMagic);
-        }
-      }
+      const int j = 5 * window;
+      out[j] = Half2Sub(AndOr<0x00070007u>(y, magic), magic);
+      if (j + 1 < kCoords) out[j + 1] = Half2Sub(AndOr<0x00380038u>(y, magic), magic);
+      if (j + 2 < kCoords) out[j + 2] = Half2Sub(AndOr<0x01c001c0u>(y, magic), magic);
+      if (j + 3 < kCoords) out[j + 3] = Half2Sub(AndOr<0x00070007u>(y9, magic), magic);
+      if (j + 4 < kCoords) out[j + 4] = Half2Sub(AndOr<0x00380038u>(y9, magic), magic);
     }
   }
 }

@@ -23,7 +23,9 @@
 // register (lo in the low half); Fp8x2ToHalf2 widens the two fp8 E4M3 bytes
 // in the low 16 bits of its argument (exactly) into an fp16 pair;
 // Half2Sub subtracts fp16 pairs; BytePerm is __byte_perm; FastExp2 is the
-// hardware's 2^x (ex2.approx, about 2 ulp). SharedAddress(p) is the 32-bit
+// hardware's 2^x (ex2.approx, about 2 ulp). AndOr(a, kMask, c) is
+// (a & kMask) | c in one LOP3 (ptxas otherwise spends two when c is a
+// constant too). SharedAddress(p) is the 32-bit
 // shared-window address of shared memory at p; LoadShared32 /
 // StoreShared32(anchor, address) read and write the word at such an
 // address, `anchor` being any address in the same shared array (the
@@ -119,6 +121,13 @@ __device__ __forceinline__ float FastExp2(float x) {
 }
 
 __device__ __forceinline__ void SinCosReduced(float x, float* s, float* c) { __sincosf(x, s, c); }
+
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t c) {
+  uint32_t out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(out) : "r"(a), "n"(kMask), "r"(c));
+  return out;
+}
 
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -241,6 +250,10 @@ inline uint32_t BytePerm(uint32_t x, uint32_t y, uint32_t selector) {
   return out;
 }
 inline float FastExp2(float x) { return std::exp2(x); }
+template <uint32_t kMask>
+inline uint32_t AndOr(uint32_t a, uint32_t c) {
+  return (a & kMask) | c;
+}
 inline void SinCosReduced(float x, float* s, float* c) {
   *s = std::sin(x);
   *c = std::cos(x);

@@ -300,7 +300,10 @@ TEST_F(CudaBackendTest, ExactTokensCoveringTheContextOrOnlySinksMatchTheCpu) {
 // CPU's Score computes it in double; the device reduces the angle in double.
 // A long block table over a few stored pages (the same pages repeated) makes
 // such positions cheap.
-TEST_F(CudaBackendTest, PreRopeAddBackIsExactAtLargePositions) {
+// centering_pairs 0 keeps every pair (the per-token add-back); 8, the
+// server's default, takes the fp16 tensor-core kernel's mma add-back, whose
+// rotated features are re-anchored every 1024 tokens.
+void CheckAddBackAtLargePositions(Backend* cpu, Backend* gpu_fp32, Backend* gpu, int centering_pairs) {
   KvLayoutOptions o;
   o.num_layers = 1;
   o.num_kv_heads = 1;
@@ -311,20 +314,20 @@ TEST_F(CudaBackendTest, PreRopeAddBackIsExactAtLargePositions) {
   o.boundary_layers = 0;
   o.key_centering = KeyCentering::kPreRope;
   o.rope.base = 10000.0;
-  o.centering_pairs = 0;  // every pair, theta up to 1 rad
+  o.centering_pairs = centering_pairs;  // 0: every pair, theta up to 1 rad
   auto layout = KvLayout::Create(o);
   ASSERT_TRUE(layout.ok()) << layout.status();
   const int d = 64, qh = 2, stored_pages = 8, stored = stored_pages * 16;
   const int64_t length = 1000003;
-  for (Backend* gpu : {gpu_fp32_, gpu_}) {
-    auto cpu_pool = cpu_->AllocatePool(**layout, stored_pages);
-    auto gpu_pool = gpu->AllocatePool(**layout, stored_pages);
+  for (Backend* device : {gpu_fp32, gpu}) {
+    auto cpu_pool = cpu->AllocatePool(**layout, stored_pages);
+    auto gpu_pool = device->AllocatePool(**layout, stored_pages);
     ASSERT_TRUE(cpu_pool.ok() && gpu_pool.ok());
     const std::vector<float> keys = Gaussian(static_cast<size_t>(stored) * d, 5);
     const std::vector<float> values = Gaussian(keys.size(), 6);
     std::vector<int32_t> slots(stored);
     std::iota(slots.begin(), slots.end(), 0);
-    ASSERT_TRUE(cpu_->Store({layout->get(), *cpu_pool, 0, 1, stored, slots.data(), keys.data(), values.data()}).ok());
+    ASSERT_TRUE(cpu->Store({layout->get(), *cpu_pool, 0, 1, stored, slots.data(), keys.data(), values.data()}).ok());
     ASSERT_EQ(cudaMemcpy(gpu_pool->base, cpu_pool->base, cpu_pool->page_bytes * stored_pages, cudaMemcpyHostToDevice),
               cudaSuccess);
     std::vector<int32_t> table((length + 15) / 16);
@@ -339,10 +342,10 @@ TEST_F(CudaBackendTest, PreRopeAddBackIsExactAtLargePositions) {
       ScoreParams s{layout->get(), *cpu_pool, 0, table.data(), begin, end, q.data(), scale, cpu_logits.data()};
       s.key_mean = mean.data();
       s.length = length;
-      ASSERT_TRUE(cpu_->Score(s).ok());
+      ASSERT_TRUE(cpu->Score(s).ok());
       s.pool = *gpu_pool;
       s.logits = gpu_logits.data();
-      ASSERT_TRUE(gpu->Score(s).ok());
+      ASSERT_TRUE(device->Score(s).ok());
       ExpectClose(gpu_logits, cpu_logits, kFp32Tolerance, "logits from " + std::to_string(begin));
     }
     // Attend over the whole context (shorter on the emulated device).
@@ -350,15 +353,22 @@ TEST_F(CudaBackendTest, PreRopeAddBackIsExactAtLargePositions) {
     std::vector<float> cpu_out(q.size()), gpu_out(q.size()), cpu_lse(qh), gpu_lse(qh);
     AttendItem item{table.data(), context, 0, 1, q.data(), cpu_out.data(), cpu_lse.data()};
     item.key_mean = mean.data();
-    ASSERT_TRUE(cpu_->Attend(AttendParams{layout->get(), *cpu_pool, {&item, 1}, scale}).ok());
+    ASSERT_TRUE(cpu->Attend(AttendParams{layout->get(), *cpu_pool, {&item, 1}, scale}).ok());
     item.output = gpu_out.data();
     item.lse = gpu_lse.data();
-    ASSERT_TRUE(gpu->Attend(AttendParams{layout->get(), *gpu_pool, {&item, 1}, scale}).ok());
-    const double tolerance = gpu == gpu_ ? kTensorCoreTolerance : kFp32Tolerance;
+    ASSERT_TRUE(device->Attend(AttendParams{layout->get(), *gpu_pool, {&item, 1}, scale}).ok());
+    const double tolerance = device == gpu ? kTensorCoreTolerance : kFp32Tolerance;
     ExpectClose(gpu_out, cpu_out, tolerance, "attend output");
     ExpectClose(gpu_lse, cpu_lse, tolerance, "attend lse");
-    cpu_->FreePool(*cpu_pool);
-    gpu->FreePool(*gpu_pool);
+    cpu->FreePool(*cpu_pool);
+    device->FreePool(*gpu_pool);
+  }
+}
+
+TEST_F(CudaBackendTest, PreRopeAddBackIsExactAtLargePositions) {
+  for (int pairs : {0, 8}) {
+    SCOPED_TRACE("centering pairs " + std::to_string(pairs));
+    CheckAddBackAtLargePositions(cpu_, gpu_fp32_, gpu_, pairs);
   }
 }
 
