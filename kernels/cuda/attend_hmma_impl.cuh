@@ -32,8 +32,8 @@ namespace {
 //     undone on the output; scale and zero point act on P and on a running
 //     zero-point sum;
 //   fp8 E4M3: widened exactly to fp16 pairs; fp16 as stored;
-//   bf16: bf16 mma, the query and P split into two bf16 terms (hi + lo:
-//     16 significant bits, as fp16's 11 and better).
+//   bf16: bf16 mma, the query split into two bf16 terms (hi + lo: 16
+//     significant bits, as fp16's 11 and better), P in bf16.
 // The online softmax is in base 2; the accumulators are rescaled only when
 // a row's running max changes. Tiles that straddle the block's ends or a
 // row's visible end are masked; the others run without compares.
@@ -620,44 +620,30 @@ __device__ __forceinline__ void HmmaProbabilities(const float (&c)[4], const flo
 // P^T as B of the value product: lane (g, t) needs row g's P of tokens 2t,
 // 2t + 1 (pb[0]) and 8 + 2t, 9 + 2t (pb[1]). Lane (2t, g / 2) holds row g's
 // P of tokens 2t and 8 + 2t as the pair for row parity g & 1; lane (2t + 1,
-// g / 2) those of 2t + 1 and 9 + 2t. bf16: pb_lo what bf16 left of each.
+// g / 2) those of 2t + 1 and 9 + 2t. bf16 pages take P in bf16 (as
+// FlashAttention does: 8 significant bits on weights in [0, 1]).
 template <bool kBf16>
-__device__ __forceinline__ void HmmaTransposeP(const float (&prob)[4], int g, int t, uint32_t (&pb)[2],
-                                               uint32_t (&pb_lo)[2]) {
-  uint32_t mine[2], mine_lo[2] = {0u, 0u};
+__device__ __forceinline__ void HmmaTransposeP(const float (&prob)[4], int g, int t, uint32_t (&pb)[2]) {
+  uint32_t mine[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    if constexpr (kBf16) {
-      mine[e] = PackBf162(prob[e], prob[2 + e]);
-      mine_lo[e] =
-          PackBf162(prob[e] - Bf16BitsToFloat(mine[e] & 0xffffu), prob[2 + e] - Bf16BitsToFloat(mine[e] >> 16));
-    } else {
-      mine[e] = PackHalf2(prob[e], prob[2 + e]);
-    }
+    mine[e] = kBf16 ? PackBf162(prob[e], prob[2 + e]) : PackHalf2(prob[e], prob[2 + e]);
   }
-  uint32_t x[2], x_lo[2] = {0u, 0u};
+  uint32_t x[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int source = 4 * (2 * t + k) + (g >> 1);
     const uint32_t even = __shfl_sync(kFullWarp, mine[0], source);
     const uint32_t odd = __shfl_sync(kFullWarp, mine[1], source);
     x[k] = (g & 1) ? odd : even;
-    if constexpr (kBf16) {
-      const uint32_t even_lo = __shfl_sync(kFullWarp, mine_lo[0], source);
-      const uint32_t odd_lo = __shfl_sync(kFullWarp, mine_lo[1], source);
-      x_lo[k] = (g & 1) ? odd_lo : even_lo;
-    }
   }
   pb[0] = BytePerm(x[0], x[1], 0x5410u);
   pb[1] = BytePerm(x[0], x[1], 0x7632u);
-  pb_lo[0] = BytePerm(x_lo[0], x_lo[1], 0x5410u);
-  pb_lo[1] = BytePerm(x_lo[0], x_lo[1], 0x7632u);
 }
 
 // out^T (value coordinates x rows) += V^T P^T.
 template <typename L>
-__device__ __forceinline__ void HmmaValues(const uint32_t (&vw)[4][L::VR::kWords], const uint32_t (&pb)[2],
-                                           const uint32_t (&pb_lo)[2], L& l) {
+__device__ __forceinline__ void HmmaValues(const uint32_t (&vw)[4][L::VR::kWords], const uint32_t (&pb)[2], L& l) {
   using VR = typename L::VR;
   uint32_t va[2][L::kRun];
   ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[0], vw[1], va[0]);
@@ -666,7 +652,6 @@ __device__ __forceinline__ void HmmaValues(const uint32_t (&vw)[4][L::VR::kWords
   for (int i = 0; i < L::kMTiles; ++i) {
     const uint32_t a[4] = {va[0][2 * i], va[0][2 * i + 1], va[1][2 * i], va[1][2 * i + 1]};
     Mma16<L::kBf16>(l.acc[i], a, pb);
-    if constexpr (L::kBf16) Mma16<L::kBf16>(l.acc[i], a, pb_lo);
   }
 }
 
@@ -770,9 +755,9 @@ __global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKer
     if (__any_sync(kFullWarp, grew)) HmmaRescale(tile_max, l);
     float prob[4];
     HmmaProbabilities(c, scale, zero, l, prob);
-    uint32_t pb[2], pb_lo[2];
-    HmmaTransposeP<L::kBf16>(prob, l.g, l.t, pb, pb_lo);
-    HmmaValues(vw, pb, pb_lo, l);
+    uint32_t pb[2];
+    HmmaTransposeP<L::kBf16>(prob, l.g, l.t, pb);
+    HmmaValues(vw, pb, l);
   }
   HmmaFinish(p, b, l);
 }
