@@ -41,6 +41,32 @@ __device__ __forceinline__ TokenAddress Locate(const PoolView& v, const int32_t*
 
 __device__ __forceinline__ float Bf16BitsToFloat(uint32_t bits) { return __uint_as_float(bits << 16); }
 
+// kBytes bytes at p (16-byte aligned when kBytes is a multiple of 16, else
+// 8- or 4-byte aligned) as words.
+template <int kBytes>
+__device__ __forceinline__ void LoadRaw(const uint8_t* p, uint32_t (&w)[kBytes / 4]) {
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 16; ++k) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[k];
+      w[4 * k] = v.x;
+      w[4 * k + 1] = v.y;
+      w[4 * k + 2] = v.z;
+      w[4 * k + 3] = v.w;
+    }
+  } else if constexpr (kBytes % 8 == 0) {
+#pragma unroll
+    for (int k = 0; k < kBytes / 8; ++k) {
+      const uint2 v = reinterpret_cast<const uint2*>(p)[k];
+      w[2 * k] = v.x;
+      w[2 * k + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kBytes / 4; ++k) w[k] = reinterpret_cast<const uint32_t*>(p)[k];
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Keys: a token's key is read by L lanes (L a power of two), each taking one
 // group of up to 32 coordinates of one part; their partial dot products are

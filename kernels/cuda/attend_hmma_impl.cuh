@@ -3,6 +3,8 @@
 #ifndef TQKV_KERNELS_CUDA_ATTEND_HMMA_IMPL_CUH_
 #define TQKV_KERNELS_CUDA_ATTEND_HMMA_IMPL_CUH_
 
+#include <utility>
+
 #include "kernels/cuda/attend_common_impl.cuh"
 #include "kernels/cuda/attend_mma_impl.cuh"  // MmaAddBack: the same fragment layout
 
@@ -66,21 +68,21 @@ constexpr int CoordBits() {
   return kFormat == DeviceFieldFormat::kFp8 ? 8 : IsRaw<kFormat>() ? 16 : kBits;
 }
 
-// The power of two a uniform code at coordinate j of a lane's run is read
-// with (see UniformPairs): 3-bit codes come in windows of five at bits
-// 0, 3, 6 and, shifted by 9, 0, 3; 2-bit codes in windows of eight at bits
-// 0..8 and, shifted by 10, 0..4; 4-bit codes in fours at bits 0, 4, 0, 4.
+// Uniform codes are read two tokens at a time, in windows of 16 / kBits
+// codes (16 bits; 3-bit codes: five, 15 bits): the first 10 / kBits at
+// their place in the window, the others shifted down by 10 / kBits codes,
+// so that each sits in the 10-bit mantissa of 1024 (UniformPairs). A code
+// at coordinate j of a lane's run is read times UniformFactor(j), a power
+// of two the output undoes.
+template <int kBits>
+constexpr int UniformPlace(int j) {
+  const int q = j % (16 / kBits);
+  return kBits * (q < 10 / kBits ? q : q - 10 / kBits);
+}
+
 template <int kBits>
 constexpr float UniformFactor(int j) {
-  if (kBits == 3) {
-    const int q = j % 5;
-    return q == 0 || q == 3 ? 1.0f : q == 1 || q == 4 ? 8.0f : 64.0f;
-  }
-  if (kBits == 2) {
-    const int q = j % 8;
-    return q < 5 ? static_cast<float>(1 << (2 * q)) : static_cast<float>(1 << (2 * (q - 5)));
-  }
-  return j % 2 == 0 ? 1.0f : 16.0f;
+  return static_cast<float>(1 << UniformPlace<kBits>(j));
 }
 
 // A lane's run of kRunBits bits starting at bit `first` of a token's codes,
@@ -103,32 +105,6 @@ __device__ __forceinline__ void LoadRun(const uint8_t* word0, int first, uint32_
     }
 #pragma unroll
     for (int k = 0; k < kWords; ++k) w[k] = __funnelshift_r(raw[k], raw[k + 1], shift);
-  }
-}
-
-// kBytes bytes at p (16-byte aligned when kBytes is a multiple of 16, else
-// 8- or 4-byte aligned) as words.
-template <int kBytes>
-__device__ __forceinline__ void LoadRaw(const uint8_t* p, uint32_t (&w)[kBytes / 4]) {
-  if constexpr (kBytes % 16 == 0) {
-#pragma unroll
-    for (int k = 0; k < kBytes / 16; ++k) {
-      const uint4 v = reinterpret_cast<const uint4*>(p)[k];
-      w[4 * k] = v.x;
-      w[4 * k + 1] = v.y;
-      w[4 * k + 2] = v.z;
-      w[4 * k + 3] = v.w;
-    }
-  } else if constexpr (kBytes % 8 == 0) {
-#pragma unroll
-    for (int k = 0; k < kBytes / 8; ++k) {
-      const uint2 v = reinterpret_cast<const uint2*>(p)[k];
-      w[2 * k] = v.x;
-      w[2 * k + 1] = v.y;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kBytes / 4; ++k) w[k] = reinterpret_cast<const uint32_t*>(p)[k];
   }
 }
 
@@ -212,55 +188,36 @@ struct ValueRun {
 };
 
 // Uniform codes j of two tokens' runs as exact fp16 pairs code * factor(j).
+// One window's codes j .. j + 16 / kBits - 1 of two tokens (y: their bits,
+// the first token's in the low half) as exact fp16 pairs code * factor.
+template <int kBits, int kCoords, int... kQ>
+__device__ __forceinline__ void UniformWindow(uint32_t y, int j, uint32_t (&out)[kCoords],
+                                              std::integer_sequence<int, kQ...>) {
+  const uint32_t magic = 0x64006400u;  // 1024 in both halves (in a register: AndOr is one LOP3)
+  const uint32_t high = y >> (kBits * (10 / kBits));
+  constexpr uint32_t kCode = ((1u << kBits) - 1u) * 0x00010001u;
+  ((j + kQ < kCoords ? (void)(out[j + kQ] = Half2Sub(
+                                  AndOr<(kCode << UniformPlace<kBits>(kQ))>(kQ < 10 / kBits ? y : high, magic), magic))
+                     : (void)0),
+   ...);
+}
+
+// Uniform codes j of two tokens' runs as exact fp16 pairs code * factor(j).
 template <int kBits, int kCoords, int kWords>
 __device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
                                              uint32_t (&out)[kCoords]) {
-  const uint32_t magic = 0x64006400u;  // 1024 in both halves (in a register: AndOr is one LOP3)
-  if constexpr (kBits == 4) {
+  static_assert(kBits >= 2 && kBits <= 4, "uniform values of 2, 3 or 4 bits");
+  constexpr int kPer = 16 / kBits;  // codes a window
 #pragma unroll
-    for (int m = 0; m < kWords; ++m) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t y = BytePerm(a[m], b[m], h == 0 ? 0x5410u : 0x7632u);
-        const uint32_t y8 = y >> 8;
-        const int j = 8 * m + 4 * h;
-        out[j] = Half2Sub(AndOr<0x000f000fu>(y, magic), magic);
-        out[j + 1] = Half2Sub(AndOr<0x00f000f0u>(y, magic), magic);
-        out[j + 2] = Half2Sub(AndOr<0x000f000fu>(y8, magic), magic);
-        out[j + 3] = Half2Sub(AndOr<0x00f000f0u>(y8, magic), magic);
-      }
+  for (int w = 0; w * kPer < kCoords; ++w) {
+    const int bit = kPer * kBits * w;
+    uint32_t y;
+    if constexpr (kPer * kBits == 16) {  // whole half-words: one PRMT pairs them
+      y = BytePerm(a[bit / 32], b[bit / 32], bit % 32 == 0 ? 0x5410u : 0x7632u);
+    } else {
+      y = BytePerm(RunBits(a, bit), RunBits(b, bit), 0x5410u);
     }
-  } else if constexpr (kBits == 2) {
-#pragma unroll
-    for (int m = 0; m < kWords; ++m) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t y = BytePerm(a[m], b[m], h == 0 ? 0x5410u : 0x7632u);
-        const uint32_t y10 = y >> 10;
-        const int j = 16 * m + 8 * h;
-        out[j] = Half2Sub(AndOr<0x00030003u>(y, magic), magic);
-        out[j + 1] = Half2Sub(AndOr<0x000c000cu>(y, magic), magic);
-        out[j + 2] = Half2Sub(AndOr<0x00300030u>(y, magic), magic);
-        out[j + 3] = Half2Sub(AndOr<0x00c000c0u>(y, magic), magic);
-        out[j + 4] = Half2Sub(AndOr<0x03000300u>(y, magic), magic);
-        out[j + 5] = Half2Sub(AndOr<0x00030003u>(y10, magic), magic);
-        out[j + 6] = Half2Sub(AndOr<0x000c000cu>(y10, magic), magic);
-        out[j + 7] = Half2Sub(AndOr<0x00300030u>(y10, magic), magic);
-      }
-    }
-  } else {
-    static_assert(kBits == 3, "uniform values of 2, 3 or 4 bits");
-#pragma unroll
-    for (int window = 0; window < (kCoords + 4) / 5; ++window) {
-      const uint32_t y = BytePerm(RunBits(a, 15 * window), RunBits(b, 15 * window), 0x5410u);
-      const uint32_t y9 = y >> 9;
-      const int j = 5 * window;
-      out[j] = Half2Sub(AndOr<0x00070007u>(y, magic), magic);
-      if (j + 1 < kCoords) out[j + 1] = Half2Sub(AndOr<0x00380038u>(y, magic), magic);
-      if (j + 2 < kCoords) out[j + 2] = Half2Sub(AndOr<0x01c001c0u>(y, magic), magic);
-      if (j + 3 < kCoords) out[j + 3] = Half2Sub(AndOr<0x00070007u>(y9, magic), magic);
-      if (j + 4 < kCoords) out[j + 4] = Half2Sub(AndOr<0x00380038u>(y9, magic), magic);
-    }
+    UniformWindow<kBits>(y, kPer * w, out, std::make_integer_sequence<int, kPer>());
   }
 }
 

@@ -36,12 +36,11 @@ AttendKernelFunction AttendMmaKernelFor(int head_dim) {
 // The fp16 tensor-core kernel's instances: which pairs have one, and the
 // instance for a head dim and an AttendHmmaShape code (key bits * 32 + value
 // bits); null where there is none.
-template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
-constexpr bool HasHmma() {
+constexpr bool HasHmma(DeviceFieldFormat key, DeviceFieldFormat value) {
   using F = DeviceFieldFormat;
-  return (kKey == F::kFp16 && kValue == F::kFp16) || (kKey == F::kBf16 && kValue == F::kBf16) ||
-         (kKey == F::kFp8 && (kValue == F::kFp8 || kValue == F::kUniform)) ||
-         (kKey == F::kTurboQuant && kValue == F::kUniform);
+  return (key == F::kFp16 && value == F::kFp16) || (key == F::kBf16 && value == F::kBf16) ||
+         (key == F::kFp8 && (value == F::kFp8 || value == F::kUniform)) ||
+         (key == F::kTurboQuant && value == F::kUniform);
 }
 
 template <DeviceFieldFormat kFormat>
@@ -89,7 +88,7 @@ AttendKernelFunction AttendHmmaKeyBits(int shape) {
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 AttendKernelFunction AttendHmmaKernelFor(int head_dim, int shape) {
-  if constexpr (!HasHmma<kKey, kValue>()) {
+  if constexpr (!HasHmma(kKey, kValue)) {
     return nullptr;
   } else {
     switch (head_dim) {
@@ -220,11 +219,10 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
   if (page_tokens <= 0 || page_tokens % kHmmaTile != 0) return -1;
   FormatPair pair;
-  if (!FindFormatPair(key.format, value.format, &pair) || !PairInfo(pair).tensor_cores) return -1;
-  const bool has = TQKV_CUDA_DISPATCH_FORMAT_PAIR(
-                       pair, kKey, kValue, kTensorCores,
-                       return HasHmma<kKey, kValue>() ? cudaSuccess : cudaErrorInvalidValue;) == cudaSuccess;
-  if (!has) return -1;
+  if (!FindFormatPair(key.format, value.format, &pair) || !PairInfo(pair).tensor_cores ||
+      !HasHmma(key.format, value.format)) {
+    return -1;
+  }
   // Raw fields token-major at their natural size; codes tiled, whole words,
   // one part covering every coordinate in order.
   auto bits_of = [&](const DeviceField& f, bool key_field) {

@@ -45,14 +45,7 @@ __device__ __forceinline__ void LoadWords(const uint8_t* p, int bytes, bool alig
 #pragma unroll
   for (int k = 0; k < kWords; ++k) w[k] = 0;
   if (kWords % 4 == 0 && bytes == 4 * kWords && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-#pragma unroll
-    for (int k = 0; k < kWords / 4; ++k) {
-      const uint4 v = reinterpret_cast<const uint4*>(p)[k];
-      w[4 * k] = v.x;
-      w[4 * k + 1] = v.y;
-      w[4 * k + 2] = v.z;
-      w[4 * k + 3] = v.w;
-    }
+    LoadRaw<4 * kWords>(p, w);
   } else if (aligned) {
 #pragma unroll
     for (int k = 0; k < kWords; ++k) {

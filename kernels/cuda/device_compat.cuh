@@ -62,29 +62,27 @@ __device__ __forceinline__ uint32_t ToTf32(float x) {
   return out;
 }
 
+// One warp-wide mma.sync of shape SHAPE on input type TYPE (PTX names),
+// fp32 accumulators, fragments as documented above.
+#define TQKV_MMA_SYNC(SHAPE, TYPE, d, a, b)                                             \
+  asm volatile("mma.sync.aligned." SHAPE ".row.col.f32." TYPE "." TYPE                  \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
+
 __device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  TQKV_MMA_SYNC("m16n8k8", "tf32", d, a, b);
 }
 
 __device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  TQKV_MMA_SYNC("m16n8k16", "f16", d, a, b);
 }
 
 __device__ __forceinline__ void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  TQKV_MMA_SYNC("m16n8k16", "bf16", d, a, b);
 }
+
+#undef TQKV_MMA_SYNC
 
 __device__ __forceinline__ uint32_t PackHalf2(float lo, float hi) {
   uint32_t out;
@@ -164,66 +162,55 @@ inline uint32_t ToTf32(float x) {
   return (bits + 0x1000u) & ~0x1fffu;
 }
 
-// The warp's fragments gathered, then each lane's four results computed in k
-// order from TF32 inputs (the tensor cores ignore the low 13 bits).
+// m16n8k(8 kPerReg) for one warp: the fragments gathered, then each lane's
+// four results summed in k order onto d. A register holds kPerReg inputs
+// (1 TF32, 2 16-bit numbers); element(register, i) widens its i-th to float
+// (the products are exact in fp32). A[m][k] lives in lane (m % 8) * 4 +
+// (k % (4 kPerReg)) / kPerReg, register (m >= 8) + 2 (k >= 4 kPerReg);
+// B[k][n] in lane n * 4 + the same, register (k >= 4 kPerReg).
+template <int kPerReg, typename Element>
+inline void EmulatedMma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], Element element) {
+  struct Fragments {
+    uint32_t a[4];
+    uint32_t b[2];
+  };
+  constexpr int kHalfK = 4 * kPerReg;
+  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+  Fragments all[32];
+  emulation::WarpGather(&mine, sizeof(mine), all);
+  auto a_at = [&](int m, int k) {
+    const Fragments& f = all[(m % 8) * 4 + (k % kHalfK) / kPerReg];
+    return element(f.a[(m >= 8 ? 1 : 0) + (k >= kHalfK ? 2 : 0)], k % kPerReg);
+  };
+  auto b_at = [&](int k, int n) {
+    return element(all[n * 4 + (k % kHalfK) / kPerReg].b[k >= kHalfK ? 1 : 0], k % kPerReg);
+  };
+  const int g = emulation::Lane() / 4, t = emulation::Lane() % 4;
+  const int rows[4] = {g, g, g + 8, g + 8};
+  const int cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int i = 0; i < 4; ++i) {
+    float sum = d[i];
+    for (int k = 0; k < 2 * kHalfK; ++k) sum += a_at(rows[i], k) * b_at(k, cols[i]);
+    d[i] = sum;
+  }
+}
+
+// TF32 inputs: the tensor cores ignore the low 13 bits.
 inline void MmaTf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  struct Fragments {
-    uint32_t a[4];
-    uint32_t b[2];
-  };
-  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
-  Fragments all[32];
-  emulation::WarpGather(&mine, sizeof(mine), all);
-  auto tf32 = [](uint32_t bits) {
-    bits &= ~0x1fffu;
+  EmulatedMma<1>(d, a, b, [](uint32_t reg, int) {
+    reg &= ~0x1fffu;
     float f;
-    std::memcpy(&f, &bits, sizeof(f));
+    std::memcpy(&f, &reg, sizeof(f));
     return f;
-  };
-  auto a_at = [&](int m, int k) {  // A[m][k] lives in lane (m % 8) * 4 + k % 4
-    const Fragments& f = all[(m % 8) * 4 + k % 4];
-    return tf32(f.a[(m >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
-  };
-  auto b_at = [&](int k, int n) { return tf32(all[n * 4 + k % 4].b[k >= 4 ? 1 : 0]); };
-  const int g = emulation::Lane() / 4, t = emulation::Lane() % 4;
-  const int rows[4] = {g, g, g + 8, g + 8};
-  const int cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
-  for (int i = 0; i < 4; ++i) {
-    float sum = d[i];
-    for (int k = 0; k < 8; ++k) sum += a_at(rows[i], k) * b_at(k, cols[i]);
-    d[i] = sum;
-  }
+  });
 }
 
-// m16n8k16 with 16-bit inputs that `widen` turns into floats (exact
-// products in fp32), summed in k order onto d.
-template <typename Widen>
-inline void Mma16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], Widen widen) {
-  struct Fragments {
-    uint32_t a[4];
-    uint32_t b[2];
-  };
-  Fragments mine{{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
-  Fragments all[32];
-  emulation::WarpGather(&mine, sizeof(mine), all);
-  auto half_of = [&](uint32_t reg, int k) { return widen(static_cast<uint16_t>(reg >> (16 * (k & 1)))); };
-  auto a_at = [&](int m, int k) {  // A[m][k] lives in lane (m % 8) * 4 + (k % 8) / 2
-    const Fragments& f = all[(m % 8) * 4 + (k % 8) / 2];
-    return half_of(f.a[(m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k);
-  };
-  auto b_at = [&](int k, int n) { return half_of(all[n * 4 + (k % 8) / 2].b[k >= 8 ? 1 : 0], k); };
-  const int g = emulation::Lane() / 4, t = emulation::Lane() % 4;
-  const int rows[4] = {g, g, g + 8, g + 8};
-  const int cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
-  for (int i = 0; i < 4; ++i) {
-    float sum = d[i];
-    for (int k = 0; k < 16; ++k) sum += a_at(rows[i], k) * b_at(k, cols[i]);
-    d[i] = sum;
-  }
+inline void MmaF16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  EmulatedMma<2>(d, a, b, [](uint32_t reg, int i) { return HalfToFloat(static_cast<uint16_t>(reg >> (16 * i))); });
 }
-
-inline void MmaF16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { Mma16(d, a, b, HalfToFloat); }
-inline void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { Mma16(d, a, b, Bf16ToFloat); }
+inline void MmaBf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  EmulatedMma<2>(d, a, b, [](uint32_t reg, int i) { return Bf16ToFloat(static_cast<uint16_t>(reg >> (16 * i))); });
+}
 
 inline uint32_t PackHalf2(float lo, float hi) {
   return static_cast<uint32_t>(FloatToHalf(lo)) | (static_cast<uint32_t>(FloatToHalf(hi)) << 16);
