@@ -68,16 +68,48 @@ constexpr int CoordBits() {
   return kFormat == DeviceFieldFormat::kFp8 ? 8 : IsRaw<kFormat>() ? 16 : kBits;
 }
 
-// Uniform codes are read two tokens at a time, in windows of 16 / kBits
-// codes (16 bits; 3-bit codes: five, 15 bits): the first 10 / kBits at
-// their place in the window, the others shifted down by 10 / kBits codes,
-// so that each sits in the 10-bit mantissa of 1024 (UniformPairs). A code
-// at coordinate j of a lane's run is read times UniformFactor(j), a power
-// of two the output undoes.
+// Uniform codes are read two tokens at a time, by half-words of their runs:
+// one PRMT pairs half h of both tokens (y_h: the first token's in the low
+// half). Code j sits at bit p = kBits j % 16 of half h = kBits j / 16 and
+// is OR'd into the 10-bit mantissa of 1024 at a place of its kind:
+//   kDirect: it fits there as it sits (p + kBits <= 10), place p;
+//   kHigh: from y_h shifted down by HighShift(h) (the first such code's p);
+//   kBytes: a 3-bit code across two half-words of one word, from a PRMT of
+//     its two bytes, place kBits j % 8;
+//   kSplice: one across two words, spliced from y_h and y_(h + 1), place 0.
+// A code at coordinate j of a lane's run is read times UniformFactor(j), a
+// power of two the output undoes.
+enum UniformCodeKind { kDirect, kHigh, kBytes, kSplice };
+
+template <int kBits>
+constexpr UniformCodeKind CodeKind(int j) {
+  const int p = kBits * j % 16;
+  if (p + kBits <= 10) return kDirect;
+  if (p + kBits <= 16) return kHigh;
+  return kBits * j / 8 % 4 != 3 ? kBytes : kSplice;
+}
+
+template <int kBits>
+constexpr int HighShift(int h) {
+  for (int j = (16 * h + kBits - 1) / kBits; kBits * j < 16 * (h + 1); ++j) {
+    if (CodeKind<kBits>(j) == kHigh) return kBits * j % 16;
+  }
+  return 0;
+}
+
 template <int kBits>
 constexpr int UniformPlace(int j) {
-  const int q = j % (16 / kBits);
-  return kBits * (q < 10 / kBits ? q : q - 10 / kBits);
+  const int p = kBits * j % 16;
+  switch (CodeKind<kBits>(j)) {
+    case kDirect:
+      return p;
+    case kHigh:
+      return p - HighShift<kBits>(kBits * j / 16);
+    case kBytes:
+      return kBits * j % 8;
+    default:
+      return 0;
+  }
 }
 
 template <int kBits>
@@ -85,23 +117,44 @@ constexpr float UniformFactor(int j) {
   return static_cast<float>(1 << UniformPlace<kBits>(j));
 }
 
-// A lane's run of kRunBits bits starting at bit `first` of a token's codes,
-// as words (bit 0 of w[0] = bit `first`). Word k of the token sits at
-// word0 + k * kStride (tiled planes: 64 bytes a word, token-major: 4).
-template <int kRunBits, int kTokenWords, int kStride>
-__device__ __forceinline__ void LoadRun(const uint8_t* word0, int first, uint32_t (&w)[(kRunBits + 31) / 32]) {
+// Words a lane loads to hold its run of kRunBits bits, whatever its shift
+// ((lane * kRunBits) % 32), over kLanes lanes that split a token's codes.
+template <int kRunBits, int kLanes>
+constexpr int RunLoadWords() {
+  int most = 0;
+  for (int l = 0; l < kLanes; ++l) {
+    const int need = ((l * kRunBits) % 32 + kRunBits + 31) / 32;
+    most = need > most ? need : most;
+  }
+  return most;
+}
+
+// Whether the last lane's RunLoadWords reach past the token's words: then
+// the words past them are not loaded (a compare a word; no preset's shape).
+template <int kRunBits, int kLanes>
+constexpr bool RunOverhangs() {
+  return ((kLanes - 1) * kRunBits) / 32 + RunLoadWords<kRunBits, kLanes>() > (kLanes * kRunBits + 31) / 32;
+}
+
+// A lane's run of kRunBits bits (of kLanes lanes' runs, one token's codes),
+// as words (bit 0 of w[0] = bit `shift` of the word at `word`). Word k of
+// the token sits kStride * k bytes on (tiled planes: 64 bytes a word,
+// token-major: 4); `k0` is the lane's first word.
+template <int kRunBits, int kLanes, int kStride>
+__device__ __forceinline__ void LoadRun(const uint8_t* word, int k0, int shift, uint32_t (&w)[(kRunBits + 31) / 32]) {
   constexpr int kWords = (kRunBits + 31) / 32;
-  const int k0 = first >> 5;
-  const int shift = first & 31;
+  constexpr int kLoad = RunLoadWords<kRunBits, kLanes>();
+  constexpr int kTokenWords = (kLanes * kRunBits + 31) / 32;
   if constexpr (kRunBits % 32 == 0) {
     // Runs start on word boundaries: shift is 0.
 #pragma unroll
-    for (int k = 0; k < kWords; ++k) w[k] = *reinterpret_cast<const uint32_t*>(word0 + (k0 + k) * kStride);
+    for (int k = 0; k < kWords; ++k) w[k] = *reinterpret_cast<const uint32_t*>(word + k * kStride);
   } else {
     uint32_t raw[kWords + 1];
 #pragma unroll
     for (int k = 0; k <= kWords; ++k) {
-      raw[k] = k0 + k < kTokenWords ? *reinterpret_cast<const uint32_t*>(word0 + (k0 + k) * kStride) : 0u;
+      const bool load = k < kLoad && (!RunOverhangs<kRunBits, kLanes>() || k0 + k < kTokenWords);
+      raw[k] = load ? *reinterpret_cast<const uint32_t*>(word + k * kStride) : 0u;
     }
 #pragma unroll
     for (int k = 0; k < kWords; ++k) w[k] = __funnelshift_r(raw[k], raw[k + 1], shift);
@@ -187,38 +240,51 @@ struct ValueRun {
   static constexpr int kWords = (kRunBits + 31) / 32;
 };
 
-// Uniform codes j of two tokens' runs as exact fp16 pairs code * factor(j).
-// One window's codes j .. j + 16 / kBits - 1 of two tokens (y: their bits,
-// the first token's in the low half) as exact fp16 pairs code * factor.
-template <int kBits, int kCoords, int... kQ>
-__device__ __forceinline__ void UniformWindow(uint32_t y, int j, uint32_t (&out)[kCoords],
-                                              std::integer_sequence<int, kQ...>) {
-  const uint32_t magic = 0x64006400u;  // 1024 in both halves (in a register: AndOr is one LOP3)
-  const uint32_t high = y >> (kBits * (10 / kBits));
+// Code j of two tokens' runs a, b (realigned words) as an exact fp16 pair
+// code * UniformFactor(j), from their half-words y and y's shifted ones.
+template <int kBits, int kJ, int kWords, int kHalves>
+__device__ __forceinline__ uint32_t UniformCode(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
+                                                const uint32_t (&y)[kHalves], const uint32_t (&high)[kHalves]) {
+  constexpr int kBit = kBits * kJ, kHalf = kBit / 16, kP = kBit % 16;
+  constexpr UniformCodeKind kKind = CodeKind<kBits>(kJ);
   constexpr uint32_t kCode = ((1u << kBits) - 1u) * 0x00010001u;
-  ((j + kQ < kCoords ? (void)(out[j + kQ] = Half2Sub(
-                                  AndOr<(kCode << UniformPlace<kBits>(kQ))>(kQ < 10 / kBits ? y : high, magic), magic))
-                     : (void)0),
-   ...);
+  const uint32_t magic = 0x64006400u;  // 1024 in both halves (in a register: AndOr is one LOP3)
+  uint32_t x;
+  if constexpr (kKind == kDirect) {
+    x = y[kHalf];
+  } else if constexpr (kKind == kHigh) {
+    x = high[kHalf];
+  } else if constexpr (kKind == kBytes) {
+    constexpr uint32_t kB = kBit / 8 % 4;
+    x = BytePerm(a[kBit / 32], b[kBit / 32], kB | (kB + 1) << 4 | (kB + 4) << 8 | (kB + 5) << 12);
+  } else {
+    constexpr uint32_t kLow = ((1u << (16 - kP)) - 1u) * 0x00010001u;  // bits from half kHalf
+    x = ((y[kHalf] >> kP) & kLow) | ((y[kHalf + 1] << (16 - kP)) & ~kLow);
+  }
+  return Half2Sub(AndOr<(kCode << UniformPlace<kBits>(kJ))>(x, magic), magic);
 }
 
-// Uniform codes j of two tokens' runs as exact fp16 pairs code * factor(j).
+template <int kBits, int kWords, int kHalves, int... kJ>
+__device__ __forceinline__ void UniformCodes(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
+                                             const uint32_t (&y)[kHalves], const uint32_t (&high)[kHalves],
+                                             uint32_t (&out)[sizeof...(kJ)], std::integer_sequence<int, kJ...>) {
+  ((out[kJ] = UniformCode<kBits, kJ>(a, b, y, high)), ...);
+}
+
+// Uniform codes j of two tokens' runs (words realigned to the run's first
+// bit) as exact fp16 pairs code * UniformFactor(j).
 template <int kBits, int kCoords, int kWords>
 __device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
                                              uint32_t (&out)[kCoords]) {
   static_assert(kBits >= 2 && kBits <= 4, "uniform values of 2, 3 or 4 bits");
-  constexpr int kPer = 16 / kBits;  // codes a window
+  constexpr int kHalves = (kCoords * kBits + 15) / 16;
+  uint32_t y[kHalves], high[kHalves];
 #pragma unroll
-  for (int w = 0; w * kPer < kCoords; ++w) {
-    const int bit = kPer * kBits * w;
-    uint32_t y;
-    if constexpr (kPer * kBits == 16) {  // whole half-words: one PRMT pairs them
-      y = BytePerm(a[bit / 32], b[bit / 32], bit % 32 == 0 ? 0x5410u : 0x7632u);
-    } else {
-      y = BytePerm(RunBits(a, bit), RunBits(b, bit), 0x5410u);
-    }
-    UniformWindow<kBits>(y, kPer * w, out, std::make_integer_sequence<int, kPer>());
+  for (int h = 0; h < kHalves; ++h) {
+    y[h] = BytePerm(a[h / 2], b[h / 2], h % 2 == 0 ? 0x5410u : 0x7632u);
+    high[h] = y[h] >> HighShift<kBits>(h);
   }
+  UniformCodes<kBits>(a, b, y, high, out, std::make_integer_sequence<int, kCoords>());
 }
 
 template <DeviceFieldFormat kValue, int kBits, int kDim>
@@ -373,12 +439,23 @@ struct HmmaLane {
   using KR = KeyRun<kKey, kKeyBits, kDim>;
   using VR = ValueRun<kValue, kValueBits, kDim>;
 
+  static constexpr int kKeyLanes = 4;    // lanes t = 0..3 split a key token's run
+  static constexpr int kValueLanes = 8;  // lane groups g = 0..7 a value token's
+
   int g, t;
   uint32_t lane_bits;  // this lane's copy in this warp's pair table
-  // Plane offsets from a page, hoisted out of the DeviceHead; scalars: one
-  // fp16 norm a key token, (scale, zero) a uniform value token, of token g.
-  uint32_t key_codes, key_norms, value_codes, value_scalars;
-  uint32_t q_hi[kSteps][2], q_lo[kSteps][2];  // row g's query: B of the key product
+  // This lane's first bytes in page 0's first tile (the pool, the plane's
+  // offset in a page, the lane's in a tile), hoisted out of the DeviceHead:
+  // key codes of token g (its run's first word), the fp16 norm of key token
+  // g, value codes of token 2t (its run's first word), (scale, zero) of
+  // value token g. A tile adds its page's start and its place (HmmaAt).
+  const uint8_t* key_lane;
+  const uint8_t* norm_lane;
+  const uint8_t* value_lane;
+  const uint8_t* scalar_lane;
+  int key_k0, key_shift, value_k0, value_shift;  // run's first word, bit in it
+  uint32_t page_bytes;                           // AttendHmmaShape: < 2^32
+  uint32_t q_hi[kSteps][2], q_lo[kSteps][2];     // row g's query: B of the key product
   // Rows 2t, 2t + 1: what they see, their running max (natural log units
   // and base 2), and this lane's share of their sums.
   int visible[2];
@@ -387,6 +464,31 @@ struct HmmaLane {
   // of lane group g's value run.
   float acc[kMTiles][4];
 };
+
+// The lane's first bytes in each plane (HmmaLane::key_lane ...).
+template <typename L>
+__device__ __forceinline__ void HmmaLanePlanes(const PoolView& view, const DeviceHead& head, L& l) {
+  using KR = typename L::KR;
+  using VR = typename L::VR;
+  const uint8_t* pool = view.pool;
+  l.page_bytes = static_cast<uint32_t>(view.page_bytes);
+  l.key_k0 = l.t * KR::kRunBits / 32;
+  l.key_shift = l.t * KR::kRunBits % 32;
+  l.value_k0 = l.g * VR::kRunBits / 32;
+  l.value_shift = l.g * VR::kRunBits % 32;
+  if constexpr (IsRaw<KR::kFormat>()) {  // token-major
+    l.key_lane = pool + head.key.codes_offset + l.g * L::kKeyBytes + l.t * (KR::kRunBits / 8);
+  } else {  // tiled: word k of token s at 64 k + 4 s
+    l.key_lane = pool + head.key.codes_offset + 4 * l.g + l.key_k0 * L::kKeyStride;
+  }
+  if constexpr (IsRaw<VR::kFormat>()) {
+    l.value_lane = pool + head.value.codes_offset + 2 * l.t * L::kValueBytes + l.g * (VR::kRunBits / 8);
+  } else {
+    l.value_lane = pool + head.value.codes_offset + 8 * l.t + l.value_k0 * L::kValueStride;
+  }
+  l.norm_lane = pool + head.key.scalars_offset + 2 * l.g;
+  l.scalar_lane = pool + head.value.scalars_offset + 4 * l.g;
+}
 
 template <typename L>
 __device__ __forceinline__ void HmmaSetup(const AttendKernelParams& p, const AttendBlock& b, const AttendItemDesc& item,
@@ -402,10 +504,7 @@ __device__ __forceinline__ void HmmaSetup(const AttendKernelParams& p, const Att
     FillPairTable<L::KR::kBits>(head.key.parts[0].centroids, lane, table);
     l.lane_bits = table + static_cast<uint32_t>(lane % PairCopies<L::KR::kBits>()) * 4;
   }
-  l.key_codes = static_cast<uint32_t>(head.key.codes_offset);
-  l.key_norms = static_cast<uint32_t>(head.key.scalars_offset) + 2 * l.g;
-  l.value_codes = static_cast<uint32_t>(head.value.codes_offset);
-  l.value_scalars = static_cast<uint32_t>(head.value.scalars_offset) + 4 * l.g;
+  HmmaLanePlanes(view, head, l);
   const float* src = nullptr;
   if (l.g < b.rows) {
     const int row = b.row0 + l.g;
@@ -434,21 +533,38 @@ __device__ __forceinline__ void HmmaSetup(const AttendKernelParams& p, const Att
   }
 }
 
+// One tile's first bytes for this lane: HmmaLane's, moved to the tile's
+// page (its block-table entry) and place in the page (in_page 16-token
+// tiles on).
+struct HmmaTileAt {
+  const uint8_t* key;
+  const uint8_t* norms;
+  const uint8_t* value;
+  const uint8_t* scalars;
+};
+
+template <typename L>
+__device__ __forceinline__ HmmaTileAt HmmaAt(const L& l, uint32_t entry, uint32_t in_page) {
+  const auto at = [&](const uint8_t* lane, uint32_t tile_bytes) {
+    return lane + static_cast<uint64_t>(in_page) * tile_bytes + static_cast<uint64_t>(entry) * l.page_bytes;
+  };
+  return {at(l.key_lane, kHmmaTile * L::kKeyBytes), at(l.norm_lane, 2 * kHmmaTile),
+          at(l.value_lane, kHmmaTile * L::kValueBytes), at(l.scalar_lane, 4 * kHmmaTile)};
+}
+
 // Logits S = K Q^T of the tile (16 tokens x 8 rows): c[0], c[1] token g,
 // rows 2t, 2t + 1; c[2], c[3] token 8 + g.
 template <typename L>
-__device__ __forceinline__ void HmmaLogits(const L& l, const TokenAddress& at, float (&c)[4]) {
+__device__ __forceinline__ void HmmaLogits(const L& l, const HmmaTileAt& at, float (&c)[4]) {
   using KR = typename L::KR;
-  const uint8_t* key_tile = at.page + (l.key_codes + at.slot * L::kKeyBytes);
   uint32_t kb[2][L::kSteps][2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint32_t w[KR::kWords];
-    const int s = 8 * h + l.g;
-    if constexpr (IsRaw<KR::kFormat>()) {
-      LoadRaw<KR::kRunBits / 8>(key_tile + s * L::kKeyBytes + l.t * (KR::kRunBits / 8), w);
+    if constexpr (IsRaw<KR::kFormat>()) {  // token 8 h + g
+      LoadRaw<KR::kRunBits / 8>(at.key + 8 * h * L::kKeyBytes, w);
     } else {
-      LoadRun<KR::kRunBits, KR::kDim * KR::kBits / 32, L::kKeyStride>(key_tile + 4 * s, l.t * KR::kRunBits, w);
+      LoadRun<KR::kRunBits, L::kKeyLanes, L::kKeyStride>(at.key + 32 * h, l.key_k0, l.key_shift, w);
     }
     KeyFragments<KR::kFormat, KR::kBits, KR::kDim>(w, l.lane_bits, kb[h]);
   }
@@ -461,7 +577,7 @@ __device__ __forceinline__ void HmmaLogits(const L& l, const TokenAddress& at, f
     if constexpr (L::kBf16) Mma16<L::kBf16>(c, a, l.q_lo[i]);
   }
   if constexpr (L::kKeyCodes) {  // the norms of tokens g and 8 + g
-    const uint16_t* norms = reinterpret_cast<const uint16_t*>(at.page + (l.key_norms + at.slot * 2));
+    const uint16_t* norms = reinterpret_cast<const uint16_t*>(at.norms);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float norm = HalfBitsToFloat(norms[8 * h]);
@@ -475,13 +591,13 @@ __device__ __forceinline__ void HmmaLogits(const L& l, const TokenAddress& at, f
 // tokens 2t, 2t + 1, 8 + 2t, 9 + 2t (loaded before the softmax, so the
 // loads overlap it).
 template <typename L>
-__device__ __forceinline__ void HmmaLoadValues(const L& l, const TokenAddress& at, float (&scale)[2], float (&zero)[2],
+__device__ __forceinline__ void HmmaLoadValues(const L& l, const HmmaTileAt& at, float (&scale)[2], float (&zero)[2],
                                                uint32_t (&vw)[4][L::VR::kWords]) {
   using VR = typename L::VR;
   scale[0] = scale[1] = 1.0f;
   zero[0] = zero[1] = 0.0f;
   if constexpr (L::kUniform) {
-    const uint32_t* scalars = reinterpret_cast<const uint32_t*>(at.page + (l.value_scalars + at.slot * 4));
+    const uint32_t* scalars = reinterpret_cast<const uint32_t*>(at.scalars);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t both = scalars[8 * h];
@@ -489,14 +605,13 @@ __device__ __forceinline__ void HmmaLoadValues(const L& l, const TokenAddress& a
       zero[h] = HalfBitsToFloat(both >> 16);
     }
   }
-  const uint8_t* value_tile = at.page + (l.value_codes + at.slot * L::kValueBytes);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const int s = 8 * (k >> 1) + 2 * l.t + (k & 1);
+    const int s = 8 * (k >> 1) + (k & 1);  // tokens 2t + s
     if constexpr (IsRaw<VR::kFormat>()) {
-      LoadRaw<VR::kRunBits / 8>(value_tile + s * L::kValueBytes + l.g * (VR::kRunBits / 8), vw[k]);
+      LoadRaw<VR::kRunBits / 8>(at.value + s * L::kValueBytes, vw[k]);
     } else {
-      LoadRun<VR::kRunBits, VR::kDim * VR::kBits / 32, L::kValueStride>(value_tile + 4 * s, l.g * VR::kRunBits, vw[k]);
+      LoadRun<VR::kRunBits, L::kValueLanes, L::kValueStride>(at.value + 4 * s, l.value_k0, l.value_shift, vw[k]);
     }
   }
 }
@@ -647,12 +762,24 @@ __device__ __forceinline__ void HmmaFinish(const AttendKernelParams& p, const At
   }
 }
 
-template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits>
+// The kernel's loop variants (its last template argument, from
+// HmmaLoopFor): the general loop (any pages, the launch's add-back and
+// soft-capping); and, for pages of one tile (the server's default: a tile's
+// addresses are its page's) without soft-capping, a loop with no add-back
+// and one with the mma add-back (exact for up to kAddBackMmaPairs pairs; an
+// item with none adds zeros). Each keeps only its own branches: no per-tile
+// tests of launch-wide settings.
+constexpr int kHmmaGeneral = 0;
+constexpr int kHmmaOneTilePlain = 1;
+constexpr int kHmmaOneTileAddBack = 2;
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits, int kLoop>
 __global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKernelParams p) {
   static_assert(kDim == 64 || kDim == 128 || kDim == 256, "head dims 64, 128, 256");
   static_assert((kKey == DeviceFieldFormat::kBf16) == (kValue == DeviceFieldFormat::kBf16),
                 "bf16 keys go with bf16 values");
   using L = HmmaLane<kKey, kValue, kDim, kKeyBits, kValueBits>;
+  constexpr bool kGeneral = kLoop == kHmmaGeneral;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int index = blockIdx.x * kHmmaWarps + warp;
@@ -671,21 +798,30 @@ __global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKer
   // says a tile is not one of them.
   const int group = view.num_query_heads / view.num_kv_heads;
   const int full_end = min(b.token_end, item.context_tokens - item.num_query_tokens + 1 + b.row0 / group);
+  const int first_tile = b.token_begin & ~(kHmmaTile - 1);
   const int first_full = (b.token_begin + kHmmaTile - 1) & ~(kHmmaTile - 1);
   const int last_full = full_end - kHmmaTile;
   const uint32_t full_base = last_full >= first_full ? static_cast<uint32_t>(first_full) : 0x80000000u;
   const uint32_t full_span = last_full >= first_full ? static_cast<uint32_t>(last_full - first_full) : 0u;
   AddBackState addback_state;
-  const bool addback_mma = addback.pairs > 0 && addback.pairs <= kAddBackMmaPairs;
+  const bool addback_mma =
+      kLoop == kHmmaOneTileAddBack || (kGeneral && addback.pairs > 0 && addback.pairs <= kAddBackMmaPairs);
   if (addback_mma) {
     AddBackSetup(p.addback, addback, b.row0, b.rows, l.g, l.t, addback_state);
-    AddBackAnchor(b.token_begin & ~(kHmmaTile - 1), l.g, addback_state);
+    AddBackAnchor(first_tile, l.g, addback_state);
   }
+  // The tiles' pages: tile `tile` is block_table[page]'s in_page-th.
+  const uint32_t tiles_per_page = kGeneral ? view.page_tokens / kHmmaTile : 1;
+  uint32_t page = first_tile / view.page_tokens;
+  uint32_t in_page = kGeneral ? (first_tile - page * view.page_tokens) / kHmmaTile : 0;
   __syncwarp();  // the pair table is written
 
-  for (int tile = b.token_begin & ~(kHmmaTile - 1); tile < b.token_end; tile += kHmmaTile) {
+  for (int tile = first_tile; tile < b.token_end; tile += kHmmaTile) {
     const bool edge = static_cast<uint32_t>(tile) - full_base > full_span;  // one compare
-    const TokenAddress at = Locate(view, block_table, tile);                // the tile's first token: slot % 16 == 0
+    const HmmaTileAt at = HmmaAt(l, static_cast<uint32_t>(block_table[page]), in_page);
+    const bool next_page = !kGeneral || ++in_page == tiles_per_page;
+    page += next_page ? 1 : 0;
+    in_page = next_page ? 0 : in_page;
     float c[4];
     HmmaLogits(l, at, c);
     float scale[2], zero[2];
@@ -697,11 +833,11 @@ __global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKer
         AddBackAnchor(tile, l.g, addback_state);
       }
       AddBackMma(addback_state, c);
-    } else if (addback.pairs > 0) {
+    } else if (kGeneral && addback.pairs > 0) {
       const int tok[2] = {tile + l.g, tile + 8 + l.g};
       MmaAddBack(p.addback, addback, b.row0, b.rows, tok, l.t, c);
     }
-    if (p.softcap > 0.0f) {  // the same for the whole launch; masked after
+    if (kGeneral && p.softcap > 0.0f) {  // the same for the whole launch; masked after
 #pragma unroll
       for (int k = 0; k < 4; ++k) c[k] = SoftCap(c[k], p.softcap, l.row_shift[k & 1]);
     }

@@ -55,6 +55,9 @@ struct AddBackTables {
   const AddBackDesc* heads = nullptr;  // [item * num_kv_heads + kv_head]; null: no add-back
   const double* theta = nullptr;       // radians per position
   const float* coef = nullptr;
+  // The most RoPE pairs of any of the launch's heads (host-set; 0: none):
+  // it picks the fp16 kernel's loop (HmmaLoopFor).
+  int32_t max_pairs = 0;
 };
 
 struct PoolView {

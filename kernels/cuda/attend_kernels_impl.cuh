@@ -48,41 +48,67 @@ constexpr int RawBits() {
   return kFormat == DeviceFieldFormat::kFp8 ? 8 : 16;
 }
 
+// The loop variant a launch takes (AttendHmmaKernel's kLoop): the one-tile
+// loops where pages hold one tile, no cap applies and the mma add-back
+// covers every head's pairs.
+int HmmaLoopFor(const AttendKernelParams& p) {
+  if (p.view.page_tokens != kHmmaTile || p.softcap > 0.0f || p.addback.max_pairs > kAddBackMmaPairs) {
+    return kHmmaGeneral;
+  }
+  return p.addback.heads == nullptr || p.addback.max_pairs == 0 ? kHmmaOneTilePlain : kHmmaOneTileAddBack;
+}
+
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits>
+AttendKernelFunction AttendHmmaLoop(int loop) {
+  switch (loop) {
+    case kHmmaOneTilePlain:
+      return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, kValueBits, kHmmaOneTilePlain>;
+    case kHmmaOneTileAddBack:
+      return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, kValueBits, kHmmaOneTileAddBack>;
+    default:
+      return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, kValueBits, kHmmaGeneral>;
+  }
+}
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits>
-AttendKernelFunction AttendHmmaValueBits(int value_bits) {
+AttendKernelFunction AttendHmmaValueBits(int value_bits, int loop) {
   if constexpr (kValue == DeviceFieldFormat::kUniform) {
     switch (value_bits) {
       case 2:
-        return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, 2>;
+        return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 2>(loop);
       case 3:
-        return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, 3>;
+        return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 3>(loop);
       case 4:
-        return AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, 4>;
+        return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 4>(loop);
       default:
         return nullptr;
     }
   } else {
-    return value_bits == RawBits<kValue>() ? AttendHmmaKernel<kKey, kValue, kDim, kKeyBits, RawBits<kValue>()>
+    return value_bits == RawBits<kValue>() ? AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, RawBits<kValue>()>(loop)
                                            : nullptr;
   }
 }
 
+// `shape`: an AttendHmmaShape code plus the loop variant times kHmmaLoopUnit.
+constexpr int kHmmaLoopUnit = 1024;
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim>
 AttendKernelFunction AttendHmmaKeyBits(int shape) {
-  const int key_bits = shape >> 5, value_bits = shape & 31;
+  const int loop = shape / kHmmaLoopUnit, key_bits = (shape % kHmmaLoopUnit) >> 5, value_bits = shape & 31;
   if constexpr (kKey == DeviceFieldFormat::kTurboQuant) {
     switch (key_bits) {
       case 2:
-        return AttendHmmaValueBits<kKey, kValue, kDim, 2>(value_bits);
+        return AttendHmmaValueBits<kKey, kValue, kDim, 2>(value_bits, loop);
       case 3:
-        return AttendHmmaValueBits<kKey, kValue, kDim, 3>(value_bits);
+        return AttendHmmaValueBits<kKey, kValue, kDim, 3>(value_bits, loop);
       case 4:
-        return AttendHmmaValueBits<kKey, kValue, kDim, 4>(value_bits);
+        return AttendHmmaValueBits<kKey, kValue, kDim, 4>(value_bits, loop);
       default:
         return nullptr;
     }
   } else {
-    return key_bits == RawBits<kKey>() ? AttendHmmaValueBits<kKey, kValue, kDim, RawBits<kKey>()>(value_bits) : nullptr;
+    return key_bits == RawBits<kKey>() ? AttendHmmaValueBits<kKey, kValue, kDim, RawBits<kKey>()>(value_bits, loop)
+                                       : nullptr;
   }
 }
 
@@ -126,7 +152,8 @@ static_assert(kMmaWarps == kHmmaWarps, "both tensor-core kernels run one AttendB
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 cudaError_t LaunchAttendMmaDims(int shape, const AttendKernelParams& params, cudaStream_t stream) {
-  const AttendKernelFunction kernel = AttendTensorKernelFor<kKey, kValue>(params.view.head_dim, shape);
+  const int variant = shape >= 0 ? shape + HmmaLoopFor(params) * kHmmaLoopUnit : shape;
+  const AttendKernelFunction kernel = AttendTensorKernelFor<kKey, kValue>(params.view.head_dim, variant);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((params.num_blocks + kMmaWarps - 1) / kMmaWarps));
   TQKV_LAUNCH(kernel, grid, kMmaWarps * 32, 0, stream, params);

@@ -126,6 +126,9 @@ absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, cons
   k.partial_acc = reinterpret_cast<float*>(w.device + at.partial_acc);
   k.partial_stats = reinterpret_cast<float*>(w.device + at.partial_stats);
   k.addback = AddBackOf(at).Tables(w.device);
+  if (k.addback.heads != nullptr) {
+    for (const AddBackDesc& d : w.addback) k.addback.max_pairs = std::max(k.addback.max_pairs, d.pairs);
+  }
   const AttendBlock* device_blocks = reinterpret_cast<const AttendBlock*>(w.device + at.blocks);
   for (size_t first = 0; first < w.sorted_blocks.size();) {
     size_t last = first;

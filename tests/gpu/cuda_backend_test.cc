@@ -111,6 +111,9 @@ TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuForEveryPreset) {
 TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuAcrossShapes) {
   for (int d : {64, 80, 96, 192, 256}) CompareReadsBothKernels({"turboquant_k3v4_nc", d, 16, 2, 4}, 200, {1, 2});
   for (int page : {1, 7, 64}) CompareReadsBothKernels({"tqkv_k3v3", 128, page, 2, 4}, 300, {1});
+  // The fp16 kernel's general loop: pages of several tiles (48: not a power
+  // of two), splits that start inside a page.
+  for (int page : {48, 64}) CompareReadsBothKernels({"turboquant_3bit_nc", 128, page, 2, 4}, Tokens(3000), {1, 3});
   // GQA 1, 3, 8 and 16 (two row chunks of 8), several query tokens, more
   // than a piece's 32 query tokens.
   for (int qh : {2, 6, 16, 32}) CompareReadsBothKernels({"turboquant_4bit_nc", 64, 16, 2, qh}, 180, {1, 5});

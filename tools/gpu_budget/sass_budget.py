@@ -215,7 +215,7 @@ def loop_rows(kernels, budgets):
             continue
         kind = budgets["kind"][inst["kind"]]
         keep = set(inst.get("keep", []))
-        config = steady_loop.Config(kind["loop"], [p for p in kind.get("exclude", []) if p not in keep],
+        config = steady_loop.Config(inst.get("loop", kind["loop"]), [p for p in kind.get("exclude", []) if p not in keep],
                                     kind.get("trips", []) + inst.get("trips", []),
                                     inst.get("pred", []) + kind.get("pred", []) + budgets.get("common", {}).get("pred", []),
                                     inst.get("values", {}), sorted(keep))
