@@ -7,6 +7,7 @@
 
 #include "kernels/cuda/attend_common_impl.cuh"
 #include "kernels/cuda/attend_mma_impl.cuh"  // MmaAddBack: the same fragment layout
+#include "kernels/cuda/hmma_fragments_impl.cuh"
 
 namespace tqkv {
 namespace cuda {
@@ -29,6 +30,9 @@ namespace {
 //   TurboQuant keys: a pair of codes indexes a per-warp table of centroid
 //     pairs (fp16x2), copied per lane so the lookups are conflict-free;
 //     the token's norm scales the logit after the mma;
+//   TurboQuant values: both tokens' codes of a coordinate brought side by
+//     side index the values' pair table (hmma_fragments_impl.cuh); the
+//     token's norm scales P;
 //   uniform values: code bits OR'd into the mantissa of 1024 (the fp16
 //     magic number), 1024 subtracted, the code's power-of-two position
 //     undone on the output; scale and zero point act on P and on a running
@@ -41,274 +45,8 @@ namespace {
 // row's visible end are masked; the others run without compares.
 // Requirements (AttendHmmaShape): head_dim 64, 128 or 256; page_tokens a
 // multiple of 16; one part per field; packed codes tiled in whole words;
-// one fp16 norm per TurboQuant key token, (scale, zero) per uniform value
-// token.
-
-constexpr int kHmmaWarps = 4;
-constexpr int kHmmaTile = 16;
-constexpr int kPairTableWords = 2048;  // per warp (8 KB): pairs x copies
-constexpr float kLog2e = 1.4426950408889634f;
-
-// Copies of a kBits pair table that fit kPairTableWords, at most one per lane.
-template <int kBits>
-constexpr int PairCopies() {
-  return (kPairTableWords >> (2 * kBits)) < 32 ? (kPairTableWords >> (2 * kBits)) : 32;
-}
-constexpr int Log2(int x) { return x <= 1 ? 0 : 1 + Log2(x / 2); }
-
-template <DeviceFieldFormat kFormat>
-constexpr bool IsRaw() {
-  return kFormat == DeviceFieldFormat::kFp16 || kFormat == DeviceFieldFormat::kBf16 ||
-         kFormat == DeviceFieldFormat::kFp8;
-}
-
-// Bits per coordinate of a field (the template argument of packed ones).
-template <DeviceFieldFormat kFormat, int kBits>
-constexpr int CoordBits() {
-  return kFormat == DeviceFieldFormat::kFp8 ? 8 : IsRaw<kFormat>() ? 16 : kBits;
-}
-
-// Uniform codes are read two tokens at a time, by half-words of their runs:
-// one PRMT pairs half h of both tokens (y_h: the first token's in the low
-// half). Code j sits at bit p = kBits j % 16 of half h = kBits j / 16 and
-// is OR'd into the 10-bit mantissa of 1024 at a place of its kind:
-//   kDirect: it fits there as it sits (p + kBits <= 10), place p;
-//   kHigh: from y_h shifted down by HighShift(h) (the first such code's p);
-//   kBytes: a 3-bit code across two half-words of one word, from a PRMT of
-//     its two bytes, place kBits j % 8;
-//   kSplice: one across two words, spliced from y_h and y_(h + 1), place 0.
-// A code at coordinate j of a lane's run is read times UniformFactor(j), a
-// power of two the output undoes.
-enum UniformCodeKind { kDirect, kHigh, kBytes, kSplice };
-
-template <int kBits>
-constexpr UniformCodeKind CodeKind(int j) {
-  const int p = kBits * j % 16;
-  if (p + kBits <= 10) return kDirect;
-  if (p + kBits <= 16) return kHigh;
-  return kBits * j / 8 % 4 != 3 ? kBytes : kSplice;
-}
-
-template <int kBits>
-constexpr int HighShift(int h) {
-  for (int j = (16 * h + kBits - 1) / kBits; kBits * j < 16 * (h + 1); ++j) {
-    if (CodeKind<kBits>(j) == kHigh) return kBits * j % 16;
-  }
-  return 0;
-}
-
-template <int kBits>
-constexpr int UniformPlace(int j) {
-  const int p = kBits * j % 16;
-  switch (CodeKind<kBits>(j)) {
-    case kDirect:
-      return p;
-    case kHigh:
-      return p - HighShift<kBits>(kBits * j / 16);
-    case kBytes:
-      return kBits * j % 8;
-    default:
-      return 0;
-  }
-}
-
-template <int kBits>
-constexpr float UniformFactor(int j) {
-  return static_cast<float>(1 << UniformPlace<kBits>(j));
-}
-
-// Words a lane loads to hold its run of kRunBits bits, whatever its shift
-// ((lane * kRunBits) % 32), over kLanes lanes that split a token's codes.
-template <int kRunBits, int kLanes>
-constexpr int RunLoadWords() {
-  int most = 0;
-  for (int l = 0; l < kLanes; ++l) {
-    const int need = ((l * kRunBits) % 32 + kRunBits + 31) / 32;
-    most = need > most ? need : most;
-  }
-  return most;
-}
-
-// Whether the last lane's RunLoadWords reach past the token's words: then
-// the words past them are not loaded (a compare a word; no preset's shape).
-template <int kRunBits, int kLanes>
-constexpr bool RunOverhangs() {
-  return ((kLanes - 1) * kRunBits) / 32 + RunLoadWords<kRunBits, kLanes>() > (kLanes * kRunBits + 31) / 32;
-}
-
-// A lane's run of kRunBits bits (of kLanes lanes' runs, one token's codes),
-// as words (bit 0 of w[0] = bit `shift` of the word at `word`). Word k of
-// the token sits kStride * k bytes on (tiled planes: 64 bytes a word,
-// token-major: 4); `k0` is the lane's first word.
-template <int kRunBits, int kLanes, int kStride>
-__device__ __forceinline__ void LoadRun(const uint8_t* word, int k0, int shift, uint32_t (&w)[(kRunBits + 31) / 32]) {
-  constexpr int kWords = (kRunBits + 31) / 32;
-  constexpr int kLoad = RunLoadWords<kRunBits, kLanes>();
-  constexpr int kTokenWords = (kLanes * kRunBits + 31) / 32;
-  if constexpr (kRunBits % 32 == 0) {
-    // Runs start on word boundaries: shift is 0.
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) w[k] = *reinterpret_cast<const uint32_t*>(word + k * kStride);
-  } else {
-    uint32_t raw[kWords + 1];
-#pragma unroll
-    for (int k = 0; k <= kWords; ++k) {
-      const bool load = k < kLoad && (!RunOverhangs<kRunBits, kLanes>() || k0 + k < kTokenWords);
-      raw[k] = load ? *reinterpret_cast<const uint32_t*>(word + k * kStride) : 0u;
-    }
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) w[k] = __funnelshift_r(raw[k], raw[k + 1], shift);
-  }
-}
-
-// Bits [bit, bit + 32) of a run of words (zeros past its end).
-template <int kWords>
-__device__ __forceinline__ uint32_t RunBits(const uint32_t (&w)[kWords], int bit) {
-  const int k = bit >> 5, s = bit & 31;
-  if (s == 0) return w[k];
-  return k + 1 < kWords ? __funnelshift_r(w[k], w[k + 1], s) : w[k] >> s;
-}
-
-// Per warp: a TurboQuant key codebook's centroid pairs (FillPairTable), at
-// the first address of the array aligned to a table's size, so that a
-// lookup's address is the pair's bits OR'd into the lane's copy (one LOP3,
-// no add): the array holds one table more than the warps use. Only the
-// kernels that read it allocate it.
-constexpr uint32_t kPairTableBytes = 4 * kPairTableWords;
-__shared__ uint32_t hmma_pair_tables[(kHmmaWarps + 1) * kPairTableWords];
-
-// Bytes per token of a field's codes (AttendHmmaShape checks the layout's).
-template <DeviceFieldFormat kFormat, int kBits, int kDim>
-constexpr int CodeBytes() {
-  return kDim * CoordBits<kFormat, kBits>() / 8;
-}
-
-// The key fragments of one token (b[i] for k-step i) from its lane run:
-// kKey's coordinates as fp16 / bf16 pairs.
-template <DeviceFieldFormat kKey, int kBits_, int kDim_>
-struct KeyRun {
-  static constexpr DeviceFieldFormat kFormat = kKey;
-  static constexpr int kBits = kBits_;
-  static constexpr int kDim = kDim_;
-  static constexpr int kCoords = kDim / 4;
-  static constexpr int kRunBits = kCoords * CoordBits<kKey, kBits>();
-  static constexpr int kWords = (kRunBits + 31) / 32;
-  static constexpr int kSteps = kDim / 16;
-};
-
-// b[i][0..1] for one token: k-step i covers run coordinates 4i .. 4i + 3.
-template <DeviceFieldFormat kKey, int kBits, int kDim>
-__device__ __forceinline__ void KeyFragments(const uint32_t (&w)[KeyRun<kKey, kBits, kDim>::kWords], uint32_t lane_bits,
-                                             uint32_t (&b)[kDim / 16][2]) {
-  constexpr int kSteps = kDim / 16;
-  if constexpr (kKey == DeviceFieldFormat::kFp16 || kKey == DeviceFieldFormat::kBf16) {
-#pragma unroll
-    for (int i = 0; i < kSteps; ++i) {
-      b[i][0] = w[2 * i];
-      b[i][1] = w[2 * i + 1];
-    }
-  } else if constexpr (kKey == DeviceFieldFormat::kFp8) {
-#pragma unroll
-    for (int i = 0; i < kSteps; ++i) {
-      b[i][0] = Fp8x2ToHalf2(w[i]);
-      b[i][1] = Fp8x2ToHalf2(w[i] >> 16);
-    }
-  } else {
-    constexpr int kShift = Log2(PairCopies<kBits>()) + 2;
-    constexpr uint32_t kMask = ((1u << (2 * kBits)) - 1u) << kShift;
-#pragma unroll
-    for (int p = 0; p < 2 * kSteps; ++p) {
-      // The pair's bits moved to kShift in one shift: one funnel (or plain)
-      // shift, then one LOP3 masks it and adds the lane's copy.
-      const int bit = 2 * kBits * p - kShift;
-      const uint32_t x = bit >= 0 ? RunBits(w, bit) : w[0] << -bit;
-      const uint32_t offset = (x & kMask) | lane_bits;
-      b[p >> 1][p & 1] = LoadShared32(hmma_pair_tables, offset);
-    }
-  }
-}
-
-// The value fragments (b[j][h] for n-tile j; h = 0: tokens 2t, 2t + 1,
-// h = 1: tokens 8 + 2t, 9 + 2t) from the four tokens' runs wa[h], wb[h].
-template <DeviceFieldFormat kValue, int kBits_, int kDim_>
-struct ValueRun {
-  static constexpr DeviceFieldFormat kFormat = kValue;
-  static constexpr int kBits = kBits_;
-  static constexpr int kDim = kDim_;
-  static constexpr int kCoords = kDim / 8;
-  static constexpr int kRunBits = kCoords * CoordBits<kValue, kBits>();
-  static constexpr int kWords = (kRunBits + 31) / 32;
-};
-
-// Code j of two tokens' runs a, b (realigned words) as an exact fp16 pair
-// code * UniformFactor(j), from their half-words y and y's shifted ones.
-template <int kBits, int kJ, int kWords, int kHalves>
-__device__ __forceinline__ uint32_t UniformCode(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
-                                                const uint32_t (&y)[kHalves], const uint32_t (&high)[kHalves]) {
-  constexpr int kBit = kBits * kJ, kHalf = kBit / 16, kP = kBit % 16;
-  constexpr UniformCodeKind kKind = CodeKind<kBits>(kJ);
-  constexpr uint32_t kCode = ((1u << kBits) - 1u) * 0x00010001u;
-  const uint32_t magic = 0x64006400u;  // 1024 in both halves (in a register: AndOr is one LOP3)
-  uint32_t x;
-  if constexpr (kKind == kDirect) {
-    x = y[kHalf];
-  } else if constexpr (kKind == kHigh) {
-    x = high[kHalf];
-  } else if constexpr (kKind == kBytes) {
-    constexpr uint32_t kB = kBit / 8 % 4;
-    x = BytePerm(a[kBit / 32], b[kBit / 32], kB | (kB + 1) << 4 | (kB + 4) << 8 | (kB + 5) << 12);
-  } else {
-    constexpr uint32_t kLow = ((1u << (16 - kP)) - 1u) * 0x00010001u;  // bits from half kHalf
-    x = ((y[kHalf] >> kP) & kLow) | ((y[kHalf + 1] << (16 - kP)) & ~kLow);
-  }
-  return Half2Sub(AndOr<(kCode << UniformPlace<kBits>(kJ))>(x, magic), magic);
-}
-
-template <int kBits, int kWords, int kHalves, int... kJ>
-__device__ __forceinline__ void UniformCodes(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
-                                             const uint32_t (&y)[kHalves], const uint32_t (&high)[kHalves],
-                                             uint32_t (&out)[sizeof...(kJ)], std::integer_sequence<int, kJ...>) {
-  ((out[kJ] = UniformCode<kBits, kJ>(a, b, y, high)), ...);
-}
-
-// Uniform codes j of two tokens' runs (words realigned to the run's first
-// bit) as exact fp16 pairs code * UniformFactor(j).
-template <int kBits, int kCoords, int kWords>
-__device__ __forceinline__ void UniformPairs(const uint32_t (&a)[kWords], const uint32_t (&b)[kWords],
-                                             uint32_t (&out)[kCoords]) {
-  static_assert(kBits >= 2 && kBits <= 4, "uniform values of 2, 3 or 4 bits");
-  constexpr int kHalves = (kCoords * kBits + 15) / 16;
-  uint32_t y[kHalves], high[kHalves];
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-    y[h] = BytePerm(a[h / 2], b[h / 2], h % 2 == 0 ? 0x5410u : 0x7632u);
-    high[h] = y[h] >> HighShift<kBits>(h);
-  }
-  UniformCodes<kBits>(a, b, y, high, out, std::make_integer_sequence<int, kCoords>());
-}
-
-template <DeviceFieldFormat kValue, int kBits, int kDim>
-__device__ __forceinline__ void ValuePairs(const uint32_t (&a)[ValueRun<kValue, kBits, kDim>::kWords],
-                                           const uint32_t (&b)[ValueRun<kValue, kBits, kDim>::kWords],
-                                           uint32_t (&out)[kDim / 8]) {
-  constexpr int kCoords = kDim / 8;
-  constexpr int kWords = ValueRun<kValue, kBits, kDim>::kWords;
-  if constexpr (kValue == DeviceFieldFormat::kFp16 || kValue == DeviceFieldFormat::kBf16) {
-#pragma unroll
-    for (int m = 0; m < kWords; ++m) {
-      out[2 * m] = BytePerm(a[m], b[m], 0x5410u);
-      out[2 * m + 1] = BytePerm(a[m], b[m], 0x7632u);
-    }
-  } else if constexpr (kValue == DeviceFieldFormat::kFp8) {
-#pragma unroll
-    for (int j = 0; j < kCoords; ++j) {
-      const uint32_t selector = static_cast<uint32_t>(j % 4) | (static_cast<uint32_t>(4 + j % 4) << 4);
-      out[j] = Fp8x2ToHalf2(BytePerm(a[j / 4], b[j / 4], selector));
-    }
-  } else {
-    UniformPairs<kBits, kCoords, kWords>(a, b, out);
-  }
-}
+// one fp16 norm per TurboQuant token, (scale, zero) per uniform value
+// token; TurboQuant values of 3-4 bits with TurboQuant keys of 3-4 bits.
 
 // The pre-RoPE add-back (AddBackDesc) as one more k-step of the key
 // product, for up to kAddBackMmaPairs pairs: S += F C^T with F[token][2i,
@@ -413,13 +151,12 @@ __device__ __forceinline__ void Mma16(float (&d)[4], const uint32_t (&a)[4], con
 // holds (centroid[pair & mask], centroid[pair >> bits]) as fp16, the lower
 // code in the low half.
 template <int kBits>
-__device__ __forceinline__ void FillPairTable(const float* centroids, int lane, uint32_t table) {
+__device__ __forceinline__ void FillPairTable(const float* centroids, int lane, uint32_t* tables, uint32_t table) {
   constexpr int kCopies = PairCopies<kBits>();
   constexpr int kEntries = kCopies << (2 * kBits);
   for (int i = lane; i < kEntries; i += 32) {
     const int pair = i / kCopies;
-    StoreShared32(hmma_pair_tables, table + 4 * i,
-                  PackHalf2(centroids[pair & ((1 << kBits) - 1)], centroids[pair >> kBits]));
+    StoreShared32(tables, table + 4 * i, PackHalf2(centroids[pair & ((1 << kBits) - 1)], centroids[pair >> kBits]));
   }
 }
 
@@ -429,9 +166,11 @@ struct HmmaLane {
   static constexpr bool kBf16 = kKey == DeviceFieldFormat::kBf16;
   static constexpr bool kKeyCodes = kKey == DeviceFieldFormat::kTurboQuant;
   static constexpr bool kUniform = kValue == DeviceFieldFormat::kUniform;
-  static constexpr int kSteps = kDim / 16;   // k-steps of the key product
-  static constexpr int kMTiles = kDim / 16;  // m-tiles (16 value coordinates) of the value product
-  static constexpr int kRun = kDim / 8;      // value coordinates a lane group reads
+  static constexpr bool kValueCodes = kValue == DeviceFieldFormat::kTurboQuant;
+  static constexpr int kScalarBytes = kUniform ? 4 : 2;  // a value token's (scale, zero) or norm
+  static constexpr int kSteps = kDim / 16;               // k-steps of the key product
+  static constexpr int kMTiles = kDim / 16;              // m-tiles (16 value coordinates) of the value product
+  static constexpr int kRun = kDim / 8;                  // value coordinates a lane group reads
   static constexpr int kKeyBytes = CodeBytes<kKey, kKeyBits, kDim>();
   static constexpr int kValueBytes = CodeBytes<kValue, kValueBits, kDim>();
   static constexpr int kKeyStride = IsRaw<kKey>() ? 4 : 4 * kTileTokens;
@@ -443,12 +182,13 @@ struct HmmaLane {
   static constexpr int kValueLanes = 8;  // lane groups g = 0..7 a value token's
 
   int g, t;
-  uint32_t lane_bits;  // this lane's copy in this warp's pair table
+  uint32_t lane_bits, value_lane_bits;  // this lane's copy in this warp's pair tables
   // This lane's first bytes in page 0's first tile (the pool, the plane's
   // offset in a page, the lane's in a tile), hoisted out of the DeviceHead:
   // key codes of token g (its run's first word), the fp16 norm of key token
-  // g, value codes of token 2t (its run's first word), (scale, zero) of
-  // value token g. A tile adds its page's start and its place (HmmaAt).
+  // g, value codes of token 2t (its run's first word), (scale, zero) or
+  // the norm of value token g. A tile adds its page's start and its place
+  // (HmmaAt).
   const uint8_t* key_lane;
   const uint8_t* norm_lane;
   const uint8_t* value_lane;
@@ -487,7 +227,7 @@ __device__ __forceinline__ void HmmaLanePlanes(const PoolView& view, const Devic
     l.value_lane = pool + head.value.codes_offset + 8 * l.t + l.value_k0 * L::kValueStride;
   }
   l.norm_lane = pool + head.key.scalars_offset + 2 * l.g;
-  l.scalar_lane = pool + head.value.scalars_offset + 4 * l.g;
+  l.scalar_lane = pool + head.value.scalars_offset + L::kScalarBytes * l.g;
 }
 
 template <typename L>
@@ -497,12 +237,18 @@ __device__ __forceinline__ void HmmaSetup(const AttendKernelParams& p, const Att
   const int group = view.num_query_heads / view.num_kv_heads;
   l.g = lane >> 2;
   l.t = lane & 3;
-  l.lane_bits = 0;
+  l.lane_bits = l.value_lane_bits = 0;
   if constexpr (L::kKeyCodes) {
-    const uint32_t tables = (SharedAddress(hmma_pair_tables) + kPairTableBytes - 1) & ~(kPairTableBytes - 1);
+    uint32_t* anchor = PairTables<L::kValueCodes>();
+    const uint32_t tables = (SharedAddress(anchor) + kPairTableBytes - 1) & ~(kPairTableBytes - 1);
     const uint32_t table = tables + static_cast<uint32_t>(warp) * kPairTableBytes;
-    FillPairTable<L::KR::kBits>(head.key.parts[0].centroids, lane, table);
+    FillPairTable<L::KR::kBits>(head.key.parts[0].centroids, lane, anchor, table);
     l.lane_bits = table + static_cast<uint32_t>(lane % PairCopies<L::KR::kBits>()) * 4;
+    if constexpr (L::kValueCodes) {
+      const uint32_t values = table + kHmmaWarps * kPairTableBytes;
+      FillPairTable<L::VR::kBits>(head.value.parts[0].centroids, lane, anchor, values);
+      l.value_lane_bits = values + static_cast<uint32_t>(lane % PairCopies<L::VR::kBits>()) * 4;
+    }
   }
   HmmaLanePlanes(view, head, l);
   const float* src = nullptr;
@@ -549,7 +295,7 @@ __device__ __forceinline__ HmmaTileAt HmmaAt(const L& l, uint32_t entry, uint32_
     return lane + static_cast<uint64_t>(in_page) * tile_bytes + static_cast<uint64_t>(entry) * l.page_bytes;
   };
   return {at(l.key_lane, kHmmaTile * L::kKeyBytes), at(l.norm_lane, 2 * kHmmaTile),
-          at(l.value_lane, kHmmaTile * L::kValueBytes), at(l.scalar_lane, 4 * kHmmaTile)};
+          at(l.value_lane, kHmmaTile * L::kValueBytes), at(l.scalar_lane, L::kScalarBytes * kHmmaTile)};
 }
 
 // Logits S = K Q^T of the tile (16 tokens x 8 rows): c[0], c[1] token g,
@@ -566,7 +312,7 @@ __device__ __forceinline__ void HmmaLogits(const L& l, const HmmaTileAt& at, flo
     } else {
       LoadRun<KR::kRunBits, L::kKeyLanes, L::kKeyStride>(at.key + 32 * h, l.key_k0, l.key_shift, w);
     }
-    KeyFragments<KR::kFormat, KR::kBits, KR::kDim>(w, l.lane_bits, kb[h]);
+    KeyFragments<KR::kFormat, KR::kBits, KR::kDim>(w, l.lane_bits, PairTables<L::kValueCodes>(), kb[h]);
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) c[k] = 0.0f;
@@ -604,6 +350,10 @@ __device__ __forceinline__ void HmmaLoadValues(const L& l, const HmmaTileAt& at,
       scale[h] = HalfBitsToFloat(both & 0xffffu);
       zero[h] = HalfBitsToFloat(both >> 16);
     }
+  } else if constexpr (L::kValueCodes) {  // the norms of tokens g and 8 + g
+    const uint16_t* norms = reinterpret_cast<const uint16_t*>(at.scalars);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) scale[h] = HalfBitsToFloat(norms[8 * h]);
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -718,8 +468,9 @@ template <typename L>
 __device__ __forceinline__ void HmmaValues(const uint32_t (&vw)[4][L::VR::kWords], const uint32_t (&pb)[2], L& l) {
   using VR = typename L::VR;
   uint32_t va[2][L::kRun];
-  ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[0], vw[1], va[0]);
-  ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[2], vw[3], va[1]);
+  const uint32_t* tables = PairTables<L::kValueCodes>();
+  ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[0], vw[1], l.value_lane_bits, tables, va[0]);
+  ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[2], vw[3], l.value_lane_bits, tables, va[1]);
 #pragma unroll
   for (int i = 0; i < L::kMTiles; ++i) {
     const uint32_t a[4] = {va[0][2 * i], va[0][2 * i + 1], va[1][2 * i], va[1][2 * i + 1]};

@@ -140,8 +140,10 @@ bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int he
 // page size: -1 where it has no instance, else its shape code, key bits * 32
 // + value bits (16 for fp16 / bf16, 8 for fp8). Pairs: fp16, bf16, fp8 keys
 // with fp8 or uniform values, single-part TurboQuant keys of 2-4 bits with
-// uniform values of 2-4 bits; head dims 64, 128, 256; page_tokens a
-// multiple of 16. Preferred over the TF32 kernel wherever it applies.
+// uniform values of 2-4 bits, and of 3-4 bits with single-part TurboQuant
+// values of 3-4 bits; head dims 64, 128, 256; page_tokens a multiple of 16
+// (the layout's page_bytes below 2^32: device_tables.cc). Preferred over
+// the TF32 kernel wherever it applies.
 int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_dim, int page_tokens);
 
 // One launch of the fp32 kernel for `pair` with block_rows rows per block.
@@ -151,7 +153,7 @@ cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelPara
 // fields must pass AttendMmaSupported).
 cudaError_t LaunchAttendMma(FormatPair pair, int shape, const AttendKernelParams& params, cudaStream_t stream);
 cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
-// AttendBlocks of `pair`'s kernel that one SM runs at once, from
+// AttendBlocks of `pair`'s kernel (the fp16 kernel: its general loop) that one SM runs at once, from
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor: the fp32 kernel's thread
 // blocks with `block_rows` rows at `head_dim` (one AttendBlock each), or with
 // `mma` the tensor-core kernel's (shape as for LaunchAttendMma) thread blocks

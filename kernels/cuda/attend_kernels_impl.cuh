@@ -40,7 +40,7 @@ constexpr bool HasHmma(DeviceFieldFormat key, DeviceFieldFormat value) {
   using F = DeviceFieldFormat;
   return (key == F::kFp16 && value == F::kFp16) || (key == F::kBf16 && value == F::kBf16) ||
          (key == F::kFp8 && (value == F::kFp8 || value == F::kUniform)) ||
-         (key == F::kTurboQuant && value == F::kUniform);
+         (key == F::kTurboQuant && (value == F::kUniform || value == F::kTurboQuant));
 }
 
 template <DeviceFieldFormat kFormat>
@@ -72,7 +72,20 @@ AttendKernelFunction AttendHmmaLoop(int loop) {
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits>
 AttendKernelFunction AttendHmmaValueBits(int value_bits, int loop) {
-  if constexpr (kValue == DeviceFieldFormat::kUniform) {
+  if constexpr (kValue == DeviceFieldFormat::kTurboQuant) {  // the served presets' widths
+    if constexpr (kKeyBits < 3) {
+      return nullptr;
+    } else {
+      switch (value_bits) {
+        case 3:
+          return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 3>(loop);
+        case 4:
+          return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 4>(loop);
+        default:
+          return nullptr;
+      }
+    }
+  } else if constexpr (kValue == DeviceFieldFormat::kUniform) {
     switch (value_bits) {
       case 2:
         return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 2>(loop);
@@ -150,13 +163,28 @@ AttendKernelFunction AttendTensorKernelFor(int head_dim, int shape) {
 
 static_assert(kMmaWarps == kHmmaWarps, "both tensor-core kernels run one AttendBlock per warp, four a block");
 
+// The dynamic shared memory of a tensor-core instance (shape as for
+// LaunchAttendMma): the fp16 kernel's pair tables with TurboQuant values,
+// after opting the kernel in to more than 48 KiB; else none.
+template <DeviceFieldFormat kValue>
+cudaError_t HmmaDynamicShared(AttendKernelFunction kernel, int shape, size_t* shared) {
+  *shared = 0;
+  if (shape < 0 || kValue != DeviceFieldFormat::kTurboQuant) return cudaSuccess;
+  *shared = kHmmaValueTablesBytes;
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(*shared));
+}
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 cudaError_t LaunchAttendMmaDims(int shape, const AttendKernelParams& params, cudaStream_t stream) {
   const int variant = shape >= 0 ? shape + HmmaLoopFor(params) * kHmmaLoopUnit : shape;
   const AttendKernelFunction kernel = AttendTensorKernelFor<kKey, kValue>(params.view.head_dim, variant);
   if (kernel == nullptr) return cudaErrorInvalidValue;
+  size_t shared = 0;
+  const cudaError_t opt_in = HmmaDynamicShared<kValue>(kernel, shape, &shared);
+  if (opt_in != cudaSuccess) return opt_in;
   const dim3 grid(static_cast<unsigned>((params.num_blocks + kMmaWarps - 1) / kMmaWarps));
-  TQKV_LAUNCH(kernel, grid, kMmaWarps * 32, 0, stream, params);
+  TQKV_LAUNCH(kernel, grid, kMmaWarps * 32, shared, stream, params);
   return cudaGetLastError();
 }
 
@@ -229,7 +257,11 @@ cudaError_t AttendInstanceBlocksPerSm(bool mma, int shape, int block_rows, int h
   }
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int threads = mma ? kMmaWarps * 32 : kAttendThreads;
-  const size_t shared = mma ? 0 : AttendSharedBytes(block_rows, head_dim);
+  size_t shared = mma ? 0 : AttendSharedBytes(block_rows, head_dim);
+  if (mma) {
+    const cudaError_t opt_in = HmmaDynamicShared<kValue>(kernel, shape, &shared);
+    if (opt_in != cudaSuccess) return opt_in;
+  }
   int thread_blocks = 0;
   const cudaError_t error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &thread_blocks, reinterpret_cast<const void*>(kernel), threads, shared);
@@ -266,8 +298,8 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
                    : -1;
       case DeviceFieldFormat::kTurboQuant: {
         const DevicePart& part = f.parts[0];
-        return key_field && f.tiled != 0 && f.num_parts == 1 && part.dim == head_dim && part.code_offset == 0 &&
-                       part.channels == nullptr && part.bits >= 2 && part.bits <= 4 &&
+        return f.tiled != 0 && f.num_parts == 1 && part.dim == head_dim && part.code_offset == 0 &&
+                       part.channels == nullptr && part.bits >= (key_field ? 2 : 3) && part.bits <= 4 &&
                        f.code_bytes * 8 == head_dim * part.bits && f.code_bytes % 4 == 0 && f.num_scalars == 1 &&
                        part.scalar_index == 0
                    ? part.bits
@@ -278,6 +310,7 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
   };
   const int key_bits = bits_of(key, true), value_bits = bits_of(value, false);
   if (key_bits < 0 || value_bits < 0) return -1;
+  if (value.format == DeviceFieldFormat::kTurboQuant && key_bits < 3) return -1;  // no instance
   return key_bits * 32 + value_bits;
 }
 

@@ -159,7 +159,7 @@ absl::Status DescribeLayout(const KvLayout& layout, bool tensor_cores, TableBuil
       const DeviceHead& h = (*heads)[static_cast<size_t>(layer) * layout.num_kv_heads() + head];
       if (cuda::AttendHmmaShape(h.key, h.value, d, layout.page_tokens()) != shape) shape = -1;
     }
-    if (!tensor_cores) shape = -1;
+    if (!tensor_cores || layout.page_bytes() > UINT32_MAX) shape = -1;  // HmmaAt: 32-bit page bytes
     out->layer_hmma.push_back(shape);
     out->layer_mma.push_back(shape >= 0 || (tensor_cores && cuda::AttendMmaSupported(first.key, first.value, d)));
     out->layer_key_format.push_back(first.key.format);

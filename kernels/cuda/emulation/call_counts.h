@@ -26,6 +26,10 @@ void ResetCallCounts();
 // The emulation's own bookkeeping (cuda_runtime_emulation.cc and the
 // launcher in emulated_device.cc).
 void CountLaunch();
+// Whether a launch of `func` may take `bytes` of dynamic shared memory: up
+// to 48 KiB, more only up to what cudaFuncSetAttribute's
+// cudaFuncAttributeMaxDynamicSharedMemorySize allowed it (as on a GPU).
+bool DynamicSharedAllowed(const void* func, size_t bytes);
 
 }  // namespace emulation
 }  // namespace cuda

@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 #include "kernels/cuda/emulation/call_counts.h"
 #include "kernels/cuda/emulation/fault_injection.h"
@@ -41,6 +43,17 @@ void CountCopy(cudaMemcpyKind kind) {
   if (kind == cudaMemcpyDeviceToDevice) ++copies_on_device;
 }
 std::atomic<cudaError_t> sticky_error{cudaSuccess};
+constexpr size_t kSharedDefaultPerBlock = 48 * 1024;  // without the opt-in attribute
+
+// cudaFuncAttributeMaxDynamicSharedMemorySize by kernel.
+std::mutex& AttributeMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::map<const void*, int>& MaxDynamicShared() {
+  static std::map<const void*, int> by_function;
+  return by_function;
+}
 
 cudaError_t Fail(cudaError_t error) {
   last_error = error;
@@ -73,6 +86,12 @@ void ResetCallCounts() {
   }
 }
 void CountLaunch() { ++launches; }
+bool DynamicSharedAllowed(const void* func, size_t bytes) {
+  if (bytes <= kSharedDefaultPerBlock) return true;
+  std::lock_guard<std::mutex> lock(AttributeMutex());
+  const auto it = MaxDynamicShared().find(func);
+  return it != MaxDynamicShared().end() && bytes <= static_cast<size_t>(it->second);
+}
 cudaError_t StickyError() { return sticky_error.load(); }
 
 }  // namespace emulation
@@ -137,6 +156,17 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* num_blocks, const
   const size_t shared = dynamic_shared_bytes + kSharedReservedPerBlock;
   blocks = std::min<int>(blocks, static_cast<int>(kSharedPerSm / shared));
   *num_blocks = blocks;
+  return cudaSuccess;
+}
+
+cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int value) {
+  TQKV_RETURN_IF_STICKY();
+  if (func == nullptr) return Fail(cudaErrorInvalidDeviceFunction);
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    if (value < 0 || static_cast<size_t>(value) > kSharedPerBlock) return Fail(cudaErrorInvalidValue);
+    std::lock_guard<std::mutex> lock(AttributeMutex());
+    MaxDynamicShared()[func] = value;
+  }
   return cudaSuccess;
 }
 

@@ -190,8 +190,16 @@ void WarpGather(const void* mine, size_t bytes, void* all) {
 
 float* DynamicShared() { return State().dynamic_shared.data(); }
 
-void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, const std::function<void()>& body) {
+void Launch(const void* func, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t,
+            const std::function<void()>& body) {
   if (StickyError() != cudaSuccess) return;  // a dead context runs nothing (fault_injection.h)
+  if (!DynamicSharedAllowed(func, shared_bytes)) {
+    std::fprintf(stderr,
+                 "emulated launch: %zu bytes of dynamic shared memory without the kernel's "
+                 "cudaFuncAttributeMaxDynamicSharedMemorySize\n",
+                 shared_bytes);
+    std::abort();
+  }
   CountLaunch();
   std::lock_guard<std::mutex> lock(LaunchMutex());
   BlockState& s = State();

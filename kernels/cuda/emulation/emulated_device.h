@@ -66,7 +66,9 @@ void WarpGather(const void* mine, size_t bytes, void* all);
 
 // Runs `body` for every thread of every block of the grid. Kernels are 1-D
 // in threads (grid may be 2-D).
-void Launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream, const std::function<void()>& body);
+// `func` is the kernel (for its attributes: cudaFuncSetAttribute).
+void Launch(const void* func, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+            const std::function<void()>& body);
 
 inline int Lane() { return static_cast<int>(thread_index.x & 31u); }
 
@@ -90,8 +92,9 @@ T Shuffle(T value, int src_lane) {
 #define blockDim (::tqkv::cuda::emulation::block_dim)
 #define gridDim (::tqkv::cuda::emulation::grid_dim)
 
-#define TQKV_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
-  ::tqkv::cuda::emulation::Launch(dim3(grid), dim3(block), (shared_bytes), (stream), [&] { kernel(__VA_ARGS__); })
+#define TQKV_LAUNCH(kernel, grid, block, shared_bytes, stream, ...)                                               \
+  ::tqkv::cuda::emulation::Launch(reinterpret_cast<const void*>(kernel), dim3(grid), dim3(block), (shared_bytes), \
+                                  (stream), [&] { kernel(__VA_ARGS__); })
 
 inline void __syncthreads() { ::tqkv::cuda::emulation::SyncThreads(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { ::tqkv::cuda::emulation::SyncWarp(); }
