@@ -168,9 +168,12 @@ struct HmmaLane {
   static constexpr bool kUniform = kValue == DeviceFieldFormat::kUniform;
   static constexpr bool kValueCodes = kValue == DeviceFieldFormat::kTurboQuant;
   static constexpr int kScalarBytes = kUniform ? 4 : 2;  // a value token's (scale, zero) or norm
-  static constexpr int kSteps = kDim / 16;               // k-steps of the key product
-  static constexpr int kMTiles = kDim / 16;              // m-tiles (16 value coordinates) of the value product
-  static constexpr int kRun = kDim / 8;                  // value coordinates a lane group reads
+  // bf16 at head_dim 256 loads its values after the logits, not with the
+  // keys: holding both (and the query's two terms) spilled.
+  static constexpr bool kLateValues = kBf16 && kDim == 256;
+  static constexpr int kSteps = kDim / 16;   // k-steps of the key product
+  static constexpr int kMTiles = kDim / 16;  // m-tiles (16 value coordinates) of the value product
+  static constexpr int kRun = kDim / 8;      // value coordinates a lane group reads
   static constexpr int kKeyBytes = CodeBytes<kKey, kKeyBits, kDim>();
   static constexpr int kValueBytes = CodeBytes<kValue, kValueBits, kDim>();
   static constexpr int kKeyStride = IsRaw<kKey>() ? 4 : 4 * kTileTokens;
@@ -371,7 +374,7 @@ __device__ __forceinline__ void HmmaLoadValues(const L& l, const HmmaTileAt& at,
 // (no NaN into the mma).
 template <typename L>
 __device__ __forceinline__ void HmmaMaskEdge(const L& l, const AttendBlock& b, int tile, float (&c)[4],
-                                             float (&scale)[2], float (&zero)[2], uint32_t (&vw)[4][L::VR::kWords]) {
+                                             float (&scale)[2], float (&zero)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int token = tile + 8 * h + l.g;
@@ -381,6 +384,11 @@ __device__ __forceinline__ void HmmaMaskEdge(const L& l, const AttendBlock& b, i
     scale[h] = stored ? scale[h] : 0.0f;
     zero[h] = stored ? zero[h] : 0.0f;
   }
+}
+
+template <typename L>
+__device__ __forceinline__ void HmmaMaskValues(const L& l, const AttendBlock& b, int tile,
+                                               uint32_t (&vw)[4][L::VR::kWords]) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int token = tile + 8 * (k >> 1) + 2 * l.t + (k & 1);
@@ -577,7 +585,7 @@ __global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKer
     HmmaLogits(l, at, c);
     float scale[2], zero[2];
     uint32_t vw[4][L::VR::kWords];
-    HmmaLoadValues(l, at, scale, zero, vw);
+    if constexpr (!L::kLateValues) HmmaLoadValues(l, at, scale, zero, vw);
     if (addback_mma) {
       const bool anchor = (tile & (kAddBackAnchor - 1)) == 0;
       if (anchor) {
@@ -592,7 +600,11 @@ __global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKer
 #pragma unroll
       for (int k = 0; k < 4; ++k) c[k] = SoftCap(c[k], p.softcap, l.row_shift[k & 1]);
     }
-    if (edge) HmmaMaskEdge(l, b, tile, c, scale, zero, vw);
+    if constexpr (L::kLateValues) HmmaLoadValues(l, at, scale, zero, vw);
+    if (edge) {
+      HmmaMaskEdge(l, b, tile, c, scale, zero);
+      HmmaMaskValues(l, b, tile, vw);
+    }
     // The online softmax: rescaled only when a row's max grows.
     float tile_max[2];
     const bool grew = HmmaTileMax(c, l.row_max, tile_max);

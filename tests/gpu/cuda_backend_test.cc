@@ -110,8 +110,10 @@ TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuForEveryPreset) {
 
 TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuAcrossShapes) {
   for (int d : {64, 80, 96, 192, 256}) CompareReadsBothKernels({"turboquant_k3v4_nc", d, 16, 2, 4}, 200, {1, 2});
-  // TurboQuant values on the fp16 kernel at its other head dims.
+  // TurboQuant values on the fp16 kernel at its other head dims; bf16 at
+  // 256 (its values loaded after the logits).
   for (int d : {64, 256}) CompareReadsBothKernels({"tqkv_k3v3", d, 16, 2, 4}, 200, {1, 2});
+  CompareReadsBothKernels({"bf16", 256, 16, 2, 4}, 200, {1, 2});
   for (int page : {1, 7, 64}) CompareReadsBothKernels({"tqkv_k3v3", 128, page, 2, 4}, 300, {1});
   // The fp16 kernel's general loop: pages of several tiles (48: not a power
   // of two), splits that start inside a page.
