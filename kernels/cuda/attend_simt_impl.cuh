@@ -178,19 +178,56 @@ struct MergeScratch {
   float out[kMaxDeviceHeadDim];
 };
 
+// Partial k's (max, sum) statistics of row r.
+__device__ __forceinline__ const float* PartialStats(const MergeParams& p, int64_t partial, int r) {
+  return p.partial_stats + (partial * kMaxBlockRows + r) * 2;
+}
+
+// Over a unit's splits, each lane reading every 32nd: the largest max and
+// the sum of the splits' sums rescaled to it (a warp's butterfly each).
+__device__ __forceinline__ void SplitTotals(const MergeParams& p, const MergeUnit& unit, int r, int lane,
+                                            float* global_max, float* total) {
+  float m = -INFINITY;
+  for (int k = lane; k < unit.num_splits; k += 32) m = fmaxf(m, PartialStats(p, unit.first_partial + k, r)[0]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullWarp, m, offset));
+  float sum = 0.0f;
+  for (int k = lane; k < unit.num_splits; k += 32) {
+    const float* stats = PartialStats(p, unit.first_partial + k, r);
+    if (stats[0] != -INFINITY) sum += stats[1] * expf(stats[0] - m);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFullWarp, sum, offset);
+  *global_max = m;
+  *total = sum;
+}
+
 // x[j] = inv_total * sum over partials [first, first + count) of row r of
-// acc[j] * exp(max - global_max), j lane-strided.
+// acc[j] * exp(max - global_max), j lane-strided. Each lane works out the
+// weight of every 32nd partial once, into the warp's `weights` (32 floats
+// of shared scratch).
 __device__ void SumPartials(const MergeParams& p, int64_t first, int count, int r, int d, float global_max,
-                            float inv_total, int lane, float* x) {
-  for (int j = lane; j < d; j += 32) {
-    float sum = 0.0f;
-    for (int k = 0; k < count; ++k) {
-      const int64_t partial = first + k;
-      const float m = p.partial_stats[(partial * kMaxBlockRows + r) * 2];
-      if (m == -INFINITY) continue;
-      sum += p.partial_acc[(partial * kMaxBlockRows + r) * d + j] * expf(m - global_max);
+                            float inv_total, int lane, float* weights, float* x) {
+  for (int j = lane; j < d; j += 32) x[j] = 0.0f;
+  for (int chunk = 0; chunk < count; chunk += 32) {
+    const int n = min(32, count - chunk);
+    float weight = 0.0f;
+    if (lane < n) {
+      const float m = PartialStats(p, first + chunk + lane, r)[0];
+      weight = m == -INFINITY ? 0.0f : expf(m - global_max) * inv_total;
     }
-    x[j] = sum * inv_total;
+    __syncwarp();
+    weights[lane] = weight;
+    __syncwarp();
+    const float* acc = p.partial_acc + ((first + chunk) * kMaxBlockRows + r) * d;
+    for (int j = lane; j < d; j += 32) {
+      float sum = x[j];
+      for (int k = 0; k < n; ++k) {  // a split without tokens (weight 0) is skipped: its acc may be anything
+        const float w = weights[k];
+        if (w != 0.0f) sum = fmaf(acc[static_cast<int64_t>(k) * kMaxBlockRows * d + j], w, sum);
+      }
+      x[j] = sum;
+    }
   }
 }
 
@@ -214,16 +251,8 @@ __global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
   const int64_t out_row = item.query_row + static_cast<int64_t>(token) * view.num_query_heads + h;
   MergeScratch& s = scratch[warp];
 
-  float global_max = -INFINITY;
-  for (int k = 0; k < unit.num_splits; ++k) {
-    global_max =
-        fmaxf(global_max, p.partial_stats[(static_cast<int64_t>(unit.first_partial + k) * kMaxBlockRows + r) * 2]);
-  }
-  float total = 0.0f;
-  for (int k = 0; k < unit.num_splits; ++k) {
-    const float* stats = p.partial_stats + (static_cast<int64_t>(unit.first_partial + k) * kMaxBlockRows + r) * 2;
-    if (stats[0] != -INFINITY) total += stats[1] * expf(stats[0] - global_max);
-  }
+  float global_max, total;
+  SplitTotals(p, unit, r, lane, &global_max, &total);
   const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
   for (int j = lane; j < d; j += 32) s.out[j] = 0.0f;
   // The compressed splits of a rotated value codec: summed in its basis,
@@ -233,7 +262,7 @@ __global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
   const int basis = rotated ? unit.basis_splits : 0;
   __syncwarp();
   if (basis > 0) {
-    SumPartials(p, unit.first_partial, basis, r, d, global_max, inv_total, lane, s.x);
+    SumPartials(p, unit.first_partial, basis, r, d, global_max, inv_total, lane, s.tmp, s.x);
     __syncwarp();
     for (int part_index = 0; part_index < value.num_parts; ++part_index) {
       const DevicePart& part = value.parts[part_index];
@@ -244,7 +273,7 @@ __global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
       __syncwarp();
     }
   }
-  SumPartials(p, unit.first_partial + basis, unit.num_splits - basis, r, d, global_max, inv_total, lane, s.x);
+  SumPartials(p, unit.first_partial + basis, unit.num_splits - basis, r, d, global_max, inv_total, lane, s.tmp, s.x);
   float* out = p.output + out_row * d;
   for (int j = lane; j < d; j += 32) out[j] = s.out[j] + s.x[j];
   if (lane == 0 && p.lse != nullptr) {
