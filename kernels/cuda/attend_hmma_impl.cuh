@@ -181,8 +181,8 @@ struct HmmaLane {
   using KR = KeyRun<kKey, kKeyBits, kDim>;
   using VR = ValueRun<kValue, kValueBits, kDim>;
 
-  static constexpr int kKeyLanes = 4;    // lanes t = 0..3 split a key token's run
-  static constexpr int kValueLanes = 8;  // lane groups g = 0..7 a value token's
+  static constexpr int kKeyLanes = KR::kLanes;    // lanes t = 0..3 split a key token's run
+  static constexpr int kValueLanes = VR::kLanes;  // lane groups g = 0..7 a value token's
 
   int g, t;
   uint32_t lane_bits, value_lane_bits;  // this lane's copy in this warp's pair tables

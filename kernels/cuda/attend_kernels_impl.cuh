@@ -43,6 +43,13 @@ constexpr bool HasHmma(DeviceFieldFormat key, DeviceFieldFormat value) {
          (key == F::kTurboQuant && (value == F::kUniform || value == F::kTurboQuant));
 }
 
+// The code widths with an instance: TurboQuant values only at the served
+// presets' widths, 3-4 bits with keys of 3-4 bits; any other pair at all
+// (AttendHmmaShape checks the ranges).
+constexpr bool HasHmmaBits(DeviceFieldFormat value, int key_bits, int value_bits) {
+  return value != DeviceFieldFormat::kTurboQuant || (key_bits >= 3 && value_bits >= 3);
+}
+
 template <DeviceFieldFormat kFormat>
 constexpr int RawBits() {
   return kFormat == DeviceFieldFormat::kFp8 ? 8 : 16;
@@ -70,29 +77,26 @@ AttendKernelFunction AttendHmmaLoop(int loop) {
   }
 }
 
+// An instance, or null where HasHmmaBits says there is none.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits>
+AttendKernelFunction AttendHmmaBits(int loop) {
+  if constexpr (HasHmmaBits(kValue, kKeyBits, kValueBits)) {
+    return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, kValueBits>(loop);
+  } else {
+    return nullptr;
+  }
+}
+
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits>
 AttendKernelFunction AttendHmmaValueBits(int value_bits, int loop) {
-  if constexpr (kValue == DeviceFieldFormat::kTurboQuant) {  // the served presets' widths
-    if constexpr (kKeyBits < 3) {
-      return nullptr;
-    } else {
-      switch (value_bits) {
-        case 3:
-          return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 3>(loop);
-        case 4:
-          return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 4>(loop);
-        default:
-          return nullptr;
-      }
-    }
-  } else if constexpr (kValue == DeviceFieldFormat::kUniform) {
+  if constexpr (kValue == DeviceFieldFormat::kUniform || kValue == DeviceFieldFormat::kTurboQuant) {
     switch (value_bits) {
       case 2:
-        return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 2>(loop);
+        return AttendHmmaBits<kKey, kValue, kDim, kKeyBits, 2>(loop);
       case 3:
-        return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 3>(loop);
+        return AttendHmmaBits<kKey, kValue, kDim, kKeyBits, 3>(loop);
       case 4:
-        return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, 4>(loop);
+        return AttendHmmaBits<kKey, kValue, kDim, kKeyBits, 4>(loop);
       default:
         return nullptr;
     }
@@ -284,7 +288,7 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
   }
   // Raw fields token-major at their natural size; codes tiled, whole words,
   // one part covering every coordinate in order.
-  auto bits_of = [&](const DeviceField& f, bool key_field) {
+  auto bits_of = [&](const DeviceField& f) {
     switch (f.format) {
       case DeviceFieldFormat::kFp16:
       case DeviceFieldFormat::kBf16:
@@ -299,7 +303,7 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
       case DeviceFieldFormat::kTurboQuant: {
         const DevicePart& part = f.parts[0];
         return f.tiled != 0 && f.num_parts == 1 && part.dim == head_dim && part.code_offset == 0 &&
-                       part.channels == nullptr && part.bits >= (key_field ? 2 : 3) && part.bits <= 4 &&
+                       part.channels == nullptr && part.bits >= 2 && part.bits <= 4 &&
                        f.code_bytes * 8 == head_dim * part.bits && f.code_bytes % 4 == 0 && f.num_scalars == 1 &&
                        part.scalar_index == 0
                    ? part.bits
@@ -308,9 +312,9 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
     }
     return -1;
   };
-  const int key_bits = bits_of(key, true), value_bits = bits_of(value, false);
+  const int key_bits = bits_of(key), value_bits = bits_of(value);
   if (key_bits < 0 || value_bits < 0) return -1;
-  if (value.format == DeviceFieldFormat::kTurboQuant && key_bits < 3) return -1;  // no instance
+  if (!HasHmmaBits(value.format, key_bits, value_bits)) return -1;
   return key_bits * 32 + value_bits;
 }
 

@@ -175,19 +175,27 @@ constexpr int CodeBytes() {
   return kDim * CoordBits<kFormat, kBits>() / 8;
 }
 
-// The key fragments of one token (b[i] for k-step i) from its lane run:
-// kKey's coordinates as fp16 / bf16 pairs.
-template <DeviceFieldFormat kKey, int kBits_, int kDim_>
-struct KeyRun {
-  static constexpr DeviceFieldFormat kFormat = kKey;
+// A lane's run of one token's codes: the token's kDim coordinates split
+// among kLanes lanes (keys: the four lanes t of a lane group; values: the
+// eight lane groups g), kCoords in a row each, kRunBits in kWords words.
+template <DeviceFieldFormat kFormat_, int kBits_, int kDim_, int kLanes_>
+struct LaneRun {
+  static constexpr DeviceFieldFormat kFormat = kFormat_;
   static constexpr int kBits = kBits_;
   static constexpr int kDim = kDim_;
-  static constexpr int kCoords = kDim / 4;
-  static constexpr int kRunBits = kCoords * CoordBits<kKey, kBits>();
+  static constexpr int kLanes = kLanes_;
+  static constexpr int kCoords = kDim / kLanes;
+  static constexpr int kRunBits = kCoords * CoordBits<kFormat, kBits>();
   static constexpr int kWords = (kRunBits + 31) / 32;
-  static constexpr int kSteps = kDim / 16;
 };
 
+template <DeviceFieldFormat kKey, int kBits, int kDim>
+using KeyRun = LaneRun<kKey, kBits, kDim, 4>;
+template <DeviceFieldFormat kValue, int kBits, int kDim>
+using ValueRun = LaneRun<kValue, kBits, kDim, 8>;
+
+// The key fragments of one token (b[i] for k-step i) from its lane run:
+// kKey's coordinates as fp16 / bf16 pairs.
 // b[i][0..1] for one token: k-step i covers run coordinates 4i .. 4i + 3.
 template <DeviceFieldFormat kKey, int kBits, int kDim>
 __device__ __forceinline__ void KeyFragments(const uint32_t (&w)[KeyRun<kKey, kBits, kDim>::kWords], uint32_t lane_bits,
@@ -219,18 +227,6 @@ __device__ __forceinline__ void KeyFragments(const uint32_t (&w)[KeyRun<kKey, kB
     }
   }
 }
-
-// The value fragments (b[j][h] for n-tile j; h = 0: tokens 2t, 2t + 1,
-// h = 1: tokens 8 + 2t, 9 + 2t) from the four tokens' runs wa[h], wb[h].
-template <DeviceFieldFormat kValue, int kBits_, int kDim_>
-struct ValueRun {
-  static constexpr DeviceFieldFormat kFormat = kValue;
-  static constexpr int kBits = kBits_;
-  static constexpr int kDim = kDim_;
-  static constexpr int kCoords = kDim / 8;
-  static constexpr int kRunBits = kCoords * CoordBits<kValue, kBits>();
-  static constexpr int kWords = (kRunBits + 31) / 32;
-};
 
 // The word holding code j of two tokens' runs a, b (realigned words): the
 // first token's at CodeSourceBit(j), the second's 16 bits higher (a
@@ -317,6 +313,9 @@ __device__ __forceinline__ void CodePairs(const uint32_t (&a)[kWords], const uin
   }
 }
 
+// Value fragment pairs of two tokens' runs a, b (out[j]: coordinate j of
+// the lane group's run, the first token's in the low half): raw 16-bit
+// values paired, fp8 widened, codes as CodePairs.
 template <DeviceFieldFormat kValue, int kBits, int kDim>
 __device__ __forceinline__ void ValuePairs(const uint32_t (&a)[ValueRun<kValue, kBits, kDim>::kWords],
                                            const uint32_t (&b)[ValueRun<kValue, kBits, kDim>::kWords],
