@@ -39,14 +39,21 @@ namespace {
 //     zero-point sum;
 //   fp8 E4M3: widened exactly to fp16 pairs; fp16 as stored;
 //   bf16: bf16 mma, the query split into two bf16 terms (hi + lo: 16
-//     significant bits, as fp16's 11 and better), P in bf16.
+//     significant bits, as fp16's 11 and better), P in bf16;
+//   split TurboQuant keys (two parts, each half of the query's state at its
+//     own bits): lane t reads a run of each part; the parts' k-steps go to
+//     two accumulators (independent mma chains), each scaled by its part's
+//     norm; a pair table per part.
+// Key pair tables hold the centroids times DeviceField::pair_scale, the
+// query fragments the state over it (less fp16 rounding of the codebook).
 // The online softmax is in base 2; the accumulators are rescaled only when
 // a row's running max changes. Tiles that straddle the block's ends or a
 // row's visible end are masked; the others run without compares.
 // Requirements (AttendHmmaShape): head_dim 64, 128 or 256; page_tokens a
-// multiple of 16; one part per field; packed codes tiled in whole words;
-// one fp16 norm per TurboQuant token, (scale, zero) per uniform value
-// token; TurboQuant values of 3-4 bits with TurboQuant keys of 3-4 bits.
+// multiple of 16; one part per field but split keys; packed codes tiled in
+// whole words; one fp16 norm per TurboQuant part and token, (scale, zero)
+// per uniform value token; TurboQuant values of 3-4 bits with TurboQuant
+// keys of 3-4 bits, of 3 bits with split keys of 4 | 3 or 3 | 2 bits.
 
 // The pre-RoPE add-back (AddBackDesc) as one more k-step of the key
 // product, for up to kAddBackMmaPairs pairs: S += F C^T with F[token][2i,
@@ -115,18 +122,26 @@ __device__ __forceinline__ void AddBackMma(AddBackState& st, float (&c)[4]) {
   MmaF16(c, hi, st.coef_lo);
 }
 
-// Query fragments of row g (rows past the block's are zero): k-step i's
-// a[0] holds run coordinates 4i, 4i + 1, a[2] 4i + 2, 4i + 3; for bf16 keys
-// lo holds what bf16 rounding left of each (hi + lo ~ the float query).
-template <bool kBf16, int kDim>
-__device__ __forceinline__ void LoadQuery(const float* src, uint32_t (&hi)[kDim / 16][2],
-                                          uint32_t (&lo)[kDim / 16][2]) {
+// Query fragments of row g (`row`: its state; null for rows past the
+// block's, zero): k-step i's a[0] holds run coordinates 4i, 4i + 1, a[2]
+// 4i + 2, 4i + 3 of lane t's run, [t, t + 1) kDim / 4 of the state; with
+// split keys, part 0's steps then part 1's, the lane's run of each part's
+// state ([t, t + 1) kDim / 8, and kDim / 2 on), times the part's
+// `inverse` (of its pair tables' scale). For bf16 keys lo holds what bf16
+// rounding left of each (hi + lo ~ the float query).
+template <bool kBf16, int kDim, int kParts>
+__device__ __forceinline__ void LoadQuery(const float* row, int t, const float (&inverse)[kParts],
+                                          uint32_t (&hi)[kDim / 16][2], uint32_t (&lo)[kDim / 16][2]) {
+  constexpr int kPartSteps = kDim / 16 / kParts;
 #pragma unroll
   for (int i = 0; i < kDim / 16; ++i) {
+    const int part = i / kPartSteps;
+    const float* src = row != nullptr ? row + part * (kDim / kParts) + t * (kDim / kParts / 4) : nullptr;
+    const int k = i % kPartSteps;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float x0 = src != nullptr ? src[4 * i + 2 * h] : 0.0f;
-      const float x1 = src != nullptr ? src[4 * i + 2 * h + 1] : 0.0f;
+      const float x0 = src != nullptr ? src[4 * k + 2 * h] * inverse[part] : 0.0f;
+      const float x1 = src != nullptr ? src[4 * k + 2 * h + 1] * inverse[part] : 0.0f;
       if constexpr (kBf16) {
         hi[i][h] = PackBf162(x0, x1);
         lo[i][h] = PackBf162(x0 - Bf16BitsToFloat(hi[i][h] & 0xffffu), x1 - Bf16BitsToFloat(hi[i][h] >> 16));
@@ -148,57 +163,73 @@ __device__ __forceinline__ void Mma16(float (&d)[4], const uint32_t (&a)[4], con
 }
 
 // Fills the pair table at shared address `table`: word pair * copies + c
-// holds (centroid[pair & mask], centroid[pair >> bits]) as fp16, the lower
-// code in the low half.
+// holds (centroid[pair & mask], centroid[pair >> bits]) times `scale` as
+// fp16, the lower code in the low half.
 template <int kBits>
-__device__ __forceinline__ void FillPairTable(const float* centroids, int lane, uint32_t* tables, uint32_t table) {
+__device__ __forceinline__ void FillPairTable(const float* centroids, float scale, int lane, uint32_t* tables,
+                                              uint32_t table) {
   constexpr int kCopies = PairCopies<kBits>();
   constexpr int kEntries = kCopies << (2 * kBits);
   for (int i = lane; i < kEntries; i += 32) {
     const int pair = i / kCopies;
-    StoreShared32(tables, table + 4 * i, PackHalf2(centroids[pair & ((1 << kBits) - 1)], centroids[pair >> kBits]));
+    StoreShared32(tables, table + 4 * i,
+                  PackHalf2(centroids[pair & ((1 << kBits) - 1)] * scale, centroids[pair >> kBits] * scale));
   }
 }
 
 // What one lane knows of a block for the whole loop.
-template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits>
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim_, int kKeyBits, int kValueBits>
 struct HmmaLane {
+  static constexpr int kDim = kDim_;
   static constexpr bool kBf16 = kKey == DeviceFieldFormat::kBf16;
   static constexpr bool kKeyCodes = kKey == DeviceFieldFormat::kTurboQuant;
   static constexpr bool kUniform = kValue == DeviceFieldFormat::kUniform;
   static constexpr bool kValueCodes = kValue == DeviceFieldFormat::kTurboQuant;
+  static constexpr int kTables = HmmaTables(kKey, kValue, kKeyBits);
+  static constexpr bool kDynamicTables = kTables > 1;
+  // Split keys: part 0 (the first kDim / 2 coordinates of the query's state)
+  // and part 1, each at its own bits with its own norm and pair table.
+  static constexpr int kKeyParts = KeyParts(kKey, kKeyBits);
+  static constexpr bool kSplit = kKeyParts == 2;
   static constexpr int kScalarBytes = kUniform ? 4 : 2;  // a value token's (scale, zero) or norm
   // bf16 at head_dim 256 loads its values after the logits, not with the
   // keys: holding both (and the query's two terms) spilled.
   static constexpr bool kLateValues = kBf16 && kDim == 256;
-  static constexpr int kSteps = kDim / 16;   // k-steps of the key product
-  static constexpr int kMTiles = kDim / 16;  // m-tiles (16 value coordinates) of the value product
-  static constexpr int kRun = kDim / 8;      // value coordinates a lane group reads
-  static constexpr int kKeyBytes = CodeBytes<kKey, kKeyBits, kDim>();
+  static constexpr int kSteps = kDim / 16;               // k-steps of the key product
+  static constexpr int kPartSteps = kSteps / kKeyParts;  // of them, each key part's (part 0's first)
+  static constexpr int kMTiles = kDim / 16;              // m-tiles (16 value coordinates) of the value product
+  static constexpr int kRun = kDim / 8;                  // value coordinates a lane group reads
+  // A key part's runs: lane t reads coordinates [t, t + 1) kDim / (4 parts)
+  // of each part.
+  using KR = KeyRun<kKey, KeyPartBits(kKey, kKeyBits, 0), kDim / kKeyParts>;
+  using KR1 = KeyRun<kKey, KeyPartBits(kKey, kKeyBits, 1), kDim / kKeyParts>;  // split keys' part 1
+  using VR = ValueRun<kValue, kValueBits, kDim>;
+  static constexpr int kPart1Bytes = CodeBytes<kKey, KR::kBits, KR::kDim>();  // where part 1's codes start
+  static constexpr int kKeyBytes = kPart1Bytes + (kSplit ? CodeBytes<kKey, KR1::kBits, KR1::kDim>() : 0);
+  static constexpr int kNormBytes = 2 * kKeyParts;  // a key token's fp16 norms
   static constexpr int kValueBytes = CodeBytes<kValue, kValueBits, kDim>();
   static constexpr int kKeyStride = IsRaw<kKey>() ? 4 : 4 * kTileTokens;
   static constexpr int kValueStride = IsRaw<kValue>() ? 4 : 4 * kTileTokens;
-  using KR = KeyRun<kKey, kKeyBits, kDim>;
-  using VR = ValueRun<kValue, kValueBits, kDim>;
 
   static constexpr int kKeyLanes = KR::kLanes;    // lanes t = 0..3 split a key token's run
   static constexpr int kValueLanes = VR::kLanes;  // lane groups g = 0..7 a value token's
 
   int g, t;
-  uint32_t lane_bits, value_lane_bits;  // this lane's copy in this warp's pair tables
+  uint32_t lane_bits, value_lane_bits, key1_lane_bits;  // this lane's copy in this warp's pair tables
   // This lane's first bytes in page 0's first tile (the pool, the plane's
   // offset in a page, the lane's in a tile), hoisted out of the DeviceHead:
-  // key codes of token g (its run's first word), the fp16 norm of key token
-  // g, value codes of token 2t (its run's first word), (scale, zero) or
-  // the norm of value token g. A tile adds its page's start and its place
-  // (HmmaAt).
+  // key codes of token g (its run's first word; key1_lane: of part 1),
+  // the fp16 norms of key token g, value codes of token 2t (its run's
+  // first word), (scale, zero) or the norm of value token g. A tile adds
+  // its page's start and its place (HmmaAt).
   const uint8_t* key_lane;
+  const uint8_t* key1_lane;
   const uint8_t* norm_lane;
   const uint8_t* value_lane;
   const uint8_t* scalar_lane;
-  int key_k0, key_shift, value_k0, value_shift;  // run's first word, bit in it
-  uint32_t page_bytes;                           // AttendHmmaShape: < 2^32
-  uint32_t q_hi[kSteps][2], q_lo[kSteps][2];     // row g's query: B of the key product
+  int key_k0, key_shift, key1_k0, key1_shift, value_k0, value_shift;  // run's first word, bit in it
+  uint32_t page_bytes;                                                // AttendHmmaShape: < 2^32
+  uint32_t q_hi[kSteps][2], q_lo[kSteps][2];                          // row g's query: B of the key product
   // Rows 2t, 2t + 1: what they see, their running max (natural log units
   // and base 2), and this lane's share of their sums.
   int visible[2];
@@ -224,12 +255,21 @@ __device__ __forceinline__ void HmmaLanePlanes(const PoolView& view, const Devic
   } else {  // tiled: word k of token s at 64 k + 4 s
     l.key_lane = pool + head.key.codes_offset + 4 * l.g + l.key_k0 * L::kKeyStride;
   }
+  if constexpr (L::kSplit) {  // part 1's codes: whole words on (AttendHmmaShape)
+    using KR1 = typename L::KR1;
+    l.key1_k0 = l.t * KR1::kRunBits / 32;  // in part 1's words
+    l.key1_shift = l.t * KR1::kRunBits % 32;
+    l.key1_lane = pool + head.key.codes_offset + 4 * l.g + (L::kPart1Bytes / 4 + l.key1_k0) * L::kKeyStride;
+  } else {
+    l.key1_k0 = l.key1_shift = 0;
+    l.key1_lane = l.key_lane;
+  }
   if constexpr (IsRaw<VR::kFormat>()) {
     l.value_lane = pool + head.value.codes_offset + 2 * l.t * L::kValueBytes + l.g * (VR::kRunBits / 8);
   } else {
     l.value_lane = pool + head.value.codes_offset + 8 * l.t + l.value_k0 * L::kValueStride;
   }
-  l.norm_lane = pool + head.key.scalars_offset + 2 * l.g;
+  l.norm_lane = pool + head.key.scalars_offset + L::kNormBytes * l.g;
   l.scalar_lane = pool + head.value.scalars_offset + L::kScalarBytes * l.g;
 }
 
@@ -240,30 +280,45 @@ __device__ __forceinline__ void HmmaSetup(const AttendKernelParams& p, const Att
   const int group = view.num_query_heads / view.num_kv_heads;
   l.g = lane >> 2;
   l.t = lane & 3;
-  l.lane_bits = l.value_lane_bits = 0;
+  l.lane_bits = l.value_lane_bits = l.key1_lane_bits = 0;
   if constexpr (L::kKeyCodes) {
-    uint32_t* anchor = PairTables<L::kValueCodes>();
+    uint32_t* anchor = PairTables<L::kDynamicTables>();
     const uint32_t tables = (SharedAddress(anchor) + kPairTableBytes - 1) & ~(kPairTableBytes - 1);
-    const uint32_t table = tables + static_cast<uint32_t>(warp) * kPairTableBytes;
-    FillPairTable<L::KR::kBits>(head.key.parts[0].centroids, lane, anchor, table);
-    l.lane_bits = table + static_cast<uint32_t>(lane % PairCopies<L::KR::kBits>()) * 4;
-    if constexpr (L::kValueCodes) {
-      const uint32_t values = table + kHmmaWarps * kPairTableBytes;
-      FillPairTable<L::VR::kBits>(head.value.parts[0].centroids, lane, anchor, values);
-      l.value_lane_bits = values + static_cast<uint32_t>(lane % PairCopies<L::VR::kBits>()) * 4;
+    // The warp's k-th table (HmmaTables: keys' part 0, values', keys' part 1).
+    // Keys' tables scaled by the field's pair_scale (the query by its
+    // inverse), values' as they are.
+    const auto fill = [&](int k, int bits, const DevicePart& part, float scale) {
+      const uint32_t table = tables + static_cast<uint32_t>(k * kHmmaWarps + warp) * kPairTableBytes;
+      switch (bits) {  // a constant once inlined
+        case 2:
+          FillPairTable<2>(part.centroids, scale, lane, anchor, table);
+          return table + static_cast<uint32_t>(lane % PairCopies<2>()) * 4;
+        case 3:
+          FillPairTable<3>(part.centroids, scale, lane, anchor, table);
+          return table + static_cast<uint32_t>(lane % PairCopies<3>()) * 4;
+        default:
+          FillPairTable<4>(part.centroids, scale, lane, anchor, table);
+          return table + static_cast<uint32_t>(lane % PairCopies<4>()) * 4;
+      }
+    };
+    l.lane_bits = fill(0, L::KR::kBits, head.key.parts[0], head.key.pair_scale[0]);
+    if constexpr (L::kValueCodes) l.value_lane_bits = fill(1, L::VR::kBits, head.value.parts[0], 1.0f);
+    if constexpr (L::kSplit) {
+      l.key1_lane_bits = fill(L::kTables - 1, L::KR1::kBits, head.key.parts[1], head.key.pair_scale[1]);
     }
   }
   HmmaLanePlanes(view, head, l);
   const float* src = nullptr;
   if (l.g < b.rows) {
     const int row = b.row0 + l.g;
-    src =
-        p.prepared +
-        (item.query_row + static_cast<int64_t>(row / group) * view.num_query_heads + b.kv_head * group + row % group) *
-            L::KR::kDim +
-        l.t * (L::KR::kDim / 4);
+    src = p.prepared + (item.query_row + static_cast<int64_t>(row / group) * view.num_query_heads + b.kv_head * group +
+                        row % group) *
+                           L::kDim;
   }
-  LoadQuery<L::kBf16, L::KR::kDim>(src, l.q_hi, l.q_lo);
+  float inverse[L::kKeyParts];
+#pragma unroll
+  for (int k = 0; k < L::kKeyParts; ++k) inverse[k] = L::kKeyCodes ? 1.0f / head.key.pair_scale[k] : 1.0f;
+  LoadQuery<L::kBf16, L::kDim, L::kKeyParts>(src, l.t, inverse, l.q_hi, l.q_lo);
   const int visible_base = item.context_tokens - item.num_query_tokens + 1;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -287,6 +342,7 @@ __device__ __forceinline__ void HmmaSetup(const AttendKernelParams& p, const Att
 // tiles on).
 struct HmmaTileAt {
   const uint8_t* key;
+  const uint8_t* key1;  // split keys' part 1
   const uint8_t* norms;
   const uint8_t* value;
   const uint8_t* scalars;
@@ -297,16 +353,22 @@ __device__ __forceinline__ HmmaTileAt HmmaAt(const L& l, uint32_t entry, uint32_
   const auto at = [&](const uint8_t* lane, uint32_t tile_bytes) {
     return lane + static_cast<uint64_t>(in_page) * tile_bytes + static_cast<uint64_t>(entry) * l.page_bytes;
   };
-  return {at(l.key_lane, kHmmaTile * L::kKeyBytes), at(l.norm_lane, 2 * kHmmaTile),
-          at(l.value_lane, kHmmaTile * L::kValueBytes), at(l.scalar_lane, L::kScalarBytes * kHmmaTile)};
+  return {at(l.key_lane, kHmmaTile * L::kKeyBytes), at(l.key1_lane, kHmmaTile * L::kKeyBytes),
+          at(l.norm_lane, L::kNormBytes * kHmmaTile), at(l.value_lane, kHmmaTile * L::kValueBytes),
+          at(l.scalar_lane, L::kScalarBytes * kHmmaTile)};
 }
 
 // Logits S = K Q^T of the tile (16 tokens x 8 rows): c[0], c[1] token g,
-// rows 2t, 2t + 1; c[2], c[3] token 8 + g.
+// rows 2t, 2t + 1; c[2], c[3] token 8 + g. Split keys: each part's k-steps
+// into their own accumulator (two independent mma chains), scaled by the
+// part's norm.
 template <typename L>
 __device__ __forceinline__ void HmmaLogits(const L& l, const HmmaTileAt& at, float (&c)[4]) {
   using KR = typename L::KR;
-  uint32_t kb[2][L::kSteps][2];
+  using KR1 = typename L::KR1;
+  constexpr int kParts = L::kKeyParts, kPartSteps = L::kPartSteps;
+  const uint32_t* tables = PairTables<L::kDynamicTables>();
+  uint32_t kb[2][kParts][kPartSteps][2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint32_t w[KR::kWords];
@@ -315,24 +377,48 @@ __device__ __forceinline__ void HmmaLogits(const L& l, const HmmaTileAt& at, flo
     } else {
       LoadRun<KR::kRunBits, L::kKeyLanes, L::kKeyStride>(at.key + 32 * h, l.key_k0, l.key_shift, w);
     }
-    KeyFragments<KR::kFormat, KR::kBits, KR::kDim>(w, l.lane_bits, PairTables<L::kValueCodes>(), kb[h]);
+    KeyFragments<KR::kFormat, KR::kBits, KR::kDim>(w, l.lane_bits, tables, kb[h][0]);
+    if constexpr (L::kSplit) {
+      uint32_t w1[KR1::kWords];
+      LoadRun<KR1::kRunBits, L::kKeyLanes, L::kKeyStride>(at.key1 + 32 * h, l.key1_k0, l.key1_shift, w1);
+      KeyFragments<KR1::kFormat, KR1::kBits, KR1::kDim>(w1, l.key1_lane_bits, tables, kb[h][kParts - 1]);
+    }
+  }
+  float part[kParts][4];
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) part[p][k] = 0.0f;
   }
 #pragma unroll
-  for (int k = 0; k < 4; ++k) c[k] = 0.0f;
+  for (int i = 0; i < kPartSteps; ++i) {
 #pragma unroll
-  for (int i = 0; i < L::kSteps; ++i) {
-    const uint32_t a[4] = {kb[0][i][0], kb[1][i][0], kb[0][i][1], kb[1][i][1]};
-    Mma16<L::kBf16>(c, a, l.q_hi[i]);
-    if constexpr (L::kBf16) Mma16<L::kBf16>(c, a, l.q_lo[i]);
+    for (int p = 0; p < kParts; ++p) {
+      const uint32_t a[4] = {kb[0][p][i][0], kb[1][p][i][0], kb[0][p][i][1], kb[1][p][i][1]};
+      Mma16<L::kBf16>(part[p], a, l.q_hi[p * kPartSteps + i]);
+      if constexpr (L::kBf16) Mma16<L::kBf16>(part[p], a, l.q_lo[p * kPartSteps + i]);
+    }
   }
-  if constexpr (L::kKeyCodes) {  // the norms of tokens g and 8 + g
+  if constexpr (L::kSplit) {  // the norms of tokens g and 8 + g: part 0's, part 1's
+    const uint32_t* norms = reinterpret_cast<const uint32_t*>(at.norms);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t both = norms[8 * h];
+      const float norm0 = HalfBitsToFloat(both & 0xffffu), norm1 = HalfBitsToFloat(both >> 16);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) c[2 * h + e] = fmaf(part[0][2 * h + e], norm0, part[1][2 * h + e] * norm1);
+    }
+  } else if constexpr (L::kKeyCodes) {  // the norms of tokens g and 8 + g
     const uint16_t* norms = reinterpret_cast<const uint16_t*>(at.norms);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float norm = HalfBitsToFloat(norms[8 * h]);
-      c[2 * h] *= norm;
-      c[2 * h + 1] *= norm;
+      c[2 * h] = part[0][2 * h] * norm;
+      c[2 * h + 1] = part[0][2 * h + 1] * norm;
     }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) c[k] = part[0][k];
   }
 }
 
@@ -476,7 +562,7 @@ template <typename L>
 __device__ __forceinline__ void HmmaValues(const uint32_t (&vw)[4][L::VR::kWords], const uint32_t (&pb)[2], L& l) {
   using VR = typename L::VR;
   uint32_t va[2][L::kRun];
-  const uint32_t* tables = PairTables<L::kValueCodes>();
+  const uint32_t* tables = PairTables<L::kDynamicTables>();
   ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[0], vw[1], l.value_lane_bits, tables, va[0]);
   ValuePairs<VR::kFormat, VR::kBits, VR::kDim>(vw[2], vw[3], l.value_lane_bits, tables, va[1]);
 #pragma unroll
@@ -490,7 +576,7 @@ __device__ __forceinline__ void HmmaValues(const uint32_t (&vw)[4][L::VR::kWords
 // partial output and (max, sum) statistics.
 template <typename L>
 __device__ __forceinline__ void HmmaFinish(const AttendKernelParams& p, const AttendBlock& b, L& l) {
-  constexpr int kDim = L::KR::kDim;
+  constexpr int kDim = L::kDim;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
 #pragma unroll

@@ -138,12 +138,14 @@ bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int he
 // The fp16 tensor-core kernel (attend_hmma_impl.cuh: m16n8k16 on fp16 / bf16
 // fragments built from the codes) for this (key, value) pair, head dim and
 // page size: -1 where it has no instance, else its shape code, key bits * 32
-// + value bits (16 for fp16 / bf16, 8 for fp8). Pairs: fp16, bf16, fp8 keys
-// with fp8 or uniform values, single-part TurboQuant keys of 2-4 bits with
-// uniform values of 2-4 bits, and of 3-4 bits with single-part TurboQuant
-// values of 3-4 bits; head dims 64, 128, 256; page_tokens a multiple of 16
+// + value bits (16 for fp16 / bf16, 8 for fp8; split keys: 10 * part 0's
+// bits + part 1's). Pairs: fp16, bf16, fp8 keys with fp8 or uniform values,
+// single-part TurboQuant keys of 2-4 bits with uniform values of 2-4 bits,
+// and of 3-4 bits with single-part TurboQuant values of 3-4 bits, split
+// TurboQuant keys of 4 | 3 and 3 | 2 bits (halves of the state) with 3-bit
+// TurboQuant values; head dims 64, 128, 256; page_tokens a multiple of 16
 // (the layout's page_bytes below 2^32: device_tables.cc). Preferred over
-// the TF32 kernel wherever it applies.
+// the TF32 and fp32 kernels wherever it applies.
 int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_dim, int page_tokens);
 
 // One launch of the fp32 kernel for `pair` with block_rows rows per block.

@@ -43,10 +43,14 @@ constexpr bool HasHmma(DeviceFieldFormat key, DeviceFieldFormat value) {
          (key == F::kTurboQuant && (value == F::kUniform || value == F::kTurboQuant));
 }
 
-// The code widths with an instance: TurboQuant values only at the served
-// presets' widths, 3-4 bits with keys of 3-4 bits; any other pair at all
-// (AttendHmmaShape checks the ranges).
-constexpr bool HasHmmaBits(DeviceFieldFormat value, int key_bits, int value_bits) {
+// The code widths with an instance: TurboQuant values only at the
+// presets' widths, 3-4 bits with single-part keys of 3-4 bits, 3 bits with
+// split keys of 4 | 3 and 3 | 2 bits (key bits 43, 32: KeyParts); any other
+// pair at all (AttendHmmaShape checks the ranges).
+constexpr bool HasHmmaBits(DeviceFieldFormat key, DeviceFieldFormat value, int key_bits, int value_bits) {
+  if (KeyParts(key, key_bits) == 2) {
+    return value == DeviceFieldFormat::kTurboQuant && value_bits == 3 && (key_bits == 43 || key_bits == 32);
+  }
   return value != DeviceFieldFormat::kTurboQuant || (key_bits >= 3 && value_bits >= 3);
 }
 
@@ -80,7 +84,7 @@ AttendKernelFunction AttendHmmaLoop(int loop) {
 // An instance, or null where HasHmmaBits says there is none.
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits>
 AttendKernelFunction AttendHmmaBits(int loop) {
-  if constexpr (HasHmmaBits(kValue, kKeyBits, kValueBits)) {
+  if constexpr (HasHmmaBits(kKey, kValue, kKeyBits, kValueBits)) {
     return AttendHmmaLoop<kKey, kValue, kDim, kKeyBits, kValueBits>(loop);
   } else {
     return nullptr;
@@ -107,7 +111,7 @@ AttendKernelFunction AttendHmmaValueBits(int value_bits, int loop) {
 }
 
 // `shape`: an AttendHmmaShape code plus the loop variant times kHmmaLoopUnit.
-constexpr int kHmmaLoopUnit = 1024;
+constexpr int kHmmaLoopUnit = 4096;
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim>
 AttendKernelFunction AttendHmmaKeyBits(int shape) {
@@ -120,6 +124,10 @@ AttendKernelFunction AttendHmmaKeyBits(int shape) {
         return AttendHmmaValueBits<kKey, kValue, kDim, 3>(value_bits, loop);
       case 4:
         return AttendHmmaValueBits<kKey, kValue, kDim, 4>(value_bits, loop);
+      case 32:
+        return AttendHmmaValueBits<kKey, kValue, kDim, 32>(value_bits, loop);
+      case 43:
+        return AttendHmmaValueBits<kKey, kValue, kDim, 43>(value_bits, loop);
       default:
         return nullptr;
     }
@@ -168,13 +176,15 @@ AttendKernelFunction AttendTensorKernelFor(int head_dim, int shape) {
 static_assert(kMmaWarps == kHmmaWarps, "both tensor-core kernels run one AttendBlock per warp, four a block");
 
 // The dynamic shared memory of a tensor-core instance (shape as for
-// LaunchAttendMma): the fp16 kernel's pair tables with TurboQuant values,
-// after opting the kernel in to more than 48 KiB; else none.
-template <DeviceFieldFormat kValue>
+// LaunchAttendMma): the fp16 kernel's pair tables where a warp has more
+// than one (HmmaTablesBytes), after opting the kernel in to more than 48
+// KiB; else none.
+template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
 cudaError_t HmmaDynamicShared(AttendKernelFunction kernel, int shape, size_t* shared) {
   *shared = 0;
-  if (shape < 0 || kValue != DeviceFieldFormat::kTurboQuant) return cudaSuccess;
-  *shared = kHmmaValueTablesBytes;
+  if (shape < 0) return cudaSuccess;
+  *shared = HmmaTablesBytes(HmmaTables(kKey, kValue, (shape % kHmmaLoopUnit) >> 5));
+  if (*shared == 0) return cudaSuccess;
   return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(*shared));
 }
@@ -185,7 +195,7 @@ cudaError_t LaunchAttendMmaDims(int shape, const AttendKernelParams& params, cud
   const AttendKernelFunction kernel = AttendTensorKernelFor<kKey, kValue>(params.view.head_dim, variant);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   size_t shared = 0;
-  const cudaError_t opt_in = HmmaDynamicShared<kValue>(kernel, shape, &shared);
+  const cudaError_t opt_in = HmmaDynamicShared<kKey, kValue>(kernel, shape, &shared);
   if (opt_in != cudaSuccess) return opt_in;
   const dim3 grid(static_cast<unsigned>((params.num_blocks + kMmaWarps - 1) / kMmaWarps));
   TQKV_LAUNCH(kernel, grid, kMmaWarps * 32, shared, stream, params);
@@ -263,7 +273,7 @@ cudaError_t AttendInstanceBlocksPerSm(bool mma, int shape, int block_rows, int h
   const int threads = mma ? kMmaWarps * 32 : kAttendThreads;
   size_t shared = mma ? 0 : AttendSharedBytes(block_rows, head_dim);
   if (mma) {
-    const cudaError_t opt_in = HmmaDynamicShared<kValue>(kernel, shape, &shared);
+    const cudaError_t opt_in = HmmaDynamicShared<kKey, kValue>(kernel, shape, &shared);
     if (opt_in != cudaSuccess) return opt_in;
   }
   int thread_blocks = 0;
@@ -277,6 +287,41 @@ cudaError_t AttendInstanceBlocksPerSm(bool mma, int shape, int block_rows, int h
 }  // namespace
 
 bool ScoreSupported(DeviceFieldFormat key) { return FamilyInfo(key).reads_keys; }
+
+namespace {
+
+// A single-part TurboQuant field's bits, or -1.
+int TurboQuantBits(const DeviceField& f, int head_dim) {
+  const DevicePart& part = f.parts[0];
+  return f.tiled != 0 && f.num_parts == 1 && part.dim == head_dim && part.code_offset == 0 &&
+                 part.channels == nullptr && part.bits >= 2 && part.bits <= 4 &&
+                 f.code_bytes * 8 == head_dim * part.bits && f.code_bytes % 4 == 0 && f.num_scalars == 1 &&
+                 part.scalar_index == 0
+             ? part.bits
+             : -1;
+}
+
+// Split TurboQuant keys as the kernel reads them: two halves of the state
+// (part 0 first), each part's codes whole words (part 1's right after part
+// 0's), norms (part 0's, part 1's) per token. Key bits 10 * part 0's +
+// part 1's, or -1. The parts' channels are the query preparation's.
+int SplitKeyBits(const DeviceField& f, int head_dim) {
+  const int half = head_dim / 2;
+  for (int p = 0; p < 2; ++p) {
+    const DevicePart& part = f.parts[p];
+    if (part.dim != half || part.bits < 2 || part.bits > 4 || part.scalar_index != p || part.state_offset != p * half) {
+      return -1;
+    }
+  }
+  const int part0_bytes = half * f.parts[0].bits / 8;
+  if (f.tiled == 0 || f.num_scalars != 2 || f.parts[0].code_offset != 0 || f.parts[1].code_offset != part0_bytes ||
+      part0_bytes % 4 != 0 || f.code_bytes * 8 != half * (f.parts[0].bits + f.parts[1].bits) || f.code_bytes % 4 != 0) {
+    return -1;
+  }
+  return 10 * f.parts[0].bits + f.parts[1].bits;
+}
+
+}  // namespace
 
 int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_dim, int page_tokens) {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
@@ -300,21 +345,14 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
                        f.code_bytes % 4 == 0 && f.num_scalars == 2
                    ? f.bits
                    : -1;
-      case DeviceFieldFormat::kTurboQuant: {
-        const DevicePart& part = f.parts[0];
-        return f.tiled != 0 && f.num_parts == 1 && part.dim == head_dim && part.code_offset == 0 &&
-                       part.channels == nullptr && part.bits >= 2 && part.bits <= 4 &&
-                       f.code_bytes * 8 == head_dim * part.bits && f.code_bytes % 4 == 0 && f.num_scalars == 1 &&
-                       part.scalar_index == 0
-                   ? part.bits
-                   : -1;
-      }
+      case DeviceFieldFormat::kTurboQuant:
+        return f.num_parts == 2 ? SplitKeyBits(f, head_dim) : TurboQuantBits(f, head_dim);
     }
     return -1;
   };
   const int key_bits = bits_of(key), value_bits = bits_of(value);
   if (key_bits < 0 || value_bits < 0) return -1;
-  if (!HasHmmaBits(value.format, key_bits, value_bits)) return -1;
+  if (!HasHmmaBits(key.format, value.format, key_bits, value_bits)) return -1;
   return key_bits * 32 + value_bits;
 }
 

@@ -74,11 +74,18 @@ struct DeviceField {
   // TiledCodes), else token-major (raw fp16 / bf16 / fp8).
   int32_t tiled = 0;
   int32_t num_scalars = 0;    // fp16 scalars per token
+  int32_t num_parts = 0;      // kTurboQuant: 1 or 2
   uint64_t codes_offset = 0;  // plane offsets from the start of a page
   uint64_t scalars_offset = 0;
-  int32_t num_parts = 0;  // kTurboQuant: 1 or 2
+  // kTurboQuant keys: the fp16 tensor-core kernel's pair tables hold part
+  // p's centroids times pair_scale[p] and its query fragments the state
+  // over it (PairTableScale in device_tables.h: the centroids' fp16
+  // rounding at its smallest). Here, not in DevicePart: it takes what was
+  // padding, and the struct keeps its size (256 bytes).
+  float pair_scale[kMaxDeviceParts] = {1.0f, 1.0f};
   DevicePart parts[kMaxDeviceParts];
 };
+static_assert(sizeof(DeviceField) == 256, "the kernels' budget rules name DeviceHead offsets (gpu_budget)");
 
 struct DeviceHead {
   DeviceField key;

@@ -1,9 +1,14 @@
 #include "kernels/cuda/device_tables.h"
 
+#include <algorithm>
 #include <cmath>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/float_formats.h"
 #include "kernels/cuda/attend_kernels.cuh"
 #include "base/status_macros.h"
 
@@ -21,6 +26,36 @@ void Relocate(DeviceField& field, const uint8_t* base) {
     Relocate(part.rotation.factor_t, base);
     Relocate(part.rotation.matrix, base);
   }
+}
+
+float PairTableScale(const std::vector<float>& centroids) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* found = new std::map<std::vector<float>, float>();
+  absl::MutexLock lock(&mu);
+  auto it = found->find(centroids);
+  if (it != found->end()) return it->second;
+  constexpr int kSteps = 1 << 14;
+  const auto worst = [&](float s) {
+    double most = 0.0;
+    for (float c : centroids) {
+      const float x = c * s;
+      if (x != 0.0f)
+        most = std::max(most, std::fabs(static_cast<double>(HalfToFloat(FloatToHalf(x))) - x) / std::fabs(x));
+    }
+    return most;
+  };
+  float best = 1.0f;
+  double best_error = worst(1.0f);
+  for (int k = 1; k < kSteps; ++k) {
+    const float s = 1.0f + static_cast<float>(k) / kSteps;
+    const double error = worst(s);
+    if (error < best_error) {
+      best = s;
+      best_error = error;
+    }
+  }
+  found->emplace(centroids, best);
+  return best;
 }
 
 absl::StatusOr<DeviceRotation> DescribeRotation(const Rotation& rotation, TableBuilder& tables) {
@@ -107,6 +142,7 @@ absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes
         part.state_offset = state_offset;
         part.norm_correction = spec.norm_correction ? 1 : 0;
         part.centroids = tables.AddVector(src.codebook->centroids);
+        f.pair_scale[p] = PairTableScale(src.codebook->centroids);
         part.boundaries = tables.AddVector(src.codebook->boundaries);
         bool identity = part.dim == codec.head_dim();
         for (int k = 0; identity && k < part.dim; ++k) identity = src.channels[k] == k;

@@ -65,6 +65,15 @@ void Relocate(DeviceField& field, const uint8_t* base);
 // The device form of `rotation`, its tables added to `tables`.
 absl::StatusOr<DeviceRotation> DescribeRotation(const Rotation& rotation, TableBuilder& tables);
 
+// A factor s in [1, 2) for which every centroid times s rounds to fp16 with
+// the least largest relative error (a search over 2^14 steps; memoized per
+// codebook). Why: the fp16 kernel's key tables hold the centroids in fp16,
+// and a codebook's rounding errors are the same for every token, so that in
+// a logit they add up coherently instead of averaging out: an error of up
+// to 2^-12 of a large logit, which the softmax then amplifies. 2- and 3-bit
+// codebooks (2 or 4 magnitudes) find an s with errors 10-50x smaller.
+float PairTableScale(const std::vector<float>& centroids);
+
 // The device form of `codec`'s field whose codes and scalars start at the
 // given page offsets; UNIMPLEMENTED for codecs the kernels cannot read.
 absl::StatusOr<DeviceField> DescribeField(const VectorCodec& codec, size_t codes_offset, size_t scalars_offset,

@@ -148,21 +148,45 @@ __device__ __forceinline__ uint32_t RunBits(const uint32_t (&w)[kWords], int bit
   return k + 1 < kWords ? __funnelshift_r(w[k], w[k + 1], s) : w[k] >> s;
 }
 
+// Split keys (two TurboQuant parts: the hot half of the channels at more
+// bits) are kernel instances whose key bits are part 0's times 10 plus part
+// 1's (43: 4 | 3 bits, 32: 3 | 2); single-part TurboQuant keys' are below
+// 10 (raw keys': 16 or 8).
+constexpr int KeyParts(DeviceFieldFormat key, int key_bits) {
+  return key == DeviceFieldFormat::kTurboQuant && key_bits >= 10 ? 2 : 1;
+}
+constexpr int KeyPartBits(DeviceFieldFormat key, int key_bits, int part) {
+  return KeyParts(key, key_bits) == 1 ? key_bits : part == 0 ? key_bits / 10 : key_bits % 10;
+}
+
 // Per warp: a TurboQuant codebook's centroid pairs (FillPairTable), keys'
-// (warp w: table w) and, with TurboQuant values, values' (kHmmaWarps + w),
-// from the first address of the array aligned to a table's size, so that a
-// lookup's address is the pair's bits OR'd into the lane's copy (one LOP3,
-// no add): the tables' memory holds one table more than the warps use.
-// Keys only: a static array that only the kernels that read it allocate;
-// with values, dynamic shared memory (72 KiB, past a kernel's 48 KiB of
-// static shared memory: the launch opts in, HmmaDynamicShared).
+// (warp w: table w), with TurboQuant values values' (kHmmaWarps + w), and
+// split keys' part 1 after those, from the first address of the array
+// aligned to a table's size, so that a lookup's address is the pair's bits
+// OR'd into the lane's copy (one LOP3, no add): the tables' memory holds
+// one table more than the warps use. One table a warp: a static array that
+// only the kernels that read it allocate; more: dynamic shared memory
+// (HmmaTablesBytes: 72 KiB for two, 104 KiB for three, past a kernel's 48
+// KiB of static shared memory: the launch opts in, HmmaDynamicShared).
 constexpr uint32_t kPairTableBytes = 4 * kPairTableWords;
-constexpr size_t kHmmaValueTablesBytes = (2 * kHmmaWarps + 1) * size_t{kPairTableBytes};
 __shared__ uint32_t hmma_pair_tables[(kHmmaWarps + 1) * kPairTableWords];
 
-template <bool kValueTables>
+// Pair tables per warp of an instance: keys' parts with TurboQuant keys,
+// one more with TurboQuant values.
+constexpr int HmmaTables(DeviceFieldFormat key, DeviceFieldFormat value, int key_bits) {
+  return (key == DeviceFieldFormat::kTurboQuant ? KeyParts(key, key_bits) : 0) +
+         (value == DeviceFieldFormat::kTurboQuant ? 1 : 0);
+}
+
+// Dynamic shared memory of an instance with `tables` tables a warp (none
+// for one or none: the static array).
+constexpr size_t HmmaTablesBytes(int tables) {
+  return tables > 1 ? (static_cast<size_t>(tables) * kHmmaWarps + 1) * kPairTableBytes : 0;
+}
+
+template <bool kDynamic>
 __device__ __forceinline__ uint32_t* PairTables() {
-  if constexpr (kValueTables) {
+  if constexpr (kDynamic) {
     return reinterpret_cast<uint32_t*>(DynamicSharedFloats());
   } else {
     return hmma_pair_tables;

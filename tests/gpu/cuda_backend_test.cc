@@ -34,6 +34,7 @@
 #include "cache/kv_cache.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/device_tables.h"
 #include "kernels/kv_layout.h"
 #include "kernels/preset.h"
 #include "tests/gpu/cuda_backend_test_util.h"
@@ -48,6 +49,40 @@ std::vector<std::string> ServingPresets() {
     if (!p.evaluation_only) names.emplace_back(p.name);
   }
   return names;
+}
+
+// Every served preset's layers take the fp16 tensor-core kernel at head
+// dims 64, 128 and 256 on pages of 16 tokens (the kernel choice is host
+// code: no device needed); split keys with hot channels that are not the
+// first ones.
+TEST(CudaKernelChoice, EveryServedPresetTakesTheFp16TensorCoreKernel) {
+  for (const std::string& name : ServingPresets()) {
+    for (int d : {64, 128, 256}) {
+      KvLayoutOptions options;
+      options.num_layers = 2;
+      options.num_kv_heads = 2;
+      options.num_query_heads = 8;
+      options.head_dim = d;
+      options.page_tokens = 16;
+      options.preset = name;
+      options.boundary_layers = 0;
+      const Preset* preset = *FindPreset(name);
+      if (preset->NeedsCalibration()) {
+        std::vector<int> odd;
+        for (int k = 1; k < d && static_cast<int>(odd.size()) < preset->key.HotChannels(d); k += 2) odd.push_back(k);
+        options.hot_channels.assign(4, odd);
+      }
+      auto layout = KvLayout::Create(options);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      cuda::TableBuilder tables;
+      std::vector<cuda::DeviceHead> heads;
+      cuda::LayoutTables chosen;
+      ASSERT_TRUE(cuda::DescribeLayout(**layout, /*tensor_cores=*/true, tables, &heads, &chosen).ok());
+      for (int layer = 0; layer < 2; ++layer) {
+        EXPECT_GE(chosen.layer_hmma[layer], 0) << name << " d=" << d << " layer " << layer;
+      }
+    }
+  }
 }
 
 TEST_F(CudaBackendTest, StoreWritesTheCpuBytesForEveryPreset) {
@@ -114,6 +149,13 @@ TEST_F(CudaBackendTest, ScoreAndAttendMatchTheCpuAcrossShapes) {
   // 256 (its values loaded after the logits).
   for (int d : {64, 256}) CompareReadsBothKernels({"tqkv_k3v3", d, 16, 2, 4}, 200, {1, 2});
   CompareReadsBothKernels({"bf16", 256, 16, 2, 4}, 200, {1, 2});
+  // Split keys on the fp16 kernel (two key parts, three pair tables a warp)
+  // at its other head dims; the general loop on pages of several tiles.
+  for (int d : {64, 256}) {
+    for (const char* preset : {"tqkv_k3p5v3", "tqkv_k2p5v3"})
+      CompareReadsBothKernels({preset, d, 16, 2, 4}, 200, {1, 2});
+  }
+  CompareReadsBothKernels({"tqkv_k2p5v3", 128, 48, 2, 4}, Tokens(1000), {1, 3});
   for (int page : {1, 7, 64}) CompareReadsBothKernels({"tqkv_k3v3", 128, page, 2, 4}, 300, {1});
   // The fp16 kernel's general loop: pages of several tiles (48: not a power
   // of two), splits that start inside a page.

@@ -162,10 +162,14 @@ def load_object(obj, tools, tmp, families):
 def dynamic_shared(kernel, head_dim=128):
     """Dynamic shared memory a launch asks for at head_dim 128: the fp32
     and score kernels' AttendSharedBytes(rows, head_dim) (attend_simt_impl.cuh);
-    the fp16 kernel's with TurboQuant values, kHmmaValueTablesBytes (nine
-    8 KiB pair tables, attend_hmma_impl.cuh); the others take none."""
-    if kernel.name.startswith("AttendHmmaKernel<TurboQuant, TurboQuant,"):
-        return 9 * 8192
+    the fp16 kernel's with TurboQuant values, HmmaTablesBytes
+    (hmma_fragments_impl.cuh: 8 KiB pair tables, two a warp and one more,
+    nine; three a warp with split keys, key bits 43 or 32: thirteen); the
+    others take none."""
+    m = re.match(r"AttendHmmaKernel<TurboQuant, TurboQuant, \d+, (\d+),", kernel.name)
+    if m:
+        tables = 3 if int(m.group(1)) >= 10 else 2
+        return (tables * 4 + 1) * 8192
     m = re.match(r"(AttendKernel|ScoreKernel)<.*, (\d+)>$", kernel.name)
     if not m:
         return 0
