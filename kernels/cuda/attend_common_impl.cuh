@@ -446,6 +446,153 @@ __device__ __forceinline__ void AccumulateToken(const DeviceField& value, int pa
   }
 }
 
+// ---------------------------------------------------------------------------
+// Merge, in the decode kernels' tail: the block that finishes a unit's last
+// split merges it (LastSplitOfUnit). No launch of its own and no shared
+// memory: a lane holds every 32nd coordinate of a row in registers, the
+// warp shares the splits' weights by shuffles, and a rotated value codec's
+// inverse runs on the output row (MergeRow). Partials come from other SMs:
+// read past L1.
+
+constexpr int kMergeCoords = kMaxDeviceHeadDim / 32;
+
+// Partial k's (max, sum) statistics of row r.
+__device__ __forceinline__ const float* PartialStats(const MergeParams& p, int64_t partial, int r) {
+  return p.partial_stats + (partial * kMaxBlockRows + r) * 2;
+}
+
+// Over a unit's splits, each lane reading every 32nd: the largest max and
+// the sum of the splits' sums rescaled to it (a warp's butterfly each).
+__device__ __forceinline__ void SplitTotals(const MergeParams& p, const MergeUnit& unit, int r, int lane,
+                                            float* global_max, float* total) {
+  float m = -INFINITY;
+  for (int k = lane; k < unit.num_splits; k += 32) m = fmaxf(m, __ldcg(PartialStats(p, unit.first_partial + k, r)));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullWarp, m, offset));
+  float sum = 0.0f;
+  for (int k = lane; k < unit.num_splits; k += 32) {
+    const float* stats = PartialStats(p, unit.first_partial + k, r);
+    const float split_max = __ldcg(stats);
+    if (split_max != -INFINITY) sum += __ldcg(stats + 1) * expf(split_max - m);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFullWarp, sum, offset);
+  *global_max = m;
+  *total = sum;
+}
+
+// x[i] (coordinate lane + 32 i) += inv_total times the sum over partials
+// [first, first + count) of row r of acc * exp(max - global_max). Each lane
+// works out the weight of every 32nd partial once; shuffles share it.
+__device__ __forceinline__ void SumPartials(const MergeParams& p, int64_t first, int count, int r, int d,
+                                            float global_max, float inv_total, int lane, float (&x)[kMergeCoords]) {
+  for (int chunk = 0; chunk < count; chunk += 32) {
+    const int n = min(32, count - chunk);
+    float weight = 0.0f;
+    if (lane < n) {
+      const float m = __ldcg(PartialStats(p, first + chunk + lane, r));
+      weight = m == -INFINITY ? 0.0f : expf(m - global_max) * inv_total;
+    }
+    const float* acc = p.partial_acc + ((first + chunk) * kMaxBlockRows + r) * d;
+    for (int k = 0; k < n; ++k) {
+      const float w = __shfl_sync(kFullWarp, weight, k);
+      if (w == 0.0f) continue;  // the whole warp: a split without tokens, whose acc may be anything
+      const float* a = acc + static_cast<int64_t>(k) * kMaxBlockRows * d;
+#pragma unroll
+      for (int i = 0; i < kMergeCoords; ++i) {
+        const int j = lane + 32 * i;
+        if (j < d) x[i] = fmaf(__ldcg(a + j), w, x[i]);
+      }
+    }
+  }
+}
+
+// Row r of `unit`: its output row and lse. The compressed splits of a
+// rotated value codec (one part: DescribeLayout) are summed in its basis
+// into the output row and rotated back there, with the first split's row r
+// (summed already, read by no one after) as the rotation's scratch; the
+// others' plain sums are added after.
+__device__ void MergeRow(const MergeParams& p, const MergeUnit& unit, int r, int lane) {
+  const PoolView& view = p.view;
+  const int d = view.head_dim;
+  const AttendItemDesc item = p.items[unit.item];
+  const int group = view.num_query_heads / view.num_kv_heads;
+  const int row = unit.row0 + r;
+  const int64_t out_row =
+      item.query_row + static_cast<int64_t>(row / group) * view.num_query_heads + unit.kv_head * group + row % group;
+  float global_max, total;
+  SplitTotals(p, unit, r, lane, &global_max, &total);
+  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+  const DeviceField& value = view.heads[item.layer * view.num_kv_heads + unit.kv_head].value;
+  const int basis = value.format == DeviceFieldFormat::kTurboQuant ? unit.basis_splits : 0;
+  float* out = p.output + out_row * d;
+  float x[kMergeCoords];
+  if (basis > 0) {
+#pragma unroll
+    for (int i = 0; i < kMergeCoords; ++i) x[i] = 0.0f;
+    SumPartials(p, unit.first_partial, basis, r, d, global_max, inv_total, lane, x);
+#pragma unroll
+    for (int i = 0; i < kMergeCoords; ++i) {
+      if (lane + 32 * i < d) out[lane + 32 * i] = x[i];
+    }
+    __syncwarp();
+    float* scratch = p.partial_acc + (static_cast<int64_t>(unit.first_partial) * kMaxBlockRows + r) * d;
+    WarpRotateInverse(value.parts[0].rotation, out, scratch, lane);
+    __syncwarp();
+  }
+#pragma unroll
+  for (int i = 0; i < kMergeCoords; ++i) x[i] = basis > 0 && lane + 32 * i < d ? out[lane + 32 * i] : 0.0f;
+  SumPartials(p, unit.first_partial + basis, unit.num_splits - basis, r, d, global_max, inv_total, lane, x);
+#pragma unroll
+  for (int i = 0; i < kMergeCoords; ++i) {
+    if (lane + 32 * i < d) out[lane + 32 * i] = x[i];
+  }
+  if (lane == 0 && p.lse != nullptr) {
+    const float constant = p.lse_constant != nullptr ? p.lse_constant[out_row] : 0.0f;
+    p.lse[out_row] = total > 0.0f ? global_max + logf(total) + constant : -INFINITY;
+  }
+}
+
+// Rows first_row, first_row + step, ... of unit u, by one warp. Not
+// inlined: a call at the kernel's end, with nothing live across it, keeps
+// the merge's registers out of the decode loop's allocation.
+__device__ TQKV_NOINLINE void MergeUnitRows(const MergeParams& p, int u, int first_row, int step, int lane) {
+  const MergeUnit unit = p.units[u];
+  for (int r = first_row; r < unit.rows; r += step) {
+    MergeRow(p, unit, r, lane);
+    __syncwarp();
+  }
+}
+
+// Whether this warp's block finished the last of unit u's splits: called by
+// every lane once the block's partial is written (all lanes' stores fenced,
+// the count raised by one). The last sees every other split's partial.
+__device__ __forceinline__ bool LastSplitOfUnit(const MergeParams& p, int u, int lane) {
+  __threadfence();
+  __syncwarp();
+  int arrived = 0;
+  if (lane == 0) arrived = atomicAdd(&p.units[u].arrived, 1);
+  arrived = __shfl_sync(kFullWarp, arrived, 0);
+  const bool last = arrived == p.units[u].num_splits - 1;
+  if (last) __threadfence();
+  return last;
+}
+
+// LastSplitOfUnit for a block of kAttendThreads threads (the fp32 kernel),
+// then the merge, a row a warp: every thread calls it once the block's
+// partial is written.
+__device__ __forceinline__ void MergeIfLastBlock(const MergeParams& p, int u) {
+  __shared__ int last_split;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_split = atomicAdd(&p.units[u].arrived, 1) == p.units[u].num_splits - 1;
+  __syncthreads();
+  if (last_split) {
+    __threadfence();
+    MergeUnitRows(p, u, static_cast<int>(threadIdx.x >> 5), kWarps, static_cast<int>(threadIdx.x & 31));
+  }
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace tqkv

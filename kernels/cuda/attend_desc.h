@@ -39,13 +39,15 @@ struct AttendBlock {
   int32_t token_begin = 0;
   int32_t token_end = 0;
   int32_t partial = 0;  // index of this block's partial result
-  int32_t pad = 0;
+  int32_t unit = 0;     // the MergeUnit of its split
 };
 
-// The splits of one (item, kv_head, row chunk), merged by MergeKernel:
-// partials [first_partial, first_partial + num_splits), of which the first
-// basis_splits read compressed pages (accumulated in the value codec's
-// basis) and the others exact pages (plain coordinates).
+// The splits of one (item, kv_head, row chunk): partials [first_partial,
+// first_partial + num_splits), of which the first basis_splits read
+// compressed pages (accumulated in the value codec's basis) and the others
+// exact pages (plain coordinates). The decode kernels count the splits they
+// finish in `arrived` (0 as staged); the one that finishes the last merges
+// them (attend_kernels.cuh). Every unit has at least one split.
 struct MergeUnit {
   int32_t item = 0;
   int32_t kv_head = 0;
@@ -54,7 +56,7 @@ struct MergeUnit {
   int32_t first_partial = 0;
   int32_t num_splits = 0;
   int32_t basis_splits = 0;
-  int32_t pad = 0;
+  int32_t arrived = 0;
 };
 
 // The pre-RoPE add-back of one (item, KV head) (kernels/key_centering.h),

@@ -619,7 +619,7 @@ constexpr int kHmmaOneTilePlain = 1;
 constexpr int kHmmaOneTileAddBack = 2;
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim, int kKeyBits, int kValueBits, int kLoop>
-__global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKernelParams p) {
+__global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(__grid_constant__ const AttendKernelParams p) {
   static_assert(kDim == 64 || kDim == 128 || kDim == 256, "head dims 64, 128, 256");
   static_assert((kKey == DeviceFieldFormat::kBf16) == (kValue == DeviceFieldFormat::kBf16),
                 "bf16 keys go with bf16 values");
@@ -702,6 +702,7 @@ __global__ void __launch_bounds__(kHmmaWarps * 32, 2) AttendHmmaKernel(AttendKer
     HmmaValues(vw, pb, l);
   }
   HmmaFinish(p, b, l);
+  if (LastSplitOfUnit(p.merge, b.unit, lane)) MergeUnitRows(p.merge, b.unit, 0, 1, lane);
 }
 
 }  // namespace

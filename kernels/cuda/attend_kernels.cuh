@@ -18,8 +18,10 @@
 // the kernel's kRows: every page is read once for all query heads of its KV
 // head (GQA), and causal masking gives each row its own visible length. Each
 // block writes an unnormalised partial (max logit, sum of exponentials,
-// accumulator per row); Merge combines a unit's splits, normalises, applies
-// the value rotation's inverse and writes the output and the log-sum-exp.
+// accumulator per row) and counts itself in its MergeUnit; the block that
+// finishes a unit's last split, in whichever launch, merges the unit (no
+// launch of its own): it combines the splits, normalises, applies the value
+// rotation's inverse and writes the output and the log-sum-exp.
 //
 // The bf16 preset runs through the same kernel (raw bf16 keys and values): it
 // is the baseline that the GPU benchmark compares against.
@@ -71,6 +73,20 @@ struct PoolView {
   int32_t head_dim = 0;
 };
 
+// What the merge of a unit reads and writes (the compressed layout's view:
+// its value codec).
+struct MergeParams {
+  PoolView view;
+  const AttendItemDesc* items = nullptr;
+  MergeUnit* units = nullptr;    // MergeUnit::arrived counts the finished splits
+  float* partial_acc = nullptr;  // a unit's first split's rows: the merge's scratch
+  const float* partial_stats = nullptr;
+  float* output = nullptr;  // rows as queries
+  float* lse = nullptr;     // [rows]; natural log
+  // [rows], added to the lse: the add-back's constant part. Null: none.
+  const float* lse_constant = nullptr;
+};
+
 struct AttendKernelParams {
   PoolView view;
   const int32_t* block_tables = nullptr;
@@ -92,19 +108,7 @@ struct AttendKernelParams {
   // (null: 0); the lse plus c is then that of the capped true logits.
   float softcap = 0.0f;
   const float* softcap_shift = nullptr;  // rows as lse_constant
-};
-
-struct MergeParams {
-  PoolView view;
-  const AttendItemDesc* items = nullptr;
-  const MergeUnit* units = nullptr;
-  int32_t num_units = 0;
-  const float* partial_acc = nullptr;
-  const float* partial_stats = nullptr;
-  float* output = nullptr;  // rows as queries
-  float* lse = nullptr;     // [rows]; natural log
-  // [rows], added to the lse: the add-back's constant part. Null: none.
-  const float* lse_constant = nullptr;
+  MergeParams merge;
 };
 
 // logits[h][t - token_begin] for query heads h of one layer.
@@ -154,7 +158,6 @@ cudaError_t LaunchAttend(FormatPair pair, int block_rows, const AttendKernelPara
 // fp16 one for shape >= 0 (an AttendHmmaShape code), else the TF32 one (its
 // fields must pass AttendMmaSupported).
 cudaError_t LaunchAttendMma(FormatPair pair, int shape, const AttendKernelParams& params, cudaStream_t stream);
-cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream);
 // AttendBlocks of `pair`'s kernel (the fp16 kernel: its general loop) that one SM runs at once, from
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor: the fp32 kernel's thread
 // blocks with `block_rows` rows at `head_dim` (one AttendBlock each), or with

@@ -403,13 +403,6 @@ cudaError_t AttendBlocksPerSm(FormatPair pair, bool mma, int shape, int block_ro
       return AttendInstanceBlocksPerSm<kKey, kValue, kTensorCores>(mma, shape, block_rows, head_dim, blocks););
 }
 
-cudaError_t LaunchMerge(const MergeParams& params, cudaStream_t stream) {
-  if (params.num_units == 0) return cudaSuccess;
-  const int64_t warps = static_cast<int64_t>(params.num_units) * kMaxBlockRows;
-  TQKV_LAUNCH(MergeKernel, static_cast<unsigned>((warps + kWarps - 1) / kWarps), kAttendThreads, 0, stream, params);
-  return cudaGetLastError();
-}
-
 cudaError_t LaunchScore(DeviceFieldFormat key, const ScoreKernelParams& params, cudaStream_t stream) {
   if (params.token_end <= params.token_begin) return cudaSuccess;
   const int group = params.view.num_query_heads / params.view.num_kv_heads;

@@ -126,6 +126,16 @@ absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, cons
   k.partial_acc = reinterpret_cast<float*>(w.device + at.partial_acc);
   k.partial_stats = reinterpret_cast<float*>(w.device + at.partial_stats);
   k.addback = AddBackOf(at).Tables(w.device);
+  // The last split of each unit merges it (attend_kernels.cuh): no merge launch.
+  MergeParams& merge = k.merge;
+  merge.view = view;
+  merge.items = k.items;
+  merge.units = reinterpret_cast<MergeUnit*>(w.device + at.units);
+  merge.partial_acc = k.partial_acc;
+  merge.partial_stats = k.partial_stats;
+  merge.output = reinterpret_cast<float*>(w.device + at.output);
+  merge.lse = reinterpret_cast<float*>(w.device + at.lse);
+  merge.lse_constant = AddBackOf(at).Constants(w.device);
   if (k.addback.heads != nullptr) {
     for (const AddBackDesc& d : w.addback) k.addback.max_pairs = std::max(k.addback.max_pairs, d.pairs);
   }
@@ -147,17 +157,7 @@ absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, cons
     first = last;
   }
 
-  MergeParams merge;
-  merge.view = view;
-  merge.items = k.items;
-  merge.units = reinterpret_cast<const MergeUnit*>(w.device + at.units);
-  merge.num_units = static_cast<int32_t>(w.batch.units.size());
-  merge.partial_acc = k.partial_acc;
-  merge.partial_stats = k.partial_stats;
-  merge.output = reinterpret_cast<float*>(w.device + at.output);
-  merge.lse = reinterpret_cast<float*>(w.device + at.lse);
-  merge.lse_constant = AddBackOf(at).Constants(w.device);
-  return CudaStatus(LaunchMerge(merge, w.stream), "merge kernel launch");
+  return absl::OkStatus();
 }
 
 absl::Status MeasureOccupancy(const KvLayout& layout, LayoutTables* t) {

@@ -1,7 +1,7 @@
 // The host side of a decode batch on the CUDA backend, below the backend
 // class: pool views, launch keys and the blocks sorted by them, the
 // add-back of a piece, the outputs copied back, the query preparations
-// added to the prologue, and the decode launches and merge. Free functions
+// added to the prologue, and the decode launches (which merge). Free functions
 // over a call's Workspace (call_workspace.h) and a pool's tables
 // (device_tables.h).
 #ifndef TQKV_KERNELS_CUDA_ATTEND_LAUNCH_H_
@@ -49,7 +49,8 @@ void AddPreparation(const PoolView& view, int64_t rows, size_t head_of_row, size
                     float scale, const Workspace& w, PrologueParams* prologue);
 
 // One decode launch per launch key (the blocks sorted by it: StageBatch),
-// then the merge, over queries the prologue prepared. softcap: the call's
+// over queries the prologue prepared; the block that finishes a unit's last
+// split merges it, so no launch follows. softcap: the call's
 // logit soft cap (AttendParams::logit_softcap), 0 for none.
 absl::Status LaunchDecode(const PoolView& view, const PoolView& exact_view, const AttendWorkspace& at, float softcap,
                           Workspace& w);

@@ -313,7 +313,7 @@ __device__ __forceinline__ void MmaTileSoftmax(const float (&c)[4], const int (&
 }
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kDim>
-__global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelParams p) {
+__global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(__grid_constant__ const AttendKernelParams p) {
   static_assert(FamilyInfo(kKey).reads_keys, "a key family the table says holds no keys");
   __shared__ MmaWarpTables warp_tables[kMmaWarps];
   const int lane = threadIdx.x & 31;
@@ -428,6 +428,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) AttendMmaKernel(AttendKernelPa
       out[r * kDim + g * kValueCoords + 2 * i + 1] = acc[i][2 + e] + zero_sum[e];
     }
   }
+  if (LastSplitOfUnit(p.merge, b.unit, lane)) MergeUnitRows(p.merge, b.unit, 0, 1, lane);
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ __device__ __forceinline__ void TileSoftmax(float* s_logit, float* row_max, floa
 }
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue, int kRows>
-__global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParams p) {
+__global__ void __launch_bounds__(kAttendThreads) AttendKernel(__grid_constant__ const AttendKernelParams p) {
   static_assert(FamilyInfo(kKey).reads_keys, "a key family the table says holds no keys");
   float* shared = DynamicSharedFloats();
   __shared__ BlockTables tables;
@@ -166,120 +166,7 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(AttendKernelParam
     stats[2 * r] = row_max[r];
     stats[2 * r + 1] = row_sum[r];
   }
-}
-
-// ---------------------------------------------------------------------------
-// Merge: one warp per (unit, row).
-
-struct MergeScratch {
-  float x[kMaxDeviceHeadDim];
-  float y[kMaxDeviceHeadDim];
-  float tmp[kMaxDeviceHeadDim];
-  float out[kMaxDeviceHeadDim];
-};
-
-// Partial k's (max, sum) statistics of row r.
-__device__ __forceinline__ const float* PartialStats(const MergeParams& p, int64_t partial, int r) {
-  return p.partial_stats + (partial * kMaxBlockRows + r) * 2;
-}
-
-// Over a unit's splits, each lane reading every 32nd: the largest max and
-// the sum of the splits' sums rescaled to it (a warp's butterfly each).
-__device__ __forceinline__ void SplitTotals(const MergeParams& p, const MergeUnit& unit, int r, int lane,
-                                            float* global_max, float* total) {
-  float m = -INFINITY;
-  for (int k = lane; k < unit.num_splits; k += 32) m = fmaxf(m, PartialStats(p, unit.first_partial + k, r)[0]);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullWarp, m, offset));
-  float sum = 0.0f;
-  for (int k = lane; k < unit.num_splits; k += 32) {
-    const float* stats = PartialStats(p, unit.first_partial + k, r);
-    if (stats[0] != -INFINITY) sum += stats[1] * expf(stats[0] - m);
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFullWarp, sum, offset);
-  *global_max = m;
-  *total = sum;
-}
-
-// x[j] = inv_total * sum over partials [first, first + count) of row r of
-// acc[j] * exp(max - global_max), j lane-strided. Each lane works out the
-// weight of every 32nd partial once, into the warp's `weights` (32 floats
-// of shared scratch).
-__device__ void SumPartials(const MergeParams& p, int64_t first, int count, int r, int d, float global_max,
-                            float inv_total, int lane, float* weights, float* x) {
-  for (int j = lane; j < d; j += 32) x[j] = 0.0f;
-  for (int chunk = 0; chunk < count; chunk += 32) {
-    const int n = min(32, count - chunk);
-    float weight = 0.0f;
-    if (lane < n) {
-      const float m = PartialStats(p, first + chunk + lane, r)[0];
-      weight = m == -INFINITY ? 0.0f : expf(m - global_max) * inv_total;
-    }
-    __syncwarp();
-    weights[lane] = weight;
-    __syncwarp();
-    const float* acc = p.partial_acc + ((first + chunk) * kMaxBlockRows + r) * d;
-    for (int j = lane; j < d; j += 32) {
-      float sum = x[j];
-      for (int k = 0; k < n; ++k) {  // a split without tokens (weight 0) is skipped: its acc may be anything
-        const float w = weights[k];
-        if (w != 0.0f) sum = fmaf(acc[static_cast<int64_t>(k) * kMaxBlockRows * d + j], w, sum);
-      }
-      x[j] = sum;
-    }
-  }
-}
-
-__global__ void __launch_bounds__(kAttendThreads) MergeKernel(MergeParams p) {
-  __shared__ MergeScratch scratch[kWarps];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t global_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  const int64_t u = global_warp / kMaxBlockRows;
-  const int r = static_cast<int>(global_warp % kMaxBlockRows);
-  if (u >= p.num_units) return;
-  const MergeUnit unit = p.units[u];
-  if (r >= unit.rows) return;
-  const PoolView& view = p.view;
-  const int d = view.head_dim;
-  const AttendItemDesc item = p.items[unit.item];
-  const int group = view.num_query_heads / view.num_kv_heads;
-  const int row = unit.row0 + r;
-  const int token = row / group;
-  const int h = unit.kv_head * group + row % group;
-  const int64_t out_row = item.query_row + static_cast<int64_t>(token) * view.num_query_heads + h;
-  MergeScratch& s = scratch[warp];
-
-  float global_max, total;
-  SplitTotals(p, unit, r, lane, &global_max, &total);
-  const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
-  for (int j = lane; j < d; j += 32) s.out[j] = 0.0f;
-  // The compressed splits of a rotated value codec: summed in its basis,
-  // mapped back; every other split is in plain coordinates already.
-  const DeviceField& value = view.heads[item.layer * view.num_kv_heads + unit.kv_head].value;
-  const bool rotated = value.format == DeviceFieldFormat::kTurboQuant;
-  const int basis = rotated ? unit.basis_splits : 0;
-  __syncwarp();
-  if (basis > 0) {
-    SumPartials(p, unit.first_partial, basis, r, d, global_max, inv_total, lane, s.tmp, s.x);
-    __syncwarp();
-    for (int part_index = 0; part_index < value.num_parts; ++part_index) {
-      const DevicePart& part = value.parts[part_index];
-      for (int k = lane; k < part.dim; k += 32) s.y[k] = s.x[part.state_offset + k];
-      __syncwarp();
-      WarpRotateInverse(part.rotation, s.y, s.tmp, lane);
-      for (int k = lane; k < part.dim; k += 32) s.out[part.channels != nullptr ? part.channels[k] : k] = s.y[k];
-      __syncwarp();
-    }
-  }
-  SumPartials(p, unit.first_partial + basis, unit.num_splits - basis, r, d, global_max, inv_total, lane, s.tmp, s.x);
-  float* out = p.output + out_row * d;
-  for (int j = lane; j < d; j += 32) out[j] = s.out[j] + s.x[j];
-  if (lane == 0 && p.lse != nullptr) {
-    const float constant = p.lse_constant != nullptr ? p.lse_constant[out_row] : 0.0f;
-    p.lse[out_row] = total > 0.0f ? global_max + logf(total) + constant : -INFINITY;
-  }
+  MergeIfLastBlock(p.merge, b.unit);
 }
 
 // ---------------------------------------------------------------------------

@@ -174,7 +174,7 @@ class CudaBackend final : public Backend {
   // A decode layer on one stream (Backend::StoreAndAttend): the store, its
   // exact copies and the attention staged in one workspace, one copy in,
   // the launches (one prologue storing both parts and preparing the queries
-  // of both layouts, the decode launches, the merge), one copy out, one
+  // of both layouts, the decode launches, which merge), one copy out, one
   // synchronization. The attend plan's
   // workspace is rearranged so that each copy is one range:
   //   [attend inputs][store inputs][error words][attend outputs][attend scratch]
@@ -845,7 +845,7 @@ class CudaBackend final : public Backend {
 
   // The batch's kernels on w's stream: the prologue (`prologue`'s stores, if
   // any, and the query preparation for each layout read), one decode launch
-  // per launch key, the merge.
+  // per launch key (the last split of a unit merges it).
   absl::Status LaunchBatch(const KvLayout& layout, const AttendParams& p, const PoolTables& tables, int64_t rows_total,
                            const cuda::AttendWorkspace& at, cuda::PrologueParams prologue, Workspace& w) {
     const bool exact = layout.has_exact_tokens();

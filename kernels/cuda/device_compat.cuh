@@ -3,7 +3,8 @@
 // same kernel source on CPU fibers for the tests of machines without a GPU.
 // Kernels launch with TQKV_LAUNCH, read fp16 scalars with HalfBitsToFloat,
 // take dynamic shared memory from DynamicSharedFloats, and use the tensor
-// cores through ToTf32 and MmaTf32.
+// cores through ToTf32 and MmaTf32. TQKV_NOINLINE keeps a device function
+// out of line (nvcc's __noinline__; nothing in the emulation).
 //
 // MmaTf32(d, a, b): d += A B for one warp, A 16x8 and B 8x8 in TF32, d 16x8
 // in fp32 (PTX mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32). With g = lane / 4
@@ -43,6 +44,7 @@
 
 #define TQKV_LAUNCH(kernel, grid, block, shared_bytes, stream, ...) \
   kernel<<<(grid), (block), (shared_bytes), (stream)>>>(__VA_ARGS__)
+#define TQKV_NOINLINE __noinline__
 
 namespace tqkv {
 namespace cuda {
@@ -148,6 +150,8 @@ __device__ __forceinline__ void StoreShared32(void*, uint32_t address, uint32_t 
 
 #include "kernels/cuda/emulation/emulated_device.h"
 #include "kernels/float_formats.h"
+
+#define TQKV_NOINLINE
 
 namespace tqkv {
 namespace cuda {

@@ -149,7 +149,9 @@ AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPie
     c.coef = MulSat(MulSat(v.rows, 2), item.addback_pairs);
     c.constants = c.rows;
   }
-  // Blocks of one KV head (every head has the same).
+  // Blocks of one KV head (every head has the same). Every row chunk sees
+  // a token (CheckInput), so every MergeUnit has a block: the one that
+  // finishes last merges the unit.
   int64_t head_blocks = 0;
   for (int64_t row0 = 0; row0 < v.rows; row0 += v.block_rows) {
     for (int k = 0; k < v.num_segments; ++k) {
@@ -182,6 +184,7 @@ AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPie
       unit.row0 = static_cast<int32_t>(row0);
       unit.rows = static_cast<int32_t>(v.ChunkRows(row0));
       unit.first_partial = static_cast<int32_t>(out->blocks.size());
+      const int32_t unit_index = static_cast<int32_t>(out->units.size());
       for (int k = 0; k < v.num_segments; ++k) {  // the compressed segment first
         const auto [lo, hi] = v.Run(row0, k);
         for (int64_t t = lo; t < hi; t += split) {
@@ -193,6 +196,7 @@ AttendCounts WalkPiece(const PlanDims& dims, const PlanItem& item, const PlanPie
           b.token_begin = static_cast<int32_t>(t);
           b.token_end = static_cast<int32_t>(std::min(hi, t + split));
           b.partial = unit.first_partial + unit.num_splits;
+          b.unit = unit_index;
           out->blocks.push_back(b);
           out->launches.push_back({v.segments[k].exact, v.block_rows});
           ++unit.num_splits;

@@ -91,11 +91,16 @@ void ExpectConsistent(const AttendPlanInput& in, const AttendPlan& plan) {
     int64_t entries = 0;
     for (const PieceTables& t : contents.tables) entries += t.pages + t.exact_pages;
     EXPECT_EQ(entries, batch.counts.table_entries);
-    // Every unit's partials are its blocks, in order.
-    for (const MergeUnit& unit : contents.units) {
+    // Every unit's partials are its blocks, in order, at least one (the
+    // last to finish merges the unit), none empty.
+    for (size_t u = 0; u < contents.units.size(); ++u) {
+      const MergeUnit& unit = contents.units[u];
+      EXPECT_GE(unit.num_splits, 1);
+      EXPECT_EQ(unit.arrived, 0);
       for (int k = 0; k < unit.num_splits; ++k) {
         const AttendBlock& b = contents.blocks[unit.first_partial + k];
         EXPECT_EQ(b.partial, unit.first_partial + k);
+        EXPECT_EQ(b.unit, static_cast<int32_t>(u));
         EXPECT_EQ(b.item, unit.item);
         EXPECT_EQ(b.kv_head, unit.kv_head);
         EXPECT_EQ(b.row0, unit.row0);

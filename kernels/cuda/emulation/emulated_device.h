@@ -44,6 +44,8 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#undef __grid_constant__
+#define __grid_constant__
 
 namespace tqkv {
 namespace cuda {
@@ -119,6 +121,17 @@ inline unsigned long long atomicMin(unsigned long long* address, unsigned long l
   const unsigned long long old = *address;
   if (value < old) *address = value;
   return old;
+}
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
+// One block runs at a time: every write is visible to the next block.
+inline void __threadfence() {}
+template <typename T>
+T __ldcg(const T* p) {
+  return *p;
 }
 
 inline float __fadd_rn(float a, float b) { return a + b; }
