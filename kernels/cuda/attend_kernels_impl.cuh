@@ -2,11 +2,16 @@
 // nvcc (the .cu file of the same name includes this) and the host emulation
 // of tests/gpu (kernels/cuda/emulation/), which runs the same source on CPU
 // fibers. Device features come from device_compat.cuh only. The kernels
-// live in attend_common_impl.cuh (what both read tokens with),
-// attend_simt_impl.cuh (fp32 decode, merge, score) and attend_mma_impl.cuh
-// (tensor cores); this file picks an instance and launches it.
+// live in attend_common_impl.cuh (what they all read tokens with, and the
+// merge they end with), attend_simt_impl.cuh (fp32 decode, score),
+// attend_mma_impl.cuh (TF32 tensor cores) and attend_hmma_impl.cuh (fp16
+// tensor cores); this file picks an instance and launches it.
 #ifndef TQKV_KERNELS_CUDA_ATTEND_KERNELS_IMPL_CUH_
 #define TQKV_KERNELS_CUDA_ATTEND_KERNELS_IMPL_CUH_
+
+#include <mutex>
+#include <set>
+#include <tuple>
 
 #include "kernels/cuda/attend_simt_impl.cuh"
 #include "kernels/cuda/attend_hmma_impl.cuh"
@@ -175,6 +180,29 @@ AttendKernelFunction AttendTensorKernelFor(int head_dim, int shape) {
 
 static_assert(kMmaWarps == kHmmaWarps, "both tensor-core kernels run one AttendBlock per warp, four a block");
 
+// Opts `kernel` in to `bytes` of dynamic shared memory on the current
+// device: cudaFuncSetAttribute once per (device, kernel, bytes), not per
+// launch (the attribute lasts as long as the device's context, which the
+// backend never resets).
+cudaError_t OptInDynamicShared(const void* kernel, int bytes) {
+  int device = 0;
+  const cudaError_t current = cudaGetDevice(&device);
+  if (current != cudaSuccess) return current;
+  static std::mutex mu;
+  static auto* done = new std::set<std::tuple<int, const void*, int>>();
+  const std::tuple<int, const void*, int> key(device, kernel, bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (done->count(key) != 0) return cudaSuccess;
+  }
+  const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (error == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(mu);
+    done->insert(key);
+  }
+  return error;
+}
+
 // The dynamic shared memory of a tensor-core instance (shape as for
 // LaunchAttendMma): the fp16 kernel's pair tables where a warp has more
 // than one (HmmaTablesBytes), after opting the kernel in to more than 48
@@ -185,8 +213,7 @@ cudaError_t HmmaDynamicShared(AttendKernelFunction kernel, int shape, size_t* sh
   if (shape < 0) return cudaSuccess;
   *shared = HmmaTablesBytes(HmmaTables(kKey, kValue, (shape % kHmmaLoopUnit) >> 5));
   if (*shared == 0) return cudaSuccess;
-  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(*shared));
+  return OptInDynamicShared(reinterpret_cast<const void*>(kernel), static_cast<int>(*shared));
 }
 
 template <DeviceFieldFormat kKey, DeviceFieldFormat kValue>
