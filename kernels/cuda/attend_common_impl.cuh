@@ -564,16 +564,20 @@ __device__ TQKV_NOINLINE void MergeUnitRows(const MergeParams& p, int u, int fir
   }
 }
 
+// Counts one finished split of unit u (one thread of its block, after the
+// block's stores are fenced and the block synchronised): whether it was the
+// unit's last.
+__device__ __forceinline__ bool ArriveAtUnit(const MergeParams& p, int u) {
+  return atomicAdd(&p.units[u].arrived, 1) == p.units[u].num_splits - 1;
+}
+
 // Whether this warp's block finished the last of unit u's splits: called by
-// every lane once the block's partial is written (all lanes' stores fenced,
-// the count raised by one). The last sees every other split's partial.
+// every lane once the block's partial is written. The last sees every other
+// split's partial.
 __device__ __forceinline__ bool LastSplitOfUnit(const MergeParams& p, int u, int lane) {
   __threadfence();
   __syncwarp();
-  int arrived = 0;
-  if (lane == 0) arrived = atomicAdd(&p.units[u].arrived, 1);
-  arrived = __shfl_sync(kFullWarp, arrived, 0);
-  const bool last = arrived == p.units[u].num_splits - 1;
+  const bool last = __shfl_sync(kFullWarp, lane == 0 ? static_cast<int>(ArriveAtUnit(p, u)) : 0, 0) != 0;
   if (last) __threadfence();
   return last;
 }
@@ -585,7 +589,7 @@ __device__ __forceinline__ void MergeIfLastBlock(const MergeParams& p, int u) {
   __shared__ int last_split;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last_split = atomicAdd(&p.units[u].arrived, 1) == p.units[u].num_splits - 1;
+  if (threadIdx.x == 0) last_split = ArriveAtUnit(p, u);
   __syncthreads();
   if (last_split) {
     __threadfence();

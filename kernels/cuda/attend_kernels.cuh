@@ -142,8 +142,8 @@ bool AttendMmaSupported(const DeviceField& key, const DeviceField& value, int he
 // The fp16 tensor-core kernel (attend_hmma_impl.cuh: m16n8k16 on fp16 / bf16
 // fragments built from the codes) for this (key, value) pair, head dim and
 // page size: -1 where it has no instance, else its shape code, key bits * 32
-// + value bits (16 for fp16 / bf16, 8 for fp8; split keys: 10 * part 0's
-// bits + part 1's). Pairs: fp16, bf16, fp8 keys with fp8 or uniform values,
+// + value bits (16 for fp16 / bf16, 8 for fp8; split keys: format_table.h's
+// SplitKeyBits(part 0's, part 1's)). Pairs: fp16, bf16, fp8 keys with fp8 or uniform values,
 // single-part TurboQuant keys of 2-4 bits with uniform values of 2-4 bits,
 // and of 3-4 bits with single-part TurboQuant values of 3-4 bits, split
 // TurboQuant keys of 4 | 3 and 3 | 2 bits (halves of the state) with 3-bit

@@ -50,11 +50,12 @@ constexpr bool HasHmma(DeviceFieldFormat key, DeviceFieldFormat value) {
 
 // The code widths with an instance: TurboQuant values only at the
 // presets' widths, 3-4 bits with single-part keys of 3-4 bits, 3 bits with
-// split keys of 4 | 3 and 3 | 2 bits (key bits 43, 32: KeyParts); any other
+// split keys of 4 | 3 and 3 | 2 bits (SplitKeyBits); any other
 // pair at all (AttendHmmaShape checks the ranges).
 constexpr bool HasHmmaBits(DeviceFieldFormat key, DeviceFieldFormat value, int key_bits, int value_bits) {
   if (KeyParts(key, key_bits) == 2) {
-    return value == DeviceFieldFormat::kTurboQuant && value_bits == 3 && (key_bits == 43 || key_bits == 32);
+    return value == DeviceFieldFormat::kTurboQuant && value_bits == 3 &&
+           (key_bits == SplitKeyBits(4, 3) || key_bits == SplitKeyBits(3, 2));
   }
   return value != DeviceFieldFormat::kTurboQuant || (key_bits >= 3 && value_bits >= 3);
 }
@@ -129,10 +130,10 @@ AttendKernelFunction AttendHmmaKeyBits(int shape) {
         return AttendHmmaValueBits<kKey, kValue, kDim, 3>(value_bits, loop);
       case 4:
         return AttendHmmaValueBits<kKey, kValue, kDim, 4>(value_bits, loop);
-      case 32:
-        return AttendHmmaValueBits<kKey, kValue, kDim, 32>(value_bits, loop);
-      case 43:
-        return AttendHmmaValueBits<kKey, kValue, kDim, 43>(value_bits, loop);
+      case SplitKeyBits(3, 2):
+        return AttendHmmaValueBits<kKey, kValue, kDim, SplitKeyBits(3, 2)>(value_bits, loop);
+      case SplitKeyBits(4, 3):
+        return AttendHmmaValueBits<kKey, kValue, kDim, SplitKeyBits(4, 3)>(value_bits, loop);
       default:
         return nullptr;
     }
@@ -330,9 +331,9 @@ int TurboQuantBits(const DeviceField& f, int head_dim) {
 
 // Split TurboQuant keys as the kernel reads them: two halves of the state
 // (part 0 first), each part's codes whole words (part 1's right after part
-// 0's), norms (part 0's, part 1's) per token. Key bits 10 * part 0's +
-// part 1's, or -1. The parts' channels are the query preparation's.
-int SplitKeyBits(const DeviceField& f, int head_dim) {
+// 0's), norms (part 0's, part 1's) per token. Key bits SplitKeyBits(part
+// 0's, part 1's), or -1. The parts' channels are the query preparation's.
+int SplitKeyWidth(const DeviceField& f, int head_dim) {
   const int half = head_dim / 2;
   for (int p = 0; p < 2; ++p) {
     const DevicePart& part = f.parts[p];
@@ -345,7 +346,7 @@ int SplitKeyBits(const DeviceField& f, int head_dim) {
       part0_bytes % 4 != 0 || f.code_bytes * 8 != half * (f.parts[0].bits + f.parts[1].bits) || f.code_bytes % 4 != 0) {
     return -1;
   }
-  return 10 * f.parts[0].bits + f.parts[1].bits;
+  return SplitKeyBits(f.parts[0].bits, f.parts[1].bits);
 }
 
 }  // namespace
@@ -373,7 +374,7 @@ int AttendHmmaShape(const DeviceField& key, const DeviceField& value, int head_d
                    ? f.bits
                    : -1;
       case DeviceFieldFormat::kTurboQuant:
-        return f.num_parts == 2 ? SplitKeyBits(f, head_dim) : TurboQuantBits(f, head_dim);
+        return f.num_parts == 2 ? SplitKeyWidth(f, head_dim) : TurboQuantBits(f, head_dim);
     }
     return -1;
   };

@@ -149,11 +149,10 @@ __device__ __forceinline__ uint32_t RunBits(const uint32_t (&w)[kWords], int bit
 }
 
 // Split keys (two TurboQuant parts: the hot half of the channels at more
-// bits) are kernel instances whose key bits are part 0's times 10 plus part
-// 1's (43: 4 | 3 bits, 32: 3 | 2); single-part TurboQuant keys' are below
-// 10 (raw keys': 16 or 8).
+// bits) are kernel instances whose key bits are the format table's split
+// width, SplitKeyBits(hot, cold) (43: 4 | 3 bits, 32: 3 | 2).
 constexpr int KeyParts(DeviceFieldFormat key, int key_bits) {
-  return key == DeviceFieldFormat::kTurboQuant && key_bits >= 10 ? 2 : 1;
+  return key == DeviceFieldFormat::kTurboQuant && IsSplitKeyBits(key_bits) ? 2 : 1;
 }
 constexpr int KeyPartBits(DeviceFieldFormat key, int key_bits, int part) {
   return KeyParts(key, key_bits) == 1 ? key_bits : part == 0 ? key_bits / 10 : key_bits % 10;
